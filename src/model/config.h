@@ -1,0 +1,93 @@
+// ModelConfig: a checkpoint's config.json (or GGUF metadata) turned into data, with every
+// per-layer choice resolved once (gemma4-architecture.md sections 1, 2.4, 2.5), so the forward
+// pass never re-derives geometry or special-cases a model size.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json_fwd.hpp>
+
+#include "core/status.h"
+
+namespace gemma4::model {
+
+enum class Architecture : uint8_t { kGemma4, kGemma3 };
+enum class LayerType : uint8_t { kSliding, kFull };
+
+struct RopeParams {
+  double theta = 10000.0;
+  // Number of frequency pairs that rotate; the rest have inv_freq 0 (proportional rope).
+  int rotated_pairs = 0;
+  // Denominator of the exponent: inv_freq[i] = theta^(-2i / exponent_denominator). The head dim
+  // for default rope, the full head dim for proportional rope.
+  int exponent_denominator = 0;
+};
+
+struct LayerGeometry {
+  LayerType type = LayerType::kSliding;
+  int head_dim = 0;
+  int num_q_heads = 0;
+  int num_kv_heads = 0;
+  int ffn_width = 0;        // dense MLP intermediate size of this layer (double-wide resolved)
+  bool k_eq_v = false;      // V is the raw K projection (no v_proj tensor)
+  int kv_source_layer = 0;  // == layer_index when the layer owns its KV; else the layer it reads
+  int window = 0;           // sliding window W in keys incl. the current one; 0 on full layers
+  RopeParams rope;
+
+  int layer_index = 0;
+
+  bool owns_kv() const { return kv_source_layer == layer_index; }
+};
+
+struct MoeParams {
+  int num_experts = 0;
+  int top_k = 0;
+  int intermediate_size = 0;
+};
+
+struct ModelConfig {
+  Architecture architecture = Architecture::kGemma4;
+  int hidden_size = 0;
+  int num_layers = 0;
+  int vocab_size = 0;
+  float rms_norm_eps = 1e-6f;
+  float final_logit_softcap = 0.0f;  // 0 = none
+  float attention_scale = 1.0f;      // Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar^-0.5
+  float norm_weight_offset = 0.0f;   // RMSNorm multiplies by (offset + w): 0 Gemma 4, 1 Gemma 3
+  bool has_v_norm = true;            // Gemma 4 normalises V without weight
+  int64_t max_position_embeddings = 0;
+
+  // Per-layer embeddings (E2B/E4B); 0 = none.
+  int ple_dim = 0;
+  int ple_vocab_size = 0;
+
+  bool moe = false;
+  MoeParams moe_params;
+
+  int bos_token_id = 2;
+  int pad_token_id = 0;
+  std::vector<int> eos_token_ids;
+
+  // Tensor name prefix of the text model: "model.language_model." (Gemma4ForConditionalGeneration)
+  // or "model." (Gemma4ForCausalLM).
+  std::string tensor_prefix;
+
+  std::vector<LayerGeometry> layers;
+
+  // The embedding multiplier as the reference applies it in a bf16 model: bf16(sqrt(H)).
+  float embedding_scale() const;
+  // Largest per-layer sizes, for workspace planning.
+  int max_q_width() const;
+  int max_kv_width() const;
+  int max_ffn_width() const;
+
+  // Parses an HF config.json (multimodal with nested text_config, or text-only). Unknown
+  // architectures, missing or contradictory keys fail with a message naming the key.
+  static Expected<ModelConfig> from_hf_json(const nlohmann::json& config);
+  static Expected<ModelConfig> from_hf_file(const std::filesystem::path& config_json);
+};
+
+}  // namespace gemma4::model
