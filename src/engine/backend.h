@@ -1,0 +1,163 @@
+// The operations the Gemma 4 forward pass (engine/gemma4_engine.cpp) is written in. Each backend
+// (backend/cpu: the float32 reference; backend/cuda later) implements them over its own memory,
+// so the model math is expressed once and every backend is checked against the same sequence
+// of operations.
+//
+// All activations are float32 row matrices ("one row per token") that live in the backend's
+// memory: host RAM for the CPU backend, device memory for CUDA. Integer side inputs (token ids,
+// positions, expert ids) also live in backend memory; the engine copies them in with upload().
+// Weight matrices are quant::QMatrix views and norm weights plain float vectors, both resident
+// where the backend can read them.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <span>
+#include <utility>
+
+#include "model/config.h"
+#include "quant/qmatrix.h"
+
+namespace gemma4::engine {
+
+// A block of backend memory, freed on destruction.
+class Buffer {
+ public:
+  Buffer() = default;
+  Buffer(void* data, size_t bytes, std::function<void(void*)> release)
+      : data_(data), bytes_(bytes), release_(std::move(release)) {}
+  Buffer(Buffer&& other) noexcept { *this = std::move(other); }
+  Buffer& operator=(Buffer&& other) noexcept {
+    if (this != &other) {
+      reset();
+      data_ = std::exchange(other.data_, nullptr);
+      bytes_ = std::exchange(other.bytes_, 0);
+      release_ = std::move(other.release_);
+    }
+    return *this;
+  }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() { reset(); }
+
+  void* data() const { return data_; }
+  size_t bytes() const { return bytes_; }
+  float* floats() const { return static_cast<float*>(data_); }
+  int32_t* ints() const { return static_cast<int32_t*>(data_); }
+
+ private:
+  void reset() {
+    if (data_ && release_) release_(data_);
+    data_ = nullptr;
+  }
+  void* data_ = nullptr;
+  size_t bytes_ = 0;
+  std::function<void(void*)> release_;
+};
+
+// `count` rows of `width` floats, row r starting at data + r * stride (stride >= width). Views
+// never own memory. A [T, heads * head_dim] matrix is viewed per head as T * heads rows of
+// head_dim with heads(): that is how per-head norms are expressed.
+struct Rows {
+  float* data = nullptr;
+  int64_t count = 0;
+  int64_t width = 0;
+  int64_t stride = 0;
+
+  static Rows dense(float* data, int64_t count, int64_t width) {
+    return {data, count, width, width};
+  }
+  float* row(int64_t r) const { return data + r * stride; }
+  // Rows [first, first + n).
+  Rows slice(int64_t first, int64_t n) const { return {row(first), n, width, stride}; }
+  // Columns [first, first + n) of every row.
+  Rows columns(int64_t first, int64_t n) const { return {data + first, count, n, stride}; }
+  // A dense matrix re-viewed as rows of `head_width` (width must be a multiple of it).
+  Rows heads(int64_t head_width) const {
+    return {data, count * (width / head_width), head_width, head_width};
+  }
+};
+
+// One sequence's K/V store for one layer: `slots` entries of [kv_heads, head_dim] floats for K
+// and for V, plus the absolute position each slot holds (-1 = empty). Position p lives in slot
+// p % slots: full-attention layers have one slot per position of the context, sliding layers a
+// ring of window + history slots. Attention reads the recorded positions, so masking never
+// depends on how the slots were filled.
+struct KvView {
+  float* keys = nullptr;
+  float* values = nullptr;
+  int32_t* slot_positions = nullptr;
+  int64_t slots = 0;
+  int kv_heads = 0;
+  int head_dim = 0;
+};
+
+struct RouterParams {
+  int top_k = 0;
+  const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
+};
+
+// One MoE layer's experts: expert e computes down[e] · (gelu_tanh(gate) ⊙ up) where
+// [gate | up] = gate_up[e] · x (gate = first half of the rows).
+struct ExpertWeights {
+  std::span<const quant::QMatrix> gate_up;
+  std::span<const quant::QMatrix> down;
+};
+
+class Backend {
+ public:
+  virtual ~Backend() = default;
+
+  virtual const char* name() const = 0;
+
+  // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
+  virtual Buffer allocate(size_t bytes) = 0;
+  virtual void upload(void* dst, const void* src, size_t bytes) = 0;
+  virtual void download(void* dst, const void* src, size_t bytes) = 0;
+
+  // out[t] = row ids[t] of `table` (dequantised) times `scale`.
+  virtual void embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) = 0;
+  // y = x · Wᵀ: y[t][n] = Σ_k x[t][k] w[n][k]. x.width == w.cols, y.width == w.rows.
+  virtual void matmul(const quant::QMatrix& w, Rows x, Rows y) = 0;
+  // y[t] = x[t] · (Σ x[t]² / width + eps)^-1/2 · (weight_offset + weight), per row; without
+  // weight the last factor is omitted. y may alias x.
+  virtual void rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) = 0;
+  // In place, half-split ("rotate_half") rotation of each head of x[t] (x.width = heads·head_dim)
+  // by angles positions[t] · inv_freq[i], inv_freq[i] = theta^(-2i / exponent_denominator) for the
+  // first rotated_pairs pairs, 0 for the rest.
+  virtual void rope(Rows x, int head_dim, const int32_t* positions,
+                    const model::RopeParams& rope) = 0;
+  // out = gelu_tanh(gate) ⊙ multiplier. out may alias either input.
+  virtual void gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) = 0;
+  // acc += x.
+  virtual void add(Rows acc, Rows x) = 0;
+  // x[t][j] = (x[t][j] · column_scale[j]) · scalar; without column_scale just x · scalar.
+  virtual void scale(Rows x, const float* column_scale, float scalar) = 0;
+  // x = cap · tanh(x / cap).
+  virtual void softcap(Rows x, float cap) = 0;
+  // dst = src (same shape).
+  virtual void copy(Rows src, Rows dst) = 0;
+
+  // Stores k[t], v[t] (each [kv_heads·head_dim]) at position positions[t] of `kv`.
+  virtual void write_kv(const KvView& kv, Rows k, Rows v, const int32_t* positions) = 0;
+  // Marks every slot holding a position >= `from_position` empty (sequence roll-back).
+  virtual void forget_kv(const KvView& kv, int64_t from_position) = 0;
+  // out[t] (q_heads·head_dim) = softmax(q · Kᵀ · scale + mask) · V per q head, against the
+  // slots of `kv`. q head h reads kv head h / (q_heads / kv_heads). A slot at position p is
+  // visible to the query at position positions[t] = P iff p <= P and (window == 0 or P - p <
+  // window).
+  virtual void attention(Rows q, const int32_t* positions, const KvView& kv, int window,
+                         float scale, Rows out) = 0;
+
+  // Router: softmax over each row of `logits` (one per token, width = num_experts), the top_k
+  // largest (ties: lower expert id first), renormalised to sum 1, times per_expert_scale.
+  // Writes expert_ids / weights as [tokens, top_k].
+  virtual void route_experts(Rows logits, const RouterParams& router, int32_t* expert_ids,
+                             float* weights) = 0;
+  // out[t] = Σ_k weights[t][k] · expert_{ids[t][k]}(x[t]).
+  virtual void run_experts(const ExpertWeights& experts, Rows x, const int32_t* expert_ids,
+                           const float* weights, int top_k, Rows out) = 0;
+};
+
+}  // namespace gemma4::engine
