@@ -11,11 +11,14 @@
 #include <nlohmann/json_fwd.hpp>
 
 #include "core/status.h"
+#include "quant/qmatrix.h"
 
 namespace gemma4::model {
 
 enum class Architecture : uint8_t { kGemma4, kGemma3 };
 enum class LayerType : uint8_t { kSliding, kFull };
+
+const char* layer_type_name(LayerType type);  // "sliding" / "full"
 
 struct RopeParams {
   double theta = 10000.0;
@@ -24,6 +27,7 @@ struct RopeParams {
   // Denominator of the exponent: inv_freq[i] = theta^(-2i / exponent_denominator). The head dim
   // for default rope, the full head dim for proportional rope.
   int exponent_denominator = 0;
+  // Rotation pairs (i, i + head_dim/2) (NeoX half split) for every rope type of Gemma 4.
 };
 
 struct LayerGeometry {
@@ -40,6 +44,8 @@ struct LayerGeometry {
   int layer_index = 0;
 
   bool owns_kv() const { return kv_source_layer == layer_index; }
+  int q_width() const { return num_q_heads * head_dim; }
+  int kv_width() const { return num_kv_heads * head_dim; }
 };
 
 struct MoeParams {
@@ -59,6 +65,10 @@ struct ModelConfig {
   float norm_weight_offset = 0.0f;   // RMSNorm multiplies by (offset + w): 0 Gemma 4, 1 Gemma 3
   bool has_v_norm = true;            // Gemma 4 normalises V without weight
   int64_t max_position_embeddings = 0;
+  int sliding_window = 0;        // W of the sliding layers (also in each LayerGeometry)
+  int num_kv_shared_layers = 0;  // the last N layers read another layer's KV
+  // false: logits come from a separate `lm_head.weight` instead of the embedding matrix.
+  bool tie_word_embeddings = true;
 
   // Per-layer embeddings (E2B/E4B); 0 = none.
   int ple_dim = 0;
@@ -69,8 +79,12 @@ struct ModelConfig {
 
   int bos_token_id = 2;
   int pad_token_id = 0;
+  // Stop tokens: generation_config.json's list when from_hf_file finds one, else the config's
+  // top-level eos_token_id, else text_config's.
   std::vector<int> eos_token_ids;
 
+  // "Gemma4ForConditionalGeneration" or "Gemma4ForCausalLM" (what config.json declares).
+  std::string hf_architecture;
   // Tensor name prefix of the text model: "model.language_model." (Gemma4ForConditionalGeneration)
   // or "model." (Gemma4ForCausalLM).
   std::string tensor_prefix;
@@ -83,11 +97,41 @@ struct ModelConfig {
   int max_q_width() const;
   int max_kv_width() const;
   int max_ffn_width() const;
+  // First KV-shared layer (num_layers when no layer shares).
+  int first_kv_shared_layer() const { return num_layers - num_kv_shared_layers; }
 
   // Parses an HF config.json (multimodal with nested text_config, or text-only). Unknown
   // architectures, missing or contradictory keys fail with a message naming the key.
   static Expected<ModelConfig> from_hf_json(const nlohmann::json& config);
+  // Reads config.json (a file, or a directory holding one); a generation_config.json beside it
+  // supplies the stop-token list.
   static Expected<ModelConfig> from_hf_file(const std::filesystem::path& config_json);
 };
+
+// How a checkpoint's Linear weights are stored, from config.json `quantization_config`
+// (compressed-tensors, ModelOpt) or ModelOpt's hf_quant_config.json. Only the scheme parameters
+// are read: which module is quantized is decided per tensor by the tensors present
+// (weight-formats.md 2.1 "robust loading rule").
+struct QuantizationInfo {
+  enum class Method : uint8_t { kNone, kCompressedTensors, kModelOpt };
+
+  Method method = Method::kNone;
+  // Internal format of the quantized Linears: kBF16 when not quantized, kW4G32 or kNVFP4.
+  quant::WeightFormat weight_format = quant::WeightFormat::kBF16;
+  std::string format;  // compressed-tensors "format" ("pack-quantized", ...); ModelOpt quant_algo
+  int num_bits = 16;
+  int group_size = 0;
+  bool symmetric = true;
+  std::vector<std::string> ignore;  // module patterns left unquantized, as the file lists them
+
+  // `config` is the whole config.json; `hf_quant_config` is hf_quant_config.json or null.
+  // Unsupported schemes (auto-round, asymmetric int4, ...) fail naming the key and value.
+  static Expected<QuantizationInfo> from_hf_json(const nlohmann::json& config,
+                                                 const nlohmann::json* hf_quant_config);
+  // Reads config.json and, if present, hf_quant_config.json from a checkpoint directory.
+  static Expected<QuantizationInfo> from_checkpoint_dir(const std::filesystem::path& directory);
+};
+
+const char* quant_method_name(QuantizationInfo::Method method);
 
 }  // namespace gemma4::model
