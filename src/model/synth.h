@@ -1,0 +1,55 @@
+// Deterministic synthetic checkpoints (`gemma4 synth`): real Hugging Face layout (config.json,
+// generation_config.json, safetensors, sharded with an index when large), values from a seed.
+//
+// Determinism: every value comes from a counter-based splitmix64 stream keyed by (seed, logical
+// tensor name, row) and only integer and exactly-rounded IEEE operations (+, *, /, sqrt), so the
+// bytes are identical on every machine, for any thread count and any tensor layout.
+//
+// Quantized twins: a quantized matrix is generated ON its grid (w4g32: int4 levels and bf16
+// group scales with at most 5 significant bits; nvfp4: e2m1 codes, e4m3 block scales and a
+// power-of-two global scale). Every dequantised value is then exact in bf16, so the bf16 file of
+// the same seed and grid (`--format bf16 --grid w4g32|nvfp4`) holds exactly the dequantised
+// values: both files are the same function.
+//
+// Which tensors are quantized follows the released checkpoints (weight-formats.md 2.7, 3.6-3.8):
+// attention, MLP, per-layer-input gate/projection and experts (as per-expert Linears
+// `experts.E.{gate,up,down}_proj`); embeddings, the PLE table, per_layer_model_projection, the
+// router and every vector stay bf16.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+
+#include "core/status.h"
+#include "model/presets.h"
+
+namespace gemma4::model {
+
+enum class SynthFormat : uint8_t { kBF16, kW4A16, kNVFP4 };
+// The value grid of the quantizable matrices. kNone: plain bf16 values (bf16 format only).
+enum class SynthGrid : uint8_t { kNone, kW4G32, kNVFP4 };
+
+struct SynthOptions {
+  std::string config = "tiny";  // a preset name (presets.h)
+  SynthFormat format = SynthFormat::kBF16;
+  // Only for kBF16; kW4A16 always uses kW4G32 and kNVFP4 kNVFP4.
+  SynthGrid grid = SynthGrid::kW4G32;
+  uint64_t seed = 0;
+  ConfigLayout layout = ConfigLayout::kText;
+  std::filesystem::path output;
+  // Copied in as tokenizer.json / chat_template.jinja when set.
+  std::filesystem::path tokenizer;
+  std::filesystem::path chat_template;
+  // Shard size limit of the safetensors data (one file when everything fits).
+  uint64_t max_shard_bytes = uint64_t{4} << 30;
+  int threads = 0;  // 0 = hardware concurrency
+};
+
+// Writes the checkpoint into options.output (created; existing checkpoint files are replaced).
+Status synthesize_checkpoint(const SynthOptions& options);
+
+Expected<SynthFormat> parse_synth_format(std::string_view name);  // bf16, w4a16, nvfp4
+Expected<SynthGrid> parse_synth_grid(std::string_view name);      // none, w4g32, nvfp4
+
+}  // namespace gemma4::model
