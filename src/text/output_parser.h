@@ -7,7 +7,7 @@
 //   auto parser = OutputParser::for_prompt(rendered_prompt);    // initial state from the tail
 //   for each detokenized chunk: ParserDelta d = parser.push(chunk); send d unless d.empty();
 //                                if (parser.stopped()) stop generating;
-//   ParserDelta last = parser.finish();                           // flushes held-back text
+//   ParserDelta last = parser.finish(hit_max_tokens);             // flushes held-back text
 //   const ParsedMessage& m = parser.message();                    // m.finish_reason
 //
 // Guarantees:
@@ -67,10 +67,9 @@ struct ParsedMessage {
   std::optional<std::string> content;            // nullopt when empty
   std::optional<std::string> reasoning_content;  // nullopt when empty
   std::vector<ToolCall> tool_calls;
-  // Set by finish(): "tool_calls" when a stop marker ended the output and >= 1 call was parsed,
-  // "stop" when a stop marker ended it without calls, "length" when the text ended without a stop
-  // marker (the token limit; a server that stopped for another reason, e.g. a user stop
-  // string, overrides it). Empty before finish().
+  // Set by finish(): "length" when the generation hit the token limit (finish(true)) or the text
+  // ended inside an unclosed call; otherwise "tool_calls" when >= 1 call was parsed, else "stop".
+  // Empty before finish().
   std::string finish_reason;
 
   // OpenAI assistant message: {"role":"assistant","content","reasoning_content","tool_calls"}
@@ -101,9 +100,10 @@ class OutputParser {
 
   // Consumes the next chunk of generated text (any split, even mid-UTF-8 or mid-marker).
   ParserDelta push(std::string_view text);
-  // Ends the output: flushes held-back text, closes or drops an open call, sets finish_reason.
+  // Ends the output: flushes held-back text, drops a call left open, sets finish_reason.
+  // `token_limit_reached`: the generation stopped at max_tokens rather than at a stop token.
   // push() after finish() is ignored (counted as kAfterStop).
-  ParserDelta finish();
+  ParserDelta finish(bool token_limit_reached = false);
 
   // True once a stop marker (kStopTokenTexts) was consumed: the generation is over.
   bool stopped() const { return stopped_; }
@@ -117,40 +117,41 @@ class OutputParser {
  private:
   enum class State { kContent, kReasoning, kCall, kStopped };
 
-  // A stream of surfaced text (content or reasoning) trimmed at both ends incrementally: leading
-  // whitespace is dropped, trailing whitespace held until non-whitespace follows.
+  // Content or reasoning text trimmed at both ends while streaming: leading whitespace is
+  // dropped, trailing whitespace held until non-whitespace follows (and dropped at the end).
   struct TrimmedStream {
     bool started = false;
     std::string held_whitespace;
-    std::string append(std::string_view text);  // returns what can be emitted now
+    std::string append(std::string_view text);  // what can be emitted now
   };
 
-  explicit OutputParser(State initial_state, bool expect_channel_label);
+  OutputParser(State initial_state, bool expect_channel_label);
 
-  // Processes as much of pending_ as can be decided; `at_end` decides everything.
+  // Assigns as much of pending_ as can be decided; with `at_end` everything is decided.
   void drain(bool at_end, ParserDelta& delta);
-  bool step_text_state(bool at_end, ParserDelta& delta);
+  bool step_text(bool at_end, ParserDelta& delta);
   bool step_call(bool at_end, ParserDelta& delta);
-  void close_call(std::string_view closer, ParserDelta& delta);
+  void begin_call(size_t marker_length);
+  void end_call(bool closed, ParserDelta& delta);
   void emit_text(SegmentKind kind, std::string_view text, ParserDelta& delta);
-  void record(SegmentKind kind, std::string_view text);
   void consume(SegmentKind kind, size_t length);
+  void record(SegmentKind kind, std::string_view text);
+  std::string next_call_id();
 
   State state_;
-  bool expect_channel_label_;
+  bool expect_channel_label_;  // right after <|channel>: a `thought\n` label may follow
   bool stopped_ = false;
   bool finished_ = false;
   std::string pending_;  // input not yet assigned to a segment
-  // Open call: raw text from `<|tool_call>call:` on, and the scanner's position/context in it.
+  // The open call: raw text from `<|tool_call>call:` on, and the scanner's context at its end.
   std::string call_text_;
-  size_t call_scan_ = 0;
   bool call_in_string_ = false;
   int call_depth_ = 0;
   TrimmedStream content_stream_;
   TrimmedStream reasoning_stream_;
   ParsedMessage message_;
   std::vector<Segment> transcript_;
-  uint64_t id_seed_;
+  uint64_t id_state_;
 };
 
 }  // namespace gemma4::text
