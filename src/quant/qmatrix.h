@@ -1,9 +1,16 @@
 // Internal weight formats (DESIGN.md "Internal weight formats") and the view every kernel reads.
 // A QMatrix never owns its bytes: it points into an mmapped checkpoint, a host buffer or device
 // memory, so a packed matrix is never expanded to 16 bits in memory.
+//
+// The CPU reference functions below (dequantize_row, dot_row) are the oracle every other kernel
+// is checked against: plain loops, exactly the formulas of weight-formats.md. They read through
+// memcpy, so the data and scale pointers need no alignment (checkpoint tensors may be unaligned,
+// spec 1.3); the host must be little-endian like the files.
 #pragma once
 
 #include <cstdint>
+
+#include "core/status.h"
 
 namespace gemma4::quant {
 
@@ -28,7 +35,10 @@ enum class ScaleType : uint8_t { kBF16, kF16, kF32 };
 struct NvGlobalScale {
   float value = 1.0f;
   bool is_divisor = false;
-  float apply(float block_scale) const { return is_divisor ? block_scale / value : block_scale * value; }
+  // The effective scale of a 16-element block whose e4m3 scale decodes to `block_scale`.
+  float apply(float block_scale) const {
+    return is_divisor ? block_scale / value : block_scale * value;
+  }
 };
 
 // A row-major weight matrix [rows = N = out features, cols = K = in features]: y = W x.
@@ -44,10 +54,36 @@ struct QMatrix {
   ScaleType scale_type = ScaleType::kBF16;
   NvGlobalScale nv_global;  // kNVFP4 only
 
-  // Bytes a full read of the matrix touches (weights + scales): the decode cost model.
+  // Bytes a full read of the matrix touches (weights + scales + the fp32 global factor): the
+  // decode cost model.
   int64_t bytes() const;
 };
 
-const char* weight_format_name(WeightFormat format);
+const char* weight_format_name(WeightFormat format);  // "f32", "bf16", "w4g32", "nvfp4"
+const char* scale_type_name(ScaleType type);          // "bf16", "f16", "f32"
+
+// Bytes of data / of scales in one row.
+int64_t row_data_bytes(const QMatrix& m);
+int64_t row_scale_bytes(const QMatrix& m);
+
+// Checks what every function here assumes: positive dims, cols a multiple of 32 (kW4G32) or
+// 16 (kNVFP4), non-null pointers, a finite non-zero NVFP4 global factor.
+Status validate(const QMatrix& m);
+
+// Rows [first, first + count) of `m` as a view (e.g. the gate and up halves of a fused
+// gate_up matrix). Requires 0 <= first, count >= 0 and first + count <= m.rows.
+QMatrix row_slice(const QMatrix& m, int64_t first, int64_t count);
+
+// out[0..cols) = the fp32 values of row `row`:
+//   kF32 / kBF16: the stored values (bf16 widened exactly).
+//   kW4G32: w = (u - 8) * scale in fp32; exact for bf16/f16 scales ((u - 8) has at most 3
+//           significant bits, the scale at most 11, fp32 holds 24).
+//   kNVFP4: w = e2m1(code) * nv_global.apply(e4m3(block scale)), the block factor computed once
+//           in fp32 first, as the references do (spec 3.3).
+void dequantize_row(const QMatrix& m, int64_t row, float* out);
+
+// sum_k W[row, k] * x[k] over the dequantized row, accumulated in double so the oracle's own
+// rounding stays far below any tolerance it is used with.
+float dot_row(const QMatrix& m, int64_t row, const float* x);
 
 }  // namespace gemma4::quant
