@@ -304,8 +304,11 @@ const char* media_placeholder(const Json* type) {
 struct ToolCallView {
   const Json* call;
   std::string name;
+  const Json* raw_arguments;              // as given: object, null or a JSON string
   std::optional<Json> decoded_arguments;  // set when arguments came as a JSON string
-  const Json* arguments;                  // object or null
+
+  // The arguments to render: an object or null.
+  const Json& arguments() const { return decoded_arguments ? *decoded_arguments : *raw_arguments; }
 };
 
 Expected<std::vector<ToolCallView>> read_tool_calls(const Json& calls, const std::string& path) {
@@ -322,8 +325,8 @@ Expected<std::vector<ToolCallView>> read_tool_calls(const Json& calls, const std
     if (name == nullptr || !name->is_string()) {
       return invalid(fmt::format("{}.function.name must be a string", call_path));
     }
-    ToolCallView view{&calls[i], name->get<std::string>(), std::nullopt, nullptr};
     const Json* arguments = member(function, "arguments");
+    ToolCallView view{&calls[i], name->get<std::string>(), arguments, std::nullopt};
     if (arguments != nullptr && arguments->is_string()) {
       view.decoded_arguments = Json::parse(arguments->get_ref<const std::string&>(), nullptr,
                                            /*allow_exceptions=*/false);
@@ -331,13 +334,10 @@ Expected<std::vector<ToolCallView>> read_tool_calls(const Json& calls, const std
         return invalid(fmt::format(
             "{}.function.arguments is a string that does not hold a JSON object", call_path));
       }
-      arguments = &*view.decoded_arguments;
-    }
-    if (arguments == nullptr || !(arguments->is_object() || arguments->is_null())) {
+    } else if (arguments == nullptr || !(arguments->is_object() || arguments->is_null())) {
       return invalid(fmt::format(
           "{}.function.arguments must be a JSON object (or a string holding one)", call_path));
     }
-    view.arguments = arguments;
     views.push_back(std::move(view));
   }
   return views;
@@ -561,9 +561,9 @@ class Renderer {
 
       for (const ToolCallView& call : tool_calls) {
         out_ += "<|tool_call>call:" + call.name + "{";
-        if (call.arguments->is_object()) {
+        if (call.arguments().is_object()) {
           FieldSeparator separator;
-          for (const auto& [key, value] : dictsort(*call.arguments)) {
+          for (const auto& [key, value] : dictsort(call.arguments())) {
             separator.next(out_);
             out_ += *key + ":";
             format_argument(value, /*escape_keys=*/false, out_);
