@@ -3,12 +3,12 @@
 #include <cstring>
 
 #include "core/numeric.h"
+#include "quant/checkpoint_views.h"
 
 namespace gemma4::model {
 namespace {
 
 using quant::QMatrix;
-using quant::WeightFormat;
 
 std::string shape_string(const std::vector<int64_t>& shape) {
   return fmt::format("[{}]", fmt::join(shape, ", "));
@@ -30,23 +30,6 @@ Status expect_dtype(const io::TensorView& tensor, std::initializer_list<DType> d
   for (DType dtype : dtypes) names.push_back(dtype_name(dtype));
   return make_error(ErrorCode::kInvalidArgument, "tensor {}: dtype {} where {} was expected",
                     tensor.name, dtype_name(tensor.dtype), fmt::join(names, " or "));
-}
-
-// A one-element F32 tensor of shape [] or [1] (NVFP4 global scales).
-Expected<float> read_scalar_f32(const io::TensorView& tensor) {
-  GEMMA4_RETURN_IF_ERROR(expect_dtype(tensor, {DType::kF32}));
-  if (tensor.numel() != 1 || tensor.shape.size() > 1) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "tensor {}: shape {} where a scalar was expected", tensor.name,
-                      shape_string(tensor.shape));
-  }
-  float value;
-  std::memcpy(&value, tensor.data, sizeof value);
-  if (!std::isfinite(value) || value <= 0.0f) {
-    return make_error(ErrorCode::kInvalidArgument, "tensor {}: global scale {} is not positive",
-                      tensor.name, value);
-  }
-  return value;
 }
 
 class TensorResolver {
@@ -72,107 +55,24 @@ class TensorResolver {
     return read_float_vector(*tensor);
   }
 
-  // The Linear `<module>` as a [rows, cols] QMatrix, in whichever format the file stores it.
-  Expected<QMatrix> matrix(const std::string& module, int64_t rows, int64_t cols) const {
-    if (const io::TensorView* packed = find(module + ".weight_packed")) {
-      if (packed->dtype == DType::kU8) return nvfp4(module, *packed, rows, cols, false);
-      return w4g32(module, *packed, rows, cols);
+  // The Linear `<module>` (or slice `expert` of a stacked expert tensor) as a [rows, cols]
+  // QMatrix, in whichever format the file stores it (quant::qmatrix_from_tensors decides by the
+  // tensors present).
+  Expected<QMatrix> matrix(const std::string& module, int64_t rows, int64_t cols,
+                           std::optional<int64_t> expert = std::nullopt) const {
+    auto lookup = [this](std::string_view name) { return checkpoint_.find(name); };
+    auto m = quant::qmatrix_from_tensors(lookup, prefix_ + module, expert);
+    if (!m) return m.error().with_context(checkpoint_.directory().string());
+    if (m->rows != rows || m->cols != cols) {
+      return make_error(ErrorCode::kInvalidArgument,
+                        "checkpoint {}: tensor {}{}: shape [{}, {}] where [{}, {}] was expected",
+                        checkpoint_.directory().string(), prefix_, module, m->rows, m->cols, rows,
+                        cols);
     }
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* weight, require(module + ".weight"));
-    if (weight->dtype == DType::kU8) return nvfp4(module, *weight, rows, cols, true);
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(*weight, {DType::kBF16, DType::kF32}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(*weight, {rows, cols}));
-    return plain(*weight, rows, cols, 0);
-  }
-
-  // A [rows, cols] view of a bf16/f32 tensor starting at element `first_element` (a whole
-  // Linear, or one expert's block of a stacked 3-D expert tensor).
-  static QMatrix plain(const io::TensorView& tensor, int64_t rows, int64_t cols,
-                       int64_t first_element) {
-    QMatrix m;
-    m.format = tensor.dtype == DType::kF32 ? WeightFormat::kF32 : WeightFormat::kBF16;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = tensor.data + first_element * (dtype_bits(tensor.dtype) / 8);
     return m;
   }
 
  private:
-  // compressed-tensors pack-quantized int4, group 32, symmetric (weight-formats.md 2.2).
-  Expected<QMatrix> w4g32(const std::string& module, const io::TensorView& packed, int64_t rows,
-                          int64_t cols) const {
-    if (cols % 32 != 0) {
-      return make_error(ErrorCode::kUnsupported, "tensor {}: K = {} is not a multiple of 32",
-                        packed.name, cols);
-    }
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(packed, {DType::kI32}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(packed, {rows, cols / 8}));
-    for (const char* suffix : {".weight_zero_point", ".weight_g_idx"}) {
-      if (find(module + suffix)) {
-        return make_error(ErrorCode::kUnsupported,
-                          "tensor {}{}{}: asymmetric or act-order int4 is not supported", prefix_,
-                          module, suffix);
-      }
-    }
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* scale, require(module + ".weight_scale"));
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(*scale, {DType::kBF16, DType::kF16, DType::kF32}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(*scale, {rows, cols / 32}));
-    if (const io::TensorView* shape = find(module + ".weight_shape")) {
-      GEMMA4_RETURN_IF_ERROR(expect_dtype(*shape, {DType::kI64, DType::kI32}));
-      GEMMA4_RETURN_IF_ERROR(expect_shape(*shape, {2}));
-      int64_t stored[2];
-      for (int i = 0; i < 2; ++i) {
-        if (shape->dtype == DType::kI64) {
-          std::memcpy(&stored[i], shape->data + 8 * i, 8);
-        } else {
-          int32_t value;
-          std::memcpy(&value, shape->data + 4 * i, 4);
-          stored[i] = value;
-        }
-      }
-      if (stored[0] != rows || stored[1] != cols) {
-        return make_error(ErrorCode::kInvalidArgument,
-                          "tensor {}: weight_shape [{}, {}] where [{}, {}] was expected",
-                          shape->name, stored[0], stored[1], rows, cols);
-      }
-    }
-    QMatrix m;
-    m.format = WeightFormat::kW4G32;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = packed.data;
-    m.scales = scale->data;
-    m.scale_type = scale->dtype == DType::kBF16  ? quant::ScaleType::kBF16
-                   : scale->dtype == DType::kF16 ? quant::ScaleType::kF16
-                                                 : quant::ScaleType::kF32;
-    return m;
-  }
-
-  // NVFP4: compressed-tensors (`weight_packed` + divisor `weight_global_scale`) or ModelOpt
-  // (`weight` + multiplier `weight_scale_2`) (weight-formats.md 3.2, 3.6).
-  Expected<QMatrix> nvfp4(const std::string& module, const io::TensorView& packed, int64_t rows,
-                          int64_t cols, bool modelopt) const {
-    if (cols % 16 != 0) {
-      return make_error(ErrorCode::kUnsupported, "tensor {}: K = {} is not a multiple of 16",
-                        packed.name, cols);
-    }
-    GEMMA4_RETURN_IF_ERROR(expect_shape(packed, {rows, cols / 2}));
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* scale, require(module + ".weight_scale"));
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(*scale, {DType::kF8E4M3}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(*scale, {rows, cols / 16}));
-    const char* global_name = modelopt ? ".weight_scale_2" : ".weight_global_scale";
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* global, require(module + global_name));
-    GEMMA4_ASSIGN_OR_RETURN(float global_value, read_scalar_f32(*global));
-    QMatrix m;
-    m.format = WeightFormat::kNVFP4;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = packed.data;
-    m.scales = scale->data;
-    m.nv_global = quant::NvGlobalScale{global_value, /*is_divisor=*/!modelopt};
-    return m;
-  }
-
   const io::Checkpoint& checkpoint_;
   std::string prefix_;
 };
@@ -183,19 +83,15 @@ Status load_experts(const TensorResolver& resolve, const std::string& layer,
   const int64_t width = config.moe_params.intermediate_size;
   const int64_t hidden = config.hidden_size;
   out.experts.resize(experts);
-  if (const io::TensorView* gate_up = resolve.find(layer + "experts.gate_up_proj")) {
-    // The bf16 release: fused 3-D parameters, sliced into per-expert views.
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(*gate_up, {DType::kBF16, DType::kF32}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(*gate_up, {experts, 2 * width, hidden}));
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* down,
-                            resolve.require(layer + "experts.down_proj"));
-    GEMMA4_RETURN_IF_ERROR(expect_dtype(*down, {DType::kBF16, DType::kF32}));
-    GEMMA4_RETURN_IF_ERROR(expect_shape(*down, {experts, hidden, width}));
+  if (resolve.find(layer + "experts.gate_up_proj")) {
+    // The bf16 release: fused 3-D parameters [E, 2I, H] and [E, H, I], sliced per expert.
     for (int64_t e = 0; e < experts; ++e) {
-      const int64_t base = e * 2 * width * hidden;
-      out.experts[e].gate = TensorResolver::plain(*gate_up, width, hidden, base);
-      out.experts[e].up = TensorResolver::plain(*gate_up, width, hidden, base + width * hidden);
-      out.experts[e].down = TensorResolver::plain(*down, hidden, width, e * hidden * width);
+      GEMMA4_ASSIGN_OR_RETURN(QMatrix gate_up,
+                              resolve.matrix(layer + "experts.gate_up_proj", 2 * width, hidden, e));
+      out.experts[e].gate = quant::row_slice(gate_up, 0, width);
+      out.experts[e].up = quant::row_slice(gate_up, width, width);
+      GEMMA4_ASSIGN_OR_RETURN(out.experts[e].down,
+                              resolve.matrix(layer + "experts.down_proj", hidden, width, e));
     }
     return Status::ok_status();
   }
