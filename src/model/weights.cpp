@@ -187,6 +187,36 @@ Expected<std::vector<float>> read_float_vector(const io::TensorView& tensor) {
   return out;
 }
 
+void for_each_matrix(const ModelWeights& weights,
+                     const std::function<void(const std::string&, const QMatrix&)>& visit) {
+  auto visit_present = [&](const std::string& name, const QMatrix& m) {
+    if (present(m)) visit(name, m);
+  };
+  visit_present("embed_tokens", weights.embed_tokens);
+  if (weights.lm_head.data != weights.embed_tokens.data) visit_present("lm_head", weights.lm_head);
+  visit_present("embed_tokens_per_layer", weights.embed_tokens_per_layer);
+  visit_present("per_layer_model_projection", weights.per_layer_model_projection);
+  for (size_t i = 0; i < weights.layers.size(); ++i) {
+    const LayerWeights& layer = weights.layers[i];
+    const std::string p = fmt::format("layers.{}.", i);
+    visit_present(p + "self_attn.q_proj", layer.q_proj);
+    visit_present(p + "self_attn.k_proj", layer.k_proj);
+    visit_present(p + "self_attn.v_proj", layer.v_proj);
+    visit_present(p + "self_attn.o_proj", layer.o_proj);
+    visit_present(p + "mlp.gate_proj", layer.gate_proj);
+    visit_present(p + "mlp.up_proj", layer.up_proj);
+    visit_present(p + "mlp.down_proj", layer.down_proj);
+    visit_present(p + "router.proj", layer.router_proj);
+    for (size_t e = 0; e < layer.experts.size(); ++e) {
+      visit_present(fmt::format("{}experts.{}.gate", p, e), layer.experts[e].gate);
+      visit_present(fmt::format("{}experts.{}.up", p, e), layer.experts[e].up);
+      visit_present(fmt::format("{}experts.{}.down", p, e), layer.experts[e].down);
+    }
+    visit_present(p + "per_layer_input_gate", layer.per_layer_input_gate);
+    visit_present(p + "per_layer_projection", layer.per_layer_projection);
+  }
+}
+
 Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> checkpoint,
                                           const ModelConfig& config) {
   TensorResolver resolve(*checkpoint, config.tensor_prefix);

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -106,6 +107,13 @@ struct LoadedModel {
 
   static Expected<LoadedModel> open(const std::filesystem::path& directory);
 };
+
+// Calls `visit(name, matrix)` for every present matrix, in a fixed order (globals, then layer by
+// layer; names like "layers.3.self_attn.q_proj", "layers.0.experts.5.up"): uploading weights to
+// a device, reporting, comparing two checkpoints.
+void for_each_matrix(
+    const ModelWeights& weights,
+    const std::function<void(const std::string& name, const quant::QMatrix&)>& visit);
 
 // Reads a 1-D (or [1]) BF16/F16/F32 tensor as floats (norm weights, scalars).
 Expected<std::vector<float>> read_float_vector(const io::TensorView& tensor);
