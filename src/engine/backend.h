@@ -17,6 +17,7 @@
 #include <utility>
 
 #include "model/config.h"
+#include "model/weights.h"
 #include "quant/qmatrix.h"
 
 namespace gemma4::engine {
@@ -98,13 +99,6 @@ struct RouterParams {
   const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
 };
 
-// One MoE layer's experts: expert e computes down[e] · (gelu_tanh(gate) ⊙ up) where
-// [gate | up] = gate_up[e] · x (gate = first half of the rows).
-struct ExpertWeights {
-  std::span<const quant::QMatrix> gate_up;
-  std::span<const quant::QMatrix> down;
-};
-
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -155,9 +149,11 @@ class Backend {
   // Writes expert_ids / weights as [tokens, top_k].
   virtual void route_experts(Rows logits, const RouterParams& router, int32_t* expert_ids,
                              float* weights) = 0;
-  // out[t] = Σ_k weights[t][k] · expert_{ids[t][k]}(x[t]).
-  virtual void run_experts(const ExpertWeights& experts, Rows x, const int32_t* expert_ids,
-                           const float* weights, int top_k, Rows out) = 0;
+  // out[t] = Σ_k weights[t][k] · expert_{ids[t][k]}(x[t]), where expert e computes
+  // down · (gelu_tanh(gate · x) ⊙ (up · x)).
+  virtual void run_experts(std::span<const model::ExpertMatrices> experts, Rows x,
+                           const int32_t* expert_ids, const float* weights, int top_k,
+                           Rows out) = 0;
 };
 
 }  // namespace gemma4::engine

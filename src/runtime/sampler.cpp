@@ -84,7 +84,7 @@ Sampler::Sampler(SamplingParams params, std::span<const int32_t> prompt_tokens)
       rng_(params_.seed),
       prompt_tokens_(prompt_tokens.begin(), prompt_tokens.end()) {}
 
-void Sampler::apply_penalties(std::vector<float>& logits) const {
+void Sampler::apply_penalties(std::span<float> logits) const {
   const auto vocab = static_cast<int32_t>(logits.size());
   if (params_.repetition_penalty != 1.0f) {
     std::unordered_set<int32_t> seen(prompt_tokens_.begin(), prompt_tokens_.end());
@@ -106,8 +106,7 @@ void Sampler::apply_penalties(std::vector<float>& logits) const {
   }
 }
 
-SampledToken Sampler::sample(std::span<const float> raw_logits) {
-  std::vector<float> logits(raw_logits.begin(), raw_logits.end());
+SampledToken Sampler::sample(std::span<float> logits) {
   const auto vocab = static_cast<int32_t>(logits.size());
   for (const auto& [token, bias] : params_.logit_bias) {
     if (token < vocab) logits[token] += bias;
@@ -129,7 +128,7 @@ SampledToken Sampler::sample(std::span<const float> raw_logits) {
   const MoreLikely more_likely{logits.data()};
 
   if (params_.temperature == 0.0f) {
-    result.token = *std::min_element(order.begin(), order.end(), more_likely);
+    result.id = *std::min_element(order.begin(), order.end(), more_likely);
   } else {
     // Candidates, most likely first: only as many as top_k keeps need ordering.
     const int32_t keep = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
@@ -161,25 +160,25 @@ SampledToken Sampler::sample(std::span<const float> raw_logits) {
     double kept_total = 0.0;
     for (int32_t i = 0; i < kept; ++i) kept_total += probs[i];
     double target = rng_.uniform() * kept_total;
-    result.token = order[kept - 1];
+    result.id = order[kept - 1];
     for (int32_t i = 0; i < kept; ++i) {
       target -= probs[i];
       if (target < 0.0) {
-        result.token = order[i];
+        result.id = order[i];
         break;
       }
     }
   }
 
-  result.logprob = logprob_of(result.token);
+  result.logprob = logprob_of(result.id);
   if (params_.top_logprobs > 0) {
     std::vector<int32_t> top(vocab);
     std::iota(top.begin(), top.end(), 0);
     std::partial_sort(top.begin(), top.begin() + params_.top_logprobs, top.end(), more_likely);
     for (int i = 0; i < params_.top_logprobs; ++i)
-      result.top_logprobs.push_back({top[i], logprob_of(top[i])});
+      result.top_logprobs.emplace_back(top[i], logprob_of(top[i]));
   }
-  generated_tokens_.push_back(result.token);
+  generated_tokens_.push_back(result.id);
   return result;
 }
 

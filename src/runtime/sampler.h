@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "runtime/token_sampler.h"
 
 namespace gemma4::runtime {
 
@@ -28,23 +29,13 @@ struct SamplingParams {
   // Added to the logits of the given token ids before anything else.
   std::vector<std::pair<int32_t, float>> logit_bias;
   uint64_t seed = 0;
-  // Number of most likely alternatives to report with each token (0 = none).
+  // Number of most likely alternatives to report with each token (0 = none). Reported
+  // log-probabilities are log_softmax of the logits after bias and penalties, before
+  // temperature and truncation.
   int top_logprobs = 0;
 
   // Range checks, with a message naming the bad field.
   Status validate(int32_t vocab_size) const;
-};
-
-struct TokenLogprob {
-  int32_t token = 0;
-  // log_softmax of the logits after bias and penalties, before temperature and truncation.
-  float logprob = 0.0f;
-};
-
-struct SampledToken {
-  int32_t token = 0;
-  float logprob = 0.0f;
-  std::vector<TokenLogprob> top_logprobs;  // most likely first, params.top_logprobs entries
 };
 
 // Fixed, portable generator (xoshiro256** seeded through splitmix64).
@@ -61,18 +52,19 @@ class Rng {
 
 // One sampler per generated sequence: it owns the sequence's random stream and the counts of
 // the tokens it has generated (for presence/frequency penalties).
-class Sampler {
+class Sampler final : public TokenSampler {
  public:
   // `params` must have passed validate().
   Sampler(SamplingParams params, std::span<const int32_t> prompt_tokens);
 
-  // Picks the next token from `logits` (one row, vocab_size values) and records it as generated.
-  SampledToken sample(std::span<const float> logits);
+  // Picks the next token from `logits` (one row, vocab_size values; adjusted in place) and
+  // records it as generated.
+  SampledToken sample(std::span<float> logits) override;
 
   const SamplingParams& params() const { return params_; }
 
  private:
-  void apply_penalties(std::vector<float>& logits) const;
+  void apply_penalties(std::span<float> logits) const;
 
   SamplingParams params_;
   Rng rng_;

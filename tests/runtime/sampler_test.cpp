@@ -19,11 +19,16 @@ std::vector<float> softmax(const std::vector<float>& logits) {
   return p;
 }
 
+// The sampler adjusts the logits in place: every draw gets its own copy.
+SampledToken draw(Sampler& sampler, std::vector<float> logits) {
+  return sampler.sample(logits);
+}
+
 std::map<int32_t, int> histogram(SamplingParams params, const std::vector<float>& logits,
                                  int draws) {
   Sampler sampler(params, {});
   std::map<int32_t, int> counts;
-  for (int i = 0; i < draws; ++i) ++counts[sampler.sample(logits).token];
+  for (int i = 0; i < draws; ++i) ++counts[draw(sampler, logits).id];
   return counts;
 }
 
@@ -31,8 +36,8 @@ TEST(Sampler, GreedyTakesArgmaxAndLowerIdOnTies) {
   SamplingParams params;
   params.temperature = 0;
   Sampler sampler(params, {});
-  EXPECT_EQ(sampler.sample(std::vector<float>{0.5f, 2.0f, -1.0f, 2.0f}).token, 1);
-  EXPECT_EQ(sampler.sample(std::vector<float>{3.0f, 2.0f}).token, 0);
+  EXPECT_EQ(draw(sampler, std::vector<float>{0.5f, 2.0f, -1.0f, 2.0f}).id, 1);
+  EXPECT_EQ(draw(sampler, std::vector<float>{3.0f, 2.0f}).id, 0);
 }
 
 TEST(Sampler, ReportsLogSoftmaxLogprobs) {
@@ -42,13 +47,13 @@ TEST(Sampler, ReportsLogSoftmaxLogprobs) {
   Sampler sampler(params, {});
   const std::vector<float> logits{1.0f, 3.0f, 2.0f};
   const auto p = softmax(logits);
-  const auto result = sampler.sample(logits);
-  EXPECT_EQ(result.token, 1);
+  const auto result = draw(sampler, logits);
+  EXPECT_EQ(result.id, 1);
   EXPECT_NEAR(result.logprob, std::log(p[1]), 1e-6);
   ASSERT_EQ(result.top_logprobs.size(), 2u);
-  EXPECT_EQ(result.top_logprobs[0].token, 1);
-  EXPECT_EQ(result.top_logprobs[1].token, 2);
-  EXPECT_NEAR(result.top_logprobs[1].logprob, std::log(p[2]), 1e-6);
+  EXPECT_EQ(result.top_logprobs[0].first, 1);
+  EXPECT_EQ(result.top_logprobs[1].first, 2);
+  EXPECT_NEAR(result.top_logprobs[1].second, std::log(p[2]), 1e-6);
 }
 
 TEST(Sampler, SameSeedSameTokensDifferentSeedDiffers) {
@@ -60,9 +65,9 @@ TEST(Sampler, SameSeedSameTokensDifferentSeedDiffers) {
   Sampler c(params, {});
   std::vector<int32_t> ta, tb, tc;
   for (int i = 0; i < 32; ++i) {
-    ta.push_back(a.sample(logits).token);
-    tb.push_back(b.sample(logits).token);
-    tc.push_back(c.sample(logits).token);
+    ta.push_back(draw(a, logits).id);
+    tb.push_back(draw(b, logits).id);
+    tc.push_back(draw(c, logits).id);
   }
   EXPECT_EQ(ta, tb);
   EXPECT_NE(ta, tc);
@@ -106,7 +111,7 @@ TEST(Sampler, LogitBiasAndPenalties) {
   params.temperature = 0;
   params.logit_bias = {{2, 10.0f}};
   Sampler biased(params, {});
-  EXPECT_EQ(biased.sample(std::vector<float>{1.0f, 2.0f, 0.0f}).token, 2);
+  EXPECT_EQ(draw(biased, std::vector<float>{1.0f, 2.0f, 0.0f}).id, 2);
 
   // Repetition penalty: positive logits divided, negative multiplied (prompt counts as seen).
   params = {};
@@ -115,8 +120,8 @@ TEST(Sampler, LogitBiasAndPenalties) {
   params.top_logprobs = 3;
   const std::vector<int32_t> prompt{1};
   Sampler repeated(params, prompt);
-  auto r = repeated.sample(std::vector<float>{1.5f, 2.0f, -1.0f});
-  EXPECT_EQ(r.token, 0);  // 2.0 / 2 = 1.0 < 1.5
+  auto r = draw(repeated, std::vector<float>{1.5f, 2.0f, -1.0f});
+  EXPECT_EQ(r.id, 0);  // 2.0 / 2 = 1.0 < 1.5
   const auto p = softmax({1.5f, 1.0f, -1.0f});
   EXPECT_NEAR(r.logprob, std::log(p[0]), 1e-6);
 
@@ -126,8 +131,8 @@ TEST(Sampler, LogitBiasAndPenalties) {
   params.presence_penalty = 0.5f;
   params.frequency_penalty = 0.25f;
   Sampler penalised(params, {});
-  EXPECT_EQ(penalised.sample(std::vector<float>{1.0f, 0.5f}).token, 0);
-  EXPECT_EQ(penalised.sample(std::vector<float>{1.0f, 0.5f}).token, 1);  // 1 - 0.75 < 0.5
+  EXPECT_EQ(draw(penalised, std::vector<float>{1.0f, 0.5f}).id, 0);
+  EXPECT_EQ(draw(penalised, std::vector<float>{1.0f, 0.5f}).id, 1);  // 1 - 0.75 < 0.5
 }
 
 TEST(Sampler, ValidateRejectsBadParameters) {

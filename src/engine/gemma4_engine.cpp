@@ -1,0 +1,432 @@
+#include "engine/gemma4_engine.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace gemma4::engine {
+
+namespace {
+
+using model::LayerGeometry;
+
+// One sequence's slice of a forward pass: rows [first_row, first_row + count) of the pass.
+struct Segment {
+  SequenceId sequence = -1;
+  int64_t first_row = 0;
+  int64_t count = 0;
+  bool last_of_input = false;  // its last token is the input's last: its logits are wanted
+  size_t input_index = 0;
+};
+
+struct LayerCache {
+  Buffer keys, values, slot_positions;
+  int64_t slots = 0;
+};
+
+struct SequenceState {
+  bool open = false;
+  int64_t length = 0;
+  // One past the furthest position ever written: slots of positions below it may have been
+  // overwritten in a ring (truncate_sequence checks against it).
+  int64_t high_water = 0;
+  std::vector<LayerCache> layers;  // by layer index; empty entries for KV-shared layers
+};
+
+}  // namespace
+
+struct Gemma4Engine::Impl {
+  model::ModelConfig config;
+  const model::ModelWeights* weights = nullptr;
+  std::unique_ptr<Backend> backend;
+  EngineOptions options;
+  int64_t max_context = 0;
+  int64_t ring_slots_limit = 0;  // tokens per sequence per pass when the model has sliding layers
+
+  std::vector<SequenceState> sequences;
+
+  // Workspace for one pass of up to options.max_pass_tokens rows.
+  Buffer token_ids, positions, expert_ids, expert_weights;
+  Buffer x, normed, q, k, v, attn, proj, gate, up, branch, moe, router_logits, ple, ple_tokens,
+      ple_gate, last_hidden, logits;
+
+  int64_t max_rows() const { return options.max_pass_tokens; }
+
+  KvView kv_view(SequenceId sequence, const LayerGeometry& geometry) const {
+    const LayerCache& cache = sequences[sequence].layers[geometry.kv_source_layer];
+    const LayerGeometry& source = config.layers[geometry.kv_source_layer];
+    return {cache.keys.floats(), cache.values.floats(), cache.slot_positions.ints(),
+            cache.slots,         source.num_kv_heads,   source.head_dim};
+  }
+
+  Rows rows(const Buffer& buffer, int64_t count, int64_t width) const {
+    return Rows::dense(buffer.floats(), count, width);
+  }
+
+  void norm(Rows x_in, const float* weight, Rows y) {
+    backend->rms_norm(x_in, weight, config.norm_weight_offset, config.rms_norm_eps, y);
+  }
+
+  void forward(std::span<const Segment> segments, int64_t total_rows);
+  void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
+  void feed_forward_block(int l, int64_t n, Rows hidden);
+  void per_layer_inputs(int64_t n, Rows h0);
+};
+
+void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
+  // arch spec 2.3: ple[l] = (RMSNorm(h0 · Wplmᵀ · H^-1/2) + Eple[tok] · √P) · 2^-1/2
+  const auto& w = *weights;
+  const int64_t width = int64_t{config.num_layers} * config.ple_dim;
+  Rows context = rows(ple, n, width);
+  backend->matmul(w.per_layer_model_projection, h0, context);
+  backend->scale(context, nullptr, 1.0f / std::sqrt(static_cast<float>(config.hidden_size)));
+  norm(context.heads(config.ple_dim), w.per_layer_projection_norm.data(),
+       context.heads(config.ple_dim));
+  Rows tokens = rows(ple_tokens, n, width);
+  backend->embed(w.embed_tokens_per_layer, token_ids.ints(),
+                 std::sqrt(static_cast<float>(config.ple_dim)), tokens);
+  backend->add(context, tokens);
+  backend->scale(context, nullptr, 1.0f / std::sqrt(2.0f));
+}
+
+void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segments, int64_t n,
+                                         Rows hidden) {
+  const LayerGeometry& g = config.layers[l];
+  const auto& lw = weights->layers[l];
+  const int hd = g.head_dim;
+  Rows a = rows(normed, n, config.hidden_size);
+  norm(hidden, lw.input_layernorm.data(), a);
+
+  Rows queries = rows(q, n, g.q_width());
+  backend->matmul(lw.q_proj, a, queries);
+  norm(queries.heads(hd), lw.q_norm.data(), queries.heads(hd));
+  backend->rope(queries, hd, positions.ints(), g.rope);
+
+  if (g.owns_kv()) {
+    Rows keys = rows(k, n, g.kv_width());
+    Rows values = rows(v, n, g.kv_width());
+    backend->matmul(lw.k_proj, a, keys);
+    if (g.k_eq_v) {
+      backend->copy(keys, values);  // V is the raw K projection (before k_norm and RoPE)
+    } else {
+      backend->matmul(lw.v_proj, a, values);
+    }
+    norm(keys.heads(hd), lw.k_norm.data(), keys.heads(hd));
+    backend->rope(keys, hd, positions.ints(), g.rope);
+    if (config.has_v_norm) norm(values.heads(hd), nullptr, values.heads(hd));
+    for (const Segment& s : segments) {
+      backend->write_kv(kv_view(s.sequence, g), keys.slice(s.first_row, s.count),
+                        values.slice(s.first_row, s.count), positions.ints() + s.first_row);
+    }
+  }
+
+  Rows out = rows(attn, n, g.q_width());
+  for (const Segment& s : segments) {
+    backend->attention(queries.slice(s.first_row, s.count), positions.ints() + s.first_row,
+                       kv_view(s.sequence, g), g.window, config.attention_scale,
+                       out.slice(s.first_row, s.count));
+  }
+  Rows projected = rows(proj, n, config.hidden_size);
+  backend->matmul(lw.o_proj, out, projected);
+  norm(projected, lw.post_attention_layernorm.data(), projected);
+  backend->add(hidden, projected);
+}
+
+void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
+  const LayerGeometry& g = config.layers[l];
+  const auto& lw = weights->layers[l];
+  const int64_t H = config.hidden_size;
+
+  // Dense MLP (the always-on shared expert in MoE models).
+  Rows m = rows(normed, n, H);
+  norm(hidden, lw.pre_feedforward_layernorm.data(), m);
+  Rows gates = rows(gate, n, g.ffn_width);
+  Rows ups = rows(up, n, g.ffn_width);
+  backend->matmul(lw.gate_proj, m, gates);
+  backend->matmul(lw.up_proj, m, ups);
+  backend->gelu_tanh_mul(gates, ups, gates);
+  Rows dense_out = rows(branch, n, H);
+  backend->matmul(lw.down_proj, gates, dense_out);
+
+  if (config.moe) {
+    // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
+    const auto& p = config.moe_params;
+    norm(dense_out, lw.post_feedforward_layernorm_1.data(), dense_out);
+    Rows r = rows(normed, n, H);
+    norm(hidden, nullptr, r);
+    backend->scale(r, lw.router_scale.data(), 1.0f / std::sqrt(static_cast<float>(H)));
+    Rows scores = rows(router_logits, n, p.num_experts);
+    backend->matmul(lw.router_proj, r, scores);
+    backend->route_experts(scores, {p.top_k, lw.per_expert_scale.data()}, expert_ids.ints(),
+                           expert_weights.floats());
+    Rows expert_in = rows(normed, n, H);
+    norm(hidden, lw.pre_feedforward_layernorm_2.data(), expert_in);
+    Rows expert_out = rows(moe, n, H);
+    backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
+                         expert_out);
+    norm(expert_out, lw.post_feedforward_layernorm_2.data(), expert_out);
+    backend->add(dense_out, expert_out);
+  }
+  norm(dense_out, lw.post_feedforward_layernorm.data(), dense_out);
+  backend->add(hidden, dense_out);
+
+  if (config.ple_dim > 0) {
+    // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
+    Rows gated = rows(ple_gate, n, config.ple_dim);
+    backend->matmul(lw.per_layer_input_gate, hidden, gated);
+    const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
+                               .columns(int64_t{l} * config.ple_dim, config.ple_dim);
+    backend->gelu_tanh_mul(gated, layer_ple, gated);
+    Rows projected = rows(proj, n, H);
+    backend->matmul(lw.per_layer_projection, gated, projected);
+    norm(projected, lw.post_per_layer_input_norm.data(), projected);
+    backend->add(hidden, projected);
+  }
+  backend->scale(hidden, nullptr, lw.layer_scalar);
+}
+
+void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
+  const auto& w = *weights;
+  Rows hidden = rows(x, n, config.hidden_size);
+  backend->embed(w.embed_tokens, token_ids.ints(),
+                 std::sqrt(static_cast<float>(config.hidden_size)), hidden);
+  if (config.ple_dim > 0) per_layer_inputs(n, hidden);
+  for (int l = 0; l < config.num_layers; ++l) {
+    attention_block(l, segments, n, hidden);
+    feed_forward_block(l, n, hidden);
+  }
+}
+
+Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelConfig& config,
+                                                             const model::ModelWeights& weights,
+                                                             std::unique_ptr<Backend> backend,
+                                                             const EngineOptions& options) {
+  if (options.max_sequences < 1 || options.max_context < 1 || options.ring_history < 1 ||
+      options.max_pass_tokens < 1) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "engine options: max_sequences, max_context, ring_history and "
+                      "max_pass_tokens must all be >= 1");
+  }
+  if (config.architecture != model::Architecture::kGemma4) {
+    return make_error(ErrorCode::kUnsupported, "the engine implements Gemma 4 only");
+  }
+  auto impl = std::make_unique<Impl>();
+  impl->config = config;
+  impl->weights = &weights;
+  impl->backend = std::move(backend);
+  impl->options = options;
+  impl->max_context = config.max_position_embeddings > 0
+                          ? std::min(options.max_context, config.max_position_embeddings)
+                          : options.max_context;
+  const bool has_sliding = std::any_of(config.layers.begin(), config.layers.end(),
+                                       [](const LayerGeometry& g) { return g.window > 0; });
+  impl->ring_slots_limit = has_sliding ? options.ring_history + 1 : options.max_pass_tokens;
+
+  Backend& b = *impl->backend;
+  const int64_t rows = options.max_pass_tokens;
+  const int64_t H = config.hidden_size;
+  auto floats = [&](int64_t count, int64_t width) {
+    return b.allocate(sizeof(float) * count * width);
+  };
+  impl->token_ids = b.allocate(sizeof(int32_t) * rows);
+  impl->positions = b.allocate(sizeof(int32_t) * rows);
+  impl->x = floats(rows, H);
+  impl->normed = floats(rows, H);
+  impl->proj = floats(rows, H);
+  impl->branch = floats(rows, H);
+  impl->q = floats(rows, config.max_q_width());
+  impl->attn = floats(rows, config.max_q_width());
+  impl->k = floats(rows, config.max_kv_width());
+  impl->v = floats(rows, config.max_kv_width());
+  impl->gate = floats(rows, config.max_ffn_width());
+  impl->up = floats(rows, config.max_ffn_width());
+  if (config.moe) {
+    const auto& p = config.moe_params;
+    impl->moe = floats(rows, H);
+    impl->router_logits = floats(rows, p.num_experts);
+    impl->expert_ids = b.allocate(sizeof(int32_t) * rows * p.top_k);
+    impl->expert_weights = floats(rows, p.top_k);
+  }
+  if (config.ple_dim > 0) {
+    impl->ple = floats(rows, int64_t{config.num_layers} * config.ple_dim);
+    impl->ple_tokens = floats(rows, int64_t{config.num_layers} * config.ple_dim);
+    impl->ple_gate = floats(rows, config.ple_dim);
+  }
+  impl->last_hidden = floats(options.max_sequences, H);
+  impl->logits = floats(options.max_sequences, config.vocab_size);
+
+  // Every sequence's KV is planned and allocated up front (DESIGN.md engine rule 5).
+  impl->sequences.resize(options.max_sequences);
+  for (auto& sequence : impl->sequences) {
+    sequence.layers.resize(config.num_layers);
+    for (const LayerGeometry& g : config.layers) {
+      if (!g.owns_kv()) continue;
+      LayerCache& cache = sequence.layers[g.layer_index];
+      cache.slots = g.window > 0
+                        ? std::min<int64_t>(g.window + options.ring_history, impl->max_context)
+                        : impl->max_context;
+      cache.keys = floats(cache.slots, g.kv_width());
+      cache.values = floats(cache.slots, g.kv_width());
+      cache.slot_positions = b.allocate(sizeof(int32_t) * cache.slots);
+    }
+  }
+  return std::unique_ptr<Gemma4Engine>(new Gemma4Engine(std::move(impl)));
+}
+
+Gemma4Engine::Gemma4Engine(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+Gemma4Engine::~Gemma4Engine() = default;
+
+int32_t Gemma4Engine::vocab_size() const {
+  return impl_->config.vocab_size;
+}
+int64_t Gemma4Engine::max_context() const {
+  return impl_->max_context;
+}
+int32_t Gemma4Engine::max_sequences() const {
+  return impl_->options.max_sequences;
+}
+
+Expected<SequenceId> Gemma4Engine::open_sequence() {
+  for (size_t i = 0; i < impl_->sequences.size(); ++i) {
+    SequenceState& sequence = impl_->sequences[i];
+    if (sequence.open) continue;
+    sequence.open = true;
+    sequence.length = 0;
+    sequence.high_water = 0;
+    for (const LayerGeometry& g : impl_->config.layers) {
+      if (g.owns_kv()) impl_->backend->forget_kv(impl_->kv_view(static_cast<SequenceId>(i), g), 0);
+    }
+    return static_cast<SequenceId>(i);
+  }
+  return make_error(ErrorCode::kResourceExhausted, "all {} sequences are in use",
+                    impl_->sequences.size());
+}
+
+void Gemma4Engine::close_sequence(SequenceId sequence) {
+  if (sequence >= 0 && sequence < max_sequences()) impl_->sequences[sequence].open = false;
+}
+
+int64_t Gemma4Engine::sequence_length(SequenceId sequence) const {
+  if (sequence < 0 || sequence >= max_sequences() || !impl_->sequences[sequence].open) return 0;
+  return impl_->sequences[sequence].length;
+}
+
+Status Gemma4Engine::truncate_sequence(SequenceId sequence, int64_t length) {
+  if (sequence < 0 || sequence >= max_sequences() || !impl_->sequences[sequence].open)
+    return make_error(ErrorCode::kInvalidArgument, "sequence {} is not open", sequence);
+  SequenceState& state = impl_->sequences[sequence];
+  if (length < 0 || length > state.length)
+    return make_error(ErrorCode::kOutOfRange, "cannot truncate sequence {} of length {} to {}",
+                      sequence, state.length, length);
+  if (length == state.length) return Status::ok_status();
+  // The next query (at position `length`) needs positions [length - W + 1, length) of every
+  // sliding ring; a ring lost position p once p + slots was written.
+  for (const LayerGeometry& g : impl_->config.layers) {
+    if (!g.owns_kv() || g.window == 0 || length == 0) continue;
+    const int64_t oldest_needed = std::max<int64_t>(0, length - g.window + 1);
+    if (oldest_needed + state.layers[g.layer_index].slots < state.high_water)
+      return make_error(ErrorCode::kOutOfRange,
+                        "sequence {}: the sliding-window KV for length {} was overwritten "
+                        "(written up to {}); re-prefill instead",
+                        sequence, length, state.high_water);
+  }
+  for (const LayerGeometry& g : impl_->config.layers) {
+    if (g.owns_kv()) impl_->backend->forget_kv(impl_->kv_view(sequence, g), length);
+  }
+  state.length = length;
+  return Status::ok_status();
+}
+
+Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> logits) {
+  Impl& m = *impl_;
+  const int64_t vocab = m.config.vocab_size;
+  if (logits.size() < inputs.size() * static_cast<size_t>(vocab))
+    return make_error(ErrorCode::kInvalidArgument, "logits buffer holds {} floats, need {}",
+                      logits.size(), inputs.size() * vocab);
+  if (inputs.size() > m.sequences.size())
+    return make_error(ErrorCode::kInvalidArgument, "{} inputs in one step, at most {}",
+                      inputs.size(), m.sequences.size());
+  std::vector<bool> seen(m.sequences.size(), false);
+  for (const StepInput& input : inputs) {
+    if (input.sequence < 0 || input.sequence >= max_sequences() ||
+        !m.sequences[input.sequence].open)
+      return make_error(ErrorCode::kInvalidArgument, "sequence {} is not open", input.sequence);
+    if (seen[input.sequence])
+      return make_error(ErrorCode::kInvalidArgument, "sequence {} appears twice in one step",
+                        input.sequence);
+    seen[input.sequence] = true;
+    if (input.tokens.empty())
+      return make_error(ErrorCode::kInvalidArgument, "sequence {}: no tokens to append",
+                        input.sequence);
+    for (int32_t token : input.tokens) {
+      if (token < 0 || token >= vocab)
+        return make_error(ErrorCode::kInvalidArgument,
+                          "token id {} is outside the vocabulary [0, {})", token, vocab);
+    }
+    const int64_t new_length = m.sequences[input.sequence].length + std::ssize(input.tokens);
+    if (new_length > m.max_context)
+      return make_error(ErrorCode::kResourceExhausted,
+                        "sequence {} would reach {} tokens, the context holds {}", input.sequence,
+                        new_length, m.max_context);
+  }
+
+  // Passes: each takes up to ring_slots_limit tokens from every input that has some left, and
+  // at most max_pass_tokens in all.
+  std::vector<size_t> consumed(inputs.size(), 0);
+  std::vector<int32_t> ids, positions;
+  std::vector<Segment> segments;
+  while (true) {
+    ids.clear();
+    positions.clear();
+    segments.clear();
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const int64_t left = std::ssize(inputs[i].tokens) - static_cast<int64_t>(consumed[i]);
+      const int64_t budget = m.max_rows() - std::ssize(ids);
+      const int64_t take = std::min({left, m.ring_slots_limit, budget});
+      if (take <= 0) continue;
+      SequenceState& state = m.sequences[inputs[i].sequence];
+      Segment segment;
+      segment.sequence = inputs[i].sequence;
+      segment.first_row = std::ssize(ids);
+      segment.count = take;
+      segment.input_index = i;
+      segment.last_of_input = take == left;
+      for (int64_t t = 0; t < take; ++t) {
+        ids.push_back(inputs[i].tokens[consumed[i] + t]);
+        positions.push_back(static_cast<int32_t>(state.length + t));
+      }
+      consumed[i] += take;
+      state.length += take;
+      state.high_water = std::max(state.high_water, state.length);
+      segments.push_back(segment);
+    }
+    if (segments.empty()) break;
+    const int64_t n = std::ssize(ids);
+    m.backend->upload(m.token_ids.data(), ids.data(), sizeof(int32_t) * n);
+    m.backend->upload(m.positions.data(), positions.data(), sizeof(int32_t) * n);
+    m.forward(segments, n);
+
+    // Logits of the last token of every input that finished in this pass.
+    const int64_t H = m.config.hidden_size;
+    Rows hidden = m.rows(m.x, n, H);
+    std::vector<size_t> finished;
+    for (const Segment& s : segments) {
+      if (!s.last_of_input) continue;
+      Rows dst = m.rows(m.last_hidden, std::ssize(finished) + 1, H).slice(std::ssize(finished), 1);
+      m.backend->copy(hidden.slice(s.first_row + s.count - 1, 1), dst);
+      finished.push_back(s.input_index);
+    }
+    if (finished.empty()) continue;
+    const auto count = std::ssize(finished);
+    Rows last = m.rows(m.last_hidden, count, H);
+    m.norm(last, m.weights->final_norm.data(), last);
+    Rows out = m.rows(m.logits, count, vocab);
+    m.backend->matmul(m.weights->lm_head, last, out);
+    if (m.config.final_logit_softcap > 0) m.backend->softcap(out, m.config.final_logit_softcap);
+    for (int64_t r = 0; r < count; ++r) {
+      m.backend->download(logits.data() + finished[r] * vocab, out.row(r), sizeof(float) * vocab);
+    }
+  }
+  return Status::ok_status();
+}
+
+}  // namespace gemma4::engine
