@@ -1,0 +1,365 @@
+// Kernel benchmark for scripts/gpu-check: chains of GEMVs with distinct weights per link (so the
+// weights come from DRAM, as successive layers' do), captured once in a CUDA graph and replayed;
+// plain launches and PDL side by side, every compiled tiling per shape. Also decode attention.
+// Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
+//
+// Usage: kernel_bench [--json PATH] [--quick]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/gemv.h"
+#include "fill.h"
+
+namespace {
+
+using gemma4::cuda::ActType;
+using gemma4::cuda::GemvInput;
+using gemma4::cuda::GemvOutput;
+using gemma4::cuda::Launch;
+using gemma4::quant::QMatrix;
+using gemma4::quant::ScaleType;
+using gemma4::quant::WeightFormat;
+
+constexpr double kReadCeilingGBs = 4250.0;  // measured H200 read bandwidth (h200-decode-notes.md)
+
+#define CHECK(expr)                                                     \
+  do {                                                                  \
+    const cudaError_t status_ = (expr);                                 \
+    if (status_ != cudaSuccess) {                                       \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
+                   cudaGetErrorString(status_));                        \
+      std::exit(1);                                                     \
+    }                                                                   \
+  } while (0)
+
+void fill(void* p, size_t bytes, uint32_t seed, uint32_t mask = 0xFFFFFFFFu, uint32_t bits = 0) {
+  CHECK(fill_random_words(p, bytes / 4, seed, mask, bits));
+}
+
+struct Weights {
+  std::vector<void*> buffers;
+  std::vector<QMatrix> copies;
+  double bytes = 0;  // one copy, weights + scales
+  ~Weights() {
+    for (void* p : buffers) cudaFree(p);
+  }
+};
+
+// Enough distinct copies that a chain never finds its weights in the 60 MB L2.
+void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
+  size_t data_bytes = 0, scale_bytes = 0;
+  uint32_t scale_mask = 0, scale_bits = 0;
+  if (format == WeightFormat::kW4G32) {
+    data_bytes = rows * cols / 2;
+    scale_bytes = rows * cols / 32 * 2;
+    scale_mask = 0x003F003F;  // bf16 pairs around 2^-6
+    scale_bits = 0x3C003C00;
+  } else if (format == WeightFormat::kNVFP4) {
+    data_bytes = rows * cols / 2;
+    scale_bytes = rows * cols / 16;
+    scale_mask = 0x0F0F0F0F;  // e4m3 around 1
+    scale_bits = 0x30303030;
+  } else {
+    data_bytes = rows * cols * 2;
+    scale_mask = 0x3F7F3F7F;  // bf16 with bounded exponents
+  }
+  w.bytes = static_cast<double>(data_bytes + scale_bytes);
+  const int copies = static_cast<int>(std::clamp<double>(std::ceil(256e6 / w.bytes), 2, 128));
+  for (int c = 0; c < copies; ++c) {
+    void* data = nullptr;
+    void* scales = nullptr;
+    CHECK(cudaMalloc(&data, data_bytes));
+    w.buffers.push_back(data);
+    fill(data, data_bytes, 17 + c, format == WeightFormat::kBF16 ? scale_mask : 0xFFFFFFFFu);
+    if (scale_bytes) {
+      CHECK(cudaMalloc(&scales, scale_bytes + 4));
+      w.buffers.push_back(scales);
+      fill(scales, scale_bytes + 4, 91 + c, scale_mask, scale_bits);
+    }
+    QMatrix m;
+    m.format = format;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = data;
+    m.scales = scales;
+    m.scale_type = ScaleType::kBF16;
+    m.nv_global = {3584.0f, true};
+    w.copies.push_back(m);
+  }
+  CHECK(cudaDeviceSynchronize());
+}
+
+// Median µs per link of a graph holding `links` launches of `enqueue(i)`.
+template <typename Enqueue>
+double time_chain(int links, Enqueue enqueue, cudaStream_t stream) {
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < links; ++i) CHECK(enqueue(i));
+  CHECK(cudaStreamEndCapture(stream, &graph));
+  CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start, stop;
+  CHECK(cudaEventCreate(&start));
+  CHECK(cudaEventCreate(&stop));
+  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
+  const int replays = 10;
+  std::vector<double> samples;
+  for (int round = 0; round < 5; ++round) {
+    CHECK(cudaEventRecord(start, stream));
+    for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(exec, stream));
+    CHECK(cudaEventRecord(stop, stream));
+    CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    CHECK(cudaEventElapsedTime(&ms, start, stop));
+    samples.push_back(1000.0 * ms / (replays * links));
+  }
+  CHECK(cudaEventDestroy(start));
+  CHECK(cudaEventDestroy(stop));
+  CHECK(cudaGraphExecDestroy(exec));
+  CHECK(cudaGraphDestroy(graph));
+  std::sort(samples.begin(), samples.end());
+  return samples[samples.size() / 2];
+}
+
+struct Result {
+  std::string kernel;
+  std::string shape;
+  int m = 1;
+  double mbytes = 0;
+  int default_tiling = -1;
+  double default_plain_us = 0, default_pdl_us = 0;
+  int best_tiling = -1;
+  double best_pdl_us = 0;
+  std::string all;  // "tiling:plain/pdl" pairs
+};
+
+const char* format_name(WeightFormat f) {
+  return f == WeightFormat::kW4G32 ? "w4g32" : f == WeightFormat::kNVFP4 ? "nvfp4" : "bf16";
+}
+
+Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
+                  const char* label, cudaStream_t stream, bool quick) {
+  Weights w;
+  make_weights(format, rows, cols, w);
+  const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
+  void* x = nullptr;
+  float* y = nullptr;
+  CHECK(cudaMalloc(&x, size_t(m) * cols * 4));
+  CHECK(cudaMalloc(&y, size_t(m) * rows * 4));
+  fill(x, size_t(m) * cols * 4, 5, 0x3F7F3F7F);  // finite bf16 pairs / floats
+  const GemvInput input = {x, x_type, m, cols};
+  const GemvOutput output = {y, rows};
+
+  Result r;
+  r.kernel = std::string(format_name(format)) + (x_type == ActType::kBF16 ? "/x-bf16" : "/x-f32");
+  r.shape = label;
+  r.m = m;
+  r.mbytes = w.bytes / 1e6;
+  r.default_tiling = gemma4::cuda::default_gemv_tiling(w.copies[0], m);
+  const auto tilings = gemma4::cuda::gemv_tilings();
+  r.best_pdl_us = 1e30;
+  for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+    if ((tilings[t].m_tile == 1) != (m == 1)) continue;
+    if (quick && t != r.default_tiling) continue;
+    double us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      us[pdl] = time_chain(
+          links,
+          [&](int i) {
+            return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, output, launch, t);
+          },
+          stream);
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", t, us[0], us[1]);
+    r.all += buf;
+    if (t == r.default_tiling) {
+      r.default_plain_us = us[0];
+      r.default_pdl_us = us[1];
+    }
+    if (us[1] < r.best_pdl_us) {
+      r.best_pdl_us = us[1];
+      r.best_tiling = t;
+    }
+  }
+  std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
+              m, r.mbytes, r.all.c_str());
+  std::fflush(stdout);
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(y));
+  return r;
+}
+
+// Decode attention over a bf16 cache at `depth` tokens: q_heads/kv_heads/head_dim as given.
+Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, int window,
+                       int splits, const char* label, cudaStream_t stream) {
+  const int64_t slots = window > 0 ? window : depth;
+  const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
+  void *keys, *values;
+  float *q, *out, *partials;
+  int32_t *slot_positions, *position;
+  CHECK(cudaMalloc(&keys, kv_elems * 2));
+  CHECK(cudaMalloc(&values, kv_elems * 2));
+  CHECK(cudaMalloc(&q, size_t(q_heads) * head_dim * 4));
+  CHECK(cudaMalloc(&out, size_t(q_heads) * head_dim * 4));
+  const size_t partial_floats =
+      gemma4::cuda::attention_partials_floats(1, q_heads, head_dim, splits);
+  CHECK(cudaMalloc(&partials, partial_floats * 4));
+  CHECK(cudaMalloc(&slot_positions, slots * 4));
+  CHECK(cudaMalloc(&position, 4));
+  fill(keys, kv_elems * 2, 1, 0x3B7F3B7F);
+  fill(values, kv_elems * 2, 2, 0x3B7F3B7F);
+  fill(q, size_t(q_heads) * head_dim * 4, 3, 0x3C7FFFFF);
+  std::vector<int32_t> host_positions(slots);
+  const int32_t query_position = static_cast<int32_t>(depth - 1);
+  for (int64_t s = 0; s < slots; ++s) {
+    host_positions[s] = static_cast<int32_t>(query_position - (query_position - s) % slots);
+  }
+  CHECK(cudaMemcpy(slot_positions, host_positions.data(), slots * 4, cudaMemcpyHostToDevice));
+  CHECK(cudaMemcpy(position, &query_position, 4, cudaMemcpyHostToDevice));
+  gemma4::cuda::KvCacheView kv;
+  kv.keys = keys;
+  kv.values = values;
+  kv.slot_positions = slot_positions;
+  kv.type = gemma4::cuda::KvType::kBF16;
+  kv.slots = slots;
+  kv.kv_heads = kv_heads;
+  kv.head_dim = head_dim;
+  kv.sequence_stride = static_cast<int64_t>(kv_elems);
+  const gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
+  Result r;
+  r.kernel = "attention/bf16";
+  r.shape = label;
+  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * 2 / 1e6;
+  r.default_tiling = splits;
+  double us[2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    const Launch launch = {stream, pdl == 1};
+    us[pdl] = time_chain(
+        16,
+        [&](int) {
+          return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
+                                                {partials, splits}, splits, launch);
+        },
+        stream);
+  }
+  r.default_plain_us = us[0];
+  r.default_pdl_us = us[1];
+  r.best_pdl_us = us[1];
+  r.best_tiling = splits;
+  std::printf("%-14s %-22s splits=%d %8.2f MB  plain %.2f us, pdl %.2f us\n", r.kernel.c_str(),
+              label, splits, r.mbytes, us[0], us[1]);
+  for (void* p :
+       {keys, values, static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
+        static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
+    CHECK(cudaFree(p));
+  }
+  return r;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const char* json_path = nullptr;
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (!std::strcmp(argv[i], "--json") && i + 1 < argc)
+      json_path = argv[++i];
+    else if (!std::strcmp(argv[i], "--quick"))
+      quick = true;
+  }
+  cudaDeviceProp prop;
+  CHECK(cudaGetDeviceProperties(&prop, 0));
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+
+  struct Shape {
+    int64_t rows, cols;
+    const char* label;
+  };
+  const Shape dense[] = {
+      {2560, 1536, "e2b qkv 2560x1536"},         {12288, 1536, "e2b gate+up 12288x1536"},
+      {24576, 1536, "e2b gate+up 24576x1536"},   {1536, 6144, "e2b down 1536x6144"},
+      {1536, 12288, "e2b down 1536x12288"},      {1536, 2048, "e2b o_proj 1536x2048"},
+      {262144, 1536, "e2b lm_head 262144x1536"}, {1408, 2816, "26b expert gu 1408x2816"},
+      {2816, 704, "26b expert dn 2816x704"},
+  };
+  std::vector<Result> results;
+  for (const Shape& s : dense) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16, s.label,
+                                 stream, quick));
+  }
+  results.push_back(bench_gemv(WeightFormat::kW4G32, 2560, 1536, 1, ActType::kF32, dense[0].label,
+                               stream, quick));
+  results.push_back(bench_gemv(WeightFormat::kW4G32, 262144, 1536, 1, ActType::kF32, dense[6].label,
+                               stream, quick));
+  for (int m : {2, 8, 64}) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, 2560, 1536, m, ActType::kBF16,
+                                 dense[0].label, stream, quick));
+    results.push_back(bench_gemv(WeightFormat::kW4G32, 12288, 1536, m, ActType::kBF16,
+                                 dense[1].label, stream, quick));
+    results.push_back(bench_gemv(WeightFormat::kW4G32, 1536, 6144, m, ActType::kBF16,
+                                 dense[3].label, stream, quick));
+  }
+  for (const Shape& s : {dense[0], dense[1], dense[3], dense[6], dense[7], dense[8]}) {
+    results.push_back(bench_gemv(WeightFormat::kNVFP4, s.rows, s.cols, 1, ActType::kBF16, s.label,
+                                 stream, quick));
+  }
+  results.push_back(bench_gemv(WeightFormat::kNVFP4, 1408, 2816, 8, ActType::kBF16, dense[7].label,
+                               stream, quick));
+  results.push_back(bench_gemv(WeightFormat::kBF16, 2560, 1536, 1, ActType::kBF16, dense[0].label,
+                               stream, quick));
+  results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 1536, 1, ActType::kBF16,
+                               "lm_head bf16 262144x1536", stream, quick));
+
+  const int sms = prop.multiProcessorCount;
+  results.push_back(bench_attention(8, 1, 256, 4096, 512, sms / 8, "e2b sliding w512", stream));
+  results.push_back(bench_attention(8, 1, 512, 4096, 0, sms, "e2b full depth 4K", stream));
+  results.push_back(bench_attention(8, 1, 512, 32768, 0, sms, "e2b full depth 32K", stream));
+  results.push_back(bench_attention(8, 1, 512, 131072, 0, 2 * sms, "e2b full depth 128K", stream));
+  results.push_back(bench_attention(16, 2, 512, 32768, 0, sms / 2, "26b full depth 32K", stream));
+
+  if (json_path) {
+    FILE* f = std::fopen(json_path, "w");
+    if (f) {
+      std::fprintf(f,
+                   "{\n  \"gpu\": \"%s\",\n  \"sms\": %d,\n  \"read_ceiling_gbs\": %.0f,\n  "
+                   "\"results\": [\n",
+                   prop.name, sms, kReadCeilingGBs);
+      for (size_t i = 0; i < results.size(); ++i) {
+        const Result& r = results[i];
+        std::fprintf(f,
+                     "    {\"kernel\": \"%s\", \"shape\": \"%s\", \"m\": %d, \"mbytes\": %.3f, "
+                     "\"default\": %d, \"default_plain_us\": %.3f, \"default_pdl_us\": %.3f, "
+                     "\"best\": %d, \"best_pdl_us\": %.3f, \"all\": \"%s\"}%s\n",
+                     r.kernel.c_str(), r.shape.c_str(), r.m, r.mbytes, r.default_tiling,
+                     r.default_plain_us, r.default_pdl_us, r.best_tiling, r.best_pdl_us,
+                     r.all.c_str(), i + 1 < results.size() ? "," : "");
+      }
+      std::fprintf(f, "  ]\n}\n");
+      std::fclose(f);
+    }
+  }
+
+  std::printf("\n== kernel benchmark: %s, graph replays, distinct weights per link ==\n",
+              prop.name);
+  std::printf("%-15s %-25s %3s %8s | %-8s %9s %9s %7s %5s | %-5s %9s\n", "kernel", "shape", "M",
+              "MB", "default", "plain us", "PDL us", "GB/s", "%ceil", "best", "PDL us");
+  for (const Result& r : results) {
+    const double gbs = r.mbytes * 1e6 / (r.default_pdl_us * 1e-6) / 1e9;
+    std::printf("%-15s %-25s %3d %8.2f | %-8d %9.2f %9.2f %7.0f %5.1f | %-5d %9.2f\n",
+                r.kernel.c_str(), r.shape.c_str(), r.m, r.mbytes, r.default_tiling,
+                r.default_plain_us, r.default_pdl_us, gbs, 100.0 * gbs / kReadCeilingGBs,
+                r.best_tiling, r.best_pdl_us);
+  }
+  return 0;
+}

@@ -1,0 +1,49 @@
+// Row-wise decode kernels around the GEMVs: RMSNorm (optionally fused with the residual add and
+// the next norm, or with RoPE), and GELU-tanh gating. Activations are fp32 rows ("one row per
+// token", or per head: a [T, heads·hd] matrix is rows·heads rows of hd with stride hd); norm
+// weights are fp32 vectors. All pointers are device pointers; positions live in device memory.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/launch.h"
+
+namespace gemma4::cuda {
+
+struct RowsView {
+  float* data = nullptr;
+  int64_t rows = 0;
+  int64_t width = 0;
+  int64_t stride = 0;
+};
+
+// Half-split ("rotate_half") RoPE of one head of width head_dim: pair (i, i + head_dim/2) rotates
+// by positions[token] · theta^(-2i / exponent_denominator) for i < rotated_pairs and not at all
+// for the rest (proportional rope: rotated_pairs 64 of 256 pairs, denominator 512).
+struct RopeSpec {
+  const int32_t* positions = nullptr;  // [tokens]
+  int rows_per_position = 1;           // heads per token: row r uses positions[r / this]
+  float theta = 10000.0f;
+  int rotated_pairs = 0;
+  int exponent_denominator = 0;
+};
+
+// y[r] = x[r] · (mean_j x[r][j]² + eps)^-1/2 · (weight_offset + weight[j]) (no weight factor when
+// weight is null), then RoPE over the whole row when rope is non-null (row width = head_dim).
+// y may alias x.
+cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset, float eps,
+                     const RowsView& y, const RopeSpec* rope, const Launch& launch);
+
+// The Gemma residual step fused with the next pre-norm:
+//   residual[r] += rms_norm(x[r], weight)          (post-norm of the block's output)
+//   y[r] = rms_norm(residual[r], next_weight)      (pre-norm of the next block)
+// y may alias x.
+cudaError_t add_rms_norm(const RowsView& x, const float* weight, const RowsView& residual,
+                         const float* next_weight, float eps, const RowsView& y,
+                         const Launch& launch);
+
+// out[r][j] = gelu_tanh(gate[r][j]) · multiplier[r][j]; out may alias either input.
+cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,
+                          const Launch& launch);
+
+}  // namespace gemma4::cuda

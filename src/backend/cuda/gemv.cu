@@ -1,0 +1,363 @@
+// Decode GEMV kernels (see gemv.h). One kernel template covers every weight format, activation
+// type and tiling; a format only defines how a 16-byte chunk of weights and its scale turn into a
+// dot product with 32 (or 8) activations. Design and measurements: spec/h200-decode-notes.md.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <array>
+#include <utility>
+
+#include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/launch.cuh"
+
+namespace gemma4::cuda {
+namespace {
+
+using WeightFormat = PackedFormat;
+
+// quant::ScaleType values.
+constexpr int kScaleBF16 = 0;
+constexpr int kScaleF16 = 1;
+constexpr int kScaleF32 = 2;
+
+template <WeightFormat F>
+constexpr int kChunkElems = F == WeightFormat::kBF16 ? 8 : 32;
+
+// The activations one chunk of weights multiplies, as fp32. `offset` (w4g32 only) is
+// 264·Σx_even + 24·Σx_odd: dot_w4g32 works on biased nibbles and subtracts it once per chunk
+// (shared by every row the thread handles).
+template <int N>
+struct XChunk {
+  float v[N];
+  float offset;
+};
+
+template <ActType XT, int N>
+__device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChunk<N>& out) {
+  if constexpr (XT == ActType::kBF16) {
+    const uint4* p = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(x) + first);
+#pragma unroll
+    for (int i = 0; i < N / 8; ++i) {
+      const uint4 q = __ldg(p + i);
+      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        out.v[8 * i + 2 * j] = __uint_as_float(words[j] << 16);
+        out.v[8 * i + 2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+      }
+    }
+  } else {
+    const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + first);
+#pragma unroll
+    for (int i = 0; i < N / 4; ++i) {
+      const float4 q = __ldg(p + i);
+      out.v[4 * i] = q.x;
+      out.v[4 * i + 1] = q.y;
+      out.v[4 * i + 2] = q.z;
+      out.v[4 * i + 3] = q.w;
+    }
+  }
+  float even = 0.0f, odd = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    even += out.v[i];
+    odd += out.v[i + 1];
+  }
+  out.offset = 264.0f * even + 24.0f * odd;
+}
+
+// Streaming weight load: read once, keep L1 for the activations.
+__device__ __forceinline__ uint4 load_weights_nc(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// (a & mask) | bits in one LOP3 (the compiler splits it in two otherwise: SASS takes only one
+// 32-bit immediate).
+template <uint32_t kMask>
+__device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t bits) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(d) : "r"(a), "n"(kMask), "r"(bits));
+  return d;
+}
+
+// Raw scale bits of one chunk, loaded before the activations are ready.
+template <WeightFormat F>
+__device__ __forceinline__ uint32_t load_scale_bits(const GemvArgs& a, int64_t row, int64_t chunk) {
+  if constexpr (F == WeightFormat::kW4G32) {
+    const int64_t i = row * a.chunks_per_row + chunk;
+    if (a.scale_type == kScaleF32) {
+      return __ldg(static_cast<const uint32_t*>(a.scales) + i);
+    }
+    return __ldg(static_cast<const uint16_t*>(a.scales) + i);
+  } else if constexpr (F == WeightFormat::kNVFP4) {
+    // Two e4m3 group-16 scales per 32-element chunk, adjacent bytes.
+    return __ldg(static_cast<const uint16_t*>(a.scales) + row * a.chunks_per_row + chunk);
+  } else {
+    return 0;
+  }
+}
+
+__device__ __forceinline__ float w4g32_scale(const GemvArgs& a, uint32_t bits) {
+  if (a.scale_type == kScaleBF16) return __uint_as_float(bits << 16);
+  if (a.scale_type == kScaleF16) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+  }
+  return __uint_as_float(bits);
+}
+
+// The NVFP4 factor of one group, exactly as the checkpoint's convention computes it in fp32
+// (weight-formats.md 3.3), times 2^14 (the e2m1 decode below yields value · 2^-14).
+__device__ __forceinline__ float nvfp4_factor(const GemvArgs& a, uint32_t e4m3_bits) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(e4m3_bits & 0xFF), __NV_E4M3);
+  const float block = __half2float(__half(h));
+  const float factor = a.nv_global_is_divisor ? block / a.nv_global : block * a.nv_global;
+  return factor * 16384.0f;
+}
+
+// w4g32: Σ_k w_k x_k over the chunk's 32 elements, times the group scale. Each byte of a word is
+// shifted to bits 15..22, the mantissa of 0x43000000 (fp32 128.0): masked with one LOP3, the even
+// element becomes the fp32 128 + u/2 and the odd one 128 + 8u, with no integer-to-float
+// conversion. Then Σ(u−8)x = 2·Σ(128 + u_e/2)x_e + Σ(128 + 8u_o)x_o / 8 − offset, exact up to fp32
+// accumulation (the products are exact: small integers times bf16 or fp32 activations).
+__device__ __forceinline__ float dot_w4g32(const uint4& q, float scale, const XChunk<32>& x) {
+  const uint32_t magic = 0x43000000u;
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  float even0 = 0.0f, even1 = 0.0f, odd0 = 0.0f, odd1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t w = words[i];
+    // Byte b of w (elements 8i+2b, 8i+2b+1) moved to bits 15..22.
+    const uint32_t bytes[4] = {w << 15, w << 7, w >> 1, w >> 9};
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      const float lo = __uint_as_float(and_or<0x00078000u>(bytes[b], magic));
+      const float hi = __uint_as_float(and_or<0x00780000u>(bytes[b], magic));
+      const int k = 8 * i + 2 * b;
+      if (b & 1) {
+        even1 = fmaf(lo, x.v[k], even1);
+        odd1 = fmaf(hi, x.v[k + 1], odd1);
+      } else {
+        even0 = fmaf(lo, x.v[k], even0);
+        odd0 = fmaf(hi, x.v[k + 1], odd0);
+      }
+    }
+  }
+  return scale * (2.0f * (even0 + even1) + 0.125f * (odd0 + odd1) - x.offset);
+}
+
+// NVFP4: code c (sign bit 3, magnitude e1 e0 m) placed as fp16 bits (c&8)<<12 | (c&7)<<9 is
+// exactly e2m1(c) · 2^-14 (code 1 becomes the subnormal 2^-15). Elements s and s+4 of a word
+// decode together as one half2.
+__device__ __forceinline__ float dot_nvfp4(const uint4& q, uint32_t scale_bits, const GemvArgs& a,
+                                           const XChunk<32>& x) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  float group[2] = {0.0f, 0.0f};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t t = words[i] >> (4 * s);
+      const uint32_t h = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+      const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+      acc = fmaf(f.x, x.v[8 * i + s], acc);
+      acc = fmaf(f.y, x.v[8 * i + s + 4], acc);
+    }
+    group[i / 2] += acc;
+  }
+  return nvfp4_factor(a, scale_bits) * group[0] + nvfp4_factor(a, scale_bits >> 8) * group[1];
+}
+
+__device__ __forceinline__ float dot_bf16(const uint4& q, const XChunk<8>& x) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    acc0 = fmaf(__uint_as_float(words[j] << 16), x.v[2 * j], acc0);
+    acc1 = fmaf(__uint_as_float(words[j] & 0xFFFF0000u), x.v[2 * j + 1], acc1);
+  }
+  return acc0 + acc1;
+}
+
+template <WeightFormat F>
+__device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, const GemvArgs& a,
+                                           const XChunk<kChunkElems<F>>& x) {
+  if constexpr (F == WeightFormat::kW4G32) {
+    return dot_w4g32(q, w4g32_scale(a, scale_bits), x);
+  } else if constexpr (F == WeightFormat::kNVFP4) {
+    return dot_nvfp4(q, scale_bits, a, x);
+  } else {
+    return dot_bf16(q, x);
+  }
+}
+
+// Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
+// block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
+// consecutive lanes read T consecutive 16-byte chunks of a row (coalesced).
+template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
+  pdl_trigger_dependents();
+  constexpr int kTeams = 32 / T;
+  constexpr int kRowsPerBlock = kTeams * R;
+  constexpr int kElems = kChunkElems<F>;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int team = lane / T;
+  const int lane_in_team = lane % T;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + team * R;
+  const int64_t pass_chunks = T * W * G;
+  const int passes = static_cast<int>((a.chunks_per_row + pass_chunks - 1) / pass_chunks);
+
+  uint4 weights[G][R];
+  uint32_t scale_bits[G][R];
+  auto chunk_of = [&](int pass, int j) {
+    return pass * pass_chunks + (j * W + warp) * T + lane_in_team;
+  };
+  auto load_pass = [&](int pass) {
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = chunk_of(pass, j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        if (row < a.rows && chunk < a.chunks_per_row) {
+          weights[j][r] = load_weights_nc(static_cast<const uint4*>(a.weights) +
+                                          row * a.chunks_per_row + chunk);
+          scale_bits[j][r] = load_scale_bits<F>(a, row, chunk);
+        } else {
+          weights[j][r] = make_uint4(0, 0, 0, 0);
+          scale_bits[j][r] = 0;
+        }
+      }
+    }
+  };
+
+  // Weights never depend on the previous kernel: their loads go out before the wait.
+  load_pass(0);
+  pdl_wait_for_predecessors();
+
+  extern __shared__ float partial[];  // [W][MT][kRowsPerBlock], only when W > 1
+  for (int m0 = 0; m0 < a.m; m0 += MT) {
+    float acc[MT][R];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[mi][r] = 0.0f;
+    }
+    for (int pass = 0; pass < passes; ++pass) {
+      if (pass > 0 || (m0 > 0 && passes > 1)) load_pass(pass);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int64_t chunk = chunk_of(pass, j);
+        if (chunk >= a.chunks_per_row) continue;
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          if (m0 + mi >= a.m) break;
+          XChunk<kElems> x;
+          load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x);
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int offset = T / 2; offset > 0; offset /= 2) {
+          acc[mi][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[mi][r], offset);
+        }
+      }
+    }
+    if constexpr (W == 1) {
+      if (lane_in_team == 0) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (m0 + mi < a.m && first_row + r < a.rows) {
+              a.y[(m0 + mi) * a.y_stride + first_row + r] = acc[mi][r];
+            }
+          }
+        }
+      }
+    } else {
+      if (lane_in_team == 0) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            partial[(warp * MT + mi) * kRowsPerBlock + team * R + r] = acc[mi][r];
+          }
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < MT * kRowsPerBlock; i += W * 32) {
+        const int mi = i / kRowsPerBlock;
+        const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + i % kRowsPerBlock;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) sum += partial[w * MT * kRowsPerBlock + i];
+        if (m0 + mi < a.m && row < a.rows) a.y[(m0 + mi) * a.y_stride + row] = sum;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+using KernelFn = void (*)(GemvArgs);
+
+template <WeightFormat F, ActType XT, int I>
+constexpr KernelFn kernel_for() {
+  constexpr GemvTiling t = kGemvTilings[I];
+  return gemv_kernel<F, XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
+                     t.m_tile>;
+}
+
+template <WeightFormat F, ActType XT, size_t... I>
+constexpr std::array<KernelFn, kNumGemvTilings> kernel_table(std::index_sequence<I...>) {
+  return {kernel_for<F, XT, static_cast<int>(I)>()...};
+}
+
+template <WeightFormat F>
+KernelFn select_kernel(ActType x_type, int tiling) {
+  static constexpr auto kBF16 =
+      kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
+  static constexpr auto kF32 =
+      kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumGemvTilings>());
+  return x_type == ActType::kBF16 ? kBF16[tiling] : kF32[tiling];
+}
+
+}  // namespace
+
+cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
+                               const GemvArgs& args, const Launch& launch) {
+  KernelFn kernel = nullptr;
+  switch (format) {
+    case PackedFormat::kW4G32:
+      kernel = select_kernel<PackedFormat::kW4G32>(x_type, tiling);
+      break;
+    case PackedFormat::kNVFP4:
+      kernel = select_kernel<PackedFormat::kNVFP4>(x_type, tiling);
+      break;
+    case PackedFormat::kBF16:
+      kernel = select_kernel<PackedFormat::kBF16>(x_type, tiling);
+      break;
+  }
+  const GemvTiling& t = kGemvTilings[tiling];
+  const int rows_per_block = (32 / t.lanes_per_row) * t.rows_per_thread;
+  const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block));
+  const size_t shared = t.warps > 1 ? sizeof(float) * t.warps * t.m_tile * rows_per_block : 0;
+  return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
+}
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,46 @@
+// Decode GEMV on packed weights: y[m][n] = Σ_k W[n][k] · x[m][k] for m < M (M = 1 for a single
+// token, 2..64 for batched decode / speculative verify; the weights are read once for all M).
+//
+// Weights stay in their packed checkpoint layout (quant::QMatrix, device pointers): kW4G32 with
+// bf16/fp16/fp32 group scales, kNVFP4 with e4m3 group-16 scales and the fp32 global factor (both
+// the divisor and the multiplier convention), or kBF16. They are dequantized in registers; the
+// products are exact in fp32 and accumulated in fp32. y is fp32.
+#pragma once
+
+#include <cstdint>
+#include <span>
+
+#include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/launch.h"
+#include "quant/qmatrix.h"
+
+namespace gemma4::cuda {
+
+// Activations: `rows` (= M) rows of K elements, row m at data + m · stride elements. data and
+// stride·element size must be 16-byte aligned.
+struct GemvInput {
+  const void* data = nullptr;
+  ActType type = ActType::kF32;
+  int rows = 1;
+  int64_t stride = 0;
+};
+
+// y: M rows of N floats, row m at data + m · stride.
+struct GemvOutput {
+  float* data = nullptr;
+  int64_t stride = 0;
+};
+
+// Every compiled tiling; an index into this list selects one explicitly (the benchmark does).
+std::span<const GemvTiling> gemv_tilings();
+
+// The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).
+int default_gemv_tiling(const quant::QMatrix& w, int m);
+
+// Enqueues y = W x. Returns cudaErrorInvalidValue for an unsupported format or a shape the
+// kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers), else the
+// launch status. tiling < 0 picks default_gemv_tiling.
+cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
+                 const Launch& launch, int tiling = -1);
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,71 @@
+// The GEMV kernels' own interface: plain parameter blocks, no checkpoint types, so the .cu side
+// needs no project headers beyond launch.h (nvcc cannot parse fmt, which quant/qmatrix.h pulls
+// in). gemv.h is the API the engine uses; gemv.cpp validates and translates to this.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/launch.h"
+
+namespace gemma4::cuda {
+
+enum class ActType : uint8_t { kF32, kBF16 };
+
+// The packed layouts the kernels read (quant::WeightFormat minus fp32).
+enum class PackedFormat : uint8_t { kW4G32, kNVFP4, kBF16 };
+
+// The shape of the work one thread block does. A "chunk" is what one 16-byte weight load holds:
+// 32 K elements of kW4G32/kNVFP4 (with their scales), 8 of kBF16. A team of lanes_per_row lanes
+// shares rows_per_thread rows; `warps` warps split K further (shared-memory reduction, no
+// atomics); each thread issues rows_per_thread · chunks_per_thread weight loads before it needs
+// the activations; m_tile activation rows are accumulated per pass over the weights.
+struct GemvTiling {
+  int rows_per_thread;
+  int lanes_per_row;
+  int warps;
+  int chunks_per_thread;
+  int m_tile;
+};
+
+// The compiled tilings. Single-row tilings (m_tile 1) first, then batched ones (m_tile 8): a
+// batched tiling keeps all of a row's chunks in registers when its pass coverage
+// lanes_per_row · warps · chunks_per_thread covers the row, so the weights are read once for
+// every m tile.
+inline constexpr GemvTiling kGemvTilings[] = {
+    {2, 8, 2, 3, 1},   // 0: coverage 48
+    {4, 8, 2, 3, 1},   // 1: coverage 48
+    {2, 16, 3, 1, 1},  // 2: coverage 48
+    {4, 16, 3, 1, 1},  // 3: coverage 48
+    {4, 8, 1, 3, 1},   // 4: coverage 24
+    {8, 8, 1, 3, 1},   // 5: coverage 24
+    {4, 8, 4, 3, 1},   // 6: coverage 96
+    {2, 16, 4, 3, 1},  // 7: coverage 192
+    {4, 32, 2, 3, 1},  // 8: coverage 192
+    {2, 32, 4, 2, 1},  // 9: coverage 256
+    {4, 8, 2, 3, 8},   // 10: coverage 48, batched
+    {4, 8, 4, 3, 8},   // 11: coverage 96, batched
+    {4, 16, 4, 3, 8},  // 12: coverage 192, batched
+    {4, 8, 1, 3, 8},   // 13: coverage 24, batched
+};
+inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
+
+struct GemvArgs {
+  const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
+  const void* scales;
+  int scale_type;   // quant::ScaleType value (kW4G32)
+  float nv_global;  // quant::NvGlobalScale (kNVFP4)
+  int nv_global_is_divisor;
+  int64_t rows;
+  int64_t chunks_per_row;
+  const void* x;
+  int64_t x_stride;
+  int m;
+  float* y;
+  int64_t y_stride;
+};
+
+// Enqueues the kernel of (format, x type, tiling); arguments already validated.
+cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
+                               const GemvArgs& args, const Launch& launch);
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,144 @@
+// Decode attention against a double-precision softmax over the visible slots
+// (gemma4-architecture.md 2.4 step 4 and 2.6: scale 1.0, GQA by consecutive grouping, sliding
+// window of exactly W keys including the current token).
+#include "backend/cuda/attention.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using testing::DeviceArray;
+
+struct Case {
+  const char* name;
+  int q_heads, kv_heads, head_dim;
+  int64_t slots;
+  int window;
+  std::vector<int32_t> positions;  // one query per sequence
+  int splits;
+  KvType type;
+};
+
+void run_case(const Case& c) {
+  SCOPED_TRACE(std::string(c.name) + " splits=" + std::to_string(c.splits));
+  const int batch = static_cast<int>(c.positions.size());
+  const int64_t hd = c.head_dim;
+  const int64_t kv_width = c.kv_heads * hd;
+  const int64_t per_sequence = c.slots * kv_width;
+  // Small magnitudes keep the softmax spread over many keys (scale is 1.0, no 1/sqrt(hd)).
+  auto q = testing::random_floats(batch * c.q_heads * hd, -0.15f, 0.15f, 51);
+  auto keys = testing::random_floats(batch * per_sequence, -0.15f, 0.15f, 52);
+  auto values = testing::random_floats(batch * per_sequence, -1.0f, 1.0f, 53);
+  std::vector<uint16_t> keys_bf16(keys.size()), values_bf16(values.size());
+  for (size_t i = 0; i < keys.size(); ++i) {
+    keys_bf16[i] = float_to_bf16(keys[i]);
+    values_bf16[i] = float_to_bf16(values[i]);
+    if (c.type == KvType::kBF16) {
+      keys[i] = bf16_to_float(keys_bf16[i]);
+      values[i] = bf16_to_float(values_bf16[i]);
+    }
+  }
+  // Slot s holds the latest position p <= P with p % slots == s (a ring for sliding layers, the
+  // identity for full layers); slots never written hold -1.
+  std::vector<int32_t> slot_positions(batch * c.slots, -1);
+  for (int b = 0; b < batch; ++b) {
+    const int32_t p_query = c.positions[b];
+    for (int64_t s = 0; s < c.slots; ++s) {
+      if (s > p_query) continue;
+      slot_positions[b * c.slots + s] = static_cast<int32_t>(p_query - (p_query - s) % c.slots);
+    }
+  }
+
+  DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd);
+  DeviceArray<uint16_t> dk16(keys_bf16), dv16(values_bf16);
+  DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
+  DeviceArray<float> partials(attention_partials_floats(batch, c.q_heads, c.head_dim, c.splits));
+  const bool bf16 = c.type == KvType::kBF16;
+  KvCacheView kv;
+  kv.keys = bf16 ? static_cast<const void*>(dk16.get()) : dk.get();
+  kv.values = bf16 ? static_cast<const void*>(dv16.get()) : dv.get();
+  kv.slot_positions = dslots.get();
+  kv.type = c.type;
+  kv.slots = c.slots;
+  kv.kv_heads = c.kv_heads;
+  kv.head_dim = c.head_dim;
+  kv.sequence_stride = per_sequence;
+  const AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
+  CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd,
+                                  AttentionWorkspace{partials.get(), c.splits}, c.splits,
+                                  Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+
+  std::vector<double> expected(out.download().size()), magnitude(expected.size(), 1.0);
+  const int group = c.q_heads / c.kv_heads;
+  for (int b = 0; b < batch; ++b) {
+    const int32_t p_query = c.positions[b];
+    for (int h = 0; h < c.q_heads; ++h) {
+      const int g = h / group;
+      std::vector<double> score;
+      std::vector<int64_t> visible;
+      for (int64_t s = 0; s < c.slots; ++s) {
+        const int32_t p = slot_positions[b * c.slots + s];
+        if (p < 0 || p > p_query || (c.window > 0 && p_query - p >= c.window)) continue;
+        double dot = 0.0;
+        for (int64_t d = 0; d < hd; ++d) {
+          dot += static_cast<double>(q[(b * c.q_heads + h) * hd + d]) *
+                 keys[b * per_sequence + s * kv_width + g * hd + d];
+        }
+        score.push_back(dot);
+        visible.push_back(s);
+      }
+      double max_score = -INFINITY;
+      for (double s : score) max_score = std::max(max_score, s);
+      double total = 0.0;
+      for (double& s : score) total += (s = std::exp(s - max_score));
+      for (int64_t d = 0; d < hd; ++d) {
+        double acc = 0.0;
+        for (size_t j = 0; j < visible.size(); ++j) {
+          acc += score[j] * values[b * per_sequence + visible[j] * kv_width + g * hd + d];
+        }
+        expected[(b * c.q_heads + h) * hd + d] = acc / total;
+      }
+    }
+  }
+  testing::expect_close(out.download(), expected, magnitude, 2e-5, "attention");
+}
+
+TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
+  const Case cases[] = {
+      // E2B full layer: 8 q heads on 1 kv head of 512, causal over a deep cache.
+      {"e2b-full", 8, 1, 512, 4096, 0, {3000}, 1, KvType::kBF16},
+      {"e2b-full", 8, 1, 512, 4096, 0, {3000}, 37, KvType::kBF16},
+      // E2B sliding layer: window 512 over a ring of 600 slots that wrapped several times.
+      {"e2b-sliding", 8, 1, 256, 600, 512, {5000}, 1, KvType::kBF16},
+      {"e2b-sliding", 8, 1, 256, 600, 512, {5000}, 9, KvType::kBF16},
+      // 26B-A4B sliding (16 q / 8 kv × 256, window 1024) and full (16 q / 2 kv × 512), two
+      // sequences at different depths (one shorter than the window), fp32 and bf16 caches.
+      {"26b-sliding", 16, 8, 256, 1100, 1024, {2000, 300}, 16, KvType::kBF16},
+      {"26b-full", 16, 2, 512, 2048, 0, {1500, 10}, 64, KvType::kF32},
+      // First token of a sequence: one visible key, most splits empty.
+      {"first-token", 8, 1, 512, 256, 0, {0}, 8, KvType::kBF16},
+  };
+  for (const Case& c : cases) run_case(c);
+}
+
+TEST(DecodeAttention, RejectsUnsupportedHeadDim) {
+  KvCacheView kv;
+  kv.head_dim = 128;
+  kv.kv_heads = 1;
+  kv.slots = 1;
+  const AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
+  EXPECT_EQ(decode_attention(query, kv, 0, 1.0f, nullptr, 0, {}, 1, Launch{}),
+            cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace gemma4::cuda

@@ -1,0 +1,108 @@
+// Helpers for the CUDA kernel tests: device buffers, poisoned outputs, seeded random inputs and a
+// threaded loop for the CPU references (the lm_head reference alone is 400 M multiply-adds).
+#pragma once
+
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+namespace gemma4::cuda::testing {
+
+#define CUDA_ASSERT_OK(expr)                                                         \
+  do {                                                                               \
+    const cudaError_t status_ = (expr);                                              \
+    ASSERT_EQ(status_, cudaSuccess) << #expr << ": " << cudaGetErrorString(status_); \
+  } while (0)
+
+// Device memory holding a copy of a host vector (or `count` poisoned elements).
+template <typename T>
+class DeviceArray {
+ public:
+  explicit DeviceArray(size_t count) : count_(count) {
+    if (cudaMalloc(&data_, std::max<size_t>(count, 1) * sizeof(T)) != cudaSuccess) data_ = nullptr;
+    poison();
+  }
+  explicit DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) {
+    if (data_) cudaMemcpy(data_, host.data(), host.size() * sizeof(T), cudaMemcpyHostToDevice);
+  }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  ~DeviceArray() { cudaFree(data_); }
+
+  T* get() const { return data_; }
+  bool ok() const { return data_ != nullptr; }
+  // All bytes 0xFF: NaN for fp32, so an output element a kernel forgets to write is caught.
+  void poison() {
+    if (data_) cudaMemset(data_, 0xFF, std::max<size_t>(count_, 1) * sizeof(T));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    cudaMemcpy(host.data(), data_, count_ * sizeof(T), cudaMemcpyDeviceToHost);
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+// Runs body(i) for i in [0, n) on all hardware threads.
+template <typename Body>
+void parallel_for(int64_t n, Body body) {
+  const int64_t threads =
+      std::max<int64_t>(1, std::min<int64_t>(std::thread::hardware_concurrency(), n));
+  std::vector<std::thread> pool;
+  for (int64_t t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      for (int64_t i = t; i < n; i += threads) body(i);
+    });
+  }
+  for (auto& thread : pool) thread.join();
+}
+
+inline std::vector<float> random_floats(size_t n, float lo, float hi, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(rng);
+  return v;
+}
+
+inline std::vector<uint32_t> random_words(size_t n, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint32_t> v(n);
+  for (auto& x : v) x = rng();
+  return v;
+}
+
+// Compares a kernel's output with a reference: every element finite and within
+// tolerance · magnitude[i] (+ a tiny absolute floor). Reports the first few failures.
+inline void expect_close(const std::vector<float>& got, const std::vector<double>& expected,
+                         const std::vector<double>& magnitude, double tolerance, const char* what) {
+  ASSERT_EQ(got.size(), expected.size());
+  int failures = 0;
+  double worst = 0.0;
+  for (size_t i = 0; i < got.size(); ++i) {
+    const double bound = tolerance * magnitude[i] + 1e-30;
+    const double err = std::fabs(static_cast<double>(got[i]) - expected[i]);
+    if (!std::isfinite(got[i]) || !(err <= bound)) {
+      if (++failures <= 5) {
+        ADD_FAILURE() << what << ": element " << i << " got " << got[i] << " expected "
+                      << expected[i] << " (bound " << bound << ")";
+      }
+    } else {
+      worst = std::max(worst, err / (magnitude[i] + 1e-30));
+    }
+  }
+  EXPECT_EQ(failures, 0) << what << ": " << failures << " of " << got.size() << " elements wrong";
+  ::testing::Test::RecordProperty(std::string(what) + "_worst_relative", std::to_string(worst));
+}
+
+}  // namespace gemma4::cuda::testing

@@ -1,0 +1,152 @@
+// RMSNorm (+ residual, + next norm, + RoPE) and GELU-tanh gating against the formulas of
+// gemma4-architecture.md 2.1, 2.4 and 2.5, evaluated in double.
+#include "backend/cuda/elementwise.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <vector>
+
+#include "cuda_test_util.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using testing::DeviceArray;
+
+constexpr double kEps = 1e-6;
+
+RowsView view(const DeviceArray<float>& a, int64_t rows, int64_t width) {
+  return {a.get(), rows, width, width};
+}
+
+std::vector<double> reference_norm(const std::vector<float>& x, int64_t rows, int64_t width,
+                                   const std::vector<float>* weight, double offset) {
+  std::vector<double> y(x.size());
+  for (int64_t r = 0; r < rows; ++r) {
+    double sum = 0.0;
+    for (int64_t j = 0; j < width; ++j)
+      sum += static_cast<double>(x[r * width + j]) * x[r * width + j];
+    const double inv = 1.0 / std::sqrt(sum / width + kEps);
+    for (int64_t j = 0; j < width; ++j) {
+      y[r * width + j] = x[r * width + j] * inv * (weight ? offset + (*weight)[j] : 1.0);
+    }
+  }
+  return y;
+}
+
+// Tolerance relative to max(1, |expected|): fp32 arithmetic against double.
+void expect_near_all(const std::vector<float>& got, const std::vector<double>& expected,
+                     double tolerance, const char* what) {
+  std::vector<double> magnitude(expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) magnitude[i] = std::max(1.0, std::fabs(expected[i]));
+  testing::expect_close(got, expected, magnitude, tolerance, what);
+}
+
+TEST(RmsNorm, WithAndWithoutWeightInPlace) {
+  for (int64_t width : {256, 1536, 2816, 5376}) {
+    const int64_t rows = 3;
+    const auto x = testing::random_floats(rows * width, -4.0f, 4.0f, 11);
+    const auto w = testing::random_floats(width, -2.0f, 2.0f, 12);
+    DeviceArray<float> dx(x), dw(w), dy(rows * width);
+    CUDA_ASSERT_OK(rms_norm(view(dx, rows, width), dw.get(), 0.0f, kEps, view(dy, rows, width),
+                            nullptr, Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    expect_near_all(dy.download(), reference_norm(x, rows, width, &w, 0.0), 1e-5, "weighted");
+    // No weight (v_norm, router norm), in place, with a weight offset ignored.
+    CUDA_ASSERT_OK(rms_norm(view(dx, rows, width), nullptr, 1.0f, kEps, view(dx, rows, width),
+                            nullptr, Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    expect_near_all(dx.download(), reference_norm(x, rows, width, nullptr, 0.0), 1e-5,
+                    "unweighted");
+  }
+}
+
+// q_norm + RoPE over [tokens, heads, head_dim]: default rope (hd 256, theta 1e4, all 128 pairs)
+// and proportional rope (hd 512, theta 1e6, 64 of 256 pairs, exponent denominator 512).
+TEST(RmsNorm, FusedRope) {
+  struct Case {
+    int head_dim, rotated_pairs, denominator;
+    float theta;
+  };
+  for (const Case& c : {Case{256, 128, 256, 10000.0f}, Case{512, 64, 512, 1000000.0f}}) {
+    const std::vector<int32_t> positions = {0, 7, 1000, 131071};
+    const int64_t heads = 8;
+    const int64_t rows = heads * static_cast<int64_t>(positions.size());
+    const int64_t hd = c.head_dim;
+    const auto x = testing::random_floats(rows * hd, -3.0f, 3.0f, 21);
+    const auto w = testing::random_floats(hd, 0.5f, 1.5f, 22);
+    DeviceArray<float> dx(x), dw(w), dy(rows * hd);
+    DeviceArray<int32_t> dpos(positions);
+    const RopeSpec rope = {dpos.get(), static_cast<int>(heads), c.theta, c.rotated_pairs,
+                           c.denominator};
+    CUDA_ASSERT_OK(
+        rms_norm(view(dx, rows, hd), dw.get(), 0.0f, kEps, view(dy, rows, hd), &rope, Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+
+    const auto normed = reference_norm(x, rows, hd, &w, 0.0);
+    std::vector<double> expected(normed.size());
+    const int64_t half = hd / 2;
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t i = 0; i < half; ++i) {
+        // transformers: fp32 inv_freq, angle = fp32(pos) · inv_freq rounded to fp32.
+        const float inv_freq =
+            i < c.rotated_pairs
+                ? static_cast<float>(1.0 / std::pow(static_cast<double>(c.theta),
+                                                    static_cast<double>(2 * i) / c.denominator))
+                : 0.0f;
+        const float angle = static_cast<float>(positions[r / heads]) * inv_freq;
+        const double a = normed[r * hd + i], b = normed[r * hd + i + half];
+        expected[r * hd + i] = a * std::cos(angle) - b * std::sin(angle);
+        expected[r * hd + i + half] = b * std::cos(angle) + a * std::sin(angle);
+      }
+    }
+    expect_near_all(dy.download(), expected, 1e-5, "rope");
+  }
+}
+
+TEST(RmsNorm, ResidualAddAndNextNorm) {
+  const int64_t rows = 2, width = 1536;
+  const auto x = testing::random_floats(rows * width, -3.0f, 3.0f, 31);
+  const auto residual = testing::random_floats(rows * width, -50.0f, 50.0f, 32);
+  const auto w1 = testing::random_floats(width, -1.0f, 1.0f, 33);
+  const auto w2 = testing::random_floats(width, -1.0f, 1.0f, 34);
+  DeviceArray<float> dx(x), dr(residual), dw1(w1), dw2(w2), dy(rows * width);
+  CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), dw1.get(), view(dr, rows, width), dw2.get(),
+                              kEps, view(dy, rows, width), Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const auto post = reference_norm(x, rows, width, &w1, 0.0);
+  std::vector<double> updated(post.size());
+  std::vector<float> updated_f(post.size());
+  for (size_t i = 0; i < post.size(); ++i) {
+    updated[i] = residual[i] + post[i];
+    updated_f[i] = static_cast<float>(updated[i]);
+  }
+  expect_near_all(dr.download(), updated, 1e-5, "residual");
+  expect_near_all(dy.download(), reference_norm(updated_f, rows, width, &w2, 0.0), 1e-5,
+                  "next norm");
+}
+
+TEST(GeluTanhMul, FusedGateUpRows) {
+  const int64_t rows = 3, width = 6144;
+  // gate | up side by side, as the fused gate+up GEMV writes them.
+  const auto gate_up = testing::random_floats(rows * 2 * width, -6.0f, 6.0f, 41);
+  DeviceArray<float> dgu(gate_up), dout(rows * width);
+  const RowsView gate = {dgu.get(), rows, width, 2 * width};
+  const RowsView up = {dgu.get() + width, rows, width, 2 * width};
+  CUDA_ASSERT_OK(gelu_tanh_mul(gate, up, view(dout, rows, width), Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  std::vector<double> expected(rows * width);
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t j = 0; j < width; ++j) {
+      const double u = gate_up[r * 2 * width + j];
+      const double g =
+          0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
+      expected[r * width + j] = g * gate_up[r * 2 * width + width + j];
+    }
+  }
+  expect_near_all(dout.download(), expected, 1e-5, "gelu");
+}
+
+}  // namespace
+}  // namespace gemma4::cuda

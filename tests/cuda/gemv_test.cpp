@@ -1,0 +1,251 @@
+// GEMV kernels against quant's CPU oracle (quant::dequantize_row: the formulas of
+// weight-formats.md 2.3-2.4 and 3.1-3.3) on fresh random weights at real shapes.
+#include "backend/cuda/gemv.h"
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using quant::QMatrix;
+using quant::ScaleType;
+using quant::WeightFormat;
+using testing::DeviceArray;
+
+// Kernels multiply exactly and accumulate in fp32; the bound is relative to Σ|w·x| and far
+// tighter than bf16 rounding (2^-8), which is what the engine's tolerance budget allows.
+constexpr double kTolerance = 2e-4;
+
+struct HostMatrix {
+  WeightFormat format = WeightFormat::kW4G32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<uint8_t> data;
+  std::vector<uint8_t> scales;
+  ScaleType scale_type = ScaleType::kBF16;
+  quant::NvGlobalScale nv_global;
+
+  // The view of the host copy, for quant's CPU oracle (dequantize_row).
+  QMatrix view() const {
+    QMatrix m;
+    m.format = format;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = data.data();
+    m.scales = scales.empty() ? nullptr : scales.data();
+    m.scale_type = scale_type;
+    m.nv_global = nv_global;
+    return m;
+  }
+};
+
+template <typename T>
+std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> bytes(v.size() * sizeof(T));
+  std::memcpy(bytes.data(), v.data(), bytes.size());
+  return bytes;
+}
+
+HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols, uint32_t seed,
+                         ScaleType scale_type = ScaleType::kBF16, bool nv_divisor = true) {
+  HostMatrix m;
+  m.format = format;
+  m.rows = rows;
+  m.cols = cols;
+  m.scale_type = scale_type;
+  if (format == WeightFormat::kW4G32) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+    const auto s = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
+    if (scale_type == ScaleType::kF32) {
+      m.scales = as_bytes(s);
+    } else {
+      std::vector<uint16_t> bits(s.size());
+      for (size_t i = 0; i < s.size(); ++i) {
+        bits[i] = scale_type == ScaleType::kBF16 ? float_to_bf16(s[i]) : float_to_fp16(s[i]);
+      }
+      m.scales = as_bytes(bits);
+    }
+  } else if (format == WeightFormat::kNVFP4) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+    // Positive e4m3 block scales from 2^-3 to ~2^3, and some all-zero blocks.
+    const auto codes = testing::random_words(rows * cols / 16, seed + 1);
+    m.scales.resize(codes.size());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      m.scales[i] = codes[i] % 64 == 0 ? 0 : static_cast<uint8_t>(0x20 + codes[i] % 0x30);
+    }
+    // Not a power of two: the divisor and multiplier conventions round differently.
+    m.nv_global = nv_divisor ? quant::NvGlobalScale{3584.7f, true}
+                             : quant::NvGlobalScale{1.0f / 3584.7f, false};
+  } else {
+    const auto w = testing::random_floats(rows * cols, -0.05f, 0.05f, seed);
+    std::vector<uint16_t> bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bits[i] = float_to_bf16(w[i]);
+    m.data = as_bytes(bits);
+  }
+  return m;
+}
+
+struct DeviceMatrix {
+  explicit DeviceMatrix(const HostMatrix& host)
+      : data(host.data), scales(host.scales.empty() ? std::vector<uint8_t>(1) : host.scales) {
+    view.format = host.format;
+    view.rows = host.rows;
+    view.cols = host.cols;
+    view.data = data.get();
+    view.scales = host.scales.empty() ? nullptr : scales.get();
+    view.scale_type = host.scale_type;
+    view.nv_global = host.nv_global;
+  }
+  DeviceArray<uint8_t> data;
+  DeviceArray<uint8_t> scales;
+  QMatrix view;
+};
+
+// Runs y = W x for M activation rows and checks every output against the reference.
+void check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m, ActType x_type,
+                int tiling, uint32_t seed) {
+  SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
+               std::to_string(host.rows) + "x" + std::to_string(host.cols) +
+               " M=" + std::to_string(m) + (x_type == ActType::kBF16 ? " x=bf16" : " x=f32") +
+               " tiling=" + std::to_string(tiling));
+  const int64_t n = host.rows;
+  const int64_t k = host.cols;
+  std::vector<float> x = testing::random_floats(m * k, -1.0f, 1.0f, seed);
+  std::vector<uint16_t> x_bf16(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    x_bf16[i] = float_to_bf16(x[i]);
+    if (x_type == ActType::kBF16) x[i] = bf16_to_float(x_bf16[i]);
+  }
+  DeviceArray<float> x_f32(x);
+  DeviceArray<uint16_t> x_b16(x_bf16);
+  DeviceArray<float> y(m * n);
+  ASSERT_TRUE(x_f32.ok() && x_b16.ok() && y.ok() && device.data.ok());
+
+  const GemvInput input = {x_type == ActType::kBF16 ? static_cast<const void*>(x_b16.get())
+                                                    : static_cast<const void*>(x_f32.get()),
+                           x_type, m, k};
+  CUDA_ASSERT_OK(gemv(device.view, input, GemvOutput{y.get(), n}, Launch{}, tiling));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = y.download();
+
+  std::vector<double> expected(m * n), magnitude(m * n);
+  const QMatrix host_view = host.view();
+  testing::parallel_for(n, [&](int64_t row) {
+    std::vector<float> w(k);
+    quant::dequantize_row(host_view, row, w.data());
+    for (int mi = 0; mi < m; ++mi) {
+      double sum = 0.0, abs_sum = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        const double p = static_cast<double>(w[j]) * x[mi * k + j];
+        sum += p;
+        abs_sum += std::fabs(p);
+      }
+      expected[mi * n + row] = sum;
+      magnitude[mi * n + row] = abs_sum;
+    }
+  });
+  testing::expect_close(got, expected, magnitude, kTolerance, "gemv");
+}
+
+struct Shape {
+  int64_t rows, cols;
+};
+// E2B: QKV, gate+up, down; 26B-A4B: one expert's gate+up and down.
+constexpr Shape kShapes[] = {{2560, 1536}, {12288, 1536}, {1536, 6144}, {1408, 2816}, {2816, 704}};
+
+TEST(Gemv, W4G32RealShapes) {
+  uint32_t seed = 100;
+  for (const Shape& s : kShapes) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int m : {1, 2, 8, 64}) {
+      for (ActType x_type : {ActType::kBF16, ActType::kF32}) {
+        check_gemv(host, device, m, x_type, -1, seed++);
+      }
+    }
+  }
+}
+
+TEST(Gemv, W4G32LmHead) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 262144, 1536, 7);
+  const DeviceMatrix device(host);
+  check_gemv(host, device, 1, ActType::kBF16, -1, 8);
+  check_gemv(host, device, 1, ActType::kF32, -1, 9);
+  check_gemv(host, device, 2, ActType::kF32, -1, 10);
+}
+
+TEST(Gemv, W4G32ScaleTypes) {
+  for (ScaleType type : {ScaleType::kF16, ScaleType::kF32}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1408, 2816, 20, type);
+    const DeviceMatrix device(host);
+    check_gemv(host, device, 1, ActType::kF32, -1, 21);
+    check_gemv(host, device, 8, ActType::kBF16, -1, 22);
+  }
+}
+
+TEST(Gemv, NVFP4RealShapesBothConventions) {
+  uint32_t seed = 300;
+  bool divisor = true;
+  for (const Shape& s : kShapes) {
+    const HostMatrix host =
+        random_matrix(WeightFormat::kNVFP4, s.rows, s.cols, seed++, ScaleType::kBF16, divisor);
+    divisor = !divisor;
+    const DeviceMatrix device(host);
+    for (int m : {1, 2, 8, 64}) check_gemv(host, device, m, ActType::kF32, -1, seed++);
+    check_gemv(host, device, 1, ActType::kBF16, -1, seed++);
+  }
+}
+
+TEST(Gemv, BF16Weights) {
+  uint32_t seed = 500;
+  for (const Shape& s : {Shape{2560, 1536}, Shape{1536, 6144}, Shape{4096, 1536}}) {
+    const HostMatrix host = random_matrix(WeightFormat::kBF16, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int m : {1, 8}) {
+      check_gemv(host, device, m, ActType::kBF16, -1, seed++);
+      check_gemv(host, device, m, ActType::kF32, -1, seed++);
+    }
+  }
+}
+
+// Every compiled tiling, including ragged coverage (K = 704: 22 chunks) and a ragged M tile.
+TEST(Gemv, EveryTiling) {
+  const auto tilings = gemv_tilings();
+  for (const Shape& s : {Shape{2560, 1536}, Shape{2816, 704}}) {
+    for (WeightFormat format : {WeightFormat::kW4G32, WeightFormat::kNVFP4, WeightFormat::kBF16}) {
+      const HostMatrix host = random_matrix(format, s.rows, s.cols, 700);
+      const DeviceMatrix device(host);
+      for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+        const int m = tilings[t].m_tile == 1 ? 1 : 11;
+        check_gemv(host, device, m, t % 2 ? ActType::kF32 : ActType::kBF16, t, 701 + t);
+      }
+    }
+  }
+}
+
+TEST(Gemv, RejectsUnsupportedShapes) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 64, 64, 1);
+  DeviceMatrix device(host);
+  DeviceArray<float> x(64 * 65), y(64 * 65);
+  const GemvOutput out{y.get(), 64};
+  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 65, 64}, out, Launch{}),
+            cudaErrorInvalidValue);
+  QMatrix ragged = device.view;
+  ragged.cols = 40;
+  EXPECT_EQ(gemv(ragged, GemvInput{x.get(), ActType::kF32, 1, 40}, out, Launch{}),
+            cudaErrorInvalidValue);
+  QMatrix f32 = device.view;
+  f32.format = WeightFormat::kF32;
+  EXPECT_EQ(gemv(f32, GemvInput{x.get(), ActType::kF32, 1, 64}, out, Launch{}),
+            cudaErrorInvalidValue);
+}
+
+}  // namespace
+}  // namespace gemma4::cuda
