@@ -34,12 +34,10 @@ Status expect_dtype(const io::TensorView& tensor, std::initializer_list<DType> d
 
 class TensorResolver {
  public:
-  TensorResolver(const io::Checkpoint& checkpoint, std::string prefix)
-      : checkpoint_(checkpoint), prefix_(std::move(prefix)) {}
+  TensorResolver(const io::Checkpoint& checkpoint, std::string prefix, std::set<std::string>& used)
+      : checkpoint_(checkpoint), prefix_(std::move(prefix)), used_(used) {}
 
-  const io::TensorView* find(const std::string& name) const {
-    return checkpoint_.find(prefix_ + name);
-  }
+  const io::TensorView* find(const std::string& name) const { return find_full(prefix_ + name); }
   Expected<const io::TensorView*> require(const std::string& name) const {
     const io::TensorView* tensor = find(name);
     if (!tensor) {
@@ -60,7 +58,7 @@ class TensorResolver {
   // tensors present).
   Expected<QMatrix> matrix(const std::string& module, int64_t rows, int64_t cols,
                            std::optional<int64_t> expert = std::nullopt) const {
-    auto lookup = [this](std::string_view name) { return checkpoint_.find(name); };
+    auto lookup = [this](std::string_view name) { return find_full(name); };
     auto m = quant::qmatrix_from_tensors(lookup, prefix_ + module, expert);
     if (!m) return m.error().with_context(checkpoint_.directory().string());
     if (m->rows != rows || m->cols != cols) {
@@ -73,8 +71,15 @@ class TensorResolver {
   }
 
  private:
+  const io::TensorView* find_full(std::string_view name) const {
+    const io::TensorView* tensor = checkpoint_.find(name);
+    if (tensor) used_.insert(tensor->name);
+    return tensor;
+  }
+
   const io::Checkpoint& checkpoint_;
   std::string prefix_;
+  std::set<std::string>& used_;
 };
 
 Status load_experts(const TensorResolver& resolve, const std::string& layer,
@@ -219,8 +224,8 @@ void for_each_matrix(const ModelWeights& weights,
 
 Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> checkpoint,
                                           const ModelConfig& config) {
-  TensorResolver resolve(*checkpoint, config.tensor_prefix);
   ModelWeights w;
+  TensorResolver resolve(*checkpoint, config.tensor_prefix, w.used_tensors);
   const int64_t hidden = config.hidden_size;
   GEMMA4_ASSIGN_OR_RETURN(w.embed_tokens,
                           resolve.matrix("embed_tokens", config.vocab_size, hidden));
@@ -228,7 +233,7 @@ Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> 
     w.lm_head = w.embed_tokens;
   } else {
     // lm_head sits outside the text model's prefix in both layouts.
-    TensorResolver top(*checkpoint, "");
+    TensorResolver top(*checkpoint, "", w.used_tensors);
     GEMMA4_ASSIGN_OR_RETURN(w.lm_head, top.matrix("lm_head", config.vocab_size, hidden));
   }
   GEMMA4_ASSIGN_OR_RETURN(w.final_norm, resolve.vector("norm.weight", hidden));

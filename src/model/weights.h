@@ -13,6 +13,7 @@
 #include <filesystem>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -91,6 +92,10 @@ struct ModelWeights {
   std::vector<float> per_layer_projection_norm;  // [P]
 
   std::vector<LayerWeights> layers;
+
+  // Full names of every checkpoint tensor the weights above were read from (others, e.g. K/V
+  // tensors of KV-shared layers or a tied lm_head copy, are unused).
+  std::set<std::string> used_tensors;
 
   // Resolves every tensor `config` needs (names under config.tensor_prefix). A missing tensor,
   // a wrong shape or dtype, or an unusable quantized tensor set fails with the tensor's name.
