@@ -1,6 +1,7 @@
 #include "quant/quantize.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 
@@ -75,6 +76,16 @@ QMatrix PackedMatrix::view() const {
   return m;
 }
 
+float quantize_int4_group(std::span<const float, 32> group, std::span<int8_t, 32> q) {
+  const float scale = round_bf16(round_to_significant_bits(max_abs(group) / 7.5f, 5));
+  for (size_t j = 0; j < group.size(); ++j) {
+    q[j] = scale == 0.0f
+               ? 0
+               : static_cast<int8_t>(std::clamp(std::nearbyint(group[j] / scale), -8.0f, 7.0f));
+  }
+  return scale;
+}
+
 Expected<PackedMatrix> quantize_w4g32(std::span<const float> values, int64_t rows, int64_t cols) {
   GEMMA4_RETURN_IF_ERROR(check_input(values, rows, cols, kW4GroupSize, "w4g32"));
   PackedMatrix packed;
@@ -85,14 +96,12 @@ Expected<PackedMatrix> quantize_w4g32(std::span<const float> values, int64_t row
   std::vector<uint32_t> words(static_cast<size_t>(rows * cols / 8), 0);
   std::vector<uint16_t> scales(static_cast<size_t>(rows * cols / kW4GroupSize));
   for (int64_t group = 0; group < rows * cols / kW4GroupSize; ++group) {
-    const auto block = values.subspan(group * kW4GroupSize, kW4GroupSize);
-    const uint16_t scale_bits = float_to_bf16(round_to_significant_bits(max_abs(block) / 7.5f, 5));
-    const float scale = bf16_to_float(scale_bits);
-    scales[group] = scale_bits;
+    std::array<int8_t, kW4GroupSize> q;
+    const float scale =
+        quantize_int4_group(values.subspan(group * kW4GroupSize).first<kW4GroupSize>(), q);
+    scales[group] = float_to_bf16(scale);
     for (int64_t j = 0; j < kW4GroupSize; ++j) {
-      const float q =
-          scale == 0.0f ? 0.0f : std::clamp(std::nearbyint(block[j] / scale), -8.0f, 7.0f);
-      const auto u = static_cast<uint32_t>(static_cast<int>(q) + 8);
+      const auto u = static_cast<uint32_t>(q[j] + 8);
       const int64_t k = group * kW4GroupSize + j;  // element index in the flat matrix
       words[k / 8] |= u << (4 * (k % 8));
     }

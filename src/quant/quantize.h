@@ -41,6 +41,10 @@ struct PackedMatrix {
 // `values` is [rows, cols] row-major, finite, cols a multiple of 32.
 Expected<PackedMatrix> quantize_w4g32(std::span<const float> values, int64_t rows, int64_t cols);
 
+// The w4g32 rule above for one group of 32: writes q in [-8, 7] and returns the scale (a bf16
+// value with at most 5 significant bits; 0 for an all-zero group). Shared with quantize_q4_0.
+float quantize_int4_group(std::span<const float, 32> group, std::span<int8_t, 32> q);
+
 // NVFP4 per spec 3.2: per 16-element block, scale byte = e4m3(block_amax / 6 in global units)
 // (compressed-tensors: gs * amax / 6 with the divisor gs; ModelOpt: amax / (6 * s2) with the
 // multiplier s2), code = nearest e2m1 of w / global.apply(e4m3 scale), ties to the even code,

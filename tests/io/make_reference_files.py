@@ -53,5 +53,78 @@ def main():
         f.write(len(text).to_bytes(8, "little") + text + bytes(34))
 
 
+
+# --- GGUF -------------------------------------------------------------------------------------
+
+GGUF_SEEDS = os.path.join(ROOT, "fuzz", "seeds", "gguf")
+
+
+def random_blocks(rng, qtype, rows, cols):
+    """Random raw blocks of `qtype` with sane fp16 scales; the dequantized values come from
+    gguf-py's reference implementation and are stored beside them."""
+    import numpy as np
+    import gguf
+
+    block_elems, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(rows, cols // block_elems, block_bytes), dtype=np.uint8)
+    # fp16 d (and dmin) in [2^-8, 2^-4]: overwrite the fields the spec places at 0 (and 2).
+    scale_fields = {gguf.GGMLQuantizationType.Q4_0: [0], gguf.GGMLQuantizationType.Q8_0: [0],
+                    gguf.GGMLQuantizationType.Q4_K: [0, 2]}[qtype]
+    for offset in scale_fields:
+        d = rng.uniform(2.0**-8, 2.0**-4, size=raw.shape[:2]).astype(np.float16)
+        raw[:, :, offset:offset + 2] = d.view(np.uint8).reshape(rows, -1, 2)
+    raw = raw.reshape(rows, -1)
+    expected = gguf.quants.dequantize(raw, qtype).astype(np.float32)
+    return raw, expected
+
+
+def write_gguf_files():
+    import numpy as np
+    import gguf
+
+    os.makedirs(GGUF_SEEDS, exist_ok=True)
+    rng = np.random.default_rng(4)
+    path = os.path.join(HERE, "data", "reference.gguf")
+    writer = gguf.GGUFWriter(path, "gemma4")
+    writer.add_uint8("test.u8", 200)
+    writer.add_int8("test.i8", -100)
+    writer.add_uint16("test.u16", 60000)
+    writer.add_int16("test.i16", -30000)
+    writer.add_uint32("test.u32", 4000000000)
+    writer.add_int32("test.i32", -2000000000)
+    writer.add_float32("test.f32", 0.5)
+    writer.add_bool("test.bool", True)
+    writer.add_uint64("test.u64", 2**63 + 5)
+    writer.add_int64("test.i64", -(2**40))
+    writer.add_float64("test.f64", -2.25)
+    writer.add_string("test.string", "héllo")
+    writer.add_array("test.strings", ["a", "", "▁b"])
+    writer.add_array("test.ints", [1, -2, 3])
+    writer.add_array("test.floats", [0.25, -1.5])
+    writer.add_array("test.bools", [True, False, True])
+    writer.add_tensor("plain.f32", np.arange(6, dtype=np.float32).reshape(2, 3))
+    writer.add_tensor("plain.f16", np.array([[1.5, -2.0]], dtype=np.float16))
+    for name, qtype, rows, cols in [("q4_0", gguf.GGMLQuantizationType.Q4_0, 2, 64),
+                                    ("q8_0", gguf.GGMLQuantizationType.Q8_0, 1, 32),
+                                    ("q4_k", gguf.GGMLQuantizationType.Q4_K, 2, 256)]:
+        raw, expected = random_blocks(rng, qtype, rows, cols)
+        writer.add_tensor(name, raw, raw_dtype=qtype)
+        writer.add_tensor(name + ".expected", expected)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+    seed = gguf.GGUFWriter(os.path.join(GGUF_SEEDS, "small.gguf"), "gemma4")
+    seed.add_uint32("general.alignment", 64)
+    seed.add_array("tokenizer.ggml.tokens", ["<pad>", "a"])
+    seed.add_tensor("t", np.ones((2, 2), dtype=np.float32))
+    seed.write_header_to_file()
+    seed.write_kv_data_to_file()
+    seed.write_tensors_to_file()
+    seed.close()
+
+
 if __name__ == "__main__":
     main()
+    write_gguf_files()
