@@ -1,0 +1,157 @@
+// Engine mechanics on the tiny synthetic checkpoints: every way of feeding the same tokens
+// (one chunk, token by token, several sequences in one batch, after a roll-back) must give the
+// same logits, and bad requests must fail cleanly. Agreement with transformers itself is
+// tests/model/golden_test.cpp.
+#include "engine/gemma4_engine.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "model/synth.h"
+#include "model/weights.h"
+#include "test_support.h"
+
+namespace gemma4::engine {
+namespace {
+
+// Loaded once per config: synthesis and mapping are the slow part.
+const model::LoadedModel& tiny_model(const std::string& config) {
+  static std::map<std::string, model::LoadedModel> models;
+  auto it = models.find(config);
+  if (it == models.end()) {
+    model::SynthOptions synth;
+    synth.config = config;
+    synth.seed = 7;
+    synth.grid = model::SynthGrid::kNone;
+    synth.output = testing::scratch_dir("engine_" + config);
+    EXPECT_TRUE(model::synthesize_checkpoint(synth).ok());
+    auto loaded = model::LoadedModel::open(synth.output);
+    EXPECT_TRUE(loaded.ok()) << loaded.error().to_string();
+    it = models.emplace(config, std::move(*loaded)).first;
+  }
+  return it->second;
+}
+
+std::unique_ptr<Gemma4Engine> make_engine(const std::string& config, int ring_history = 4) {
+  const auto& m = tiny_model(config);
+  EngineOptions options;
+  options.max_sequences = 3;
+  options.max_context = 128;
+  options.ring_history = ring_history;
+  auto engine = Gemma4Engine::create(m.config, m.weights,
+                                     std::make_unique<backend::cpu::CpuBackend>(), options);
+  EXPECT_TRUE(engine.ok());
+  return std::move(*engine);
+}
+
+std::vector<int32_t> prompt_ids(int n, int salt) {
+  std::vector<int32_t> ids{2};
+  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
+  return ids;
+}
+
+double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0;
+  for (size_t i = 0; i < a.size(); ++i) d = std::max(d, double{std::abs(a[i] - b[i])});
+  return d;
+}
+
+std::vector<float> run(Engine& engine, SequenceId sequence, std::span<const int32_t> tokens) {
+  std::vector<float> logits(engine.vocab_size());
+  const StepInput input{sequence, tokens};
+  EXPECT_TRUE(engine.step({&input, 1}, logits).ok());
+  return logits;
+}
+
+class EngineTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(EngineTest, ChunkedPrefillEqualsTokenByToken) {
+  auto engine = make_engine(GetParam());
+  const auto prompt = prompt_ids(30, 1);  // > window 8 + history 4: several passes, ring wraps
+  const auto chunked = run(*engine, *engine->open_sequence(), prompt);
+  const SequenceId s = *engine->open_sequence();
+  std::vector<float> stepped;
+  for (int32_t token : prompt) stepped = run(*engine, s, std::span<const int32_t>(&token, 1));
+  EXPECT_LT(max_abs_diff(chunked, stepped), 1e-4);
+  EXPECT_EQ(engine->sequence_length(s), 30);
+}
+
+TEST_P(EngineTest, BatchedSequencesEqualSeparateOnes) {
+  auto engine = make_engine(GetParam());
+  const auto a = prompt_ids(20, 2), b = prompt_ids(11, 3);
+  const auto alone_a = run(*engine, *engine->open_sequence(), a);
+  const auto alone_b = run(*engine, *engine->open_sequence(), b);
+
+  auto batched = make_engine(GetParam());
+  const SequenceId sa = *batched->open_sequence(), sb = *batched->open_sequence();
+  const StepInput inputs[] = {{sb, b}, {sa, a}};
+  std::vector<float> logits(2 * batched->vocab_size());
+  ASSERT_TRUE(batched->step(inputs, logits).ok());
+  const auto v = batched->vocab_size();
+  EXPECT_LT(max_abs_diff(std::vector<float>(logits.begin(), logits.begin() + v), alone_b), 1e-4);
+  EXPECT_LT(max_abs_diff(std::vector<float>(logits.begin() + v, logits.end()), alone_a), 1e-4);
+}
+
+TEST_P(EngineTest, TruncateRollsBackWithinTheRingHistory) {
+  auto engine = make_engine(GetParam());
+  const auto prompt = prompt_ids(24, 4);
+  const SequenceId s = *engine->open_sequence();
+  run(*engine, s, std::span(prompt).first(20));
+  run(*engine, s, std::span(prompt).subspan(20));  // 4 more tokens, then roll them back
+  ASSERT_TRUE(engine->truncate_sequence(s, 20).ok());
+  EXPECT_EQ(engine->sequence_length(s), 20);
+  const int32_t next = 5000;
+  const auto after_rollback = run(*engine, s, std::span(&next, 1));
+
+  const SequenceId fresh = *engine->open_sequence();
+  run(*engine, fresh, std::span(prompt).first(20));
+  EXPECT_LT(max_abs_diff(after_rollback, run(*engine, fresh, std::span(&next, 1))), 1e-4);
+
+  // 10 tokens back is beyond window + history of the sliding rings.
+  EXPECT_EQ(engine->truncate_sequence(s, 11).error().code, ErrorCode::kOutOfRange);
+  EXPECT_EQ(engine->sequence_length(s), 21);
+  ASSERT_TRUE(engine->truncate_sequence(s, 0).ok());
+}
+
+TEST_P(EngineTest, BadRequestsFailWithoutSideEffects) {
+  auto engine = make_engine(GetParam());
+  std::vector<float> logits(engine->vocab_size());
+  const int32_t bad_token = engine->vocab_size();
+  const SequenceId s = *engine->open_sequence();
+  StepInput input{s, std::span(&bad_token, 1)};
+  EXPECT_EQ(engine->step({&input, 1}, logits).error().code, ErrorCode::kInvalidArgument);
+  EXPECT_EQ(engine->sequence_length(s), 0);
+
+  const auto ids = prompt_ids(3, 5);
+  input = {2, ids};  // never opened
+  EXPECT_EQ(engine->step({&input, 1}, logits).error().code, ErrorCode::kInvalidArgument);
+
+  const auto too_long = prompt_ids(129, 6);
+  input = {s, too_long};
+  EXPECT_EQ(engine->step({&input, 1}, logits).error().code, ErrorCode::kResourceExhausted);
+
+  std::vector<float> small(10);
+  input = {s, ids};
+  EXPECT_EQ(engine->step({&input, 1}, small).error().code, ErrorCode::kInvalidArgument);
+
+  EXPECT_TRUE(engine->open_sequence().ok());
+  EXPECT_TRUE(engine->open_sequence().ok());
+  EXPECT_EQ(engine->open_sequence().error().code, ErrorCode::kResourceExhausted);
+  engine->close_sequence(s);
+  EXPECT_TRUE(engine->open_sequence().ok());
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, EngineTest, ::testing::Values("tiny", "tiny-moe"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace gemma4::engine
