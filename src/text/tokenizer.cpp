@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <atomic>
 #include <bit>
 #include <functional>
 #include <limits>
@@ -62,6 +63,40 @@ std::string replace_underlines(std::string_view piece) {
   return out;
 }
 
+// Collects the characters that a merge result (`piece`) holds right before a '▁' (other than
+// '▁'), or next to a '\n' (other than '\n'): BPE symbols can span such a pair, so the place
+// between them is no chunk boundary.
+void note_chunk_joiners(std::string_view piece, std::vector<uint32_t>& underline_joiners,
+                        std::vector<uint32_t>& newline_joiners) {
+  if (piece.find('\n') == std::string_view::npos &&
+      piece.find(kUnderlineUtf8) == std::string_view::npos) {
+    return;
+  }
+  uint32_t previous = 0;
+  for (size_t i = 0; i < piece.size();) {
+    uint32_t code_point;
+    const size_t length = utf8::decode_one(piece.substr(i), code_point);
+    if (length == 0) return;  // not text; a byte piece never sits next to anything
+    if (i > 0) {
+      if (code_point == kUnderline && previous != kUnderline) underline_joiners.push_back(previous);
+      if ((previous == '\n') != (code_point == '\n')) {
+        newline_joiners.push_back(previous == '\n' ? code_point : previous);
+      }
+    }
+    previous = code_point;
+    i += length;
+  }
+}
+
+void sort_unique(std::vector<uint32_t>& values) {
+  std::sort(values.begin(), values.end());
+  values.erase(std::unique(values.begin(), values.end()), values.end());
+}
+
+bool contains(const std::vector<uint32_t>& sorted, uint32_t value) {
+  return std::binary_search(sorted.begin(), sorted.end(), value);
+}
+
 // Per-thread scratch space for BPE, reused across calls so that encoding allocates nothing
 // beyond the output once warmed up.
 struct Symbol {
@@ -85,6 +120,35 @@ struct BpeWorkspace {
 };
 thread_local BpeWorkspace bpe_workspace;
 
+// Per-thread cache of chunk -> ids (HF keeps a similar word cache). Entries belong to one
+// tokenizer (owner = its cache id); the cache is emptied when another tokenizer uses it or when
+// it is full, which bounds its memory.
+struct StringHash {
+  using is_transparent = void;
+  size_t operator()(std::string_view text) const { return std::hash<std::string_view>{}(text); }
+};
+struct ChunkCache {
+  static constexpr size_t kMaxChunkBytes = 64;
+  static constexpr size_t kMaxEntries = 1 << 15;
+  uint64_t owner = 0;
+  std::unordered_map<std::string, std::pair<uint32_t, uint32_t>, StringHash, std::equal_to<>>
+      entries;  // chunk -> (offset, count) in ids
+  std::vector<int32_t> ids;
+
+  void clear() {
+    entries.clear();
+    ids.clear();
+  }
+  void insert(std::string_view chunk, std::span<const int32_t> chunk_ids) {
+    if (entries.size() >= kMaxEntries) clear();
+    entries.emplace(chunk, std::pair{static_cast<uint32_t>(ids.size()),
+                                     static_cast<uint32_t>(chunk_ids.size())});
+    ids.insert(ids.end(), chunk_ids.begin(), chunk_ids.end());
+  }
+};
+thread_local ChunkCache chunk_cache;
+std::atomic<uint64_t> next_cache_id{1};
+
 }  // namespace
 
 Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
@@ -94,6 +158,7 @@ Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
     return make_error(ErrorCode::kInvalidArgument, "tokenizer has too many tokens ({})", count);
   }
   Tokenizer tok;
+  tok.cache_id_ = next_cache_id.fetch_add(1);
   tok.byte_fallback_ = vocab.byte_fallback;
   tok.fuse_unk_ = vocab.fuse_unk;
   tok.space_to_underline_ = vocab.space_to_underline;
@@ -150,6 +215,7 @@ Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
                         "merge {} (\"{}\" \"{}\") uses a piece that is not in the vocabulary", rank,
                         left_piece, right_piece);
     }
+    note_chunk_joiners(merged_piece, tok.underline_joiners_, tok.newline_joiners_);
     const uint64_t key = pair_key(left, right);
     for (size_t slot = mix_bits(key) & merge_mask;; slot = (slot + 1) & merge_mask) {
       Merge& entry = tok.merges_[slot];
@@ -174,6 +240,10 @@ Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
       tok.astral_char_ids_.emplace(code_point, static_cast<int32_t>(id));
     }
   }
+  sort_unique(tok.underline_joiners_);
+  sort_unique(tok.newline_joiners_);
+  tok.split_at_newlines_ = tok.char_id('\n') >= 0;
+  tok.split_before_underline_ = tok.char_id(kUnderline) >= 0;
   for (int byte = 0; byte < 256; ++byte) {
     tok.byte_token_ids_[byte] = tok.token_to_id(fmt::format("<0x{:02X}>", byte));
   }
@@ -286,13 +356,61 @@ int32_t Tokenizer::char_id(uint32_t code_point) const {
   return it == astral_char_ids_.end() ? -1 : it->second;
 }
 
-// BPE over one segment between added tokens (HF BPE::merge_word + Word::merge_all).
+// The character at segment[i] after normalization, and its length in bytes; kNotText for a byte
+// that does not start well-formed UTF-8.
+constexpr uint32_t kNotText = 0xFFFFFFFF;
+size_t Tokenizer::next_char(std::string_view segment, size_t i, uint32_t& code_point) const {
+  const auto lead = static_cast<uint8_t>(segment[i]);
+  size_t length = 1;
+  if (lead < 0x80) {
+    code_point = lead;
+  } else if (length = utf8::decode_one(segment.substr(i), code_point); length == 0) {
+    code_point = kNotText;
+    return 1;
+  }
+  if (code_point == ' ' && space_to_underline_) code_point = kUnderline;
+  return length;
+}
+
+// One segment between added tokens. HF runs BPE on the whole segment; cutting it into chunks at
+// boundaries no merge crosses gives the same ids and lets encode_chunk cache words.
 void Tokenizer::encode_segment(std::string_view segment, std::vector<int32_t>& out) const {
-  if (segment.empty()) return;
+  uint32_t previous = kNotText, code_point;
+  size_t chunk_start = 0;
+  for (size_t i = 0; i < segment.size(); previous = code_point) {
+    const size_t length = next_char(segment, i, code_point);
+    const bool boundary = (split_at_newlines_ && (previous == '\n') != (code_point == '\n') &&
+                           !contains(newline_joiners_, previous == '\n' ? code_point : previous)) ||
+                          (split_before_underline_ && code_point == kUnderline &&
+                           previous != kUnderline && !contains(underline_joiners_, previous));
+    if (boundary && i > chunk_start) {
+      encode_chunk(segment.substr(chunk_start, i - chunk_start), out);
+      chunk_start = i;
+    }
+    i += length;
+  }
+  encode_chunk(segment.substr(chunk_start), out);
+}
+
+// BPE over one chunk (HF BPE::merge_word), through the per-thread cache of short chunks.
+void Tokenizer::encode_chunk(std::string_view chunk, std::vector<int32_t>& out) const {
+  if (chunk.empty()) return;
+  ChunkCache& cache = chunk_cache;
+  const bool cacheable = chunk.size() <= ChunkCache::kMaxChunkBytes;
+  if (cacheable) {
+    if (cache.owner != cache_id_) {
+      cache.clear();
+      cache.owner = cache_id_;
+    }
+    if (const auto hit = cache.entries.find(chunk); hit != cache.entries.end()) {
+      const auto [offset, count] = hit->second;
+      out.insert(out.end(), cache.ids.begin() + offset, cache.ids.begin() + offset + count);
+      return;
+    }
+  }
+
   auto& symbols = bpe_workspace.symbols;
-  auto& queue = bpe_workspace.queue;
   symbols.clear();
-  queue.clear();
   bool last_is_fused_unk = false;
   const auto add_symbol = [&](int32_t id) {
     const auto index = static_cast<int32_t>(symbols.size());
@@ -306,30 +424,20 @@ void Tokenizer::encode_segment(std::string_view segment, std::vector<int32_t>& o
   // Byte fallback: all bytes of the character as <0xNN> tokens, or <unk> if one is missing.
   const auto add_bytes = [&](std::string_view bytes) {
     bool all_exist = byte_fallback_;
-    for (const char b : bytes)
+    for (const char b : bytes) {
       all_exist = all_exist && byte_token_ids_[static_cast<uint8_t>(b)] >= 0;
+    }
     if (!all_exist) return add_unknown();
     for (const char b : bytes) add_symbol(byte_token_ids_[static_cast<uint8_t>(b)]);
     last_is_fused_unk = false;
   };
-
   std::string normalized_bytes;  // only for a character missing from the vocabulary
-  for (size_t i = 0; i < segment.size();) {
+  for (size_t i = 0; i < chunk.size();) {
     uint32_t code_point;
-    const auto lead = static_cast<uint8_t>(segment[i]);
-    size_t length = 1;
-    if (lead < 0x80) {
-      code_point = lead;
-    } else {
-      length = utf8::decode_one(segment.substr(i), code_point);
-      if (length == 0) {  // not UTF-8: the byte itself
-        add_bytes(segment.substr(i, 1));
-        ++i;
-        continue;
-      }
-    }
-    if (code_point == ' ' && space_to_underline_) code_point = kUnderline;
-    if (const int32_t id = char_id(code_point); id >= 0) {
+    const size_t length = next_char(chunk, i, code_point);
+    if (code_point == kNotText) {
+      add_bytes(chunk.substr(i, 1));
+    } else if (const int32_t id = char_id(code_point); id >= 0) {
       add_symbol(id);
       last_is_fused_unk = false;
     } else {
@@ -339,9 +447,19 @@ void Tokenizer::encode_segment(std::string_view segment, std::vector<int32_t>& o
     }
     i += length;
   }
+  const size_t first_new = out.size();
+  merge_and_emit(out);
+  if (cacheable) cache.insert(chunk, std::span(out).subspan(first_new));
+}
+
+// BPE over the symbols gathered in the workspace (HF Word::merge_all); appends the resulting ids
+// and empties the workspace.
+void Tokenizer::merge_and_emit(std::vector<int32_t>& out) const {
+  auto& symbols = bpe_workspace.symbols;
+  auto& queue = bpe_workspace.queue;
   if (symbols.empty()) return;
   symbols.back().next = -1;
-
+  queue.clear();
   for (size_t i = 0; i + 1 < symbols.size(); ++i) {
     if (const Merge* merge = find_merge(symbols[i].id, symbols[i + 1].id)) {
       queue.push_back(PendingMerge{merge->rank, static_cast<int32_t>(i), merge->merged_id});
@@ -376,6 +494,7 @@ void Tokenizer::encode_segment(std::string_view segment, std::vector<int32_t>& o
     }
   }
   for (int32_t i = 0; i >= 0; i = symbols[i].next) out.push_back(symbols[i].id);
+  symbols.clear();
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {

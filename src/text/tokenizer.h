@@ -108,7 +108,10 @@ class Tokenizer {
 
   const Merge* find_merge(int32_t left, int32_t right) const;
   int32_t char_id(uint32_t code_point) const;
+  size_t next_char(std::string_view segment, size_t i, uint32_t& code_point) const;
   void encode_segment(std::string_view segment, std::vector<int32_t>& out) const;
+  void encode_chunk(std::string_view chunk, std::vector<int32_t>& out) const;
+  void merge_and_emit(std::vector<int32_t>& out) const;
 
   // Token pieces, as in the vocabulary, packed: piece i = text_[offsets_[i], offsets_[i+1]).
   std::string token_text_;
@@ -129,6 +132,15 @@ class Tokenizer {
   bool fuse_unk_ = false;
   bool space_to_underline_ = true;  // the normalizer: U+0020 -> U+2581
   int32_t unk_id_ = -1;
+  // Chunk boundaries no merge can cross, so BPE runs on each chunk alone (same ids, small heaps,
+  // cacheable words): between '\n' and another character, and before a '▁' that follows another
+  // character -- except next to the few characters some merge result joins there (found at load:
+  // for Gemma, only '>' before '▁', from the piece ">▁</").
+  bool split_at_newlines_ = false;
+  bool split_before_underline_ = false;
+  std::vector<uint32_t> newline_joiners_;    // sorted code points
+  std::vector<uint32_t> underline_joiners_;  // sorted code points
+  uint64_t cache_id_ = 0;  // identifies this vocabulary in the per-thread chunk cache
 
   std::vector<AddedToken> added_tokens_;
   std::vector<TrieNode> added_trie_;          // node 0 is the root

@@ -48,7 +48,8 @@ RANGES = [(0x20, 0x7E), (0x00, 0x1F), (0xA0, 0x24F), (0x370, 0x3FF), (0x400, 0x4
           (0xE0000, 0xE007F), (0x10FF00, 0x10FFFF)]
 WORDS = ["the", "Hello", "world", "tokenizer", "def", "return", "naïve", "Straße", "東京", "привет",
          "مرحبا", "नमस्ते", "こんにちは", "3.14159", "2026-04-02", "http://example.com/a?b=c",
-         "{\"k\": [1, 2]}", "call:get_weather{city:", "thought", "user", "model", "\u2581", "▁▁"]
+         "{\"k\": [1, 2]}", "call:get_weather{city:", "thought", "user", "model", "\u2581", "▁▁",
+         "<td> </td>", "a> </b", ">  </", "\n>\n </"]
 EMOJI = ["😊", "👍🏽", "👨‍👩‍👧‍👦", "🇫🇷", "🏳️‍🌈", "❤️", "🫠", "✈︎", "1️⃣", "🧑🏿‍🚀"]
 WHITESPACE = [" ", "  ", "\t", "\n", "\r\n", "\n\n", "\u3000", "\u00a0", "\u2009", "\x0b", "\x0c"]
 INVALID = [b"\x80", b"\xbf", b"\xc0\xaf", b"\xc1\x81", b"\xe0\x80\xaf", b"\xed\xa0\x80",

@@ -114,6 +114,17 @@ TEST(Tokenizer, RoundTripsValidUtf8) {
             "a b");
 }
 
+// Words are cut into cached chunks before '▁' and around '\n', except where a merge joins the
+// two sides ('>' + '▁' in the piece ">▁</"). Expected ids: HF tokenizers.
+TEST(Tokenizer, ChunkBoundariesAndCacheKeepHfIds) {
+  const Tokenizer& tok = shared_tokenizer();
+  for (int repeat = 0; repeat < 2; ++repeat) {  // the second pass reads the chunk cache
+    EXPECT_EQ(tok.encode("<td> </td>"), (Ids{236820, 2004, 107068, 2004, 236813}));
+    EXPECT_EQ(tok.encode("Hello world hello world\n\nHello"),
+              (Ids{9259, 1902, 29104, 1902, 108, 9259}));
+  }
+}
+
 TEST(Tokenizer, InvalidUtf8BecomesByteTokens) {
   const Tokenizer& tok = shared_tokenizer();
   EXPECT_EQ(tok.encode("\xFF"), (Ids{byte_id(0xFF)}));
