@@ -27,7 +27,6 @@ struct RopeParams {
   // Denominator of the exponent: inv_freq[i] = theta^(-2i / exponent_denominator). The head dim
   // for default rope, the full head dim for proportional rope.
   int exponent_denominator = 0;
-  // Rotation pairs (i, i + head_dim/2) (NeoX half split) for every rope type of Gemma 4.
 };
 
 struct LayerGeometry {

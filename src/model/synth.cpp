@@ -52,6 +52,9 @@ class RowRandom {
   uint64_t bits() { return splitmix64(state_); }
   // Uniform in [0, 1).
   double uniform() { return static_cast<double>(bits() >> 11) * 0x1.0p-53; }
+  // Uniform in [low, high). std::fma is one correctly rounded operation on every platform, so a
+  // compiler that contracts a * b + c differently cannot change the bytes.
+  double uniform(double low, double high) { return std::fma(high - low, uniform(), low); }
   // Approximately standard normal: Irwin-Hall sum of four 16-bit uniforms, centred and divided
   // by its exact standard deviation 65536/sqrt(3) (integer math plus one division: no libm).
   double normal() {
@@ -87,7 +90,7 @@ void w4g32_row(uint64_t key, int64_t row, int64_t cols, int8_t* levels, float* s
   RowRandom rng(key, row);
   const double target = weight_rms(cols) / 2.5;
   for (int64_t g = 0; g < cols / 32; ++g) {
-    scales[g] = round_significant(static_cast<float>(target * (0.75 + 0.5 * rng.uniform())), 5);
+    scales[g] = round_significant(static_cast<float>(target * rng.uniform(0.75, 1.25)), 5);
   }
   for (int64_t k = 0; k < cols; ++k) {
     const double level = std::nearbyint(rng.normal() * 2.5);
@@ -112,7 +115,7 @@ void nvfp4_row(uint64_t key, int64_t row, int64_t cols, uint8_t* codes, uint8_t*
   const double global = nvfp4_global_scale(cols);
   for (int64_t b = 0; b < cols / 16; ++b) {
     block_scales[b] =
-        float_to_e4m3(static_cast<float>(block_target * (0.75 + 0.5 * rng.uniform()) * global));
+        float_to_e4m3(static_cast<float>(block_target * rng.uniform(0.75, 1.25) * global));
   }
   for (int64_t k = 0; k < cols; k += 16) {
     const uint64_t bits = rng.bits();
@@ -196,7 +199,8 @@ class TensorPlan {
   }
   // Weights around `center` with relative spread: norm weights.
   void norm(const std::string& name, int64_t length, double center = 1.0, double spread = 0.2) {
-    vector(name, length, [=](RowRandom& rng) { return center * (1.0 + spread * rng.normal()); });
+    vector(name, length,
+           [=](RowRandom& rng) { return center * std::fma(spread, rng.normal(), 1.0); });
   }
 
   // A matrix that stays bf16 in every format (embeddings, PLE table and projection, router).
@@ -363,7 +367,7 @@ void plan_model(const ModelConfig& config, TensorPlan& plan) {
       plan.plain_matrix(p + "router.proj.weight", experts, hidden, 1.5);
       plan.norm(p + "router.scale", hidden);
       plan.vector(p + "router.per_expert_scale", experts,
-                  [](RowRandom& rng) { return 0.5 + rng.uniform(); });
+                  [](RowRandom& rng) { return rng.uniform(0.5, 1.5); });
       plan.norm(p + "post_feedforward_layernorm_1.weight", hidden);
       plan.norm(p + "pre_feedforward_layernorm_2.weight", hidden);
       plan.norm(p + "post_feedforward_layernorm_2.weight", hidden);
@@ -374,7 +378,7 @@ void plan_model(const ModelConfig& config, TensorPlan& plan) {
       plan.linear(p + "per_layer_projection", hidden, config.ple_dim);
       plan.norm(p + "post_per_layer_input_norm.weight", hidden);
     }
-    plan.vector(p + "layer_scalar", 1, [](RowRandom& rng) { return 0.6 + 0.4 * rng.uniform(); });
+    plan.vector(p + "layer_scalar", 1, [](RowRandom& rng) { return rng.uniform(0.6, 1.0); });
   }
 }
 

@@ -2,8 +2,9 @@
 // generation_config.json, safetensors, sharded with an index when large), values from a seed.
 //
 // Determinism: every value comes from a counter-based splitmix64 stream keyed by (seed, logical
-// tensor name, row) and only integer and exactly-rounded IEEE operations (+, *, /, sqrt), so the
-// bytes are identical on every machine, for any thread count and any tensor layout.
+// tensor name, row) and only integer and exactly-rounded IEEE operations (+, *, /, sqrt, explicit
+// fma; no libm transcendentals, no a*b+c left to the compiler's contraction choice), so the bytes
+// are identical on every machine, for any thread count and any tensor layout.
 //
 // Quantized twins: a quantized matrix is generated ON its grid (w4g32: int4 levels and bf16
 // group scales with at most 5 significant bits; nvfp4: e2m1 codes, e4m3 block scales and a
