@@ -211,7 +211,7 @@ class ArgumentParser {
       std::string value;
       GEMMA4_RETURN_IF_ERROR(parse_value(value, depth + 1));
       if (seen_keys.insert(key).second) {  // duplicate keys: the first one wins
-        if (out.size() > 1) out += ',';
+        if (seen_keys.size() > 1) out += ',';
         append_json_string(key, out);
         out += ':';
         out += value;

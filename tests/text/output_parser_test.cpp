@@ -282,6 +282,7 @@ TEST(GemmaToolCall, ConvertsValuesToJsonText) {
       {"f{s:<|\"|>tab\tnl\ncr\r\x01 \"q\" é<|\"|>}", R"({"s":"tab\tnl\ncr\r\u0001 \"q\" é"})"},
       {"f{z:1,a:2,z:3}", R"({"z":1,"a":2})"},
       {"f{o:{b:{}},l:[],n:null,t:true}", R"({"o":{"b":{}},"l":[],"n":null,"t":true})"},
+      {"f{b:[1,{c:-2.5e3,d:{}},{e:2}]}", R"({"b":[1,{"c":-2.5e3,"d":{}},{"e":2}]})"},
       {"get_time", "{}"},
       {"f{my key:1}", R"({"my key":1})"},
       {"f{s:<|\"|>\xff<|\"|>}", R"({"s":"�"})"},
