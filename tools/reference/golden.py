@@ -12,8 +12,9 @@ sliding window, and writes a small JSON fixture:
   sampled           at a few positions, the logits of every `vocab_stride`-th token id
 
 Run with the reference environment (torch CPU + transformers with Gemma 4), e.g.
+  gemma4 synth --config tiny --format bf16 --grid none --seed 1 -o /tmp/tiny
   /opt/refenv/bin/python tools/reference/golden.py --checkpoint /tmp/tiny --config tiny \
-      --seed 1 --out tests/data/golden/tiny.json
+      --grid none --seed 1 --out tests/data/golden/tiny.json
 The checkpoint itself is not committed: the C++ test regenerates it from (config, seed).
 """
 
@@ -86,6 +87,7 @@ def main():
     parser.add_argument("--checkpoint", required=True, help="synthetic bf16 checkpoint directory")
     parser.add_argument("--config", required=True, help="synth config name (recorded)")
     parser.add_argument("--seed", type=int, required=True, help="synth seed (recorded)")
+    parser.add_argument("--grid", default="none", help="synth value grid: none, w4g32, nvfp4 (recorded)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
@@ -121,6 +123,7 @@ def main():
         "transformers": transformers.__version__,
         "config": args.config,
         "seed": args.seed,
+        "grid": args.grid,
         "prompt": prompt,
         "greedy": greedy,
         "greedy_top2_gap": [round(g, 6) for g in gaps],
