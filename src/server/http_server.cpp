@@ -347,7 +347,7 @@ struct HttpServer::Routes {
     auto job = std::get<std::shared_ptr<GenerationJob>>(started);
     const std::string id = random_id("cmpl-");
     const int64_t created = unix_seconds();
-    auto response = [&, id, created](json choices) {
+    auto response = [job, id, created](json choices) {
       return json{{"id", id},
                   {"object", "text_completion"},
                   {"created", created},
