@@ -349,20 +349,20 @@ const Json* reasoning_of(const Json& message) {
   return py_truthy(reasoning) ? reasoning : member(&message, "reasoning_content");
 }
 
-// A tool result's `name`: the tool message's own name, overridden by the function name of every
-// call whose id equals its tool_call_id (missing ids compare equal: the template's quirk).
+// A tool result's `name`: the function name of the last call whose id equals its tool_call_id
+// (missing ids compare equal: the template's quirk), else its own name, else "unknown".
 Expected<std::string> tool_result_name(const Json& result, const std::vector<ToolCallView>& calls,
                                        const std::string& path) {
-  std::string name = "unknown";
-  if (const Json* own = member(&result, "name"); py_truthy(own)) {
-    if (!own->is_string()) return invalid(fmt::format("{}.name must be a string", path));
-    name = own->get<std::string>();
-  }
+  const ToolCallView* matched = nullptr;
   const Json* call_id = member(&result, "tool_call_id");
   for (const ToolCallView& call : calls) {
-    if (chat_values::py_equal(member(call.call, "id"), call_id)) name = call.name;
+    if (chat_values::py_equal(member(call.call, "id"), call_id)) matched = &call;
   }
-  return name;
+  if (matched != nullptr) return matched->name;
+  const Json* own = member(&result, "name");  // `follow.get('name') or 'unknown'`
+  if (!py_truthy(own)) return std::string("unknown");
+  if (!own->is_string()) return invalid(fmt::format("{}.name must be a string", path));
+  return own->get<std::string>();
 }
 
 Status format_tool_result(const Json& result, const std::vector<ToolCallView>& calls,
