@@ -187,6 +187,9 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
 void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
   const auto& w = *weights;
   Rows hidden = rows(x, n, config.hidden_size);
+  // transformers casts the √H scale to the weight dtype: exact in float32 (what this engine
+  // computes in, and what the golden fixtures use), bf16(√H) only in a bf16 run
+  // (ModelConfig::embedding_scale()). The two agree whenever √H is exact in bf16.
   backend->embed(w.embed_tokens, token_ids.ints(),
                  std::sqrt(static_cast<float>(config.hidden_size)), hidden);
   if (config.ple_dim > 0) per_layer_inputs(n, hidden);

@@ -130,9 +130,12 @@ SampledToken Sampler::sample(std::span<float> logits) {
   if (params_.temperature == 0.0f) {
     result.id = *std::min_element(order.begin(), order.end(), more_likely);
   } else {
-    // Candidates, most likely first: only as many as top_k keeps need ordering.
+    // Candidates, most likely first when a filter needs the order (only as many as top_k
+    // keeps); plain temperature sampling draws over the vocabulary in id order.
     const int32_t keep = params_.top_k > 0 ? std::min(params_.top_k, vocab) : vocab;
-    std::partial_sort(order.begin(), order.begin() + keep, order.end(), more_likely);
+    const bool needs_order = keep < vocab || params_.top_p < 1.0f || params_.min_p > 0.0f;
+    if (needs_order)
+      std::partial_sort(order.begin(), order.begin() + keep, order.end(), more_likely);
     std::vector<double> probs(keep);
     const double inv_temperature = 1.0 / params_.temperature;
     double total = 0.0;
