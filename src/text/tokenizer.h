@@ -8,6 +8,9 @@
 //   4. merge the adjacent pair with the lowest merge rank (leftmost on ties) until none is left.
 // Input that is not valid UTF-8 is accepted: every byte that does not start a well-formed UTF-8
 // sequence becomes its <0xNN> byte token (HF's Python API cannot take such input at all).
+//
+// A loaded Tokenizer is immutable; encode/decode may run on many threads at once (BPE scratch
+// space and the cache of recently encoded chunks are per thread).
 #pragma once
 
 #include <array>
