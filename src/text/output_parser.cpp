@@ -152,7 +152,7 @@ ParserDelta OutputParser::finish(bool token_limit_reached) {
 }
 
 void OutputParser::drain(bool at_end, ParserDelta& delta) {
-  while (!pending_.empty()) {
+  while (pending_begin_ < pending_.size()) {
     bool progressed = false;
     switch (state_) {
       case State::kContent:
@@ -163,17 +163,19 @@ void OutputParser::drain(bool at_end, ParserDelta& delta) {
         progressed = step_call(at_end, delta);
         break;
       case State::kStopped:
-        consume(SegmentKind::kAfterStop, pending_.size());
+        consume(SegmentKind::kAfterStop, unprocessed().size());
         progressed = true;
         break;
     }
-    if (!progressed) return;
+    if (!progressed) break;
   }
+  pending_.erase(0, pending_begin_);  // one erase per drain keeps long pushes linear
+  pending_begin_ = 0;
 }
 
 // CONTENT / REASONING: text up to the next marker; returns false when waiting for more input.
 bool OutputParser::step_text(bool at_end, ParserDelta& delta) {
-  const std::string_view text = pending_;
+  const std::string_view text = unprocessed();
   const SegmentKind text_kind =
       state_ == State::kContent ? SegmentKind::kContent : SegmentKind::kReasoning;
 
@@ -194,7 +196,7 @@ bool OutputParser::step_text(bool at_end, ParserDelta& delta) {
   if (open != 0) {
     const size_t length = open == std::string_view::npos ? text.size() : open;
     emit_text(text_kind, text.substr(0, length), delta);
-    pending_.erase(0, length);
+    pending_begin_ += length;
     return true;
   }
 
@@ -231,13 +233,13 @@ bool OutputParser::step_text(bool at_end, ParserDelta& delta) {
        (is_proper_prefix_of(text, kChannelOpen) || is_proper_prefix_of(text, kCallClose)));
   if (may_be_marker && !at_end) return false;
   emit_text(text_kind, text.substr(0, 1), delta);  // a '<' that starts no marker
-  pending_.erase(0, 1);
+  ++pending_begin_;
   return true;
 }
 
 void OutputParser::begin_call(size_t marker_length) {
-  call_text_.assign(pending_, 0, marker_length);
-  pending_.erase(0, marker_length);
+  call_text_.assign(unprocessed().substr(0, marker_length));
+  pending_begin_ += marker_length;
   call_in_string_ = false;
   call_depth_ = 0;
   state_ = State::kCall;
@@ -246,11 +248,11 @@ void OutputParser::begin_call(size_t marker_length) {
 // CALL: scans to the closer `<tool_call|>` at depth 0 outside strings. A stop marker (anywhere)
 // or a new `<|tool_call>` (outside strings) also ends the call, which then counts if it parses.
 bool OutputParser::step_call(bool at_end, ParserDelta& delta) {
-  const std::string_view text = pending_;
+  const std::string_view text = unprocessed();
   size_t pos = 0;
   const auto take = [&](size_t length) {
-    call_text_.append(pending_, 0, length);
-    pending_.erase(0, length);
+    call_text_.append(text.substr(0, length));
+    pending_begin_ += length;
   };
   while (pos < text.size()) {
     const char c = text[pos];
@@ -326,8 +328,8 @@ void OutputParser::emit_text(SegmentKind kind, std::string_view text, ParserDelt
 }
 
 void OutputParser::consume(SegmentKind kind, size_t length) {
-  record(kind, std::string_view(pending_).substr(0, length));
-  pending_.erase(0, length);
+  record(kind, unprocessed().substr(0, length));
+  pending_begin_ += length;
 }
 
 void OutputParser::record(SegmentKind kind, std::string_view text) {

@@ -142,7 +142,9 @@ class OutputParser {
   bool expect_channel_label_;  // right after <|channel>: a `thought\n` label may follow
   bool stopped_ = false;
   bool finished_ = false;
-  std::string pending_;  // input not yet assigned to a segment
+  std::string pending_;       // input not yet assigned to a segment, from pending_begin_ on
+  size_t pending_begin_ = 0;  // (drain() erases the assigned prefix once at its end)
+  std::string_view unprocessed() const { return std::string_view(pending_).substr(pending_begin_); }
   // The open call: raw text from `<|tool_call>call:` on, and the scanner's context at its end.
   std::string call_text_;
   bool call_in_string_ = false;
