@@ -109,7 +109,8 @@ Status SafetensorsWriter::append(std::span<const std::byte> bytes) {
                       "writing {}: {} more bytes than the tensor specs declare", s.path.string(),
                       bytes.size() - s.remaining);
   }
-  if (std::fwrite(bytes.data(), 1, bytes.size(), s.file) != bytes.size()) {
+  // (An empty span may carry a null pointer, which fwrite must not see.)
+  if (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), s.file) != bytes.size()) {
     return io_error("write", s.partial_path, errno);
   }
   s.remaining -= bytes.size();

@@ -223,4 +223,36 @@ Expected<std::vector<std::byte>> quantize_q4_k(std::span<const float> values, in
   return out;
 }
 
+Expected<PackedMatrix> repack_q4_0_to_w4g32(std::span<const std::byte> data, int64_t rows,
+                                            int64_t cols) {
+  if (rows <= 0 || cols <= 0 || cols % kQ4_0BlockElements != 0 ||
+      static_cast<int64_t>(data.size()) != rows * cols / kQ4_0BlockElements * kQ4_0BlockBytes) {
+    return make_error(ErrorCode::kInvalidArgument, "Q4_0: {} bytes do not hold [{}, {}] elements",
+                      data.size(), rows, cols);
+  }
+  PackedMatrix packed;
+  packed.format = WeightFormat::kW4G32;
+  packed.rows = rows;
+  packed.cols = cols;
+  packed.scale_type = ScaleType::kF16;
+  const int64_t blocks = rows * cols / kQ4_0BlockElements;
+  packed.data.resize(static_cast<size_t>(rows * cols / 2));
+  packed.scales.resize(static_cast<size_t>(blocks * 2));
+  for (int64_t b = 0; b < blocks; ++b) {
+    const std::byte* block = data.data() + b * kQ4_0BlockBytes;
+    std::memcpy(packed.scales.data() + b * 2, block, 2);  // fp16 d, unchanged
+    // Element i < 16 is the low nibble of qs[i], element 16 + i its high nibble; w4g32 wants
+    // element 2j in the low and 2j + 1 in the high nibble of byte j (both offset-binary).
+    std::byte* out = packed.data.data() + b * (kQ4_0BlockElements / 2);
+    auto nibble = [&](int i) {
+      const uint8_t byte = byte_at(block + 2, i % 16);
+      return i < 16 ? (byte & 15) : (byte >> 4);
+    };
+    for (int j = 0; j < 16; ++j) {
+      out[j] = static_cast<std::byte>(nibble(2 * j) | (nibble(2 * j + 1) << 4));
+    }
+  }
+  return packed;
+}
+
 }  // namespace gemma4::quant

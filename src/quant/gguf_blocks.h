@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "quant/quantize.h"
 
 namespace gemma4::quant {
 
@@ -48,5 +49,11 @@ Expected<std::vector<std::byte>> quantize_q4_0(std::span<const float> values, in
 // 8-bit integer times a power of two, so it is exact in bf16 (and in fp32 whatever the order).
 Expected<std::vector<std::byte>> quantize_q4_k(std::span<const float> values, int64_t rows,
                                                int64_t cols);
+
+// Lossless repack of Q4_0 blocks [rows, cols] into w4g32 with f16 scales (spec 5: q = nibble - 8,
+// s = d, exact; only the nibble order changes, from Q4_0's split halves to even/odd pairs). The
+// sign of d is kept (ggml's d = max / -8 is often negative).
+Expected<PackedMatrix> repack_q4_0_to_w4g32(std::span<const std::byte> data, int64_t rows,
+                                            int64_t cols);
 
 }  // namespace gemma4::quant

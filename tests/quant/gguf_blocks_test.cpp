@@ -32,6 +32,16 @@ TEST(GgufBlocks, DecodersMatchGgufPy) {
     std::memcpy(reference.data(), expected->data, expected->nbytes);
     EXPECT_EQ(*values, reference) << name;
   }
+  // Q4_0 -> w4g32 (f16 scales) is lossless: the same values as gguf-py's dequantization.
+  const io::GgufTensorInfo* q4_0 = file->find("q4_0");
+  auto repacked = repack_q4_0_to_w4g32({q4_0->data, q4_0->nbytes}, q4_0->ne[1], q4_0->ne[0]);
+  ASSERT_TRUE(repacked.ok()) << repacked.error().to_string();
+  EXPECT_EQ(repacked->view().scale_type, ScaleType::kF16);
+  const io::GgufTensorInfo* q4_0_expected = file->find("q4_0.expected");
+  std::vector<float> q4_0_reference(q4_0_expected->nbytes / 4);
+  std::memcpy(q4_0_reference.data(), q4_0_expected->data, q4_0_expected->nbytes);
+  EXPECT_EQ(dequantize(repacked->view()), q4_0_reference);
+
   const io::GgufTensorInfo* f16 = file->find("plain.f16");
   auto halves = dequantize_ggml(f16->type, {f16->data, f16->nbytes}, 1, 2);
   ASSERT_TRUE(halves.ok());
@@ -51,6 +61,14 @@ TEST(GgufBlocks, Q4_0HandComputedBlock) {
     EXPECT_EQ(out[i], 0.5f * static_cast<float>(i - 8));
     EXPECT_EQ(out[16 + i], 0.5f * static_cast<float>(7 - i));
   }
+  // A negative d (ggml's d = max / -8) keeps its sign through the repack.
+  const uint16_t negative_d = 0xB800;  // fp16 -0.5
+  std::memcpy(block.data(), &negative_d, 2);
+  dequantize_q4_0_block(block.data(), out);
+  EXPECT_EQ(out[0], 4.0f);  // -0.5 * (0 - 8)
+  auto repacked = repack_q4_0_to_w4g32(block, 1, 32);
+  ASSERT_TRUE(repacked.ok());
+  EXPECT_EQ(dequantize(repacked->view()), std::vector<float>(out, out + 32));
   EXPECT_EQ(dequantize_ggml(99, block, 1, 32).error().code, ErrorCode::kUnsupported);
   EXPECT_EQ(dequantize_ggml(kGgmlQ4_0, block, 1, 64).error().code, ErrorCode::kInvalidArgument);
 }
