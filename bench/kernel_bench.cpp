@@ -159,11 +159,13 @@ Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActTyp
   const GemvOutput output = {y, rows};
 
   Result r;
-  r.kernel = std::string(format_name(format)) + (x_type == ActType::kBF16 ? "/x-bf16" : "/x-f32");
+  r.kernel = std::string(format_name(format)) + (x_type == ActType::kBF16 ? "/x-bf16"
+                                                 : x_type == ActType::kQ8 ? "/x-q8"
+                                                                          : "/x-f32");
   r.shape = label;
   r.m = m;
   r.mbytes = w.bytes / 1e6;
-  r.default_tiling = gemma4::cuda::default_gemv_tiling(w.copies[0], m);
+  r.default_tiling = gemma4::cuda::default_gemv_tiling(w.copies[0], m, x_type);
   const auto tilings = gemma4::cuda::gemv_tilings();
   r.best_pdl_us = 1e30;
   for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
@@ -199,9 +201,12 @@ Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActTyp
   return r;
 }
 
-// Decode attention over a bf16 cache at `depth` tokens: q_heads/kv_heads/head_dim as given.
+// Decode attention over a bf16 cache at `depth` tokens, for each split count of `split_options`
+// (the first one is reported as the default); the fastest with PDL is "best".
 Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, int window,
-                       int splits, const char* label, cudaStream_t stream) {
+                       const std::vector<int>& split_options, const char* label,
+                       cudaStream_t stream) {
+  const int splits = *std::max_element(split_options.begin(), split_options.end());
   const int64_t slots = window > 0 ? window : depth;
   const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
   void *keys, *values;
@@ -240,24 +245,35 @@ Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, i
   r.kernel = "attention/bf16";
   r.shape = label;
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * 2 / 1e6;
-  r.default_tiling = splits;
-  double us[2];
-  for (int pdl = 0; pdl < 2; ++pdl) {
-    const Launch launch = {stream, pdl == 1};
-    us[pdl] = time_chain(
-        16,
-        [&](int) {
-          return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
-                                                {partials, splits}, splits, launch);
-        },
-        stream);
+  r.best_pdl_us = 1e30;
+  for (int option : split_options) {
+    double us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      us[pdl] = time_chain(
+          16,
+          [&](int) {
+            return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
+                                                  {partials, splits}, option, launch);
+          },
+          stream);
+    }
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", option, us[0],
+                  us[1]);
+    r.all += buf;
+    if (option == split_options.front()) {
+      r.default_tiling = option;
+      r.default_plain_us = us[0];
+      r.default_pdl_us = us[1];
+    }
+    if (us[1] < r.best_pdl_us) {
+      r.best_pdl_us = us[1];
+      r.best_tiling = option;
+    }
   }
-  r.default_plain_us = us[0];
-  r.default_pdl_us = us[1];
-  r.best_pdl_us = us[1];
-  r.best_tiling = splits;
-  std::printf("%-14s %-22s splits=%d %8.2f MB  plain %.2f us, pdl %.2f us\n", r.kernel.c_str(),
-              label, splits, r.mbytes, us[0], us[1]);
+  std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
+              r.mbytes, r.all.c_str());
   for (void* p :
        {keys, values, static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
         static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
@@ -302,6 +318,15 @@ int main(int argc, char** argv) {
                                stream, quick));
   results.push_back(bench_gemv(WeightFormat::kW4G32, 262144, 1536, 1, ActType::kF32, dense[6].label,
                                stream, quick));
+  // int8 activations (dp4a) beside bf16 activations, same shapes.
+  for (const Shape& s : dense) {
+    results.push_back(
+        bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kQ8, s.label, stream, quick));
+  }
+  for (int m : {8, 64}) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, 12288, 1536, m, ActType::kQ8, dense[1].label,
+                                 stream, quick));
+  }
   for (int m : {2, 8, 64}) {
     results.push_back(bench_gemv(WeightFormat::kW4G32, 2560, 1536, m, ActType::kBF16,
                                  dense[0].label, stream, quick));
@@ -321,12 +346,18 @@ int main(int argc, char** argv) {
   results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 1536, 1, ActType::kBF16,
                                "lm_head bf16 262144x1536", stream, quick));
 
+  // Split counts: the first (about 256 keys per split) is the "default" column.
+  results.push_back(
+      bench_attention(8, 1, 256, 4096, 512, {2, 4, 8, 16}, "e2b sliding w512", stream));
+  results.push_back(
+      bench_attention(8, 1, 512, 4096, 0, {16, 8, 32, 66, 132}, "e2b full depth 4K", stream));
+  results.push_back(
+      bench_attention(8, 1, 512, 32768, 0, {128, 66, 132, 264, 528}, "e2b full depth 32K", stream));
+  results.push_back(
+      bench_attention(8, 1, 512, 131072, 0, {512, 264, 528, 1056}, "e2b full depth 128K", stream));
+  results.push_back(
+      bench_attention(16, 2, 512, 32768, 0, {128, 66, 132, 264}, "26b full depth 32K", stream));
   const int sms = prop.multiProcessorCount;
-  results.push_back(bench_attention(8, 1, 256, 4096, 512, sms / 8, "e2b sliding w512", stream));
-  results.push_back(bench_attention(8, 1, 512, 4096, 0, sms, "e2b full depth 4K", stream));
-  results.push_back(bench_attention(8, 1, 512, 32768, 0, sms, "e2b full depth 32K", stream));
-  results.push_back(bench_attention(8, 1, 512, 131072, 0, 2 * sms, "e2b full depth 128K", stream));
-  results.push_back(bench_attention(16, 2, 512, 32768, 0, sms / 2, "26b full depth 32K", stream));
 
   if (json_path) {
     FILE* f = std::fopen(json_path, "w");

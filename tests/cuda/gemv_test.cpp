@@ -109,28 +109,73 @@ struct DeviceMatrix {
 };
 
 // Runs y = W x for M activation rows and checks every output against the reference.
+// Uploads x (M rows of K fp32) as the activation type under test. Returns what the kernel
+// multiplies: the bf16-rounded values, or for kQ8 the values the quantizer produced (checked
+// here against its contract: scale = max|x| / 127 per 32, |x − q·scale| <= scale / 2).
+std::vector<float> upload_activations(const std::vector<float>& x, int m, int64_t k, ActType type,
+                                      DeviceArray<uint8_t>& device) {
+  std::vector<float> effective = x;
+  if (type == ActType::kF32) {
+    cudaMemcpy(device.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice);
+  } else if (type == ActType::kBF16) {
+    std::vector<uint16_t> bits(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      bits[i] = float_to_bf16(x[i]);
+      effective[i] = bf16_to_float(bits[i]);
+    }
+    cudaMemcpy(device.get(), bits.data(), bits.size() * 2, cudaMemcpyHostToDevice);
+  } else {
+    DeviceArray<float> x_f32(x);
+    EXPECT_EQ(quantize_activations_q8(x_f32.get(), m, k, k, device.get(), k, Launch{}),
+              cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint8_t> q8 = device.download();
+    for (int r = 0; r < m; ++r) {
+      const uint8_t* row = q8.data() + r * q8_row_bytes(k);
+      for (int64_t c = 0; c < k / 32; ++c) {
+        float scale;
+        int32_t sum;
+        std::memcpy(&scale, row + k + 4 * c, 4);
+        std::memcpy(&sum, row + k + k / 8 + 4 * c, 4);
+        float amax = 0.0f;
+        for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[r * k + c * 32 + i]));
+        EXPECT_EQ(scale, amax / 127.0f);
+        int32_t q_sum = 0;
+        for (int i = 0; i < 32; ++i) {
+          const int e = i % 8;
+          const int8_t q = static_cast<int8_t>(row[c * 32 + (i / 8) * 8 + (e % 2 ? 4 : 0) + e / 2]);
+          q_sum += q;
+          const float value = x[r * k + c * 32 + i];
+          effective[r * k + c * 32 + i] = static_cast<float>(q) * scale;
+          EXPECT_LE(std::fabs(value - q * scale), scale * 0.5001f)
+              << "row " << r << " element " << c * 32 + i;
+        }
+        EXPECT_EQ(sum, q_sum);
+      }
+    }
+  }
+  return effective;
+}
+
+const char* act_name(ActType type) {
+  return type == ActType::kBF16 ? "bf16" : type == ActType::kQ8 ? "q8" : "f32";
+}
+
+// Runs y = W x for M activation rows and checks every output against the reference.
 void check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m, ActType x_type,
                 int tiling, uint32_t seed) {
   SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
-               std::to_string(host.rows) + "x" + std::to_string(host.cols) +
-               " M=" + std::to_string(m) + (x_type == ActType::kBF16 ? " x=bf16" : " x=f32") +
-               " tiling=" + std::to_string(tiling));
+               std::to_string(host.rows) + "x" + std::to_string(host.cols) + " M=" +
+               std::to_string(m) + " x=" + act_name(x_type) + " tiling=" + std::to_string(tiling));
   const int64_t n = host.rows;
   const int64_t k = host.cols;
-  std::vector<float> x = testing::random_floats(m * k, -1.0f, 1.0f, seed);
-  std::vector<uint16_t> x_bf16(x.size());
-  for (size_t i = 0; i < x.size(); ++i) {
-    x_bf16[i] = float_to_bf16(x[i]);
-    if (x_type == ActType::kBF16) x[i] = bf16_to_float(x_bf16[i]);
-  }
-  DeviceArray<float> x_f32(x);
-  DeviceArray<uint16_t> x_b16(x_bf16);
+  const std::vector<float> x_source = testing::random_floats(m * k, -1.0f, 1.0f, seed);
+  DeviceArray<uint8_t> x_device(m * k * 4);
   DeviceArray<float> y(m * n);
-  ASSERT_TRUE(x_f32.ok() && x_b16.ok() && y.ok() && device.data.ok());
+  ASSERT_TRUE(x_device.ok() && y.ok() && device.data.ok());
+  const std::vector<float> x = upload_activations(x_source, m, k, x_type, x_device);
 
-  const GemvInput input = {x_type == ActType::kBF16 ? static_cast<const void*>(x_b16.get())
-                                                    : static_cast<const void*>(x_f32.get()),
-                           x_type, m, k};
+  const GemvInput input = {x_device.get(), x_type, m, k};
   CUDA_ASSERT_OK(gemv(device.view, input, GemvOutput{y.get(), n}, Launch{}, tiling));
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<float> got = y.download();
@@ -179,6 +224,31 @@ TEST(Gemv, W4G32LmHead) {
   check_gemv(host, device, 1, ActType::kBF16, -1, 8);
   check_gemv(host, device, 1, ActType::kF32, -1, 9);
   check_gemv(host, device, 2, ActType::kF32, -1, 10);
+  check_gemv(host, device, 1, ActType::kQ8, -1, 11);
+}
+
+// int8 activations (dp4a): exact against the quantized values, every tiling, real shapes.
+TEST(Gemv, W4G32Q8Activations) {
+  uint32_t seed = 800;
+  for (const Shape& s : kShapes) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int m : {1, 2, 8, 64}) check_gemv(host, device, m, ActType::kQ8, -1, seed++);
+  }
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 2560, 1536, seed++);
+  const DeviceMatrix device(host);
+  const auto tilings = gemv_tilings();
+  for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+    check_gemv(host, device, tilings[t].m_tile == 1 ? 1 : 11, ActType::kQ8, t, seed++);
+  }
+  // No dp4a kernel for NVFP4 weights.
+  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, 64, 64, 1);
+  const DeviceMatrix nv_device(nv);
+  DeviceArray<uint8_t> x(q8_row_bytes(64));
+  DeviceArray<float> y(64);
+  EXPECT_EQ(gemv(nv_device.view, GemvInput{x.get(), ActType::kQ8, 1, 64}, GemvOutput{y.get(), 64},
+                 Launch{}),
+            cudaErrorInvalidValue);
 }
 
 TEST(Gemv, W4G32ScaleTypes) {

@@ -13,6 +13,8 @@ namespace gemma4::cuda {
 namespace {
 
 constexpr int kWarps = 8;
+// The merge keeps one weight per split in shared memory.
+constexpr int kMaxSplits = 4096;
 
 struct AttentionArgs {
   const float* q;
@@ -109,35 +111,79 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attention_kernel(Attention
   const KvT* keys = static_cast<const KvT*>(a.keys) + b * a.sequence_stride;
   const KvT* values = static_cast<const KvT*>(a.values) + b * a.sequence_stride;
   const int32_t* slot_positions = a.slot_positions + b * a.slots;
+  // kBatch keys per step: their positions, K and V rows are all loaded before any is used (one
+  // memory round trip per step, not two per key). Slots in [0, scanned) are always readable, so
+  // the loads need no visibility test; invisible keys get weight 0.
+  constexpr int kBatch = HD == 256 ? 4 : 2;
   if (active) {
-    for (int64_t j = begin + ks; j < end; j += key_slices) {
-      const int32_t p = slot_positions[j];
-      if (p < 0 || p > query_position || (a.window > 0 && query_position - p >= a.window)) continue;
-      const int64_t row = (j * a.kv_heads + kv) * HD + lane * D;
-      float k[D], v[D];
-      load_row(keys + row, k);
-      load_row(values + row, v);
-      float score[HPW];
+    for (int64_t j0 = begin + ks; j0 < end; j0 += kBatch * key_slices) {
+      int32_t p[kBatch];
+      float k[kBatch][D], v[kBatch][D];
 #pragma unroll
-      for (int i = 0; i < HPW; ++i) {
-        float s = 0.0f;
+      for (int t = 0; t < kBatch; ++t) {
+        const int64_t j = j0 + t * key_slices;
+        if (j < end) {
+          p[t] = slot_positions[j];
+          const int64_t row = (j * a.kv_heads + kv) * HD + lane * D;
+          load_row(keys + row, k[t]);
+          load_row(values + row, v[t]);
+        } else {
+          // Past the split's end: nothing loaded, and no stale register may reach the sums.
+          p[t] = -1;
 #pragma unroll
-        for (int d = 0; d < D; ++d) s = fmaf(q[i][d], k[d], s);
-        score[i] = s;
+          for (int d = 0; d < D; ++d) k[t][d] = v[t][d] = 0.0f;
+        }
+      }
+      float score[kBatch][HPW];
+#pragma unroll
+      for (int t = 0; t < kBatch; ++t) {
+#pragma unroll
+        for (int i = 0; i < HPW; ++i) {
+          float s = 0.0f;
+          if (p[t] >= 0) {
+#pragma unroll
+            for (int d = 0; d < D; ++d) s = fmaf(q[i][d], k[t][d], s);
+          }
+          score[t][i] = s;
+        }
       }
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) {
 #pragma unroll
-        for (int i = 0; i < HPW; ++i) score[i] += __shfl_xor_sync(0xFFFFFFFFu, score[i], offset);
+        for (int t = 0; t < kBatch; ++t) {
+#pragma unroll
+          for (int i = 0; i < HPW; ++i) {
+            score[t][i] += __shfl_xor_sync(0xFFFFFFFFu, score[t][i], offset);
+          }
+        }
+      }
+      bool visible[kBatch];
+#pragma unroll
+      for (int t = 0; t < kBatch; ++t) {
+        visible[t] = p[t] >= 0 && p[t] <= query_position &&
+                     (a.window <= 0 || query_position - p[t] < a.window);
       }
 #pragma unroll
       for (int i = 0; i < HPW; ++i) {
-        const float new_max = fmaxf(running_max[i], score[i]);
-        const float rescale = expf(running_max[i] - new_max);
-        const float weight = expf(score[i] - new_max);
-        running_sum[i] = running_sum[i] * rescale + weight;
+        float new_max = running_max[i];
 #pragma unroll
-        for (int d = 0; d < D; ++d) acc[i][d] = fmaf(acc[i][d], rescale, weight * v[d]);
+        for (int t = 0; t < kBatch; ++t) {
+          if (visible[t]) new_max = fmaxf(new_max, score[t][i]);
+        }
+        if (new_max == -INFINITY) continue;  // nothing visible yet
+        const float rescale = expf(running_max[i] - new_max);
+        float sum = running_sum[i] * rescale;
+#pragma unroll
+        for (int d = 0; d < D; ++d) acc[i][d] *= rescale;
+#pragma unroll
+        for (int t = 0; t < kBatch; ++t) {
+          if (!visible[t]) continue;
+          const float weight = expf(score[t][i] - new_max);
+          sum += weight;
+#pragma unroll
+          for (int d = 0; d < D; ++d) acc[i][d] = fmaf(weight, v[t][d], acc[i][d]);
+        }
+        running_sum[i] = sum;
         running_max[i] = new_max;
       }
     }
@@ -196,28 +242,75 @@ struct MergeArgs {
   int64_t out_stride;
 };
 
-// Block (head, sequence); thread d combines dim d of every split.
-__global__ void merge_splits_kernel(MergeArgs a) {
+constexpr int kMergeWarps = 8;
+
+// Block (head, sequence) of 8 warps. The splits' weights exp(max_s − max) go to shared memory
+// once; warp w then accumulates the splits w, w + 8, ... for every dim (lane l owns dims l + 32i,
+// independent loads per split), and the 8 partial vectors are summed in shared memory.
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
+  __shared__ float split_weight[kMaxSplits];
+  __shared__ float warp_partial[kMergeWarps][512];
+  __shared__ float scratch[kMergeWarps];
   pdl_wait_for_predecessors();
   const int head = blockIdx.x;
   const int b = blockIdx.y;
   const int64_t record = a.head_dim + 2;
   const float* base = a.partials + (static_cast<int64_t>(b) * a.q_heads + head) * a.splits * record;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+
+  float local_max = -INFINITY;
+  for (int s = threadIdx.x; s < a.splits; s += blockDim.x) {
+    local_max = fmaxf(local_max, base[s * record]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local_max = fmaxf(local_max, __shfl_xor_sync(0xFFFFFFFFu, local_max, offset));
+  }
+  if (lane == 0) scratch[warp] = local_max;
+  __syncthreads();
   float global_max = -INFINITY;
-  for (int s = 0; s < a.splits; ++s) global_max = fmaxf(global_max, base[s * record]);
-  for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
-    float sum = 0.0f, value = 0.0f;
-    if (global_max != -INFINITY) {
-      for (int s = 0; s < a.splits; ++s) {
-        const float* r = base + s * record;
-        const float w = expf(r[0] - global_max);
-        sum += r[1] * w;
-        value += r[2 + d] * w;
-      }
+  for (int w = 0; w < kMergeWarps; ++w) global_max = fmaxf(global_max, scratch[w]);
+  __syncthreads();
+
+  float local_sum = 0.0f;
+  for (int s = threadIdx.x; s < a.splits; s += blockDim.x) {
+    const float m = base[s * record];
+    const float w = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
+    split_weight[s] = w;
+    local_sum += w * base[s * record + 1];
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local_sum += __shfl_xor_sync(0xFFFFFFFFu, local_sum, offset);
+  }
+  if (lane == 0) scratch[warp] = local_sum;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
+
+  constexpr int kMaxDimsPerLane = 512 / 32;
+  const int dims_per_lane = a.head_dim / 32;
+  float acc[kMaxDimsPerLane] = {};
+  for (int s = warp; s < a.splits; s += kMergeWarps) {
+    const float w = split_weight[s];
+    const float* values = base + s * record + 2;
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; ++i) {
+      if (i < dims_per_lane) acc[i] = fmaf(w, values[lane + 32 * i], acc[i]);
     }
+  }
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; ++i) {
+    if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
+  }
+  __syncthreads();
+  for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+    float value = 0.0f;
+    for (int w = 0; w < kMergeWarps; ++w) value += warp_partial[w][d];
     a.out[b * a.out_stride + static_cast<int64_t>(head) * a.head_dim + d] =
-        sum > 0.0f ? value / sum : 0.0f;
+        total > 0.0f ? value / total : 0.0f;
   }
 }
 
@@ -247,8 +340,8 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   AttentionKernel kernel = kv.type == KvType::kBF16 ? select_kernel<__nv_bfloat16>(kv.head_dim)
                                                     : select_kernel<float>(kv.head_dim);
   if (kernel == nullptr || kv.kv_heads < 1 || query.q_heads % kv.kv_heads != 0 || query.batch < 1 ||
-      query.batch > 65535 || kv.kv_heads > 65535 || splits < 1 || kv.slots < 1 ||
-      query.q == nullptr || query.positions == nullptr || kv.keys == nullptr ||
+      query.batch > 65535 || kv.kv_heads > 65535 || splits < 1 || splits > kMaxSplits ||
+      kv.slots < 1 || query.q == nullptr || query.positions == nullptr || kv.keys == nullptr ||
       kv.values == nullptr || kv.slot_positions == nullptr || out == nullptr ||
       (splits > 1 && (workspace.partials == nullptr || splits > workspace.max_splits))) {
     return cudaErrorInvalidValue;
@@ -281,8 +374,8 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   const MergeArgs merge = {workspace.partials, query.q_heads, kv.head_dim, splits, out, out_stride};
   return launch_kernel(
       merge_splits_kernel,
-      dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(query.batch)), dim3(128), 0,
-      launch, merge);
+      dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(query.batch)),
+      dim3(kMergeWarps * 32), 0, launch, merge);
 }
 
 }  // namespace gemma4::cuda

@@ -47,7 +47,7 @@ struct AttentionQuery {
 // out[b][h] = Σ_j softmax_j(scale · q[b][h] · k_j) · v_j over the slots j whose position p
 // satisfies p <= P and (window == 0 or P − p < window), P = positions[b]; q head h reads kv head
 // h / (q_heads / kv_heads). Only slots [0, min(slots, P + 1)) are scanned (position p lives in
-// slot p % slots). `splits` blocks share each (sequence, kv head): choose it by the cache depth
+// slot p % slots). `splits` (1..4096) blocks share each (sequence, kv head): choose it by the depth
 // the graph is captured for (it must not exceed workspace.max_splits).
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,

@@ -33,6 +33,33 @@ struct XChunk {
   float offset;
 };
 
+// One chunk of kQ8 activations: 32 int8 in the permuted order, their scale and their sum.
+struct XChunkQ8 {
+  uint32_t words[8];
+  float scale;
+  int sum;
+};
+
+template <ActType XT, int N>
+struct XChunkFor {
+  using type = XChunk<N>;
+};
+template <int N>
+struct XChunkFor<ActType::kQ8, N> {
+  using type = XChunkQ8;
+};
+
+__device__ __forceinline__ void load_x_chunk_q8(const void* x, int64_t row, int64_t stride,
+                                                int64_t chunk, XChunkQ8& out) {
+  const uint8_t* base = static_cast<const uint8_t*>(x) + row * (stride + stride / 4);
+  const uint4* values = reinterpret_cast<const uint4*>(base + chunk * 32);
+  const uint4 lo = __ldg(values), hi = __ldg(values + 1);
+  out.words[0] = lo.x, out.words[1] = lo.y, out.words[2] = lo.z, out.words[3] = lo.w;
+  out.words[4] = hi.x, out.words[5] = hi.y, out.words[6] = hi.z, out.words[7] = hi.w;
+  out.scale = __ldg(reinterpret_cast<const float*>(base + stride) + chunk);
+  out.sum = __ldg(reinterpret_cast<const int*>(base + stride + stride / 8) + chunk);
+}
+
 template <ActType XT, int N>
 __device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChunk<N>& out) {
   if constexpr (XT == ActType::kBF16) {
@@ -185,6 +212,28 @@ __device__ __forceinline__ float dot_bf16(const uint4& q, const XChunk<8>& x) {
   return acc0 + acc1;
 }
 
+// w4g32 × kQ8: lo/hi = the even/odd nibbles of a word as 4 bytes each, dotted with the
+// matching permuted activation bytes by dp4a: Σ u·q exactly in int32, then Σ(u−8)·q = that −
+// 8·Σq.
+__device__ __forceinline__ float dot_w4g32_q8(const uint4& q, float scale, const XChunkQ8& x) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  int acc = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    acc = __dp4a(static_cast<int>(words[i] & 0x0F0F0F0Fu), static_cast<int>(x.words[2 * i]), acc);
+    acc = __dp4a(static_cast<int>((words[i] >> 4) & 0x0F0F0F0Fu),
+                 static_cast<int>(x.words[2 * i + 1]), acc);
+  }
+  return scale * x.scale * static_cast<float>(acc - 8 * x.sum);
+}
+
+template <WeightFormat F>
+__device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, const GemvArgs& a,
+                                           const XChunkQ8& x) {
+  static_assert(F == WeightFormat::kW4G32, "kQ8 activations pair with w4g32 weights only");
+  return dot_w4g32_q8(q, w4g32_scale(a, scale_bits), x);
+}
+
 template <WeightFormat F>
 __device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, const GemvArgs& a,
                                            const XChunk<kChunkElems<F>>& x) {
@@ -259,8 +308,12 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           if (m0 + mi >= a.m) break;
-          XChunk<kElems> x;
-          load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x);
+          typename XChunkFor<XT, kElems>::type x;
+          if constexpr (XT == ActType::kQ8) {
+            load_x_chunk_q8(a.x, m0 + mi, a.x_stride, chunk, x);
+          } else {
+            load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x);
+          }
 #pragma unroll
           for (int r = 0; r < R; ++r) {
             acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
@@ -334,7 +387,46 @@ KernelFn select_kernel(ActType x_type, int tiling) {
       kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
   static constexpr auto kF32 =
       kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumGemvTilings>());
+  if (x_type == ActType::kQ8) {
+    if constexpr (F == WeightFormat::kW4G32) {
+      static constexpr auto kQ8 =
+          kernel_table<F, ActType::kQ8>(std::make_index_sequence<kNumGemvTilings>());
+      return kQ8[tiling];
+    }
+    return nullptr;
+  }
   return x_type == ActType::kBF16 ? kBF16[tiling] : kF32[tiling];
+}
+
+// One warp per 32-element chunk: lane l quantizes element l to round(x / (amax / 127)).
+__global__ void quantize_q8_kernel(QuantizeArgs a) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int lane = threadIdx.x & 31;
+  const int64_t chunks = a.cols / 32;
+  const int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  const int64_t row = blockIdx.y;
+  if (chunk >= chunks) return;
+  const float value = a.x[row * a.x_stride + chunk * 32 + lane];
+  float amax = fabsf(value);
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  }
+  const float scale = amax / 127.0f;
+  const int q = scale > 0.0f ? __float2int_rn(value / scale) : 0;
+  int sum = q;
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
+  uint8_t* base = static_cast<uint8_t*>(a.out) + row * (a.out_stride + a.out_stride / 4);
+  // Element e of a group of 8 goes to byte e/2 (even e) or 4 + e/2 (odd e) of the group.
+  const int e = lane % 8;
+  base[chunk * 32 + (lane / 8) * 8 + (e % 2 ? 4 : 0) + e / 2] =
+      static_cast<uint8_t>(static_cast<int8_t>(q));
+  if (lane == 0) {
+    reinterpret_cast<float*>(base + a.out_stride)[chunk] = scale;
+    reinterpret_cast<int*>(base + a.out_stride + a.out_stride / 8)[chunk] = sum;
+  }
 }
 
 }  // namespace
@@ -353,11 +445,20 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
       kernel = select_kernel<PackedFormat::kBF16>(x_type, tiling);
       break;
   }
+  if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvTiling& t = kGemvTilings[tiling];
   const int rows_per_block = (32 / t.lanes_per_row) * t.rows_per_thread;
   const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block));
   const size_t shared = t.warps > 1 ? sizeof(float) * t.warps * t.m_tile * rows_per_block : 0;
   return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
+}
+
+cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch& launch) {
+  constexpr int kWarpsPerBlock = 8;
+  const int64_t chunks = args.cols / 32;
+  const dim3 grid(static_cast<unsigned>((chunks + kWarpsPerBlock - 1) / kWarpsPerBlock),
+                  static_cast<unsigned>(rows));
+  return launch_kernel(quantize_q8_kernel, grid, dim3(kWarpsPerBlock * 32), 0, launch, args);
 }
 
 }  // namespace gemma4::cuda

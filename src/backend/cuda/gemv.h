@@ -31,11 +31,22 @@ struct GemvOutput {
   int64_t stride = 0;
 };
 
+// Bytes of one kQ8 activation row of `stride` elements (stride a multiple of 32).
+inline int64_t q8_row_bytes(int64_t stride) {
+  return stride + stride / 4;
+}
+
+// Quantizes `rows` fp32 rows of `cols` (a multiple of 32) into the kQ8 layout (gemv_kernels.h):
+// per 32 elements scale = max|x| / 127, q = round(x / scale). out_stride >= cols, a multiple of
+// 32; out 16-byte aligned.
+cudaError_t quantize_activations_q8(const float* x, int rows, int64_t cols, int64_t x_stride,
+                                    void* out, int64_t out_stride, const Launch& launch);
+
 // Every compiled tiling; an index into this list selects one explicitly (the benchmark does).
 std::span<const GemvTiling> gemv_tilings();
 
 // The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).
-int default_gemv_tiling(const quant::QMatrix& w, int m);
+int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type);
 
 // Enqueues y = W x. Returns cudaErrorInvalidValue for an unsupported format or a shape the
 // kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers), else the

@@ -9,7 +9,11 @@
 
 namespace gemma4::cuda {
 
-enum class ActType : uint8_t { kF32, kBF16 };
+// kQ8: activations quantized to int8 per 32 K elements (quantize_activations_q8 in gemv.h),
+// multiplied with dp4a; w4g32 weights only. Row m starts at byte m · stride · 5/4 and holds
+// `stride` int8 values (each group of 8 stored as elements 0,2,4,6,1,3,5,7, matching the nibble
+// order of a packed word), then stride/32 fp32 scales, then stride/32 int32 sums of the values.
+enum class ActType : uint8_t { kF32, kBF16, kQ8 };
 
 // The packed layouts the kernels read (quant::WeightFormat minus fp32).
 enum class PackedFormat : uint8_t { kW4G32, kNVFP4, kBF16 };
@@ -64,7 +68,18 @@ struct GemvArgs {
   int64_t y_stride;
 };
 
-// Enqueues the kernel of (format, x type, tiling); arguments already validated.
+// x[r] (fp32, K = `cols`) → the kQ8 layout at out + r · out_stride · 5/4 bytes.
+struct QuantizeArgs {
+  const float* x;
+  int64_t x_stride;
+  int64_t cols;
+  void* out;
+  int64_t out_stride;
+};
+cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch& launch);
+
+// Enqueues the kernel of (format, x type, tiling); arguments already validated. Returns
+// cudaErrorInvalidValue for a combination with no kernel (kQ8 with other than w4g32).
 cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
                                const GemvArgs& args, const Launch& launch);
 
