@@ -98,24 +98,30 @@ void w4g32_row(uint64_t key, int64_t row, int64_t cols, int8_t* levels, float* s
   }
 }
 
+// rms of an e2m1 value with a uniformly random 4-bit code: sqrt(mean(0, .25, 1, 2.25, 4, 9, 16,
+// 36)).
+constexpr double kUniformE2m1Rms = 2.93;
+
 // Power-of-two NVFP4 global scale (a divisor) that puts the e4m3 block scales of a matrix with
 // K = cols near 64..160, well inside e4m3's normal range.
 float nvfp4_global_scale(int64_t cols) {
-  const double block_target = weight_rms(cols) / 2.93;  // 2.93 = rms of a uniform e2m1 code
+  const double block_target = weight_rms(cols) / kUniformE2m1Rms;
   int exponent = 0;
   std::frexp(64.0 / block_target, &exponent);
   return static_cast<float>(std::ldexp(1.0, exponent));
 }
 
 // One NVFP4 row: uniform e2m1 codes and one e4m3 block scale per 16 (stored already multiplied
-// by the global scale, as compressed-tensors does).
+// by the global scale, as compressed-tensors does). The block scale codes are drawn directly:
+// the exponent of the target and a random 3-bit mantissa, so scales spread over [1, 1.875) x
+// 2^floor(log2 target).
 void nvfp4_row(uint64_t key, int64_t row, int64_t cols, uint8_t* codes, uint8_t* block_scales) {
   RowRandom rng(key, row);
-  const double block_target = weight_rms(cols) / 2.93;
-  const double global = nvfp4_global_scale(cols);
+  int exponent = 0;
+  std::frexp(weight_rms(cols) / kUniformE2m1Rms * nvfp4_global_scale(cols), &exponent);
+  const int biased_exponent = std::clamp(exponent - 1 + 7, 1, 14);  // e4m3 bias 7, no NaN codes
   for (int64_t b = 0; b < cols / 16; ++b) {
-    block_scales[b] =
-        float_to_e4m3(static_cast<float>(block_target * rng.uniform(0.75, 1.25) * global));
+    block_scales[b] = static_cast<uint8_t>((biased_exponent << 3) | (rng.bits() & 7));
   }
   for (int64_t k = 0; k < cols; k += 16) {
     const uint64_t bits = rng.bits();

@@ -260,11 +260,15 @@ Expected<LoadedModel> LoadedModel::open(const std::filesystem::path& directory) 
   LoadedModel model;
   GEMMA4_ASSIGN_OR_RETURN(model.config, ModelConfig::from_hf_file(directory / "config.json"));
   GEMMA4_ASSIGN_OR_RETURN(model.quantization, QuantizationInfo::from_checkpoint_dir(directory));
-  GEMMA4_ASSIGN_OR_RETURN(io::Checkpoint checkpoint, io::Checkpoint::open(directory));
-  GEMMA4_ASSIGN_OR_RETURN(
-      model.weights,
-      ModelWeights::load(std::make_shared<const io::Checkpoint>(std::move(checkpoint)),
-                         model.config));
+  GEMMA4_ASSIGN_OR_RETURN(io::Checkpoint opened, io::Checkpoint::open(directory));
+  auto checkpoint = std::make_shared<const io::Checkpoint>(std::move(opened));
+  // Loading reads only small scattered tensors (norms, scalars, global scales): without this,
+  // read-ahead around each of them pulls in far more of a large checkpoint than is used.
+  for (const auto& shard : checkpoint->shards()) shard.advise(io::MappedFile::Access::kRandom);
+  auto weights = ModelWeights::load(checkpoint, model.config);
+  for (const auto& shard : checkpoint->shards()) shard.advise(io::MappedFile::Access::kNormal);
+  if (!weights) return weights.error();
+  model.weights = std::move(weights).value();
   return model;
 }
 
