@@ -107,6 +107,8 @@ struct Symbol {
 struct PendingMerge {
   uint32_t rank;
   int32_t position;  // index of the left symbol
+  int32_t left_id;   // the pair when queued: the entry is stale once either side has changed
+  int32_t right_id;
   int32_t merged_id;
 };
 // Max-heap order for std::push_heap: the lowest rank, then the leftmost position, comes first
@@ -462,7 +464,8 @@ void Tokenizer::merge_and_emit(std::vector<int32_t>& out) const {
   queue.clear();
   for (size_t i = 0; i + 1 < symbols.size(); ++i) {
     if (const Merge* merge = find_merge(symbols[i].id, symbols[i + 1].id)) {
-      queue.push_back(PendingMerge{merge->rank, static_cast<int32_t>(i), merge->merged_id});
+      queue.push_back(PendingMerge{merge->rank, static_cast<int32_t>(i), symbols[i].id,
+                                   symbols[i + 1].id, merge->merged_id});
     }
   }
   std::make_heap(queue.begin(), queue.end(), lower_priority);
@@ -473,22 +476,24 @@ void Tokenizer::merge_and_emit(std::vector<int32_t>& out) const {
     Symbol& current = symbols[top.position];
     if (current.id < 0 || current.next < 0) continue;
     Symbol& right = symbols[current.next];
-    // Skip entries made stale by an earlier merge.
-    const Merge* merge = find_merge(current.id, right.id);
-    if (merge == nullptr || merge->merged_id != top.merged_id) continue;
+    // Skip entries made stale by an earlier merge. (HF looks the pair up again and compares the
+    // merged id; that is the same test, since a merged id names the concatenated pieces.)
+    if (current.id != top.left_id || right.id != top.right_id) continue;
     current.id = top.merged_id;
     current.next = right.next;
     right.id = -1;
     if (current.next >= 0) symbols[current.next].prev = top.position;
     if (current.prev >= 0) {
       if (const Merge* m = find_merge(symbols[current.prev].id, current.id)) {
-        queue.push_back(PendingMerge{m->rank, current.prev, m->merged_id});
+        queue.push_back(PendingMerge{m->rank, current.prev, symbols[current.prev].id, current.id,
+                                     m->merged_id});
         std::push_heap(queue.begin(), queue.end(), lower_priority);
       }
     }
     if (current.next >= 0) {
       if (const Merge* m = find_merge(current.id, symbols[current.next].id)) {
-        queue.push_back(PendingMerge{m->rank, top.position, m->merged_id});
+        queue.push_back(PendingMerge{m->rank, top.position, current.id, symbols[current.next].id,
+                                     m->merged_id});
         std::push_heap(queue.begin(), queue.end(), lower_priority);
       }
     }
