@@ -142,10 +142,10 @@ void Scheduler::run() {
     try {
       drop_cancelled_and_expired();
       admit_pending();
-      publish_stats();
+      publish_and_deliver();
       if (!running_.empty()) {
         step_once();
-        publish_stats();
+        publish_and_deliver();
         continue;
       }
     } catch (const std::exception& e) {
@@ -155,6 +155,7 @@ void Scheduler::run() {
                make_error(ErrorCode::kInternal, "engine loop failed: {}", e.what()));
       }
       running_.clear();
+      publish_and_deliver();
       continue;
     }
     std::unique_lock lock(wake_->mutex);
@@ -165,6 +166,7 @@ void Scheduler::run() {
   running_.clear();
   for (auto& cached : prefix_cache_) engine_.close_sequence(cached.sequence);
   prefix_cache_.clear();
+  publish_and_deliver();
   std::lock_guard lock(queue_mutex_);
   for (auto& pending : queue_) {
     GenerationEvent event;
@@ -403,17 +405,20 @@ void Scheduler::finish(Active& active, FinishReason reason, int32_t stop_token,
   event.stop_token = stop_token;
   event.error = std::move(error);
   event.metrics = metrics;
-  active.pending.stream->push(std::move(event));
+  finished_.emplace_back(active.pending.stream, std::move(event));
 }
 
-void Scheduler::publish_stats() {
+void Scheduler::publish_and_deliver() {
   int64_t kv_tokens = 0;
   for (const auto& active : running_) kv_tokens += static_cast<int64_t>(active->kv_tokens.size());
   for (const auto& cached : prefix_cache_) kv_tokens += static_cast<int64_t>(cached.tokens.size());
-  std::lock_guard lock(stats_mutex_);
+  std::unique_lock lock(stats_mutex_);
   stats_.running = static_cast<int32_t>(running_.size());
   stats_.cached_sequences = static_cast<int32_t>(prefix_cache_.size());
   stats_.kv_tokens = kv_tokens;
+  lock.unlock();
+  for (auto& [stream, event] : finished_) stream->push(std::move(event));
+  finished_.clear();
 }
 
 }  // namespace gemma4::runtime

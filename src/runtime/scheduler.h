@@ -155,7 +155,9 @@ class Scheduler {
   void drop_cancelled_and_expired();
   void step_once();
   void finish(Active& active, FinishReason reason, int32_t stop_token, std::optional<Error> error);
-  void publish_stats();
+  // Refreshes stats_, then hands out the finish events collected by finish(): a client that
+  // sees its request finished also sees it gone from the stats.
+  void publish_and_deliver();
 
   engine::Engine& engine_;
   SchedulerOptions options_;
@@ -169,6 +171,7 @@ class Scheduler {
   std::vector<std::unique_ptr<Active>> running_;
   std::deque<CachedSequence> prefix_cache_;  // most recently finished at the back
   std::vector<float> logits_;
+  std::vector<std::pair<std::shared_ptr<RequestStream>, GenerationEvent>> finished_;
 
   mutable std::mutex stats_mutex_;
   SchedulerStats stats_;  // guarded by stats_mutex_, refreshed by the engine thread
