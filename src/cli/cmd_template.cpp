@@ -54,7 +54,7 @@ Expected<text::ChatTemplate> load_template(const TemplateOptions& options) {
   std::stringstream source;
   source << file.rdbuf();
   auto chat_template = text::ChatTemplate::from_template_source(source.str());
-  if (!chat_template.ok()) return chat_template.error().with_context(options.template_path + ": ");
+  if (!chat_template.ok()) return chat_template.error().with_context(options.template_path);
   return chat_template;
 }
 
