@@ -111,17 +111,30 @@ float nvfp4_global_scale(int64_t cols) {
   return static_cast<float>(std::ldexp(1.0, exponent));
 }
 
+// float_to_e4m3 for a positive finite value, found by binary search over the monotone positive
+// codes instead of core's exhaustive scan (which dominated real-shape NVFP4 synthesis). The
+// result is the same code: the nearest value, and core's own tie rule on an exact midpoint.
+uint8_t positive_float_to_e4m3(float value) {
+  uint8_t low = 0, high = 0x7E;  // 0x7E = 448, the largest finite code
+  if (value >= e4m3_to_float(high)) return high;
+  while (high - low > 1) {  // invariant: e4m3(low) <= value < e4m3(high)
+    const uint8_t middle = static_cast<uint8_t>((low + high) / 2);
+    (e4m3_to_float(middle) <= value ? low : high) = middle;
+  }
+  const float below = value - e4m3_to_float(low), above = e4m3_to_float(high) - value;
+  if (below == above) return float_to_e4m3(value);
+  return below < above ? low : high;
+}
+
 // One NVFP4 row: uniform e2m1 codes and one e4m3 block scale per 16 (stored already multiplied
-// by the global scale, as compressed-tensors does). The block scale codes are drawn directly:
-// the exponent of the target and a random 3-bit mantissa, so scales spread over [1, 1.875) x
-// 2^floor(log2 target).
+// by the global scale, as compressed-tensors does).
 void nvfp4_row(uint64_t key, int64_t row, int64_t cols, uint8_t* codes, uint8_t* block_scales) {
   RowRandom rng(key, row);
-  int exponent = 0;
-  std::frexp(weight_rms(cols) / kUniformE2m1Rms * nvfp4_global_scale(cols), &exponent);
-  const int biased_exponent = std::clamp(exponent - 1 + 7, 1, 14);  // e4m3 bias 7, no NaN codes
+  const double block_target = weight_rms(cols) / kUniformE2m1Rms;
+  const double global = nvfp4_global_scale(cols);
   for (int64_t b = 0; b < cols / 16; ++b) {
-    block_scales[b] = static_cast<uint8_t>((biased_exponent << 3) | (rng.bits() & 7));
+    block_scales[b] =
+        positive_float_to_e4m3(static_cast<float>(block_target * rng.uniform(0.75, 1.25) * global));
   }
   for (int64_t k = 0; k < cols; k += 16) {
     const uint64_t bits = rng.bits();
