@@ -2,6 +2,8 @@
 // gemma4-architecture.md 2.1, 2.4 and 2.5, evaluated in double.
 #include "backend/cuda/elementwise.h"
 
+#include "backend/cuda/gemv.h"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -102,6 +104,28 @@ TEST(RmsNorm, FusedRope) {
       }
     }
     expect_near_all(dy.download(), expected, 1e-5, "rope");
+  }
+}
+
+// The fused norm → int8 activations equals the norm followed by the stand-alone quantizer
+// (which gemv_test checks against its contract), byte for byte.
+TEST(RmsNorm, Q8OutputMatchesNormThenQuantize) {
+  for (int64_t width : {256, 1536}) {
+    const int64_t rows = 3, stride = width + 64;
+    const auto x = testing::random_floats(rows * width, -4.0f, 4.0f, 61);
+    const auto w = testing::random_floats(width, -2.0f, 2.0f, 62);
+    DeviceArray<float> dx(x), dw(w), normed(rows * width);
+    DeviceArray<uint8_t> fused(rows * q8_row_bytes(stride)), separate(rows * q8_row_bytes(stride));
+    CUDA_ASSERT_OK(cudaMemset(fused.get(), 0, rows * q8_row_bytes(stride)));
+    CUDA_ASSERT_OK(cudaMemset(separate.get(), 0, rows * q8_row_bytes(stride)));
+    CUDA_ASSERT_OK(
+        rms_norm_q8(view(dx, rows, width), dw.get(), 0.0f, kEps, fused.get(), stride, Launch{}));
+    CUDA_ASSERT_OK(rms_norm(view(dx, rows, width), dw.get(), 0.0f, kEps, view(normed, rows, width),
+                            nullptr, Launch{}));
+    CUDA_ASSERT_OK(quantize_activations_q8(normed.get(), rows, width, width, separate.get(), stride,
+                                           Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    EXPECT_EQ(fused.download(), separate.download()) << "width " << width;
   }
 }
 

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -80,6 +81,33 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(NormArgs a) {
       y[i] = first;
       y[i + half] = second;
     }
+  }
+}
+
+struct NormQ8Args {
+  RowsView x;
+  const float* weight;
+  float weight_offset;
+  float eps;
+  void* out;
+  int64_t out_stride;
+};
+
+// Block per row; warp w quantizes chunks w, w + 8, ... of the normalized row.
+__global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a) {
+  pdl_trigger_dependents();
+  __shared__ float scratch[kNormThreads / 32];
+  pdl_wait_for_predecessors();
+  const int64_t r = blockIdx.x;
+  const float* x = a.x.data + r * a.x.stride;
+  const float inv = inverse_rms(x, a.x.width, a.eps, scratch);
+  uint8_t* row = static_cast<uint8_t*>(a.out) + r * (a.out_stride + a.out_stride / 4);
+  const int lane = threadIdx.x & 31;
+  for (int64_t chunk = threadIdx.x / 32; chunk < a.x.width / 32; chunk += kNormThreads / 32) {
+    const int64_t j = chunk * 32 + lane;
+    float v = x[j] * inv;
+    if (a.weight) v *= a.weight_offset + a.weight[j];
+    store_chunk_q8(v, lane, row, a.out_stride, chunk);
   }
 }
 
@@ -163,6 +191,18 @@ cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset
   }
   return launch_kernel(rms_norm_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads), 0,
                        launch, args);
+}
+
+cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_offset, float eps,
+                        void* out, int64_t out_stride, const Launch& launch) {
+  if (x.rows < 1 || x.width < 32 || x.width % 32 != 0 || !valid_rows(x, x.rows, x.width) ||
+      out == nullptr || (reinterpret_cast<uintptr_t>(out) & 15) != 0 || out_stride < x.width ||
+      out_stride % 32 != 0 || x.rows > 0x7FFFFFFF) {
+    return cudaErrorInvalidValue;
+  }
+  const NormQ8Args args = {x, weight, weight_offset, eps, out, out_stride};
+  return launch_kernel(rms_norm_q8_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads),
+                       0, launch, args);
 }
 
 cudaError_t add_rms_norm(const RowsView& x, const float* weight, const RowsView& residual,

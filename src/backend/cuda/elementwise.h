@@ -34,6 +34,12 @@ struct RopeSpec {
 cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset, float eps,
                      const RowsView& y, const RopeSpec* rope, const Launch& launch);
 
+// rms_norm (no RoPE) whose output goes straight into the kQ8 activation layout of the dp4a GEMV
+// (gemv_kernels.h): row r at out + r · q8_row_bytes(out_stride). width a multiple of 32,
+// out_stride >= width and a multiple of 32, out 16-byte aligned.
+cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_offset, float eps,
+                        void* out, int64_t out_stride, const Launch& launch);
+
 // The Gemma residual step fused with the next pre-norm:
 //   residual[r] += rms_norm(x[r], weight)          (post-norm of the block's output)
 //   y[r] = rms_norm(residual[r], next_weight)      (pre-norm of the next block)

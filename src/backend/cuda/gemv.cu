@@ -10,6 +10,7 @@
 
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -407,26 +408,8 @@ __global__ void quantize_q8_kernel(QuantizeArgs a) {
   const int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int64_t row = blockIdx.y;
   if (chunk >= chunks) return;
-  const float value = a.x[row * a.x_stride + chunk * 32 + lane];
-  float amax = fabsf(value);
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-  }
-  const float scale = amax / 127.0f;
-  const int q = scale > 0.0f ? __float2int_rn(value / scale) : 0;
-  int sum = q;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
   uint8_t* base = static_cast<uint8_t*>(a.out) + row * (a.out_stride + a.out_stride / 4);
-  // Element e of a group of 8 goes to byte e/2 (even e) or 4 + e/2 (odd e) of the group.
-  const int e = lane % 8;
-  base[chunk * 32 + (lane / 8) * 8 + (e % 2 ? 4 : 0) + e / 2] =
-      static_cast<uint8_t>(static_cast<int8_t>(q));
-  if (lane == 0) {
-    reinterpret_cast<float*>(base + a.out_stride)[chunk] = scale;
-    reinterpret_cast<int*>(base + a.out_stride + a.out_stride / 8)[chunk] = sum;
-  }
+  store_chunk_q8(a.x[row * a.x_stride + chunk * 32 + lane], lane, base, a.out_stride, chunk);
 }
 
 }  // namespace
