@@ -210,15 +210,16 @@ struct HttpServer::Routes {
             parse_chat_request(body, names(*model), model->scheduler->vocab_size(), request)) {
       return send_error(res, *error);
     }
-    auto prompt =
-        model->chat_template.render(request.messages, request.tools, request.template_options);
+    auto prompt = model->chat_template.render_with_spans(request.messages, request.tools,
+                                                         request.template_options);
     if (!prompt.ok()) return send_error(res, invalid_request(prompt.error().message, "messages"));
-    std::vector<int32_t> ids = model->tokenizer.encode(*prompt, /*parse_special=*/true);
+    // Control tokens come only from the template: caller text that looks like one stays text.
+    std::vector<int32_t> ids = model->tokenizer.encode_protected(prompt->text, prompt->untrusted);
     const bool stream = request.settings.stream;
     const bool include_usage = request.settings.include_usage;
     const bool logprobs = request.settings.logprobs;
     auto started = start_generation(model, std::move(ids), std::move(request.settings), true,
-                                    std::move(*prompt), self.options_.request_timeout);
+                                    std::move(prompt->text), self.options_.request_timeout);
     if (auto* error = std::get_if<ApiError>(&started)) return send_error(res, *error);
     auto job = std::get<std::shared_ptr<GenerationJob>>(started);
     job->parallel_tool_calls = request.parallel_tool_calls;

@@ -35,17 +35,51 @@ bool is_one_of(const Json* value, std::initializer_list<std::string_view> names)
   return false;
 }
 
-std::string delimited(std::string_view text) {
-  std::string out(kQuote);
-  out.append(text);
-  out.append(kQuote);
-  return out;
+// The prompt under construction. Template literals are appended with +=; text that comes from the
+// caller (message content, names, arguments, schemas, ...) with value(), which also records its
+// byte range so that the tokenizer can keep it from becoming control tokens.
+class PromptWriter {
+ public:
+  PromptWriter& operator+=(std::string_view literal) {
+    text_.append(literal);
+    return *this;
+  }
+  PromptWriter& operator+=(char literal) {
+    text_ += literal;
+    return *this;
+  }
+  void value(std::string_view caller_text) {
+    if (caller_text.empty()) return;
+    const size_t begin = text_.size();
+    text_.append(caller_text);
+    if (!untrusted_.empty() && untrusted_.back().second == begin) {
+      untrusted_.back().second = text_.size();  // adjacent values form one range
+    } else {
+      untrusted_.emplace_back(begin, text_.size());
+    }
+  }
+  size_t size() const { return text_.size(); }
+  std::string_view text_since(size_t offset) const {
+    return std::string_view(text_).substr(offset);
+  }
+  RenderedPrompt finish() && { return RenderedPrompt{std::move(text_), std::move(untrusted_)}; }
+
+ private:
+  std::string text_;
+  std::vector<std::pair<size_t, size_t>> untrusted_;
+};
+
+// `<|"|>{{ text }}<|"|>`: the delimiters are the template's, the text the caller's.
+void quoted(std::string_view text, PromptWriter& out) {
+  out += kQuote;
+  out.value(text);
+  out += kQuote;
 }
 
 // Appends `,` unless this is the first field; the template's add_comma / found_first flags.
 class FieldSeparator {
  public:
-  void next(std::string& out) {
+  void next(PromptWriter& out) {
     if (written_) out += ',';
     written_ = true;
   }
@@ -55,13 +89,13 @@ class FieldSeparator {
 };
 
 // macro format_argument(argument, escape_keys)
-void format_argument(const Json* argument, bool escape_keys, std::string& out) {
+void format_argument(const Json* argument, bool escape_keys, PromptWriter& out) {
   if (argument == nullptr) {
     out += "[]";  // Undefined passes Jinja's `is sequence` test and iterates as empty
   } else if (argument->is_null()) {
     out += "null";
   } else if (argument->is_string()) {
-    out += delimited(argument->get_ref<const std::string&>());
+    quoted(argument->get_ref<const std::string&>(), out);
   } else if (argument->is_boolean()) {
     out += argument->get<bool>() ? "true" : "false";
   } else if (argument->is_object()) {
@@ -69,7 +103,11 @@ void format_argument(const Json* argument, bool escape_keys, std::string& out) {
     FieldSeparator separator;
     for (const auto& [key, value] : dictsort(*argument)) {
       separator.next(out);
-      out += escape_keys ? delimited(*key) : *key;
+      if (escape_keys) {
+        quoted(*key, out);
+      } else {
+        out.value(*key);
+      }
       out += ':';
       format_argument(value, escape_keys, out);
     }
@@ -83,18 +121,18 @@ void format_argument(const Json* argument, bool escape_keys, std::string& out) {
     }
     out += ']';
   } else {
-    out += py_str(argument);
+    out.value(py_str(argument));
   }
 }
 
 // `for item in list` + `<|"|>{{ item }}<|"|>` comma-joined (required lists).
-Status format_quoted_list(const Json& list, std::string_view what, std::string& out) {
+Status format_quoted_list(const Json& list, std::string_view what, PromptWriter& out) {
   auto items = py_iterate(list);
   if (!items.ok()) return invalid(fmt::format("{}: {}", what, items.error().message));
   FieldSeparator separator;
   for (const Json& item : *items) {
     separator.next(out);
-    out += delimited(py_str(&item));
+    quoted(py_str(&item), out);
   }
   return {};
 }
@@ -102,7 +140,7 @@ Status format_quoted_list(const Json& list, std::string_view what, std::string& 
 // macro format_parameters(properties, required, filter_keys): one `name:{…}` per property.
 // `path` names the schema location for error messages.
 Status format_parameters(const Json& properties, bool filter_keys, const std::string& path,
-                         std::string& out) {
+                         PromptWriter& out) {
   if (!properties.is_object()) {
     return invalid(fmt::format("{} must be an object mapping property names to schemas", path));
   }
@@ -116,12 +154,13 @@ Status format_parameters(const Json& properties, bool filter_keys, const std::st
     }
     const std::string property_path = fmt::format("{}.{}", path, *key);
     property_separator.next(out);
-    out += *key;
+    out.value(*key);
     out += ":{";
     FieldSeparator field;
     if (const Json* description = member(value, "description"); py_truthy(description)) {
       field.next(out);
-      out += "description:" + delimited(py_str(description));
+      out += "description:";
+      quoted(py_str(description), out);
     }
     const std::string type = py_upper(py_str(member(value, "type")));
     if (type == "STRING") {
@@ -154,7 +193,7 @@ Status format_parameters(const Json& properties, bool filter_keys, const std::st
           } else if (*item_key == "type") {
             out += "type:";
             if (item_value->is_string()) {
-              out += delimited(py_upper(item_value->get_ref<const std::string&>()));
+              quoted(py_upper(item_value->get_ref<const std::string&>()), out);
             } else {  // `item_value | map('upper') | list`
               auto types = py_iterate(*item_value);
               if (!types.ok()) {
@@ -166,7 +205,8 @@ Status format_parameters(const Json& properties, bool filter_keys, const std::st
               format_argument(&upper_types, /*escape_keys=*/true, out);
             }
           } else {
-            out += *item_key + ":";
+            out.value(*item_key);
+            out += ':';
             format_argument(item_value, /*escape_keys=*/true, out);
           }
         }
@@ -201,55 +241,64 @@ Status format_parameters(const Json& properties, bool filter_keys, const std::st
       }
     }
     field.next(out);
-    out += "type:" + delimited(type) + "}";
+    out += "type:";
+    quoted(type, out);
+    out += '}';
   }
   return {};
 }
 
-// macro format_function_declaration(tool_data), wrapped in <|tool>…<tool|> after `| trim`.
-Status format_tool_declaration(const Json& tool, size_t index, std::string& out) {
+// macro format_function_declaration(tool_data), wrapped in <|tool>…<tool|>. (The template trims
+// the declaration; it starts with "declaration:" and ends with '}', so trimming changes nothing.)
+Status format_tool_declaration(const Json& tool, size_t index, PromptWriter& out) {
   const std::string path = fmt::format("tools[{}]", index);
   const Json* function = member(&tool, "function");
   if (function == nullptr || !function->is_object()) {
     return invalid(fmt::format("{} must be an object with a \"function\" object", path));
   }
-  std::string declaration = "declaration:" + py_str(member(function, "name")) +
-                            "{description:" + delimited(py_str(member(function, "description")));
+  out += "<|tool>declaration:";
+  out.value(py_str(member(function, "name")));
+  out += "{description:";
+  quoted(py_str(member(function, "description")), out);
   const Json* params = member(function, "parameters");
   if (py_truthy(params)) {
-    declaration += ",parameters:{";
+    out += ",parameters:{";
     if (const Json* properties = member(params, "properties"); py_truthy(properties)) {
-      declaration += "properties:{";
+      out += "properties:{";
       GEMMA4_RETURN_IF_ERROR(format_parameters(*properties, /*filter_keys=*/false,
-                                               path + ".function.parameters.properties",
-                                               declaration));
-      declaration += "},";
+                                               path + ".function.parameters.properties", out));
+      out += "},";
     }
     if (const Json* required = member(params, "required"); py_truthy(required)) {
-      declaration += "required:[";
+      out += "required:[";
       GEMMA4_RETURN_IF_ERROR(
-          format_quoted_list(*required, path + ".function.parameters.required", declaration));
-      declaration += "],";
+          format_quoted_list(*required, path + ".function.parameters.required", out));
+      out += "],";
     }
     // The closing brace of `parameters` is only written here: a schema without a type leaves it
     // unbalanced, exactly like the official template.
     if (const Json* type = member(params, "type"); py_truthy(type)) {
-      declaration += "type:" + delimited(py_upper(py_str(type))) + "}";
+      out += "type:";
+      quoted(py_upper(py_str(type)), out);
+      out += '}';
     }
   }
   if (const Json* response = member(function, "response"); response != nullptr) {
-    declaration += ",response:{";
+    out += ",response:{";
     if (const Json* description = member(response, "description"); py_truthy(description)) {
-      declaration += "description:" + delimited(py_str(description)) + ",";
+      out += "description:";
+      quoted(py_str(description), out);
+      out += ',';
     }
     if (py_upper(py_str(member(response, "type"))) == "OBJECT") {
-      declaration += "type:" + delimited("OBJECT") + "}";
+      out += "type:";
+      out += kQuote;
+      out += "OBJECT";
+      out += kQuote;
+      out += '}';
     }
   }
-  declaration += '}';
-  out += "<|tool>";
-  out += py_strip(declaration);
-  out += "<tool|>";
+  out += "}<tool|>";
   return {};
 }
 
@@ -272,15 +321,16 @@ std::string strip_thinking(std::string_view text) {
 }
 
 // macro format_tool_response_block(tool_name, response)
-void format_tool_response(std::string_view name, const Json* response, std::string& out) {
+void format_tool_response(std::string_view name, const Json* response, PromptWriter& out) {
   out += "<|tool_response>response:";
-  out += name;
+  out.value(name);
   if (response != nullptr && response->is_object()) {
     out += '{';
     FieldSeparator separator;
     for (const auto& [key, value] : dictsort(*response)) {
       separator.next(out);
-      out += *key + ":";
+      out.value(*key);
+      out += ':';
       format_argument(value, /*escape_keys=*/false, out);
     }
     out += '}';
@@ -366,7 +416,7 @@ Expected<std::string> tool_result_name(const Json& result, const std::vector<Too
 }
 
 Status format_tool_result(const Json& result, const std::vector<ToolCallView>& calls,
-                          const std::string& path, std::string& out) {
+                          const std::string& path, PromptWriter& out) {
   GEMMA4_ASSIGN_OR_RETURN(const std::string name, tool_result_name(result, calls, path));
   const Json* body = member(&result, "content");
   if (body != nullptr && body->is_array()) {
@@ -399,7 +449,7 @@ Status format_tool_result(const Json& result, const std::vector<ToolCallView>& c
 
 // Legacy Gemma form: tool_responses [{name, response}] on the assistant message.
 Status format_legacy_tool_responses(const Json& responses, const std::string& path,
-                                    std::string& out) {
+                                    PromptWriter& out) {
   if (!responses.is_array()) return invalid(fmt::format("{} must be an array", path));
   for (size_t i = 0; i < responses.size(); ++i) {
     const Json& response = responses[i];
@@ -416,12 +466,12 @@ Status format_legacy_tool_responses(const Json& responses, const std::string& pa
 
 // The captured_content block: content after calls and results.
 Status format_content(const Json& message, bool is_model, const std::string& path,
-                      std::string& out) {
+                      PromptWriter& out) {
   const Json* content = member(&message, "content");
   if (content == nullptr || content->is_null()) return {};
   if (content->is_string()) {
     const auto& text = content->get_ref<const std::string&>();
-    out += is_model ? strip_thinking(text) : std::string(py_strip(text));
+    out.value(is_model ? strip_thinking(text) : std::string(py_strip(text)));
     return {};
   }
   if (!content->is_array()) {
@@ -437,9 +487,9 @@ Status format_content(const Json& message, bool is_model, const std::string& pat
         if (text == nullptr || !text->is_string()) {
           return invalid(fmt::format("{}.content[{}].text must be a string", path, i));
         }
-        out += strip_thinking(text->get_ref<const std::string&>());
+        out.value(strip_thinking(text->get_ref<const std::string&>()));
       } else {
-        out += py_strip(py_str(text));
+        out.value(py_strip(py_str(text)));
       }
     } else {
       out += media_placeholder(type);
@@ -455,7 +505,7 @@ class Renderer {
   Renderer(const ChatTemplateOptions& options, bool full_variant)
       : options_(options), full_variant_(full_variant) {}
 
-  Expected<std::string> render(const Json& messages, const Json& tools) {
+  Expected<RenderedPrompt> render(const Json& messages, const Json& tools) {
     if (!messages.is_array()) return invalid("messages must be an array");
     if (!tools.is_null() && !tools.is_array()) return invalid("tools must be an array or null");
     for (size_t i = 0; i < messages.size(); ++i) {
@@ -468,7 +518,7 @@ class Renderer {
             role ? role->dump() : "nothing"));
       }
     }
-    out_ = options_.bos_token;
+    out_ += options_.bos_token;
     size_t first = 0;
     const bool leading_system =
         !messages.empty() && is_one_of(member(&messages[0], "role"), {"system", "developer"});
@@ -495,7 +545,7 @@ class Renderer {
         out_ += "<|channel>thought\n";  // the model continues by reasoning about the results
       }
     }
-    return std::move(out_);
+    return std::move(out_).finish();
   }
 
  private:
@@ -503,7 +553,7 @@ class Renderer {
     const Json* content = member(&message, "content");
     if (content == nullptr || content->is_null()) return {};
     if (content->is_string()) {
-      out_ += py_strip(content->get_ref<const std::string&>());
+      out_.value(py_strip(content->get_ref<const std::string&>()));
       return {};
     }
     if (!content->is_array()) {
@@ -514,7 +564,7 @@ class Renderer {
       if (!part.is_object())
         return invalid(fmt::format("messages[0].content[{}] must be an object", i));
       // `item['text'] | trim + ' '`: a space after every part, the last one included.
-      out_ += py_strip(py_str(member(&part, "text")));
+      out_.value(py_strip(py_str(member(&part, "text"))));
       out_ += ' ';
     }
     return {};
@@ -556,16 +606,21 @@ class Renderer {
       if (py_truthy(reasoning) &&
           (after_last_user || (options_.preserve_thinking && has_tool_calls))) {
         if (!reasoning->is_string()) return invalid(path + ".reasoning_content must be a string");
-        out_ += "<|channel>thought\n" + reasoning->get<std::string>() + "\n<channel|>";
+        out_ += "<|channel>thought\n";
+        out_.value(reasoning->get_ref<const std::string&>());
+        out_ += "\n<channel|>";
       }
 
       for (const ToolCallView& call : tool_calls) {
-        out_ += "<|tool_call>call:" + call.name + "{";
+        out_ += "<|tool_call>call:";
+        out_.value(call.name);
+        out_ += '{';
         if (call.arguments().is_object()) {
           FieldSeparator separator;
           for (const auto& [key, value] : dictsort(call.arguments())) {
             separator.next(out_);
-            out_ += *key + ":";
+            out_.value(*key);
+            out_ += ':';
             format_argument(value, /*escape_keys=*/false, out_);
           }
         }
@@ -587,10 +642,9 @@ class Renderer {
       }
       if (rendered_results) last_output_ = LastOutput::kToolResponse;
 
-      std::string content;
-      GEMMA4_RETURN_IF_ERROR(format_content(message, is_model, path, content));
-      out_ += content;
-      const bool has_content = !py_strip(content).empty();
+      const size_t content_start = out_.size();
+      GEMMA4_RETURN_IF_ERROR(format_content(message, is_model, path, out_));
+      const bool has_content = !py_strip(out_.text_since(content_start)).empty();
 
       std::optional<std::string> next_role;
       for (size_t j = i + 1; j < count && !next_role; ++j) {
@@ -612,7 +666,7 @@ class Renderer {
 
   const ChatTemplateOptions& options_;
   bool full_variant_;
-  std::string out_;
+  PromptWriter out_;
   LastOutput last_output_ = LastOutput::kNone;
 };
 
@@ -670,16 +724,29 @@ Expected<ChatTemplate> ChatTemplate::from_template_source(std::string_view jinja
   return ChatTemplate(prefills_empty_thought ? Variant::kFull : Variant::kCompact);
 }
 
+Expected<RenderedPrompt> ChatTemplate::render_with_spans(const nlohmann::ordered_json& messages,
+                                                         const nlohmann::ordered_json& tools,
+                                                         const ChatTemplateOptions& options) const {
+  return Renderer(options, variant_ == Variant::kFull).render(messages, tools);
+}
+
+Expected<RenderedPrompt> ChatTemplate::render_with_spans(const nlohmann::json& messages,
+                                                         const nlohmann::json& tools,
+                                                         const ChatTemplateOptions& options) const {
+  // nlohmann::json keeps keys sorted bytewise; converting keeps that order.
+  return render_with_spans(Json(messages), Json(tools), options);
+}
+
 Expected<std::string> ChatTemplate::render(const nlohmann::ordered_json& messages,
                                            const nlohmann::ordered_json& tools,
                                            const ChatTemplateOptions& options) const {
-  return Renderer(options, variant_ == Variant::kFull).render(messages, tools);
+  GEMMA4_ASSIGN_OR_RETURN(RenderedPrompt prompt, render_with_spans(messages, tools, options));
+  return std::move(prompt.text);
 }
 
 Expected<std::string> ChatTemplate::render(const nlohmann::json& messages,
                                            const nlohmann::json& tools,
                                            const ChatTemplateOptions& options) const {
-  // nlohmann::json keeps keys sorted bytewise; converting keeps that order.
   return render(Json(messages), Json(tools), options);
 }
 

@@ -17,6 +17,8 @@
 
 #include <string>
 #include <string_view>
+#include <utility>
+#include <vector>
 
 #include "core/status.h"
 
@@ -34,6 +36,15 @@ struct ChatTemplateOptions {
   // "bos_token": "<bos>", ...}); flags follow Python truthiness like the template does. Keys the
   // template does not read are ignored.
   static Expected<ChatTemplateOptions> from_kwargs(const nlohmann::ordered_json& kwargs);
+};
+
+// A rendered prompt and the byte ranges [begin, end) of it that hold caller-supplied text (message
+// content, reasoning, tool names, arguments, results and declarations, system text): everything
+// the template does not write itself. Sorted, disjoint, never empty; for
+// Tokenizer::encode_protected, so that such text never becomes control tokens.
+struct RenderedPrompt {
+  std::string text;
+  std::vector<std::pair<size_t, size_t>> untrusted;
 };
 
 class ChatTemplate {
@@ -67,6 +78,13 @@ class ChatTemplate {
                                const ChatTemplateOptions& options) const;
   Expected<std::string> render(const nlohmann::json& messages, const nlohmann::json& tools,
                                const ChatTemplateOptions& options) const;
+  // The same text, with the ranges that came from the caller.
+  Expected<RenderedPrompt> render_with_spans(const nlohmann::ordered_json& messages,
+                                             const nlohmann::ordered_json& tools,
+                                             const ChatTemplateOptions& options) const;
+  Expected<RenderedPrompt> render_with_spans(const nlohmann::json& messages,
+                                             const nlohmann::json& tools,
+                                             const ChatTemplateOptions& options) const;
 
  private:
   explicit ChatTemplate(Variant variant) : variant_(variant) {}

@@ -503,7 +503,19 @@ void Tokenizer::merge_and_emit(std::vector<int32_t>& out) const {
 }
 
 std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special) const {
+  return encode_with_added_tokens(text, parse_special, {});
+}
+
+std::vector<int32_t> Tokenizer::encode_protected(
+    std::string_view text, std::span<const std::pair<size_t, size_t>> untrusted) const {
+  return encode_with_added_tokens(text, /*parse_special=*/true, untrusted);
+}
+
+std::vector<int32_t> Tokenizer::encode_with_added_tokens(
+    std::string_view text, bool parse_special,
+    std::span<const std::pair<size_t, size_t>> untrusted) const {
   std::vector<int32_t> ids;
+  size_t next_range = 0;  // first untrusted range that does not end at or before i
   ids.reserve(text.size() / 2 + 1);
   size_t plain_start = 0;
   for (size_t i = 0; i < text.size();) {
@@ -533,6 +545,17 @@ std::vector<int32_t> Tokenizer::encode(std::string_view text, bool parse_special
     if (added.special && !parse_special) {  // stays plain text; HF resumes after the match
       i += match_length;
       continue;
+    }
+    if (added.special) {
+      while (next_range < untrusted.size() && untrusted[next_range].second <= i) ++next_range;
+      if (next_range < untrusted.size() && untrusted[next_range].first < i + match_length) {
+        // Overlaps untrusted text: plain text. Inside the range this is parse_special=false
+        // (resume after the match), but never past the range, so trusted text after it is
+        // matched as usual; a match starting before the range only skips its first byte.
+        const auto [range_begin, range_end] = untrusted[next_range];
+        i = range_begin <= i ? std::min(i + match_length, range_end) : i + 1;
+        continue;
+      }
     }
     encode_segment(text.substr(plain_start, i - plain_start), ids);
     ids.push_back(added.id);

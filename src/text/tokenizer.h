@@ -20,6 +20,7 @@
 #include <string>
 #include <string_view>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/status.h"
@@ -65,6 +66,12 @@ class Tokenizer {
   // tokens are still matched (HF's `encode_special_tokens=True`). No BOS is added.
   std::vector<int32_t> encode(std::string_view text, bool parse_special = false) const;
 
+  // encode(text, parse_special=true), except that special tokens overlapping the `untrusted` byte
+  // ranges [begin, end) (sorted, disjoint: RenderedPrompt::untrusted) stay plain text. Text
+  // without special-token look-alikes in those ranges gets exactly the ids of encode(text, true).
+  std::vector<int32_t> encode_protected(std::string_view text,
+                                        std::span<const std::pair<size_t, size_t>> untrusted) const;
+
   // Ids -> text, as HF `decode` does: '▁' -> ' ', runs of <0xNN> tokens joined into bytes (a run
   // that is not valid UTF-8 becomes one U+FFFD per byte), ids outside the vocabulary dropped.
   std::string decode(std::span<const int32_t> ids, bool skip_special = false) const;
@@ -108,6 +115,10 @@ class Tokenizer {
   };
 
   static Expected<Tokenizer> build(LoadedVocab vocab);
+
+  std::vector<int32_t> encode_with_added_tokens(
+      std::string_view text, bool parse_special,
+      std::span<const std::pair<size_t, size_t>> untrusted) const;
 
   const Merge* find_merge(int32_t left, int32_t right) const;
   int32_t char_id(uint32_t code_point) const;
