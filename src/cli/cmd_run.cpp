@@ -1,15 +1,18 @@
 // gemma4 run -m DIR --prompt-ids 2,100,200 -n 16 [--temperature T --seed S ...]: generates
 // from one prompt on the float32 CPU reference engine and prints the generated ids as one
-// comma-separated line.
+// comma-separated line. With a text prompt (-p TEXT [--think | --raw] or --messages FILE,
+// run_prompt.h) it prints the generated text instead.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
 #include "cli/command.h"
+#include "cli/run_prompt.h"
 #include "engine/gemma4_engine.h"
 #include "model/weights.h"
 #include "runtime/sampler.h"
@@ -39,7 +42,8 @@ Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
 
 struct RunArgs {
   std::string model;
-  std::string prompt;
+  TextPromptOptions text;
+  bool print_ids = false;
   std::string prompt_ids;
   int max_tokens = 16;
   bool ignore_eos = false;
@@ -48,15 +52,21 @@ struct RunArgs {
 };
 
 Status run(const RunArgs& args) {
-  if (!args.prompt.empty())
-    return make_error(ErrorCode::kUnsupported,
-                      "text prompts need the tokenizer, which `run` does not use yet: pass "
-                      "--prompt-ids");
-  if (args.prompt_ids.empty())
-    return make_error(ErrorCode::kInvalidArgument, "give the prompt with --prompt-ids 2,100,...");
+  if (args.text.given() == !args.prompt_ids.empty())
+    return make_error(ErrorCode::kInvalidArgument,
+                      "give the prompt as text (-p TEXT or --messages FILE) or as --prompt-ids "
+                      "2,100,...");
   if (args.max_tokens < 0) return make_error(ErrorCode::kInvalidArgument, "-n must be >= 0");
-  GEMMA4_ASSIGN_OR_RETURN(auto prompt, parse_ids(args.prompt_ids));
   GEMMA4_ASSIGN_OR_RETURN(auto loaded, model::LoadedModel::open(args.model));
+  std::optional<TextPromptRun> text_run;
+  std::vector<int32_t> prompt;
+  if (args.text.given()) {
+    GEMMA4_ASSIGN_OR_RETURN(
+        text_run, TextPromptRun::open(args.model, args.text, loaded.config.eos_token_ids));
+    prompt = text_run->prompt_ids();
+  } else {
+    GEMMA4_ASSIGN_OR_RETURN(prompt, parse_ids(args.prompt_ids));
+  }
   GEMMA4_RETURN_IF_ERROR(args.sampling.validate(loaded.config.vocab_size));
 
   engine::EngineOptions options;
@@ -77,10 +87,23 @@ Status run(const RunArgs& args) {
     const int32_t token = sampler.sample(logits).id;
     line += (line.empty() ? "" : ",") + std::to_string(token);
     next.assign(1, token);
+    if (text_run) text_run->print_token(token);
     const auto& eos = loaded.config.eos_token_ids;
-    if (!args.ignore_eos && std::find(eos.begin(), eos.end(), token) != eos.end()) break;
+    const bool stop =
+        text_run ? text_run->is_stop(token) : std::find(eos.begin(), eos.end(), token) != eos.end();
+    if (!args.ignore_eos && stop) break;
   }
-  std::printf("%s\n", line.c_str());
+  if (!text_run) {
+    std::printf("%s\n", line.c_str());
+    return Status::ok_status();
+  }
+  text_run->finish();
+  if (args.print_ids) {
+    std::string prompt_line;
+    for (const int32_t id : prompt)
+      prompt_line += (prompt_line.empty() ? "" : ",") + std::to_string(id);
+    std::fprintf(stderr, "prompt ids: %s\ngenerated ids: %s\n", prompt_line.c_str(), line.c_str());
+  }
   return Status::ok_status();
 }
 
@@ -88,7 +111,14 @@ void register_run(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<RunArgs>();
   auto* cmd = app.add_subcommand("run", "Generate from one prompt on the CPU reference engine");
   cmd->add_option("-m,--model", args->model, "checkpoint directory")->required();
-  cmd->add_option("-p,--prompt", args->prompt, "text prompt (needs the tokenizer: not yet)");
+  cmd->add_option("-p,--prompt", args->text.prompt,
+                  "text prompt: one user message, rendered with the checkpoint's chat template");
+  cmd->add_option("--messages", args->text.messages_file,
+                  "JSON file of OpenAI chat messages (or {\"messages\", \"tools\"}) as the prompt");
+  cmd->add_flag("--think", args->text.think, "chat prompt with thinking enabled");
+  cmd->add_flag("--raw", args->text.raw, "-p is the prompt text itself (after <bos>), no template");
+  cmd->add_flag("--print-ids", args->print_ids,
+                "text prompts: also print the prompt and generated ids to stderr");
   cmd->add_option("--prompt-ids", args->prompt_ids, "prompt token ids, comma-separated");
   cmd->add_option("-n,--max-tokens", args->max_tokens, "tokens to generate");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "keep generating after an end-of-sequence token");
