@@ -6,6 +6,7 @@
 #include <set>
 
 #include "io/gguf.h"
+#include "io/partial_file.h"
 
 namespace gemma4::io {
 namespace {
@@ -120,35 +121,16 @@ uint64_t align_up(uint64_t value, uint64_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-Error io_error(std::string_view what, const std::filesystem::path& path, int err) {
-  return make_error(ErrorCode::kIo, "cannot {} {}: {}", what, path.string(), std::strerror(err));
-}
-
 }  // namespace
 
 struct GgufWriter::State {
-  std::filesystem::path path;
-  std::filesystem::path partial_path;
-  std::FILE* file = nullptr;
+  PartialFile out;
   uint32_t alignment = kGgufDefaultAlignment;
   std::vector<uint64_t> tensor_bytes;
   size_t current = 0;            // tensor receiving bytes
   uint64_t current_written = 0;  // bytes of it written so far
 
-  ~State() {
-    if (file != nullptr) {
-      std::fclose(file);
-      std::error_code ignored;
-      std::filesystem::remove(partial_path, ignored);
-    }
-  }
-
-  Status write(const void* data, size_t size) {
-    if (size > 0 && std::fwrite(data, 1, size, file) != size) {
-      return io_error("write", partial_path, errno);
-    }
-    return {};
-  }
+  Status write(const void* data, size_t size) { return out.write(data, size); }
 
   Status pad(uint64_t written) {
     static constexpr char kZeros[64] = {};
@@ -176,9 +158,6 @@ Expected<GgufWriter> GgufWriter::create(const std::filesystem::path& path,
                                         std::vector<std::pair<std::string, GgufValue>> metadata,
                                         std::vector<GgufTensorSpec> tensors) {
   auto state = std::make_shared<State>();
-  state->path = path;
-  state->partial_path = path;
-  state->partial_path += ".partial";
   auto fail = [&](const Error& error) { return error.with_context("writing " + path.string()); };
 
   std::string header;
@@ -231,8 +210,7 @@ Expected<GgufWriter> GgufWriter::create(const std::filesystem::path& path,
     offset += align_up(*nbytes, state->alignment);
   }
 
-  state->file = std::fopen(state->partial_path.c_str(), "wb");
-  if (state->file == nullptr) return io_error("create", state->partial_path, errno);
+  GEMMA4_ASSIGN_OR_RETURN(state->out, PartialFile::create(path));
   GEMMA4_RETURN_IF_ERROR(state->write(header.data(), header.size()));
   GEMMA4_RETURN_IF_ERROR(state->pad(header.size()));
   GEMMA4_RETURN_IF_ERROR(state->close_complete_tensors());
@@ -243,14 +221,15 @@ Expected<GgufWriter> GgufWriter::create(const std::filesystem::path& path,
 
 Status GgufWriter::append(std::span<const std::byte> bytes) {
   State& s = *state_;
-  if (s.file == nullptr) {
-    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished", s.path.string());
+  if (!s.out.is_open()) {
+    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished",
+                      s.out.path().string());
   }
   while (!bytes.empty()) {
     if (s.current == s.tensor_bytes.size()) {
       return make_error(ErrorCode::kInvalidArgument,
-                        "writing {}: {} more bytes than the tensor specs declare", s.path.string(),
-                        bytes.size());
+                        "writing {}: {} more bytes than the tensor specs declare",
+                        s.out.path().string(), bytes.size());
     }
     const size_t piece = static_cast<size_t>(
         std::min<uint64_t>(bytes.size(), s.tensor_bytes[s.current] - s.current_written));
@@ -264,24 +243,15 @@ Status GgufWriter::append(std::span<const std::byte> bytes) {
 
 Status GgufWriter::finish() {
   State& s = *state_;
-  if (s.file == nullptr) {
-    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished", s.path.string());
+  if (!s.out.is_open()) {
+    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished",
+                      s.out.path().string());
   }
   if (s.current != s.tensor_bytes.size()) {
     return make_error(ErrorCode::kInvalidArgument, "writing {}: tensor data missing (tensor #{})",
-                      s.path.string(), s.current);
+                      s.out.path().string(), s.current);
   }
-  const bool closed = std::fclose(s.file) == 0;
-  const int close_errno = errno;
-  s.file = nullptr;
-  if (!closed) return io_error("write", s.partial_path, close_errno);
-  std::error_code ec;
-  std::filesystem::rename(s.partial_path, s.path, ec);
-  if (ec) {
-    return make_error(ErrorCode::kIo, "cannot rename {} to {}: {}", s.partial_path.string(),
-                      s.path.string(), ec.message());
-  }
-  return {};
+  return s.out.commit();
 }
 
 }  // namespace gemma4::io

@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "io/partial_file.h"
 #include "io/safetensors.h"
 
 namespace gemma4::io {
@@ -37,28 +38,14 @@ Expected<uint64_t> validate_specs(const std::vector<TensorSpec>& specs,
   return total;
 }
 
-Error io_error(std::string_view what, const std::filesystem::path& path, int err) {
-  return make_error(ErrorCode::kIo, "cannot {} {}: {}", what, path.string(), std::strerror(err));
-}
-
 }  // namespace
 
 // ---------------------------------------------------------------------------------------------
 // SafetensorsWriter
 
 struct SafetensorsWriter::State {
-  std::filesystem::path path;
-  std::filesystem::path partial_path;
-  std::FILE* file = nullptr;
+  PartialFile out;
   uint64_t remaining = 0;
-
-  ~State() {
-    if (file != nullptr) {
-      std::fclose(file);
-      std::error_code ignored;
-      std::filesystem::remove(partial_path, ignored);
-    }
-  }
 };
 
 Expected<SafetensorsWriter> SafetensorsWriter::create(const std::filesystem::path& path,
@@ -83,17 +70,11 @@ Expected<SafetensorsWriter> SafetensorsWriter::create(const std::filesystem::pat
   text.append((8 - text.size() % 8) % 8, ' ');  // the data buffer starts 8-byte aligned
 
   auto state = std::make_shared<State>();
-  state->path = path;
-  state->partial_path = path;
-  state->partial_path += ".partial";
   state->remaining = total;
-  state->file = std::fopen(state->partial_path.c_str(), "wb");
-  if (state->file == nullptr) return io_error("create", state->partial_path, errno);
+  GEMMA4_ASSIGN_OR_RETURN(state->out, PartialFile::create(path));
   const uint64_t header_bytes = text.size();
-  if (std::fwrite(&header_bytes, 8, 1, state->file) != 1 ||
-      std::fwrite(text.data(), 1, text.size(), state->file) != text.size()) {
-    return io_error("write", state->partial_path, errno);
-  }
+  GEMMA4_RETURN_IF_ERROR(state->out.write(&header_bytes, 8));
+  GEMMA4_RETURN_IF_ERROR(state->out.write(text.data(), text.size()));
   SafetensorsWriter writer;
   writer.state_ = std::move(state);
   return writer;
@@ -101,42 +82,31 @@ Expected<SafetensorsWriter> SafetensorsWriter::create(const std::filesystem::pat
 
 Status SafetensorsWriter::append(std::span<const std::byte> bytes) {
   State& s = *state_;
-  if (s.file == nullptr) {
-    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished", s.path.string());
+  if (!s.out.is_open()) {
+    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished",
+                      s.out.path().string());
   }
   if (bytes.size() > s.remaining) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "writing {}: {} more bytes than the tensor specs declare", s.path.string(),
-                      bytes.size() - s.remaining);
+                      "writing {}: {} more bytes than the tensor specs declare",
+                      s.out.path().string(), bytes.size() - s.remaining);
   }
-  // (An empty span may carry a null pointer, which fwrite must not see.)
-  if (!bytes.empty() && std::fwrite(bytes.data(), 1, bytes.size(), s.file) != bytes.size()) {
-    return io_error("write", s.partial_path, errno);
-  }
+  GEMMA4_RETURN_IF_ERROR(s.out.write(bytes.data(), bytes.size()));
   s.remaining -= bytes.size();
   return {};
 }
 
 Status SafetensorsWriter::finish() {
   State& s = *state_;
-  if (s.file == nullptr) {
-    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished", s.path.string());
+  if (!s.out.is_open()) {
+    return make_error(ErrorCode::kInvalidArgument, "writing {}: already finished",
+                      s.out.path().string());
   }
   if (s.remaining != 0) {
     return make_error(ErrorCode::kInvalidArgument, "writing {}: {} bytes of tensor data missing",
-                      s.path.string(), s.remaining);
+                      s.out.path().string(), s.remaining);
   }
-  const bool closed = std::fclose(s.file) == 0;
-  const int close_errno = errno;
-  s.file = nullptr;
-  if (!closed) return io_error("write", s.partial_path, close_errno);
-  std::error_code ec;
-  std::filesystem::rename(s.partial_path, s.path, ec);
-  if (ec) {
-    return make_error(ErrorCode::kIo, "cannot rename {} to {}: {}", s.partial_path.string(),
-                      s.path.string(), ec.message());
-  }
-  return {};
+  return s.out.commit();
 }
 
 uint64_t SafetensorsWriter::remaining_bytes() const {
@@ -265,14 +235,11 @@ Status ShardedSafetensorsWriter::finish() {
     for (const TensorSpec& spec : shard.specs) weight_map[spec.name] = shard.file_name;
   }
   const Json index = {{"metadata", {{"total_size", s.total_bytes}}}, {"weight_map", weight_map}};
-  const auto index_path = s.directory / "model.safetensors.index.json";
-  std::FILE* file = std::fopen(index_path.c_str(), "wb");
-  if (file == nullptr) return io_error("create", index_path, errno);
   const std::string text = index.dump(2) + "\n";
-  const bool written = std::fwrite(text.data(), 1, text.size(), file) == text.size();
-  const bool closed = std::fclose(file) == 0;
-  if (!written || !closed) return io_error("write", index_path, errno);
-  return {};
+  GEMMA4_ASSIGN_OR_RETURN(PartialFile out,
+                          PartialFile::create(s.directory / "model.safetensors.index.json"));
+  GEMMA4_RETURN_IF_ERROR(out.write(text.data(), text.size()));
+  return out.commit();
 }
 
 std::vector<std::string> ShardedSafetensorsWriter::file_names() const {
