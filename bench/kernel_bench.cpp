@@ -169,7 +169,7 @@ Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActTyp
   const auto tilings = gemma4::cuda::gemv_tilings();
   r.best_pdl_us = 1e30;
   for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
-    if ((tilings[t].m_tile == 1) != (m == 1)) continue;
+    if ((tilings[t].m_tile == 1) != (m == 1) || !gemma4::cuda::gemv_tiling_compiled(t)) continue;
     if (quick && t != r.default_tiling) continue;
     double us[2];
     for (int pdl = 0; pdl < 2; ++pdl) {

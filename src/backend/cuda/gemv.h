@@ -42,7 +42,8 @@ inline int64_t q8_row_bytes(int64_t stride) {
 cudaError_t quantize_activations_q8(const float* x, int rows, int64_t cols, int64_t x_stride,
                                     void* out, int64_t out_stride, const Launch& launch);
 
-// Every compiled tiling; an index into this list selects one explicitly (the benchmark does).
+// Every tiling; an index into this list selects one explicitly (the benchmark does). Only those
+// with gemv_tiling_compiled(index) have kernels in this build (gemv_kernels.h).
 std::span<const GemvTiling> gemv_tilings();
 
 // The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).

@@ -53,6 +53,22 @@ inline constexpr GemvTiling kGemvTilings[] = {
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 
+// The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
+// with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
+// so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 5, 7, 8, 11, 12};
+
+constexpr bool gemv_tiling_compiled(int tiling) {
+#ifdef GEMMA4_GEMV_ALL_TILINGS
+  return tiling >= 0 && tiling < kNumGemvTilings;
+#else
+  for (int t : kDefaultGemvTilings) {
+    if (t == tiling) return true;
+  }
+  return false;
+#endif
+}
+
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
   const void* scales;

@@ -1,0 +1,184 @@
+// The decode GEMV kernel template (gemv.h) and the table of its instantiations for one weight
+// format. Each format's instantiations live in their own translation unit (gemv_w4g32.cu,
+// gemv_nvfp4.cu, gemv_bf16.cu) so that nvcc compiles them in parallel; only the tilings that
+// gemv_tiling_compiled() admits are instantiated (all of them with GEMMA4_GEMV_ALL_TILINGS, the
+// kernel benchmark's build), which keeps the CI compile time in check.
+#pragma once
+
+#include <array>
+#include <utility>
+
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/q8.cuh"
+
+namespace gemma4::cuda::gemv_detail {
+
+using WeightFormat = PackedFormat;
+using KernelFn = void (*)(GemvArgs);
+
+// Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
+// block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
+// consecutive lanes read T consecutive 16-byte chunks of a row (coalesced).
+template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
+  pdl_trigger_dependents();
+  constexpr int kTeams = 32 / T;
+  constexpr int kRowsPerBlock = kTeams * R;
+  constexpr int kElems = kChunkElems<F>;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int team = lane / T;
+  const int lane_in_team = lane % T;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + team * R;
+  const int64_t pass_chunks = T * W * G;
+  const int passes = static_cast<int>((a.chunks_per_row + pass_chunks - 1) / pass_chunks);
+
+  uint4 weights[G][R];
+  uint32_t scale_bits[G][R];
+  auto chunk_of = [&](int pass, int j) {
+    return pass * pass_chunks + (j * W + warp) * T + lane_in_team;
+  };
+  auto load_pass = [&](int pass) {
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = chunk_of(pass, j);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        if (row < a.rows && chunk < a.chunks_per_row) {
+          weights[j][r] = load_weights_nc(static_cast<const uint4*>(a.weights) +
+                                          row * a.chunks_per_row + chunk);
+          scale_bits[j][r] = load_scale_bits<F>(a, row, chunk);
+        } else {
+          weights[j][r] = make_uint4(0, 0, 0, 0);
+          scale_bits[j][r] = 0;
+        }
+      }
+    }
+  };
+
+  // Weights never depend on the previous kernel: their loads go out before the wait.
+  load_pass(0);
+  pdl_wait_for_predecessors();
+
+  extern __shared__ float partial[];  // [W][MT][kRowsPerBlock], only when W > 1
+  for (int m0 = 0; m0 < a.m; m0 += MT) {
+    float acc[MT][R];
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) acc[mi][r] = 0.0f;
+    }
+    for (int pass = 0; pass < passes; ++pass) {
+      if (pass > 0 || (m0 > 0 && passes > 1)) load_pass(pass);
+#pragma unroll
+      for (int j = 0; j < G; ++j) {
+        const int64_t chunk = chunk_of(pass, j);
+        if (chunk >= a.chunks_per_row) continue;
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+          if (m0 + mi >= a.m) break;
+          typename XChunkFor<XT, kElems>::type x;
+          if constexpr (XT == ActType::kQ8) {
+            load_x_chunk_q8(a.x, m0 + mi, a.x_stride, chunk, x);
+          } else {
+            load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x);
+          }
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+#pragma unroll
+        for (int offset = T / 2; offset > 0; offset /= 2) {
+          acc[mi][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[mi][r], offset);
+        }
+      }
+    }
+    if constexpr (W == 1) {
+      if (lane_in_team == 0) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            if (m0 + mi < a.m && first_row + r < a.rows) {
+              a.y[(m0 + mi) * a.y_stride + first_row + r] = acc[mi][r];
+            }
+          }
+        }
+      }
+    } else {
+      if (lane_in_team == 0) {
+#pragma unroll
+        for (int mi = 0; mi < MT; ++mi) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            partial[(warp * MT + mi) * kRowsPerBlock + team * R + r] = acc[mi][r];
+          }
+        }
+      }
+      __syncthreads();
+      for (int i = threadIdx.x; i < MT * kRowsPerBlock; i += W * 32) {
+        const int mi = i / kRowsPerBlock;
+        const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + i % kRowsPerBlock;
+        float sum = 0.0f;
+#pragma unroll
+        for (int w = 0; w < W; ++w) sum += partial[w * MT * kRowsPerBlock + i];
+        if (m0 + mi < a.m && row < a.rows) a.y[(m0 + mi) * a.y_stride + row] = sum;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+template <WeightFormat F, ActType XT, int I>
+constexpr KernelFn kernel_for() {
+  if constexpr (gemv_tiling_compiled(I)) {
+    constexpr GemvTiling t = kGemvTilings[I];
+    return gemv_kernel<F, XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
+                       t.m_tile>;
+  } else {
+    return nullptr;
+  }
+}
+
+template <WeightFormat F, ActType XT, size_t... I>
+constexpr std::array<KernelFn, kNumGemvTilings> kernel_table(std::index_sequence<I...>) {
+  return {kernel_for<F, XT, static_cast<int>(I)>()...};
+}
+
+// The kernel of (F, x type, tiling), or nullptr where none is compiled (kQ8 activations exist for
+// kW4G32 only). Explicitly instantiated once per format in gemv_<format>.cu.
+template <WeightFormat F>
+KernelFn select_kernel(ActType x_type, int tiling) {
+  if (x_type == ActType::kQ8) {
+    if constexpr (F == WeightFormat::kW4G32) {
+      static constexpr auto kQ8 =
+          kernel_table<F, ActType::kQ8>(std::make_index_sequence<kNumGemvTilings>());
+      return kQ8[tiling];
+    }
+    return nullptr;
+  }
+  if (x_type == ActType::kBF16) {
+    static constexpr auto kBF16 =
+        kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
+    return kBF16[tiling];
+  }
+  static constexpr auto kF32 =
+      kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumGemvTilings>());
+  return kF32[tiling];
+}
+
+extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int);
+
+}  // namespace gemma4::cuda::gemv_detail
