@@ -2,6 +2,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/device_math.cuh"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
@@ -148,12 +149,6 @@ struct GeluArgs {
   RowsView multiplier;
   RowsView out;
 };
-
-// PyTorch gelu(approximate="tanh").
-__device__ float gelu_tanh(float u) {
-  constexpr float kSqrt2OverPi = 0.7978845608028654f;
-  return 0.5f * u * (1.0f + tanhf(kSqrt2OverPi * (u + 0.044715f * u * u * u)));
-}
 
 __global__ void gelu_tanh_mul_kernel(GeluArgs a) {
   pdl_trigger_dependents();
