@@ -28,17 +28,6 @@ uint8_t byte_at(const std::byte* p, int64_t i) {
   return static_cast<uint8_t>(p[i]);
 }
 
-// Sub-block j's 6-bit scale and min from the 12 packed bytes (spec 4.6).
-void q4_k_scale_min(const std::byte* scales, int j, int& sc, int& mn) {
-  if (j < 4) {
-    sc = byte_at(scales, j) & 63;
-    mn = byte_at(scales, j + 4) & 63;
-  } else {
-    sc = (byte_at(scales, j + 4) & 15) | ((byte_at(scales, j - 4) >> 6) << 4);
-    mn = (byte_at(scales, j + 4) >> 4) | ((byte_at(scales, j) >> 6) << 4);
-  }
-}
-
 // Inverse of q4_k_scale_min for all 8 sub-blocks.
 void pack_q4_k_scales(const std::array<int, 8>& sc, const std::array<int, 8>& mn,
                       std::byte* scales) {
@@ -111,12 +100,70 @@ void quantize_q4_k_block(std::span<const float> block, std::byte* out) {
 
 }  // namespace
 
+int split_nibble(const std::byte* qs, int i) {
+  const uint8_t byte = byte_at(qs, i % 16);
+  return i < 16 ? (byte & 15) : (byte >> 4);
+}
+
+int q5_0_level(const std::byte* block, int i) {
+  uint32_t qh;
+  std::memcpy(&qh, block + 2, 4);
+  return (split_nibble(block + 6, i) | static_cast<int>(((qh >> i) & 1) << 4)) - 16;
+}
+
+void q4_k_scale_min(const std::byte* block, int j, int& sc, int& mn) {
+  const std::byte* scales = block + 4;
+  if (j < 4) {
+    sc = byte_at(scales, j) & 63;
+    mn = byte_at(scales, j + 4) & 63;
+  } else {
+    sc = (byte_at(scales, j + 4) & 15) | ((byte_at(scales, j - 4) >> 6) << 4);
+    mn = (byte_at(scales, j + 4) >> 4) | ((byte_at(scales, j) >> 6) << 4);
+  }
+}
+
+int q4_k_level(const std::byte* block, int e) {
+  const int c = e / 64, r = e % 64;
+  const uint8_t byte = byte_at(block + 16, 32 * c + r % 32);
+  return r < 32 ? (byte & 15) : (byte >> 4);
+}
+
+int q6_k_level(const std::byte* block, int e) {
+  const int h = e / 128, t = e % 128, k = t / 32, l = t % 32;
+  const uint8_t low_byte = byte_at(block, 64 * h + (k % 2) * 32 + l);  // ql
+  const int low = k < 2 ? (low_byte & 15) : (low_byte >> 4);
+  const int high = (byte_at(block + 128, 32 * h + l) >> (2 * k)) & 3;  // qh
+  return (low | (high << 4)) - 32;
+}
+
 void dequantize_q4_0_block(const std::byte* block, float* out) {
   const float d = fp16_to_float(load_u16(block));
-  const std::byte* qs = block + 2;
-  for (int i = 0; i < 16; ++i) {
-    out[i] = static_cast<float>((byte_at(qs, i) & 15) - 8) * d;
-    out[i + 16] = static_cast<float>((byte_at(qs, i) >> 4) - 8) * d;
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(split_nibble(block + 2, i) - 8) * d;
+}
+
+void dequantize_q4_1_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block));
+  const float m = fp16_to_float(load_u16(block + 2));
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(split_nibble(block + 4, i)) * d + m;
+}
+
+void dequantize_q5_0_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block));
+  for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q5_0_level(block, i)) * d;
+}
+
+void dequantize_iq4_nl_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block));
+  for (int i = 0; i < 32; ++i) {
+    out[i] = d * static_cast<float>(kIQ4_NLLevels[split_nibble(block + 2, i)]);
+  }
+}
+
+void dequantize_q6_k_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block + 208));
+  for (int e = 0; e < kQ6_KBlockElements; ++e) {
+    const auto scale = static_cast<int8_t>(byte_at(block + 192, e / 16));
+    out[e] = d * static_cast<float>(scale) * static_cast<float>(q6_k_level(block, e));
   }
 }
 
@@ -129,15 +176,11 @@ void dequantize_q8_0_block(const std::byte* block, float* out) {
 void dequantize_q4_k_block(const std::byte* block, float* out) {
   const float d = fp16_to_float(load_u16(block));
   const float dmin = fp16_to_float(load_u16(block + 2));
-  const std::byte* scales = block + 4;
-  const std::byte* qs = block + 16;
-  for (int64_t e = 0; e < kQ4_KBlockElements; ++e) {
-    const int64_t c = e / 64, r = e % 64;
-    const uint8_t byte = byte_at(qs, 32 * c + r % 32);
-    const int q = r < 32 ? (byte & 15) : (byte >> 4);
+  for (int e = 0; e < kQ4_KBlockElements; ++e) {
     int sc = 0, mn = 0;
-    q4_k_scale_min(scales, static_cast<int>(e / kQ4_KSubBlockElements), sc, mn);
-    out[e] = (d * static_cast<float>(sc)) * static_cast<float>(q) - dmin * static_cast<float>(mn);
+    q4_k_scale_min(block, e / kQ4_KSubBlockElements, sc, mn);
+    out[e] = (d * static_cast<float>(sc)) * static_cast<float>(q4_k_level(block, e)) -
+             dmin * static_cast<float>(mn);
   }
 }
 
@@ -157,18 +200,34 @@ Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std:
       block_elements = kQ4_0BlockElements, block_bytes = kQ4_0BlockBytes;
       decode_block = dequantize_q4_0_block;
       break;
+    case kGgmlQ4_1:
+      block_elements = kQ4_1BlockElements, block_bytes = kQ4_1BlockBytes;
+      decode_block = dequantize_q4_1_block;
+      break;
+    case kGgmlQ5_0:
+      block_elements = kQ5_0BlockElements, block_bytes = kQ5_0BlockBytes;
+      decode_block = dequantize_q5_0_block;
+      break;
     case kGgmlQ8_0:
       block_elements = kQ8_0BlockElements, block_bytes = kQ8_0BlockBytes;
       decode_block = dequantize_q8_0_block;
+      break;
+    case kGgmlIQ4_NL:
+      block_elements = kIQ4_NLBlockElements, block_bytes = kIQ4_NLBlockBytes;
+      decode_block = dequantize_iq4_nl_block;
       break;
     case kGgmlQ4_K:
       block_elements = kQ4_KBlockElements, block_bytes = kQ4_KBlockBytes;
       decode_block = dequantize_q4_k_block;
       break;
+    case kGgmlQ6_K:
+      block_elements = kQ6_KBlockElements, block_bytes = kQ6_KBlockBytes;
+      decode_block = dequantize_q6_k_block;
+      break;
     default:
       return make_error(ErrorCode::kUnsupported,
                         "ggml type {} cannot be dequantized (supported: F32, F16, BF16, Q4_0, "
-                        "Q8_0, Q4_K)",
+                        "Q4_1, Q5_0, Q8_0, IQ4_NL, Q4_K, Q6_K)",
                         type);
   }
   if (rows < 0 || cols < 0 || cols % block_elements != 0 ||
@@ -244,12 +303,9 @@ Expected<PackedMatrix> repack_q4_0_to_w4g32(std::span<const std::byte> data, int
     // Element i < 16 is the low nibble of qs[i], element 16 + i its high nibble; w4g32 wants
     // element 2j in the low and 2j + 1 in the high nibble of byte j (both offset-binary).
     std::byte* out = packed.data.data() + b * (kQ4_0BlockElements / 2);
-    auto nibble = [&](int i) {
-      const uint8_t byte = byte_at(block + 2, i % 16);
-      return i < 16 ? (byte & 15) : (byte >> 4);
-    };
     for (int j = 0; j < 16; ++j) {
-      out[j] = static_cast<std::byte>(nibble(2 * j) | (nibble(2 * j + 1) << 4));
+      out[j] = static_cast<std::byte>(split_nibble(block + 2, 2 * j) |
+                                      (split_nibble(block + 2, 2 * j + 1) << 4));
     }
   }
   return packed;

@@ -51,6 +51,12 @@ const char* weight_format_name(WeightFormat format) {
       return "w4g32";
     case WeightFormat::kNVFP4:
       return "nvfp4";
+    case WeightFormat::kW4G32A:
+      return "w4g32a";
+    case WeightFormat::kW8:
+      return "w8";
+    case WeightFormat::kF16:
+      return "f16";
   }
   return "unknown";
 }
@@ -72,10 +78,14 @@ int64_t row_data_bytes(const QMatrix& m) {
     case WeightFormat::kF32:
       return m.cols * 4;
     case WeightFormat::kBF16:
+    case WeightFormat::kF16:
       return m.cols * 2;
     case WeightFormat::kW4G32:
     case WeightFormat::kNVFP4:
+    case WeightFormat::kW4G32A:
       return m.cols / 2;
+    case WeightFormat::kW8:
+      return m.cols;
   }
   return 0;
 }
@@ -86,6 +96,10 @@ int64_t row_scale_bytes(const QMatrix& m) {
       return m.cols / kW4GroupSize * scale_bytes(m.scale_type);
     case WeightFormat::kNVFP4:
       return m.cols / kNvBlockSize;
+    case WeightFormat::kW4G32A:
+      return m.cols / kW4GroupSize * 8;  // {scale, min} fp32
+    case WeightFormat::kW8:
+      return m.group_size > 0 ? m.cols / m.group_size * scale_bytes(m.scale_type) : 0;
     default:
       return 0;
   }
@@ -104,20 +118,40 @@ Status validate(const QMatrix& m) {
   }
   if (m.data == nullptr)
     return make_error(ErrorCode::kInvalidArgument, "{} matrix has no data", name);
-  if (m.format == WeightFormat::kW4G32 || m.format == WeightFormat::kNVFP4) {
-    const int64_t group = m.format == WeightFormat::kW4G32 ? kW4GroupSize : kNvBlockSize;
-    if (m.cols % group != 0) {
-      return make_error(ErrorCode::kInvalidArgument, "{} needs K % {} == 0, K = {}", name, group,
-                        m.cols);
-    }
-    if (m.scales == nullptr) {
-      return make_error(ErrorCode::kInvalidArgument, "{} matrix has no scales", name);
-    }
+  int64_t group = 0;
+  switch (m.format) {
+    case WeightFormat::kW4G32:
+    case WeightFormat::kW4G32A:
+      group = kW4GroupSize;
+      break;
+    case WeightFormat::kNVFP4:
+      group = kNvBlockSize;
+      break;
+    case WeightFormat::kW8:
+      if (m.group_size != 16 && m.group_size != 32) {
+        return make_error(ErrorCode::kInvalidArgument, "w8 group size {} (16 or 32)", m.group_size);
+      }
+      group = m.group_size;
+      break;
+    default:
+      return {};
+  }
+  if (m.cols % group != 0) {
+    return make_error(ErrorCode::kInvalidArgument, "{} needs K % {} == 0, K = {}", name, group,
+                      m.cols);
+  }
+  if (m.scales == nullptr) {
+    return make_error(ErrorCode::kInvalidArgument, "{} matrix has no scales", name);
   }
   if (m.format == WeightFormat::kNVFP4 &&
       (!std::isfinite(m.nv_global.value) || m.nv_global.value == 0.0f)) {
     return make_error(ErrorCode::kInvalidArgument, "nvfp4 global factor {} is not finite non-zero",
                       m.nv_global.value);
+  }
+  if ((m.format == WeightFormat::kW4G32A && m.scale_type != ScaleType::kF32) ||
+      (m.format == WeightFormat::kW8 && m.scale_type == ScaleType::kBF16)) {
+    return make_error(ErrorCode::kInvalidArgument, "{} matrix with {} scales", name,
+                      scale_type_name(m.scale_type));
   }
   return {};
 }
@@ -144,6 +178,36 @@ void dequantize_row(const QMatrix& m, int64_t row, float* out) {
         out[k] = bf16_to_float(load<uint16_t>(m.data, row * k_count + k));
       }
       return;
+    case WeightFormat::kF16:
+      for (int64_t k = 0; k < k_count; ++k) {
+        out[k] = fp16_to_float(load<uint16_t>(m.data, row * k_count + k));
+      }
+      return;
+    case WeightFormat::kW4G32A: {
+      const auto* bytes = static_cast<const uint8_t*>(m.data) + row * (k_count / 2);
+      const int64_t groups_per_row = k_count / kW4GroupSize;
+      for (int64_t g = 0; g < groups_per_row; ++g) {
+        const float scale = load<float>(m.scales, 2 * (row * groups_per_row + g));
+        const float min = load<float>(m.scales, 2 * (row * groups_per_row + g) + 1);
+        for (int64_t j = 0; j < kW4GroupSize / 2; ++j) {
+          const uint8_t byte = bytes[g * (kW4GroupSize / 2) + j];
+          out[g * kW4GroupSize + 2 * j] = scale * static_cast<float>(byte & 15) - min;
+          out[g * kW4GroupSize + 2 * j + 1] = scale * static_cast<float>(byte >> 4) - min;
+        }
+      }
+      return;
+    }
+    case WeightFormat::kW8: {
+      const auto* q = static_cast<const int8_t*>(m.data) + row * k_count;
+      const int64_t groups_per_row = k_count / m.group_size;
+      for (int64_t g = 0; g < groups_per_row; ++g) {
+        const float scale = load_scale(m.scale_type, m.scales, row * groups_per_row + g);
+        for (int64_t j = g * m.group_size; j < (g + 1) * m.group_size; ++j) {
+          out[j] = static_cast<float>(q[j]) * scale;
+        }
+      }
+      return;
+    }
     case WeightFormat::kW4G32: {
       const int64_t words_per_row = k_count / 8;
       const int64_t groups_per_row = k_count / kW4GroupSize;

@@ -73,6 +73,7 @@ QMatrix PackedMatrix::view() const {
   m.scales = scales.empty() ? nullptr : scales.data();
   m.scale_type = scale_type;
   m.nv_global = nv_global;
+  m.group_size = group_size;
   return m;
 }
 
