@@ -16,6 +16,7 @@
 #include <span>
 #include <utility>
 
+#include "core/status.h"
 #include "model/config.h"
 #include "model/weights.h"
 #include "quant/qmatrix.h"
@@ -104,6 +105,16 @@ class Backend {
   virtual ~Backend() = default;
 
   virtual const char* name() const = 0;
+
+  // Whether kernels can read host memory (the checkpoint mapping, std::vector norm weights)
+  // directly. If not, the engine copies every weight into backend buffers when it is created
+  // (engine/resident_weights.h).
+  virtual bool reads_host_memory() const = 0;
+
+  // The first failure since the backend was created (a failed allocation, a kernel fault, an
+  // operation the backend cannot run), or ok. Operations return nothing and are asynchronous on
+  // a device, so the engine checks this after each pass; once failed, it stays failed.
+  virtual Status status() const { return Status::ok_status(); }
 
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;

@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "engine/resident_weights.h"
+
 namespace gemma4::engine {
 
 namespace {
@@ -36,8 +38,8 @@ struct SequenceState {
 
 struct Gemma4Engine::Impl {
   model::ModelConfig config;
-  const model::ModelWeights* weights = nullptr;
   std::unique_ptr<Backend> backend;
+  ResidentWeights weights;  // where the backend reads them
   EngineOptions options;
   int64_t max_context = 0;
   int64_t ring_slots_limit = 0;  // tokens per sequence per pass when the model has sliding layers
@@ -74,13 +76,12 @@ struct Gemma4Engine::Impl {
 
 void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
   // arch spec 2.3: ple[l] = (RMSNorm(h0 · Wplmᵀ · H^-1/2) + Eple[tok] · √P) · 2^-1/2
-  const auto& w = *weights;
+  const auto& w = weights;
   const int64_t width = int64_t{config.num_layers} * config.ple_dim;
   Rows context = rows(ple, n, width);
   backend->matmul(w.per_layer_model_projection, h0, context);
   backend->scale(context, nullptr, 1.0f / std::sqrt(static_cast<float>(config.hidden_size)));
-  norm(context.heads(config.ple_dim), w.per_layer_projection_norm.data(),
-       context.heads(config.ple_dim));
+  norm(context.heads(config.ple_dim), w.per_layer_projection_norm, context.heads(config.ple_dim));
   Rows tokens = rows(ple_tokens, n, width);
   backend->embed(w.embed_tokens_per_layer, token_ids.ints(),
                  std::sqrt(static_cast<float>(config.ple_dim)), tokens);
@@ -91,14 +92,14 @@ void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
 void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segments, int64_t n,
                                          Rows hidden) {
   const LayerGeometry& g = config.layers[l];
-  const auto& lw = weights->layers[l];
+  const ResidentLayer& lw = weights.layers[l];
   const int hd = g.head_dim;
   Rows a = rows(normed, n, config.hidden_size);
-  norm(hidden, lw.input_layernorm.data(), a);
+  norm(hidden, lw.input_layernorm, a);
 
   Rows queries = rows(q, n, g.q_width());
   backend->matmul(lw.q_proj, a, queries);
-  norm(queries.heads(hd), lw.q_norm.data(), queries.heads(hd));
+  norm(queries.heads(hd), lw.q_norm, queries.heads(hd));
   backend->rope(queries, hd, positions.ints(), g.rope);
 
   if (g.owns_kv()) {
@@ -110,7 +111,7 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
     } else {
       backend->matmul(lw.v_proj, a, values);
     }
-    norm(keys.heads(hd), lw.k_norm.data(), keys.heads(hd));
+    norm(keys.heads(hd), lw.k_norm, keys.heads(hd));
     backend->rope(keys, hd, positions.ints(), g.rope);
     if (config.has_v_norm) norm(values.heads(hd), nullptr, values.heads(hd));
     for (const Segment& s : segments) {
@@ -127,18 +128,18 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   }
   Rows projected = rows(proj, n, config.hidden_size);
   backend->matmul(lw.o_proj, out, projected);
-  norm(projected, lw.post_attention_layernorm.data(), projected);
+  norm(projected, lw.post_attention_layernorm, projected);
   backend->add(hidden, projected);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const LayerGeometry& g = config.layers[l];
-  const auto& lw = weights->layers[l];
+  const ResidentLayer& lw = weights.layers[l];
   const int64_t H = config.hidden_size;
 
   // Dense MLP (the always-on shared expert in MoE models).
   Rows m = rows(normed, n, H);
-  norm(hidden, lw.pre_feedforward_layernorm.data(), m);
+  norm(hidden, lw.pre_feedforward_layernorm, m);
   Rows gates = rows(gate, n, g.ffn_width);
   Rows ups = rows(up, n, g.ffn_width);
   backend->matmul(lw.gate_proj, m, gates);
@@ -150,23 +151,23 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   if (config.moe) {
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
     const auto& p = config.moe_params;
-    norm(dense_out, lw.post_feedforward_layernorm_1.data(), dense_out);
+    norm(dense_out, lw.post_feedforward_layernorm_1, dense_out);
     Rows r = rows(normed, n, H);
     norm(hidden, nullptr, r);
-    backend->scale(r, lw.router_scale.data(), 1.0f / std::sqrt(static_cast<float>(H)));
+    backend->scale(r, lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)));
     Rows scores = rows(router_logits, n, p.num_experts);
     backend->matmul(lw.router_proj, r, scores);
-    backend->route_experts(scores, {p.top_k, lw.per_expert_scale.data()}, expert_ids.ints(),
+    backend->route_experts(scores, {p.top_k, lw.per_expert_scale}, expert_ids.ints(),
                            expert_weights.floats());
     Rows expert_in = rows(normed, n, H);
-    norm(hidden, lw.pre_feedforward_layernorm_2.data(), expert_in);
+    norm(hidden, lw.pre_feedforward_layernorm_2, expert_in);
     Rows expert_out = rows(moe, n, H);
     backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
                          expert_out);
-    norm(expert_out, lw.post_feedforward_layernorm_2.data(), expert_out);
+    norm(expert_out, lw.post_feedforward_layernorm_2, expert_out);
     backend->add(dense_out, expert_out);
   }
-  norm(dense_out, lw.post_feedforward_layernorm.data(), dense_out);
+  norm(dense_out, lw.post_feedforward_layernorm, dense_out);
   backend->add(hidden, dense_out);
 
   if (config.ple_dim > 0) {
@@ -178,14 +179,14 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->gelu_tanh_mul(gated, layer_ple, gated);
     Rows projected = rows(proj, n, H);
     backend->matmul(lw.per_layer_projection, gated, projected);
-    norm(projected, lw.post_per_layer_input_norm.data(), projected);
+    norm(projected, lw.post_per_layer_input_norm, projected);
     backend->add(hidden, projected);
   }
   backend->scale(hidden, nullptr, lw.layer_scalar);
 }
 
 void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
-  const auto& w = *weights;
+  const auto& w = weights;
   Rows hidden = rows(x, n, config.hidden_size);
   // transformers casts the √H scale to the weight dtype: exact in float32 (what this engine
   // computes in, and what the golden fixtures use), bf16(√H) only in a bf16 run
@@ -214,8 +215,8 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   }
   auto impl = std::make_unique<Impl>();
   impl->config = config;
-  impl->weights = &weights;
   impl->backend = std::move(backend);
+  GEMMA4_ASSIGN_OR_RETURN(impl->weights, ResidentWeights::create(weights, *impl->backend));
   impl->options = options;
   impl->max_context = config.max_position_embeddings > 0
                           ? std::min(options.max_context, config.max_position_embeddings)
@@ -271,6 +272,9 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
       cache.values = floats(cache.slots, g.kv_width());
       cache.slot_positions = b.allocate(sizeof(int32_t) * cache.slots);
     }
+  }
+  if (Status status = b.status(); !status.ok()) {
+    return status.error().with_context("allocating the engine's workspace and KV cache: ");
   }
   return std::unique_ptr<Gemma4Engine>(new Gemma4Engine(std::move(impl)));
 }
@@ -421,15 +425,16 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
     if (finished.empty()) continue;
     const auto count = std::ssize(finished);
     Rows last = m.rows(m.last_hidden, count, H);
-    m.norm(last, m.weights->final_norm.data(), last);
+    m.norm(last, m.weights.final_norm, last);
     Rows out = m.rows(m.logits, count, vocab);
-    m.backend->matmul(m.weights->lm_head, last, out);
+    m.backend->matmul(m.weights.lm_head, last, out);
     if (m.config.final_logit_softcap > 0) m.backend->softcap(out, m.config.final_logit_softcap);
     for (int64_t r = 0; r < count; ++r) {
       m.backend->download(logits.data() + finished[r] * vocab, out.row(r), sizeof(float) * vocab);
     }
   }
-  return Status::ok_status();
+  // Operations report failures only here (asynchronously on a device); downloads synchronize.
+  return m.backend->status();
 }
 
 }  // namespace gemma4::engine

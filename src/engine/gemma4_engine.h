@@ -36,7 +36,8 @@ struct EngineOptions {
 
 class Gemma4Engine final : public Engine {
  public:
-  // `weights` must stay alive as long as the engine; its views must be readable by `backend`.
+  // `weights` must stay alive as long as the engine. A backend that cannot read host memory gets
+  // its own copy of them (engine/resident_weights.h).
   static Expected<std::unique_ptr<Gemma4Engine>> create(const model::ModelConfig& config,
                                                         const model::ModelWeights& weights,
                                                         std::unique_ptr<Backend> backend,

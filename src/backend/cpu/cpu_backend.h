@@ -16,6 +16,7 @@ class CpuBackend final : public engine::Backend {
   explicit CpuBackend(int threads = 0);
 
   const char* name() const override { return "cpu"; }
+  bool reads_host_memory() const override { return true; }
 
   engine::Buffer allocate(size_t bytes) override;
   void upload(void* dst, const void* src, size_t bytes) override;

@@ -1,0 +1,108 @@
+#include "engine/resident_weights.h"
+
+#include <map>
+#include <tuple>
+
+namespace gemma4::engine {
+
+// Puts each matrix and vector where the backend reads it: the host view itself, or a copy in a
+// backend buffer owned by `out`. Declared a friend of ResidentWeights (it fills the buffers).
+class WeightPlacer {
+ public:
+  WeightPlacer(Backend& backend, ResidentWeights& out)
+      : backend_(backend), out_(out), copy_(!backend.reads_host_memory()) {}
+
+  quant::QMatrix matrix(const quant::QMatrix& m) {
+    if (!copy_ || !model::present(m)) return m;
+    // A tied lm_head is the embedding table itself: copied once.
+    const auto key = std::make_tuple(m.data, m.rows, m.cols, m.format);
+    if (auto it = copied_.find(key); it != copied_.end()) return it->second;
+    quant::QMatrix placed = m;
+    placed.data = bytes(m.data, m.rows * quant::row_data_bytes(m));
+    if (m.scales != nullptr) placed.scales = bytes(m.scales, m.rows * quant::row_scale_bytes(m));
+    copied_.emplace(key, placed);
+    return placed;
+  }
+
+  const float* vector(const std::vector<float>& v) {
+    if (v.empty()) return nullptr;
+    if (!copy_) return v.data();
+    return static_cast<const float*>(bytes(v.data(), v.size() * sizeof(float)));
+  }
+
+ private:
+  const void* bytes(const void* source, int64_t count) {
+    Buffer buffer = backend_.allocate(static_cast<size_t>(count));
+    if (buffer.data() == nullptr) return nullptr;  // the backend's status() reports why
+    backend_.upload(buffer.data(), source, static_cast<size_t>(count));
+    out_.copied_bytes_ += count;
+    const void* placed = buffer.data();
+    out_.buffers_.push_back(std::move(buffer));
+    return placed;
+  }
+
+  Backend& backend_;
+  ResidentWeights& out_;
+  const bool copy_;
+  std::map<std::tuple<const void*, int64_t, int64_t, quant::WeightFormat>, quant::QMatrix> copied_;
+};
+
+namespace {
+
+ResidentLayer place_layer(const model::LayerWeights& w, WeightPlacer& place) {
+  ResidentLayer r;
+  r.q_proj = place.matrix(w.q_proj);
+  r.k_proj = place.matrix(w.k_proj);
+  r.v_proj = place.matrix(w.v_proj);
+  r.o_proj = place.matrix(w.o_proj);
+  r.q_norm = place.vector(w.q_norm);
+  r.k_norm = place.vector(w.k_norm);
+  r.input_layernorm = place.vector(w.input_layernorm);
+  r.post_attention_layernorm = place.vector(w.post_attention_layernorm);
+  r.pre_feedforward_layernorm = place.vector(w.pre_feedforward_layernorm);
+  r.post_feedforward_layernorm = place.vector(w.post_feedforward_layernorm);
+  r.gate_proj = place.matrix(w.gate_proj);
+  r.up_proj = place.matrix(w.up_proj);
+  r.down_proj = place.matrix(w.down_proj);
+  r.router_proj = place.matrix(w.router_proj);
+  r.router_scale = place.vector(w.router_scale);
+  r.per_expert_scale = place.vector(w.per_expert_scale);
+  r.experts.reserve(w.experts.size());
+  for (const model::ExpertMatrices& e : w.experts) {
+    r.experts.push_back({place.matrix(e.gate), place.matrix(e.up), place.matrix(e.down)});
+  }
+  r.post_feedforward_layernorm_1 = place.vector(w.post_feedforward_layernorm_1);
+  r.pre_feedforward_layernorm_2 = place.vector(w.pre_feedforward_layernorm_2);
+  r.post_feedforward_layernorm_2 = place.vector(w.post_feedforward_layernorm_2);
+  r.per_layer_input_gate = place.matrix(w.per_layer_input_gate);
+  r.per_layer_projection = place.matrix(w.per_layer_projection);
+  r.post_per_layer_input_norm = place.vector(w.post_per_layer_input_norm);
+  r.layer_scalar = w.layer_scalar;
+  return r;
+}
+
+}  // namespace
+
+Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& weights,
+                                                  Backend& backend) {
+  ResidentWeights out;
+  WeightPlacer place(backend, out);
+  out.embed_tokens = place.matrix(weights.embed_tokens);
+  out.lm_head = place.matrix(weights.lm_head);
+  out.final_norm = place.vector(weights.final_norm);
+  out.embed_tokens_per_layer = place.matrix(weights.embed_tokens_per_layer);
+  out.per_layer_model_projection = place.matrix(weights.per_layer_model_projection);
+  out.per_layer_projection_norm = place.vector(weights.per_layer_projection_norm);
+  out.layers.reserve(weights.layers.size());
+  for (const model::LayerWeights& layer : weights.layers) {
+    out.layers.push_back(place_layer(layer, place));
+  }
+  if (Status status = backend.status(); !status.ok()) {
+    return status.error().with_context(
+        fmt::format("copying the weights to the {} backend ({} bytes so far): ", backend.name(),
+                    out.copied_bytes_));
+  }
+  return out;
+}
+
+}  // namespace gemma4::engine
