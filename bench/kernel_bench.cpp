@@ -16,6 +16,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
+#include "bench_util.h"
 #include "fill.h"
 
 namespace {
@@ -29,16 +30,6 @@ using gemma4::quant::ScaleType;
 using gemma4::quant::WeightFormat;
 
 constexpr double kReadCeilingGBs = 4250.0;  // measured H200 read bandwidth (h200-decode-notes.md)
-
-#define CHECK(expr)                                                     \
-  do {                                                                  \
-    const cudaError_t status_ = (expr);                                 \
-    if (status_ != cudaSuccess) {                                       \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #expr, \
-                   cudaGetErrorString(status_));                        \
-      std::exit(1);                                                     \
-    }                                                                   \
-  } while (0)
 
 void fill(void* p, size_t bytes, uint32_t seed, uint32_t mask = 0xFFFFFFFFu, uint32_t bits = 0) {
   CHECK(fill_random_words(p, bytes / 4, seed, mask, bits));
@@ -95,38 +86,6 @@ void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
     w.copies.push_back(m);
   }
   CHECK(cudaDeviceSynchronize());
-}
-
-// Median µs per link of a graph holding `links` launches of `enqueue(i)`.
-template <typename Enqueue>
-double time_chain(int links, Enqueue enqueue, cudaStream_t stream) {
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < links; ++i) CHECK(enqueue(i));
-  CHECK(cudaStreamEndCapture(stream, &graph));
-  CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start, stop;
-  CHECK(cudaEventCreate(&start));
-  CHECK(cudaEventCreate(&stop));
-  for (int i = 0; i < 3; ++i) CHECK(cudaGraphLaunch(exec, stream));
-  const int replays = 10;
-  std::vector<double> samples;
-  for (int round = 0; round < 5; ++round) {
-    CHECK(cudaEventRecord(start, stream));
-    for (int i = 0; i < replays; ++i) CHECK(cudaGraphLaunch(exec, stream));
-    CHECK(cudaEventRecord(stop, stream));
-    CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    CHECK(cudaEventElapsedTime(&ms, start, stop));
-    samples.push_back(1000.0 * ms / (replays * links));
-  }
-  CHECK(cudaEventDestroy(start));
-  CHECK(cudaEventDestroy(stop));
-  CHECK(cudaGraphExecDestroy(exec));
-  CHECK(cudaGraphDestroy(graph));
-  std::sort(samples.begin(), samples.end());
-  return samples[samples.size() / 2];
 }
 
 struct Result {

@@ -1,0 +1,180 @@
+// MoE layer benchmark (26B-A4B shapes: hidden 2816, moe_intermediate 704, 128 experts, top-8):
+// router + grouped experts per layer, chained over distinct expert tables (so the selected
+// experts come from DRAM, as successive layers' do), captured in a CUDA graph and replayed,
+// plain launches and PDL. Reports µs per layer and the GB/s of expert bytes the layer reads
+// (each distinct selected expert once).
+//
+// Usage: moe_bench [--quick]
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstring>
+#include <set>
+#include <vector>
+
+#include "backend/cuda/moe.h"
+#include "bench_util.h"
+#include "fill.h"
+
+namespace {
+
+using gemma4::cuda::Launch;
+using gemma4::cuda::MoeExpertTable;
+using gemma4::quant::QMatrix;
+using gemma4::quant::ScaleType;
+using gemma4::quant::WeightFormat;
+
+constexpr int kHidden = 2816;
+constexpr int kInner = 704;
+constexpr int kExperts = 128;
+constexpr int kTopK = 8;
+// 4 tables of 128 experts (~1.7 GB in NVFP4): a table comes back after ~100 MB of other
+// experts, beyond the 60 MB L2.
+constexpr int kTables = 4;
+constexpr int kLayers = 32;
+
+// One layer's experts in one device allocation.
+struct ExpertTable {
+  void* memory = nullptr;
+  MoeExpertTable table;
+  double expert_bytes = 0;  // one expert: gate + up + down, weights and scales
+};
+
+QMatrix carve(WeightFormat format, int64_t rows, int64_t cols, char*& cursor) {
+  QMatrix m;
+  m.format = format;
+  m.rows = rows;
+  m.cols = cols;
+  m.data = cursor;
+  cursor += rows * cols / 2;
+  m.scales = cursor;
+  cursor += format == WeightFormat::kNVFP4 ? rows * cols / 16 : rows * cols / 32 * 2;
+  m.scale_type = ScaleType::kBF16;
+  m.nv_global = {3584.0f, true};
+  return m;
+}
+
+void make_table(WeightFormat format, uint32_t seed, ExpertTable& t) {
+  const int64_t matrix_bytes =
+      kInner * kHidden / 2 +
+      (format == WeightFormat::kNVFP4 ? kInner * kHidden / 16 : kInner * kHidden / 32 * 2);
+  t.expert_bytes = 3.0 * matrix_bytes;
+  const size_t bytes = static_cast<size_t>(matrix_bytes) * 3 * kExperts;
+  CHECK(cudaMalloc(&t.memory, bytes));
+  // Every word drawn so that it is a finite scale (e4m3 bytes around 1, bf16 pairs around 2^-6,
+  // as kernel_bench's scales); weights get the same bits, their values do not matter here.
+  const bool nv = format == WeightFormat::kNVFP4;
+  CHECK(fill_random_words(t.memory, bytes / 4, seed, nv ? 0x0F0F0F0Fu : 0x003F003Fu,
+                          nv ? 0x30303030u : 0x3C003C00u));
+  std::vector<gemma4::model::ExpertMatrices> experts(kExperts);
+  char* cursor = static_cast<char*>(t.memory);
+  for (auto& e : experts) {
+    e.gate = carve(format, kInner, kHidden, cursor);
+    e.up = carve(format, kInner, kHidden, cursor);
+    e.down = carve(format, kHidden, kInner, cursor);
+  }
+  CHECK(MoeExpertTable::create(experts, t.table));
+}
+
+struct Layer {
+  float* logits = nullptr;  // [tokens, kExperts]
+  int32_t* ids = nullptr;
+  float* weights = nullptr;
+  double distinct_experts = 0;  // mean over the layer's routing
+};
+
+void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
+  std::vector<ExpertTable> tables(kTables);
+  for (int i = 0; i < kTables; ++i) make_table(format, 100 + i, tables[i]);
+  float* scale = nullptr;
+  float* x = nullptr;
+  float* out = nullptr;
+  void* workspace = nullptr;
+  CHECK(cudaMalloc(&scale, kExperts * sizeof(float)));
+  CHECK(cudaMalloc(&x, size_t(tokens) * kHidden * sizeof(float)));
+  CHECK(cudaMalloc(&out, size_t(tokens) * kHidden * sizeof(float)));
+  CHECK(cudaMalloc(&workspace, gemma4::cuda::moe_workspace_bytes(tables[0].table, tokens, kTopK)));
+  const std::vector<float> ones(kExperts, 1.0f);
+  CHECK(cudaMemcpy(scale, ones.data(), kExperts * sizeof(float), cudaMemcpyHostToDevice));
+  // Floats with bounded exponents (finite, |v| < 2^-1).
+  CHECK(fill_random_words(x, size_t(tokens) * kHidden, 7, 0x3E7FFFFFu, 0x3C000000u));
+
+  std::vector<Layer> layers(kLayers);
+  double distinct_total = 0;
+  for (int l = 0; l < kLayers; ++l) {
+    Layer& layer = layers[l];
+    CHECK(cudaMalloc(&layer.logits, size_t(tokens) * kExperts * sizeof(float)));
+    CHECK(cudaMalloc(&layer.ids, size_t(tokens) * kTopK * sizeof(int32_t)));
+    CHECK(cudaMalloc(&layer.weights, size_t(tokens) * kTopK * sizeof(float)));
+    CHECK(fill_random_words(layer.logits, size_t(tokens) * kExperts, 1000 + l, 0x007FFFFFu,
+                            0x3F800000u));  // logits in [1, 2)
+    CHECK(gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK, scale,
+                                      layer.ids, layer.weights, Launch{stream, false}));
+    std::vector<int32_t> ids(size_t(tokens) * kTopK);
+    CHECK(cudaMemcpy(ids.data(), layer.ids, ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
+    distinct_total += static_cast<double>(std::set<int32_t>(ids.begin(), ids.end()).size());
+  }
+  const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
+
+  for (int with_router = 0; with_router < 2; ++with_router) {
+    double us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      us[pdl] = time_chain(
+          kLayers,
+          [&](int l) {
+            const Layer& layer = layers[l];
+            if (with_router) {
+              const cudaError_t status =
+                  gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
+                                              scale, layer.ids, layer.weights, launch);
+              if (status != cudaSuccess) return status;
+            }
+            return gemma4::cuda::run_experts(tables[l % kTables].table, x, kHidden, tokens, kTopK,
+                                             layer.ids, layer.weights, out, kHidden, workspace,
+                                             launch);
+          },
+          stream);
+    }
+    std::printf(
+        "moe %-6s T=%-4d %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f GB/s\n",
+        format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
+        with_router ? "router+experts" : "experts", expert_mb, us[0], us[1],
+        expert_mb / us[1] * 1e3);
+    std::fflush(stdout);
+    if (quick) break;
+  }
+
+  for (Layer& layer : layers) {
+    CHECK(cudaFree(layer.logits));
+    CHECK(cudaFree(layer.ids));
+    CHECK(cudaFree(layer.weights));
+  }
+  CHECK(cudaFree(scale));
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(out));
+  CHECK(cudaFree(workspace));
+  for (ExpertTable& t : tables) {
+    t.table = MoeExpertTable();
+    CHECK(cudaFree(t.memory));
+  }
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  cudaStream_t stream;
+  CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
+              kHidden, kInner, kExperts, kTopK, kLayers);
+  for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
+    for (int tokens : {1, 4, 32}) {
+      bench(format, tokens, quick, stream);
+      if (quick) break;
+    }
+  }
+  if (!quick) bench(WeightFormat::kNVFP4, 512, true, stream);  // a prefill chunk
+  CHECK(cudaStreamDestroy(stream));
+  return 0;
+}

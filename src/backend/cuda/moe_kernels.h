@@ -1,0 +1,87 @@
+// The MoE kernels' own interface: plain parameter blocks, no checkpoint types, so moe.cu needs no
+// project headers beyond launch.h and gemv_kernels.h (nvcc cannot parse fmt, which
+// quant/qmatrix.h pulls in). moe.h is the API the engine uses; moe.cpp validates and translates.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/launch.h"
+
+namespace gemma4::cuda {
+
+// Largest router width and top-k the router kernel handles (one warp per token: 8 logits per
+// lane; the k-th kept expert is held by lane k).
+inline constexpr int kMaxRouterExperts = 256;
+inline constexpr int kMaxTopK = 32;
+
+// One expert matrix as the kernels read it (device pointers). The member names are the ones
+// device_math.cuh's helpers read.
+struct MoeMatrix {
+  const void* weights = nullptr;  // 16-byte chunks, row n at chunk n · chunks_per_row
+  const void* scales = nullptr;
+  int64_t chunks_per_row = 0;
+  int scale_type = 0;  // quant::ScaleType value (kW4G32)
+  float nv_global = 1.0f;
+  int nv_global_is_divisor = 0;
+};
+
+// Expert e computes down · (gelu_tanh(gate · x) ⊙ (up · x)).
+struct MoeExpert {
+  MoeMatrix gate;  // [inner, hidden]
+  MoeMatrix up;    // [inner, hidden]
+  MoeMatrix down;  // [hidden, inner]
+};
+
+// What every expert of a layer shares: the kernels are compiled per format.
+struct MoeShape {
+  PackedFormat gate_up_format = PackedFormat::kW4G32;
+  PackedFormat down_format = PackedFormat::kW4G32;
+  int num_experts = 0;
+  int64_t hidden = 0;
+  int64_t inner = 0;
+};
+
+struct RouterArgs {
+  const float* logits;  // [tokens, num_experts], row t at logits + t · logits_stride
+  int64_t logits_stride;
+  int tokens;
+  int num_experts;
+  int top_k;
+  const float* per_expert_scale;  // [num_experts]
+  int32_t* expert_ids;            // [tokens, top_k]
+  float* weights;                 // [tokens, top_k]
+};
+cudaError_t launch_router(const RouterArgs& args, const Launch& launch);
+
+struct MoeRunArgs {
+  const MoeExpert* experts;  // device array [shape.num_experts]
+  MoeShape shape;
+  const float* x;  // [tokens, hidden], 16-byte aligned rows
+  int64_t x_stride;
+  int tokens;
+  int top_k;
+  const int32_t* expert_ids;  // [tokens, top_k]; an id outside [0, num_experts) contributes 0
+  const float* weights;       // [tokens, top_k]
+  float* out;                 // [tokens, hidden]
+  int64_t out_stride;
+  void* workspace;  // moe_workspace_layout(...).bytes, 16-byte aligned
+};
+
+// Where run_moe keeps its intermediates inside the caller's workspace (byte offsets):
+// activations [pairs, inner] f32, expert outputs [pairs, hidden] f32 (pairs = tokens · top_k)
+// and, when tokens > 1, the expert grouping (moe.cu describes it).
+struct MoeWorkspaceLayout {
+  size_t activations = 0;
+  size_t expert_outputs = 0;
+  size_t plan = 0;
+  size_t bytes = 0;
+};
+MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k);
+
+// Enqueues the grouping (tokens > 1), the gate/up kernel, the down kernel and the weighted sum;
+// arguments already validated.
+cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
+
+}  // namespace gemma4::cuda

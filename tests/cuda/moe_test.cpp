@@ -1,0 +1,347 @@
+// MoE kernels (moe.h) against the CPU backend's route_experts / run_experts (the reference every
+// backend is checked against) on host copies of the same weights: fresh random inputs, real
+// 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
+// expert weight format, router ties.
+#include "backend/cuda/moe.h"
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "cuda_test_util.h"
+#include "packed_matrix.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using backend::cpu::CpuBackend;
+using engine::Rows;
+using quant::ScaleType;
+using quant::WeightFormat;
+using testing::DeviceArray;
+using testing::DeviceMatrix;
+using testing::HostMatrix;
+using testing::random_matrix;
+
+// Both sides multiply exactly and accumulate in fp32 (the CPU in double per dot product), so
+// they differ by fp32 rounding only; bf16 rounding (2^-8) is the engine's budget.
+constexpr double kTolerance = 1e-3;
+
+constexpr int kHidden = 2816;
+constexpr int kInner = 704;
+constexpr int kExperts = 128;
+constexpr int kTopK = 8;
+
+struct ExpertFormat {
+  const char* name;
+  WeightFormat format;
+  ScaleType scale_type = ScaleType::kBF16;
+  bool nv_divisor = true;
+  // bf16 experts as a checkpoint without quantization has them: gate and up are the two row
+  // halves of one fused [2·inner, hidden] matrix.
+  bool fused_gate_up = false;
+};
+
+const ExpertFormat kW4G32Bf16 = {"w4g32 bf16 scales", WeightFormat::kW4G32};
+const ExpertFormat kW4G32F16 = {"w4g32 f16 scales", WeightFormat::kW4G32, ScaleType::kF16};
+const ExpertFormat kW4G32F32 = {"w4g32 f32 scales", WeightFormat::kW4G32, ScaleType::kF32};
+const ExpertFormat kNvfp4Divisor = {"nvfp4 divisor", WeightFormat::kNVFP4};
+const ExpertFormat kNvfp4Multiplier = {"nvfp4 multiplier", WeightFormat::kNVFP4, ScaleType::kBF16,
+                                       false};
+const ExpertFormat kBf16Fused = {"bf16 fused gate_up", WeightFormat::kBF16, ScaleType::kBF16, true,
+                                 true};
+
+// One layer's experts: the random matrices on the host and their device copies, viewed as
+// model::ExpertMatrices on each side.
+struct ExpertSet {
+  std::vector<HostMatrix> host;
+  std::vector<std::unique_ptr<DeviceMatrix>> device;
+  std::vector<model::ExpertMatrices> host_views;
+  std::vector<model::ExpertMatrices> device_views;
+};
+
+ExpertSet make_experts(const ExpertFormat& f, int num_experts, int64_t hidden, int64_t inner,
+                       uint32_t seed) {
+  ExpertSet set;
+  set.host.reserve(3 * num_experts);  // views point into the elements: no reallocation
+  auto add = [&](int64_t rows, int64_t cols) {
+    set.host.push_back(random_matrix(f.format, rows, cols, seed++, f.scale_type, f.nv_divisor));
+    set.device.push_back(std::make_unique<DeviceMatrix>(set.host.back()));
+    return std::make_pair(set.host.back().view(), set.device.back()->view);
+  };
+  for (int e = 0; e < num_experts; ++e) {
+    model::ExpertMatrices on_host, on_device;
+    if (f.fused_gate_up) {
+      const auto [host, device] = add(2 * inner, hidden);
+      on_host.gate = quant::row_slice(host, 0, inner);
+      on_host.up = quant::row_slice(host, inner, inner);
+      on_device.gate = quant::row_slice(device, 0, inner);
+      on_device.up = quant::row_slice(device, inner, inner);
+    } else {
+      std::tie(on_host.gate, on_device.gate) = add(inner, hidden);
+      std::tie(on_host.up, on_device.up) = add(inner, hidden);
+    }
+    std::tie(on_host.down, on_device.down) = add(hidden, inner);
+    set.host_views.push_back(on_host);
+    set.device_views.push_back(on_device);
+  }
+  return set;
+}
+
+// Routing from the CPU reference on random logits: distinct experts per token, realistic weights.
+struct Routing {
+  std::vector<int32_t> ids;
+  std::vector<float> weights;
+};
+
+Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint32_t seed) {
+  std::vector<float> logits = testing::random_floats(tokens * num_experts, -4.0f, 4.0f, seed);
+  const std::vector<float> scale = testing::random_floats(num_experts, 0.5f, 1.5f, seed + 1);
+  Routing r;
+  r.ids.resize(tokens * top_k);
+  r.weights.resize(tokens * top_k);
+  cpu.route_experts(Rows::dense(logits.data(), tokens, num_experts), {top_k, scale.data()},
+                    r.ids.data(), r.weights.data());
+  return r;
+}
+
+struct RunOptions {
+  bool strided = false;     // x and out rows wider than hidden
+  bool invalid_id = false;  // one pick outside the table (contributes nothing)
+};
+
+// Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
+// output element (finite, within kTolerance of its row's largest magnitude).
+void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uint32_t seed,
+               RunOptions options = {}) {
+  const auto num_experts = static_cast<int>(set.host_views.size());
+  const int64_t hidden = set.host_views[0].gate.cols;
+  SCOPED_TRACE("tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
+               " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
+               (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : ""));
+  const int64_t x_stride = options.strided ? hidden + 32 : hidden;
+  const int64_t out_stride = options.strided ? hidden + 64 : hidden;
+  std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
+  Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1);
+  // Both kinds of invalid id: negative and one past the table.
+  if (options.invalid_id) routing.ids[routing.ids.size() / 2] = options.strided ? -1 : num_experts;
+
+  std::vector<float> expected(tokens * hidden);
+  cpu.run_experts(set.host_views, Rows{x.data(), tokens, hidden, x_stride}, routing.ids.data(),
+                  routing.weights.data(), top_k, Rows::dense(expected.data(), tokens, hidden));
+
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  DeviceArray<float> x_device(x);
+  DeviceArray<int32_t> ids(routing.ids);
+  DeviceArray<float> weights(routing.weights);
+  DeviceArray<float> out(tokens * out_stride);
+  DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, top_k));
+  ASSERT_TRUE(x_device.ok() && ids.ok() && weights.ok() && out.ok() && workspace.ok());
+  CUDA_ASSERT_OK(run_experts(table, x_device.get(), x_stride, tokens, top_k, ids.get(),
+                             weights.get(), out.get(), out_stride, workspace.get(), Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got_strided = out.download();
+
+  std::vector<float> got(tokens * hidden);
+  std::vector<double> reference(tokens * hidden), magnitude(tokens * hidden);
+  for (int t = 0; t < tokens; ++t) {
+    double row_max = 0.0;
+    for (int64_t j = 0; j < hidden; ++j) {
+      row_max = std::max(row_max, std::fabs(static_cast<double>(expected[t * hidden + j])));
+    }
+    for (int64_t j = 0; j < hidden; ++j) {
+      got[t * hidden + j] = got_strided[t * out_stride + j];
+      reference[t * hidden + j] = expected[t * hidden + j];
+      magnitude[t * hidden + j] = row_max;
+    }
+  }
+  testing::expect_close(got, reference, magnitude, kTolerance, "run_experts");
+}
+
+void check_router(CpuBackend& cpu, const std::vector<float>& logits, int tokens, int num_experts,
+                  int top_k, uint32_t seed) {
+  SCOPED_TRACE("tokens=" + std::to_string(tokens) + " experts=" + std::to_string(num_experts) +
+               " top_k=" + std::to_string(top_k));
+  const std::vector<float> scale = testing::random_floats(num_experts, 0.5f, 1.5f, seed);
+  std::vector<int32_t> expected_ids(tokens * top_k);
+  std::vector<float> expected_weights(tokens * top_k);
+  std::vector<float> host_logits = logits;
+  cpu.route_experts(Rows::dense(host_logits.data(), tokens, num_experts), {top_k, scale.data()},
+                    expected_ids.data(), expected_weights.data());
+
+  DeviceArray<float> logits_device(logits);
+  DeviceArray<float> scale_device(scale);
+  DeviceArray<int32_t> ids(tokens * top_k);
+  DeviceArray<float> weights(tokens * top_k);
+  CUDA_ASSERT_OK(route_experts(logits_device.get(), num_experts, tokens, num_experts, top_k,
+                               scale_device.get(), ids.get(), weights.get(), Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  EXPECT_EQ(ids.download(), expected_ids);
+  const std::vector<float> got = weights.download();
+  for (size_t i = 0; i < got.size(); ++i) {
+    EXPECT_NEAR(got[i], expected_weights[i], 1e-5 * std::fabs(expected_weights[i])) << "pick " << i;
+  }
+}
+
+TEST(MoeRouter, MatchesCpuReference) {
+  CpuBackend cpu(0);
+  struct Case {
+    int tokens, experts, top_k;
+  };
+  uint32_t seed = 10;
+  for (const Case& c : {Case{1, kExperts, kTopK}, Case{64, kExperts, kTopK}, Case{300, 128, 8},
+                        Case{7, 200, 5}, Case{3, 8, 2}, Case{2, 32, 32}, Case{5, 256, 1}}) {
+    const auto logits = testing::random_floats(c.tokens * c.experts, -4.0f, 4.0f, seed++);
+    check_router(cpu, logits, c.tokens, c.experts, c.top_k, seed++);
+  }
+}
+
+// Logits drawn from three values: dozens of experts tie exactly at the top, and the CPU
+// reference keeps the lowest ids. One row with every logit equal.
+TEST(MoeRouter, TiesGoToLowerIds) {
+  CpuBackend cpu(0);
+  const int tokens = 16;
+  const auto words = testing::random_words(tokens * kExperts, 5);
+  std::vector<float> logits(words.size());
+  for (size_t i = 0; i < words.size(); ++i) logits[i] = static_cast<float>(words[i] % 3);
+  for (int e = 0; e < kExperts; ++e) logits[3 * kExperts + e] = 0.25f;
+  check_router(cpu, logits, tokens, kExperts, kTopK, 6);
+}
+
+TEST(MoeRouter, RejectsBadArguments) {
+  DeviceArray<float> logits(512), scale(512), weights(64);
+  DeviceArray<int32_t> ids(64);
+  const Launch launch;
+  EXPECT_EQ(route_experts(logits.get(), 8, 1, 8, 9, scale.get(), ids.get(), weights.get(), launch),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      route_experts(logits.get(), 300, 1, 300, 8, scale.get(), ids.get(), weights.get(), launch),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(
+      route_experts(logits.get(), 64, 1, 64, 33, scale.get(), ids.get(), weights.get(), launch),
+      cudaErrorInvalidValue);
+  EXPECT_EQ(route_experts(logits.get(), 8, 0, 8, 2, scale.get(), ids.get(), weights.get(), launch),
+            cudaErrorInvalidValue);
+}
+
+// Decode (one token), small batches and a prefill chunk (grouped by expert) at real shapes.
+TEST(MoeExperts, RealShapesNvfp4) {
+  CpuBackend cpu(0);
+  uint32_t seed = 100;
+  for (const ExpertFormat& f : {kNvfp4Divisor, kNvfp4Multiplier}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed);
+    for (int tokens : {1, 4, 64, 80}) check_run(cpu, set, tokens, kTopK, seed++);
+  }
+}
+
+TEST(MoeExperts, RealShapesW4G32) {
+  CpuBackend cpu(0);
+  const ExpertSet set = make_experts(kW4G32Bf16, kExperts, kHidden, kInner, 200);
+  for (int tokens : {1, 2, 64}) check_run(cpu, set, tokens, kTopK, 300 + tokens);
+}
+
+// bf16 experts (row slices of a fused gate_up) at real widths, fewer experts to bound memory.
+TEST(MoeExperts, RealWidthsBf16FusedGateUp) {
+  CpuBackend cpu(0);
+  const ExpertSet set = make_experts(kBf16Fused, 16, kHidden, kInner, 400);
+  for (int tokens : {1, 5}) check_run(cpu, set, tokens, kTopK, 500 + tokens);
+}
+
+// Every format and scale type at a tiny shape, with strided rows, an invalid pick, a top-1
+// router and a batch wider than the expert count.
+TEST(MoeExperts, TinyAllFormats) {
+  CpuBackend cpu(0);
+  uint32_t seed = 600;
+  for (const ExpertFormat& f :
+       {kW4G32Bf16, kW4G32F16, kW4G32F32, kNvfp4Divisor, kNvfp4Multiplier, kBf16Fused}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
+    check_run(cpu, set, 1, 4, seed++);
+    check_run(cpu, set, 3, 4, seed++, {.strided = true});
+    check_run(cpu, set, 1, 4, seed++, {.invalid_id = true});
+    check_run(cpu, set, 9, 4, seed++, {.strided = true, .invalid_id = true});
+    check_run(cpu, set, 65, 1, seed++);
+    check_run(cpu, set, 33, 16, seed++);
+  }
+}
+
+// Same inputs, same bits: no atomics in any sum.
+TEST(MoeExperts, Deterministic) {
+  const ExpertSet set = make_experts(kNvfp4Divisor, 32, 256, 128, 700);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  const int tokens = 40;
+  CpuBackend cpu(0);
+  const Routing routing = cpu_route(cpu, tokens, 32, kTopK, 701);
+  DeviceArray<float> x(testing::random_floats(tokens * 256, -1.0f, 1.0f, 702));
+  DeviceArray<int32_t> ids(routing.ids);
+  DeviceArray<float> weights(routing.weights);
+  DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, kTopK));
+  std::vector<float> first;
+  for (int run = 0; run < 3; ++run) {
+    DeviceArray<float> out(tokens * 256);
+    CUDA_ASSERT_OK(run_experts(table, x.get(), 256, tokens, kTopK, ids.get(), weights.get(),
+                               out.get(), 256, workspace.get(), Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    const std::vector<float> got = out.download();
+    if (run == 0) {
+      first = got;
+    } else {
+      EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(float)), 0);
+    }
+  }
+}
+
+TEST(MoeExperts, RejectsUnusableExperts) {
+  ExpertSet set = make_experts(kW4G32Bf16, 4, 96, 64, 800);
+  EXPECT_EQ(check_experts(set.device_views), "");
+  std::vector<model::ExpertMatrices> experts = set.device_views;
+  experts[2].up = experts[2].down;
+  EXPECT_NE(check_experts(experts).find("expert 2 up: shape"), std::string::npos)
+      << check_experts(experts);
+  experts = set.device_views;
+  experts[1].down.format = WeightFormat::kNVFP4;
+  EXPECT_NE(check_experts(experts).find("expert 1 down: nvfp4"), std::string::npos)
+      << check_experts(experts);
+  experts = set.device_views;
+  experts[3].gate.data = static_cast<const uint8_t*>(experts[3].gate.data) + 4;
+  EXPECT_NE(check_experts(experts).find("aligned"), std::string::npos) << check_experts(experts);
+  experts = set.device_views;
+  for (auto& e : experts) e.gate.format = e.up.format = WeightFormat::kF32;
+  EXPECT_NE(check_experts(experts).find("f32"), std::string::npos) << check_experts(experts);
+  MoeExpertTable table;
+  EXPECT_EQ(MoeExpertTable::create(experts, table), cudaErrorInvalidValue);
+  EXPECT_EQ(check_experts({}), "no experts");
+}
+
+TEST(MoeExperts, CachedTableFollowsTheDescriptors) {
+  const ExpertSet set = make_experts(kW4G32Bf16, 4, 96, 64, 900);
+  std::vector<model::ExpertMatrices> experts = set.device_views;
+  std::string why;
+  const MoeExpertTable* first = cached_expert_table(experts, &why);
+  ASSERT_NE(first, nullptr) << why;
+  EXPECT_EQ(cached_expert_table(experts, &why), first);
+  EXPECT_EQ(first->shape().num_experts, 4);
+  // Same address, other weights: the table is rebuilt with them.
+  std::swap(experts[0], experts[1]);
+  const MoeExpertTable* second = cached_expert_table(experts, &why);
+  ASSERT_NE(second, nullptr) << why;
+  EXPECT_EQ(second->descriptors()[0].gate.weights, set.device_views[1].gate.data);
+  experts[0].gate.format = WeightFormat::kF32;
+  EXPECT_EQ(cached_expert_table(experts, &why), nullptr);
+  EXPECT_NE(why.find("f32"), std::string::npos) << why;
+}
+
+}  // namespace
+}  // namespace gemma4::cuda

@@ -1,0 +1,104 @@
+// Packed weight matrices for the CUDA kernel tests: seeded random w4g32 / NVFP4 / bf16 matrices
+// on the host (viewed as quant::QMatrix for the CPU oracles) and their device copies.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+#include "quant/qmatrix.h"
+
+namespace gemma4::cuda::testing {
+
+using quant::QMatrix;
+using quant::ScaleType;
+using quant::WeightFormat;
+
+struct HostMatrix {
+  WeightFormat format = WeightFormat::kW4G32;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  std::vector<uint8_t> data;
+  std::vector<uint8_t> scales;
+  ScaleType scale_type = ScaleType::kBF16;
+  quant::NvGlobalScale nv_global;
+
+  // The view of the host copy, for quant's CPU oracle (dequantize_row).
+  QMatrix view() const {
+    QMatrix m;
+    m.format = format;
+    m.rows = rows;
+    m.cols = cols;
+    m.data = data.data();
+    m.scales = scales.empty() ? nullptr : scales.data();
+    m.scale_type = scale_type;
+    m.nv_global = nv_global;
+    return m;
+  }
+};
+
+template <typename T>
+std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
+  std::vector<uint8_t> bytes(v.size() * sizeof(T));
+  std::memcpy(bytes.data(), v.data(), bytes.size());
+  return bytes;
+}
+
+inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols, uint32_t seed,
+                                ScaleType scale_type = ScaleType::kBF16, bool nv_divisor = true) {
+  HostMatrix m;
+  m.format = format;
+  m.rows = rows;
+  m.cols = cols;
+  m.scale_type = scale_type;
+  if (format == WeightFormat::kW4G32) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+    const auto s = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
+    if (scale_type == ScaleType::kF32) {
+      m.scales = as_bytes(s);
+    } else {
+      std::vector<uint16_t> bits(s.size());
+      for (size_t i = 0; i < s.size(); ++i) {
+        bits[i] = scale_type == ScaleType::kBF16 ? float_to_bf16(s[i]) : float_to_fp16(s[i]);
+      }
+      m.scales = as_bytes(bits);
+    }
+  } else if (format == WeightFormat::kNVFP4) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+    // Positive e4m3 block scales from 2^-3 to ~2^3, and some all-zero blocks.
+    const auto codes = testing::random_words(rows * cols / 16, seed + 1);
+    m.scales.resize(codes.size());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      m.scales[i] = codes[i] % 64 == 0 ? 0 : static_cast<uint8_t>(0x20 + codes[i] % 0x30);
+    }
+    // Not a power of two: the divisor and multiplier conventions round differently.
+    m.nv_global = nv_divisor ? quant::NvGlobalScale{3584.7f, true}
+                             : quant::NvGlobalScale{1.0f / 3584.7f, false};
+  } else {
+    const auto w = testing::random_floats(rows * cols, -0.05f, 0.05f, seed);
+    std::vector<uint16_t> bits(w.size());
+    for (size_t i = 0; i < w.size(); ++i) bits[i] = float_to_bf16(w[i]);
+    m.data = as_bytes(bits);
+  }
+  return m;
+}
+
+struct DeviceMatrix {
+  explicit DeviceMatrix(const HostMatrix& host)
+      : data(host.data), scales(host.scales.empty() ? std::vector<uint8_t>(1) : host.scales) {
+    view.format = host.format;
+    view.rows = host.rows;
+    view.cols = host.cols;
+    view.data = data.get();
+    view.scales = host.scales.empty() ? nullptr : scales.get();
+    view.scale_type = host.scale_type;
+    view.nv_global = host.nv_global;
+  }
+  DeviceArray<uint8_t> data;
+  DeviceArray<uint8_t> scales;
+  QMatrix view;
+};
+
+}  // namespace gemma4::cuda::testing
