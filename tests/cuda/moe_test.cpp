@@ -276,6 +276,13 @@ TEST(MoeExperts, TinyAllFormats) {
   }
 }
 
+// More tokens than one pass takes (kMoeTokensPerPass): the passes share the workspace.
+TEST(MoeExperts, LongPrefillInPasses) {
+  CpuBackend cpu(0);
+  const ExpertSet set = make_experts(kW4G32Bf16, 16, 96, 64, 650);
+  check_run(cpu, set, 2 * kMoeTokensPerPass + 77, 4, 651, {.strided = true});
+}
+
 // Same inputs, same bits: no atomics in any sum.
 TEST(MoeExperts, Deterministic) {
   const ExpertSet set = make_experts(kNvfp4Divisor, 32, 256, 128, 700);

@@ -5,6 +5,7 @@
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -179,23 +180,30 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
 }
 
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k) {
-  return moe_workspace_layout(table.shape(), tokens, top_k).bytes;
+  return moe_workspace_layout(table.shape(), std::min(tokens, kMoeTokensPerPass), top_k).bytes;
 }
 
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
                         int64_t out_stride, void* workspace, const Launch& launch) {
   const MoeShape& shape = table.shape();
-  const bool shape_ok = table.device() != nullptr && tokens >= 1 && tokens <= 65535 && top_k >= 1 &&
+  const bool shape_ok = table.device() != nullptr && tokens >= 1 && top_k >= 1 &&
                         top_k <= shape.num_experts &&
                         (tokens == 1 || (x_stride >= shape.hidden && out_stride >= shape.hidden));
   const bool pointers_ok = x != nullptr && aligned16(x) && x_stride % 4 == 0 &&
                            expert_ids != nullptr && weights != nullptr && out != nullptr &&
                            workspace != nullptr && aligned16(workspace);
   if (!shape_ok || !pointers_ok) return cudaErrorInvalidValue;
-  const MoeRunArgs args = {table.device(), shape,   x,   x_stride,   tokens,   top_k,
-                           expert_ids,     weights, out, out_stride, workspace};
-  return launch_moe(args, launch);
+  for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
+    const int count = std::min(kMoeTokensPerPass, tokens - first);
+    const int64_t pair = static_cast<int64_t>(first) * top_k;
+    const MoeRunArgs args = {
+        table.device(),    shape,          x + first * x_stride,     x_stride,   count,    top_k,
+        expert_ids + pair, weights + pair, out + first * out_stride, out_stride, workspace};
+    const cudaError_t status = launch_moe(args, launch);
+    if (status != cudaSuccess) return status;
+  }
+  return cudaSuccess;
 }
 
 const MoeExpertTable* cached_expert_table(std::span<const model::ExpertMatrices> experts,

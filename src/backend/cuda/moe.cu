@@ -2,7 +2,7 @@
 // GEMVs and the weighted sum. Weights are dequantized in registers by device_math.cuh's chunk
 // dot products, exactly as the dense GEMV does; accumulation is fp32 throughout.
 //
-// run_moe for T tokens with top_k experts each ("pairs" p = t · top_k + k) is four launches:
+// launch_moe for T tokens with top_k experts each ("pairs" p = t · top_k + k) is four launches:
 //   1. plan (T > 1 only): one block counts the pairs per expert, numbers the experts in use in
 //      ascending id ("slots") and lists each slot's pairs. With T = 1 every pair is its own slot
 //      (a token's experts are distinct), so decode skips it.
@@ -13,6 +13,7 @@
 //   3. down: grid (hidden-row tiles, slots), activations[p] → expert_outputs[p], the same way.
 //   4. combine: out[t] = Σ_k weights[t][k] · expert_outputs[t · top_k + k], summed in ascending
 //      expert id (the CPU reference's order): deterministic, no atomics.
+// Decode (T = 1) fuses 3 and 4 (down_combine_kernel): three launches with the router.
 // The grouping within a slot is made with shared-memory atomics, so the order of a slot's pairs
 // may vary between runs; it never changes a value, because every pair is accumulated on its
 // own.
@@ -211,7 +212,8 @@ struct ExpertGemvArgs {
 
 // Tiling (gemv_kernels.h's terms). gate/up: K = hidden (2816: 88 chunks of 4-bit weights, one
 // pass), one inner row = a gate row and an up row per team; down: K = inner (704: 22 chunks).
-// Expert-token tiles of MT pairs reuse the weights held in registers.
+// Expert-token tiles of MT pairs reuse the weights held in registers; one token (decode) has a
+// tiling with MT = 1, as a larger tile costs registers (occupancy) for nothing.
 struct ExpertTiling {
   int rows_per_thread;
   int lanes_per_row;
@@ -219,31 +221,33 @@ struct ExpertTiling {
   int chunks_per_thread;
   int m_tile;
 };
-constexpr ExpertTiling kGateUpTiling = {1, 8, 4, 3, 4};
-constexpr ExpertTiling kDownTiling = {2, 8, 3, 1, 4};
 
-template <bool kGateUp>
-constexpr ExpertTiling kTilingFor = kGateUp ? kGateUpTiling : kDownTiling;
+enum class Stage { kGateUpOneToken, kGateUpGrouped, kDownGrouped };
 
-template <bool kGateUp>
+template <Stage S>
+constexpr ExpertTiling kTilingFor = S == Stage::kGateUpOneToken  ? ExpertTiling{1, 8, 4, 3, 1}
+                                    : S == Stage::kGateUpGrouped ? ExpertTiling{1, 8, 4, 3, 4}
+                                                                 : ExpertTiling{2, 8, 3, 1, 2};
+
+template <Stage S>
 constexpr int rows_per_block() {
-  return (32 / kTilingFor<kGateUp>.lanes_per_row) * kTilingFor<kGateUp>.rows_per_thread;
+  return (32 / kTilingFor<S>.lanes_per_row) * kTilingFor<S>.rows_per_thread;
 }
 
 // Grouped GEMV over the slots: block (x, s) computes output rows x · rows_per_block ... of slot
-// s's expert for each of the slot's pairs. With kGateUp the expert's gate and up rows are both
-// read and the output is gelu_tanh(gate · x) ⊙ (up · x).
-template <PackedFormat F, bool kGateUp>
-__global__ void __launch_bounds__(kTilingFor<kGateUp>.warps * 32)
-    expert_gemv_kernel(ExpertGemvArgs a) {
-  constexpr ExpertTiling kTiling = kTilingFor<kGateUp>;
+// s's expert for each of the slot's pairs. In the gate/up stages the expert's gate and up rows
+// are both read and the output is gelu_tanh(gate · x) ⊙ (up · x).
+template <PackedFormat F, Stage S>
+__global__ void __launch_bounds__(kTilingFor<S>.warps * 32) expert_gemv_kernel(ExpertGemvArgs a) {
+  constexpr bool kGateUp = S != Stage::kDownGrouped;
+  constexpr ExpertTiling kTiling = kTilingFor<S>;
   constexpr int R = kTiling.rows_per_thread;
   constexpr int T = kTiling.lanes_per_row;
   constexpr int W = kTiling.warps;
   constexpr int G = kTiling.chunks_per_thread;
   constexpr int MT = kTiling.m_tile;
   constexpr int kMats = kGateUp ? 2 : 1;
-  constexpr int kRowsPerBlock = rows_per_block<kGateUp>();
+  constexpr int kRowsPerBlock = rows_per_block<S>();
   constexpr int kElems = kChunkElems<F>;
   pdl_trigger_dependents();
   // Which expert this block reads is the router's result: nothing can be loaded before it.
@@ -423,6 +427,117 @@ __global__ void __launch_bounds__(kTilingFor<kGateUp>.warps * 32)
   }
 }
 
+// Decode (one token): the down projections of all top_k experts and their weighted sum as one
+// GEMV whose row n is the concatenation of the experts' rows n (K = top_k · inner), each
+// chunk's dot product times its expert's weight. One launch instead of down + combine, no
+// expert-output round trip, and a long row (176 chunks at 26B-A4B) instead of 8 short ones.
+// Fixed summation order: deterministic.
+struct DownCombineArgs {
+  const MoeExpert* experts;
+  int num_experts;
+  const int32_t* expert_ids;  // [top_k]
+  const float* weights;       // [top_k]
+  int top_k;
+  int64_t rows;              // hidden
+  int64_t chunks_per_row;    // of one expert's down row
+  const float* activations;  // [top_k, activation_stride]
+  int64_t activation_stride;
+  float* out;
+};
+
+constexpr ExpertTiling kDownCombineTiling = {2, 16, 4, 3, 1};  // one pass covers 192 chunks
+constexpr int kDownCombineRowsPerBlock =
+    (32 / kDownCombineTiling.lanes_per_row) * kDownCombineTiling.rows_per_thread;
+
+template <PackedFormat F>
+__global__ void __launch_bounds__(kDownCombineTiling.warps * 32)
+    down_combine_kernel(DownCombineArgs a) {
+  constexpr int R = kDownCombineTiling.rows_per_thread;
+  constexpr int T = kDownCombineTiling.lanes_per_row;
+  constexpr int W = kDownCombineTiling.warps;
+  constexpr int G = kDownCombineTiling.chunks_per_thread;
+  constexpr int kRowsPerBlock = kDownCombineRowsPerBlock;
+  constexpr int kElems = kChunkElems<F>;
+  // The picked experts' down matrices (weights == nullptr: an invalid pick, skipped).
+  __shared__ MoeMatrix downs[kMaxTopK];
+  __shared__ float pick_weights[kMaxTopK];
+  __shared__ float partial[W][kRowsPerBlock];
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    const int e = a.expert_ids[k];
+    const bool valid = e >= 0 && e < a.num_experts;
+    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
+    pick_weights[k] = valid ? a.weights[k] : 0.0f;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int team = lane / T;
+  const int lane_in_team = lane % T;
+  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + team * R;
+  const int64_t total_chunks = a.top_k * a.chunks_per_row;
+  const int64_t pass_chunks = T * W * G;
+  const int passes = static_cast<int>((total_chunks + pass_chunks - 1) / pass_chunks);
+
+  float acc[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
+  for (int pass = 0; pass < passes; ++pass) {
+    uint4 weights[G][R];
+    uint32_t scale_bits[G][R];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = pass * pass_chunks + (j * W + warp) * T + lane_in_team;
+      const int k = static_cast<int>(chunk / a.chunks_per_row);
+      const int64_t in_row = chunk % a.chunks_per_row;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        if (chunk < total_chunks && row < a.rows && downs[k].weights != nullptr) {
+          weights[j][r] = load_weights_nc(static_cast<const uint4*>(downs[k].weights) +
+                                          row * a.chunks_per_row + in_row);
+          scale_bits[j][r] = load_scale_bits<F>(downs[k], row, in_row);
+        } else {
+          weights[j][r] = make_uint4(0, 0, 0, 0);
+          scale_bits[j][r] = 0;
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = pass * pass_chunks + (j * W + warp) * T + lane_in_team;
+      if (chunk >= total_chunks) continue;
+      const int k = static_cast<int>(chunk / a.chunks_per_row);
+      const int64_t in_row = chunk % a.chunks_per_row;
+      if (downs[k].weights == nullptr) continue;
+      XChunk<kElems> x;
+      load_x_chunk<ActType::kF32>(a.activations, k * a.activation_stride + in_row * kElems, x);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        acc[r] += pick_weights[k] * dot_chunk<F>(weights[j][r], scale_bits[j][r], downs[k], x);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int offset = T / 2; offset > 0; offset /= 2) {
+      acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
+    }
+    if (lane_in_team == 0) partial[warp][team * R + r] = acc[r];
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < kRowsPerBlock; i += W * 32) {
+    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + i;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < W; ++w) sum += partial[w][i];
+    if (row < a.rows) a.out[row] = sum;
+  }
+}
+
 struct CombineArgs {
   const int32_t* expert_ids;
   const float* weights;
@@ -466,32 +581,46 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
   a.out[t * a.out_stride + j] = sum;
 }
 
-template <PackedFormat F>
-cudaError_t launch_expert_stage(bool gate_up, const ExpertGemvArgs& args, int slots,
-                                const Launch& launch) {
-  const auto launch_with = [&](auto kernel, int rows_per_block, const ExpertTiling& tiling,
-                               int mats) {
-    const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block),
-                    static_cast<unsigned>(slots));
-    const size_t shared =
-        tiling.warps > 1 ? sizeof(float) * tiling.warps * tiling.m_tile * mats * rows_per_block : 0;
-    return launch_kernel(kernel, grid, dim3(tiling.warps * 32), shared, launch, args);
-  };
-  if (gate_up) {
-    return launch_with(expert_gemv_kernel<F, true>, rows_per_block<true>(), kGateUpTiling, 2);
-  }
-  return launch_with(expert_gemv_kernel<F, false>, rows_per_block<false>(), kDownTiling, 1);
+template <PackedFormat F, Stage S>
+cudaError_t launch_expert_stage(const ExpertGemvArgs& args, int slots, const Launch& launch) {
+  constexpr ExpertTiling kTiling = kTilingFor<S>;
+  constexpr int kRowsPerBlock = rows_per_block<S>();
+  constexpr int kMats = S == Stage::kDownGrouped ? 1 : 2;
+  const dim3 grid(static_cast<unsigned>((args.rows + kRowsPerBlock - 1) / kRowsPerBlock),
+                  static_cast<unsigned>(slots));
+  const size_t shared = kTiling.warps > 1
+                            ? sizeof(float) * kTiling.warps * kTiling.m_tile * kMats * kRowsPerBlock
+                            : 0;
+  return launch_kernel(expert_gemv_kernel<F, S>, grid, dim3(kTiling.warps * 32), shared, launch,
+                       args);
 }
 
-cudaError_t launch_stage(PackedFormat format, bool gate_up, const ExpertGemvArgs& args, int slots,
+template <Stage S>
+cudaError_t launch_stage(PackedFormat format, const ExpertGemvArgs& args, int slots,
                          const Launch& launch) {
   switch (format) {
     case PackedFormat::kW4G32:
-      return launch_expert_stage<PackedFormat::kW4G32>(gate_up, args, slots, launch);
+      return launch_expert_stage<PackedFormat::kW4G32, S>(args, slots, launch);
     case PackedFormat::kNVFP4:
-      return launch_expert_stage<PackedFormat::kNVFP4>(gate_up, args, slots, launch);
+      return launch_expert_stage<PackedFormat::kNVFP4, S>(args, slots, launch);
     case PackedFormat::kBF16:
-      return launch_expert_stage<PackedFormat::kBF16>(gate_up, args, slots, launch);
+      return launch_expert_stage<PackedFormat::kBF16, S>(args, slots, launch);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t launch_down_combine(PackedFormat format, const DownCombineArgs& args,
+                                const Launch& launch) {
+  const dim3 grid(
+      static_cast<unsigned>((args.rows + kDownCombineRowsPerBlock - 1) / kDownCombineRowsPerBlock));
+  const dim3 block(kDownCombineTiling.warps * 32);
+  switch (format) {
+    case PackedFormat::kW4G32:
+      return launch_kernel(down_combine_kernel<PackedFormat::kW4G32>, grid, block, 0, launch, args);
+    case PackedFormat::kNVFP4:
+      return launch_kernel(down_combine_kernel<PackedFormat::kNVFP4>, grid, block, 0, launch, args);
+    case PackedFormat::kBF16:
+      return launch_kernel(down_combine_kernel<PackedFormat::kBF16>, grid, block, 0, launch, args);
   }
   return cudaErrorInvalidValue;
 }
@@ -552,17 +681,29 @@ cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
   gate_up.x_stride = args.x_stride;
   gate_up.y = activations;
   gate_up.y_stride = args.shape.inner;
-  cudaError_t status = launch_stage(args.shape.gate_up_format, true, gate_up, slots, launch);
+  cudaError_t status =
+      plan == nullptr
+          ? launch_stage<Stage::kGateUpOneToken>(args.shape.gate_up_format, gate_up, slots, launch)
+          : launch_stage<Stage::kGateUpGrouped>(args.shape.gate_up_format, gate_up, slots, launch);
   if (status != cudaSuccess) return status;
 
+  const int64_t down_chunks = args.shape.inner / chunk_elements(args.shape.down_format);
+  if (args.tokens == 1) {
+    const DownCombineArgs down = {args.experts,     args.shape.num_experts,
+                                  args.expert_ids,  args.weights,
+                                  args.top_k,       args.shape.hidden,
+                                  down_chunks,      activations,
+                                  args.shape.inner, args.out};
+    return launch_down_combine(args.shape.down_format, down, launch);
+  }
   ExpertGemvArgs down = gate_up;
   down.rows = args.shape.hidden;
-  down.chunks_per_row = args.shape.inner / chunk_elements(args.shape.down_format);
+  down.chunks_per_row = down_chunks;
   down.x = activations;
   down.x_stride = args.shape.inner;
   down.y = expert_outputs;
   down.y_stride = args.shape.hidden;
-  status = launch_stage(args.shape.down_format, false, down, slots, launch);
+  status = launch_stage<Stage::kDownGrouped>(args.shape.down_format, down, slots, launch);
   if (status != cudaSuccess) return status;
 
   const CombineArgs combine = {

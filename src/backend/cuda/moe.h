@@ -60,13 +60,17 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
                           int top_k, const float* per_expert_scale, int32_t* expert_ids,
                           float* weights, const Launch& launch);
 
+// run_experts works through at most this many tokens per pass, bounding its workspace (58 MB at
+// 26B-A4B shapes, top-8); each pass reads every expert its tokens chose once.
+inline constexpr int kMoeTokensPerPass = 512;
+
 // Device scratch run_experts needs (16-byte aligned), for `tokens` tokens.
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k);
 
 // out[t] (hidden floats, row t at out + t · out_stride) = Σ_k weights[t][k] ·
 // expert_{expert_ids[t][k]}(x[t]). x rows 16-byte aligned (x_stride a multiple of 4); an
 // expert id outside the table contributes nothing. Every out row is written; out must not
-// overlap x. 1 <= tokens <= 65535.
+// overlap x.
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
                         int64_t out_stride, void* workspace, const Launch& launch);
