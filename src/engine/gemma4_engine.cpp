@@ -210,9 +210,6 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
                       "engine options: max_sequences, max_context, ring_history and "
                       "max_pass_tokens must all be >= 1");
   }
-  if (config.architecture != model::Architecture::kGemma4) {
-    return make_error(ErrorCode::kUnsupported, "the engine implements Gemma 4 only");
-  }
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->backend = std::move(backend);

@@ -311,14 +311,7 @@ Status parse_text_config(const KeyReader& text, ModelConfig& config) {
                                full ? "full_attention" : "sliding_attention", layer.head_dim));
     layer.kv_source_layer = i;
     if (shared) {
-      // The last layer before the shared block with the same attention type (arch spec 2.4).
-      int source = -1;
-      for (int j = first_shared - 1; j >= 0; --j) {
-        if (types[j] == layer.type) {
-          source = j;
-          break;
-        }
-      }
+      const int source = ModelConfig::kv_source_layer(types, first_shared, i);
       if (source < 0) {
         return text.unsupported(
             "num_kv_shared_layers", json(config.num_kv_shared_layers),
@@ -345,6 +338,13 @@ Expected<json> read_json_file(const std::filesystem::path& path) {
 
 const char* layer_type_name(LayerType type) {
   return type == LayerType::kFull ? "full" : "sliding";
+}
+
+int ModelConfig::kv_source_layer(const std::vector<LayerType>& types, int first_shared, int layer) {
+  for (int j = first_shared - 1; j >= 0; --j) {
+    if (types[j] == types[layer]) return j;
+  }
+  return -1;
 }
 
 float ModelConfig::embedding_scale() const {
@@ -419,6 +419,8 @@ const char* quant_method_name(QuantizationInfo::Method method) {
       return "compressed-tensors";
     case QuantizationInfo::Method::kModelOpt:
       return "modelopt";
+    case QuantizationInfo::Method::kGguf:
+      return "gguf";
   }
   return "?";
 }

@@ -63,6 +63,7 @@ struct ModelConfig {
   float attention_scale = 1.0f;      // Gemma 4: 1.0; Gemma 3: query_pre_attn_scalar^-0.5
   float norm_weight_offset = 0.0f;   // RMSNorm multiplies by (offset + w): 0 Gemma 4, 1 Gemma 3
   bool has_v_norm = true;            // Gemma 4 normalises V without weight
+  bool has_layer_scalar = true;      // Gemma 4's per-layer output multiplier (Gemma 3: none)
   int64_t max_position_embeddings = 0;
   int sliding_window = 0;        // W of the sliding layers (also in each LayerGeometry)
   int num_kv_shared_layers = 0;  // the last N layers read another layer's KV
@@ -99,6 +100,10 @@ struct ModelConfig {
   // First KV-shared layer (num_layers when no layer shares).
   int first_kv_shared_layer() const { return num_layers - num_kv_shared_layers; }
 
+  // The layer whose K/V KV-shared layer `layer` reads: the last layer before the shared block
+  // (which starts at first_shared) with the same attention type (arch spec 2.4); -1 if none.
+  static int kv_source_layer(const std::vector<LayerType>& types, int first_shared, int layer);
+
   // Parses an HF config.json (multimodal with nested text_config, or text-only). Unknown
   // architectures, missing or contradictory keys fail with a message naming the key.
   static Expected<ModelConfig> from_hf_json(const nlohmann::json& config);
@@ -112,12 +117,15 @@ struct ModelConfig {
 // are read: which module is quantized is decided per tensor by the tensors present
 // (weight-formats.md 2.1 "robust loading rule").
 struct QuantizationInfo {
-  enum class Method : uint8_t { kNone, kCompressedTensors, kModelOpt };
+  // kGguf: per-tensor ggml types, repacked on load (model/gguf_model.h).
+  enum class Method : uint8_t { kNone, kCompressedTensors, kModelOpt, kGguf };
 
   Method method = Method::kNone;
   // Internal format of the quantized Linears: kBF16 when not quantized, kW4G32 or kNVFP4.
   quant::WeightFormat weight_format = quant::WeightFormat::kBF16;
-  std::string format;  // compressed-tensors "format" ("pack-quantized", ...); ModelOpt quant_algo
+  // compressed-tensors "format" ("pack-quantized", ...); ModelOpt quant_algo; GGUF: the ggml
+  // types of the matrices ("Q4_K, Q5_0, Q6_K, Q8_0").
+  std::string format;
   int num_bits = 16;
   int group_size = 0;
   bool symmetric = true;

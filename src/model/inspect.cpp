@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -53,6 +54,9 @@ void append_config(const LoadedModel& model, std::string& out) {
   const QuantizationInfo& q = model.quantization;
   if (q.method == QuantizationInfo::Method::kNone) {
     out += "quantization   none\n";
+  } else if (q.method == QuantizationInfo::Method::kGguf) {
+    out += fmt::format("quantization   gguf {} (repacked on load; layer 0 q_proj -> {})\n",
+                       q.format, quant::weight_format_name(q.weight_format));
   } else {
     out += fmt::format("quantization   {} {} -> {} ({} bits, group {}, {})\n",
                        quant_method_name(q.method), q.format,
@@ -117,20 +121,39 @@ std::string inspect_report(const LoadedModel& model, const InspectOptions& optio
   append_config(model, out);
   append_layers(model.config, out);
 
-  const auto roles = matrix_roles(model.weights);
-  std::map<std::string, std::pair<int64_t, uint64_t>> totals;  // role -> (tensors, bytes)
-  const auto tensors = model.weights.checkpoint->tensors();
-  if (options.list_tensors) {
-    out += fmt::format("\n{} tensors\nname  dtype  shape  format  bytes\n", tensors.size());
+  // One row per checkpoint tensor: name, stored type, shape, loader role, bytes.
+  struct TensorRow {
+    std::string name, type, shape, role;
+    uint64_t bytes = 0;
+  };
+  std::vector<TensorRow> rows;
+  if (model.weights.checkpoint) {
+    const auto roles = matrix_roles(model.weights);
+    for (const io::TensorView* tensor : model.weights.checkpoint->tensors()) {
+      rows.push_back({tensor->name, std::string(dtype_name(tensor->dtype)),
+                      fmt::format("[{}]", fmt::join(tensor->shape, ", ")),
+                      tensor_role(*tensor, model.weights, roles), tensor->nbytes});
+    }
+  } else if (model.weights.gguf) {
+    // GGUF: ggml types and ne (fastest first); used tensors are counted under their type.
+    for (const io::GgufTensorInfo& tensor : model.weights.gguf->tensors()) {
+      const std::string type = io::gguf_type_name(tensor.type);
+      rows.push_back({tensor.name, type, fmt::format("{{{}}}", fmt::join(tensor.ne, ", ")),
+                      model.weights.used_tensors.contains(tensor.name) ? type : "unused",
+                      tensor.nbytes});
+    }
   }
-  for (const io::TensorView* tensor : tensors) {
-    const std::string role = tensor_role(*tensor, model.weights, roles);
-    auto& [count, bytes] = totals[role];
+  std::map<std::string, std::pair<int64_t, uint64_t>> totals;  // role -> (tensors, bytes)
+  if (options.list_tensors) {
+    out += fmt::format("\n{} tensors\nname  dtype  shape  format  bytes\n", rows.size());
+  }
+  for (const TensorRow& row : rows) {
+    auto& [count, bytes] = totals[row.role];
     ++count;
-    bytes += tensor->nbytes;
+    bytes += row.bytes;
     if (options.list_tensors) {
-      out += fmt::format("{}  {}  [{}]  {}  {}\n", tensor->name, dtype_name(tensor->dtype),
-                         fmt::join(tensor->shape, ", "), role, tensor->nbytes);
+      out +=
+          fmt::format("{}  {}  {}  {}  {}\n", row.name, row.type, row.shape, row.role, row.bytes);
     }
   }
   out += "\ntotals by format\n";
@@ -140,7 +163,7 @@ std::string inspect_report(const LoadedModel& model, const InspectOptions& optio
                        human_bytes(static_cast<double>(total.second)));
     all += total.second;
   }
-  out += fmt::format("  {:14} {:7} tensors  {:>14} bytes  {}\n", "all", tensors.size(), all,
+  out += fmt::format("  {:14} {:7} tensors  {:>14} bytes  {}\n", "all", rows.size(), all,
                      human_bytes(static_cast<double>(all)));
 
   const int64_t context =

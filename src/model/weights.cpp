@@ -3,6 +3,8 @@
 #include <cstring>
 
 #include "core/numeric.h"
+#include "model/gguf_model.h"
+#include "model/tensor_source.h"
 #include "quant/checkpoint_views.h"
 
 namespace gemma4::model {
@@ -32,45 +34,51 @@ Status expect_dtype(const io::TensorView& tensor, std::initializer_list<DType> d
                     tensor.name, dtype_name(tensor.dtype), fmt::join(names, " or "));
 }
 
-class TensorResolver {
+// Tensors of a safetensors checkpoint, under config.tensor_prefix.
+class SafetensorsSource final : public TensorSource {
  public:
-  TensorResolver(const io::Checkpoint& checkpoint, std::string prefix, std::set<std::string>& used)
+  SafetensorsSource(const io::Checkpoint& checkpoint, std::string prefix,
+                    std::set<std::string>& used)
       : checkpoint_(checkpoint), prefix_(std::move(prefix)), used_(used) {}
 
-  const io::TensorView* find(const std::string& name) const { return find_full(prefix_ + name); }
-  Expected<const io::TensorView*> require(const std::string& name) const {
-    const io::TensorView* tensor = find(name);
+  bool has(const std::string& name) const override { return find_full(prefix_ + name) != nullptr; }
+
+  Expected<std::vector<float>> vector(const std::string& name, int64_t length) const override {
+    const io::TensorView* tensor = find_full(prefix_ + name);
     if (!tensor) {
       return make_error(ErrorCode::kNotFound, "checkpoint {}: missing tensor {}{}",
                         checkpoint_.directory().string(), prefix_, name);
     }
-    return tensor;
-  }
-
-  Expected<std::vector<float>> vector(const std::string& name, int64_t length) const {
-    GEMMA4_ASSIGN_OR_RETURN(const io::TensorView* tensor, require(name));
     GEMMA4_RETURN_IF_ERROR(expect_shape(*tensor, {length}));
     return read_float_vector(*tensor);
   }
 
-  // The Linear `<module>` (or slice `expert` of a stacked expert tensor) as a [rows, cols]
-  // QMatrix, in whichever format the file stores it (quant::qmatrix_from_tensors decides by the
-  // tensors present).
+  // In whichever format the file stores it (quant::qmatrix_from_tensors decides by the tensors
+  // present).
   Expected<QMatrix> matrix(const std::string& module, int64_t rows, int64_t cols,
-                           std::optional<int64_t> expert = std::nullopt) const {
+                           std::optional<int64_t> expert) const override {
+    return full_matrix(prefix_ + module, rows, cols, expert);
+  }
+
+  // lm_head sits outside the text model's prefix in both layouts.
+  Expected<QMatrix> lm_head(int64_t rows, int64_t cols) const override {
+    return full_matrix("lm_head", rows, cols, std::nullopt);
+  }
+
+ private:
+  Expected<QMatrix> full_matrix(const std::string& base, int64_t rows, int64_t cols,
+                                std::optional<int64_t> expert) const {
     auto lookup = [this](std::string_view name) { return find_full(name); };
-    auto m = quant::qmatrix_from_tensors(lookup, prefix_ + module, expert);
+    auto m = quant::qmatrix_from_tensors(lookup, base, expert);
     if (!m) return m.error().with_context(checkpoint_.directory().string());
     if (m->rows != rows || m->cols != cols) {
       return make_error(ErrorCode::kInvalidArgument,
-                        "checkpoint {}: tensor {}{}: shape [{}, {}] where [{}, {}] was expected",
-                        checkpoint_.directory().string(), prefix_, module, m->rows, m->cols, rows,
-                        cols);
+                        "checkpoint {}: tensor {}: shape [{}, {}] where [{}, {}] was expected",
+                        checkpoint_.directory().string(), base, m->rows, m->cols, rows, cols);
     }
     return m;
   }
 
- private:
   const io::TensorView* find_full(std::string_view name) const {
     const io::TensorView* tensor = checkpoint_.find(name);
     if (tensor) used_.insert(tensor->name);
@@ -82,13 +90,13 @@ class TensorResolver {
   std::set<std::string>& used_;
 };
 
-Status load_experts(const TensorResolver& resolve, const std::string& layer,
+Status load_experts(const TensorSource& resolve, const std::string& layer,
                     const ModelConfig& config, LayerWeights& out) {
   const int64_t experts = config.moe_params.num_experts;
   const int64_t width = config.moe_params.intermediate_size;
   const int64_t hidden = config.hidden_size;
   out.experts.resize(experts);
-  if (resolve.find(layer + "experts.gate_up_proj")) {
+  if (resolve.has(layer + "experts.gate_up_proj")) {
     // The bf16 release: fused 3-D parameters [E, 2I, H] and [E, H, I], sliced per expert.
     for (int64_t e = 0; e < experts; ++e) {
       GEMMA4_ASSIGN_OR_RETURN(QMatrix gate_up,
@@ -110,7 +118,7 @@ Status load_experts(const TensorResolver& resolve, const std::string& layer,
   return Status::ok_status();
 }
 
-Expected<LayerWeights> load_layer(const TensorResolver& resolve, const ModelConfig& config,
+Expected<LayerWeights> load_layer(const TensorSource& resolve, const ModelConfig& config,
                                   const LayerGeometry& geometry) {
   const std::string p = fmt::format("layers.{}.", geometry.layer_index);
   const int64_t hidden = config.hidden_size;
@@ -169,8 +177,10 @@ Expected<LayerWeights> load_layer(const TensorResolver& resolve, const ModelConf
                             resolve.vector(p + "post_per_layer_input_norm.weight", hidden));
   }
 
-  GEMMA4_ASSIGN_OR_RETURN(auto scalar, resolve.vector(p + "layer_scalar", 1));
-  w.layer_scalar = scalar[0];
+  if (config.has_layer_scalar) {
+    GEMMA4_ASSIGN_OR_RETURN(auto scalar, resolve.vector(p + "layer_scalar", 1));
+    w.layer_scalar = scalar[0];
+  }
   return w;
 }
 
@@ -222,19 +232,14 @@ void for_each_matrix(const ModelWeights& weights,
   }
 }
 
-Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> checkpoint,
-                                          const ModelConfig& config) {
-  ModelWeights w;
-  TensorResolver resolve(*checkpoint, config.tensor_prefix, w.used_tensors);
+Status load_weights(const TensorSource& resolve, const ModelConfig& config, ModelWeights& w) {
   const int64_t hidden = config.hidden_size;
   GEMMA4_ASSIGN_OR_RETURN(w.embed_tokens,
                           resolve.matrix("embed_tokens", config.vocab_size, hidden));
   if (config.tie_word_embeddings) {
     w.lm_head = w.embed_tokens;
   } else {
-    // lm_head sits outside the text model's prefix in both layouts.
-    TensorResolver top(*checkpoint, "", w.used_tensors);
-    GEMMA4_ASSIGN_OR_RETURN(w.lm_head, top.matrix("lm_head", config.vocab_size, hidden));
+    GEMMA4_ASSIGN_OR_RETURN(w.lm_head, resolve.lm_head(config.vocab_size, hidden));
   }
   GEMMA4_ASSIGN_OR_RETURN(w.final_norm, resolve.vector("norm.weight", hidden));
   if (config.ple_dim > 0) {
@@ -252,11 +257,22 @@ Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> 
     GEMMA4_ASSIGN_OR_RETURN(auto layer, load_layer(resolve, config, geometry));
     w.layers.push_back(std::move(layer));
   }
+  return Status::ok_status();
+}
+
+Expected<ModelWeights> ModelWeights::load(std::shared_ptr<const io::Checkpoint> checkpoint,
+                                          const ModelConfig& config) {
+  ModelWeights w;
+  SafetensorsSource source(*checkpoint, config.tensor_prefix, w.used_tensors);
+  GEMMA4_RETURN_IF_ERROR(load_weights(source, config, w));
   w.checkpoint = std::move(checkpoint);
   return w;
 }
 
 Expected<LoadedModel> LoadedModel::open(const std::filesystem::path& directory) {
+  if (directory.extension() == ".gguf" && !std::filesystem::is_directory(directory)) {
+    return open_gguf_model(directory);
+  }
   LoadedModel model;
   GEMMA4_ASSIGN_OR_RETURN(model.config, ModelConfig::from_hf_file(directory / "config.json"));
   GEMMA4_ASSIGN_OR_RETURN(model.quantization, QuantizationInfo::from_checkpoint_dir(directory));

@@ -18,9 +18,11 @@
 #include <vector>
 
 #include "core/status.h"
+#include "io/gguf.h"
 #include "io/safetensors.h"
 #include "model/config.h"
 #include "quant/qmatrix.h"
+#include "quant/quantize.h"
 
 namespace gemma4::model {
 
@@ -77,8 +79,12 @@ struct LayerWeights {
 };
 
 struct ModelWeights {
-  // Keeps the mapping alive: every QMatrix points into it.
+  // Keeps the mapping alive: every QMatrix points into it (safetensors checkpoints).
   std::shared_ptr<const io::Checkpoint> checkpoint;
+  // GGUF checkpoints: the file (F32/F16/BF16 matrices are views into its mapping) and the
+  // matrices repacked into internal formats (weight-formats.md 5), which own their bytes.
+  std::shared_ptr<const io::GgufFile> gguf;
+  std::vector<std::shared_ptr<const quant::PackedMatrix>> repacked;
 
   quant::QMatrix embed_tokens;  // [V, H], unscaled
   // The logits matrix: embed_tokens when tie_word_embeddings (a tied `lm_head.weight` in the
@@ -94,7 +100,7 @@ struct ModelWeights {
   std::vector<LayerWeights> layers;
 
   // Full names of every checkpoint tensor the weights above were read from (others, e.g. K/V
-  // tensors of KV-shared layers or a tied lm_head copy, are unused).
+  // tensors of KV-shared layers or a tied lm_head copy, are unused); GGUF names for a GGUF.
   std::set<std::string> used_tensors;
 
   // Resolves every tensor `config` needs (names under config.tensor_prefix). A missing tensor,
@@ -103,14 +109,16 @@ struct ModelWeights {
                                      const ModelConfig& config);
 };
 
-// A checkpoint directory opened for inference: config.json (+ generation_config.json), the
-// quantization scheme, the mapped tensors and the resolved weights.
+// A checkpoint opened for inference: config.json (+ generation_config.json), the quantization
+// scheme, the mapped tensors and the resolved weights; or the same from one .gguf file
+// (model/gguf_model.h).
 struct LoadedModel {
   ModelConfig config;
   QuantizationInfo quantization;
   ModelWeights weights;
 
-  static Expected<LoadedModel> open(const std::filesystem::path& directory);
+  // A checkpoint directory, or a path ending in .gguf.
+  static Expected<LoadedModel> open(const std::filesystem::path& path);
 };
 
 // Calls `visit(name, matrix)` for every present matrix, in a fixed order (globals, then layer by
