@@ -13,8 +13,10 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 #include <utility>
+#include <vector>
 
 #include "core/status.h"
 #include "model/config.h"
@@ -95,6 +97,11 @@ struct KvView {
   int head_dim = 0;
 };
 
+// inv_freq[i] of the head_dim / 2 pairs of rope() below, in float32 as transformers computes it
+// (1 / theta^(2i / exponent_denominator), 0 past rotated_pairs). Every backend rotates by these
+// exact values, so their angles agree bit for bit even at large positions.
+std::vector<float> rope_inverse_frequencies(const model::RopeParams& rope, int head_dim);
+
 struct RouterParams {
   int top_k = 0;
   const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
@@ -115,6 +122,10 @@ class Backend {
   // operation the backend cannot run), or ok. Operations return nothing and are asynchronous on
   // a device, so the engine checks this after each pass; once failed, it stays failed.
   virtual Status status() const { return Status::ok_status(); }
+
+  // Kernels launched so far (a replayed graph counts each of its kernels), for `gemma4 bench`'s
+  // kernels per token; nullopt when the backend does not count them.
+  virtual std::optional<int64_t> kernels_launched() const { return std::nullopt; }
 
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;

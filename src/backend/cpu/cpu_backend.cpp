@@ -106,13 +106,7 @@ void CpuBackend::rms_norm(Rows x, const float* weight, float weight_offset, floa
 void CpuBackend::rope(Rows x, int head_dim, const int32_t* positions,
                       const model::RopeParams& rope) {
   const int half = head_dim / 2;
-  // inv_freq as transformers computes it in float32: 1 / theta^(2i / denominator).
-  std::vector<float> inv_freq(half, 0.0f);
-  for (int i = 0; i < std::min(half, rope.rotated_pairs); ++i) {
-    const float exponent =
-        static_cast<float>(2 * i) / static_cast<float>(rope.exponent_denominator);
-    inv_freq[i] = 1.0f / std::pow(static_cast<float>(rope.theta), exponent);
-  }
+  const std::vector<float> inv_freq = engine::rope_inverse_frequencies(rope, head_dim);
   const int64_t heads = x.width / head_dim;
   for_each_row(pool_, x.count, x.width, [&](int64_t t) {
     const float position = static_cast<float>(positions[t]);
