@@ -1,0 +1,360 @@
+// RoPE, row maps, the KV store, generic attention, the router and the expert gather/scatter
+// (backend_kernels.h). fp32 math throughout, as the CPU reference.
+#include <algorithm>
+#include <cmath>
+
+#include "backend/cuda/backend_kernels.h"
+#include "backend/cuda/launch.cuh"
+
+namespace gemma4::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+
+bool valid_rows(const RowsView& v) {
+  return v.data != nullptr && v.rows >= 1 && v.width >= 1 && v.stride >= v.width;
+}
+
+bool same_shape(const RowsView& a, const RowsView& b) {
+  return a.rows == b.rows && a.width == b.width;
+}
+
+// A grid that covers `rows` rows of `width` (both loops stride, so any size works).
+dim3 row_grid(int64_t rows, int64_t width) {
+  return dim3(static_cast<unsigned>(std::min<int64_t>((width + kThreads - 1) / kThreads, 1024)),
+              static_cast<unsigned>(std::min<int64_t>(rows, 65535)));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    rope_kernel(RowsView x, int head_dim, const int32_t* positions, const float* inv_freq) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int half = head_dim / 2;
+  const int64_t heads = x.width / head_dim;
+  for (int64_t t = blockIdx.y; t < x.rows; t += gridDim.y) {
+    const float position = static_cast<float>(positions[t]);
+    float* row = x.data + t * x.stride;
+    // Each thread owns whole pairs (i, i + half) of one head.
+    for (int64_t pair = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; pair < heads * half;
+         pair += int64_t{gridDim.x} * blockDim.x) {
+      const int i = static_cast<int>(pair % half);
+      if (inv_freq[i] == 0.0f) continue;  // cos 0 = 1, sin 0 = 0: the pair passes through
+      float sin_angle, cos_angle;
+      sincosf(position * inv_freq[i], &sin_angle, &cos_angle);
+      float* head = row + (pair / half) * head_dim;
+      const float a = head[i], b = head[i + half];
+      head[i] = a * cos_angle - b * sin_angle;
+      head[i + half] = b * cos_angle + a * sin_angle;
+    }
+  }
+}
+
+template <RowMap kMap>
+__global__ void __launch_bounds__(kThreads)
+    map_kernel(RowsView acc, RowsView x, const float* column_scale, float scalar) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  for (int64_t r = blockIdx.y; r < acc.rows; r += gridDim.y) {
+    float* a = acc.data + r * acc.stride;
+    const float* b = x.data + r * x.stride;
+    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < acc.width;
+         j += int64_t{gridDim.x} * blockDim.x) {
+      if constexpr (kMap == RowMap::kAdd) {
+        a[j] += b[j];
+      } else if constexpr (kMap == RowMap::kScale) {
+        a[j] = (column_scale ? a[j] * column_scale[j] : a[j]) * scalar;
+      } else if constexpr (kMap == RowMap::kSoftcap) {
+        a[j] = scalar * tanhf(a[j] / scalar);
+      } else {
+        a[j] = b[j];
+      }
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    write_kv_kernel(KvSlots kv, RowsView k, RowsView v, const int32_t* positions) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int64_t width = int64_t{kv.kv_heads} * kv.head_dim;
+  for (int64_t t = blockIdx.y; t < k.rows; t += gridDim.y) {
+    const int32_t position = positions[t];
+    const int64_t slot = position % kv.slots;
+    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < width;
+         j += int64_t{gridDim.x} * blockDim.x) {
+      kv.keys[slot * width + j] = k.data[t * k.stride + j];
+      kv.values[slot * width + j] = v.data[t * v.stride + j];
+    }
+    if (blockIdx.x == 0 && threadIdx.x == 0) kv.slot_positions[slot] = position;
+  }
+}
+
+__global__ void forget_kv_kernel(KvSlots kv, int64_t from_position) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  for (int64_t slot = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; slot < kv.slots;
+       slot += int64_t{gridDim.x} * blockDim.x) {
+    if (kv.slot_positions[slot] >= from_position) kv.slot_positions[slot] = -1;
+  }
+}
+
+constexpr int kAttentionWarps = 4;
+constexpr int kMaxDimsPerLane = 512 / 32;
+
+// Block (q head h, query t). Warp w scans slots w, w + 4, ... with an online softmax; lane l
+// holds dims l + 32·i of the head; the warps are merged through shared memory.
+__global__ void __launch_bounds__(kAttentionWarps * 32)
+    attention_kernel(RowsView q, const int32_t* positions, KvSlots kv, int window, float scale,
+                     RowsView out) {
+  pdl_trigger_dependents();
+  __shared__ float merge[kAttentionWarps][kMaxDimsPerLane * 32 + 2];
+  pdl_wait_for_predecessors();
+  const int head = blockIdx.x;
+  const int64_t t = blockIdx.y;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int head_dim = kv.head_dim;
+  const int dims = head_dim / 32;
+  const int q_heads = static_cast<int>(q.width / head_dim);
+  const int kv_head = head / (q_heads / kv.kv_heads);
+  const int64_t kv_width = int64_t{kv.kv_heads} * head_dim;
+  const int32_t query_position = positions[t];
+
+  float query[kMaxDimsPerLane], acc[kMaxDimsPerLane];
+  const float* q_row = q.data + t * q.stride + int64_t{head} * head_dim;
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; ++i) {
+    query[i] = i < dims ? q_row[lane + 32 * i] : 0.0f;
+    acc[i] = 0.0f;
+  }
+  float running_max = -INFINITY, running_sum = 0.0f;
+  // Position p lives in slot p % slots: with more slots than P + 1 the visible ones are below.
+  const int64_t scanned = min(kv.slots, static_cast<int64_t>(query_position) + 1);
+  for (int64_t slot = warp; slot < scanned; slot += kAttentionWarps) {
+    const int32_t p = kv.slot_positions[slot];
+    const bool visible =
+        p >= 0 && p <= query_position && (window == 0 || query_position - p < window);
+    if (!visible) continue;  // uniform across the warp
+    const float* key = kv.keys + slot * kv_width + int64_t{kv_head} * head_dim;
+    float dot = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; ++i) {
+      if (i < dims) dot = fmaf(query[i], key[lane + 32 * i], dot);
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+    const float score = dot * scale;
+    const float new_max = fmaxf(running_max, score);
+    const float rescale = expf(running_max - new_max);  // 0 for the first visible key
+    const float weight = expf(score - new_max);
+    const float* value = kv.values + slot * kv_width + int64_t{kv_head} * head_dim;
+#pragma unroll
+    for (int i = 0; i < kMaxDimsPerLane; ++i) {
+      if (i < dims) acc[i] = fmaf(weight, value[lane + 32 * i], acc[i] * rescale);
+    }
+    running_sum = running_sum * rescale + weight;
+    running_max = new_max;
+  }
+
+#pragma unroll
+  for (int i = 0; i < kMaxDimsPerLane; ++i) {
+    if (i < dims) merge[warp][2 + lane + 32 * i] = acc[i];
+  }
+  if (lane == 0) {
+    merge[warp][0] = running_max;
+    merge[warp][1] = running_sum;
+  }
+  __syncthreads();
+  float block_max = -INFINITY;
+  for (int w = 0; w < kAttentionWarps; ++w) block_max = fmaxf(block_max, merge[w][0]);
+  float* o = out.data + t * out.stride + int64_t{head} * head_dim;
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float sum = 0.0f, value = 0.0f;
+    if (block_max != -INFINITY) {
+      for (int w = 0; w < kAttentionWarps; ++w) {
+        if (merge[w][0] == -INFINITY) continue;
+        const float scale_w = expf(merge[w][0] - block_max);
+        sum += merge[w][1] * scale_w;
+        value += merge[w][2 + d] * scale_w;
+      }
+    }
+    o[d] = sum > 0.0f ? value / sum : 0.0f;  // nothing visible: zeros, as the CPU reference
+  }
+}
+
+constexpr int kMaxTopK = 64;
+
+// One thread per token: the reference's softmax, then top_k selections by (prob desc, id asc).
+__global__ void route_kernel(RowsView logits, int top_k, const float* per_expert_scale,
+                             int32_t* expert_ids, float* weights) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= logits.rows) return;
+  const float* z = logits.data + t * logits.stride;
+  const int experts = static_cast<int>(logits.width);
+  float max_logit = z[0];
+  for (int e = 1; e < experts; ++e) max_logit = fmaxf(max_logit, z[e]);
+  float sum = 0.0f;
+  for (int e = 0; e < experts; ++e) sum += expf(z[e] - max_logit);
+  int32_t chosen[kMaxTopK];
+  float chosen_prob[kMaxTopK];
+  float kept = 0.0f;
+  for (int k = 0; k < top_k; ++k) {
+    int best = -1;
+    float best_prob = 0.0f;
+    for (int e = 0; e < experts; ++e) {
+      bool taken = false;
+      for (int i = 0; i < k; ++i) taken = taken || chosen[i] == e;
+      if (taken) continue;
+      const float prob = expf(z[e] - max_logit) / sum;
+      if (best < 0 || prob > best_prob) {  // strict: ties keep the lower id
+        best = e;
+        best_prob = prob;
+      }
+    }
+    chosen[k] = best;
+    chosen_prob[k] = best_prob;
+    kept += best_prob;
+  }
+  for (int k = 0; k < top_k; ++k) {
+    expert_ids[t * top_k + k] = chosen[k];
+    weights[t * top_k + k] = chosen_prob[k] / kept * per_expert_scale[chosen[k]];
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    gather_kernel(RowsView x, const int32_t* picks, int top_k, RowsView gathered) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  for (int64_t i = blockIdx.y; i < gathered.rows; i += gridDim.y) {
+    const float* source = x.data + (picks[i] / top_k) * x.stride;
+    float* target = gathered.data + i * gathered.stride;
+    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < x.width;
+         j += int64_t{gridDim.x} * blockDim.x) {
+      target[j] = source[j];
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kThreads)
+    scatter_add_kernel(RowsView y, const int32_t* picks, const float* weights, int top_k,
+                       RowsView out) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  for (int64_t i = blockIdx.y; i < y.rows; i += gridDim.y) {
+    const float weight = weights[picks[i]];
+    const float* source = y.data + i * y.stride;
+    float* target = out.data + (picks[i] / top_k) * out.stride;
+    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < y.width;
+         j += int64_t{gridDim.x} * blockDim.x) {
+      target[j] += source[j] * weight;
+    }
+  }
+}
+
+bool valid_kv(const KvSlots& kv) {
+  return kv.keys != nullptr && kv.values != nullptr && kv.slot_positions != nullptr &&
+         kv.slots >= 1 && kv.kv_heads >= 1 && kv.head_dim >= 1;
+}
+
+}  // namespace
+
+cudaError_t rope_rows(const RowsView& x, int head_dim, const int32_t* positions,
+                      const float* inv_freq, const Launch& launch) {
+  if (!valid_rows(x) || head_dim < 2 || head_dim % 2 != 0 || x.width % head_dim != 0 ||
+      positions == nullptr || inv_freq == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  return launch_kernel(rope_kernel, row_grid(x.rows, x.width / 2), dim3(kThreads), 0, launch, x,
+                       head_dim, positions, inv_freq);
+}
+
+cudaError_t map_rows(RowMap map, const RowsView& acc, const RowsView& x, const float* column_scale,
+                     float scalar, const Launch& launch) {
+  const bool reads_x = map == RowMap::kAdd || map == RowMap::kCopy;
+  if (!valid_rows(acc) || (reads_x && (!valid_rows(x) || !same_shape(acc, x)))) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid = row_grid(acc.rows, acc.width);
+  switch (map) {
+    case RowMap::kAdd:
+      return launch_kernel(map_kernel<RowMap::kAdd>, grid, dim3(kThreads), 0, launch, acc, x,
+                           column_scale, scalar);
+    case RowMap::kScale:
+      return launch_kernel(map_kernel<RowMap::kScale>, grid, dim3(kThreads), 0, launch, acc, x,
+                           column_scale, scalar);
+    case RowMap::kSoftcap:
+      return launch_kernel(map_kernel<RowMap::kSoftcap>, grid, dim3(kThreads), 0, launch, acc, x,
+                           column_scale, scalar);
+    case RowMap::kCopy:
+      return launch_kernel(map_kernel<RowMap::kCopy>, grid, dim3(kThreads), 0, launch, acc, x,
+                           column_scale, scalar);
+  }
+  return cudaErrorInvalidValue;
+}
+
+cudaError_t write_kv(const KvSlots& kv, const RowsView& k, const RowsView& v,
+                     const int32_t* positions, const Launch& launch) {
+  const int64_t width = int64_t{kv.kv_heads} * kv.head_dim;
+  if (!valid_kv(kv) || !valid_rows(k) || !valid_rows(v) || !same_shape(k, v) || k.width != width ||
+      positions == nullptr || k.rows > kv.slots) {
+    return cudaErrorInvalidValue;
+  }
+  return launch_kernel(write_kv_kernel, row_grid(k.rows, width), dim3(kThreads), 0, launch, kv, k,
+                       v, positions);
+}
+
+cudaError_t forget_kv(const KvSlots& kv, int64_t from_position, const Launch& launch) {
+  if (!valid_kv(kv)) return cudaErrorInvalidValue;
+  const int64_t blocks = std::min<int64_t>((kv.slots + kThreads - 1) / kThreads, 4096);
+  return launch_kernel(forget_kv_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kThreads), 0,
+                       launch, kv, from_position);
+}
+
+cudaError_t attention_rows(const RowsView& q, const int32_t* positions, const KvSlots& kv,
+                           int window, float scale, const RowsView& out, const Launch& launch) {
+  if (!valid_rows(q) || !valid_rows(out) || !same_shape(q, out) || !valid_kv(kv) ||
+      positions == nullptr || kv.head_dim % 32 != 0 || kv.head_dim > 512 ||
+      q.width % kv.head_dim != 0 || (q.width / kv.head_dim) % kv.kv_heads != 0 ||
+      q.width / kv.head_dim > 0x7FFFFFFF || q.rows > 65535) {
+    return cudaErrorInvalidValue;
+  }
+  const dim3 grid(static_cast<unsigned>(q.width / kv.head_dim), static_cast<unsigned>(q.rows));
+  return launch_kernel(attention_kernel, grid, dim3(kAttentionWarps * 32), 0, launch, q, positions,
+                       kv, window, scale, out);
+}
+
+cudaError_t route_top_k(const RowsView& logits, int top_k, const float* per_expert_scale,
+                        int32_t* expert_ids, float* weights, const Launch& launch) {
+  if (!valid_rows(logits) || top_k < 1 || top_k > kMaxTopK || top_k > logits.width ||
+      per_expert_scale == nullptr || expert_ids == nullptr || weights == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  constexpr int kRouteThreads = 128;
+  const int64_t blocks = (logits.rows + kRouteThreads - 1) / kRouteThreads;
+  return launch_kernel(route_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kRouteThreads), 0,
+                       launch, logits, top_k, per_expert_scale, expert_ids, weights);
+}
+
+cudaError_t gather_rows(const RowsView& x, const int32_t* picks, int count, int top_k,
+                        const RowsView& gathered, const Launch& launch) {
+  if (!valid_rows(x) || !valid_rows(gathered) || picks == nullptr || count < 1 || top_k < 1 ||
+      gathered.rows != count || gathered.width != x.width) {
+    return cudaErrorInvalidValue;
+  }
+  return launch_kernel(gather_kernel, row_grid(count, x.width), dim3(kThreads), 0, launch, x, picks,
+                       top_k, gathered);
+}
+
+cudaError_t scatter_add_rows(const RowsView& y, const int32_t* picks, const float* weights,
+                             int count, int top_k, const RowsView& out, const Launch& launch) {
+  if (!valid_rows(y) || !valid_rows(out) || picks == nullptr || weights == nullptr || count < 1 ||
+      top_k < 1 || y.rows != count || y.width != out.width) {
+    return cudaErrorInvalidValue;
+  }
+  return launch_kernel(scatter_add_kernel, row_grid(count, y.width), dim3(kThreads), 0, launch, y,
+                       picks, weights, top_k, out);
+}
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,365 @@
+#include "backend/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <numeric>
+#include <tuple>
+
+#include "backend/cuda/attention.h"
+#include "backend/cuda/backend_kernels.h"
+#include "backend/cuda/elementwise.h"
+#include "backend/cuda/gemv.h"
+#include "quant/qmatrix.h"
+
+namespace gemma4::cuda {
+
+using engine::Rows;
+using quant::WeightFormat;
+
+static_assert(static_cast<int>(WeightFormat::kF32) == static_cast<int>(MatrixFormat::kF32) &&
+              static_cast<int>(WeightFormat::kBF16) == static_cast<int>(MatrixFormat::kBF16) &&
+              static_cast<int>(WeightFormat::kW4G32) == static_cast<int>(MatrixFormat::kW4G32) &&
+              static_cast<int>(WeightFormat::kNVFP4) == static_cast<int>(MatrixFormat::kNVFP4));
+
+namespace {
+
+// The packed GEMV handles up to this many activation rows per launch.
+constexpr int64_t kMaxGemvRows = 64;
+// decode_attention: cached keys per split block (more splits for deeper caches).
+constexpr int64_t kKeysPerSplit = 256;
+constexpr int kMaxAttentionSplits = 1024;
+
+RowsView view(const Rows& r) {
+  return {r.data, r.count, r.width, r.stride};
+}
+
+KvSlots slots(const engine::KvView& kv) {
+  return {kv.keys, kv.values, kv.slot_positions, kv.slots, kv.kv_heads, kv.head_dim};
+}
+
+bool aligned16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+}  // namespace
+
+CudaBackend::CudaBackend(int device) : device_(device) {
+  check(cudaSetDevice(device_), "selecting the GPU");
+  if (status_.ok()) check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+}
+
+CudaBackend::~CudaBackend() {
+  cudaSetDevice(device_);
+  if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  for (Scratch* s : {&attention_partials_, &expert_picks_, &expert_rows_, &expert_gates_,
+                     &expert_ups_, &expert_outputs_}) {
+    cudaFree(s->data);
+  }
+  if (stream_ != nullptr) cudaStreamDestroy(stream_);
+}
+
+void CudaBackend::fail(ErrorCode code, std::string message) {
+  if (status_.ok()) status_ = Error{code, std::move(message)};
+}
+
+void CudaBackend::check(cudaError_t status, const char* what) {
+  if (status == cudaSuccess) return;
+  if (status == cudaErrorInvalidValue) {
+    // Our own kernels' argument checks: a shape, format or alignment they do not take.
+    fail(ErrorCode::kInternal,
+         fmt::format("CUDA backend: {}: arguments rejected (shape, format or alignment)", what));
+  } else {
+    fail(ErrorCode::kInternal, fmt::format("CUDA backend: {} on GPU {}: {} ({})", what, device_,
+                                           cudaGetErrorString(status), cudaGetErrorName(status)));
+  }
+}
+
+Launch CudaBackend::launch() {
+  cudaSetDevice(device_);
+  return {stream_, false};
+}
+
+void* CudaBackend::scratch(Scratch& s, size_t bytes) {
+  if (bytes <= s.bytes) return s.data;
+  launch();
+  check(cudaStreamSynchronize(stream_), "scratch resize");
+  cudaFree(s.data);
+  s = {};
+  const cudaError_t status = cudaMalloc(&s.data, bytes);
+  if (status != cudaSuccess) {
+    s.data = nullptr;
+    fail(ErrorCode::kResourceExhausted,
+         fmt::format("CUDA backend: no {} bytes of scratch on GPU {}: {}", bytes, device_,
+                     cudaGetErrorString(status)));
+    return nullptr;
+  }
+  s.bytes = bytes;
+  return s.data;
+}
+
+engine::Buffer CudaBackend::allocate(size_t bytes) {
+  launch();
+  void* data = nullptr;
+  const cudaError_t status = cudaMalloc(&data, std::max<size_t>(bytes, 1));
+  if (status != cudaSuccess) {
+    cudaGetLastError();  // the failed allocation leaves nothing sticky behind
+    fail(ErrorCode::kResourceExhausted,
+         fmt::format("out of GPU memory: cudaMalloc of {} bytes on GPU {} failed ({})", bytes,
+                     device_, cudaGetErrorString(status)));
+    return {};
+  }
+  check(cudaMemsetAsync(data, 0, bytes, stream_), "allocate (zero fill)");
+  return engine::Buffer(data, bytes, [](void* p) { cudaFree(p); });
+}
+
+void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
+  // From pageable memory the copy returns once `src` is staged: the caller may reuse it.
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch().stream), "upload");
+}
+
+void CudaBackend::download(void* dst, const void* src, size_t bytes) {
+  check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
+  check(cudaStreamSynchronize(stream_), "download (synchronize)");
+}
+
+namespace {
+
+// quant::QMatrix → the kernels' view; false for a format with no CUDA kernel.
+bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
+  switch (m.format) {
+    case WeightFormat::kF32:
+    case WeightFormat::kBF16:
+    case WeightFormat::kW4G32:
+    case WeightFormat::kNVFP4:
+      out = {static_cast<MatrixFormat>(m.format),
+             m.rows,
+             m.cols,
+             m.data,
+             m.scales,
+             static_cast<int>(m.scale_type),
+             m.nv_global.value,
+             m.nv_global.is_divisor ? 1 : 0};
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) {
+  if (out.count == 0) return;
+  MatrixView view_of_table;
+  if (!matrix_view(table, view_of_table)) {
+    fail(ErrorCode::kUnsupported, fmt::format("CUDA backend: no embedding kernel for {} tables",
+                                              quant::weight_format_name(table.format)));
+    return;
+  }
+  check(embed_rows(view_of_table, ids, scale, view(out), launch()), "embed");
+}
+
+void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
+  if (x.count == 0) return;
+  // The packed GEMV, 64 rows at a time. It rejects what it has no kernel for (fp32 weights,
+  // K % 32 != 0, unaligned rows) before enqueuing anything: the generic kernel takes those.
+  cudaError_t status = cudaSuccess;
+  int64_t done = 0;
+  while (done < x.count) {
+    const int64_t rows = std::min(kMaxGemvRows, x.count - done);
+    const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride};
+    status = gemv(w, input, {y.row(done), y.stride}, launch());
+    if (status != cudaSuccess) break;
+    done += rows;
+  }
+  if (status == cudaSuccess) return;
+  if (status != cudaErrorInvalidValue || done > 0) {
+    check(status, "matmul (gemv)");
+    return;
+  }
+  MatrixView weights;
+  if (!matrix_view(w, weights)) {
+    fail(ErrorCode::kUnsupported, fmt::format("CUDA backend: no matmul kernel for {} weights",
+                                              quant::weight_format_name(w.format)));
+    return;
+  }
+  check(matmul_rows(weights, view(x), view(y), launch()), "matmul");
+}
+
+void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
+  if (x.count == 0) return;
+  check(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch()),
+        "rms_norm");
+}
+
+void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
+                       const model::RopeParams& rope) {
+  if (x.count == 0) return;
+  const auto key =
+      std::make_tuple(rope.theta, rope.rotated_pairs, rope.exponent_denominator, head_dim);
+  auto table = rope_tables_.find(key);
+  if (table == rope_tables_.end()) {
+    // Once per (rope, head_dim): a static device table, so graphs can capture the kernel.
+    const std::vector<float> inv_freq = engine::rope_inverse_frequencies(rope, head_dim);
+    engine::Buffer buffer = allocate(sizeof(float) * inv_freq.size());
+    if (buffer.data() == nullptr) return;
+    upload(buffer.data(), inv_freq.data(), sizeof(float) * inv_freq.size());
+    table = rope_tables_.emplace(key, std::move(buffer)).first;
+  }
+  check(rope_rows(view(x), head_dim, positions, table->second.floats(), launch()), "rope");
+}
+
+void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
+  if (gate.count == 0) return;
+  check(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
+}
+
+void CudaBackend::add(Rows acc, Rows x) {
+  if (acc.count == 0) return;
+  check(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
+}
+
+void CudaBackend::scale(Rows x, const float* column_scale, float scalar) {
+  if (x.count == 0) return;
+  check(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
+}
+
+void CudaBackend::softcap(Rows x, float cap) {
+  if (x.count == 0) return;
+  check(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
+}
+
+void CudaBackend::copy(Rows src, Rows dst) {
+  if (src.count == 0) return;
+  check(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
+}
+
+void CudaBackend::write_kv(const engine::KvView& kv, Rows k, Rows v, const int32_t* positions) {
+  if (k.count == 0) return;
+  check(cuda::write_kv(slots(kv), view(k), view(v), positions, launch()), "write_kv");
+}
+
+void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
+  check(cuda::forget_kv(slots(kv), from_position, launch()), "forget_kv");
+}
+
+void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
+                            float scale, Rows out) {
+  if (q.count == 0) return;
+  // One decode query: the split-K decode kernel (head_dim 256/512, aligned rows). It rejects
+  // other shapes before enqueuing anything; those, and prefill chunks, take the generic kernel.
+  if (q.count == 1 && aligned16(q.data) && kv.head_dim > 0 && q.width % kv.head_dim == 0) {
+    const int q_heads = static_cast<int>(q.width / kv.head_dim);
+    const int splits = static_cast<int>(std::clamp<int64_t>(
+        (kv.slots + kKeysPerSplit - 1) / kKeysPerSplit, 1, kMaxAttentionSplits));
+    float* partials = nullptr;
+    if (splits > 1) {
+      partials = static_cast<float*>(
+          scratch(attention_partials_,
+                  sizeof(float) * attention_partials_floats(1, q_heads, kv.head_dim, splits)));
+      if (partials == nullptr) return;
+    }
+    const AttentionQuery query = {q.data, q.stride, q_heads, positions, 1};
+    KvCacheView cache;
+    cache.keys = kv.keys;
+    cache.values = kv.values;
+    cache.slot_positions = kv.slot_positions;
+    cache.type = KvType::kF32;
+    cache.slots = kv.slots;
+    cache.kv_heads = kv.kv_heads;
+    cache.head_dim = kv.head_dim;
+    const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
+                                                {partials, splits}, splits, launch());
+    if (status != cudaErrorInvalidValue) {
+      check(status, "attention (decode)");
+      return;
+    }
+  }
+  check(attention_rows(view(q), positions, slots(kv), window, scale, view(out), launch()),
+        "attention");
+}
+
+void CudaBackend::route_experts(Rows logits, const engine::RouterParams& router,
+                                int32_t* expert_ids, float* weights) {
+  if (logits.count == 0) return;
+  check(route_top_k(view(logits), router.top_k, router.per_expert_scale, expert_ids, weights,
+                    launch()),
+        "route_experts");
+}
+
+void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Rows x,
+                              const int32_t* expert_ids, const float* weights, int top_k,
+                              Rows out) {
+  if (out.count == 0) return;
+  check(cudaMemset2DAsync(out.data, sizeof(float) * out.stride, 0, sizeof(float) * out.width,
+                          out.count, launch().stream),
+        "run_experts (clear)");
+  // The chosen experts, read back once per call (a host sync: the grouped MoE kernels will
+  // replace this loop), then (token, slot) picks sorted by expert, so each expert runs once.
+  const int64_t total = x.count * top_k;
+  host_expert_ids_.resize(total);
+  download(host_expert_ids_.data(), expert_ids, sizeof(int32_t) * total);
+  if (!status_.ok()) return;
+  const auto num_experts = static_cast<int64_t>(experts.size());
+  std::vector<int32_t> picks(total);
+  std::iota(picks.begin(), picks.end(), 0);
+  for (int32_t id : host_expert_ids_) {
+    if (id < 0 || id >= num_experts) {
+      fail(ErrorCode::kInternal,
+           fmt::format("CUDA backend: run_experts got expert id {} of {}", id, num_experts));
+      return;
+    }
+  }
+  std::stable_sort(picks.begin(), picks.end(),
+                   [&](int32_t a, int32_t b) { return host_expert_ids_[a] < host_expert_ids_[b]; });
+  auto* device_picks =
+      static_cast<int32_t*>(scratch(expert_picks_, sizeof(int32_t) * std::max<int64_t>(total, 1)));
+  const int64_t inner = experts.empty() ? 0 : experts[0].gate.rows;
+  auto* rows = static_cast<float*>(scratch(expert_rows_, sizeof(float) * x.count * x.width));
+  auto* gates = static_cast<float*>(scratch(expert_gates_, sizeof(float) * x.count * inner));
+  auto* ups = static_cast<float*>(scratch(expert_ups_, sizeof(float) * x.count * inner));
+  auto* outputs =
+      static_cast<float*>(scratch(expert_outputs_, sizeof(float) * x.count * out.width));
+  if (!status_.ok()) return;
+  upload(device_picks, picks.data(), sizeof(int32_t) * total);
+
+  for (int64_t first = 0; first < total;) {
+    const int32_t e = host_expert_ids_[picks[first]];
+    int64_t count = 1;
+    while (first + count < total && host_expert_ids_[picks[first + count]] == e) ++count;
+    const model::ExpertMatrices& expert = experts[e];
+    const int n = static_cast<int>(count);
+    const Rows gathered = Rows::dense(rows, count, x.width);
+    const Rows gate = Rows::dense(gates, count, expert.gate.rows);
+    const Rows up = Rows::dense(ups, count, expert.up.rows);
+    const Rows y = Rows::dense(outputs, count, out.width);
+    check(gather_rows(view(x), device_picks + first, n, top_k, view(gathered), launch()),
+          "run_experts (gather)");
+    matmul(expert.gate, gathered, gate);
+    matmul(expert.up, gathered, up);
+    gelu_tanh_mul(gate, up, gate);
+    matmul(expert.down, gate, y);
+    check(scatter_add_rows(view(y), device_picks + first, weights, n, top_k, view(out), launch()),
+          "run_experts (scatter)");
+    first += count;
+  }
+}
+
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device) {
+  int count = 0;
+  const cudaError_t status = cudaGetDeviceCount(&count);
+  if (status != cudaSuccess || count == 0) {
+    cudaGetLastError();
+    return make_error(ErrorCode::kUnsupported, "no usable CUDA GPU: {}",
+                      status != cudaSuccess ? cudaGetErrorString(status) : "none found");
+  }
+  if (device < 0 || device >= count) {
+    return make_error(ErrorCode::kInvalidArgument, "GPU {} does not exist ({} found)", device,
+                      count);
+  }
+  auto backend = std::make_unique<CudaBackend>(device);
+  if (Status created = backend->status(); !created.ok()) return created.error();
+  return std::unique_ptr<engine::Backend>(std::move(backend));
+}
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,101 @@
+// engine::Backend on one NVIDIA GPU: every operation enqueued on one stream over device memory,
+// the same math as the CPU reference (fp32 activations, fp32 KV). This first version is about
+// being correct; it keeps the way open for CUDA graphs (no host syncs inside operations except
+// download() and the expert loop of run_experts; per-step values are read from device memory).
+//
+// Which kernel serves what:
+//  * matmul: the packed GEMV (gemv.h) for w4g32 / nvfp4 / bf16 weights, prefill chunks in
+//    slices of 64 rows (correct, not fast: a tensor-core GEMM comes later); anything else
+//    (fp32 weights, K % 32 != 0, unaligned rows) a generic element-wise kernel;
+//  * rms_norm, gelu_tanh_mul: elementwise.h; attention: decode_attention (attention.h) for one
+//    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
+//  * route_experts on the device; run_experts downloads the expert ids once per call and loops
+//    over the chosen experts (a simple version until the grouped MoE kernels replace it).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <map>
+#include <memory>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "backend/cuda/launch.h"
+#include "core/status.h"
+#include "engine/backend.h"
+
+namespace gemma4::cuda {
+
+class CudaBackend final : public engine::Backend {
+ public:
+  // Use make_cuda_backend: it checks the device first.
+  explicit CudaBackend(int device);
+  ~CudaBackend() override;
+  CudaBackend(const CudaBackend&) = delete;
+  CudaBackend& operator=(const CudaBackend&) = delete;
+
+  const char* name() const override { return "cuda"; }
+  bool reads_host_memory() const override { return false; }
+  Status status() const override { return status_; }
+
+  engine::Buffer allocate(size_t bytes) override;
+  void upload(void* dst, const void* src, size_t bytes) override;
+  // Waits for everything enqueued before it.
+  void download(void* dst, const void* src, size_t bytes) override;
+
+  void embed(const quant::QMatrix& table, const int32_t* ids, float scale,
+             engine::Rows out) override;
+  void matmul(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
+  void rms_norm(engine::Rows x, const float* weight, float weight_offset, float eps,
+                engine::Rows y) override;
+  void rope(engine::Rows x, int head_dim, const int32_t* positions,
+            const model::RopeParams& rope) override;
+  void gelu_tanh_mul(engine::Rows gate, engine::Rows multiplier, engine::Rows out) override;
+  void add(engine::Rows acc, engine::Rows x) override;
+  void scale(engine::Rows x, const float* column_scale, float scalar) override;
+  void softcap(engine::Rows x, float cap) override;
+  void copy(engine::Rows src, engine::Rows dst) override;
+
+  void write_kv(const engine::KvView& kv, engine::Rows k, engine::Rows v,
+                const int32_t* positions) override;
+  void forget_kv(const engine::KvView& kv, int64_t from_position) override;
+  void attention(engine::Rows q, const int32_t* positions, const engine::KvView& kv, int window,
+                 float scale, engine::Rows out) override;
+
+  void route_experts(engine::Rows logits, const engine::RouterParams& router, int32_t* expert_ids,
+                     float* weights) override;
+  void run_experts(std::span<const model::ExpertMatrices> experts, engine::Rows x,
+                   const int32_t* expert_ids, const float* weights, int top_k,
+                   engine::Rows out) override;
+
+  cudaStream_t stream() const { return stream_; }
+
+ private:
+  // Device scratch that grows on demand (synchronizing first: kernels may still read it).
+  struct Scratch {
+    void* data = nullptr;
+    size_t bytes = 0;
+  };
+  void* scratch(Scratch& s, size_t bytes);
+  // The Launch of the next operation; makes the device current for the calling thread (the
+  // engine may run on another thread than the one that created the backend).
+  Launch launch();
+  // Records the first failure (`what` names the operation).
+  void check(cudaError_t status, const char* what);
+  void fail(ErrorCode code, std::string message);
+
+  int device_ = 0;
+  cudaStream_t stream_ = nullptr;
+  Status status_;
+  Scratch attention_partials_;
+  Scratch expert_picks_, expert_rows_, expert_gates_, expert_ups_, expert_outputs_;
+  std::vector<int32_t> host_expert_ids_;
+  // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
+  std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
+};
+
+// A CudaBackend on `device`, or a clear error when there is no usable GPU.
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0);
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,699 @@
+// CudaBackend against the CPU reference backend, operation by operation on fresh random inputs
+// (odd shapes, strided rows, aliasing where the interface allows it; outputs start as NaN so an
+// element left unwritten fails), then the whole engine: CUDA logits against transformers' golden
+// fixtures and against the CPU engine on a prefill longer than the sliding window followed by
+// batched decode steps.
+#include "backend/cuda/cuda_backend.h"
+
+#include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <limits>
+#include <memory>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "cuda_test_util.h"
+#include "engine/gemma4_engine.h"
+#include "model/synth.h"
+#include "model/weights.h"
+#include "packed_matrix.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using backend::cpu::CpuBackend;
+using engine::Rows;
+using quant::ScaleType;
+using quant::WeightFormat;
+using testing::HostMatrix;
+using testing::random_matrix;
+
+constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+// What padding between strided rows holds: an operation must leave it alone.
+constexpr float kPadding = 7.25f;
+
+std::unique_ptr<engine::Backend> make_gpu() {
+  auto made = make_cuda_backend();
+  EXPECT_TRUE(made.ok()) << made.error().to_string();
+  return made.ok() ? std::move(*made) : nullptr;
+}
+
+// The same bytes on the host (for the CPU backend) and in a CUDA backend buffer.
+class Twin {
+ public:
+  Twin(engine::Backend& gpu, std::vector<uint8_t> bytes) : gpu_(gpu), host_(std::move(bytes)) {
+    device_ = gpu.allocate(host_.size());
+    gpu.upload(device_.data(), host_.data(), host_.size());
+  }
+  template <typename T>
+  Twin(engine::Backend& gpu, const std::vector<T>& values) : Twin(gpu, testing::as_bytes(values)) {}
+
+  template <typename T>
+  T* cpu() {
+    return reinterpret_cast<T*>(host_.data());
+  }
+  template <typename T>
+  T* gpu() const {
+    return static_cast<T*>(device_.data());
+  }
+  template <typename T>
+  std::vector<T> cpu_values() const {
+    std::vector<T> out(host_.size() / sizeof(T));
+    std::memcpy(out.data(), host_.data(), host_.size());
+    return out;
+  }
+  template <typename T>
+  std::vector<T> gpu_values() const {
+    std::vector<T> out(host_.size() / sizeof(T));
+    gpu_.download(out.data(), device_.data(), host_.size());
+    return out;
+  }
+
+ private:
+  engine::Backend& gpu_;
+  std::vector<uint8_t> host_;
+  engine::Buffer device_;
+};
+
+// `count` rows of `width` floats, `stride` apart, on both sides.
+class TwinRows {
+ public:
+  TwinRows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride,
+           const std::vector<float>& values)
+      : count_(count), width_(width), stride_(stride), twin_(gpu, values) {}
+  Rows cpu() { return {twin_.cpu<float>(), count_, width_, stride_}; }
+  Rows gpu() const { return {twin_.gpu<float>(), count_, width_, stride_}; }
+  std::vector<float> cpu_values() const { return twin_.cpu_values<float>(); }
+  std::vector<float> gpu_values() const { return twin_.gpu_values<float>(); }
+
+ private:
+  int64_t count_, width_, stride_;
+  Twin twin_;
+};
+
+TwinRows random_rows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride,
+                     uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  auto values = testing::random_floats(count * stride, lo, hi, seed);
+  for (int64_t i = 0; i < count * stride; ++i)
+    if (i % stride >= width) values[i] = kPadding;
+  return TwinRows(gpu, count, width, stride, values);
+}
+
+// An output: NaN where the operation writes, kPadding between rows.
+TwinRows output_rows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride) {
+  std::vector<float> values(count * stride);
+  for (int64_t i = 0; i < count * stride; ++i) values[i] = i % stride < width ? kNaN : kPadding;
+  return TwinRows(gpu, count, width, stride, values);
+}
+
+// Every element (padding included) finite and within tolerance · (1 + |reference|).
+void expect_same(const TwinRows& rows, double tolerance, const char* what) {
+  const std::vector<float> expected = rows.cpu_values();
+  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) magnitude[i] = 1.0 + std::fabs(reference[i]);
+  testing::expect_close(rows.gpu_values(), reference, magnitude, tolerance, what);
+}
+
+// A packed matrix on the host and in CUDA backend buffers.
+struct TwinMatrix {
+  TwinMatrix(engine::Backend& gpu, HostMatrix matrix)
+      : host(std::move(matrix)),
+        data(gpu, host.data),
+        scales(gpu, host.scales.empty() ? std::vector<uint8_t>(1) : host.scales) {
+    cpu = host.view();
+    device = cpu;
+    device.data = data.gpu<void>();
+    device.scales = host.scales.empty() ? nullptr : scales.gpu<void>();
+  }
+  HostMatrix host;
+  Twin data, scales;
+  quant::QMatrix cpu, device;
+};
+
+HostMatrix random_f32_matrix(int64_t rows, int64_t cols, uint32_t seed) {
+  HostMatrix m;
+  m.format = WeightFormat::kF32;
+  m.rows = rows;
+  m.cols = cols;
+  m.data = testing::as_bytes(testing::random_floats(rows * cols, -0.05f, 0.05f, seed));
+  return m;
+}
+
+struct MatrixCase {
+  const char* name;
+  WeightFormat format;
+  ScaleType scale_type;
+  bool nv_divisor;
+  int64_t rows, cols;
+};
+
+HostMatrix make_matrix(const MatrixCase& c, uint32_t seed) {
+  return c.format == WeightFormat::kF32
+             ? random_f32_matrix(c.rows, c.cols, seed)
+             : random_matrix(c.format, c.rows, c.cols, seed, c.scale_type, c.nv_divisor);
+}
+
+const MatrixCase kTables[] = {
+    {"f32", WeightFormat::kF32, ScaleType::kBF16, false, 37, 72},
+    {"bf16", WeightFormat::kBF16, ScaleType::kBF16, false, 37, 64},
+    {"w4g32_bf16", WeightFormat::kW4G32, ScaleType::kBF16, false, 37, 96},
+    {"w4g32_f16", WeightFormat::kW4G32, ScaleType::kF16, false, 37, 64},
+    {"w4g32_f32", WeightFormat::kW4G32, ScaleType::kF32, false, 37, 32},
+    {"nvfp4_divisor", WeightFormat::kNVFP4, ScaleType::kBF16, true, 37, 48},
+    {"nvfp4_multiplier", WeightFormat::kNVFP4, ScaleType::kBF16, false, 37, 64},
+};
+
+TEST(CudaBackend, EmbedEveryTableFormatExactly) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  uint32_t seed = 1;
+  for (const MatrixCase& c : kTables) {
+    TwinMatrix table(*gpu, make_matrix(c, seed++));
+    const std::vector<int32_t> ids = {5, 0, 36, 17, 5};
+    Twin id_twin(*gpu, ids);
+    TwinRows out = output_rows(*gpu, std::ssize(ids), c.cols, c.cols + 3);
+    cpu.embed(table.cpu, id_twin.cpu<int32_t>(), 1.75f, out.cpu());
+    gpu->embed(table.device, id_twin.gpu<int32_t>(), 1.75f, out.gpu());
+    expect_same(out, 0.0, c.name);  // the same fp32 products: bit-identical
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+struct MatmulCase {
+  MatrixCase matrix;
+  int64_t tokens, x_stride, y_stride;
+};
+
+TEST(CudaBackend, MatmulEveryFormatShapeAndStride) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  const MatmulCase cases[] = {
+      {{"bf16 decode", WeightFormat::kBF16, ScaleType::kBF16, false, 40, 64}, 1, 64, 40},
+      {{"w4g32 strided", WeightFormat::kW4G32, ScaleType::kBF16, false, 72, 128}, 5, 132, 75},
+      {{"w4g32 f16 two slices", WeightFormat::kW4G32, ScaleType::kF16, false, 64, 96}, 100, 96, 64},
+      {{"w4g32 f32 64 rows", WeightFormat::kW4G32, ScaleType::kF32, false, 33, 32}, 64, 32, 33},
+      {{"nvfp4 divisor", WeightFormat::kNVFP4, ScaleType::kBF16, true, 48, 64}, 3, 64, 48},
+      {{"nvfp4 K % 32 != 0", WeightFormat::kNVFP4, ScaleType::kBF16, false, 48, 48}, 2, 48, 48},
+      {{"f32 generic", WeightFormat::kF32, ScaleType::kBF16, false, 20, 50}, 7, 53, 21},
+      {{"bf16 unaligned rows", WeightFormat::kBF16, ScaleType::kBF16, false, 16, 64}, 3, 67, 16},
+      {{"w4g32 prefill 130", WeightFormat::kW4G32, ScaleType::kBF16, false, 96, 256}, 130, 256, 96},
+  };
+  uint32_t seed = 100;
+  for (const MatmulCase& c : cases) {
+    SCOPED_TRACE(c.matrix.name);
+    TwinMatrix w(*gpu, make_matrix(c.matrix, seed++));
+    TwinRows x = random_rows(*gpu, c.tokens, c.matrix.cols, c.x_stride, seed++);
+    TwinRows y = output_rows(*gpu, c.tokens, c.matrix.rows, c.y_stride);
+    cpu.matmul(w.cpu, x.cpu(), y.cpu());
+    gpu->matmul(w.device, x.gpu(), y.gpu());
+    // fp32 accumulation in another order: relative to Σ|x·w| (far below bf16's 2^-8).
+    const std::vector<float> xs = x.cpu_values(), expected = y.cpu_values();
+    std::vector<double> reference(expected.begin(), expected.end());
+    std::vector<double> magnitude(expected.size(), 1.0);
+    std::vector<float> row(c.matrix.cols);
+    for (int64_t n = 0; n < c.matrix.rows; ++n) {
+      quant::dequantize_row(w.cpu, n, row.data());
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        double sum = 0.0;
+        for (int64_t k = 0; k < c.matrix.cols; ++k)
+          sum += std::fabs(double{row[k]} * xs[t * c.x_stride + k]);
+        magnitude[t * c.y_stride + n] = sum + 1e-6;
+      }
+    }
+    testing::expect_close(y.gpu_values(), reference, magnitude, 1e-4, c.matrix.name);
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+TEST(CudaBackend, RmsNormWeightedPlainAliasedAndPerHead) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  Twin weight(*gpu, testing::random_floats(100, -0.5f, 1.5f, 1));
+  for (float offset : {0.0f, 1.0f}) {
+    TwinRows x = random_rows(*gpu, 3, 100, 104, 2, -3.0f, 3.0f);
+    TwinRows y = output_rows(*gpu, 3, 100, 101);
+    cpu.rms_norm(x.cpu(), weight.cpu<float>(), offset, 1e-6f, y.cpu());
+    gpu->rms_norm(x.gpu(), weight.gpu<float>(), offset, 1e-6f, y.gpu());
+    expect_same(y, 1e-5, "rms_norm weighted");
+  }
+  TwinRows y = output_rows(*gpu, 3, 100, 100);
+  TwinRows x = random_rows(*gpu, 3, 100, 100, 3);
+  cpu.rms_norm(x.cpu(), nullptr, 0.0f, 1e-6f, y.cpu());
+  gpu->rms_norm(x.gpu(), nullptr, 0.0f, 1e-6f, y.gpu());
+  expect_same(y, 1e-5, "rms_norm without weight");
+  // In place, per head of 32 (a [2, 4·32] matrix as 8 rows).
+  TwinRows heads = random_rows(*gpu, 2, 128, 128, 4);
+  cpu.rms_norm(heads.cpu().heads(32), weight.cpu<float>(), 0.0f, 1e-6f, heads.cpu().heads(32));
+  gpu->rms_norm(heads.gpu().heads(32), weight.gpu<float>(), 0.0f, 1e-6f, heads.gpu().heads(32));
+  expect_same(heads, 1e-5, "rms_norm per head, in place");
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+TEST(CudaBackend, RopeDefaultAndProportionalAtLargePositions) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  Twin positions(*gpu, std::vector<int32_t>{0, 1, 777, 40000});
+  const model::RopeParams kinds[] = {{10000.0, 16, 32}, {1000000.0, 4, 64}};
+  uint32_t seed = 10;
+  for (const model::RopeParams& rope : kinds) {
+    TwinRows x = random_rows(*gpu, 4, 3 * 32, 100, seed++);
+    cpu.rope(x.cpu(), 32, positions.cpu<int32_t>(), rope);
+    gpu->rope(x.gpu(), 32, positions.gpu<int32_t>(), rope);
+    // Same fp32 angles (shared inv_freq); sin/cos within a few ulp.
+    expect_same(x, 1e-5, "rope");
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+TEST(CudaBackend, GeluAddScaleSoftcapCopy) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  {
+    TwinRows gate = random_rows(*gpu, 5, 300, 301, 1, -4.0f, 4.0f);
+    TwinRows multiplier = random_rows(*gpu, 5, 300, 304, 2);
+    TwinRows out = output_rows(*gpu, 5, 300, 300);
+    cpu.gelu_tanh_mul(gate.cpu(), multiplier.cpu(), out.cpu());
+    gpu->gelu_tanh_mul(gate.gpu(), multiplier.gpu(), out.gpu());
+    expect_same(out, 1e-6, "gelu_tanh_mul");
+    cpu.gelu_tanh_mul(gate.cpu(), multiplier.cpu(), gate.cpu());  // out aliases gate
+    gpu->gelu_tanh_mul(gate.gpu(), multiplier.gpu(), gate.gpu());
+    expect_same(gate, 1e-6, "gelu_tanh_mul into gate");
+    cpu.gelu_tanh_mul(out.cpu(), multiplier.cpu(), multiplier.cpu());  // out aliases multiplier
+    gpu->gelu_tanh_mul(out.gpu(), multiplier.gpu(), multiplier.gpu());
+    expect_same(multiplier, 1e-6, "gelu_tanh_mul into multiplier");
+  }
+  TwinRows acc = random_rows(*gpu, 3, 70, 75, 3);
+  TwinRows x = random_rows(*gpu, 3, 70, 71, 4);
+  cpu.add(acc.cpu(), x.cpu());
+  gpu->add(acc.gpu(), x.gpu());
+  expect_same(acc, 0.0, "add");
+  Twin column_scale(*gpu, testing::random_floats(70, -2.0f, 2.0f, 5));
+  cpu.scale(acc.cpu(), column_scale.cpu<float>(), 0.125f);
+  gpu->scale(acc.gpu(), column_scale.gpu<float>(), 0.125f);
+  expect_same(acc, 0.0, "scale by column and scalar");
+  cpu.scale(acc.cpu(), nullptr, 3.0f);
+  gpu->scale(acc.gpu(), nullptr, 3.0f);
+  expect_same(acc, 0.0, "scale by scalar");
+  TwinRows logits = random_rows(*gpu, 2, 1000, 1003, 6, -80.0f, 80.0f);
+  cpu.softcap(logits.cpu(), 30.0f);
+  gpu->softcap(logits.gpu(), 30.0f);
+  expect_same(logits, 1e-6, "softcap");
+  TwinRows copied = output_rows(*gpu, 3, 70, 72);
+  cpu.copy(x.cpu(), copied.cpu());
+  gpu->copy(x.gpu(), copied.gpu());
+  expect_same(copied, 0.0, "copy");
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// One layer's KV of one sequence on both sides.
+struct TwinKv {
+  TwinKv(engine::Backend& gpu, int64_t slots, int kv_heads, int head_dim)
+      : keys(gpu, std::vector<float>(slots * kv_heads * head_dim)),
+        values(gpu, std::vector<float>(slots * kv_heads * head_dim)),
+        positions(gpu, std::vector<int32_t>(slots)),
+        slots(slots),
+        kv_heads(kv_heads),
+        head_dim(head_dim) {}
+  engine::KvView cpu() {
+    return {keys.cpu<float>(), values.cpu<float>(), positions.cpu<int32_t>(), slots, kv_heads,
+            head_dim};
+  }
+  engine::KvView gpu() const {
+    return {keys.gpu<float>(), values.gpu<float>(), positions.gpu<int32_t>(), slots, kv_heads,
+            head_dim};
+  }
+  Twin keys, values, positions;
+  int64_t slots;
+  int kv_heads, head_dim;
+};
+
+struct AttentionCase {
+  const char* name;
+  int head_dim, q_heads, kv_heads;
+  int64_t slots;
+  int window;
+  int64_t length;  // positions 0..length-1 are written
+  int64_t chunk;   // queries at the last `chunk` positions
+};
+
+class CudaAttention : public ::testing::TestWithParam<AttentionCase> {};
+
+TEST_P(CudaAttention, KvStoreForgetAndAttentionMatchTheReference) {
+  const AttentionCase& c = GetParam();
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  TwinKv kv(*gpu, c.slots, c.kv_heads, c.head_dim);
+  cpu.forget_kv(kv.cpu(), 0);
+  gpu->forget_kv(kv.gpu(), 0);
+  const int64_t kv_width = int64_t{c.kv_heads} * c.head_dim;
+  // Written in passes of at most `slots` tokens (as the engine does), the ring wrapping.
+  const int64_t pass = std::min<int64_t>(c.slots, 13);
+  uint32_t seed = 1;
+  for (int64_t first = 0; first < c.length; first += pass) {
+    const int64_t n = std::min(pass, c.length - first);
+    TwinRows k = random_rows(*gpu, n, kv_width, kv_width + 4, seed++);
+    TwinRows v = random_rows(*gpu, n, kv_width, kv_width, seed++);
+    std::vector<int32_t> written(n);
+    std::iota(written.begin(), written.end(), static_cast<int32_t>(first));
+    Twin positions(*gpu, written);
+    cpu.write_kv(kv.cpu(), k.cpu(), v.cpu(), positions.cpu<int32_t>());
+    gpu->write_kv(kv.gpu(), k.gpu(), v.gpu(), positions.gpu<int32_t>());
+  }
+  EXPECT_EQ(kv.keys.gpu_values<float>(), kv.keys.cpu_values<float>());
+  EXPECT_EQ(kv.values.gpu_values<float>(), kv.values.cpu_values<float>());
+  EXPECT_EQ(kv.positions.gpu_values<int32_t>(), kv.positions.cpu_values<int32_t>());
+
+  const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
+  auto attend = [&](int64_t first_position, int64_t count, const char* what) {
+    const int64_t q_width = int64_t{c.q_heads} * c.head_dim;
+    TwinRows q = random_rows(*gpu, count, q_width, q_width, seed++, -2.0f, 2.0f);
+    TwinRows out = output_rows(*gpu, count, q_width, q_width + 8);
+    std::vector<int32_t> query_positions(count);
+    std::iota(query_positions.begin(), query_positions.end(), static_cast<int32_t>(first_position));
+    Twin positions(*gpu, query_positions);
+    cpu.attention(q.cpu(), positions.cpu<int32_t>(), kv.cpu(), c.window, scale, out.cpu());
+    gpu->attention(q.gpu(), positions.gpu<int32_t>(), kv.gpu(), c.window, scale, out.gpu());
+    expect_same(out, 2e-5, what);
+  };
+  attend(c.length - c.chunk, c.chunk, "attention chunk");
+  attend(c.length - 1, 1, "attention decode");
+  // Roll back three tokens: their slots empty; the next query sees the earlier ones only.
+  cpu.forget_kv(kv.cpu(), c.length - 3);
+  gpu->forget_kv(kv.gpu(), c.length - 3);
+  EXPECT_EQ(kv.positions.gpu_values<int32_t>(), kv.positions.cpu_values<int32_t>());
+  attend(c.length - 3, 1, "attention after forget_kv");
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, CudaAttention,
+                         ::testing::Values(
+                             // name, head_dim, q heads, kv heads, slots, window, length, chunk
+                             AttentionCase{"hd32_sliding_ring", 32, 4, 2, 12, 8, 40, 5},
+                             AttentionCase{"hd64_full", 64, 4, 2, 128, 0, 70, 9},
+                             AttentionCase{"hd256_full_splits", 256, 8, 1, 700, 0, 600, 7},
+                             AttentionCase{"hd256_sliding_ring", 256, 8, 2, 20, 16, 45, 4},
+                             AttentionCase{"hd512_full_gqa4", 512, 8, 2, 64, 0, 50, 3}),
+                         [](const auto& info) { return std::string(info.param.name); });
+
+TEST(CudaBackend, RouterMatchesTheReferenceIncludingTies) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  struct Case {
+    int64_t tokens, experts;
+    int top_k;
+  };
+  for (const Case& c : {Case{5, 8, 2}, Case{3, 128, 8}}) {
+    auto logits = testing::random_floats(c.tokens * c.experts, -3.0f, 3.0f, 1);
+    std::fill(logits.begin(), logits.begin() + c.experts, 0.5f);  // every expert tied
+    logits[c.experts + 3] = logits[c.experts + 6] = 10.0f;        // two tied maxima
+    TwinRows rows(*gpu, c.tokens, c.experts, c.experts, logits);
+    Twin expert_scale(*gpu, testing::random_floats(c.experts, 0.5f, 2.0f, 2));
+    Twin ids(*gpu, std::vector<int32_t>(c.tokens * c.top_k, -1));
+    TwinRows weights = output_rows(*gpu, c.tokens, c.top_k, c.top_k);
+    const engine::RouterParams cpu_router = {c.top_k, expert_scale.cpu<float>()};
+    const engine::RouterParams gpu_router = {c.top_k, expert_scale.gpu<float>()};
+    cpu.route_experts(rows.cpu(), cpu_router, ids.cpu<int32_t>(), weights.cpu().data);
+    gpu->route_experts(rows.gpu(), gpu_router, ids.gpu<int32_t>(), weights.gpu().data);
+    EXPECT_EQ(ids.gpu_values<int32_t>(), ids.cpu_values<int32_t>());
+    expect_same(weights, 1e-6, "router weights");
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+TEST(CudaBackend, ExpertsMatchTheReference) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  constexpr int kExperts = 8, kTopK = 2;
+  constexpr int64_t kHidden = 64, kInner = 32;
+  for (WeightFormat format : {WeightFormat::kBF16, WeightFormat::kW4G32}) {
+    std::vector<TwinMatrix> matrices;
+    matrices.reserve(3 * kExperts);
+    std::vector<model::ExpertMatrices> cpu_experts, gpu_experts;
+    for (int e = 0; e < kExperts; ++e) {
+      for (auto [rows, cols] :
+           {std::pair{kInner, kHidden}, std::pair{kInner, kHidden}, std::pair{kHidden, kInner}}) {
+        matrices.emplace_back(*gpu, random_matrix(format, rows, cols, 50 + matrices.size()));
+      }
+      const auto& m = matrices;
+      const size_t i = m.size() - 3;
+      cpu_experts.push_back({m[i].cpu, m[i + 1].cpu, m[i + 2].cpu});
+      gpu_experts.push_back({m[i].device, m[i + 1].device, m[i + 2].device});
+    }
+    for (int64_t tokens : {1, 6, 70}) {
+      SCOPED_TRACE(tokens);
+      // Two distinct experts per token, some never chosen.
+      std::vector<int32_t> ids(tokens * kTopK);
+      for (int64_t t = 0; t < tokens; ++t) {
+        ids[t * kTopK] = static_cast<int32_t>((t * 5) % 6);
+        ids[t * kTopK + 1] = static_cast<int32_t>((t * 5 + 1 + t % 3) % 6);
+      }
+      Twin id_twin(*gpu, ids);
+      Twin weights(*gpu, testing::random_floats(tokens * kTopK, 0.1f, 1.0f, 7));
+      TwinRows x = random_rows(*gpu, tokens, kHidden, kHidden + 4, 8);
+      TwinRows out = output_rows(*gpu, tokens, kHidden, kHidden + 1);
+      cpu.run_experts(cpu_experts, x.cpu(), id_twin.cpu<int32_t>(), weights.cpu<float>(), kTopK,
+                      out.cpu());
+      gpu->run_experts(gpu_experts, x.gpu(), id_twin.gpu<int32_t>(), weights.gpu<float>(), kTopK,
+                       out.gpu());
+      expect_same(out, 1e-4, "run_experts");
+    }
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// ---- The whole engine ----
+
+// The test binary is built here and run on the GPU machine from a copy of the repository root:
+// the compile-time source path may not exist there.
+std::filesystem::path source_dir() {
+  const std::filesystem::path built_in = GEMMA4_SOURCE_DIR;
+  return std::filesystem::exists(built_in / "tests/data/golden") ? built_in
+                                                                 : std::filesystem::current_path();
+}
+
+// A fresh folder for one synthesized checkpoint (the build tree may not exist either).
+std::filesystem::path scratch_dir(const std::string& name) {
+  const auto dir = std::filesystem::temp_directory_path() / "gemma4-cuda-test" / name;
+  std::filesystem::remove_all(dir);
+  std::filesystem::create_directories(dir);
+  return dir;
+}
+
+// Removes a synthesized checkpoint (about 120 MB: the real vocabulary) when the test ends.
+struct RemoveOnExit {
+  std::filesystem::path path;
+  ~RemoveOnExit() { std::filesystem::remove_all(path); }
+};
+
+model::LoadedModel synthesize(const std::string& config, uint64_t seed, model::SynthFormat format,
+                              model::SynthGrid grid, const std::filesystem::path& output) {
+  model::SynthOptions synth;
+  synth.config = config;
+  synth.seed = seed;
+  synth.format = format;
+  synth.grid = grid;
+  synth.output = output;
+  EXPECT_TRUE(model::synthesize_checkpoint(synth).ok());
+  auto loaded = model::LoadedModel::open(synth.output);
+  EXPECT_TRUE(loaded.ok()) << loaded.error().to_string();
+  if (!loaded.ok()) return {};
+  return std::move(*loaded);
+}
+
+std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m,
+                                                  const engine::EngineOptions& options) {
+  auto backend = make_cuda_backend();
+  EXPECT_TRUE(backend.ok()) << backend.error().to_string();
+  if (!backend.ok()) return nullptr;
+  auto engine = engine::Gemma4Engine::create(m.config, m.weights, std::move(*backend), options);
+  EXPECT_TRUE(engine.ok()) << engine.error().to_string();
+  return engine.ok() ? std::move(*engine) : nullptr;
+}
+
+int32_t argmax(const std::vector<float>& logits) {
+  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
+}
+
+double logsumexp(const std::vector<float>& logits) {
+  const double max = *std::max_element(logits.begin(), logits.end());
+  double sum = 0.0;
+  for (float l : logits) sum += std::exp(l - max);
+  return max + std::log(sum);
+}
+
+struct GoldenCase {
+  std::string fixture;  // tests/data/golden/<fixture>.json (config, seed, grid)
+  model::SynthFormat format;
+};
+
+class CudaGolden : public ::testing::TestWithParam<GoldenCase> {};
+
+// As tests/model/golden_test.cpp does for the CPU engine, with the same tolerance: both engines
+// compute in fp32, so the CUDA one must stay as close to transformers' fp32 logits.
+TEST_P(CudaGolden, MatchesTransformers) {
+  constexpr double kTolerance = 1e-3;
+  const GoldenCase& c = GetParam();
+  std::ifstream file(source_dir() / "tests/data/golden" / (c.fixture + ".json"));
+  ASSERT_TRUE(file.good()) << c.fixture;
+  const auto fixture = nlohmann::json::parse(file);
+  const auto prompt = fixture["prompt"].get<std::vector<int32_t>>();
+  const auto greedy = fixture["greedy"].get<std::vector<int32_t>>();
+  const auto grid = model::parse_synth_grid(fixture.value("grid", "none"));
+  ASSERT_TRUE(grid.ok());
+  const auto dir = scratch_dir("cuda_golden_" + c.fixture);
+  const RemoveOnExit cleanup{dir};
+  const model::LoadedModel m = synthesize(fixture["config"].get<std::string>(),
+                                          fixture["seed"].get<uint64_t>(), c.format, *grid, dir);
+  engine::EngineOptions options;
+  options.max_sequences = 2;
+  options.max_context = 256;
+  options.ring_history = 4;
+  auto engine = cuda_engine(m, options);
+  ASSERT_TRUE(engine);
+  std::vector<float> logits(engine->vocab_size());
+
+  // Token by token over prompt + greedy[:-1]: logits at every position.
+  std::vector<int32_t> tokens = prompt;
+  tokens.insert(tokens.end(), greedy.begin(), greedy.end() - 1);
+  auto sequence = engine->open_sequence();
+  ASSERT_TRUE(sequence.ok());
+  const auto stride = fixture["vocab_stride"].get<int64_t>();
+  double max_delta = 0.0;
+  for (size_t pos = 0; pos < tokens.size(); ++pos) {
+    const engine::StepInput input{*sequence, std::span<const int32_t>(&tokens[pos], 1)};
+    ASSERT_TRUE(engine->step({&input, 1}, logits).ok());
+    const auto& expected = fixture["positions"][pos];
+    const auto ids = expected["ids"].get<std::vector<int32_t>>();
+    const auto values = expected["logits"].get<std::vector<double>>();
+    for (size_t i = 0; i < ids.size(); ++i) {
+      max_delta = std::max(max_delta, std::abs(logits[ids[i]] - values[i]));
+      EXPECT_NEAR(logits[ids[i]], values[i], kTolerance) << "position " << pos;
+    }
+    EXPECT_NEAR(logsumexp(logits), expected["logsumexp"].get<double>(), kTolerance) << pos;
+    for (const auto& sampled : fixture["sampled"]) {
+      if (sampled["position"].get<size_t>() != pos) continue;
+      const auto row = sampled["logits"].get<std::vector<double>>();
+      for (size_t i = 0; i < row.size(); ++i) {
+        max_delta = std::max(max_delta, std::abs(logits[i * stride] - row[i]));
+        EXPECT_NEAR(logits[i * stride], row[i], kTolerance) << "position " << pos;
+      }
+    }
+  }
+  engine->close_sequence(*sequence);
+  std::printf("[ cuda golden ] %s: max |delta logit| %.3g over %zu positions\n", c.fixture.c_str(),
+              max_delta, tokens.size());
+
+  // The prompt in one step (chunked prefill), then greedy decode on our own argmax.
+  sequence = engine->open_sequence();
+  ASSERT_TRUE(sequence.ok());
+  std::vector<int32_t> generated;
+  std::vector<int32_t> next = prompt;
+  while (generated.size() < greedy.size()) {
+    const engine::StepInput input{*sequence, next};
+    ASSERT_TRUE(engine->step({&input, 1}, logits).ok());
+    generated.push_back(argmax(logits));
+    next.assign(1, generated.back());
+  }
+  EXPECT_EQ(generated, greedy);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,
+                         ::testing::Values(GoldenCase{"tiny", model::SynthFormat::kBF16},
+                                           GoldenCase{"tiny_moe", model::SynthFormat::kBF16},
+                                           GoldenCase{"tiny_w4g32", model::SynthFormat::kW4A16},
+                                           GoldenCase{"tiny_nvfp4", model::SynthFormat::kNVFP4},
+                                           GoldenCase{"tiny_moe_w4g32",
+                                                      model::SynthFormat::kW4A16}),
+                         [](const auto& info) { return info.param.fixture; });
+
+std::vector<int32_t> prompt_ids(int n, int salt) {
+  std::vector<int32_t> ids{2};
+  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
+  return ids;
+}
+
+class CudaVsCpuEngine : public ::testing::TestWithParam<std::string> {};
+
+// Prefill longer than the sliding window (two sequences in one step: 73 rows, so the matmuls
+// run in two 64-row slices), then batched decode steps over three sequences.
+TEST_P(CudaVsCpuEngine, LongPrefillThenBatchedDecode) {
+  const auto dir = scratch_dir("cuda_vs_cpu_" + GetParam());
+  const RemoveOnExit cleanup{dir};
+  const model::LoadedModel m =
+      synthesize(GetParam(), 7, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, dir);
+  engine::EngineOptions options;
+  options.max_sequences = 3;
+  options.max_context = 160;
+  options.ring_history = 72;  // whole prompts in one pass
+  auto gpu = cuda_engine(m, options);
+  ASSERT_TRUE(gpu);
+  auto made =
+      engine::Gemma4Engine::create(m.config, m.weights, std::make_unique<CpuBackend>(), options);
+  ASSERT_TRUE(made.ok());
+  auto& cpu = **made;
+  const int32_t vocab = cpu.vocab_size();
+
+  std::vector<engine::SequenceId> sequences;
+  for (int i = 0; i < 3; ++i) {
+    auto a = cpu.open_sequence();
+    auto b = gpu->open_sequence();
+    ASSERT_TRUE(a.ok() && b.ok());
+    ASSERT_EQ(*a, *b);
+    sequences.push_back(*a);
+  }
+  auto step_both = [&](const std::vector<std::vector<int32_t>>& tokens, const char* what) {
+    std::vector<engine::StepInput> inputs;
+    for (size_t i = 0; i < tokens.size(); ++i) inputs.push_back({sequences[i], tokens[i]});
+    std::vector<float> expected(inputs.size() * vocab), got(inputs.size() * vocab);
+    EXPECT_TRUE(cpu.step(inputs, expected).ok());
+    const Status status = gpu->step(inputs, got);
+    EXPECT_TRUE(status.ok()) << status.error().to_string();
+    double max_delta = 0.0;
+    int64_t not_finite = 0;
+    for (size_t i = 0; i < got.size(); ++i) {
+      if (!std::isfinite(got[i])) ++not_finite;
+      max_delta = std::max(max_delta, double{std::fabs(got[i] - expected[i])});
+    }
+    EXPECT_EQ(not_finite, 0) << what;
+    EXPECT_LT(max_delta, 1e-3) << what;
+    std::printf("[ cuda vs cpu ] %s: max |delta logit| %.3g\n", what, max_delta);
+    std::vector<int32_t> next;
+    for (size_t i = 0; i < inputs.size(); ++i) {
+      const std::vector<float> row(expected.begin() + i * vocab,
+                                   expected.begin() + (i + 1) * vocab);
+      const std::vector<float> gpu_row(got.begin() + i * vocab, got.begin() + (i + 1) * vocab);
+      EXPECT_EQ(argmax(gpu_row), argmax(row)) << what << " input " << i;
+      next.push_back(argmax(row));
+    }
+    return next;
+  };
+  step_both({prompt_ids(50, 1), prompt_ids(23, 2)}, "prefill 50 + 23");
+  auto next = step_both({prompt_ids(9, 3), prompt_ids(3, 4), prompt_ids(11, 5)}, "append");
+  for (int i = 0; i < 6; ++i) {
+    next = step_both({{next[0]}, {next[1]}, {next[2]}}, "batched decode");
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, CudaVsCpuEngine, ::testing::Values("tiny", "tiny-moe"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace gemma4::cuda
