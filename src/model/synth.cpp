@@ -523,6 +523,8 @@ Status synthesize_checkpoint(const SynthOptions& options) {
   if (options.format != SynthFormat::kBF16) {
     config_json["quantization_config"] = quantization_config(config, options.format);
   }
+  // Random weights: loaders (serve's log, /v1/models, the web UI) say the output is noise.
+  config_json["gemma4_synthetic"] = true;
 
   std::error_code error;
   std::filesystem::create_directories(options.output, error);

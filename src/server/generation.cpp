@@ -2,6 +2,8 @@
 
 #include <fmt/format.h>
 
+#include <limits>
+
 #include "server/stop_matcher.h"
 #include "text/detokenizer.h"
 
@@ -61,6 +63,30 @@ json timings_json(const runtime::RequestMetrics& metrics) {
           {"queue_ms", metrics.queue_ms}};
 }
 
+ToolChoiceControl tool_choice_control(const text::Tokenizer& tokenizer, ToolChoice choice,
+                                      const std::string& named_tool) {
+  ToolChoiceControl control;
+  constexpr std::string_view kCallOpener = "<|tool_call>call:";
+  switch (choice) {
+    case ToolChoice::kAuto:
+      break;
+    case ToolChoice::kRequired:
+      control.forced_output = kCallOpener;
+      break;
+    case ToolChoice::kNamed:
+      // The name passed the request's check (letters, digits, _ - .): no markup can hide in it.
+      control.forced_output = fmt::format("{}{}{{", kCallOpener, named_tool);
+      break;
+    case ToolChoice::kNone:
+      control.tool_calls_allowed = false;
+      if (const int32_t opener = tokenizer.token_to_id("<|tool_call>"); opener >= 0) {
+        control.banned_token_biases.emplace_back(opener, -std::numeric_limits<float>::infinity());
+      }
+      break;
+  }
+  return control;
+}
+
 std::variant<std::shared_ptr<GenerationJob>, ApiError> start_generation(
     std::shared_ptr<ServingModel> model, std::vector<int32_t> prompt_ids,
     GenerationSettings settings, bool chat, std::string prompt_text, std::chrono::seconds timeout) {
@@ -98,13 +124,28 @@ std::variant<std::shared_ptr<GenerationJob>, ApiError> start_generation(
 }
 
 GenerationResult drive_generation(GenerationJob& job,
-                                  const std::function<bool(const OutputDelta&)>& emit) {
+                                  const std::function<bool(const OutputDelta&)>& emit,
+                                  const std::function<bool()>& client_connected) {
   const text::Tokenizer& tokenizer = job.model->tokenizer;
   text::IncrementalDetokenizer detokenizer(tokenizer);
   StopMatcher stop_matcher(job.settings.stop);
   auto parser = text::OutputParser::for_prompt(job.prompt_text);
+  // The forced opener only starts a call: the parser cannot emit anything for it yet.
+  if (job.chat && !job.forced_output.empty()) parser.push(job.forced_output);
   bool client_gone = false;
   int tool_calls_sent = 0;
+  size_t call_segments_seen = 0;  // transcript position of the last call turned back into text
+
+  // The raw text of the parser's next complete call, for when calls are not allowed.
+  auto next_call_text = [&] {
+    const auto& transcript = parser.transcript();
+    while (call_segments_seen < transcript.size() &&
+           transcript[call_segments_seen].kind != text::SegmentKind::kToolCall) {
+      ++call_segments_seen;
+    }
+    if (call_segments_seen == transcript.size()) return std::string();
+    return transcript[call_segments_seen++].text;
+  };
 
   // Routes visible text through the parser (chat) and sends the delta.
   auto send = [&](std::string_view text, OutputDelta& delta, bool at_end, bool hit_limit) {
@@ -119,6 +160,10 @@ GenerationResult drive_generation(GenerationJob& job,
       delta.content = std::move(parsed.content);
       delta.reasoning = std::move(parsed.reasoning_content);
       for (auto& call : parsed.tool_calls) {
+        if (!job.tool_calls_allowed) {
+          delta.content += next_call_text();
+          continue;
+        }
         if (!job.parallel_tool_calls && tool_calls_sent > 0) continue;
         ++tool_calls_sent;
         delta.tool_calls.push_back(std::move(call));
@@ -132,10 +177,25 @@ GenerationResult drive_generation(GenerationJob& job,
     }
   };
 
+  constexpr std::chrono::milliseconds kConnectionCheckInterval{100};
+  auto last_connection_check = runtime::Clock::now();
+  auto check_connection = [&] {
+    const auto now = runtime::Clock::now();
+    if (!client_connected || client_gone || now - last_connection_check < kConnectionCheckInterval)
+      return;
+    last_connection_check = now;
+    if (!client_connected()) {
+      client_gone = true;
+      job.stream->cancel();
+    }
+  };
+
   GenerationResult result;
   bool stop_string_hit = false;
   while (true) {
-    auto event = job.stream->next(std::chrono::milliseconds(1000));
+    auto event = job.stream->next(client_connected ? kConnectionCheckInterval
+                                                   : std::chrono::milliseconds(1000));
+    check_connection();
     if (!event) continue;  // the scheduler always ends a request with kFinished
     if (event->kind == runtime::GenerationEvent::Kind::kToken) {
       if (stop_string_hit || client_gone) continue;
@@ -156,6 +216,7 @@ GenerationResult drive_generation(GenerationJob& job,
       if (result.error->http_status == 400) result.error->http_status = 500;  // not the client's
       return result;
     }
+    result.client_disconnected = client_gone;
     if (client_gone) return result;
     const bool hit_limit = !stop_string_hit && (event->reason == runtime::FinishReason::kLength ||
                                                 event->reason == runtime::FinishReason::kDeadline);
@@ -165,6 +226,8 @@ GenerationResult drive_generation(GenerationJob& job,
     send(tail, delta, true, hit_limit);
     if (job.chat) {
       result.finish_reason = parser.message().finish_reason;
+      if (!job.tool_calls_allowed && result.finish_reason == "tool_calls")
+        result.finish_reason = "stop";
     } else {
       result.finish_reason = hit_limit ? "length" : "stop";
     }

@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <random>
 
+#include "server/connection_probe.h"
 #include "server/generation.h"
 #include "server/openai_request.h"
 #include "server/web_ui.h"
@@ -105,6 +106,14 @@ struct HttpServer::Routes {
   HttpServer& self;
 
   ModelNames names(const ServingModel& model) const { return {model.id, self.options_.alias}; }
+
+  // For answers sent whole at the end: asks the request's socket whether the client is still
+  // there (a stream finds out from its failing writes instead).
+  static std::function<bool()> connected(const httplib::Request& req) {
+    auto probe = ConnectionProbe::find(req.remote_addr, req.remote_port, req.local_port);
+    if (!probe.found()) return {};
+    return [probe] { return !probe.peer_closed(); };
+  }
 
   // The model, or an answer saying why there is none yet.
   std::shared_ptr<ServingModel> require_model(httplib::Response& res) const {
@@ -215,6 +224,15 @@ struct HttpServer::Routes {
     if (!prompt.ok()) return send_error(res, invalid_request(prompt.error().message, "messages"));
     // Control tokens come only from the template: caller text that looks like one stays text.
     std::vector<int32_t> ids = model->tokenizer.encode_protected(prompt->text, prompt->untrusted);
+    ToolChoiceControl tool_control =
+        tool_choice_control(model->tokenizer, request.tool_choice, request.named_tool);
+    if (!tool_control.forced_output.empty()) {
+      const auto forced = model->tokenizer.encode(tool_control.forced_output, true);
+      ids.insert(ids.end(), forced.begin(), forced.end());
+    }
+    auto& bias = request.settings.sampling.logit_bias;
+    bias.insert(bias.end(), tool_control.banned_token_biases.begin(),
+                tool_control.banned_token_biases.end());
     const bool stream = request.settings.stream;
     const bool include_usage = request.settings.include_usage;
     const bool logprobs = request.settings.logprobs;
@@ -223,14 +241,16 @@ struct HttpServer::Routes {
     if (auto* error = std::get_if<ApiError>(&started)) return send_error(res, *error);
     auto job = std::get<std::shared_ptr<GenerationJob>>(started);
     job->parallel_tool_calls = request.parallel_tool_calls;
+    job->forced_output = std::move(tool_control.forced_output);
+    job->tool_calls_allowed = tool_control.tool_calls_allowed;
     const std::string id = random_id("chatcmpl-");
     const int64_t created = unix_seconds();
 
     if (!stream) {
       ChatAccumulator answer;
-      GenerationResult result =
-          drive_generation(*job, [&](const OutputDelta& delta) { return answer.add(delta); });
-      self.metrics_.record_generation(result.metrics);
+      GenerationResult result = drive_generation(
+          *job, [&](const OutputDelta& delta) { return answer.add(delta); }, connected(req));
+      self.metrics_.record_generation(result.metrics, result.client_disconnected);
       if (result.error) return send_error(res, *result.error);
       json message = {
           {"role", "assistant"},
@@ -296,7 +316,7 @@ struct HttpServer::Routes {
               return write(sse(chunk(delta, nullptr, out.logprobs)));
             });
           }
-          self.metrics_.record_generation(result.metrics);
+          self.metrics_.record_generation(result.metrics, result.client_disconnected);
           if (result.error) {
             write(sse_error(*result.error));
           } else if (!result.finish_reason.empty()) {
@@ -359,12 +379,15 @@ struct HttpServer::Routes {
     if (!stream) {
       std::string text = echo;
       json entries = json::array();
-      GenerationResult result = drive_generation(*job, [&](const OutputDelta& delta) {
-        text += delta.content;
-        for (const auto& entry : delta.logprobs) entries.push_back(entry);
-        return true;
-      });
-      self.metrics_.record_generation(result.metrics);
+      GenerationResult result = drive_generation(
+          *job,
+          [&](const OutputDelta& delta) {
+            text += delta.content;
+            for (const auto& entry : delta.logprobs) entries.push_back(entry);
+            return true;
+          },
+          connected(req));
+      self.metrics_.record_generation(result.metrics, result.client_disconnected);
       if (result.error) return send_error(res, *result.error);
       json choice = {{"index", 0},
                      {"text", text},
@@ -398,7 +421,7 @@ struct HttpServer::Routes {
             offset += delta.content.size();
             return alive;
           });
-          self.metrics_.record_generation(result.metrics);
+          self.metrics_.record_generation(result.metrics, result.client_disconnected);
           if (result.error) {
             write(sse_error(*result.error));
           } else if (!result.finish_reason.empty()) {

@@ -21,8 +21,9 @@ void Histogram::render(std::string& out, const std::string& name, const std::str
                      sum_, name, count_);
 }
 
-void Metrics::record_generation(const runtime::RequestMetrics& metrics) {
+void Metrics::record_generation(const runtime::RequestMetrics& metrics, bool client_disconnected) {
   std::lock_guard lock(mutex_);
+  if (client_disconnected) ++requests_disconnected_;
   prompt_tokens_ += static_cast<uint64_t>(metrics.prompt_tokens);
   cached_prompt_tokens_ += static_cast<uint64_t>(metrics.cached_tokens);
   generated_tokens_ += static_cast<uint64_t>(metrics.completion_tokens);
@@ -66,6 +67,8 @@ std::string Metrics::render(const runtime::SchedulerStats* stats) const {
     out += fmt::format("gemma4_requests_total{{outcome=\"server_error\"}} {}\n",
                        requests_server_error_);
     out += fmt::format("gemma4_requests_total{{outcome=\"rejected\"}} {}\n", requests_rejected_);
+    counter("gemma4_requests_disconnected_total",
+            "Generations cancelled because the client went away.", requests_disconnected_);
     counter("gemma4_prompt_tokens_total", "Prompt tokens of finished requests.", prompt_tokens_);
     counter("gemma4_prompt_tokens_cached_total", "Prompt tokens served from the prefix cache.",
             cached_prompt_tokens_);

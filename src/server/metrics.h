@@ -27,8 +27,9 @@ class Histogram {
 
 class Metrics {
  public:
-  // One finished generation request.
-  void record_generation(const runtime::RequestMetrics& metrics);
+  // One finished generation request; `client_disconnected`: it was cancelled because its
+  // client went away.
+  void record_generation(const runtime::RequestMetrics& metrics, bool client_disconnected);
   // One HTTP request answered on an API route, by status class.
   void record_request(int http_status);
 
@@ -41,6 +42,7 @@ class Metrics {
   uint64_t requests_client_error_ = 0;
   uint64_t requests_server_error_ = 0;
   uint64_t requests_rejected_ = 0;  // 429
+  uint64_t requests_disconnected_ = 0;
   uint64_t prompt_tokens_ = 0;
   uint64_t cached_prompt_tokens_ = 0;
   uint64_t generated_tokens_ = 0;

@@ -129,7 +129,7 @@ TEST(Metrics, RendersCountersHistogramsAndGauges) {
   request.completion_tokens = 5;
   request.prompt_ms = 20;
   request.decode_ms = 40;
-  metrics.record_generation(request);
+  metrics.record_generation(request, false);
   metrics.record_request(200);
   metrics.record_request(429);
   runtime::SchedulerStats stats;
@@ -147,6 +147,10 @@ TEST(Metrics, RendersCountersHistogramsAndGauges) {
   EXPECT_NE(text.find("gemma4_requests_running 2\n"), std::string::npos);
   EXPECT_NE(text.find("gemma4_kv_cache_usage_ratio 0.25\n"), std::string::npos);
   EXPECT_EQ(metrics.render(nullptr).find("gemma4_requests_running"), std::string::npos);
+  EXPECT_NE(text.find("gemma4_requests_disconnected_total 0\n"), std::string::npos);
+  metrics.record_generation(request, true);
+  EXPECT_NE(metrics.render(nullptr).find("gemma4_requests_disconnected_total 1\n"),
+            std::string::npos);
 }
 
 }  // namespace
