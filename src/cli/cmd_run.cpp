@@ -1,20 +1,20 @@
 // gemma4 run -m DIR --prompt-ids 2,100,200 -n 16 [--temperature T --seed S ...]: generates
-// from one prompt on the float32 CPU reference engine and prints the generated ids as one
+// from one prompt (on --device auto|cpu|cuda) and prints the generated ids as one
 // comma-separated line. With a text prompt (-p TEXT [--think | --raw] or --messages FILE,
-// run_prompt.h) it prints the generated text instead.
+// run_prompt.h) it prints the generated text instead. --dump-logits FILE writes the logits every
+// step returned (float32 .npy, one row per step) for comparison against a reference.
 #include <algorithm>
 #include <climits>
 #include <cstdio>
+#include <memory>
 #include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
 
-#include "backend/cpu/cpu_backend.h"
 #include "cli/command.h"
+#include "cli/model_loader.h"
 #include "cli/run_prompt.h"
-#include "engine/gemma4_engine.h"
-#include "model/weights.h"
 #include "runtime/sampler.h"
 
 namespace gemma4::cli {
@@ -40,6 +40,64 @@ Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
   return ids;
 }
 
+// A float32 .npy file of rows of `width`, written as they come. The header has a fixed size and
+// is rewritten with the final row count by finish().
+class NpyRowWriter {
+ public:
+  static Expected<NpyRowWriter> create(const std::string& path, int64_t width) {
+    std::FILE* file = std::fopen(path.c_str(), "wb");
+    if (!file) return make_error(ErrorCode::kIo, "--dump-logits: cannot create {}", path);
+    NpyRowWriter writer(file, path, width);
+    GEMMA4_RETURN_IF_ERROR(writer.write_header());
+    return writer;
+  }
+
+  Status append(std::span<const float> row) {
+    if (std::fwrite(row.data(), sizeof(float), row.size(), file_.get()) != row.size())
+      return make_error(ErrorCode::kIo, "--dump-logits: writing {} failed", path_);
+    ++rows_;
+    return Status::ok_status();
+  }
+
+  Status finish() {
+    if (std::fseek(file_.get(), 0, SEEK_SET) != 0)
+      return make_error(ErrorCode::kIo, "--dump-logits: cannot rewrite {}", path_);
+    GEMMA4_RETURN_IF_ERROR(write_header());
+    if (std::fclose(file_.release()) != 0)
+      return make_error(ErrorCode::kIo, "--dump-logits: closing {} failed", path_);
+    return Status::ok_status();
+  }
+
+ private:
+  // Magic, version 1.0, header length, header: 128 bytes in all keeps the data 64-byte aligned.
+  static constexpr size_t kHeaderBytes = 128;
+
+  NpyRowWriter(std::FILE* file, std::string path, int64_t width)
+      : file_(file, &std::fclose), path_(std::move(path)), width_(width) {}
+
+  Status write_header() {
+    std::string dict = fmt::format(
+        "{{'descr': '<f4', 'fortran_order': False, 'shape': ({}, {}), }}", rows_, width_);
+    const size_t dict_bytes = kHeaderBytes - 10;
+    dict.resize(dict_bytes - 1, ' ');
+    dict += '\n';
+    std::string header = "\x93NUMPY";
+    header += '\x01';
+    header += '\x00';
+    header += static_cast<char>(dict_bytes & 0xff);
+    header += static_cast<char>(dict_bytes >> 8);
+    header += dict;
+    if (std::fwrite(header.data(), 1, header.size(), file_.get()) != header.size())
+      return make_error(ErrorCode::kIo, "--dump-logits: writing {} failed", path_);
+    return Status::ok_status();
+  }
+
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> file_;
+  std::string path_;
+  int64_t width_ = 0;
+  int64_t rows_ = 0;
+};
+
 struct RunArgs {
   std::string model;
   TextPromptOptions text;
@@ -47,7 +105,10 @@ struct RunArgs {
   std::string prompt_ids;
   int max_tokens = 16;
   bool ignore_eos = false;
+  std::string device = "auto";
   int threads = 0;
+  int prompt_chunk = 0;
+  std::string dump_logits;
   runtime::SamplingParams sampling;
 };
 
@@ -57,42 +118,63 @@ Status run(const RunArgs& args) {
                       "give the prompt as text (-p TEXT or --messages FILE) or as --prompt-ids "
                       "2,100,...");
   if (args.max_tokens < 0) return make_error(ErrorCode::kInvalidArgument, "-n must be >= 0");
-  GEMMA4_ASSIGN_OR_RETURN(auto loaded, model::LoadedModel::open(args.model));
+  if (args.prompt_chunk < 0)
+    return make_error(ErrorCode::kInvalidArgument, "--prompt-chunk must be >= 0");
+  EngineLoadOptions load;
+  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.threads = args.threads;
+  GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
+  // The model is opened first so that a text prompt's stop ids include its eos ids; the engine
+  // is sized for the prompt afterwards.
+  GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
+  const model::ModelConfig& config = model->config;
   std::optional<TextPromptRun> text_run;
   std::vector<int32_t> prompt;
   if (args.text.given()) {
-    GEMMA4_ASSIGN_OR_RETURN(
-        text_run, TextPromptRun::open(args.model, args.text, loaded.config.eos_token_ids));
+    GEMMA4_ASSIGN_OR_RETURN(text_run, TextPromptRun::open(path, args.text, config.eos_token_ids));
     prompt = text_run->prompt_ids();
   } else {
     GEMMA4_ASSIGN_OR_RETURN(prompt, parse_ids(args.prompt_ids));
   }
-  GEMMA4_RETURN_IF_ERROR(args.sampling.validate(loaded.config.vocab_size));
+  GEMMA4_RETURN_IF_ERROR(args.sampling.validate(config.vocab_size));
 
-  engine::EngineOptions options;
-  options.max_sequences = 1;
-  options.max_context = static_cast<int64_t>(prompt.size()) + args.max_tokens;
-  GEMMA4_ASSIGN_OR_RETURN(auto engine,
-                          engine::Gemma4Engine::create(
-                              loaded.config, loaded.weights,
-                              std::make_unique<backend::cpu::CpuBackend>(args.threads), options));
-  GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine->open_sequence());
+  load.engine.max_sequences = 1;
+  load.engine.max_context = static_cast<int64_t>(prompt.size()) + args.max_tokens;
+  GEMMA4_ASSIGN_OR_RETURN(auto loaded, create_engine(path, model, load));
+  auto& engine = *loaded.engine;
+  std::optional<NpyRowWriter> dump;
+  if (!args.dump_logits.empty()) {
+    GEMMA4_ASSIGN_OR_RETURN(dump, NpyRowWriter::create(args.dump_logits, engine.vocab_size()));
+  }
+  GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
   runtime::Sampler sampler(args.sampling, prompt);
-  std::vector<float> logits(engine->vocab_size());
-  std::vector<int32_t> next = prompt;
+  std::vector<float> logits(engine.vocab_size());
+  const auto step = [&](std::span<const int32_t> tokens) -> Status {
+    const engine::StepInput input{sequence, tokens};
+    GEMMA4_RETURN_IF_ERROR(engine.step({&input, 1}, logits));
+    return dump ? dump->append(logits) : Status::ok_status();
+  };
+  // Every prompt chunk but the last only fills the cache (and the dump).
+  const size_t chunk = args.prompt_chunk > 0 ? args.prompt_chunk : prompt.size();
+  std::span<const int32_t> rest = prompt;
+  while (rest.size() > chunk) {
+    GEMMA4_RETURN_IF_ERROR(step(rest.first(chunk)));
+    rest = rest.subspan(chunk);
+  }
+  std::vector<int32_t> next(rest.begin(), rest.end());
   std::string line;
   for (int i = 0; i < args.max_tokens; ++i) {
-    const engine::StepInput input{sequence, next};
-    GEMMA4_RETURN_IF_ERROR(engine->step({&input, 1}, logits));
+    GEMMA4_RETURN_IF_ERROR(step(next));
     const int32_t token = sampler.sample(logits).id;
     line += (line.empty() ? "" : ",") + std::to_string(token);
     next.assign(1, token);
     if (text_run) text_run->print_token(token);
-    const auto& eos = loaded.config.eos_token_ids;
+    const auto& eos = config.eos_token_ids;
     const bool stop =
         text_run ? text_run->is_stop(token) : std::find(eos.begin(), eos.end(), token) != eos.end();
     if (!args.ignore_eos && stop) break;
   }
+  if (dump) GEMMA4_RETURN_IF_ERROR(dump->finish());
   if (!text_run) {
     std::printf("%s\n", line.c_str());
     return Status::ok_status();
@@ -109,8 +191,11 @@ Status run(const RunArgs& args) {
 
 void register_run(CLI::App& app, int& exit_code) {
   auto args = std::make_shared<RunArgs>();
-  auto* cmd = app.add_subcommand("run", "Generate from one prompt on the CPU reference engine");
-  cmd->add_option("-m,--model", args->model, "checkpoint directory")->required();
+  auto* cmd = app.add_subcommand("run", "Generate from one prompt");
+  cmd->add_option("-m,--model", args->model,
+                  "checkpoint directory, .gguf file or HF repo id (default: $GEMMA4_MODEL, else "
+                  "the demo model of scripts/setup)");
+  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");
   cmd->add_option("--messages", args->text.messages_file,
@@ -123,6 +208,11 @@ void register_run(CLI::App& app, int& exit_code) {
   cmd->add_option("-n,--max-tokens", args->max_tokens, "tokens to generate");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "keep generating after an end-of-sequence token");
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
+  cmd->add_option("--prompt-chunk", args->prompt_chunk,
+                  "prefill the prompt N tokens per step (0 = all at once; 1 = logits at every "
+                  "position with --dump-logits)");
+  cmd->add_option("--dump-logits", args->dump_logits,
+                  "write every step's last-token logits to FILE (float32 .npy, one row per step)");
   auto& s = args->sampling;
   cmd->add_option("--temperature", s.temperature, "0 = greedy");
   cmd->add_option("--top-k", s.top_k, "0 = off");

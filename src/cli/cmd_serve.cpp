@@ -3,19 +3,15 @@
 // first and the model loaded after, so /health and /v1/models answer during loading.
 #include <csignal>
 #include <cstdio>
-#include <fstream>
 #include <memory>
-#include <sstream>
 #include <string>
 #include <thread>
 
 #include <nlohmann/json.hpp>
 
-#include "backend/cpu/cpu_backend.h"
 #include "cli/command.h"
-#include "engine/gemma4_engine.h"
+#include "cli/model_loader.h"
 #include "io/hf_hub.h"
-#include "model/weights.h"
 #include "runtime/scripted_engine.h"
 #include "server/http_server.h"
 #include "text/output_parser.h"
@@ -33,6 +29,7 @@ struct ServeArgs {
   std::string api_key;
   std::string alias;
   std::string gpu_memory;
+  std::string device = "auto";
   int threads = 0;
   int timeout_s = 600;
   size_t max_body_mib = 16;
@@ -40,21 +37,6 @@ struct ServeArgs {
   std::string tokenizer;        // for --scripted-engine
   std::string chat_template;    // for --scripted-engine
 };
-
-Expected<std::string> read_file(const std::filesystem::path& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) return make_error(ErrorCode::kNotFound, "cannot open {}", path.string());
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
-
-Expected<text::ChatTemplate> load_chat_template(const std::filesystem::path& file) {
-  GEMMA4_ASSIGN_OR_RETURN(std::string source, read_file(file));
-  auto parsed = text::ChatTemplate::from_template_source(source);
-  if (!parsed.ok()) return parsed.error().with_context(file.string());
-  return parsed;
-}
 
 runtime::SchedulerOptions scheduler_options(const ServeArgs& args) {
   runtime::SchedulerOptions options;
@@ -71,8 +53,8 @@ Expected<std::shared_ptr<server::ServingModel>> load_scripted(const ServeArgs& a
                       "--scripted-engine needs --tokenizer and --chat-template");
   }
   GEMMA4_ASSIGN_OR_RETURN(auto tokenizer, text::Tokenizer::from_json_file(args.tokenizer));
-  GEMMA4_ASSIGN_OR_RETURN(auto chat_template, load_chat_template(args.chat_template));
-  GEMMA4_ASSIGN_OR_RETURN(std::string script_text, read_file(args.scripted_engine));
+  GEMMA4_ASSIGN_OR_RETURN(auto chat_template, chat_template_from_file(args.chat_template));
+  GEMMA4_ASSIGN_OR_RETURN(std::string script_text, read_text_file(args.scripted_engine));
   auto script = nlohmann::json::parse(script_text, nullptr, false);
   if (script.is_discarded() || !script.is_object() || !script.contains("replies") ||
       !script["replies"].is_array()) {
@@ -107,39 +89,26 @@ Expected<std::shared_ptr<server::ServingModel>> load_scripted(const ServeArgs& a
 }
 
 Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs& args) {
-  GEMMA4_ASSIGN_OR_RETURN(auto path,
-                          io::resolve_model_path(io::HubOptions::from_environment(), args.model));
-  if (path.extension() == ".gguf") {
-    return make_error(
-        ErrorCode::kUnsupported,
-        "{}: GGUF checkpoints are not supported yet; pass a Hugging Face model directory",
-        path.string());
-  }
-  auto loaded = std::make_shared<model::LoadedModel>();
-  GEMMA4_ASSIGN_OR_RETURN(*loaded, model::LoadedModel::open(path));
-  GEMMA4_ASSIGN_OR_RETURN(auto tokenizer, text::Tokenizer::from_json_file(path / "tokenizer.json"));
-  GEMMA4_ASSIGN_OR_RETURN(auto chat_template, load_chat_template(path / "chat_template.jinja"));
+  GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
+  EngineLoadOptions load;
+  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.threads = args.threads;
+  load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
+  load.engine.max_context = args.ctx_size;
+  GEMMA4_ASSIGN_OR_RETURN(auto tokenizer, load_tokenizer(path));
+  GEMMA4_ASSIGN_OR_RETURN(auto chat_template, load_chat_template(path));
+  GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, load_engine(path, load));
 
-  engine::EngineOptions options;
-  options.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
-  options.max_context = args.ctx_size;
-  GEMMA4_ASSIGN_OR_RETURN(auto engine,
-                          engine::Gemma4Engine::create(
-                              loaded->config, loaded->weights,
-                              std::make_unique<backend::cpu::CpuBackend>(args.threads), options));
   auto model = std::make_shared<server::ServingModel>(std::move(tokenizer), chat_template);
   model->id = args.alias.empty() ? args.model : args.alias;
-  model->description = fmt::format("{} (CPU reference engine)", path.string());
-  auto config_text = read_file(path / "config.json");
-  model->synthetic =
-      config_text.ok() &&
-      nlohmann::json::parse(*config_text, nullptr, false).value("gemma4_synthetic", false);
-  for (int id : loaded->config.eos_token_ids) model->stop_tokens.push_back(id);
+  model->description = loaded.description();
+  model->synthetic = loaded.synthetic;
+  for (int id : loaded.model->config.eos_token_ids) model->stop_tokens.push_back(id);
   if (model->stop_tokens.empty())
     model->stop_tokens.assign(text::kStopTokenIds.begin(), text::kStopTokenIds.end());
   model->bos_token = model->tokenizer.token_to_id("<bos>");
-  model->engine_resources = loaded;
-  model->engine = std::move(engine);
+  model->engine_resources = loaded.model;
+  model->engine = std::move(loaded.engine);
   model->scheduler = std::make_unique<runtime::Scheduler>(*model->engine, scheduler_options(args));
   return model;
 }
@@ -160,8 +129,9 @@ Status check_args(ServeArgs& args) {
     return make_error(ErrorCode::kInvalidArgument, "-c/--ctx-size must be >= 16");
   if (args.max_queue < 0)
     return make_error(ErrorCode::kInvalidArgument, "--max-queue must be >= 0");
+  if (auto device = parse_device(args.device); !device.ok()) return device.error();
   if (!args.gpu_memory.empty())
-    std::fprintf(stderr, "gemma4 serve: --gpu-memory is ignored by the CPU engine\n");
+    std::fprintf(stderr, "gemma4 serve: --gpu-memory is not used yet (no memory planner)\n");
   return Status::ok_status();
 }
 
@@ -236,6 +206,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--alias", args->alias, "model name shown to clients");
   cmd->add_option("--gpu-memory", args->gpu_memory,
                   "GPU memory budget, e.g. 24GiB (GPU engine only)");
+  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();

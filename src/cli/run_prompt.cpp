@@ -5,26 +5,14 @@
 #include <algorithm>
 #include <cstdio>
 #include <fstream>
-#include <sstream>
 
+#include "cli/model_loader.h"
 #include "text/chat_template.h"
 
 namespace gemma4::cli {
 namespace {
 
 using nlohmann::ordered_json;
-
-Expected<std::string> read_checkpoint_file(const std::filesystem::path& path,
-                                           std::string_view what) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) {
-    return make_error(ErrorCode::kNotFound, "{} not found: {} is needed for text prompts", what,
-                      path.string());
-  }
-  std::ostringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 // --messages FILE: a JSON array of chat messages, or {"messages": [...], "tools": [...]}.
 Expected<std::pair<ordered_json, ordered_json>> read_messages(const std::string& file) {
@@ -52,11 +40,8 @@ Expected<TextPromptRun> TextPromptRun::open(const std::filesystem::path& checkpo
     return make_error(ErrorCode::kInvalidArgument,
                       "--raw takes the prompt from -p and cannot be combined with --think");
 
-  GEMMA4_ASSIGN_OR_RETURN(std::string tokenizer_json,
-                          read_checkpoint_file(checkpoint / "tokenizer.json", "tokenizer"));
-  auto tokenizer = text::Tokenizer::from_json_text(tokenizer_json);
-  if (!tokenizer.ok()) return tokenizer.error().with_context("tokenizer.json");
-  auto shared_tokenizer = std::make_unique<text::Tokenizer>(std::move(tokenizer).value());
+  GEMMA4_ASSIGN_OR_RETURN(text::Tokenizer tokenizer, load_tokenizer(checkpoint));
+  auto shared_tokenizer = std::make_unique<text::Tokenizer>(std::move(tokenizer));
 
   std::vector<int32_t> ids;
   if (options.raw) {
@@ -66,11 +51,7 @@ Expected<TextPromptRun> TextPromptRun::open(const std::filesystem::path& checkpo
     for (const int32_t id : shared_tokenizer->encode(options.prompt, /*parse_special=*/true))
       ids.push_back(id);
   } else {
-    GEMMA4_ASSIGN_OR_RETURN(
-        std::string source,
-        read_checkpoint_file(checkpoint / "chat_template.jinja", "chat template"));
-    auto chat_template = text::ChatTemplate::from_template_source(source);
-    if (!chat_template.ok()) return chat_template.error().with_context("chat_template.jinja");
+    GEMMA4_ASSIGN_OR_RETURN(auto chat_template, load_chat_template(checkpoint));
     ordered_json messages = ordered_json::array(), tools;
     if (options.messages_file.empty()) {
       messages.push_back({{"role", "user"}, {"content", options.prompt}});
@@ -82,7 +63,7 @@ Expected<TextPromptRun> TextPromptRun::open(const std::filesystem::path& checkpo
     text::ChatTemplateOptions template_options;
     template_options.add_generation_prompt = true;
     template_options.enable_thinking = options.think;
-    auto prompt = chat_template->render_with_spans(messages, tools, template_options);
+    auto prompt = chat_template.render_with_spans(messages, tools, template_options);
     if (!prompt.ok()) return prompt.error().with_context("chat messages");
     // As the server does: only the template's own text becomes control tokens.
     ids = shared_tokenizer->encode_protected(prompt->text, prompt->untrusted);

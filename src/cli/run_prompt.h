@@ -28,8 +28,8 @@ struct TextPromptOptions {
 // generation. Streams generated text to stdout.
 class TextPromptRun {
  public:
-  // Reads tokenizer.json and (unless raw) chat_template.jinja from `checkpoint`. Errors name the
-  // missing file or the bad option.
+  // Loads the tokenizer and (unless raw) the chat template of the model at `checkpoint`
+  // (model_loader.h). Errors name the missing file or the bad option.
   static Expected<TextPromptRun> open(const std::filesystem::path& checkpoint,
                                       const TextPromptOptions& options,
                                       std::vector<int32_t> eos_ids);

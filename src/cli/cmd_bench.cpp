@@ -1,0 +1,442 @@
+// gemma4 bench -m MODEL [--device D] [--depths ...] [--prefill ...] [--batches ...] [--json FILE]:
+// engine throughput as a serving loop sees it (Engine::step, logits returned to the host every
+// step). Measures
+//  * decode tok/s of one stream at several context depths (each depth reached by prefill),
+//  * prefill tok/s of one prompt of several lengths,
+//  * aggregate decode tok/s of several concurrent streams (one batched step per token),
+// and reports the weights read per decoded token, the effective GB/s that implies and its share
+// of --bandwidth-gbs, peak GPU memory and kernels per token. Prints a table; --json FILE writes
+// the same figures (model, format, gpu, commit, decode[], prefill[], peak_gpu_mib,
+// kernels_per_token, ...). Token ids are a fixed pseudo-random sequence: no sampling is timed.
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "cli/command.h"
+#include "cli/gpu_info.h"
+#include "cli/model_loader.h"
+
+namespace gemma4::cli {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct BenchArgs {
+  std::string model;
+  std::string device = "auto";
+  int threads = 0;
+  std::vector<int64_t> depths = {0, 4096, 32768, 131072};
+  std::vector<int64_t> prefill = {512, 4096, 32768};
+  std::vector<int> batches = {1, 8, 32, 64};
+  int parallel = 64;
+  int64_t ctx_size = 0;  // 0: what the depths and prefill lengths need
+  int decode_tokens = 128;
+  double bandwidth_gbs = 4250;
+  std::string json_file;
+  bool quick = false;
+};
+
+// --quick: a short run that still touches every measurement. Options given explicitly win.
+void apply_quick(BenchArgs& args, const CLI::App& cmd) {
+  if (cmd.count("--depths") == 0) args.depths = {0, 4096};
+  if (cmd.count("--prefill") == 0) args.prefill = {512};
+  if (cmd.count("--batches") == 0) args.batches = {1, 8};
+  if (cmd.count("--decode-tokens") == 0) args.decode_tokens = 16;
+}
+
+struct DecodeResult {
+  int batch = 0;
+  int64_t depth = 0;
+  double tok_per_s = 0;  // all streams together
+};
+
+struct PrefillResult {
+  int64_t tokens = 0;
+  double tok_per_s = 0;
+};
+
+// Token ids spread over the ordinary-text part of the vocabulary, from a fixed LCG (the golden
+// prompts' generator), so every run feeds the same tokens.
+class TokenStream {
+ public:
+  explicit TokenStream(int32_t vocab_size) : vocab_size_(vocab_size) {}
+
+  std::vector<int32_t> take(int64_t count) {
+    std::vector<int32_t> ids(count);
+    for (auto& id : ids) {
+      state_ = (state_ * 1103515245u + 12345u) % (1u << 31);
+      const int32_t first = std::min<int32_t>(300, vocab_size_ - 1);
+      id = first + static_cast<int32_t>(state_ % static_cast<uint64_t>(vocab_size_ - first));
+    }
+    return ids;
+  }
+
+ private:
+  int32_t vocab_size_;
+  uint64_t state_ = 20260415;
+};
+
+double seconds_since(Clock::time_point start) {
+  return std::chrono::duration<double>(Clock::now() - start).count();
+}
+
+// Weights a decode step reads once for every token of the batch: every matrix except the
+// embedding tables (one row each per token), plus the logits matrix, and for MoE layers only
+// top_k / num_experts of the expert matrices (the share routing picks on average).
+double weight_bytes_per_token(const model::LoadedModel& model) {
+  const auto& config = model.config;
+  const auto& weights = model.weights;
+  double bytes = static_cast<double>(weights.lm_head.bytes());
+  model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
+    if (name == "embed_tokens" || name == "embed_tokens_per_layer" || name == "lm_head") return;
+    const bool expert = name.find(".experts.") != std::string::npos;
+    const double share =
+        expert && config.moe && config.moe_params.num_experts > 0
+            ? static_cast<double>(config.moe_params.top_k) / config.moe_params.num_experts
+            : 1.0;
+    bytes += share * static_cast<double>(m.bytes());
+  });
+  return bytes;
+}
+
+std::string current_commit() {
+  if (const char* env = std::getenv("GEMMA4_COMMIT"); env && *env) return env;
+  std::string commit;
+  if (std::FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
+    char buffer[64] = {};
+    if (std::fgets(buffer, sizeof buffer, pipe)) commit = buffer;
+    pclose(pipe);
+  }
+  while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r')) commit.pop_back();
+  return commit.empty() ? "unknown" : commit;
+}
+
+// Runs the measurements on engines of one opened model and tracks peak GPU memory between them.
+class Bench {
+ public:
+  Bench(const BenchArgs& args, std::filesystem::path path,
+        std::shared_ptr<model::LoadedModel> model, EngineLoadOptions load)
+      : args_(args), path_(std::move(path)), model_(std::move(model)), load_(load) {}
+
+  Status run() {
+    GEMMA4_RETURN_IF_ERROR(run_single_stream());
+    return run_batched();
+  }
+
+  Status write_report() const;
+
+ private:
+  Expected<LoadedEngine> make_engine(int32_t sequences, int64_t context) {
+    EngineLoadOptions options = load_;
+    options.engine.max_sequences = sequences;
+    options.engine.max_context = context;
+    GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, create_engine(path_, model_, options));
+    backend_description_ = loaded.backend_description;
+    on_gpu_ = loaded.backend_description.find("CUDA") != std::string::npos;
+    sample_memory();
+    return loaded;
+  }
+
+  void sample_memory() {
+    if (!on_gpu_) return;
+    if (auto used = cuda_memory_used_bytes(0))
+      peak_gpu_bytes_ = std::max(peak_gpu_bytes_.value_or(0), *used);
+  }
+
+  void progress(const std::string& what) const {
+    std::fprintf(stderr, "gemma4 bench: %s\n", what.c_str());
+  }
+
+  // Batch-1 decode at each depth, then prefill at each length, on one engine sized for both.
+  Status run_single_stream() {
+    const int64_t model_context = model_->config.max_position_embeddings > 0
+                                      ? model_->config.max_position_embeddings
+                                      : INT64_MAX;
+    int64_t wanted = 1 + args_.decode_tokens + 2;
+    for (int64_t depth : args_.depths) wanted = std::max(wanted, depth + args_.decode_tokens + 2);
+    for (int64_t tokens : args_.prefill) wanted = std::max(wanted, tokens);
+    const int64_t context = std::min(args_.ctx_size > 0 ? args_.ctx_size : wanted, model_context);
+    if (context < args_.decode_tokens + 3)
+      return make_error(ErrorCode::kInvalidArgument, "context {} is too short for {} decode tokens",
+                        context, args_.decode_tokens);
+    GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, make_engine(1, context));
+    auto& engine = *loaded.engine;
+    context_ = engine.max_context();
+
+    // A depth that does not fit with its decode tokens is clipped to the deepest one that does.
+    std::vector<int64_t> depths;
+    for (int64_t depth : args_.depths)
+      depths.push_back(std::min(depth, context_ - args_.decode_tokens - 2));
+    std::sort(depths.begin(), depths.end());
+    depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
+    for (int64_t depth : depths) {
+      progress(fmt::format("decode at depth {} (prefill first)", depth));
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(engine, 1, depth));
+      decode_.push_back({1, depth, rate});
+    }
+    for (int64_t tokens : args_.prefill) {
+      if (tokens > context_) {
+        progress(fmt::format("prefill {} skipped: beyond the context {}", tokens, context_));
+        continue;
+      }
+      progress(fmt::format("prefill {}", tokens));
+      GEMMA4_ASSIGN_OR_RETURN(double rate, prefill_rate(engine, tokens));
+      prefill_.push_back({tokens, rate});
+    }
+    kernels_per_token_ = kernels_per_token(engine, *loaded.backend);
+    return Status::ok_status();
+  }
+
+  // Aggregate decode of several streams at a short depth, on an engine with one sequence each.
+  Status run_batched() {
+    std::vector<int> batches;
+    for (int batch : args_.batches)
+      if (batch > 1 && batch <= args_.parallel) batches.push_back(batch);
+    if (batches.empty()) return Status::ok_status();
+    const int largest = *std::max_element(batches.begin(), batches.end());
+    GEMMA4_ASSIGN_OR_RETURN(
+        LoadedEngine loaded,
+        make_engine(largest, std::min(context_, kBatchDepth + args_.decode_tokens + 2)));
+    for (int batch : batches) {
+      progress(fmt::format("decode of {} streams", batch));
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, kBatchDepth));
+      decode_.push_back({batch, kBatchDepth, rate});
+    }
+    return Status::ok_status();
+  }
+
+  // Opens `batch` sequences, prefills each to `depth` (at least 1 token), decodes two untimed
+  // steps, then times decode_tokens steps of one token per stream.
+  Expected<double> decode_rate(engine::Engine& engine, int batch, int64_t depth) {
+    TokenStream tokens(engine.vocab_size());
+    std::vector<engine::SequenceId> sequences;
+    for (int b = 0; b < batch; ++b) {
+      GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
+      sequences.push_back(sequence);
+    }
+    std::vector<float> logits(static_cast<size_t>(batch) * engine.vocab_size());
+    for (auto sequence : sequences) {
+      const auto prompt = tokens.take(std::max<int64_t>(depth, 1));
+      const engine::StepInput input{sequence, prompt};
+      GEMMA4_RETURN_IF_ERROR(
+          engine.step({&input, 1}, std::span(logits).first(engine.vocab_size())));
+    }
+    const auto step = [&] {
+      const auto next = tokens.take(batch);
+      std::vector<engine::StepInput> inputs;
+      for (int b = 0; b < batch; ++b)
+        inputs.push_back({sequences[b], std::span(next).subspan(b, 1)});
+      return engine.step(inputs, logits);
+    };
+    for (int warmup = 0; warmup < 2; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
+    const auto start = Clock::now();
+    for (int i = 0; i < args_.decode_tokens; ++i) GEMMA4_RETURN_IF_ERROR(step());
+    const double elapsed = seconds_since(start);
+    sample_memory();
+    for (auto sequence : sequences) engine.close_sequence(sequence);
+    return static_cast<double>(batch) * args_.decode_tokens / elapsed;
+  }
+
+  // One prompt of `count` tokens in one step, after an untimed short prefill (warm-up).
+  Expected<double> prefill_rate(engine::Engine& engine, int64_t count) {
+    TokenStream tokens(engine.vocab_size());
+    std::vector<float> logits(engine.vocab_size());
+    for (const int64_t length : {std::min<int64_t>(count, 16), count}) {
+      GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
+      const auto prompt = tokens.take(length);
+      const engine::StepInput input{sequence, prompt};
+      const auto start = Clock::now();
+      const Status status = engine.step({&input, 1}, logits);
+      const double elapsed = seconds_since(start);
+      engine.close_sequence(sequence);
+      GEMMA4_RETURN_IF_ERROR(status);
+      sample_memory();
+      if (length == count) return static_cast<double>(count) / elapsed;
+    }
+    return make_error(ErrorCode::kInternal, "prefill of {} tokens was not measured", count);
+  }
+
+  // Kernel launches of a few single-stream decode steps, per token, when the backend counts
+  // them.
+  std::optional<double> kernels_per_token(engine::Engine& engine, const engine::Backend& backend) {
+    const auto before = backend.kernels_launched();
+    if (!before) return std::nullopt;
+    TokenStream tokens(engine.vocab_size());
+    auto sequence = engine.open_sequence();
+    if (!sequence.ok()) return std::nullopt;
+    std::vector<float> logits(engine.vocab_size());
+    constexpr int kSteps = 4;
+    const auto first = tokens.take(1);
+    engine::StepInput input{*sequence, first};
+    bool ok = engine.step({&input, 1}, logits).ok();
+    const auto counted_from = backend.kernels_launched();
+    for (int i = 0; ok && i < kSteps; ++i) {
+      const auto next = tokens.take(1);
+      input.tokens = next;
+      ok = engine.step({&input, 1}, logits).ok();
+    }
+    const auto after = backend.kernels_launched();
+    engine.close_sequence(*sequence);
+    if (!ok || !counted_from || !after) return std::nullopt;
+    return static_cast<double>(*after - *counted_from) / kSteps;
+  }
+
+  // Depth of the streams in the batched measurement.
+  static constexpr int64_t kBatchDepth = 32;
+
+  const BenchArgs& args_;
+  std::filesystem::path path_;
+  std::shared_ptr<model::LoadedModel> model_;
+  EngineLoadOptions load_;
+  std::string backend_description_;
+  bool on_gpu_ = false;
+  int64_t context_ = 0;
+  std::vector<DecodeResult> decode_;
+  std::vector<PrefillResult> prefill_;
+  std::optional<int64_t> peak_gpu_bytes_;
+  std::optional<double> kernels_per_token_;
+};
+
+Status Bench::write_report() const {
+  const double bytes_per_token = weight_bytes_per_token(*model_);
+  const std::string gpu = on_gpu_ ? cuda_device_name(0) : "none";
+  const std::string format = quant::weight_format_name(model_->quantization.weight_format);
+  const std::string commit = current_commit();
+  // Weights are read once per batched step, whatever the number of streams in it.
+  const auto weights_gbs = [&](const DecodeResult& d) {
+    return bytes_per_token * d.tok_per_s / d.batch / 1e9;
+  };
+
+  std::printf("gemma4 bench: %s\n", path_.string().c_str());
+  std::printf("engine: %s   format: %s   gpu: %s   commit: %s   context: %lld\n",
+              backend_description_.c_str(), format.c_str(), gpu.c_str(), commit.c_str(),
+              static_cast<long long>(context_));
+  std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n\n",
+              bytes_per_token / 1e9, args_.bandwidth_gbs);
+  std::printf("%-8s %6s %8s %12s %10s %12s %8s\n", "decode", "batch", "depth", "tok/s", "ms/step",
+              "weights GB/s", "% bw");
+  for (const auto& d : decode_) {
+    std::printf("%-8s %6d %8lld %12.1f %10.3f %12.1f %7.1f%%\n", "", d.batch,
+                static_cast<long long>(d.depth), d.tok_per_s, 1e3 * d.batch / d.tok_per_s,
+                weights_gbs(d), 100 * weights_gbs(d) / args_.bandwidth_gbs);
+  }
+  std::printf("%-8s %6s %8s %12s %10s\n", "prefill", "", "tokens", "tok/s", "ms");
+  for (const auto& p : prefill_) {
+    std::printf("%-8s %6s %8lld %12.1f %10.2f\n", "", "", static_cast<long long>(p.tokens),
+                p.tok_per_s, 1e3 * p.tokens / p.tok_per_s);
+  }
+  const auto mib = [](int64_t bytes) { return static_cast<double>(bytes) / (1 << 20); };
+  std::printf("\npeak GPU memory: %s   kernels per token: %s\n",
+              peak_gpu_bytes_
+                  ? fmt::format("{:.0f} MiB (whole device)", mib(*peak_gpu_bytes_)).c_str()
+                  : "n/a",
+              kernels_per_token_ ? fmt::format("{:.1f}", *kernels_per_token_).c_str() : "n/a");
+
+  if (args_.json_file.empty()) return Status::ok_status();
+  nlohmann::ordered_json json;
+  json["model"] = args_.model;
+  json["format"] = format;
+  json["gpu"] = gpu;
+  json["commit"] = commit;
+  json["engine"] = backend_description_;
+  json["context"] = context_;
+  json["decode"] = nlohmann::ordered_json::array();
+  for (const auto& d : decode_) {
+    json["decode"].push_back({{"batch", d.batch},
+                              {"depth", d.depth},
+                              {"tok_per_s", d.tok_per_s},
+                              {"weights_gbs", weights_gbs(d)},
+                              {"bandwidth_pct", 100 * weights_gbs(d) / args_.bandwidth_gbs}});
+  }
+  json["prefill"] = nlohmann::ordered_json::array();
+  for (const auto& p : prefill_)
+    json["prefill"].push_back({{"tokens", p.tokens}, {"tok_per_s", p.tok_per_s}});
+  json["peak_gpu_mib"] =
+      peak_gpu_bytes_ ? nlohmann::ordered_json(mib(*peak_gpu_bytes_)) : nlohmann::ordered_json();
+  json["kernels_per_token"] =
+      kernels_per_token_ ? nlohmann::ordered_json(*kernels_per_token_) : nlohmann::ordered_json();
+  json["weight_bytes_per_token"] = bytes_per_token;
+  json["bandwidth_gbs"] = args_.bandwidth_gbs;
+  json["decode_tokens"] = args_.decode_tokens;
+  std::ofstream out(args_.json_file);
+  out << json.dump(2) << '\n';
+  if (!out) return make_error(ErrorCode::kIo, "--json: cannot write {}", args_.json_file);
+  return Status::ok_status();
+}
+
+Status bench(const BenchArgs& args) {
+  if (args.decode_tokens < 1)
+    return make_error(ErrorCode::kInvalidArgument, "--decode-tokens must be >= 1");
+  if (args.parallel < 1) return make_error(ErrorCode::kInvalidArgument, "--parallel must be >= 1");
+  if (args.bandwidth_gbs <= 0)
+    return make_error(ErrorCode::kInvalidArgument, "--bandwidth-gbs must be > 0");
+  for (int64_t depth : args.depths)
+    if (depth < 0) return make_error(ErrorCode::kInvalidArgument, "--depths must be >= 0");
+  for (int64_t tokens : args.prefill)
+    if (tokens < 1) return make_error(ErrorCode::kInvalidArgument, "--prefill must be >= 1");
+  for (int batch : args.batches)
+    if (batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batches must be >= 1");
+  EngineLoadOptions load;
+  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.threads = args.threads;
+  GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
+  GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
+  Bench bench(args, path, std::move(model), load);
+  GEMMA4_RETURN_IF_ERROR(bench.run());
+  return bench.write_report();
+}
+
+void register_bench(CLI::App& app, int& exit_code) {
+  auto args = std::make_shared<BenchArgs>();
+  auto* cmd = app.add_subcommand("bench", "Decode, prefill and batched throughput of a model");
+  cmd->add_option("-m,--model", args->model, "checkpoint directory, .gguf file or HF repo id")
+      ->required();
+  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
+  cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
+  cmd->add_option("--depths", args->depths,
+                  "batch-1 decode depths, reached by prefill (clipped to the context)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--prefill", args->prefill, "prefill lengths (beyond the context: skipped)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--batches", args->batches,
+                  "concurrent decode streams (clipped to --parallel; 1 is the depth series)")
+      ->delimiter(',')
+      ->capture_default_str();
+  cmd->add_option("--parallel", args->parallel, "most concurrent streams")->capture_default_str();
+  cmd->add_option("-c,--ctx-size", args->ctx_size,
+                  "context of the single-stream engine (0 = what --depths/--prefill need, "
+                  "clipped to the model's)")
+      ->capture_default_str();
+  cmd->add_option("--decode-tokens", args->decode_tokens, "timed decode steps per measurement")
+      ->capture_default_str();
+  cmd->add_option("--bandwidth-gbs", args->bandwidth_gbs,
+                  "memory read bandwidth the GB/s figures are compared with")
+      ->capture_default_str();
+  cmd->add_option("--json", args->json_file, "also write the results as JSON to FILE");
+  cmd->add_flag("--quick", args->quick,
+                "short run: depths 0,4096, prefill 512, batches 1,8, 16 decode tokens (unless "
+                "given)");
+  cmd->callback([cmd, args, &exit_code] {
+    if (args->quick) apply_quick(*args, *cmd);
+    if (Status status = bench(*args); !status.ok()) {
+      std::fprintf(stderr, "gemma4 bench: %s\n", status.error().message.c_str());
+      exit_code = 1;
+    }
+  });
+}
+
+GEMMA4_COMMAND(bench, register_bench);
+
+}  // namespace
+}  // namespace gemma4::cli

@@ -1,0 +1,67 @@
+"""`gemma4 bench` smoke test on the CPU engine: a tiny synthetic checkpoint, a few short
+measurements, and the JSON the GPU acceptance runs are recorded with (issue 4 item 8)."""
+
+import json
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = os.environ.get("GEMMA4_BIN", str(ROOT / "build" / "gemma4"))
+
+
+def gemma4(*args, check=True):
+    return subprocess.run([BIN, *map(str, args)], capture_output=True, text=True, timeout=300,
+                          check=check)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tiny-w4a16")
+    gemma4("synth", "--config", "tiny", "--format", "w4a16", "--seed", 1, "-o", out)
+    return out
+
+
+def test_bench_json_on_cpu(tiny, tmp_path):
+    report = tmp_path / "bench.json"
+    out = gemma4("bench", "-m", tiny, "--device", "cpu", "--threads", 2, "--depths", "0,40",
+                 "--prefill", "24", "--batches", "1,3", "--decode-tokens", 3, "--json", report)
+    data = json.loads(report.read_text())
+    for key in ("model", "format", "gpu", "commit", "decode", "prefill", "peak_gpu_mib",
+                "kernels_per_token"):
+        assert key in data, key
+    assert data["format"] == "w4g32"
+    assert data["gpu"] == "none" and data["peak_gpu_mib"] is None
+    # The CPU backend counts no kernels: reported as unknown, never made up.
+    assert data["kernels_per_token"] is None
+    assert [(d["batch"], d["depth"]) for d in data["decode"]] == [(1, 0), (1, 40), (3, 32)]
+    assert [p["tokens"] for p in data["prefill"]] == [24]
+    figures = [d["tok_per_s"] for d in data["decode"]] + [p["tok_per_s"] for p in data["prefill"]]
+    assert all(f > 0 for f in figures), figures
+    assert data["weight_bytes_per_token"] > 0
+    # The table names every measurement too.
+    assert "decode" in out.stdout and "prefill" in out.stdout and "n/a" in out.stdout
+
+
+def test_depths_are_clipped_to_the_context(tiny, tmp_path):
+    report = tmp_path / "bench.json"
+    gemma4("bench", "-m", tiny, "--device", "cpu", "--threads", 2, "-c", 64, "--depths",
+           "0,1000", "--prefill", "16,1000", "--batches", "1", "--decode-tokens", 2,
+           "--json", report)
+    data = json.loads(report.read_text())
+    assert [d["depth"] for d in data["decode"]] == [0, 64 - 2 - 2]
+    assert [p["tokens"] for p in data["prefill"]] == [16]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--device", "tpu"], "--device"),
+    (["--device", "cuda"], "--device cuda"),  # CI has no GPU (or no CUDA build)
+    (["--decode-tokens", "0"], "--decode-tokens"),
+    (["--batches", "0"], "--batches"),
+])
+def test_bad_arguments_are_clear_errors(tiny, args, message):
+    out = gemma4("bench", "-m", tiny, *args, check=False)
+    assert out.returncode != 0
+    assert message in out.stderr
