@@ -1,5 +1,6 @@
 // `gemma4 tokenize`: JSON in on stdin, JSON out, for checking tokenization by hand and for the
-// differential test against HF `tokenizers` (tests/text/test_tokenizer_diff.py).
+// differential tests against HF `tokenizers` (tests/text/test_tokenizer_diff.py) and, for a GGUF
+// file's tokenizer, SentencePiece (tests/text/test_gguf_tokenizer_diff.py).
 //
 //   encode:   {"text": "..."}  or  {"text_base64": "..."}  [, "parse_special": bool]
 //             -> {"ids": [...]}
@@ -21,6 +22,7 @@
 #include <string>
 
 #include "cli/command.h"
+#include "model/gguf_text.h"
 #include "text/tokenizer.h"
 
 namespace gemma4::cli {
@@ -128,7 +130,9 @@ Expected<json> handle_request(const text::Tokenizer& tokenizer, std::string_view
 }
 
 int run_tokenize(const TokenizeOptions& options) {
-  auto tokenizer = text::Tokenizer::from_json_file(options.tokenizer_path);
+  auto tokenizer = options.tokenizer_path.ends_with(".gguf")
+                       ? model::tokenizer_from_gguf(options.tokenizer_path)
+                       : text::Tokenizer::from_json_file(options.tokenizer_path);
   if (!tokenizer.ok()) {
     std::cerr << "gemma4 tokenize: " << tokenizer.error().to_string() << "\n";
     return 1;
@@ -169,7 +173,10 @@ void register_tokenize(CLI::App& app, int& exit_code) {
       "Text <-> token ids with a tokenizer.json. Reads JSON on stdin: {\"text\": ...} or "
       "{\"text_base64\": ...} [\"parse_special\": true] -> {\"ids\": [...]}; with --decode "
       "{\"ids\": [...]} [\"skip_special\": false] -> {\"text\": ...}");
-  command->add_option("--tokenizer", options->tokenizer_path, "tokenizer.json file")->required();
+  command
+      ->add_option("--tokenizer", options->tokenizer_path,
+                   "tokenizer.json file, or a .gguf file (its tokenizer metadata)")
+      ->required();
   command->add_flag("--decode", options->decode, "ids -> text instead of text -> ids");
   command->add_flag("--jsonl", options->jsonl,
                     "one JSON request per input line, one response per output line");

@@ -7,6 +7,7 @@
 #include <optional>
 
 #include "text/chat_template_values.h"
+#include "text/output_parser.h"
 
 namespace gemma4::text {
 namespace {
@@ -670,6 +671,104 @@ class Renderer {
   LastOutput last_output_ = LastOutput::kNone;
 };
 
+// Gemma 3's template (tests/text/data/gemma3-chat-template.jinja), statement by statement:
+//   {{ bos_token }}; a leading system message becomes first_user_prefix (its string content, or
+//   the text of its first part, + "\n\n", untrimmed) and is skipped; every other message must
+//   alternate user / non-user ("Conversation roles must alternate ..."), is written as
+//   `<start_of_turn>{role, assistant -> model}\n`, the prefix in the first one, its content
+//   (a string `| trim`, or per part: image -> <start_of_image>, text -> `item['text'] | trim`,
+//   other parts nothing; null raises "Invalid content type"; a missing content renders nothing),
+//   then `<end_of_turn>\n`; the generation prompt is `<start_of_turn>model\n`.
+class Gemma3Renderer {
+ public:
+  explicit Gemma3Renderer(const ChatTemplateOptions& options) : options_(options) {}
+
+  Expected<RenderedPrompt> render(const Json& messages) {
+    if (!messages.is_array()) return invalid("messages must be an array");
+    if (messages.empty()) return invalid("messages must not be empty");
+    for (size_t i = 0; i < messages.size(); ++i) {
+      if (!messages[i].is_object())
+        return invalid(fmt::format("messages[{}] must be an object", i));
+      if (!is_one_of(member(&messages[i], "role"), {"system", "user", "assistant"})) {
+        const Json* role = member(&messages[i], "role");
+        return invalid(fmt::format(
+            "messages[{}].role must be one of system, user, assistant for this model (got {})", i,
+            role ? role->dump() : "nothing"));
+      }
+    }
+    out_ += options_.bos_token;
+    size_t first = 0;
+    std::optional<std::string_view> first_user_prefix;
+    if (is_one_of(member(&messages[0], "role"), {"system"})) {
+      const Json* content = member(&messages[0], "content");
+      const Json* text = content && content->is_array() && !content->empty()
+                             ? member(&(*content)[0], "text")
+                             : content;
+      if (text == nullptr || !text->is_string()) {
+        return invalid(
+            "messages[0].content: a system message needs a string or a list starting with a "
+            "text part");
+      }
+      first_user_prefix = text->get_ref<const std::string&>();
+      first = 1;
+    }
+    for (size_t i = first; i < messages.size(); ++i) {
+      const Json& message = messages[i];
+      const bool is_user = is_one_of(member(&message, "role"), {"user"});
+      if (is_user != ((i - first) % 2 == 0)) {
+        return invalid("Conversation roles must alternate user/assistant/user/assistant/...");
+      }
+      const std::string& role = member(&message, "role")->get_ref<const std::string&>();
+      out_ += "<start_of_turn>";
+      out_ += role == "assistant" ? std::string_view("model") : std::string_view(role);
+      out_ += '\n';
+      if (i == first && first_user_prefix) {
+        out_.value(*first_user_prefix);
+        out_ += "\n\n";
+      }
+      GEMMA4_RETURN_IF_ERROR(format_content(member(&message, "content"), i));
+      out_ += "<end_of_turn>\n";
+    }
+    if (options_.add_generation_prompt) out_ += "<start_of_turn>model\n";
+    return std::move(out_).finish();
+  }
+
+ private:
+  Status format_content(const Json* content, size_t index) {
+    if (content == nullptr) return {};  // Undefined iterates as empty
+    if (content->is_string()) {
+      out_.value(py_strip(content->get_ref<const std::string&>()));
+      return {};
+    }
+    if (!content->is_array()) {
+      return invalid(fmt::format(
+          "messages[{}].content must be a string or a list of parts (Invalid content type)",
+          index));
+    }
+    for (size_t part = 0; part < content->size(); ++part) {
+      const Json& item = (*content)[part];
+      if (!item.is_object()) {
+        return invalid(fmt::format("messages[{}].content[{}] must be an object", index, part));
+      }
+      const Json* type = member(&item, "type");
+      if (is_one_of(type, {"image"})) {
+        out_ += "<start_of_image>";
+      } else if (is_one_of(type, {"text"})) {
+        const Json* text = member(&item, "text");
+        if (text != nullptr && !text->is_string()) {
+          return invalid(
+              fmt::format("messages[{}].content[{}].text must be a string", index, part));
+        }
+        if (text != nullptr) out_.value(py_strip(text->get_ref<const std::string&>()));
+      }
+    }
+    return {};
+  }
+
+  const ChatTemplateOptions& options_;
+  PromptWriter out_;
+};
+
 }  // namespace
 
 Expected<ChatTemplateOptions> ChatTemplateOptions::from_kwargs(
@@ -692,9 +791,15 @@ Expected<ChatTemplate> ChatTemplate::from_template_source(std::string_view jinja
     return jinja_text.find(needle) != std::string_view::npos;
   };
   if (!contains("<|turn>")) {
+    // Gemma 3's template folds the system message into the first user turn (first_user_prefix);
+    // Gemma 2's, which shares <start_of_turn>, refuses system messages instead.
+    if (contains("<start_of_turn>") && contains("first_user_prefix")) {
+      return ChatTemplate(Variant::kGemma3);
+    }
     if (contains("<start_of_turn>")) {
       return make_error(ErrorCode::kUnsupported,
-                        "chat template is a Gemma 2/3 template (<start_of_turn>), not Gemma 4");
+                        "chat template is a Gemma 2 template (<start_of_turn> without system "
+                        "messages), not Gemma 3 or 4");
     }
     return make_error(ErrorCode::kUnsupported,
                       "chat template is not a Gemma 4 template: it never writes <|turn>");
@@ -727,6 +832,7 @@ Expected<ChatTemplate> ChatTemplate::from_template_source(std::string_view jinja
 Expected<RenderedPrompt> ChatTemplate::render_with_spans(const nlohmann::ordered_json& messages,
                                                          const nlohmann::ordered_json& tools,
                                                          const ChatTemplateOptions& options) const {
+  if (variant_ == Variant::kGemma3) return Gemma3Renderer(options).render(messages);
   return Renderer(options, variant_ == Variant::kFull).render(messages, tools);
 }
 
@@ -750,8 +856,29 @@ Expected<std::string> ChatTemplate::render(const nlohmann::json& messages,
   return render(Json(messages), Json(tools), options);
 }
 
+std::span<const std::string_view> ChatTemplate::stop_token_texts() const {
+  if (variant_ == Variant::kGemma3) return kGemma3StopTokenTexts;
+  return kStopTokenTexts;
+}
+
+std::vector<int32_t> ChatTemplate::stop_token_ids(const Tokenizer& tokenizer) const {
+  std::vector<int32_t> ids;
+  for (const std::string_view text : stop_token_texts()) {
+    if (const int32_t id = tokenizer.token_to_id(text); id >= 0) ids.push_back(id);
+  }
+  return ids;
+}
+
 const char* chat_template_variant_name(ChatTemplate::Variant variant) {
-  return variant == ChatTemplate::Variant::kFull ? "full" : "compact";
+  switch (variant) {
+    case ChatTemplate::Variant::kCompact:
+      return "compact";
+    case ChatTemplate::Variant::kFull:
+      return "full";
+    case ChatTemplate::Variant::kGemma3:
+      return "gemma3";
+  }
+  return "unknown";
 }
 
 }  // namespace gemma4::text

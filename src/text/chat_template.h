@@ -1,7 +1,7 @@
-// Gemma 4 chat template: a native renderer of the 2026-07-09 "Google Gemma 4 Canonical Chat
-// Template" (spec gemma4-chat-format.md section 2). Not a Jinja interpreter: the template's rules
-// are coded here and checked byte-for-byte against Python Jinja2 rendering the official files
-// (tests/text/test_chat_template_diff.py).
+// Gemma 4 (and Gemma 3) chat template: a native renderer of the 2026-07-09 "Google Gemma 4
+// Canonical Chat Template" (spec gemma4-chat-format.md section 2). Not a Jinja interpreter: the
+// template's rules are coded here and checked byte-for-byte against Python Jinja2 rendering the
+// official files (tests/text/test_chat_template_diff.py).
 //
 // Fidelity policy: wherever the official template renders something (including its quirks:
 // union types printed as Python lists, the tool_call_id name resolution where missing == missing,
@@ -15,12 +15,15 @@
 
 #include <nlohmann/json.hpp>
 
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
 #include <vector>
 
 #include "core/status.h"
+#include "text/output_parser.h"
+#include "text/tokenizer.h"
 
 namespace gemma4::text {
 
@@ -51,19 +54,36 @@ class ChatTemplate {
  public:
   // compact: E2B/E4B. full: 12B/26B-A4B/31B; identical except that with thinking off the
   // generation prompt also pre-fills an empty thought block `<|channel>thought\n<channel|>`.
-  enum class Variant { kCompact, kFull };
+  // gemma3: Gemma 3's template (google/gemma-3-*-it tokenizer_config.json): `<start_of_turn>`
+  // turns, the system message folded into the first user turn, no thinking, no tools.
+  enum class Variant { kCompact, kFull, kGemma3 };
 
   // Identifies the variant from a checkpoint's chat_template.jinja text. Errors (kUnsupported,
-  // message says why) for text that is not a Gemma 4 template or is an older, pre-canonical
-  // Gemma 4 template (launch / April 2026 revisions); callers who want the canonical rules anyway
-  // use of_variant().
+  // message says why) for text that is neither a Gemma 4 nor the Gemma 3 template, or is an
+  // older, pre-canonical Gemma 4 template (launch / April 2026 revisions); callers who want the
+  // canonical rules anyway use of_variant().
   static Expected<ChatTemplate> from_template_source(std::string_view jinja_text);
   static ChatTemplate of_variant(Variant variant) { return ChatTemplate(variant); }
 
   Variant variant() const { return variant_; }
 
-  // Renders OpenAI-shaped messages (roles system, developer, user, assistant, tool; content as a
-  // string, null, or a list of parts {type:text|image|image_url|audio|input_audio|video};
+  // The special-token texts that end a model turn in this format (Gemma 4: <turn|>, <eos>,
+  // <|tool_response>; Gemma 3: <end_of_turn>, <eos>).
+  std::span<const std::string_view> stop_token_texts() const;
+  // Their ids in `tokenizer` (texts the vocabulary lacks are left out).
+  std::vector<int32_t> stop_token_ids(const Tokenizer& tokenizer) const;
+  // How to parse what the model generates (OutputParser::for_prompt).
+  OutputFormat output_format() const {
+    return variant_ == Variant::kGemma3 ? OutputFormat::kGemma3 : OutputFormat::kGemma4;
+  }
+
+  // Gemma 3 renders roles system (first message only, folded into the first user turn), user
+  // and assistant, which must alternate; content as a string or a list of text/image parts;
+  // tools, reasoning and the thinking options are not part of its format and are ignored, as
+  // the Jinja template ignores them.
+  //
+  // Gemma 4 renders OpenAI-shaped messages (roles system, developer, user, assistant, tool; content
+  // as a string, null, or a list of parts {type:text|image|image_url|audio|input_audio|video};
   // assistant tool_calls whose function.arguments is an object, a JSON string holding an object,
   // or null; tool messages with tool_call_id/name; reasoning / reasoning_content) and tools
   // ([{type:"function", function:{name, description, parameters, response?}}] or null) into the

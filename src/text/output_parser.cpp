@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <random>
+#include <span>
 
 #include "text/output_tool_call.h"
 
@@ -33,16 +34,9 @@ bool is_proper_prefix_of(std::string_view text, std::string_view marker) {
   return text.size() < marker.size() && starts_with(marker, text);
 }
 
-std::optional<std::string_view> stop_marker_at(std::string_view text) {
-  for (std::string_view stop : kStopTokenTexts) {
-    if (starts_with(text, stop)) return stop;
-  }
-  return std::nullopt;
-}
-
-bool could_become_stop_marker(std::string_view text) {
-  return std::any_of(kStopTokenTexts.begin(), kStopTokenTexts.end(),
-                     [&](std::string_view stop) { return is_proper_prefix_of(text, stop); });
+std::span<const std::string_view> stop_texts(OutputFormat format) {
+  if (format == OutputFormat::kGemma3) return kGemma3StopTokenTexts;
+  return kStopTokenTexts;
 }
 
 uint64_t splitmix64(uint64_t& state) {
@@ -97,23 +91,40 @@ std::string OutputParser::TrimmedStream::append(std::string_view text) {
   return out;
 }
 
-OutputParser::OutputParser(State initial_state, bool expect_channel_label)
+std::optional<std::string_view> OutputParser::stop_marker_at(std::string_view text) const {
+  for (std::string_view stop : stop_texts(format_)) {
+    if (starts_with(text, stop)) return stop;
+  }
+  return std::nullopt;
+}
+
+bool OutputParser::could_become_stop_marker(std::string_view text) const {
+  const auto stops = stop_texts(format_);
+  return std::any_of(stops.begin(), stops.end(),
+                     [&](std::string_view stop) { return is_proper_prefix_of(text, stop); });
+}
+
+OutputParser::OutputParser(State initial_state, bool expect_channel_label, OutputFormat format)
     : state_(initial_state),
+      format_(format),
       expect_channel_label_(expect_channel_label),
       id_state_((static_cast<uint64_t>(std::random_device{}()) << 32) ^ std::random_device{}()) {}
 
-OutputParser OutputParser::for_prompt(std::string_view prompt_tail) {
+OutputParser OutputParser::for_prompt(std::string_view prompt_tail, OutputFormat format) {
   const auto ends_with = [&](std::string_view suffix) {
     return prompt_tail.size() >= suffix.size() &&
            prompt_tail.substr(prompt_tail.size() - suffix.size()) == suffix;
   };
-  if (ends_with("<|channel>thought\n")) return OutputParser(State::kReasoning, false);
-  if (ends_with(kChannelOpen)) return OutputParser(State::kReasoning, true);
-  return OutputParser(State::kContent, false);
+  if (format == OutputFormat::kGemma4) {
+    if (ends_with("<|channel>thought\n")) return OutputParser(State::kReasoning, false, format);
+    if (ends_with(kChannelOpen)) return OutputParser(State::kReasoning, true, format);
+  }
+  return OutputParser(State::kContent, false, format);
 }
 
-ParsedMessage OutputParser::parse(std::string_view prompt_tail, std::string_view raw_output) {
-  OutputParser parser = for_prompt(prompt_tail);
+ParsedMessage OutputParser::parse(std::string_view prompt_tail, std::string_view raw_output,
+                                  OutputFormat format) {
+  OutputParser parser = for_prompt(prompt_tail, format);
   parser.push(raw_output);
   parser.finish();
   return parser.message();
@@ -204,6 +215,12 @@ bool OutputParser::step_text(bool at_end, ParserDelta& delta) {
     consume(SegmentKind::kMarker, stop->size());
     state_ = State::kStopped;
     stopped_ = true;
+    return true;
+  }
+  if (format_ == OutputFormat::kGemma3) {  // no other markers: a '<' starting no stop is text
+    if (could_become_stop_marker(text) && !at_end) return false;
+    emit_text(text_kind, text.substr(0, 1), delta);
+    ++pending_begin_;
     return true;
   }
   if (starts_with(text, kCallOpen)) {

@@ -32,6 +32,7 @@
 #include <array>
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -42,6 +43,12 @@ namespace gemma4::text {
 inline constexpr std::array<std::string_view, 3> kStopTokenTexts = {"<turn|>", "<eos>",
                                                                     "<|tool_response>"};
 inline constexpr std::array<int32_t, 3> kStopTokenIds = {106, 1, 50};
+// Gemma 3's (its ids come from the vocabulary: ChatTemplate::stop_token_ids).
+inline constexpr std::array<std::string_view, 2> kGemma3StopTokenTexts = {"<end_of_turn>", "<eos>"};
+
+// What generated text can hold: Gemma 4's thinking channel and tool-call markers, or (Gemma 3)
+// plain content up to a stop marker.
+enum class OutputFormat { kGemma4, kGemma3 };
 
 struct ToolCall {
   int index = 0;          // position among this message's calls (OpenAI tool_calls[].index)
@@ -96,7 +103,9 @@ class OutputParser {
  public:
   // Starts in REASONING when the prompt ends with `<|channel>thought\n` (thinking on, after a
   // tool result: spec 3.2), otherwise in CONTENT. Passing the whole prompt is fine.
-  static OutputParser for_prompt(std::string_view prompt_tail);
+  // With OutputFormat::kGemma3 all text is content and only kGemma3StopTokenTexts are markers.
+  static OutputParser for_prompt(std::string_view prompt_tail,
+                                 OutputFormat format = OutputFormat::kGemma4);
 
   // Consumes the next chunk of generated text (any split, even mid-UTF-8 or mid-marker).
   ParserDelta push(std::string_view text);
@@ -105,14 +114,16 @@ class OutputParser {
   // push() after finish() is ignored (counted as kAfterStop).
   ParserDelta finish(bool token_limit_reached = false);
 
-  // True once a stop marker (kStopTokenTexts) was consumed: the generation is over.
+  // True once a stop marker (kStopTokenTexts / kGemma3StopTokenTexts) was consumed: the
+  // generation is over.
   bool stopped() const { return stopped_; }
   // The message so far (final after finish()).
   const ParsedMessage& message() const { return message_; }
   const std::vector<Segment>& transcript() const { return transcript_; }
 
   // Non-streaming convenience: for_prompt(prompt_tail), push(raw_output), finish().
-  static ParsedMessage parse(std::string_view prompt_tail, std::string_view raw_output);
+  static ParsedMessage parse(std::string_view prompt_tail, std::string_view raw_output,
+                             OutputFormat format = OutputFormat::kGemma4);
 
  private:
   enum class State { kContent, kReasoning, kCall, kStopped };
@@ -125,7 +136,9 @@ class OutputParser {
     std::string append(std::string_view text);  // what can be emitted now
   };
 
-  OutputParser(State initial_state, bool expect_channel_label);
+  OutputParser(State initial_state, bool expect_channel_label, OutputFormat format);
+  std::optional<std::string_view> stop_marker_at(std::string_view text) const;
+  bool could_become_stop_marker(std::string_view text) const;
 
   // Assigns as much of pending_ as can be decided; with `at_end` everything is decided.
   void drain(bool at_end, ParserDelta& delta);
@@ -139,6 +152,7 @@ class OutputParser {
   std::string next_call_id();
 
   State state_;
+  OutputFormat format_;
   bool expect_channel_label_;  // right after <|channel>: a `thought\n` label may follow
   bool stopped_ = false;
   bool finished_ = false;

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <bit>
+#include <cmath>
 #include <functional>
 #include <limits>
 
@@ -219,10 +220,12 @@ Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
     }
     note_chunk_joiners(merged_piece, tok.underline_joiners_, tok.newline_joiners_);
     const uint64_t key = pair_key(left, right);
+    const auto merge_rank =
+        vocab.merge_ranks.empty() ? static_cast<uint32_t>(rank) : vocab.merge_ranks[rank];
     for (size_t slot = mix_bits(key) & merge_mask;; slot = (slot + 1) & merge_mask) {
       Merge& entry = tok.merges_[slot];
       if (entry.pair_key == kEmptyPair || entry.pair_key == key) {
-        entry = Merge{key, static_cast<uint32_t>(rank), merged};
+        entry = Merge{key, merge_rank, merged};
         break;
       }
     }
@@ -286,9 +289,8 @@ Expected<Tokenizer> Tokenizer::build(LoadedVocab vocab) {
   return tok;
 }
 
-Expected<Tokenizer> Tokenizer::from_vocab(std::vector<std::string> tokens,
-                                          std::span<const int32_t> token_types,
-                                          std::span<const std::string> merges) {
+Expected<Tokenizer::LoadedVocab> Tokenizer::typed_vocab(std::vector<std::string> tokens,
+                                                        std::span<const int32_t> token_types) {
   if (!token_types.empty() && token_types.size() != tokens.size()) {
     return make_error(ErrorCode::kInvalidArgument, "tokenizer has {} tokens but {} token types",
                       tokens.size(), token_types.size());
@@ -309,6 +311,14 @@ Expected<Tokenizer> Tokenizer::from_vocab(std::vector<std::string> tokens,
   if (vocab.unk_token.empty() && std::find(tokens.begin(), tokens.end(), "<unk>") != tokens.end()) {
     vocab.unk_token = "<unk>";
   }
+  vocab.pieces = std::move(tokens);
+  return vocab;
+}
+
+Expected<Tokenizer> Tokenizer::from_vocab(std::vector<std::string> tokens,
+                                          std::span<const int32_t> token_types,
+                                          std::span<const std::string> merges) {
+  GEMMA4_ASSIGN_OR_RETURN(LoadedVocab vocab, typed_vocab(std::move(tokens), token_types));
   vocab.merges.reserve(merges.size());
   for (size_t rank = 0; rank < merges.size(); ++rank) {
     const std::string& merge = merges[rank];
@@ -318,7 +328,65 @@ Expected<Tokenizer> Tokenizer::from_vocab(std::vector<std::string> tokens,
     }
     vocab.merges.emplace_back(merge.substr(0, space), merge.substr(space + 1));
   }
-  vocab.pieces = std::move(tokens);
+  return build(std::move(vocab));
+}
+
+Expected<Tokenizer> Tokenizer::from_scored_vocab(std::vector<std::string> tokens,
+                                                 std::span<const int32_t> token_types,
+                                                 std::span<const float> scores) {
+  if (scores.size() != tokens.size()) {
+    return make_error(ErrorCode::kInvalidArgument, "tokenizer has {} tokens but {} scores",
+                      tokens.size(), scores.size());
+  }
+  for (size_t id = 0; id < scores.size(); ++id) {
+    if (std::isnan(scores[id])) {
+      return make_error(ErrorCode::kInvalidArgument, "score of token {} is NaN", id);
+    }
+  }
+  GEMMA4_ASSIGN_OR_RETURN(LoadedVocab vocab, typed_vocab(std::move(tokens), token_types));
+  // SentencePiece merges only into pieces it looks up as words: normal and user-defined ones
+  // (control, unknown and byte pieces are reserved ids, never the result of a merge).
+  const auto mergeable = [&](size_t id) {
+    if (token_types.empty()) return true;
+    const auto type = static_cast<TokenType>(token_types[id]);
+    return type == TokenType::kNormal || type == TokenType::kUserDefined;
+  };
+  std::unordered_map<std::string_view, int32_t> mergeable_ids;  // the first id of a piece wins
+  mergeable_ids.reserve(vocab.pieces.size());
+  for (size_t id = 0; id < vocab.pieces.size(); ++id) {
+    if (mergeable(id)) mergeable_ids.emplace(vocab.pieces[id], static_cast<int32_t>(id));
+  }
+  struct ScoredMerge {
+    float score;
+    int32_t merged_id;
+    uint32_t split;  // byte length of the left piece
+  };
+  std::vector<ScoredMerge> scored;
+  for (const auto& [piece, id] : mergeable_ids) {
+    uint32_t code_point;
+    for (size_t split = 0; split < piece.size();) {
+      const size_t length = utf8::decode_one(piece.substr(split), code_point);
+      split += std::max<size_t>(length, 1);
+      if (split < piece.size() && mergeable_ids.contains(piece.substr(0, split)) &&
+          mergeable_ids.contains(piece.substr(split))) {
+        scored.push_back(ScoredMerge{scores[id], id, static_cast<uint32_t>(split)});
+      }
+    }
+  }
+  // Rank = position of the score among the distinct scores, highest first; ties in score share a
+  // rank so that the leftmost pair wins, as in SentencePiece.
+  std::sort(scored.begin(), scored.end(), [](const ScoredMerge& a, const ScoredMerge& b) {
+    return a.score != b.score ? a.score > b.score : a.merged_id < b.merged_id;
+  });
+  vocab.merges.reserve(scored.size());
+  vocab.merge_ranks.reserve(scored.size());
+  uint32_t rank = 0;
+  for (size_t i = 0; i < scored.size(); ++i) {
+    if (i > 0 && scored[i].score != scored[i - 1].score) ++rank;
+    const std::string_view piece = vocab.pieces[scored[i].merged_id];
+    vocab.merges.emplace_back(piece.substr(0, scored[i].split), piece.substr(scored[i].split));
+    vocab.merge_ranks.push_back(rank);
+  }
   return build(std::move(vocab));
 }
 

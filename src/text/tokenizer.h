@@ -61,6 +61,16 @@ class Tokenizer {
                                         std::span<const int32_t> token_types,
                                         std::span<const std::string> merges);
 
+  // Builds a SentencePiece BPE tokenizer from a vocabulary with scores and no merges (GGUF
+  // `tokenizer.ggml.model` = "llama", e.g. Gemma 3): BPE repeatedly merges the adjacent pair
+  // whose concatenation is a normal or user-defined piece with the highest score, leftmost on
+  // ties (SentencePiece's bpe_model.cc). That is merge-rank BPE over the merges (left, right) of
+  // every such piece split into two such pieces, ranked by the piece's score (equal scores, equal
+  // rank), which is how it is built. tokens/token_types as in from_vocab; scores: one per token.
+  static Expected<Tokenizer> from_scored_vocab(std::vector<std::string> tokens,
+                                               std::span<const int32_t> token_types,
+                                               std::span<const float> scores);
+
   // Text -> ids. With parse_special=false, the text of special tokens (e.g. "<|turn>") is
   // tokenized as ordinary characters, so user text never yields control ids; non-special added
   // tokens are still matched (HF's `encode_special_tokens=True`). No BOS is added.
@@ -106,7 +116,8 @@ class Tokenizer {
   struct LoadedVocab {
     std::vector<std::string> pieces;  // index = id; holes are "" with exists = 0
     std::vector<uint8_t> exists;
-    std::vector<std::pair<std::string, std::string>> merges;  // rank = index
+    std::vector<std::pair<std::string, std::string>> merges;
+    std::vector<uint32_t> merge_ranks;  // rank of merges[i]; empty: rank = index
     std::vector<AddedToken> added_tokens;
     bool byte_fallback = false;
     bool fuse_unk = false;
@@ -115,6 +126,9 @@ class Tokenizer {
   };
 
   static Expected<Tokenizer> build(LoadedVocab vocab);
+  // The part of from_vocab / from_scored_vocab that reads tokens and token types.
+  static Expected<LoadedVocab> typed_vocab(std::vector<std::string> tokens,
+                                           std::span<const int32_t> token_types);
 
   std::vector<int32_t> encode_with_added_tokens(
       std::string_view text, bool parse_special,

@@ -72,10 +72,10 @@ TEST(ChatTemplate, DetectsVariantFromTemplateText) {
 }
 
 TEST(ChatTemplate, RefusesTemplatesItDoesNotImplement) {
-  auto gemma3 = ChatTemplate::from_template_source(
+  auto gemma2 = ChatTemplate::from_template_source(
       "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m.role }}\n{% endfor %}");
-  ASSERT_FALSE(gemma3.ok());
-  EXPECT_NE(gemma3.error().message.find("Gemma 2/3"), std::string::npos);
+  ASSERT_FALSE(gemma2.ok());
+  EXPECT_NE(gemma2.error().message.find("Gemma 2"), std::string::npos);
 
   auto chatml = ChatTemplate::from_template_source("<|im_start|>{{ message.content }}<|im_end|>");
   ASSERT_FALSE(chatml.ok());
@@ -196,6 +196,84 @@ TEST(ChatTemplateValues, CaseMappingAndEquality) {
   EXPECT_TRUE(chat_values::py_equal(&one, &yes));
   EXPECT_FALSE(chat_values::py_equal(&one, &text));
   EXPECT_TRUE(chat_values::py_equal(nullptr, nullptr));
+}
+
+// Gemma 3: expected prompts are Python Jinja2's renderings of tests/text/data/
+// gemma3-chat-template.jinja (the official google/gemma-3-*-it template) for the same messages.
+ChatTemplate gemma3_template() {
+  auto parsed = ChatTemplate::from_template_source(
+      read_file(std::filesystem::path(GEMMA4_SOURCE_DIR) / "tests" / "text" / "data" /
+                "gemma3-chat-template.jinja"));
+  if (!parsed.ok()) throw std::runtime_error(parsed.error().to_string());
+  return *parsed;
+}
+
+TEST(ChatTemplate, Gemma3TemplateIsRecognisedAndRendersLikeJinja) {
+  const ChatTemplate gemma3 = gemma3_template();
+  EXPECT_EQ(gemma3.variant(), ChatTemplate::Variant::kGemma3);
+  EXPECT_STREQ(chat_template_variant_name(gemma3.variant()), "gemma3");
+  ChatTemplateOptions generation;
+  generation.add_generation_prompt = true;
+  const struct {
+    const char* messages;
+    bool add_generation_prompt;
+    const char* expected;
+  } cases[] = {
+      {R"([{"role":"system","content":"Be brief."},
+           {"role":"user","content":" What is the capital of France? "}])",
+       true,
+       "<bos><start_of_turn>user\nBe brief.\n\nWhat is the capital of France?<end_of_turn>\n"
+       "<start_of_turn>model\n"},
+      {R"([{"role":"user","content":"Hi"},{"role":"assistant","content":"Hello!\n"},
+           {"role":"user","content":[{"type":"image"},{"type":"text","text":" Describe it. "}]}])",
+       false,
+       "<bos><start_of_turn>user\nHi<end_of_turn>\n<start_of_turn>model\nHello!<end_of_turn>\n"
+       "<start_of_turn>user\n<start_of_image>Describe it.<end_of_turn>\n"},
+      {R"([{"role":"system","content":[{"type":"text","text":" sys "}]},
+           {"role":"user","content":"x"}])",
+       true, "<bos><start_of_turn>user\n sys \n\nx<end_of_turn>\n<start_of_turn>model\n"},
+  };
+  for (const auto& c : cases) {
+    ChatTemplateOptions options;
+    options.add_generation_prompt = c.add_generation_prompt;
+    auto prompt = gemma3.render(Json::parse(c.messages), Json(), options);
+    ASSERT_TRUE(prompt.ok()) << prompt.error().to_string();
+    EXPECT_EQ(*prompt, c.expected);
+  }
+  // Roles must alternate (the template raises), and only system/user/assistant exist.
+  const Json not_alternating = Json::parse(R"([{"role":"assistant","content":"a"}])");
+  auto refused = gemma3.render(not_alternating, Json(), generation);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message.find("alternate"), std::string::npos);
+  EXPECT_FALSE(
+      gemma3.render(Json::parse(R"([{"role":"tool","content":"a"}])"), Json(), generation).ok());
+}
+
+TEST(ChatTemplate, Gemma3MarksCallerTextAsUntrusted) {
+  const Json messages =
+      Json::parse(R"([{"role":"system","content":"S"},{"role":"user","content":"<end_of_turn>"}])");
+  auto rendered = gemma3_template().render_with_spans(messages, Json(), ChatTemplateOptions{});
+  ASSERT_TRUE(rendered.ok()) << rendered.error().to_string();
+  std::string caller_text;
+  for (const auto& [begin, end] : rendered->untrusted) {
+    caller_text += rendered->text.substr(begin, end - begin);
+  }
+  EXPECT_EQ(caller_text, "S<end_of_turn>");
+}
+
+TEST(ChatTemplate, StopTokensFollowTheFormat) {
+  const auto texts = [](const ChatTemplate& t) {
+    return std::vector<std::string_view>(t.stop_token_texts().begin(), t.stop_token_texts().end());
+  };
+  EXPECT_EQ(texts(gemma3_template()), (std::vector<std::string_view>{"<end_of_turn>", "<eos>"}));
+  EXPECT_EQ(texts(template_file("compact")),
+            (std::vector<std::string_view>{"<turn|>", "<eos>", "<|tool_response>"}));
+  EXPECT_EQ(gemma3_template().output_format(), OutputFormat::kGemma3);
+  EXPECT_EQ(template_file("full").output_format(), OutputFormat::kGemma4);
+  // Ids come from the vocabulary: a toy one where <end_of_turn> is 1 and <eos> missing.
+  auto toy = Tokenizer::from_vocab({"<unk>", "<end_of_turn>", "a"}, {}, {});
+  ASSERT_TRUE(toy.ok());
+  EXPECT_EQ(gemma3_template().stop_token_ids(*toy), (std::vector<int32_t>{1}));
 }
 
 }  // namespace

@@ -243,6 +243,27 @@ TEST(OutputParser, StopsAtStopMarkersAndIgnoresLaterInput) {
   }
 }
 
+// Gemma 3 output is plain content: Gemma 4's markers are text, <end_of_turn> / <eos> stop it.
+TEST(OutputParser, Gemma3FormatHasOnlyContentAndItsStopMarkers) {
+  const std::string gemma4_markup =
+      "<|channel>thought\nx<channel|><|tool_call>call:f{}<tool_call|>";
+  for (std::string_view stop : kGemma3StopTokenTexts) {
+    const ParsedMessage message = OutputParser::parse(
+        "<start_of_turn>model\n", " Paris. " + gemma4_markup + "<turn|>" + std::string(stop) + "x",
+        OutputFormat::kGemma3);
+    EXPECT_EQ(message.content, "Paris. " + gemma4_markup + "<turn|>");
+    EXPECT_FALSE(message.reasoning_content.has_value());
+    EXPECT_TRUE(message.tool_calls.empty());
+    EXPECT_EQ(message.finish_reason, "stop");
+  }
+  // A prompt ending like a Gemma 4 thinking prompt changes nothing, and streaming holds back
+  // only what may still become a stop marker.
+  auto parser = OutputParser::for_prompt("<|channel>thought\n", OutputFormat::kGemma3);
+  EXPECT_EQ(parser.push("a <end_of").content, "a");
+  EXPECT_EQ(parser.push("_line> b<end_of_turn>").content, " <end_of_line> b");
+  EXPECT_TRUE(parser.stopped());
+}
+
 TEST(OutputParser, HoldsBackOnlyWhatMayBeAMarkerOrTrailingSpace) {
   auto parser = OutputParser::for_prompt("<|turn>model\n");
   EXPECT_EQ(parser.push("Hello <").content, "Hello");

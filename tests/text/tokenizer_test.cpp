@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <fstream>
+#include <limits>
 #include <random>
 #include <string>
 #include <vector>
@@ -231,6 +232,35 @@ TEST(Tokenizer, FromVocabRejectsBadInput) {
   const std::vector<int32_t> short_types{1};
   EXPECT_FALSE(Tokenizer::from_vocab({"a", "b"}, short_types, {}).ok());
   EXPECT_FALSE(Tokenizer::from_vocab({}, {}, {}).ok());
+}
+
+// SentencePiece BPE from scores (GGUF "llama" model). Expected ids follow SentencePiece's rule by
+// hand: merge the adjacent pair whose concatenation is a normal or user-defined piece with the
+// highest score, leftmost on ties.
+TEST(Tokenizer, FromScoredVocabMergesByScore) {
+  //                              0        1   2    3    4     5     6      7       8
+  std::vector<std::string> tokens{"<unk>", "a", "b", "c", "ab", "bc", "abc", "<ab>", "ba"};
+  std::vector<int32_t> types{2, 1, 1, 1, 1, 1, 1, 3, 1};
+  std::vector<float> scores{0, -10, -10, -10, -2, -1, -3, 0, -2};
+  auto tok = Tokenizer::from_scored_vocab(tokens, types, scores);
+  ASSERT_TRUE(tok.ok()) << tok.error().to_string();
+  // "abc": bc (-1) beats ab (-2), then a+bc -> abc.
+  EXPECT_EQ(tok->encode("abc"), (Ids{6}));
+  // "aba": ab and ba tie at -2: the leftmost pair wins.
+  EXPECT_EQ(tok->encode("aba"), (Ids{4, 1}));
+  // "bab": ba (-2) is left of ab (-2).
+  EXPECT_EQ(tok->encode("bab"), (Ids{8, 2}));
+  // A control piece is never a merge result; with parse_special its text is the token.
+  EXPECT_EQ(tok->encode("<ab>"), (Ids{0, 4, 0}));
+  EXPECT_EQ(tok->encode("<ab>", true), (Ids{7}));
+  EXPECT_EQ(tok->decode(Ids{6, 4}), "abcab");
+}
+
+TEST(Tokenizer, FromScoredVocabRejectsBadInput) {
+  const std::vector<float> one_score{0};
+  EXPECT_FALSE(Tokenizer::from_scored_vocab({"a", "b"}, {}, one_score).ok());
+  const std::vector<float> nan_score{0, std::numeric_limits<float>::quiet_NaN()};
+  EXPECT_FALSE(Tokenizer::from_scored_vocab({"a", "b"}, {}, nan_score).ok());
 }
 
 // The GGUF path on the real vocabulary (tokens, types and "a b" merges taken from the JSON, as a
