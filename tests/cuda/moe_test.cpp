@@ -310,6 +310,72 @@ TEST(MoeExperts, Deterministic) {
   }
 }
 
+// Router + experts captured in a CUDA graph with PDL launches (decode and a small batch): the
+// replays give the plain launches' bits, and new logits written between replays are routed
+// (nothing per-step is baked into the graph).
+TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
+  constexpr int kSmallHidden = 256, kSmallInner = 128, kSmallExperts = 32;
+  const ExpertSet set =
+      make_experts(kNvfp4Multiplier, kSmallExperts, kSmallHidden, kSmallInner, 1000);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int tokens : {1, 4}) {
+    SCOPED_TRACE("tokens=" + std::to_string(tokens));
+    DeviceArray<float> logits(tokens * kSmallExperts);
+    DeviceArray<float> scale(testing::random_floats(kSmallExperts, 0.5f, 1.5f, 1001));
+    DeviceArray<float> x(testing::random_floats(tokens * kSmallHidden, -1.0f, 1.0f, 1002));
+    DeviceArray<int32_t> ids(tokens * kTopK);
+    DeviceArray<float> weights(tokens * kTopK);
+    DeviceArray<float> out(tokens * kSmallHidden);
+    DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, kTopK));
+    auto enqueue = [&](bool pdl) {
+      const Launch launch = {stream, pdl};
+      const cudaError_t routed =
+          route_experts(logits.get(), kSmallExperts, tokens, kSmallExperts, kTopK, scale.get(),
+                        ids.get(), weights.get(), launch);
+      if (routed != cudaSuccess) return routed;
+      return run_experts(table, x.get(), kSmallHidden, tokens, kTopK, ids.get(), weights.get(),
+                         out.get(), kSmallHidden, workspace.get(), launch);
+    };
+    auto set_logits = [&](uint32_t seed) {
+      const auto host = testing::random_floats(tokens * kSmallExperts, -4.0f, 4.0f, seed);
+      return cudaMemcpy(logits.get(), host.data(), host.size() * sizeof(float),
+                        cudaMemcpyHostToDevice);
+    };
+
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const cudaError_t captured = enqueue(true);
+    CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_ASSERT_OK(captured);
+    CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (uint32_t step = 0; step < 3; ++step) {
+      // Copies and memsets run on the legacy stream, which `stream` does not wait for.
+      CUDA_ASSERT_OK(set_logits(1100 + step));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      CUDA_ASSERT_OK(enqueue(false));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> plain = out.download();
+      const std::vector<int32_t> plain_ids = ids.download();
+      out.poison();
+      ids.poison();
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(ids.download(), plain_ids) << "step " << step;
+      const std::vector<float> replayed = out.download();
+      EXPECT_EQ(std::memcmp(replayed.data(), plain.data(), plain.size() * sizeof(float)), 0)
+          << "step " << step;
+    }
+    CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+    CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  }
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+}
+
 TEST(MoeExperts, RejectsUnusableExperts) {
   ExpertSet set = make_experts(kW4G32Bf16, 4, 96, 64, 800);
   EXPECT_EQ(check_experts(set.device_views), "");
