@@ -4,7 +4,8 @@
 //     first), renormalised, times per_expert_scale; ids and weights stay in device memory.
 //   run_experts: out[t] = Σ_k w[t][k] · down_e(gelu_tanh(gate_e x[t]) ⊙ up_e x[t]) for the
 //     routed experts only, grouped by expert so each selected expert's weights are read once per
-//     call, for any number of tokens (decode, batches, prefill chunks). Deterministic.
+//     pass (kMoeTokensPerPass tokens), for any number of tokens (decode, batches, prefill).
+//     Deterministic.
 // Expert weights: kW4G32 (bf16/f16/f32 scales), kNVFP4 (divisor or multiplier global scale) or
 // kBF16, dequantized in registers; fp32 activations and accumulation. No host round-trip: every
 // launch is graph-capturable once the layer's MoeExpertTable exists.

@@ -69,7 +69,7 @@ struct MoeRunArgs {
   void* workspace;  // moe_workspace_layout(...).bytes, 16-byte aligned
 };
 
-// Where run_moe keeps its intermediates inside the caller's workspace (byte offsets):
+// Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
 // activations [pairs, inner] f32, expert outputs [pairs, hidden] f32 (pairs = tokens · top_k)
 // and, when tokens > 1, the expert grouping (moe.cu describes it).
 struct MoeWorkspaceLayout {
@@ -80,8 +80,8 @@ struct MoeWorkspaceLayout {
 };
 MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k);
 
-// Enqueues the grouping (tokens > 1), the gate/up kernel, the down kernel and the weighted sum;
-// arguments already validated.
+// Enqueues the grouping (tokens > 1), the gate/up kernel, the down kernel and the weighted sum
+// (down and sum fused into one kernel for a single token); arguments already validated.
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
 
 }  // namespace gemma4::cuda
