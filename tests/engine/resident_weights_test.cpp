@@ -1,0 +1,166 @@
+// ResidentWeights on a backend that cannot read host memory: every weight the engine hands to an
+// operation must lie in the backend's own buffers (a device would fault on a host pointer), and
+// the copied weights must give exactly the logits of the zero-copy views.
+#include "engine/resident_weights.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "engine/gemma4_engine.h"
+#include "model/synth.h"
+#include "model/weights.h"
+#include "test_support.h"
+
+namespace gemma4::engine {
+namespace {
+
+// The CPU reference, posing as a device: reads_host_memory() is false, and every weight pointer
+// an operation receives is checked against the buffers it allocated.
+class DeviceLikeBackend final : public Backend {
+ public:
+  const char* name() const override { return "device-like"; }
+  bool reads_host_memory() const override { return false; }
+
+  Buffer allocate(size_t bytes) override {
+    void* data = std::calloc(std::max<size_t>(bytes, 1), 1);
+    const auto* begin = static_cast<const std::byte*>(data);
+    owned_[begin] = begin + bytes;
+    return Buffer(data, bytes, [this](void* p) {
+      owned_.erase(static_cast<const std::byte*>(p));
+      std::free(p);
+    });
+  }
+  void upload(void* dst, const void* src, size_t bytes) override { cpu_.upload(dst, src, bytes); }
+  void download(void* dst, const void* src, size_t bytes) override {
+    cpu_.download(dst, src, bytes);
+  }
+
+  void embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) override {
+    require(table, "embed table");
+    cpu_.embed(table, ids, scale, out);
+  }
+  void matmul(const quant::QMatrix& w, Rows x, Rows y) override {
+    require(w, "matmul weights");
+    cpu_.matmul(w, x, y);
+  }
+  void rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) override {
+    require(weight, "norm weight");
+    cpu_.rms_norm(x, weight, weight_offset, eps, y);
+  }
+  void rope(Rows x, int head_dim, const int32_t* positions,
+            const model::RopeParams& rope) override {
+    cpu_.rope(x, head_dim, positions, rope);
+  }
+  void gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) override {
+    cpu_.gelu_tanh_mul(gate, multiplier, out);
+  }
+  void add(Rows acc, Rows x) override { cpu_.add(acc, x); }
+  void scale(Rows x, const float* column_scale, float scalar) override {
+    require(column_scale, "column scale");
+    cpu_.scale(x, column_scale, scalar);
+  }
+  void softcap(Rows x, float cap) override { cpu_.softcap(x, cap); }
+  void copy(Rows src, Rows dst) override { cpu_.copy(src, dst); }
+  void write_kv(const KvView& kv, Rows k, Rows v, const int32_t* positions) override {
+    cpu_.write_kv(kv, k, v, positions);
+  }
+  void forget_kv(const KvView& kv, int64_t from_position) override {
+    cpu_.forget_kv(kv, from_position);
+  }
+  void attention(Rows q, const int32_t* positions, const KvView& kv, int window, float scale,
+                 Rows out) override {
+    cpu_.attention(q, positions, kv, window, scale, out);
+  }
+  void route_experts(Rows logits, const RouterParams& router, int32_t* expert_ids,
+                     float* weights) override {
+    require(router.per_expert_scale, "per-expert scale");
+    cpu_.route_experts(logits, router, expert_ids, weights);
+  }
+  void run_experts(std::span<const model::ExpertMatrices> experts, Rows x,
+                   const int32_t* expert_ids, const float* weights, int top_k, Rows out) override {
+    for (const model::ExpertMatrices& e : experts) {
+      require(e.gate, "expert gate");
+      require(e.up, "expert up");
+      require(e.down, "expert down");
+    }
+    cpu_.run_experts(experts, x, expert_ids, weights, top_k, out);
+  }
+
+  // What was read from outside the backend's buffers.
+  const std::set<std::string>& foreign_reads() const { return foreign_; }
+
+ private:
+  bool owns(const void* p) const {
+    const auto* byte = static_cast<const std::byte*>(p);
+    auto it = owned_.upper_bound(byte);
+    if (it == owned_.begin()) return false;
+    --it;
+    return byte >= it->first && byte < it->second;
+  }
+  void require(const void* p, const char* what) {
+    if (p != nullptr && !owns(p)) foreign_.insert(what);
+  }
+  void require(const quant::QMatrix& m, const char* what) {
+    require(m.data, what);
+    require(m.scales, what);
+  }
+
+  backend::cpu::CpuBackend cpu_{2};
+  std::map<const std::byte*, const std::byte*> owned_;  // begin -> end of each live buffer
+  std::set<std::string> foreign_;
+};
+
+class ResidentWeightsTest : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(ResidentWeightsTest, CopiedWeightsAreTheOnlyOnesReadAndGiveIdenticalLogits) {
+  model::SynthOptions synth;
+  synth.config = GetParam();
+  synth.seed = 11;
+  synth.format = model::SynthFormat::kW4A16;
+  synth.grid = model::SynthGrid::kW4G32;
+  synth.output = testing::scratch_dir("resident_" + GetParam());
+  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
+  auto loaded = model::LoadedModel::open(synth.output);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
+
+  EngineOptions options;
+  options.max_sequences = 1;
+  options.max_context = 64;
+  auto device_like = std::make_unique<DeviceLikeBackend>();
+  const DeviceLikeBackend& checker = *device_like;
+  auto copied =
+      Gemma4Engine::create(loaded->config, loaded->weights, std::move(device_like), options);
+  auto viewed = Gemma4Engine::create(loaded->config, loaded->weights,
+                                     std::make_unique<backend::cpu::CpuBackend>(2), options);
+  ASSERT_TRUE(copied.ok() && viewed.ok());
+
+  std::vector<int32_t> prompt{2};
+  for (int i = 1; i < 12; ++i) prompt.push_back(1000 + i * 7919);
+  std::vector<float> a((*copied)->vocab_size()), b((*viewed)->vocab_size());
+  for (auto* engine : {copied->get(), viewed->get()}) {
+    auto sequence = engine->open_sequence();
+    ASSERT_TRUE(sequence.ok());
+    const StepInput input{*sequence, prompt};
+    ASSERT_TRUE(engine->step({&input, 1}, engine == copied->get() ? a : b).ok());
+  }
+  EXPECT_EQ(a, b);
+  EXPECT_TRUE(checker.foreign_reads().empty())
+      << "read from host memory: " << *checker.foreign_reads().begin();
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+}  // namespace
+}  // namespace gemma4::engine
