@@ -127,10 +127,6 @@ class Backend {
   // kernels per token; nullopt when the backend does not count them.
   virtual std::optional<int64_t> kernels_launched() const { return std::nullopt; }
 
-  // Kernels launched so far (a replayed graph counts each of its kernels), for `gemma4 bench`'s
-  // kernels per token; nullopt when the backend does not count them.
-  virtual std::optional<int64_t> kernels_launched() const { return std::nullopt; }
-
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;
   virtual void upload(void* dst, const void* src, size_t bytes) = 0;
