@@ -14,6 +14,7 @@
 #include <limits>
 #include <memory>
 #include <numeric>
+#include <ostream>
 #include <string>
 #include <vector>
 
@@ -347,6 +348,10 @@ struct AttentionCase {
   int64_t chunk;   // queries at the last `chunk` positions
 };
 
+void PrintTo(const AttentionCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
 class CudaAttention : public ::testing::TestWithParam<AttentionCase> {};
 
 TEST_P(CudaAttention, KvStoreForgetAndAttentionMatchTheReference) {
@@ -539,6 +544,10 @@ struct GoldenCase {
   std::string fixture;  // tests/data/golden/<fixture>.json (config, seed, grid)
   model::SynthFormat format;
 };
+
+void PrintTo(const GoldenCase& c, std::ostream* os) {
+  *os << c.fixture;
+}
 
 class CudaGolden : public ::testing::TestWithParam<GoldenCase> {};
 

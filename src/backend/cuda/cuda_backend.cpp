@@ -75,6 +75,11 @@ void CudaBackend::check(cudaError_t status, const char* what) {
   }
 }
 
+void CudaBackend::launched(cudaError_t status, const char* what, int kernels) {
+  check(status, what);
+  if (status == cudaSuccess) kernels_ += kernels;
+}
+
 Launch CudaBackend::launch() {
   cudaSetDevice(device_);
   return {stream_, false};
@@ -156,7 +161,7 @@ void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float s
                                               quant::weight_format_name(table.format)));
     return;
   }
-  check(embed_rows(view_of_table, ids, scale, view(out), launch()), "embed");
+  launched(embed_rows(view_of_table, ids, scale, view(out), launch()), "embed");
 }
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
@@ -170,6 +175,7 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
     const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride};
     status = gemv(w, input, {y.row(done), y.stride}, launch());
     if (status != cudaSuccess) break;
+    ++kernels_;
     done += rows;
   }
   if (status == cudaSuccess) return;
@@ -183,13 +189,13 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
                                               quant::weight_format_name(w.format)));
     return;
   }
-  check(matmul_rows(weights, view(x), view(y), launch()), "matmul");
+  launched(matmul_rows(weights, view(x), view(y), launch()), "matmul");
 }
 
 void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
   if (x.count == 0) return;
-  check(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch()),
-        "rms_norm");
+  launched(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch()),
+           "rms_norm");
 }
 
 void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
@@ -206,41 +212,41 @@ void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
     upload(buffer.data(), inv_freq.data(), sizeof(float) * inv_freq.size());
     table = rope_tables_.emplace(key, std::move(buffer)).first;
   }
-  check(rope_rows(view(x), head_dim, positions, table->second.floats(), launch()), "rope");
+  launched(rope_rows(view(x), head_dim, positions, table->second.floats(), launch()), "rope");
 }
 
 void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
   if (gate.count == 0) return;
-  check(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
+  launched(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
 }
 
 void CudaBackend::add(Rows acc, Rows x) {
   if (acc.count == 0) return;
-  check(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
+  launched(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
 }
 
 void CudaBackend::scale(Rows x, const float* column_scale, float scalar) {
   if (x.count == 0) return;
-  check(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
+  launched(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
 }
 
 void CudaBackend::softcap(Rows x, float cap) {
   if (x.count == 0) return;
-  check(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
+  launched(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
 }
 
 void CudaBackend::copy(Rows src, Rows dst) {
   if (src.count == 0) return;
-  check(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
+  launched(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
 }
 
 void CudaBackend::write_kv(const engine::KvView& kv, Rows k, Rows v, const int32_t* positions) {
   if (k.count == 0) return;
-  check(cuda::write_kv(slots(kv), view(k), view(v), positions, launch()), "write_kv");
+  launched(cuda::write_kv(slots(kv), view(k), view(v), positions, launch()), "write_kv");
 }
 
 void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
-  check(cuda::forget_kv(slots(kv), from_position, launch()), "forget_kv");
+  launched(cuda::forget_kv(slots(kv), from_position, launch()), "forget_kv");
 }
 
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
@@ -271,20 +277,20 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
                                                 {partials, splits}, splits, launch());
     if (status != cudaErrorInvalidValue) {
-      check(status, "attention (decode)");
+      launched(status, "attention (decode)", splits > 1 ? 2 : 1);  // + the split merge
       return;
     }
   }
-  check(attention_rows(view(q), positions, slots(kv), window, scale, view(out), launch()),
-        "attention");
+  launched(attention_rows(view(q), positions, slots(kv), window, scale, view(out), launch()),
+           "attention");
 }
 
 void CudaBackend::route_experts(Rows logits, const engine::RouterParams& router,
                                 int32_t* expert_ids, float* weights) {
   if (logits.count == 0) return;
-  check(route_top_k(view(logits), router.top_k, router.per_expert_scale, expert_ids, weights,
-                    launch()),
-        "route_experts");
+  launched(route_top_k(view(logits), router.top_k, router.per_expert_scale, expert_ids, weights,
+                       launch()),
+           "route_experts");
 }
 
 void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Rows x,
@@ -333,14 +339,15 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
     const Rows gate = Rows::dense(gates, count, expert.gate.rows);
     const Rows up = Rows::dense(ups, count, expert.up.rows);
     const Rows y = Rows::dense(outputs, count, out.width);
-    check(gather_rows(view(x), device_picks + first, n, top_k, view(gathered), launch()),
-          "run_experts (gather)");
+    launched(gather_rows(view(x), device_picks + first, n, top_k, view(gathered), launch()),
+             "run_experts (gather)");
     matmul(expert.gate, gathered, gate);
     matmul(expert.up, gathered, up);
     gelu_tanh_mul(gate, up, gate);
     matmul(expert.down, gate, y);
-    check(scatter_add_rows(view(y), device_picks + first, weights, n, top_k, view(out), launch()),
-          "run_experts (scatter)");
+    launched(
+        scatter_add_rows(view(y), device_picks + first, weights, n, top_k, view(out), launch()),
+        "run_experts (scatter)");
     first += count;
   }
 }

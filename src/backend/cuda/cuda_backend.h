@@ -17,6 +17,7 @@
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -38,6 +39,7 @@ class CudaBackend final : public engine::Backend {
   const char* name() const override { return "cuda"; }
   bool reads_host_memory() const override { return false; }
   Status status() const override { return status_; }
+  std::optional<int64_t> kernels_launched() const override { return kernels_; }
 
   engine::Buffer allocate(size_t bytes) override;
   void upload(void* dst, const void* src, size_t bytes) override;
@@ -83,11 +85,14 @@ class CudaBackend final : public engine::Backend {
   Launch launch();
   // Records the first failure (`what` names the operation).
   void check(cudaError_t status, const char* what);
+  // check() for a kernel wrapper that enqueued `kernels` kernels when it succeeded.
+  void launched(cudaError_t status, const char* what, int kernels = 1);
   void fail(ErrorCode code, std::string message);
 
   int device_ = 0;
   cudaStream_t stream_ = nullptr;
   Status status_;
+  int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
   Scratch expert_picks_, expert_rows_, expert_gates_, expert_ups_, expert_outputs_;
   std::vector<int32_t> host_expert_ids_;
