@@ -103,9 +103,10 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   model->id = args.alias.empty() ? args.model : args.alias;
   model->description = loaded.description();
   model->synthetic = loaded.synthetic;
+  // The chat format's end-of-turn tokens (Gemma 4: <turn|>, <eos>, <|tool_response>; Gemma 3:
+  // <end_of_turn>, <eos>) and the config's eos ids.
+  model->stop_tokens = model->chat_template.stop_token_ids(model->tokenizer);
   for (int id : loaded.model->config.eos_token_ids) model->stop_tokens.push_back(id);
-  if (model->stop_tokens.empty())
-    model->stop_tokens.assign(text::kStopTokenIds.begin(), text::kStopTokenIds.end());
   model->bos_token = model->tokenizer.token_to_id("<bos>");
   model->engine_resources = loaded.model;
   model->engine = std::move(loaded.engine);

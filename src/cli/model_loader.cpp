@@ -8,6 +8,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "cli/gpu_info.h"
 #include "io/hf_hub.h"
+#include "model/gguf_text.h"
 
 namespace gemma4::cli {
 namespace {
@@ -97,6 +98,7 @@ Expected<std::string> read_text_file(const std::filesystem::path& path) {
 }
 
 Expected<text::Tokenizer> load_tokenizer(const std::filesystem::path& path) {
+  if (path.extension() == ".gguf") return model::tokenizer_from_gguf(path);
   const auto file = path / "tokenizer.json";
   auto text = read_text_file(file);
   if (!text.ok())
@@ -114,6 +116,7 @@ Expected<text::ChatTemplate> chat_template_from_file(const std::filesystem::path
 }
 
 Expected<text::ChatTemplate> load_chat_template(const std::filesystem::path& path) {
+  if (path.extension() == ".gguf") return model::chat_template_from_gguf(path);
   const auto file = path / "chat_template.jinja";
   if (!std::filesystem::exists(file))
     return make_error(ErrorCode::kNotFound, "chat template not found: {} is needed", file.string());

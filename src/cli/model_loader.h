@@ -65,10 +65,12 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
 Expected<LoadedEngine> load_engine(const std::filesystem::path& path,
                                    const EngineLoadOptions& options);
 
-// The tokenizer of the model at `path` (today: tokenizer.json in the checkpoint directory).
+// The tokenizer of the model at `path`: tokenizer.json in a checkpoint directory, or a .gguf
+// file's tokenizer metadata.
 Expected<text::Tokenizer> load_tokenizer(const std::filesystem::path& path);
 
-// The chat template of the model at `path` (today: chat_template.jinja in the directory).
+// The chat template of the model at `path`: chat_template.jinja in a checkpoint directory, or a
+// .gguf file's (tokenizer.chat_template, else the one of its architecture).
 Expected<text::ChatTemplate> load_chat_template(const std::filesystem::path& path);
 
 // A chat template from a Jinja file (--chat-template of the scripted test engine).

@@ -69,10 +69,14 @@ Expected<TextPromptRun> TextPromptRun::open(const std::filesystem::path& checkpo
     ids = shared_tokenizer->encode_protected(prompt->text, prompt->untrusted);
   }
 
+  // The chat format's end-of-turn tokens (also for --raw prompts, which follow the format; a
+  // checkpoint without a template gets Gemma 4's).
   std::vector<int32_t> stop_ids = std::move(eos_ids);
-  for (const char* stop : {"<eos>", "<turn|>", "<|tool_response>"}) {  // the template's stops
-    if (const int32_t id = shared_tokenizer->token_to_id(stop); id >= 0) stop_ids.push_back(id);
-  }
+  const auto chat_template = load_chat_template(checkpoint);
+  const auto format = chat_template.ok()
+                          ? *chat_template
+                          : text::ChatTemplate::of_variant(text::ChatTemplate::Variant::kCompact);
+  for (const int32_t id : format.stop_token_ids(*shared_tokenizer)) stop_ids.push_back(id);
   return TextPromptRun(std::move(shared_tokenizer), std::move(ids), std::move(stop_ids));
 }
 

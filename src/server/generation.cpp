@@ -129,7 +129,8 @@ GenerationResult drive_generation(GenerationJob& job,
   const text::Tokenizer& tokenizer = job.model->tokenizer;
   text::IncrementalDetokenizer detokenizer(tokenizer);
   StopMatcher stop_matcher(job.settings.stop);
-  auto parser = text::OutputParser::for_prompt(job.prompt_text);
+  auto parser =
+      text::OutputParser::for_prompt(job.prompt_text, job.model->chat_template.output_format());
   // The forced opener only starts a call: the parser cannot emit anything for it yet.
   if (job.chat && !job.forced_output.empty()) parser.push(job.forced_output);
   bool client_gone = false;
