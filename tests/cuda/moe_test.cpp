@@ -376,6 +376,14 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
+TEST(MoeExperts, KernelCount) {
+  EXPECT_EQ(run_experts_kernel_count(1), 2);
+  EXPECT_EQ(run_experts_kernel_count(2), 4);
+  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass), 4);
+  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
+  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 12);
+}
+
 TEST(MoeExperts, RejectsUnusableExperts) {
   ExpertSet set = make_experts(kW4G32Bf16, 4, 96, 64, 800);
   EXPECT_EQ(check_experts(set.device_views), "");

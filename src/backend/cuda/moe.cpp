@@ -206,6 +206,15 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
   return cudaSuccess;
 }
 
+int run_experts_kernel_count(int tokens) {
+  // Per pass: plan, gate/up, down, combine; a pass of one token: gate/up and the fused down.
+  int kernels = 0;
+  for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
+    kernels += std::min(kMoeTokensPerPass, tokens - first) == 1 ? 2 : 4;
+  }
+  return kernels;
+}
+
 const MoeExpertTable* cached_expert_table(std::span<const model::ExpertMatrices> experts,
                                           std::string* why) {
   static std::mutex mutex;

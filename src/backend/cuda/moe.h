@@ -76,6 +76,9 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
                         int64_t out_stride, void* workspace, const Launch& launch);
 
+// How many kernels run_experts enqueues for `tokens` tokens (launch accounting).
+int run_experts_kernel_count(int tokens);
+
 // The table of `experts` for a caller with nowhere to keep one per layer: built on first use
 // and kept for the process, rebuilt when the experts' descriptors change (a new model at the
 // same address). The first call per layer uploads, so it must not happen during graph capture.
