@@ -3,7 +3,7 @@ Gemma 3 270M, `tokenizer.ggml.model` = "llama": tokens + scores, no merges) agai
 SentencePiece library running the same vocabulary.
 
 The reference is SentencePiece itself: a BPE ModelProto rebuilt from the GGUF's tokens, scores and
-token types (the inverse of llama.cpp's converter: user-defined pieces get their '▁' back, the
+token types (read with a small GGUF metadata reader below) (the inverse of llama.cpp's converter: user-defined pieces get their '▁' back, the
 unknown_token_id piece is typed UNKNOWN), with Gemma's normalizer (identity, no dummy prefix,
 spaces escaped to '▁', byte fallback). transformers' own GGUF loader is no reference here: it
 turns this vocabulary into a Unigram model (GGUFGemmaConverter), which tokenizes differently
@@ -23,6 +23,7 @@ Skipped, with the reason, when the demo GGUF is not installed (scripts/setup ins
 import json
 import os
 import random
+import struct
 import subprocess
 from pathlib import Path
 
@@ -45,13 +46,54 @@ def binary() -> str:
     return path
 
 
+SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q",
+           11: "<q", 12: "<d"}
+
+
+def gguf_metadata(path):
+    """The key/value section of a GGUF v3 file (spec: weight-formats.md section 4.1), read
+    directly: gguf-py's GGUFReader also indexes every tensor and array element and takes ~20 s
+    of CPU on this file."""
+    with open(path, "rb") as f:
+        data = f.read(64 << 20)  # the metadata lies at the start; 64 MiB is ample
+    magic, version, _, kv_count = struct.unpack_from("<IIQQ", data, 0)
+    assert magic == 0x46554747 and version == 3, (magic, version)
+    offset = 24
+
+    def read(value_type):
+        nonlocal offset
+        if value_type == 8:
+            (length,) = struct.unpack_from("<Q", data, offset)
+            offset += 8 + length
+            return data[offset - length:offset].decode()
+        if value_type == 9:
+            element_type, count = struct.unpack_from("<IQ", data, offset)
+            offset += 12
+            if element_type in SCALARS:
+                code = SCALARS[element_type]
+                values = list(struct.unpack_from(f"<{count}{code[1]}", data, offset))
+                offset += count * struct.calcsize(code)
+                return values
+            return [read(element_type) for _ in range(count)]
+        (value,) = struct.unpack_from(SCALARS[value_type], data, offset)
+        offset += struct.calcsize(SCALARS[value_type])
+        return value
+
+    metadata = {}
+    for _ in range(kv_count):
+        key = read(8)
+        (value_type,) = struct.unpack_from("<I", data, offset)
+        offset += 4
+        metadata[key] = read(value_type)
+    return metadata
+
+
 def sentencepiece_from_gguf(path):
-    from gguf import GGUFReader
     from sentencepiece import SentencePieceProcessor
     from sentencepiece import sentencepiece_model_pb2 as model_pb2
 
-    reader = GGUFReader(str(path))
-    field = lambda key: reader.fields[key].contents()  # noqa: E731
+    metadata = gguf_metadata(path)
+    field = metadata.__getitem__
     assert field("tokenizer.ggml.model") == "llama"
     tokens, scores, types = (field("tokenizer.ggml.tokens"), field("tokenizer.ggml.scores"),
                              field("tokenizer.ggml.token_type"))
