@@ -4,9 +4,9 @@ SentencePiece library running the same vocabulary.
 
 The reference is SentencePiece itself: a BPE ModelProto rebuilt from the GGUF's tokens, scores and
 token types (the inverse of llama.cpp's converter: user-defined pieces get their '▁' back, the
-unknown_token_id piece is typed UNKNOWN; the metadata is read by gguf_metadata below), with Gemma's
-normalizer (identity, no dummy prefix,
-spaces escaped to '▁', byte fallback). transformers' own GGUF loader is no reference here: it
+unknown_token_id piece is typed UNKNOWN; the metadata is read by gguf_metadata below), with
+Gemma's normalizer (identity, no dummy prefix, spaces escaped to '▁', byte fallback).
+transformers' own GGUF loader is no reference here: it
 turns this vocabulary into a Unigram model (GGUFGemmaConverter), which tokenizes differently
 (e.g. "Hello world" -> Hell|o|▁w|orld instead of Hello|▁world) and takes minutes to build.
 
