@@ -1,11 +1,15 @@
 // libFuzzer target: GgufFile::parse over arbitrary bytes must return a value or an Error,
-// never crash, and every tensor it returns must lie inside the input.
+// never crash, and every tensor it returns must lie inside the input; a file that parses then
+// goes through the model loader (config from metadata, tensors mapped and repacked), which must
+// fail cleanly too.
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <memory>
 #include <span>
 
 #include "io/gguf.h"
+#include "model/gguf_model.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto bytes = std::as_bytes(std::span(data, size));
@@ -22,5 +26,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     (void)value.array_size();
     (void)value.as_int_array();
   }
+  (void)gemma4::model::gguf_model(std::make_shared<const gemma4::io::GgufFile>(std::move(*file)));
   return 0;
 }

@@ -30,7 +30,7 @@ Expected<model::SynthOptions> resolve(const SynthCliOptions& cli) {
   if (!cli.grid.empty()) {
     if (options.format != model::SynthFormat::kBF16) {
       return make_error(ErrorCode::kInvalidArgument,
-                        "--grid only applies to --format bf16 (w4a16 and nvfp4 use their own)");
+                        "--grid only applies to --format bf16 (the others use their own)");
     }
     GEMMA4_ASSIGN_OR_RETURN(options.grid, model::parse_synth_grid(cli.grid));
   }
@@ -65,12 +65,16 @@ void register_synth(CLI::App& app, int& exit_code) {
       "synth", "Write a deterministic synthetic checkpoint (HF layout) from a seed");
   command->add_option("--config", options->config, "tiny, tiny-moe, e2b, e4b, 26b-a4b, 31b")
       ->required();
-  command->add_option("--format", options->format, "bf16, w4a16 (compressed-tensors), nvfp4");
+  command->add_option("--format", options->format,
+                      "bf16, w4a16 (compressed-tensors), nvfp4, gguf-q4_0, gguf-q4_k (one GGUF "
+                      "file, Gemma 4 metadata and llama.cpp names)");
   command->add_option("--grid", options->grid,
-                      "bf16 only: value grid none, w4g32 (default) or nvfp4; bf16 with a grid "
-                      "holds exactly the dequantised values of that quantized twin");
+                      "bf16 only: value grid none, w4g32 (default), nvfp4 or q4_k; bf16 with a "
+                      "grid holds exactly the dequantised values of that quantized twin "
+                      "(gguf-q4_0: w4g32, gguf-q4_k: q4_k)");
   command->add_option("--seed", options->seed, "PRNG seed");
-  command->add_option("-o,--output", options->output, "output directory")->required();
+  command->add_option("-o,--output", options->output, "output directory (gguf-*: the .gguf file)")
+      ->required();
   command->add_option("--layout", options->layout,
                       "text (Gemma4ForCausalLM, default) or multimodal "
                       "(Gemma4ForConditionalGeneration)");

@@ -318,6 +318,9 @@ Expected<ModelConfig> config_from_gguf(const GgufFile& file) {
     layer.type = types[i];
     const bool full = layer.type == LayerType::kFull;
     layer.head_dim = full ? full_head_dim : sliding_head_dim;
+    if (int64_t{num_heads} * layer.head_dim > kMaxSize) {
+      return meta.invalid("attention.head_count", "times the head dim is not a plausible width");
+    }
     layer.num_q_heads = num_heads;
     layer.num_kv_heads = kv_heads[i];
     if (num_heads % layer.num_kv_heads != 0) {
@@ -573,6 +576,16 @@ class GgufSource final : public TensorSource {
   mutable std::map<std::string, QMatrix> matrices_;
 };
 
+}  // namespace
+
+std::optional<std::string> gguf_tensor_name(std::string_view name) {
+  auto mapped = gguf_name(name);
+  if (!mapped || mapped->expert) return std::nullopt;
+  return mapped->tensor;
+}
+
+namespace {
+
 QuantizationInfo gguf_quantization(const GgufFile& file, const ModelWeights& weights) {
   QuantizationInfo info;
   info.method = QuantizationInfo::Method::kGguf;
@@ -590,7 +603,10 @@ QuantizationInfo gguf_quantization(const GgufFile& file, const ModelWeights& wei
 
 Expected<LoadedModel> open_gguf_model(const std::filesystem::path& path) {
   GEMMA4_ASSIGN_OR_RETURN(GgufFile opened, GgufFile::open(path));
-  auto file = std::make_shared<const GgufFile>(std::move(opened));
+  return gguf_model(std::make_shared<const GgufFile>(std::move(opened)));
+}
+
+Expected<LoadedModel> gguf_model(std::shared_ptr<const GgufFile> file) {
   LoadedModel model;
   GEMMA4_ASSIGN_OR_RETURN(model.config, config_from_gguf(*file));
   GgufSource source(*file, model.config.norm_weight_offset, model.weights);

@@ -10,6 +10,10 @@
 #pragma once
 
 #include <filesystem>
+#include <memory>
+#include <optional>
+#include <string>
+#include <string_view>
 
 #include "core/status.h"
 #include "io/gguf.h"
@@ -22,8 +26,16 @@ namespace gemma4::model {
 // engine does not implement (rope scaling, an unknown architecture), fail naming the key.
 Expected<ModelConfig> config_from_gguf(const io::GgufFile& file);
 
+// llama.cpp's name of a Hugging Face tensor or Linear module name relative to the text model
+// ("layers.3.self_attn.q_proj" -> "blk.3.attn_q.weight", "norm.weight" -> "output_norm.weight");
+// nullopt for names without one. Per-expert names ("layers.3.experts.5.up_proj") are slices of
+// stacked tensors and have none.
+std::optional<std::string> gguf_tensor_name(std::string_view name);
+
 // config_from_gguf + every tensor resolved (repacked where the type needs it). An unsupported
 // tensor type fails naming the tensor and the type.
 Expected<LoadedModel> open_gguf_model(const std::filesystem::path& path);
+// The same over an opened (or parsed) file, which the model keeps alive.
+Expected<LoadedModel> gguf_model(std::shared_ptr<const io::GgufFile> file);
 
 }  // namespace gemma4::model

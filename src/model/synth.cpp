@@ -11,8 +11,11 @@
 #include <nlohmann/json.hpp>
 
 #include "core/numeric.h"
+#include "io/gguf.h"
 #include "io/safetensors.h"
 #include "model/config.h"
+#include "model/gguf_model.h"
+#include "quant/gguf_blocks.h"
 
 namespace gemma4::model {
 namespace {
@@ -142,16 +145,42 @@ void nvfp4_row(uint64_t key, int64_t row, int64_t cols, uint8_t* codes, uint8_t*
   }
 }
 
+// Whether a row of `cols` elements on `grid` is stored as Q4_K (else as w4g32 / Q4_0 levels):
+// K-quant blocks are 256 wide, so narrower matrices fall back (as llama-quantize falls back).
+bool q4_k_row(SynthGrid grid, int64_t cols) {
+  return grid == SynthGrid::kQ4K && cols % quant::kQ4_KBlockElements == 0;
+}
+
+// One row of random bf16 values, normal with the rms of a weight of width `cols`.
+std::vector<float> plain_row(uint64_t key, int64_t row, int64_t cols) {
+  RowRandom rng(key, row);
+  const double rms = weight_rms(cols);
+  std::vector<float> values(static_cast<size_t>(cols));
+  for (auto& v : values) v = round_bf16(static_cast<float>(rng.normal() * rms));
+  return values;
+}
+
+// The Q4_K blocks of a q4_k_row: plain values through quant::quantize_q4_k, whose values are
+// exact in bf16.
+std::vector<std::byte> q4_k_blocks(uint64_t key, int64_t row, int64_t cols) {
+  return quant::quantize_q4_k(plain_row(key, row, cols), 1, cols).value();
+}
+
 // The values of one row of a quantizable matrix on `grid`, as floats (exact in bf16).
 void grid_row_values(SynthGrid grid, uint64_t key, int64_t row, int64_t cols, float* out) {
+  if (q4_k_row(grid, cols)) {
+    const auto values =
+        quant::dequantize_ggml(quant::kGgmlQ4_K, q4_k_blocks(key, row, cols), 1, cols).value();
+    std::copy(values.begin(), values.end(), out);
+    return;
+  }
   switch (grid) {
     case SynthGrid::kNone: {
-      RowRandom rng(key, row);
-      const double rms = weight_rms(cols);
-      for (int64_t k = 0; k < cols; ++k)
-        out[k] = round_bf16(static_cast<float>(rng.normal() * rms));
+      const auto values = plain_row(key, row, cols);
+      std::copy(values.begin(), values.end(), out);
       return;
     }
+    case SynthGrid::kQ4K:  // a row too narrow for Q4_K
     case SynthGrid::kW4G32: {
       std::vector<int8_t> levels(cols);
       std::vector<float> scales(cols / 32);
@@ -179,11 +208,54 @@ void store_bf16(const float* values, int64_t count, std::byte* out) {
   }
 }
 
+// ---- GGUF rows ----------------------------------------------------------------------------------
+
+// The ggml type a quantizable row of `cols` elements on `grid` is written as.
+io::GgufType gguf_row_type(SynthGrid grid, int64_t cols) {
+  return q4_k_row(grid, cols) ? io::GgufType::kQ4_K : io::GgufType::kQ4_0;
+}
+
+int64_t gguf_row_bytes(SynthGrid grid, int64_t cols) {
+  return q4_k_row(grid, cols) ? cols / quant::kQ4_KBlockElements * quant::kQ4_KBlockBytes
+                              : cols / quant::kQ4_0BlockElements * quant::kQ4_0BlockBytes;
+}
+
+// The GGUF blocks of one row: Q4_K blocks, or Q4_0 blocks holding the w4g32 levels and scales
+// (d = the 5-significant-bit scale, exact in fp16; nibble = level + 8).
+void gguf_row(SynthGrid grid, uint64_t key, int64_t row, int64_t cols, std::byte* out) {
+  if (q4_k_row(grid, cols)) {
+    const auto blocks = q4_k_blocks(key, row, cols);
+    std::memcpy(out, blocks.data(), blocks.size());
+    return;
+  }
+  std::vector<int8_t> levels(cols);
+  std::vector<float> scales(cols / 32);
+  w4g32_row(key, row, cols, levels.data(), scales.data());
+  for (int64_t b = 0; b < cols / 32; ++b) {
+    std::byte* block = out + b * quant::kQ4_0BlockBytes;
+    const uint16_t d = float_to_fp16(scales[b]);
+    std::memcpy(block, &d, 2);
+    for (int i = 0; i < 16; ++i) {
+      block[2 + i] =
+          static_cast<std::byte>((levels[32 * b + i] + 8) | ((levels[32 * b + i + 16] + 8) << 4));
+    }
+  }
+}
+
+// llama.cpp's name of an HF tensor of the text model (every tensor synth writes has one).
+std::string gguf_name_of(std::string_view name) {
+  auto mapped = gguf_tensor_name(name);
+  if (!mapped && name.ends_with(".weight"))
+    mapped = gguf_tensor_name(name.substr(0, name.size() - 7));
+  return mapped.value_or(std::string(name));
+}
+
 // ---- Output tensors -----------------------------------------------------------------------------
 
 // One tensor of the file: `rows` independent rows of `row_bytes`, each produced by `fill`.
 struct OutTensor {
-  io::TensorSpec spec;
+  io::TensorSpec spec;      // safetensors checkpoints
+  io::GgufTensorSpec gguf;  // GGUF checkpoints
   int64_t rows = 0;
   size_t row_bytes = 0;
   std::function<void(int64_t row, std::byte* out)> fill;
@@ -196,10 +268,14 @@ class TensorPlan {
  public:
   TensorPlan(const SynthOptions& options, std::string prefix)
       : options_(options), prefix_(std::move(prefix)) {
-    grid_ = options.format == SynthFormat::kW4A16   ? SynthGrid::kW4G32
-            : options.format == SynthFormat::kNVFP4 ? SynthGrid::kNVFP4
-                                                    : options.grid;
+    grid_ = options.format == SynthFormat::kW4A16      ? SynthGrid::kW4G32
+            : options.format == SynthFormat::kNVFP4    ? SynthGrid::kNVFP4
+            : options.format == SynthFormat::kGgufQ4_0 ? SynthGrid::kW4G32
+            : options.format == SynthFormat::kGgufQ4_K ? SynthGrid::kQ4K
+                                                       : options.grid;
   }
+
+  bool gguf() const { return is_gguf(options_.format); }
 
   uint64_t key(std::string_view stream) const {
     return mix64(fnv1a64(stream) ^ mix64(options_.seed));
@@ -208,6 +284,17 @@ class TensorPlan {
   // A bf16 vector whose elements come from `value(rng)`.
   void vector(const std::string& name, int64_t length, std::function<double(RowRandom&)> value) {
     const uint64_t k = key(name);
+    if (gguf()) {  // F32, as llama.cpp stores 1-D tensors, holding the same bf16 values
+      add_gguf({gguf_name_of(name), io::GgufType::kF32, {length}}, 1, 4 * length,
+               [k, length, value](int64_t, std::byte* out) {
+                 RowRandom rng(k, 0);
+                 for (int64_t i = 0; i < length; ++i) {
+                   const float v = round_bf16(static_cast<float>(value(rng)));
+                   std::memcpy(out + 4 * i, &v, 4);
+                 }
+               });
+      return;
+    }
     add({prefix_ + name, DType::kBF16, {length}}, 1, 2 * length,
         [k, length, value](int64_t, std::byte* out) {
           RowRandom rng(k, 0);
@@ -225,13 +312,17 @@ class TensorPlan {
   // A matrix that stays bf16 in every format (embeddings, PLE table and projection, router).
   void plain_matrix(const std::string& name, int64_t rows, int64_t cols, double stddev) {
     const uint64_t k = key(name);
-    add({prefix_ + name, DType::kBF16, {rows, cols}}, rows, 2 * cols,
-        [k, cols, stddev](int64_t row, std::byte* out) {
-          RowRandom rng(k, row);
-          std::vector<float> values(cols);
-          for (auto& v : values) v = static_cast<float>(rng.normal() * stddev);
-          store_bf16(values.data(), cols, out);
-        });
+    auto fill = [k, cols, stddev](int64_t row, std::byte* out) {
+      RowRandom rng(k, row);
+      std::vector<float> values(cols);
+      for (auto& v : values) v = static_cast<float>(rng.normal() * stddev);
+      store_bf16(values.data(), cols, out);
+    };
+    if (gguf()) {
+      add_gguf({gguf_name_of(name), io::GgufType::kBF16, {cols, rows}}, rows, 2 * cols, fill);
+    } else {
+      add({prefix_ + name, DType::kBF16, {rows, cols}}, rows, 2 * cols, fill);
+    }
   }
 
   // A Linear `<module>` [rows, cols] in the checkpoint's format.
@@ -240,6 +331,13 @@ class TensorPlan {
     const std::string name = prefix_ + module;
     const SynthGrid grid = grid_;
     switch (options_.format) {
+      case SynthFormat::kGgufQ4_0:
+      case SynthFormat::kGgufQ4_K:
+        add_gguf({gguf_name_of(module), gguf_row_type(grid, cols), {cols, rows}}, rows,
+                 gguf_row_bytes(grid, cols), [k, cols, grid](int64_t row, std::byte* out) {
+                   gguf_row(grid, k, row, cols, out);
+                 });
+        return;
       case SynthFormat::kBF16:
         add({name + ".weight", DType::kBF16, {rows, cols}}, rows, 2 * cols,
             [k, cols, grid](int64_t row, std::byte* out) {
@@ -303,7 +401,7 @@ class TensorPlan {
     auto stream = [&](int64_t e, const char* which) {
       return fmt::format("{}experts.{}.{}", layer, e, which);
     };
-    if (options_.format != SynthFormat::kBF16) {
+    if (options_.format != SynthFormat::kBF16 && !gguf()) {
       for (int64_t e = 0; e < experts; ++e) {
         linear(stream(e, "gate_proj"), width, hidden);
         linear(stream(e, "up_proj"), width, hidden);
@@ -318,6 +416,22 @@ class TensorPlan {
       down.push_back(key(stream(e, "down_proj")));
     }
     const SynthGrid grid = grid_;
+    if (gguf()) {  // stacked {K, N, E} tensors of quantized rows (spec 4.5)
+      add_gguf({gguf_name_of(layer + "experts.gate_up_proj"),
+                gguf_row_type(grid, hidden),
+                {hidden, 2 * width, experts}},
+               experts * 2 * width, gguf_row_bytes(grid, hidden), [=](int64_t row, std::byte* out) {
+                 const int64_t e = row / (2 * width), r = row % (2 * width);
+                 gguf_row(grid, r < width ? gate[e] : up[e], r % width, hidden, out);
+               });
+      add_gguf({gguf_name_of(layer + "experts.down_proj"),
+                gguf_row_type(grid, width),
+                {width, hidden, experts}},
+               experts * hidden, gguf_row_bytes(grid, width), [=](int64_t row, std::byte* out) {
+                 gguf_row(grid, down[row / hidden], row % hidden, width, out);
+               });
+      return;
+    }
     add({prefix_ + layer + "experts.gate_up_proj", DType::kBF16, {experts, 2 * width, hidden}},
         experts * 2 * width, 2 * hidden, [=](int64_t row, std::byte* out) {
           const int64_t e = row / (2 * width), r = row % (2 * width);
@@ -333,12 +447,18 @@ class TensorPlan {
         });
   }
 
+  // A GGUF tensor by its llama.cpp name (also those without an HF counterpart: rope_freqs).
+  void add_gguf(io::GgufTensorSpec spec, int64_t rows, size_t row_bytes,
+                std::function<void(int64_t, std::byte*)> fill) {
+    tensors_.push_back({{}, std::move(spec), rows, row_bytes, std::move(fill)});
+  }
+
   std::vector<OutTensor>& tensors() { return tensors_; }
 
  private:
   void add(io::TensorSpec spec, int64_t rows, size_t row_bytes,
            std::function<void(int64_t, std::byte*)> fill) {
-    tensors_.push_back({std::move(spec), rows, row_bytes, std::move(fill)});
+    tensors_.push_back({std::move(spec), {}, rows, row_bytes, std::move(fill)});
   }
 
   const SynthOptions& options_;
@@ -465,13 +585,11 @@ Status copy_into(const std::filesystem::path& source, const std::filesystem::pat
   return Status::ok_status();
 }
 
-// Streams all tensors: rows are generated in chunks of about 32 MiB, split over threads.
-Status write_tensors(const SynthOptions& options, std::vector<OutTensor>& tensors) {
-  std::vector<io::TensorSpec> specs;
-  for (const auto& tensor : tensors) specs.push_back(tensor.spec);
-  GEMMA4_ASSIGN_OR_RETURN(auto writer,
-                          io::ShardedSafetensorsWriter::create(options.output, std::move(specs),
-                                                               options.max_shard_bytes));
+// Streams all tensors into `writer` (safetensors or GGUF: both take the data in spec order):
+// rows are generated in chunks of about 32 MiB, split over threads.
+template <typename Writer>
+Status stream_tensors(const SynthOptions& options, const std::vector<OutTensor>& tensors,
+                      Writer& writer) {
   const int threads =
       options.threads > 0 ? options.threads : std::max(1u, std::thread::hardware_concurrency());
   std::vector<std::byte> buffer;
@@ -497,20 +615,145 @@ Status write_tensors(const SynthOptions& options, std::vector<OutTensor>& tensor
   return writer.finish();
 }
 
+Status write_tensors(const SynthOptions& options, const std::vector<OutTensor>& tensors) {
+  std::vector<io::TensorSpec> specs;
+  for (const auto& tensor : tensors) specs.push_back(tensor.spec);
+  GEMMA4_ASSIGN_OR_RETURN(auto writer,
+                          io::ShardedSafetensorsWriter::create(options.output, std::move(specs),
+                                                               options.max_shard_bytes));
+  return stream_tensors(options, tensors, writer);
+}
+
+// ---- GGUF checkpoints ---------------------------------------------------------------------------
+
+using GgufMetadata = std::vector<std::pair<std::string, io::GgufValue>>;
+
+// A per-layer size: a UINT32 when every layer has the same, else an INT32 array (spec 4.3).
+io::GgufValue per_layer(const std::vector<int64_t>& values) {
+  if (std::all_of(values.begin(), values.end(), [&](int64_t v) { return v == values[0]; })) {
+    return io::GgufValue::u32(static_cast<uint32_t>(values[0]));
+  }
+  return io::GgufValue::array(io::GgufValueType::kI32, values);
+}
+
+// The gemma4.* keys of spec 4.3 for `config` (the inverse of config_from_gguf).
+GgufMetadata gguf_metadata(const ModelConfig& config, const std::string& preset) {
+  const auto u32 = [](int64_t v) { return io::GgufValue::u32(static_cast<uint32_t>(v)); };
+  const auto f32 = [](double v) { return io::GgufValue::f32(static_cast<float>(v)); };
+  const LayerGeometry* full = nullptr;
+  const LayerGeometry* sliding = nullptr;
+  std::vector<int64_t> ffn, kv_heads;
+  std::vector<bool> sliding_pattern;
+  for (const auto& layer : config.layers) {
+    (layer.type == LayerType::kFull ? full : sliding) = &layer;
+    ffn.push_back(layer.ffn_width);
+    kv_heads.push_back(layer.num_kv_heads);
+    sliding_pattern.push_back(layer.type == LayerType::kSliding);
+  }
+  if (!full) full = &config.layers.back();
+  if (!sliding) sliding = full;
+  GgufMetadata m = {
+      {"general.architecture", io::GgufValue::string("gemma4")},
+      {"general.name", io::GgufValue::string("gemma4 synthetic " + preset)},
+      {"gemma4.context_length", u32(config.max_position_embeddings)},
+      {"gemma4.embedding_length", u32(config.hidden_size)},
+      {"gemma4.block_count", u32(config.num_layers)},
+      {"gemma4.feed_forward_length", per_layer(ffn)},
+      {"gemma4.attention.head_count", u32(config.layers[0].num_q_heads)},
+      {"gemma4.attention.head_count_kv", per_layer(kv_heads)},
+      {"gemma4.attention.key_length", u32(full->head_dim)},
+      {"gemma4.attention.value_length", u32(full->head_dim)},
+      {"gemma4.attention.key_length_swa", u32(sliding->head_dim)},
+      {"gemma4.attention.value_length_swa", u32(sliding->head_dim)},
+      {"gemma4.attention.layer_norm_rms_epsilon", f32(config.rms_norm_eps)},
+      {"gemma4.attention.sliding_window", u32(config.sliding_window)},
+      {"gemma4.attention.sliding_window_pattern",
+       io::GgufValue::array(io::GgufValueType::kBool, sliding_pattern)},
+      {"gemma4.attention.shared_kv_layers", u32(config.num_kv_shared_layers)},
+      {"gemma4.embedding_length_per_layer_input", u32(config.ple_dim)},
+      {"gemma4.rope.freq_base", f32(full->rope.theta)},
+      {"gemma4.rope.freq_base_swa", f32(sliding->rope.theta)},
+      {"gemma4.rope.dimension_count", u32(full->rope.exponent_denominator)},
+      {"gemma4.rope.dimension_count_swa", u32(sliding->rope.exponent_denominator)},
+      {"gemma4.final_logit_softcapping", f32(config.final_logit_softcap)},
+      {"tokenizer.ggml.bos_token_id", u32(config.bos_token_id)},
+      {"tokenizer.ggml.eos_token_id", u32(config.eos_token_ids.at(0))},
+      {"tokenizer.ggml.padding_token_id", u32(config.pad_token_id)},
+  };
+  if (config.moe) {
+    m.push_back({"gemma4.expert_count", u32(config.moe_params.num_experts)});
+    m.push_back({"gemma4.expert_used_count", u32(config.moe_params.top_k)});
+    m.push_back({"gemma4.expert_feed_forward_length", u32(config.moe_params.intermediate_size)});
+  }
+  return m;
+}
+
+// rope_freqs.weight (spec 4.3): per-pair frequency divisors of the full layers, 1 for the pairs
+// that rotate and 1e30 for the rest (proportional rope).
+void plan_rope_freqs(const ModelConfig& config, TensorPlan& plan) {
+  const auto full = std::find_if(config.layers.begin(), config.layers.end(),
+                                 [](const LayerGeometry& l) { return l.type == LayerType::kFull; });
+  if (full == config.layers.end()) return;
+  const int64_t pairs = full->rope.exponent_denominator / 2;
+  const int64_t rotated = full->rope.rotated_pairs;
+  plan.add_gguf({"rope_freqs.weight", io::GgufType::kF32, {pairs}}, 1, 4 * pairs,
+                [pairs, rotated](int64_t, std::byte* out) {
+                  for (int64_t i = 0; i < pairs; ++i) {
+                    const float divisor = i < rotated ? 1.0f : 1e30f;
+                    std::memcpy(out + 4 * i, &divisor, 4);
+                  }
+                });
+}
+
+Status write_gguf(const SynthOptions& options, const ModelConfig& config,
+                  const std::vector<OutTensor>& tensors) {
+  std::vector<io::GgufTensorSpec> specs;
+  for (const auto& tensor : tensors) specs.push_back(tensor.gguf);
+  GEMMA4_ASSIGN_OR_RETURN(
+      auto writer, io::GgufWriter::create(options.output, gguf_metadata(config, options.config),
+                                          std::move(specs)));
+  return stream_tensors(options, tensors, writer);
+}
+
+Status synthesize_gguf(const SynthOptions& options, const ModelConfig& config) {
+  if (options.output.extension() != ".gguf") {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "synth: GGUF formats write one file: the output must end in .gguf, got {}",
+                      options.output.string());
+  }
+  if (!options.tokenizer.empty() || !options.chat_template.empty()) {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "synth: --tokenizer / --chat-template apply to safetensors checkpoints");
+  }
+  if (options.output.has_parent_path()) {
+    std::error_code error;
+    std::filesystem::create_directories(options.output.parent_path(), error);
+  }
+  TensorPlan plan(options, "");
+  plan_model(config, plan);
+  plan_rope_freqs(config, plan);
+  return write_gguf(options, config, plan.tensors());
+}
+
 }  // namespace
 
 Expected<SynthFormat> parse_synth_format(std::string_view name) {
   if (name == "bf16") return SynthFormat::kBF16;
   if (name == "w4a16") return SynthFormat::kW4A16;
   if (name == "nvfp4") return SynthFormat::kNVFP4;
-  return make_error(ErrorCode::kInvalidArgument, "unknown format '{}' (bf16, w4a16, nvfp4)", name);
+  if (name == "gguf-q4_0") return SynthFormat::kGgufQ4_0;
+  if (name == "gguf-q4_k") return SynthFormat::kGgufQ4_K;
+  return make_error(ErrorCode::kInvalidArgument,
+                    "unknown format '{}' (bf16, w4a16, nvfp4, gguf-q4_0, gguf-q4_k)", name);
 }
 
 Expected<SynthGrid> parse_synth_grid(std::string_view name) {
   if (name == "none") return SynthGrid::kNone;
   if (name == "w4g32") return SynthGrid::kW4G32;
   if (name == "nvfp4") return SynthGrid::kNVFP4;
-  return make_error(ErrorCode::kInvalidArgument, "unknown grid '{}' (none, w4g32, nvfp4)", name);
+  if (name == "q4_k") return SynthGrid::kQ4K;
+  return make_error(ErrorCode::kInvalidArgument, "unknown grid '{}' (none, w4g32, nvfp4, q4_k)",
+                    name);
 }
 
 Status synthesize_checkpoint(const SynthOptions& options) {
@@ -520,6 +763,7 @@ Status synthesize_checkpoint(const SynthOptions& options) {
   GEMMA4_ASSIGN_OR_RETURN(json text, preset_text_config(options.config));
   json config_json = hf_config_json(text, options.layout);
   GEMMA4_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::from_hf_json(config_json));
+  if (is_gguf(options.format)) return synthesize_gguf(options, config);
   if (options.format != SynthFormat::kBF16) {
     config_json["quantization_config"] = quantization_config(config, options.format);
   }

@@ -27,9 +27,17 @@
 
 namespace gemma4::model {
 
-enum class SynthFormat : uint8_t { kBF16, kW4A16, kNVFP4 };
+// kGgufQ4_0 / kGgufQ4_K: one GGUF file (spec 4), Gemma 4 metadata and llama.cpp tensor names;
+// quantizable matrices as Q4_0 blocks (grid w4g32) or Q4_K blocks (grid q4_k), everything else
+// BF16 (matrices) or F32 (vectors) holding the bf16 values of the safetensors twin.
+enum class SynthFormat : uint8_t { kBF16, kW4A16, kNVFP4, kGgufQ4_0, kGgufQ4_K };
+inline bool is_gguf(SynthFormat format) {
+  return format == SynthFormat::kGgufQ4_0 || format == SynthFormat::kGgufQ4_K;
+}
 // The value grid of the quantizable matrices. kNone: plain bf16 values (bf16 format only).
-enum class SynthGrid : uint8_t { kNone, kW4G32, kNVFP4 };
+// kQ4K: plain values through quant::quantize_q4_k (exact in bf16) where K % 256 == 0, the w4g32
+// grid on narrower matrices (where the gguf-q4_k file falls back to Q4_0).
+enum class SynthGrid : uint8_t { kNone, kW4G32, kNVFP4, kQ4K };
 
 struct SynthOptions {
   std::string config = "tiny";  // a preset name (presets.h)
@@ -38,6 +46,7 @@ struct SynthOptions {
   SynthGrid grid = SynthGrid::kW4G32;
   uint64_t seed = 0;
   ConfigLayout layout = ConfigLayout::kText;
+  // A directory; for the GGUF formats the .gguf file.
   std::filesystem::path output;
   // Copied in as tokenizer.json / chat_template.jinja when set.
   std::filesystem::path tokenizer;
@@ -50,7 +59,8 @@ struct SynthOptions {
 // Writes the checkpoint into options.output (created; existing checkpoint files are replaced).
 Status synthesize_checkpoint(const SynthOptions& options);
 
-Expected<SynthFormat> parse_synth_format(std::string_view name);  // bf16, w4a16, nvfp4
-Expected<SynthGrid> parse_synth_grid(std::string_view name);      // none, w4g32, nvfp4
+// bf16, w4a16, nvfp4, gguf-q4_0, gguf-q4_k
+Expected<SynthFormat> parse_synth_format(std::string_view name);
+Expected<SynthGrid> parse_synth_grid(std::string_view name);  // none, w4g32, nvfp4, q4_k
 
 }  // namespace gemma4::model
