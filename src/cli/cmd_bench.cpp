@@ -141,7 +141,7 @@ class Bench {
     options.engine.max_context = context;
     GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, create_engine(path_, model_, options));
     backend_description_ = loaded.backend_description;
-    on_gpu_ = loaded.backend_description.find("CUDA") != std::string::npos;
+    on_gpu_ = loaded.device == Device::kCuda;
     sample_memory();
     return loaded;
   }

@@ -10,27 +10,31 @@
 #include "io/hf_hub.h"
 #include "model/gguf_text.h"
 
+#if GEMMA4_HAS_CUDA
+#include "backend/cuda/cuda_backend.h"
+#endif
+
 namespace gemma4::cli {
 namespace {
 
 struct ChosenBackend {
   std::unique_ptr<engine::Backend> backend;
+  Device device = Device::kCpu;
   std::string description;
 };
 
-Expected<ChosenBackend> make_cpu_backend(int threads) {
-  return ChosenBackend{std::make_unique<backend::cpu::CpuBackend>(threads), "CPU reference engine"};
-}
-
 Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
-  const bool have_gpu = cuda_device_count() > 0;
-  if (options.device == Device::kCpu || (options.device == Device::kAuto && !have_gpu))
-    return make_cpu_backend(options.threads);
+  if (options.device == Device::kCpu ||
+      (options.device == Device::kAuto && cuda_device_count() == 0)) {
+    return ChosenBackend{std::make_unique<backend::cpu::CpuBackend>(options.threads), Device::kCpu,
+                         "CPU reference engine"};
+  }
 #if GEMMA4_HAS_CUDA
-  if (!have_gpu)
-    return make_error(ErrorCode::kUnsupported, "--device cuda: no CUDA GPU is visible");
-  return make_error(ErrorCode::kUnsupported,
-                    "--device cuda: the CUDA engine is not in this build yet (use --device cpu)");
+  constexpr int kGpu = 0;
+  auto backend = cuda::make_cuda_backend(kGpu);
+  if (!backend.ok()) return backend.error().with_context("--device cuda");
+  return ChosenBackend{std::move(backend).value(), Device::kCuda,
+                       fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu)};
 #else
   return make_error(ErrorCode::kUnsupported,
                     "--device cuda: this gemma4 was built without the CUDA backend "
@@ -75,6 +79,7 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.model = std::move(model);
   GEMMA4_ASSIGN_OR_RETURN(ChosenBackend chosen, make_backend(options));
   loaded.backend = chosen.backend.get();
+  loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
   GEMMA4_ASSIGN_OR_RETURN(loaded.engine,
                           engine::Gemma4Engine::create(loaded.model->config, loaded.model->weights,

@@ -41,6 +41,7 @@ struct LoadedEngine {
   std::shared_ptr<model::LoadedModel> model;
   // Owned by `engine`; kept to ask the backend for its own statistics (bench).
   const engine::Backend* backend = nullptr;
+  Device device = Device::kCpu;     // the backend --device resolved to (never kAuto)
   std::string backend_description;  // "CPU reference engine", "CUDA engine on NVIDIA H200"
   bool synthetic = false;           // a `gemma4 synth` checkpoint: random weights
   std::unique_ptr<engine::Gemma4Engine> engine;
