@@ -7,8 +7,8 @@
 #include <cstring>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <set>
 #include <tuple>
+#include <unordered_set>
 
 namespace gemma4::io {
 namespace {
@@ -19,37 +19,55 @@ using Json = nlohmann::json;
 
 constexpr std::string_view kMetadataKey = "__metadata__";
 
-// Parses JSON text, rejecting duplicate keys in any object (nlohmann keeps the last one
-// silently; the spec says such a header is invalid).
-Expected<Json> parse_json_without_duplicates(std::string_view text) {
-  std::vector<std::set<std::string>> keys_per_open_object;
+// SAX handler that only looks for a key repeated within one object (nlohmann keeps the last one
+// silently; the spec says such a header is invalid). It runs as a second pass because nlohmann's
+// DOM parser with a callback rescans the parent object at every object end: quadratic in the
+// tensor count, 86 % of `gemma4 inspect`'s time on the 35k-tensor 26B-A4B checkpoint.
+class DuplicateKeyFinder final : public nlohmann::json_sax<Json> {
+ public:
   std::optional<std::string> duplicate;
-  auto track_keys = [&](int /*depth*/, Json::parse_event_t event, Json& parsed) {
-    switch (event) {
-      case Json::parse_event_t::object_start:
-        keys_per_open_object.emplace_back();
-        break;
-      case Json::parse_event_t::object_end:
-        keys_per_open_object.pop_back();
-        break;
-      case Json::parse_event_t::key:
-        if (!keys_per_open_object.back().insert(parsed.get<std::string>()).second && !duplicate) {
-          duplicate = parsed.get<std::string>();
-        }
-        break;
-      default:
-        break;
-    }
+
+  bool start_object(std::size_t) override {
+    keys_per_open_object_.emplace_back();
     return true;
-  };
+  }
+  bool end_object() override {
+    keys_per_open_object_.pop_back();
+    return true;
+  }
+  bool key(string_t& key) override {
+    if (!keys_per_open_object_.back().insert(key).second) duplicate = key;
+    return !duplicate;  // the first duplicate ends the pass
+  }
+  bool null() override { return true; }
+  bool boolean(bool) override { return true; }
+  bool number_integer(number_integer_t) override { return true; }
+  bool number_unsigned(number_unsigned_t) override { return true; }
+  bool number_float(number_float_t, const string_t&) override { return true; }
+  bool string(string_t&) override { return true; }
+  bool binary(binary_t&) override { return true; }
+  bool start_array(std::size_t) override { return true; }
+  bool end_array() override { return true; }
+  bool parse_error(std::size_t, const std::string&, const nlohmann::detail::exception&) override {
+    return false;  // the DOM parse reports syntax errors
+  }
+
+ private:
+  std::vector<std::unordered_set<std::string>> keys_per_open_object_;
+};
+
+// Parses JSON text, rejecting duplicate keys in any object.
+Expected<Json> parse_json_without_duplicates(std::string_view text) {
   Json json;
   try {
-    json = Json::parse(text.begin(), text.end(), track_keys);
+    json = Json::parse(text.begin(), text.end());
   } catch (const Json::exception& e) {
     return make_error(ErrorCode::kInvalidArgument, "invalid JSON: {}", e.what());
   }
-  if (duplicate) {
-    return make_error(ErrorCode::kInvalidArgument, "duplicate key '{}'", *duplicate);
+  DuplicateKeyFinder finder;
+  Json::sax_parse(text.begin(), text.end(), &finder);
+  if (finder.duplicate) {
+    return make_error(ErrorCode::kInvalidArgument, "duplicate key '{}'", *finder.duplicate);
   }
   return json;
 }
