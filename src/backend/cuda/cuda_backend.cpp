@@ -10,6 +10,7 @@
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/moe.h"
 #include "quant/qmatrix.h"
 
 namespace gemma4::cuda {
@@ -288,8 +289,9 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
 void CudaBackend::route_experts(Rows logits, const engine::RouterParams& router,
                                 int32_t* expert_ids, float* weights) {
   if (logits.count == 0) return;
-  launched(route_top_k(view(logits), router.top_k, router.per_expert_scale, expert_ids, weights,
-                       launch()),
+  launched(cuda::route_experts(logits.data, logits.stride, static_cast<int>(logits.count),
+                               static_cast<int>(logits.width), router.top_k,
+                               router.per_expert_scale, expert_ids, weights, launch()),
            "route_experts");
 }
 
@@ -297,59 +299,21 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
                               const int32_t* expert_ids, const float* weights, int top_k,
                               Rows out) {
   if (out.count == 0) return;
-  check(cudaMemset2DAsync(out.data, sizeof(float) * out.stride, 0, sizeof(float) * out.width,
-                          out.count, launch().stream),
-        "run_experts (clear)");
-  // The chosen experts, read back once per call (a host sync: the grouped MoE kernels will
-  // replace this loop), then (token, slot) picks sorted by expert, so each expert runs once.
-  const int64_t total = x.count * top_k;
-  host_expert_ids_.resize(total);
-  download(host_expert_ids_.data(), expert_ids, sizeof(int32_t) * total);
-  if (!status_.ok()) return;
-  const auto num_experts = static_cast<int64_t>(experts.size());
-  std::vector<int32_t> picks(total);
-  std::iota(picks.begin(), picks.end(), 0);
-  for (int32_t id : host_expert_ids_) {
-    if (id < 0 || id >= num_experts) {
-      fail(ErrorCode::kInternal,
-           fmt::format("CUDA backend: run_experts got expert id {} of {}", id, num_experts));
-      return;
-    }
+  const Launch on_stream = launch();  // the device is current before the table is made
+  // The grouped MoE kernels (moe.h): no host round-trip; the layer's descriptor table is
+  // uploaded on its first call and reused after.
+  std::string why;
+  const MoeExpertTable* table = cached_expert_table(experts, &why);
+  if (table == nullptr) {
+    fail(ErrorCode::kUnsupported, fmt::format("CUDA backend: run_experts: {}", why));
+    return;
   }
-  std::stable_sort(picks.begin(), picks.end(),
-                   [&](int32_t a, int32_t b) { return host_expert_ids_[a] < host_expert_ids_[b]; });
-  auto* device_picks =
-      static_cast<int32_t*>(scratch(expert_picks_, sizeof(int32_t) * std::max<int64_t>(total, 1)));
-  const int64_t inner = experts.empty() ? 0 : experts[0].gate.rows;
-  auto* rows = static_cast<float*>(scratch(expert_rows_, sizeof(float) * x.count * x.width));
-  auto* gates = static_cast<float*>(scratch(expert_gates_, sizeof(float) * x.count * inner));
-  auto* ups = static_cast<float*>(scratch(expert_ups_, sizeof(float) * x.count * inner));
-  auto* outputs =
-      static_cast<float*>(scratch(expert_outputs_, sizeof(float) * x.count * out.width));
+  const auto tokens = static_cast<int>(out.count);
+  void* workspace = scratch(expert_outputs_, moe_workspace_bytes(*table, tokens, top_k));
   if (!status_.ok()) return;
-  upload(device_picks, picks.data(), sizeof(int32_t) * total);
-
-  for (int64_t first = 0; first < total;) {
-    const int32_t e = host_expert_ids_[picks[first]];
-    int64_t count = 1;
-    while (first + count < total && host_expert_ids_[picks[first + count]] == e) ++count;
-    const model::ExpertMatrices& expert = experts[e];
-    const int n = static_cast<int>(count);
-    const Rows gathered = Rows::dense(rows, count, x.width);
-    const Rows gate = Rows::dense(gates, count, expert.gate.rows);
-    const Rows up = Rows::dense(ups, count, expert.up.rows);
-    const Rows y = Rows::dense(outputs, count, out.width);
-    launched(gather_rows(view(x), device_picks + first, n, top_k, view(gathered), launch()),
-             "run_experts (gather)");
-    matmul(expert.gate, gathered, gate);
-    matmul(expert.up, gathered, up);
-    gelu_tanh_mul(gate, up, gate);
-    matmul(expert.down, gate, y);
-    launched(
-        scatter_add_rows(view(y), device_picks + first, weights, n, top_k, view(out), launch()),
-        "run_experts (scatter)");
-    first += count;
-  }
+  launched(cuda::run_experts(*table, x.data, x.stride, tokens, top_k, expert_ids, weights, out.data,
+                             out.stride, workspace, on_stream),
+           "run_experts", run_experts_kernel_count(tokens));
 }
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device) {
