@@ -197,19 +197,22 @@ class Bench {
   }
 
   // Aggregate decode of several streams at a short depth, on an engine with one sequence each.
+  // Stream counts beyond --parallel are clipped to it.
   Status run_batched() {
     std::vector<int> batches;
     for (int batch : args_.batches)
-      if (batch > 1 && batch <= args_.parallel) batches.push_back(batch);
-    if (batches.empty()) return Status::ok_status();
-    const int largest = *std::max_element(batches.begin(), batches.end());
-    GEMMA4_ASSIGN_OR_RETURN(
-        LoadedEngine loaded,
-        make_engine(largest, std::min(context_, kBatchDepth + args_.decode_tokens + 2)));
+      if (batch > 1) batches.push_back(std::min(batch, args_.parallel));
+    std::sort(batches.begin(), batches.end());
+    batches.erase(std::unique(batches.begin(), batches.end()), batches.end());
+    if (batches.empty() || batches.back() < 2) return Status::ok_status();
+    const int64_t depth = std::min(kBatchDepth, context_ - args_.decode_tokens - 2);
+    GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded,
+                            make_engine(batches.back(), depth + args_.decode_tokens + 2));
     for (int batch : batches) {
+      if (batch < 2) continue;
       progress(fmt::format("decode of {} streams", batch));
-      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, kBatchDepth));
-      decode_.push_back({batch, kBatchDepth, rate});
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, depth));
+      decode_.push_back({batch, depth, rate});
     }
     return Status::ok_status();
   }
@@ -290,7 +293,7 @@ class Bench {
     return static_cast<double>(*after - *counted_from) / kSteps;
   }
 
-  // Depth of the streams in the batched measurement.
+  // Depth of the streams in the batched measurement (less when the context is shorter).
   static constexpr int64_t kBatchDepth = 32;
 
   const BenchArgs& args_;

@@ -55,6 +55,14 @@ def test_depths_are_clipped_to_the_context(tiny, tmp_path):
     assert [p["tokens"] for p in data["prefill"]] == [16]
 
 
+def test_streams_are_clipped_to_parallel(tiny, tmp_path):
+    report = tmp_path / "bench.json"
+    gemma4("bench", "-m", tiny, "--device", "cpu", "--threads", 2, "--depths", "0", "--prefill",
+           "8", "--batches", "2,8,64", "--parallel", 4, "--decode-tokens", 2, "--json", report)
+    data = json.loads(report.read_text())
+    assert [d["batch"] for d in data["decode"]] == [1, 2, 4]
+
+
 @pytest.mark.parametrize("args, message", [
     (["--device", "tpu"], "--device"),
     (["--device", "cuda"], "--device cuda"),  # CI has no GPU (or no CUDA build)
