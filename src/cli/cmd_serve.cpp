@@ -116,13 +116,10 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
 
 Status check_args(ServeArgs& args) {
   if (args.model.empty() && args.scripted_engine.empty()) {
-    if (const char* env = std::getenv("GEMMA4_MODEL"); env && *env) {
-      args.model = env;
-    } else {
-      return make_error(
-          ErrorCode::kInvalidArgument,
-          "no model given: pass -m (a model directory or an HF repo id) or set GEMMA4_MODEL");
-    }
+    // No -m: $GEMMA4_MODEL, else the demo model that scripts/setup installs.
+    GEMMA4_ASSIGN_OR_RETURN(args.model,
+                            io::default_model_spec(io::HubOptions::from_environment()));
+    std::fprintf(stderr, "gemma4 serve: no -m given, using %s\n", args.model.c_str());
   }
   if (args.parallel < 1)
     return make_error(ErrorCode::kInvalidArgument, "-np/--parallel must be >= 1");

@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cstdio>
 #include <random>
+#include <thread>
 
 #include "server/connection_probe.h"
 #include "server/generation.h"
@@ -560,12 +561,20 @@ Status HttpServer::bind() {
 }
 
 Status HttpServer::listen() {
-  if (!server_->listen_after_bind())
-    return make_error(ErrorCode::kIo, "the HTTP server stopped with an error");
+  listen_state_ = ListenState::kListening;
+  const bool clean = stop_requested_ || server_->listen_after_bind();
+  listen_state_ = ListenState::kReturned;
+  if (!clean) return make_error(ErrorCode::kIo, "the HTTP server stopped with an error");
   return Status::ok_status();
 }
 
 void HttpServer::stop() {
+  stop_requested_ = true;
+  // httplib's stop() does nothing until the accept loop runs: wait for it if listen() is about
+  // to start it (listen() itself returns at once when it sees stop_requested_ first).
+  while (listen_state_ == ListenState::kListening && !server_->is_running()) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
   server_->stop();
 }
 

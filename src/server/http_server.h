@@ -4,6 +4,7 @@
 // /health says 503 and /v1/models answers with status "loading" until set_model() is called.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstddef>
 #include <memory>
@@ -40,8 +41,10 @@ class HttpServer {
   // Binds the socket (port 0 picks a free one). Call before listen().
   Status bind();
   int port() const { return port_; }
-  // Serves until stop(); blocks.
+  // Serves until stop(); blocks. Returns at once if stop() came first.
   Status listen();
+  // Ends listen() (from any thread, also before listen() started: a model that fails to load
+  // at once must still end the server).
   void stop();
 
   void set_model(std::shared_ptr<ServingModel> model);
@@ -55,6 +58,9 @@ class HttpServer {
   ServerOptions options_;
   std::unique_ptr<httplib::Server> server_;
   int port_ = 0;
+  enum class ListenState { kNotStarted, kListening, kReturned };
+  std::atomic<ListenState> listen_state_{ListenState::kNotStarted};
+  std::atomic<bool> stop_requested_{false};
   mutable std::mutex model_mutex_;
   std::shared_ptr<ServingModel> model_;
   std::string load_error_;

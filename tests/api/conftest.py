@@ -25,6 +25,10 @@ SCRIPT = {
         {"when": " think", "reply": "<|channel>thought\nLet me think.<channel|>The answer is 42.<turn|>"},
         {"when": " story", "reply": "Once upon a time there was a dragon. THE END and then more text.<turn|>"},
         {"when": " forever", "reply": "la " * 400 + "<turn|>"},
+        # Continuations of the call openers that tool_choice "required" / named force into the
+        # prompt: they can only be reached when the server forced the opener.
+        {"when": "call:get_weather{", "reply": 'city:<|"|>Oslo<|"|>}<tool_call|><|tool_response>'},
+        {"when": "call:", "reply": 'get_time{zone:<|"|>UTC<|"|>}<tool_call|><|tool_response>'},
     ]
 }
 

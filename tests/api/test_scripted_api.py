@@ -4,6 +4,7 @@ import json
 import socket
 import threading
 import time
+import urllib.request
 
 import openai
 import pytest
@@ -15,6 +16,12 @@ WEATHER_TOOL = {"type": "function", "function": {
 
 def client(server, **kwargs):
     return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, **kwargs)
+
+
+def post(server, path, body):
+    request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST")
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
 
 
 def test_models_and_health(server):
@@ -126,15 +133,86 @@ def test_parallel_tool_calls_false_keeps_first(server):
     assert len(reply.choices[0].message.tool_calls) == 1
 
 
-def test_tool_choice_none_and_named(server):
+# Descriptions free of the script's trigger words, so that only the user's "hi" picks the reply.
+CITY_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Conditions in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "description": "Current time in a time zone",
+    "parameters": {"type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
+
+
+def streamed_tool_calls(stream):
+    """(calls as [(name, arguments)], finish_reason, content) from a streamed chat answer."""
+    calls, finish, content = {}, None, ""
+    for chunk in stream:
+        choice = chunk.choices[0]
+        content += choice.delta.content or ""
+        for delta in choice.delta.tool_calls or []:
+            entry = calls.setdefault(delta.index, ["", ""])
+            entry[0] += delta.function.name or ""
+            entry[1] += delta.function.arguments or ""
+        finish = choice.finish_reason or finish
+    return [(name, json.loads(arguments)) for name, arguments in (calls[i] for i in sorted(calls))], finish, content
+
+
+def test_tool_choice_required_forces_a_call(server):
     c = client(server)
-    named = c.chat.completions.create(
-        model="scripted", messages=[{"role": "user", "content": "weather?"}], tools=[WEATHER_TOOL],
-        tool_choice={"type": "function", "function": {"name": "get_weather"}})
-    assert named.choices[0].message.tool_calls[0].function.name == "get_weather"
+    hi = [{"role": "user", "content": "hi"}]
+    # Left to itself the model answers "hi" with text ...
+    free = c.chat.completions.create(model="scripted", messages=hi, tools=[CITY_TOOL, TIME_TOOL])
+    assert free.choices[0].message.tool_calls is None
+    # ... "required" starts the reply inside a call, so a call it is.
+    forced = c.chat.completions.create(model="scripted", messages=hi, tools=[CITY_TOOL, TIME_TOOL],
+                                       tool_choice="required")
+    choice = forced.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert [(t.function.name, json.loads(t.function.arguments)) for t in choice.message.tool_calls] == \
+        [("get_time", {"zone": "UTC"})]
+    # The forced opener counts as prompt, not as generated tokens.
+    opener = len(post(server, "/tokenize", {"content": "<|tool_call>call:"})["tokens"])
+    assert forced.usage.prompt_tokens == free.usage.prompt_tokens + opener
+    calls, finish, content = streamed_tool_calls(c.chat.completions.create(
+        model="scripted", messages=hi, tools=[CITY_TOOL, TIME_TOOL], tool_choice="required", stream=True))
+    assert calls == [("get_time", {"zone": "UTC"})] and finish == "tool_calls" and content == ""
+
+
+def test_tool_choice_named_forces_that_function(server):
+    c = client(server)
+    hi = [{"role": "user", "content": "hi"}]
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    reply = c.chat.completions.create(model="scripted", messages=hi, tools=[TIME_TOOL, CITY_TOOL],
+                                      tool_choice=named)
+    (call,) = reply.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == {"city": "Oslo"}
+    assert reply.choices[0].finish_reason == "tool_calls"
+    calls, finish, _ = streamed_tool_calls(c.chat.completions.create(
+        model="scripted", messages=hi, tools=[TIME_TOOL, CITY_TOOL], tool_choice=named, stream=True))
+    assert calls == [("get_weather", {"city": "Oslo"})] and finish == "tool_calls"
     with pytest.raises(openai.BadRequestError):
-        c.chat.completions.create(model="scripted", messages=[{"role": "user", "content": "x"}],
-                                  tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}})
+        c.chat.completions.create(model="scripted", messages=hi, tools=[CITY_TOOL],
+                                  tool_choice={"type": "function", "function": {"name": "nope"}})
+    with pytest.raises(openai.BadRequestError):
+        c.chat.completions.create(model="scripted", messages=hi, tool_choice="required")
+
+
+def test_tool_choice_none_prevents_calls(server):
+    c = client(server)
+    messages = [{"role": "user", "content": "What is the weather?"}]
+    auto = c.chat.completions.create(model="scripted", messages=messages, tools=[WEATHER_TOOL])
+    assert auto.choices[0].message.tool_calls  # the scripted model wants to call here
+    # "none": the tools leave the prompt and the call opener cannot be sampled; the reply runs on
+    # as text (the scripted engine, thrown off its script, repeats itself up to max_tokens).
+    kwargs = dict(model="scripted", messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+                  temperature=0, max_tokens=24)
+    reply = c.chat.completions.create(**kwargs)
+    choice = reply.choices[0]
+    assert choice.message.tool_calls is None and choice.finish_reason == "length"
+    assert choice.message.model_extra["reasoning_content"].startswith("The user wants the weather.")
+    assert "get_weather" not in (choice.message.content or "")
+    assert reply.usage.prompt_tokens < auto.usage.prompt_tokens  # no tool declarations
+    calls, finish, _ = streamed_tool_calls(c.chat.completions.create(**kwargs, stream=True))
+    assert calls == [] and finish == "length"
 
 
 def test_stop_sequences(server):
@@ -174,14 +252,9 @@ def test_completions_endpoint(server):
 
 
 def test_tokenize_round_trip(server):
-    import urllib.request
-    def post(path, body):
-        request = urllib.request.Request(server.url + path, data=json.dumps(body).encode(), method="POST")
-        with urllib.request.urlopen(request) as response:
-            return json.loads(response.read())
-    tokens = post("/tokenize", {"content": "Hello world"})["tokens"]
+    tokens = post(server, "/tokenize", {"content": "Hello world"})["tokens"]
     assert tokens and all(isinstance(t, int) for t in tokens)
-    assert post("/detokenize", {"tokens": tokens})["content"] == "Hello world"
+    assert post(server, "/detokenize", {"tokens": tokens})["content"] == "Hello world"
 
 
 def test_sixteen_concurrent_streams(server):
@@ -220,6 +293,36 @@ def test_cancellation_frees_the_slot(slow_server):
         time.sleep(0.05)
     assert slow_server.metric("gemma4_requests_running") == 0
     assert slow_server.metric("gemma4_sequences_cached") == 0  # cancelled KV is not kept
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "go on forever"}]}),
+    ("/v1/completions", {"prompt": "go on forever"}),
+])
+def test_non_streamed_disconnect_cancels(slow_server, path, body):
+    """A client that gives up on a non-streamed answer (nothing is written until the end) is
+    noticed while generating: its slot and KV are freed long before the 400-token reply ends."""
+    disconnected = slow_server.metric("gemma4_requests_disconnected_total")
+    payload = json.dumps({"model": "scripted", **body}).encode()
+    sock = socket.create_connection(("127.0.0.1", slow_server.port), timeout=5)
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(payload)}\r\n\r\n".encode() + payload)
+    deadline = time.time() + 5
+    while slow_server.metric("gemma4_requests_running") != 1 and time.time() < deadline:
+        time.sleep(0.02)
+    assert slow_server.metric("gemma4_requests_running") == 1
+    sock.close()
+    closed = time.time()
+    while slow_server.metric("gemma4_requests_running") != 0 and time.time() < closed + 5:
+        time.sleep(0.02)
+    assert slow_server.metric("gemma4_requests_running") == 0
+    assert time.time() - closed < 2  # generating all 400 tokens takes 8 s at 20 ms a step
+    assert slow_server.metric("gemma4_sequences_cached") == 0  # cancelled KV is not kept
+    deadline = time.time() + 2
+    while slow_server.metric("gemma4_requests_disconnected_total") != disconnected + 1 and time.time() < deadline:
+        time.sleep(0.02)
+    assert slow_server.metric("gemma4_requests_disconnected_total") == disconnected + 1
+    assert slow_server.alive()
 
 
 def test_queue_full_returns_429(slow_server):

@@ -68,3 +68,36 @@ def test_concurrent_streams_complete(tiny_server):
         t.join(120)
     assert not errors
     assert results == [expected] * 8  # batching does not change greedy output
+
+
+def test_synthetic_model_is_announced(tiny_server):
+    """`gemma4 synth` marks its checkpoints; serve says so in its log and /v1/models (the web UI
+    shows the flag from there)."""
+    (entry,) = client(tiny_server).models.list().data
+    assert entry.model_extra["synthetic"] is True
+    assert "[synthetic: output is noise]" in tiny_server.log_path.read_text()
+
+
+def test_tool_choice_named_forces_the_opener(tiny_server):
+    """Wiring on the real engine: a named tool_choice appends the call opener to the prompt (the
+    random model's continuation is noise, so only the shape and the accounting are checked)."""
+    import json
+    import urllib.request
+
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}
+    c = client(tiny_server)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    free = c.chat.completions.create(model="tiny", messages=messages, tools=[weather], max_tokens=4, temperature=0)
+    named = c.chat.completions.create(model="tiny", messages=messages, tools=[weather], max_tokens=4, temperature=0,
+                                      tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    request = urllib.request.Request(tiny_server.url + "/tokenize", method="POST",
+                                     data=json.dumps({"content": "<|tool_call>call:get_weather{"}).encode())
+    with urllib.request.urlopen(request, timeout=10) as response:
+        opener = len(json.loads(response.read())["tokens"])
+    assert named.usage.prompt_tokens == free.usage.prompt_tokens + opener
+    choice = named.choices[0]
+    for call in choice.message.tool_calls or []:
+        assert call.function.name == "get_weather"
+    # Four random tokens rarely close the call: then it is cut off, which is a "length" finish.
+    assert choice.finish_reason in ("length", "tool_calls")

@@ -50,6 +50,8 @@ def answer_finished(driver):
 def test_ui_streams_answer_with_thinking(server, browser, tmp_path):
     browser.get(server.url + "/")
     WebDriverWait(browser, 30).until(lambda d: "connecting" not in d.find_element(By.ID, "model-name").text)
+    # The scripted engine reports itself as synthetic (/v1/models), so the page must warn.
+    assert browser.find_element(By.ID, "synthetic").is_displayed()
     browser.find_element(By.ID, "thinking").click()
     browser.find_element(By.ID, "input").send_keys("Please think about it")
     browser.find_element(By.ID, "send").click()
