@@ -82,18 +82,4 @@ cudaError_t forget_kv(const KvSlots& kv, int64_t from_position, const Launch& la
 cudaError_t attention_rows(const RowsView& q, const int32_t* positions, const KvSlots& kv,
                            int window, float scale, const RowsView& out, const Launch& launch);
 
-// The MoE router (engine::Backend::route_experts): per row of logits, softmax, the top_k
-// largest (ties: lower id first, top_k <= 64), renormalised, times per_expert_scale.
-cudaError_t route_top_k(const RowsView& logits, int top_k, const float* per_expert_scale,
-                        int32_t* expert_ids, float* weights, const Launch& launch);
-
-// The expert loop's data movement. picks[i] = t · top_k + k names an (input row, expert slot)
-// pair: gather copies x[picks[i] / top_k] to dense row i of `gathered`; scatter adds
-// weights[picks[i]] · y[i] to out[picks[i] / top_k] (picks of one call must name distinct rows
-// of out, true within one expert).
-cudaError_t gather_rows(const RowsView& x, const int32_t* picks, int count, int top_k,
-                        const RowsView& gathered, const Launch& launch);
-cudaError_t scatter_add_rows(const RowsView& y, const int32_t* picks, const float* weights,
-                             int count, int top_k, const RowsView& out, const Launch& launch);
-
 }  // namespace gemma4::cuda

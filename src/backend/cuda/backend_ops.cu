@@ -1,5 +1,5 @@
-// RoPE, row maps, the KV store, generic attention, the router and the expert gather/scatter
-// (backend_kernels.h). fp32 math throughout, as the CPU reference.
+// RoPE, row maps, the KV store and generic attention (backend_kernels.h). fp32 math throughout, as
+// the CPU reference.
 #include <algorithm>
 #include <cmath>
 
@@ -182,77 +182,6 @@ __global__ void __launch_bounds__(kAttentionWarps * 32)
   }
 }
 
-constexpr int kMaxTopK = 64;
-
-// One thread per token: the reference's softmax, then top_k selections by (prob desc, id asc).
-__global__ void route_kernel(RowsView logits, int top_k, const float* per_expert_scale,
-                             int32_t* expert_ids, float* weights) {
-  pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
-  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t >= logits.rows) return;
-  const float* z = logits.data + t * logits.stride;
-  const int experts = static_cast<int>(logits.width);
-  float max_logit = z[0];
-  for (int e = 1; e < experts; ++e) max_logit = fmaxf(max_logit, z[e]);
-  float sum = 0.0f;
-  for (int e = 0; e < experts; ++e) sum += expf(z[e] - max_logit);
-  int32_t chosen[kMaxTopK];
-  float chosen_prob[kMaxTopK];
-  float kept = 0.0f;
-  for (int k = 0; k < top_k; ++k) {
-    int best = -1;
-    float best_prob = 0.0f;
-    for (int e = 0; e < experts; ++e) {
-      bool taken = false;
-      for (int i = 0; i < k; ++i) taken = taken || chosen[i] == e;
-      if (taken) continue;
-      const float prob = expf(z[e] - max_logit) / sum;
-      if (best < 0 || prob > best_prob) {  // strict: ties keep the lower id
-        best = e;
-        best_prob = prob;
-      }
-    }
-    chosen[k] = best;
-    chosen_prob[k] = best_prob;
-    kept += best_prob;
-  }
-  for (int k = 0; k < top_k; ++k) {
-    expert_ids[t * top_k + k] = chosen[k];
-    weights[t * top_k + k] = chosen_prob[k] / kept * per_expert_scale[chosen[k]];
-  }
-}
-
-__global__ void __launch_bounds__(kThreads)
-    gather_kernel(RowsView x, const int32_t* picks, int top_k, RowsView gathered) {
-  pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
-  for (int64_t i = blockIdx.y; i < gathered.rows; i += gridDim.y) {
-    const float* source = x.data + (picks[i] / top_k) * x.stride;
-    float* target = gathered.data + i * gathered.stride;
-    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < x.width;
-         j += int64_t{gridDim.x} * blockDim.x) {
-      target[j] = source[j];
-    }
-  }
-}
-
-__global__ void __launch_bounds__(kThreads)
-    scatter_add_kernel(RowsView y, const int32_t* picks, const float* weights, int top_k,
-                       RowsView out) {
-  pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
-  for (int64_t i = blockIdx.y; i < y.rows; i += gridDim.y) {
-    const float weight = weights[picks[i]];
-    const float* source = y.data + i * y.stride;
-    float* target = out.data + (picks[i] / top_k) * out.stride;
-    for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < y.width;
-         j += int64_t{gridDim.x} * blockDim.x) {
-      target[j] += source[j] * weight;
-    }
-  }
-}
-
 bool valid_kv(const KvSlots& kv) {
   return kv.keys != nullptr && kv.values != nullptr && kv.slot_positions != nullptr &&
          kv.slots >= 1 && kv.kv_heads >= 1 && kv.head_dim >= 1;
@@ -323,38 +252,6 @@ cudaError_t attention_rows(const RowsView& q, const int32_t* positions, const Kv
   const dim3 grid(static_cast<unsigned>(q.width / kv.head_dim), static_cast<unsigned>(q.rows));
   return launch_kernel(attention_kernel, grid, dim3(kAttentionWarps * 32), 0, launch, q, positions,
                        kv, window, scale, out);
-}
-
-cudaError_t route_top_k(const RowsView& logits, int top_k, const float* per_expert_scale,
-                        int32_t* expert_ids, float* weights, const Launch& launch) {
-  if (!valid_rows(logits) || top_k < 1 || top_k > kMaxTopK || top_k > logits.width ||
-      per_expert_scale == nullptr || expert_ids == nullptr || weights == nullptr) {
-    return cudaErrorInvalidValue;
-  }
-  constexpr int kRouteThreads = 128;
-  const int64_t blocks = (logits.rows + kRouteThreads - 1) / kRouteThreads;
-  return launch_kernel(route_kernel, dim3(static_cast<unsigned>(blocks)), dim3(kRouteThreads), 0,
-                       launch, logits, top_k, per_expert_scale, expert_ids, weights);
-}
-
-cudaError_t gather_rows(const RowsView& x, const int32_t* picks, int count, int top_k,
-                        const RowsView& gathered, const Launch& launch) {
-  if (!valid_rows(x) || !valid_rows(gathered) || picks == nullptr || count < 1 || top_k < 1 ||
-      gathered.rows != count || gathered.width != x.width) {
-    return cudaErrorInvalidValue;
-  }
-  return launch_kernel(gather_kernel, row_grid(count, x.width), dim3(kThreads), 0, launch, x, picks,
-                       top_k, gathered);
-}
-
-cudaError_t scatter_add_rows(const RowsView& y, const int32_t* picks, const float* weights,
-                             int count, int top_k, const RowsView& out, const Launch& launch) {
-  if (!valid_rows(y) || !valid_rows(out) || picks == nullptr || weights == nullptr || count < 1 ||
-      top_k < 1 || y.rows != count || y.width != out.width) {
-    return cudaErrorInvalidValue;
-  }
-  return launch_kernel(scatter_add_kernel, row_grid(count, y.width), dim3(kThreads), 0, launch, y,
-                       picks, weights, top_k, out);
 }
 
 }  // namespace gemma4::cuda

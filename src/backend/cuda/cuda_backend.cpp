@@ -53,8 +53,7 @@ CudaBackend::CudaBackend(int device) : device_(device) {
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
-  for (Scratch* s : {&attention_partials_, &expert_picks_, &expert_rows_, &expert_gates_,
-                     &expert_ups_, &expert_outputs_}) {
+  for (Scratch* s : {&attention_partials_, &expert_workspace_}) {
     cudaFree(s->data);
   }
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -309,7 +308,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
     return;
   }
   const auto tokens = static_cast<int>(out.count);
-  void* workspace = scratch(expert_outputs_, moe_workspace_bytes(*table, tokens, top_k));
+  void* workspace = scratch(expert_workspace_, moe_workspace_bytes(*table, tokens, top_k));
   if (!status_.ok()) return;
   launched(cuda::run_experts(*table, x.data, x.stride, tokens, top_k, expert_ids, weights, out.data,
                              out.stride, workspace, on_stream),

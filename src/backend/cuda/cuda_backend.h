@@ -1,7 +1,7 @@
 // engine::Backend on one NVIDIA GPU: every operation enqueued on one stream over device memory,
 // the same math as the CPU reference (fp32 activations, fp32 KV). This first version is about
-// being correct; it keeps the way open for CUDA graphs (no host syncs inside operations except
-// download() and the expert loop of run_experts; per-step values are read from device memory).
+// being correct; it keeps the way open for CUDA graphs (no host sync inside operations except
+// download(); per-step values are read from device memory).
 //
 // Which kernel serves what:
 //  * matmul: the packed GEMV (gemv.h) for w4g32 / nvfp4 / bf16 weights, prefill chunks in
@@ -9,8 +9,7 @@
 //    (fp32 weights, K % 32 != 0, unaligned rows) a generic element-wise kernel;
 //  * rms_norm, gelu_tanh_mul: elementwise.h; attention: decode_attention (attention.h) for one
 //    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
-//  * route_experts on the device; run_experts downloads the expert ids once per call and loops
-//    over the chosen experts (a simple version until the grouped MoE kernels replace it).
+//  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -94,8 +93,7 @@ class CudaBackend final : public engine::Backend {
   Status status_;
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
-  Scratch expert_picks_, expert_rows_, expert_gates_, expert_ups_, expert_outputs_;
-  std::vector<int32_t> host_expert_ids_;
+  Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
 };
