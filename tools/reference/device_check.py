@@ -22,13 +22,14 @@ rounding of each other (--tie-ulps bf16 ulps of the top logit); each is counted 
   python tools/reference/device_check.py --checkpoint /tmp/e2b-w4a16 --gemma4 .devbin/gemma4
 
 Prints one summary line (last) and writes summary.json (and with --save-logits the logits) to
---out. Exit status 0 = PASS.
+--out. Exit status 0 = PASS, 1 = a mismatch, 2 = the check could not run.
 """
 
 import argparse
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -43,6 +44,12 @@ E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3
 # Tensors that carry a packed matrix's side data; each is consumed with its matrix.
 SIDE_SUFFIXES = ("weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
                  "input_global_scale", "input_scale", "weight_zero_point")
+
+
+def fail(message):
+    """An error of the check itself (exit 2), as opposed to a mismatch (exit 1)."""
+    print(f"device_check: {message}", file=sys.stderr)
+    sys.exit(2)
 
 
 def fixed_prompt(length):
@@ -86,7 +93,7 @@ def dequantize(get, module, names, device):
     if has("weight_packed"):  # compressed-tensors pack-quantized int4, symmetric
         packed = get(f"{module}.weight_packed").to(device)
         if has("weight_zero_point"):
-            sys.exit(f"{module}: asymmetric int4 is not supported here")
+            fail(f"{module}: asymmetric int4 is not supported here")
         rows, cols = (int(x) for x in get(f"{module}.weight_shape"))
         codes = nibbles(packed.contiguous().view(torch.uint8))[:, :cols].float() - 8
         scale = get(f"{module}.weight_scale").to(device).float()
@@ -111,7 +118,7 @@ def hf_name(name):
 def build_model(checkpoint, device, dtype):
     config = text_config(checkpoint)
     if getattr(config, "enable_moe_block", False) or getattr(config, "num_experts", 0):
-        sys.exit("MoE checkpoints are not handled by this script yet (experts need fusing)")
+        fail("MoE checkpoints are not handled by this script yet (experts need fusing)")
     torch.set_default_dtype(dtype)
     with torch.device(device):
         model = Gemma4ForCausalLM(config).eval()
@@ -143,7 +150,7 @@ def build_model(checkpoint, device, dtype):
     missing = [k for k in targets if k not in loaded and k != "lm_head.weight"
                and not k.endswith("inv_freq")]
     if missing:
-        sys.exit(f"checkpoint does not fill Gemma4ForCausalLM: missing {missing[:8]}...")
+        fail(f"checkpoint does not fill Gemma4ForCausalLM: missing {missing[:8]}...")
     model.tie_weights()
     return model, config
 
@@ -165,7 +172,7 @@ def run_gemma4(binary, checkpoint, ids, count, extra, dump, device):
     started = time.time()
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
-        sys.exit(f"gemma4 run failed ({result.returncode}): {result.stderr.strip()}")
+        fail(f"gemma4 run failed ({result.returncode}): {result.stderr.strip()}")
     generated = [int(x) for x in result.stdout.strip().split(",") if x]
     return generated, np.load(dump), time.time() - started
 
@@ -211,7 +218,9 @@ def main():
         torch.cuda.empty_cache()
 
     sequence = prompt + hf_greedy[:-1]
-    dump = os.path.join(args.out, f"{name}-gemma4-teacher.npy")
+    # The dumps are large (positions x vocabulary floats): kept in --out only with --save-logits.
+    dumps = args.out if args.save_logits else tempfile.mkdtemp(prefix="device_check-")
+    dump = os.path.join(dumps, f"{name}-gemma4-teacher.npy")
     _, ours, forced_s = run_gemma4(args.gemma4, args.checkpoint, sequence, 1,
                                    ["--prompt-chunk", "1"], dump, args.device)
     assert ours.shape == hf_logits.shape, (ours.shape, hf_logits.shape)
@@ -220,7 +229,7 @@ def main():
     top1_disagree = [p for p in range(len(sequence)) if hf_top[p] != our_top[p]]
     top1_ties = [p for p in top1_disagree if bf16_tie(hf_logits[p], args.tie_ulps)[0]]
 
-    dump_free = os.path.join(args.out, f"{name}-gemma4-free.npy")
+    dump_free = os.path.join(dumps, f"{name}-gemma4-free.npy")
     our_greedy, free_logits, free_s = run_gemma4(args.gemma4, args.checkpoint, prompt,
                                                  args.greedy, [], dump_free, args.device)
     prefill_delta = float(np.abs(free_logits[0] - hf_logits[len(prompt) - 1]).max())
@@ -230,8 +239,7 @@ def main():
     if agree < len(hf_greedy):
         greedy_tie, greedy_gap = bf16_tie(hf_logits[len(prompt) - 1 + agree], args.tie_ulps)
     if not args.save_logits:
-        os.remove(dump)
-        os.remove(dump_free)
+        shutil.rmtree(dumps)
     else:
         np.save(os.path.join(args.out, f"{name}-transformers.npy"), hf_logits)
 
