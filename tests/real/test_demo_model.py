@@ -25,6 +25,8 @@ from pathlib import Path
 import pytest
 
 QUESTION = "What is the capital of France?"
+# The engine's device: cpu here and in CI; GEMMA4_TEST_DEVICE=cuda on the GPU machine.
+DEVICE = os.environ.get("GEMMA4_TEST_DEVICE", "cpu")
 
 
 def demo_gguf() -> Path:
@@ -71,7 +73,7 @@ CHAT_CONTINUATION = [3689, 563, 506, 5279, 529, 7001, 236881, 217716, 107,  # th
 
 
 def run_ids(*args):
-    result = subprocess.run([binary(), "run", "-m", str(demo_gguf()), "--device", "cpu",
+    result = subprocess.run([binary(), "run", "-m", str(demo_gguf()), "--device", DEVICE,
                              "--temperature", "0", "-n", "16", "--print-ids", *args],
                             capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -97,7 +99,7 @@ def demo_server(tmp_path_factory):
     gguf = demo_gguf()
     log_path = tmp_path_factory.mktemp("demo-server") / "server.log"
     with open(log_path, "w") as log:
-        proc = subprocess.Popen([binary(), "serve", "-m", str(gguf), "--device", "cpu", "--port", "0",
+        proc = subprocess.Popen([binary(), "serve", "-m", str(gguf), "--device", DEVICE, "--port", "0",
                                  "-np", "2", "-c", "2048", "--alias", "gemma3-270m"],
                                 stdout=log, stderr=subprocess.STDOUT)
     try:
