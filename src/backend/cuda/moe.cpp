@@ -221,14 +221,16 @@ const MoeExpertTable* cached_expert_table(std::span<const model::ExpertMatrices>
   // Tables never move once made (unique_ptr), so returned pointers stay valid.
   static std::map<std::pair<const void*, size_t>, std::unique_ptr<MoeExpertTable>> tables;
   const std::lock_guard lock(mutex);
-  auto& slot = tables[{experts.data(), experts.size()}];
-  if (slot != nullptr && same_descriptors(slot->descriptors(), describe_all(experts))) {
-    return slot.get();
-  }
+  // Checked before the cache: descriptors do not record every property check_experts refuses
+  // (a format the kernels cannot read may describe like one they can).
   const std::string problem = check_experts(experts);
   if (!problem.empty()) {
     if (why != nullptr) *why = problem;
     return nullptr;
+  }
+  auto& slot = tables[{experts.data(), experts.size()}];
+  if (slot != nullptr && same_descriptors(slot->descriptors(), describe_all(experts))) {
+    return slot.get();
   }
   auto table = std::make_unique<MoeExpertTable>();
   const cudaError_t status = MoeExpertTable::create(experts, *table);
