@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <utility>
@@ -107,6 +108,13 @@ struct RouterParams {
   const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
 };
 
+// A sequence of operations a backend recorded once (record()) to enqueue again cheaply
+// (replay()): on CUDA, an instantiated graph. Each backend defines what it holds.
+class RecordedWork {
+ public:
+  virtual ~RecordedWork() = default;
+};
+
 class Backend {
  public:
   virtual ~Backend() = default;
@@ -126,6 +134,20 @@ class Backend {
   // Kernels launched so far (a replayed graph counts each of its kernels), for `gemma4 bench`'s
   // kernels per token; nullopt when the backend does not count them.
   virtual std::optional<int64_t> kernels_launched() const { return std::nullopt; }
+
+  // Recording, for decode steps whose launches would otherwise cost more than their kernels.
+  // record() captures the operations `enqueue` issues WITHOUT running them; replay() runs them,
+  // with the same arguments (pointers and host scalars are fixed at record time: per-step values
+  // must come from backend memory, uploaded before replay()). Inside `enqueue` nothing may
+  // upload, download, allocate or grow scratch: run the same work once unrecorded first. A
+  // backend that cannot record says so with can_record(); record() then returns nullptr, as it
+  // does when recording fails (status() says why).
+  virtual bool can_record() const { return false; }
+  virtual std::unique_ptr<RecordedWork> record(const std::function<void()>& enqueue) {
+    (void)enqueue;
+    return nullptr;
+  }
+  virtual void replay(RecordedWork& work) { (void)work; }
 
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;

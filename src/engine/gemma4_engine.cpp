@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 
 #include "engine/resident_weights.h"
 
@@ -25,6 +26,18 @@ struct LayerCache {
   int64_t slots = 0;
 };
 
+// Recordings beyond this many (distinct ordered sequence lists) are not made: those steps run
+// unrecorded.
+constexpr size_t kMaxDecodeRecordings = 64;
+
+// The recorded decode pass of one ordered list of sequences. KV caches, workspace and backend
+// tables never move while the engine lives, so a recording stays valid; per-step token ids and
+// positions are uploaded before each replay.
+struct DecodeRecording {
+  bool warmed_up = false;
+  std::unique_ptr<RecordedWork> work;
+};
+
 struct SequenceState {
   bool open = false;
   int64_t length = 0;
@@ -45,6 +58,7 @@ struct Gemma4Engine::Impl {
   int64_t ring_slots_limit = 0;  // tokens per sequence per pass when the model has sliding layers
 
   std::vector<SequenceState> sequences;
+  std::map<std::vector<SequenceId>, DecodeRecording> decode_recordings;
 
   // Workspace for one pass of up to options.max_pass_tokens rows.
   Buffer token_ids, positions, expert_ids, expert_weights;
@@ -69,6 +83,11 @@ struct Gemma4Engine::Impl {
   }
 
   void forward(std::span<const Segment> segments, int64_t total_rows);
+  // forward(), then the logits of every segment that ends its input, in rows of `logits` in
+  // segment order; returns how many.
+  int64_t forward_to_logits(std::span<const Segment> segments, int64_t total_rows);
+  // forward_to_logits of a decode pass (one row per segment) through its recording.
+  void decode_recorded(const std::vector<Segment>& segments);
   void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
   void feed_forward_block(int l, int64_t n, Rows hidden);
   void per_layer_inputs(int64_t n, Rows h0);
@@ -198,6 +217,53 @@ void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
     attention_block(l, segments, n, hidden);
     feed_forward_block(l, n, hidden);
   }
+}
+
+int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments, int64_t n) {
+  forward(segments, n);
+  const int64_t H = config.hidden_size;
+  Rows hidden = rows(x, n, H);
+  int64_t count = 0;
+  for (const Segment& s : segments) {
+    if (!s.last_of_input) continue;
+    Rows dst = rows(last_hidden, count + 1, H).slice(count, 1);
+    backend->copy(hidden.slice(s.first_row + s.count - 1, 1), dst);
+    ++count;
+  }
+  if (count == 0) return 0;
+  Rows last = rows(last_hidden, count, H);
+  norm(last, weights.final_norm, last);
+  Rows out = rows(logits, count, config.vocab_size);
+  backend->matmul(weights.lm_head, last, out);
+  if (config.final_logit_softcap > 0) backend->softcap(out, config.final_logit_softcap);
+  return count;
+}
+
+void Gemma4Engine::Impl::decode_recorded(const std::vector<Segment>& segments) {
+  const auto n = std::ssize(segments);
+  std::vector<SequenceId> order;
+  for (const Segment& s : segments) order.push_back(s.sequence);
+  auto found = decode_recordings.find(order);
+  if (found == decode_recordings.end()) {
+    if (decode_recordings.size() >= kMaxDecodeRecordings) {
+      forward_to_logits(segments, n);
+      return;
+    }
+    found = decode_recordings.emplace(std::move(order), DecodeRecording{}).first;
+  }
+  DecodeRecording& recording = found->second;
+  if (!recording.warmed_up) {
+    // Unrecorded, so scratch, rope tables and expert tables are made outside any recording.
+    forward_to_logits(segments, n);
+    recording.warmed_up = true;
+    return;
+  }
+  if (recording.work == nullptr) {
+    // The recorded closure holds its own copy of the segments, as a graph holds its arguments.
+    recording.work = backend->record([this, segments, n] { forward_to_logits(segments, n); });
+    if (recording.work == nullptr) return;  // backend->status() reports why
+  }
+  backend->replay(*recording.work);
 }
 
 Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelConfig& config,
@@ -407,27 +473,25 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
     const int64_t n = std::ssize(ids);
     m.backend->upload(m.token_ids.data(), ids.data(), sizeof(int32_t) * n);
     m.backend->upload(m.positions.data(), positions.data(), sizeof(int32_t) * n);
-    m.forward(segments, n);
+    // A decode pass: one token per segment, each ending its input.
+    const bool decode = std::all_of(segments.begin(), segments.end(), [](const Segment& s) {
+      return s.count == 1 && s.last_of_input;
+    });
+    if (decode && m.options.record_decode && m.backend->can_record()) {
+      m.decode_recorded(segments);
+    } else {
+      m.forward_to_logits(segments, n);
+    }
 
     // Logits of the last token of every input that finished in this pass.
-    const int64_t H = m.config.hidden_size;
-    Rows hidden = m.rows(m.x, n, H);
     std::vector<size_t> finished;
     for (const Segment& s : segments) {
-      if (!s.last_of_input) continue;
-      Rows dst = m.rows(m.last_hidden, std::ssize(finished) + 1, H).slice(std::ssize(finished), 1);
-      m.backend->copy(hidden.slice(s.first_row + s.count - 1, 1), dst);
-      finished.push_back(s.input_index);
+      if (s.last_of_input) finished.push_back(s.input_index);
     }
-    if (finished.empty()) continue;
-    const auto count = std::ssize(finished);
-    Rows last = m.rows(m.last_hidden, count, H);
-    m.norm(last, m.weights.final_norm, last);
-    Rows out = m.rows(m.logits, count, vocab);
-    m.backend->matmul(m.weights.lm_head, last, out);
-    if (m.config.final_logit_softcap > 0) m.backend->softcap(out, m.config.final_logit_softcap);
-    for (int64_t r = 0; r < count; ++r) {
-      m.backend->download(logits.data() + finished[r] * vocab, out.row(r), sizeof(float) * vocab);
+    for (size_t r = 0; r < finished.size(); ++r) {
+      m.backend->download(logits.data() + finished[r] * vocab,
+                          m.logits.floats() + static_cast<int64_t>(r) * vocab,
+                          sizeof(float) * vocab);
     }
   }
   // Operations report failures only here (asynchronously on a device); downloads synchronize.

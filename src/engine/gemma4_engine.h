@@ -32,6 +32,10 @@ struct EngineOptions {
   int ring_history = 32;
   // Most tokens one forward pass processes over all sequences (workspace size).
   int max_pass_tokens = 256;
+  // Record decode steps (every input appends one token) on backends that can (Backend::record)
+  // and replay them: one recording per ordered list of sequences, made on the second step with
+  // that list (the first runs unrecorded so every lazily made backend resource exists).
+  bool record_decode = true;
 };
 
 class Gemma4Engine final : public Engine {

@@ -56,6 +56,7 @@ CudaBackend::~CudaBackend() {
   for (Scratch* s : {&attention_partials_, &expert_workspace_}) {
     cudaFree(s->data);
   }
+  for (const Scratch& s : retired_scratch_) cudaFree(s.data);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -89,7 +90,11 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes) {
   if (bytes <= s.bytes) return s.data;
   launch();
   check(cudaStreamSynchronize(stream_), "scratch resize");
-  cudaFree(s.data);
+  if (recorded_) {
+    retired_scratch_.push_back(s);
+  } else {
+    cudaFree(s.data);
+  }
   s = {};
   const cudaError_t status = cudaMalloc(&s.data, bytes);
   if (status != cudaSuccess) {
@@ -126,6 +131,55 @@ void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
   check(cudaStreamSynchronize(stream_), "download (synchronize)");
+}
+
+namespace {
+
+// An instantiated graph and how many kernels it launches (kernels_launched counts replays).
+class CudaGraph final : public engine::RecordedWork {
+ public:
+  CudaGraph(cudaGraphExec_t exec, int64_t kernels) : exec_(exec), kernels_(kernels) {}
+  ~CudaGraph() override { cudaGraphExecDestroy(exec_); }
+  CudaGraph(const CudaGraph&) = delete;
+  CudaGraph& operator=(const CudaGraph&) = delete;
+
+  cudaGraphExec_t exec() const { return exec_; }
+  int64_t kernels() const { return kernels_; }
+
+ private:
+  cudaGraphExec_t exec_;
+  int64_t kernels_;
+};
+
+}  // namespace
+
+std::unique_ptr<engine::RecordedWork> CudaBackend::record(const std::function<void()>& enqueue) {
+  if (!status_.ok()) return nullptr;
+  launch();
+  check(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeThreadLocal), "begin graph capture");
+  if (!status_.ok()) return nullptr;
+  const int64_t kernels_before = kernels_;
+  enqueue();
+  // Captured kernels did not run: replays count them.
+  const int64_t captured_kernels = kernels_ - kernels_before;
+  kernels_ = kernels_before;
+  cudaGraph_t graph = nullptr;
+  check(cudaStreamEndCapture(stream_, &graph), "end graph capture");
+  cudaGraphExec_t exec = nullptr;
+  if (status_.ok()) check(cudaGraphInstantiate(&exec, graph, 0), "graph instantiation");
+  if (graph != nullptr) cudaGraphDestroy(graph);
+  if (!status_.ok()) {
+    if (exec != nullptr) cudaGraphExecDestroy(exec);
+    return nullptr;
+  }
+  recorded_ = true;
+  return std::make_unique<CudaGraph>(exec, captured_kernels);
+}
+
+void CudaBackend::replay(engine::RecordedWork& work) {
+  auto& graph = static_cast<CudaGraph&>(work);
+  launched(cudaGraphLaunch(graph.exec(), launch().stream), "graph replay",
+           static_cast<int>(graph.kernels()));
 }
 
 namespace {

@@ -40,6 +40,12 @@ class CudaBackend final : public engine::Backend {
   Status status() const override { return status_; }
   std::optional<int64_t> kernels_launched() const override { return kernels_; }
 
+  // Stream capture into a CUDA graph (thread-local mode: another thread's allocations stay
+  // legal while this one captures), replayed with one cudaGraphLaunch.
+  bool can_record() const override { return true; }
+  std::unique_ptr<engine::RecordedWork> record(const std::function<void()>& enqueue) override;
+  void replay(engine::RecordedWork& work) override;
+
   engine::Buffer allocate(size_t bytes) override;
   void upload(void* dst, const void* src, size_t bytes) override;
   // Waits for everything enqueued before it.
@@ -73,7 +79,8 @@ class CudaBackend final : public engine::Backend {
   cudaStream_t stream() const { return stream_; }
 
  private:
-  // Device scratch that grows on demand (synchronizing first: kernels may still read it).
+  // Device scratch that grows on demand (synchronizing first: kernels may still read it; and
+  // never freed while recorded graphs may read it, see retired_scratch_).
   struct Scratch {
     void* data = nullptr;
     size_t bytes = 0;
@@ -94,6 +101,10 @@ class CudaBackend final : public engine::Backend {
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
   Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
+  // Once a graph is recorded it may hold scratch pointers: outgrown scratch is kept until the
+  // backend goes instead of being freed.
+  bool recorded_ = false;
+  std::vector<Scratch> retired_scratch_;
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
 };
