@@ -33,6 +33,7 @@ using Clock = std::chrono::steady_clock;
 struct BenchArgs {
   std::string model;
   std::string device = "auto";
+  bool no_graphs = false;
   int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
   std::vector<int64_t> prefill = {512, 4096, 32768};
@@ -390,6 +391,7 @@ Status bench(const BenchArgs& args) {
     if (batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batches must be >= 1");
   EngineLoadOptions load;
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.engine.record_decode = !args.no_graphs;
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
@@ -404,6 +406,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("-m,--model", args->model, "checkpoint directory, .gguf file or HF repo id")
       ->required();
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
+  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,
                   "batch-1 decode depths, reached by prefill (clipped to the context)")

@@ -106,6 +106,7 @@ struct RunArgs {
   int max_tokens = 16;
   bool ignore_eos = false;
   std::string device = "auto";
+  bool no_graphs = false;
   int threads = 0;
   int prompt_chunk = 0;
   std::string dump_logits;
@@ -122,6 +123,7 @@ Status run(const RunArgs& args) {
     return make_error(ErrorCode::kInvalidArgument, "--prompt-chunk must be >= 0");
   EngineLoadOptions load;
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.engine.record_decode = !args.no_graphs;
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   // The model is opened first so that a text prompt's stop ids include its eos ids; the engine
@@ -196,6 +198,7 @@ void register_run(CLI::App& app, int& exit_code) {
                   "checkpoint directory, .gguf file or HF repo id (default: $GEMMA4_MODEL, else "
                   "the demo model of scripts/setup)");
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
+  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");
   cmd->add_option("--messages", args->text.messages_file,

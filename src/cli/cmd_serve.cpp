@@ -30,6 +30,7 @@ struct ServeArgs {
   std::string alias;
   std::string gpu_memory;
   std::string device = "auto";
+  bool no_graphs = false;
   int threads = 0;
   int timeout_s = 600;
   size_t max_body_mib = 16;
@@ -92,6 +93,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   EngineLoadOptions load;
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
+  load.engine.record_decode = !args.no_graphs;
   load.threads = args.threads;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
   load.engine.max_context = args.ctx_size;
@@ -205,6 +207,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_option("--gpu-memory", args->gpu_memory,
                   "GPU memory budget, e.g. 24GiB (GPU engine only)");
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
+  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();

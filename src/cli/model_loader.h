@@ -27,6 +27,10 @@ Expected<Device> parse_device(std::string_view name);
 inline constexpr const char* kDeviceHelp =
     "auto (CUDA when built with it and a GPU is present, else CPU), cpu or cuda";
 
+// Help text for --no-graphs (EngineOptions::record_decode off), the same in every subcommand.
+inline constexpr const char* kNoGraphsHelp =
+    "launch decode steps kernel by kernel instead of replaying recorded CUDA graphs";
+
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;

@@ -10,6 +10,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <fstream>
 #include <limits>
 #include <memory>
@@ -24,6 +25,7 @@
 #include "model/synth.h"
 #include "model/weights.h"
 #include "packed_matrix.h"
+#include "quant/quantize.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -192,6 +194,30 @@ struct MatmulCase {
   int64_t tokens, x_stride, y_stride;
 };
 
+// y = w x on both backends for random strided x; the CUDA result within fp32 accumulation in
+// another order of the CPU one: relative to Σ|x·w| (far below bf16's 2^-8).
+void expect_matmul_matches_cpu(CpuBackend& cpu, engine::Backend& gpu, TwinMatrix& w,
+                               const MatmulCase& c, uint32_t seed) {
+  TwinRows x = random_rows(gpu, c.tokens, c.matrix.cols, c.x_stride, seed);
+  TwinRows y = output_rows(gpu, c.tokens, c.matrix.rows, c.y_stride);
+  cpu.matmul(w.cpu, x.cpu(), y.cpu());
+  gpu.matmul(w.device, x.gpu(), y.gpu());
+  const std::vector<float> xs = x.cpu_values(), expected = y.cpu_values();
+  std::vector<double> reference(expected.begin(), expected.end());
+  std::vector<double> magnitude(expected.size(), 1.0);
+  std::vector<float> row(c.matrix.cols);
+  for (int64_t n = 0; n < c.matrix.rows; ++n) {
+    quant::dequantize_row(w.cpu, n, row.data());
+    for (int64_t t = 0; t < c.tokens; ++t) {
+      double sum = 0.0;
+      for (int64_t k = 0; k < c.matrix.cols; ++k)
+        sum += std::fabs(double{row[k]} * xs[t * c.x_stride + k]);
+      magnitude[t * c.y_stride + n] = sum + 1e-6;
+    }
+  }
+  testing::expect_close(y.gpu_values(), reference, magnitude, 1e-4, c.matrix.name);
+}
+
 TEST(CudaBackend, MatmulEveryFormatShapeAndStride) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
@@ -211,25 +237,97 @@ TEST(CudaBackend, MatmulEveryFormatShapeAndStride) {
   for (const MatmulCase& c : cases) {
     SCOPED_TRACE(c.matrix.name);
     TwinMatrix w(*gpu, make_matrix(c.matrix, seed++));
-    TwinRows x = random_rows(*gpu, c.tokens, c.matrix.cols, c.x_stride, seed++);
-    TwinRows y = output_rows(*gpu, c.tokens, c.matrix.rows, c.y_stride);
-    cpu.matmul(w.cpu, x.cpu(), y.cpu());
-    gpu->matmul(w.device, x.gpu(), y.gpu());
-    // fp32 accumulation in another order: relative to Σ|x·w| (far below bf16's 2^-8).
-    const std::vector<float> xs = x.cpu_values(), expected = y.cpu_values();
-    std::vector<double> reference(expected.begin(), expected.end());
-    std::vector<double> magnitude(expected.size(), 1.0);
-    std::vector<float> row(c.matrix.cols);
-    for (int64_t n = 0; n < c.matrix.rows; ++n) {
-      quant::dequantize_row(w.cpu, n, row.data());
-      for (int64_t t = 0; t < c.tokens; ++t) {
-        double sum = 0.0;
-        for (int64_t k = 0; k < c.matrix.cols; ++k)
-          sum += std::fabs(double{row[k]} * xs[t * c.x_stride + k]);
-        magnitude[t * c.y_stride + n] = sum + 1e-6;
-      }
+    expect_matmul_matches_cpu(cpu, *gpu, w, c, seed++);
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// The GGUF formats (quant/qmatrix.h): random matrices with the layouts the GGUF loader makes.
+struct GgufMatrixCase {
+  MatrixCase matrix;  // scale_type: the kW8 scale type
+  int group_size;     // kW8: 16 or 32
+};
+
+std::vector<uint8_t> scale_bytes(const std::vector<float>& scales, ScaleType type) {
+  if (type == ScaleType::kF32) return testing::as_bytes(scales);
+  std::vector<uint16_t> bits(scales.size());
+  for (size_t i = 0; i < scales.size(); ++i) bits[i] = float_to_fp16(scales[i]);
+  return testing::as_bytes(bits);
+}
+
+TwinMatrix gguf_matrix(engine::Backend& gpu, const GgufMatrixCase& c, uint32_t seed) {
+  const int64_t rows = c.matrix.rows, cols = c.matrix.cols;
+  HostMatrix m;
+  m.format = c.matrix.format;
+  m.rows = rows;
+  m.cols = cols;
+  m.scale_type = c.matrix.scale_type;
+  switch (c.matrix.format) {
+    case WeightFormat::kW4G32A: {
+      m.data = testing::as_bytes(testing::random_words(rows * cols / 8, seed));
+      // {scale, min} pairs: Q4_K-like positive scales, mins of either sign.
+      const auto scales = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
+      const auto mins = testing::random_floats(rows * cols / 32, -0.1f, 0.1f, seed + 2);
+      std::vector<float> pairs;
+      for (size_t g = 0; g < scales.size(); ++g) pairs.insert(pairs.end(), {scales[g], mins[g]});
+      m.scales = testing::as_bytes(pairs);
+      break;
     }
-    testing::expect_close(y.gpu_values(), reference, magnitude, 1e-4, c.matrix.name);
+    case WeightFormat::kW8:
+      m.data = testing::as_bytes(testing::random_words(rows * cols / 4, seed));
+      m.scales =
+          scale_bytes(testing::random_floats(rows * cols / c.group_size, -0.01f, 0.01f, seed + 1),
+                      c.matrix.scale_type);
+      break;
+    default:  // kF16
+      m.data =
+          scale_bytes(testing::random_floats(rows * cols, -0.05f, 0.05f, seed), ScaleType::kF16);
+      break;
+  }
+  TwinMatrix twin(gpu, std::move(m));
+  twin.cpu.group_size = twin.device.group_size = c.group_size;
+  return twin;
+}
+
+const GgufMatrixCase kGgufMatrices[] = {
+    {{"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, false, 37, 96}, 32},
+    {{"w8 g32 f16 (Q8_0)", WeightFormat::kW8, ScaleType::kF16, false, 37, 64}, 32},
+    {{"w8 g16 f32 (Q6_K)", WeightFormat::kW8, ScaleType::kF32, false, 37, 48}, 16},
+    {{"f16 odd K", WeightFormat::kF16, ScaleType::kBF16, false, 37, 45}, 32},
+};
+
+TEST(CudaBackend, EmbedGgufFormatsExactly) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  uint32_t seed = 300;
+  for (const GgufMatrixCase& c : kGgufMatrices) {
+    TwinMatrix table = gguf_matrix(*gpu, c, seed++);
+    const std::vector<int32_t> ids = {5, 0, 36, 17, 5};
+    Twin id_twin(*gpu, ids);
+    TwinRows out = output_rows(*gpu, std::ssize(ids), c.matrix.cols, c.matrix.cols + 3);
+    cpu.embed(table.cpu, id_twin.cpu<int32_t>(), 1.75f, out.cpu());
+    gpu->embed(table.device, id_twin.gpu<int32_t>(), 1.75f, out.gpu());
+    expect_same(out, 0.0, c.matrix.name);  // the same fp32 roundings: bit-identical
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// No GEMV kernel for these: the generic matmul, for decode, strided and prefill-sized inputs.
+TEST(CudaBackend, MatmulGgufFormats) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  uint32_t seed = 400;
+  for (const GgufMatrixCase& c : kGgufMatrices) {
+    TwinMatrix w = gguf_matrix(*gpu, c, seed++);
+    const int64_t cols = c.matrix.cols, rows = c.matrix.rows;
+    for (const MatmulCase& m :
+         {MatmulCase{c.matrix, 1, cols, rows}, MatmulCase{c.matrix, 5, cols + 3, rows + 2},
+          MatmulCase{c.matrix, 70, cols, rows}}) {
+      SCOPED_TRACE(::testing::Message() << c.matrix.name << ", " << m.tokens << " tokens");
+      expect_matmul_matches_cpu(cpu, *gpu, w, m, seed++);
+    }
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
@@ -635,15 +733,112 @@ std::vector<int32_t> prompt_ids(int n, int salt) {
   return ids;
 }
 
-class CudaVsCpuEngine : public ::testing::TestWithParam<std::string> {};
+// Re-encodes a model's matrices in the formats a GGUF file loads as (the values rounded to what
+// the new format holds: the CPU and CUDA engines then run the same weights). Owns the bytes.
+class GgufRequantizer {
+ public:
+  // kW8 as Q8_0 (group 32, fp16 scales) or Q6_K (group 16, fp32 scales) load.
+  quant::QMatrix w8(const quant::QMatrix& m, int group_size, ScaleType scale_type) {
+    const std::vector<float> values = quant::dequantize(m);
+    std::vector<int8_t> q(values.size());
+    std::vector<float> scales(values.size() / group_size);
+    for (size_t g = 0; g < scales.size(); ++g) {
+      const auto first = values.begin() + g * group_size;
+      float max_abs = 0.0f;
+      for (auto v = first; v != first + group_size; ++v) max_abs = std::max(max_abs, std::fabs(*v));
+      float scale = max_abs / 127.0f;
+      if (scale_type == ScaleType::kF16) scale = fp16_to_float(float_to_fp16(scale));
+      scales[g] = scale;
+      for (int j = 0; j < group_size; ++j) {
+        const long level = scale == 0.0f ? 0 : std::lround(first[j] / scale);
+        q[g * group_size + j] = static_cast<int8_t>(std::clamp(level, -127L, 127L));
+      }
+    }
+    quant::QMatrix out = m;
+    out.format = WeightFormat::kW8;
+    out.group_size = group_size;
+    out.scale_type = scale_type;
+    out.data = keep(testing::as_bytes(q));
+    out.scales = keep(scale_bytes(scales, scale_type));
+    return out;
+  }
+
+  // kW4G32A as Q4_K loads: w = scale * u - min per group of 32.
+  quant::QMatrix w4g32a(const quant::QMatrix& m) {
+    const std::vector<float> values = quant::dequantize(m);
+    std::vector<uint8_t> packed(values.size() / 2, 0);
+    std::vector<float> pairs;  // {scale, min}
+    for (size_t first = 0; first < values.size(); first += 32) {
+      const auto [lo, hi] =
+          std::minmax_element(values.begin() + first, values.begin() + first + 32);
+      const float scale = (*hi - *lo) / 15.0f;
+      pairs.insert(pairs.end(), {scale, -*lo});
+      for (size_t j = first; j < first + 32; ++j) {
+        const long level = scale == 0.0f ? 0 : std::lround((values[j] - *lo) / scale);
+        packed[j / 2] |= static_cast<uint8_t>(std::clamp(level, 0L, 15L) << (4 * (j % 2)));
+      }
+    }
+    quant::QMatrix out = m;
+    out.format = WeightFormat::kW4G32A;
+    out.scale_type = ScaleType::kF32;
+    out.data = keep(std::move(packed));
+    out.scales = keep(testing::as_bytes(pairs));
+    return out;
+  }
+
+  quant::QMatrix f16(const quant::QMatrix& m) {
+    quant::QMatrix out = m;
+    out.format = WeightFormat::kF16;
+    out.data = keep(scale_bytes(quant::dequantize(m), ScaleType::kF16));
+    out.scales = nullptr;
+    return out;
+  }
+
+ private:
+  const void* keep(std::vector<uint8_t> bytes) {
+    return kept_.emplace_back(std::move(bytes)).data();
+  }
+  std::deque<std::vector<uint8_t>> kept_;
+};
+
+struct EngineCase {
+  std::string name;    // the test name and scratch folder
+  std::string config;  // synth preset
+  model::SynthFormat format;
+  bool gguf_formats = false;  // the matrices re-encoded by GgufRequantizer
+};
+
+void PrintTo(const EngineCase& c, std::ostream* os) {
+  *os << c.name;
+}
+
+class CudaVsCpuEngine : public ::testing::TestWithParam<EngineCase> {};
 
 // Prefill longer than the sliding window (two sequences in one step: 73 rows, so the matmuls
 // run in two 64-row slices), then batched decode steps over three sequences.
 TEST_P(CudaVsCpuEngine, LongPrefillThenBatchedDecode) {
-  const auto dir = scratch_dir("cuda_vs_cpu_" + GetParam());
+  const EngineCase& c = GetParam();
+  const auto dir = scratch_dir("cuda_vs_cpu_" + c.name);
   const RemoveOnExit cleanup{dir};
-  const model::LoadedModel m =
-      synthesize(GetParam(), 7, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, dir);
+  // A GGUF checkpoint is one file (w4g32a where K % 256 == 0, w4g32 elsewhere, bf16 embedding).
+  model::LoadedModel m = synthesize(c.config, 7, c.format, model::SynthGrid::kW4G32,
+                                    model::is_gguf(c.format) ? dir / "model.gguf" : dir);
+  GgufRequantizer requantized;
+  if (c.gguf_formats) {
+    // As Gemma 3 270M's GGUF: Q8_0 embedding (the tied lm_head too), Q4_K and Q6_K matrices.
+    auto& w = m.weights;
+    ASSERT_EQ(w.lm_head.data, w.embed_tokens.data);
+    w.embed_tokens = w.lm_head = requantized.w8(w.embed_tokens, 32, ScaleType::kF16);
+    for (auto& layer : w.layers) {
+      layer.q_proj = requantized.w4g32a(layer.q_proj);
+      layer.k_proj = requantized.w4g32a(layer.k_proj);
+      layer.v_proj = requantized.f16(layer.v_proj);
+      layer.o_proj = requantized.w4g32a(layer.o_proj);
+      layer.gate_proj = requantized.w4g32a(layer.gate_proj);
+      layer.up_proj = requantized.w4g32a(layer.up_proj);
+      layer.down_proj = requantized.w8(layer.down_proj, 16, ScaleType::kF32);
+    }
+  }
   engine::EngineOptions options;
   options.max_sequences = 3;
   options.max_context = 160;
@@ -697,12 +892,13 @@ TEST_P(CudaVsCpuEngine, LongPrefillThenBatchedDecode) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, CudaVsCpuEngine, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    Tiny, CudaVsCpuEngine,
+    ::testing::Values(EngineCase{"tiny", "tiny", model::SynthFormat::kW4A16},
+                      EngineCase{"tiny_moe", "tiny-moe", model::SynthFormat::kW4A16},
+                      EngineCase{"tiny_gguf_q4_k", "tiny", model::SynthFormat::kGgufQ4_K},
+                      EngineCase{"tiny_gguf_formats", "tiny", model::SynthFormat::kBF16, true}),
+    [](const auto& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace gemma4::cuda

@@ -15,7 +15,7 @@
 namespace gemma4::cuda {
 
 // quant::WeightFormat values (static_asserted in cuda_backend.cpp).
-enum class MatrixFormat : uint8_t { kF32, kBF16, kW4G32, kNVFP4 };
+enum class MatrixFormat : uint8_t { kF32, kBF16, kW4G32, kNVFP4, kW4G32A, kW8, kF16 };
 
 // A quant::QMatrix in device memory (see quant/qmatrix.h for the layouts).
 struct MatrixView {
@@ -23,10 +23,11 @@ struct MatrixView {
   int64_t rows = 0;
   int64_t cols = 0;
   const void* data = nullptr;
-  const void* scales = nullptr;
-  int scale_type = 0;  // quant::ScaleType value (kW4G32)
+  const void* scales = nullptr;  // kW4G32A: fp32 {scale, min} pairs, the mins included
+  int scale_type = 0;            // quant::ScaleType value (kW4G32, kW8)
   float nv_global = 1.0f;
   int nv_global_is_divisor = 0;
+  int group_size = 32;  // K elements per kW8 scale (16 or 32)
 };
 
 // out[t] = row ids[t] of `table`, dequantized exactly as quant::dequantize_row, times `scale`.

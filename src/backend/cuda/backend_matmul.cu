@@ -56,11 +56,25 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(MatrixView w, RowsView
   }
 }
 
+// K elements per scale (0: no scales).
+int64_t scale_group(const MatrixView& m) {
+  switch (m.format) {
+    case MatrixFormat::kW4G32:
+    case MatrixFormat::kW4G32A:
+      return 32;
+    case MatrixFormat::kNVFP4:
+      return 16;
+    case MatrixFormat::kW8:
+      return m.group_size == 16 || m.group_size == 32 ? m.group_size : -1;
+    default:
+      return 0;
+  }
+}
+
 bool valid_matrix(const MatrixView& m) {
-  const bool packed = m.format == MatrixFormat::kW4G32 || m.format == MatrixFormat::kNVFP4;
-  const int64_t group = m.format == MatrixFormat::kW4G32 ? 32 : 16;
-  return m.rows > 0 && m.cols > 0 && m.data != nullptr &&
-         (!packed || (m.scales != nullptr && m.cols % group == 0));
+  const int64_t group = scale_group(m);
+  return m.rows > 0 && m.cols > 0 && m.data != nullptr && group >= 0 &&
+         (group == 0 || (m.scales != nullptr && m.cols % group == 0));
 }
 
 bool valid_rows(const RowsView& v) {

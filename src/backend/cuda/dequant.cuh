@@ -37,8 +37,8 @@ __device__ __forceinline__ float e2m1_bits_to_float(uint8_t code) {
   return (code & 0x8) ? -magnitude : magnitude;
 }
 
-// w4g32 group scale `index` of the row-major scale array.
-__device__ __forceinline__ float w4_group_scale(const MatrixView& m, int64_t index) {
+// kW4G32 / kW8 group scale `index` of the row-major scale array.
+__device__ __forceinline__ float group_scale(const MatrixView& m, int64_t index) {
   switch (m.scale_type) {
     case 0:  // bf16
       return bf16_bits_to_float(static_cast<const uint16_t*>(m.scales)[index]);
@@ -59,7 +59,23 @@ __device__ __forceinline__ float weight_at(const MatrixView& m, int64_t row, int
     case MatrixFormat::kW4G32: {
       const uint32_t word = static_cast<const uint32_t*>(m.data)[row * (m.cols / 8) + k / 8];
       const int u = static_cast<int>((word >> (4 * (k % 8))) & 0xF);
-      return static_cast<float>(u - 8) * w4_group_scale(m, row * (m.cols / 32) + k / 32);
+      return static_cast<float>(u - 8) * group_scale(m, row * (m.cols / 32) + k / 32);
+    }
+    case MatrixFormat::kF16:
+      return __half2float(__ushort_as_half(static_cast<const uint16_t*>(m.data)[row * m.cols + k]));
+    case MatrixFormat::kW4G32A: {
+      const uint8_t byte = static_cast<const uint8_t*>(m.data)[row * (m.cols / 2) + k / 2];
+      const int u = (k % 2 == 0) ? (byte & 0xF) : (byte >> 4);
+      const float* scale_min =
+          static_cast<const float*>(m.scales) + 2 * (row * (m.cols / 32) + k / 32);
+      // Two roundings, as the CPU reference: nvcc would otherwise fuse this into one FMA, which
+      // agrees only while scale · u is exact (true of real K-quant scales, not of any fp32).
+      return __fsub_rn(__fmul_rn(scale_min[0], static_cast<float>(u)), scale_min[1]);
+    }
+    case MatrixFormat::kW8: {
+      const int8_t q = static_cast<const int8_t*>(m.data)[row * m.cols + k];
+      return static_cast<float>(q) *
+             group_scale(m, row * (m.cols / m.group_size) + k / m.group_size);
     }
     case MatrixFormat::kNVFP4: {
       const uint8_t byte = static_cast<const uint8_t*>(m.data)[row * (m.cols / 2) + k / 2];
