@@ -21,7 +21,10 @@ using quant::WeightFormat;
 static_assert(static_cast<int>(WeightFormat::kF32) == static_cast<int>(MatrixFormat::kF32) &&
               static_cast<int>(WeightFormat::kBF16) == static_cast<int>(MatrixFormat::kBF16) &&
               static_cast<int>(WeightFormat::kW4G32) == static_cast<int>(MatrixFormat::kW4G32) &&
-              static_cast<int>(WeightFormat::kNVFP4) == static_cast<int>(MatrixFormat::kNVFP4));
+              static_cast<int>(WeightFormat::kNVFP4) == static_cast<int>(MatrixFormat::kNVFP4) &&
+              static_cast<int>(WeightFormat::kW4G32A) == static_cast<int>(MatrixFormat::kW4G32A) &&
+              static_cast<int>(WeightFormat::kW8) == static_cast<int>(MatrixFormat::kW8) &&
+              static_cast<int>(WeightFormat::kF16) == static_cast<int>(MatrixFormat::kF16));
 
 namespace {
 
@@ -184,13 +187,18 @@ void CudaBackend::replay(engine::RecordedWork& work) {
 
 namespace {
 
-// quant::QMatrix → the kernels' view; false for a format with no CUDA kernel.
+// quant::QMatrix → the kernels' view; false for a format with no CUDA kernel. The GGUF formats
+// (kW4G32A, kW8, kF16) have no GEMV kernel: they run through the element-wise generic matmul,
+// correct but not fast.
 bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
   switch (m.format) {
     case WeightFormat::kF32:
     case WeightFormat::kBF16:
     case WeightFormat::kW4G32:
     case WeightFormat::kNVFP4:
+    case WeightFormat::kW4G32A:
+    case WeightFormat::kW8:
+    case WeightFormat::kF16:
       out = {static_cast<MatrixFormat>(m.format),
              m.rows,
              m.cols,
@@ -198,11 +206,11 @@ bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
              m.scales,
              static_cast<int>(m.scale_type),
              m.nv_global.value,
-             m.nv_global.is_divisor ? 1 : 0};
+             m.nv_global.is_divisor ? 1 : 0,
+             m.group_size};
       return true;
-    default:
-      return false;
   }
+  return false;
 }
 
 }  // namespace
