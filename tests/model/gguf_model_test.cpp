@@ -100,9 +100,10 @@ int32_t argmax(const std::vector<float>& logits) {
 }
 
 // Our CPU engine on the fixture's prompts: last-position logits (top 64 and 256 fixed ids)
-// within 1e-3, and the greedy tokens identical: all 64 of the first prompt, the first 16 of the
-// others (a decode step of the float32 reference engine costs about 0.2 s of CPU; with
-// GEMMA4_FULL_GOLDEN=1 all 64 of every prompt are checked).
+// within 1e-3, and the greedy tokens identical: the first 24 of the first prompt, the first 8 of
+// the others (a decode step of the float32 reference engine costs about 0.2 s of CPU, several
+// times that under the sanitizers CI runs this with; tests/real checks 16-token greedy runs with the
+// release binary; with GEMMA4_FULL_GOLDEN=1 all 64 of every prompt are checked here).
 TEST(Gemma3Gguf, MatchesTransformers) {
   REQUIRE_DEMO_MODEL(path);
   const auto fixture = load_fixture();
@@ -121,8 +122,8 @@ TEST(Gemma3Gguf, MatchesTransformers) {
   for (const auto& c : fixture["cases"]) {
     const auto prompt = c["ids"].get<std::vector<int32_t>>();
     auto greedy = c["greedy"].get<std::vector<int32_t>>();
-    if (!full && &c != &fixture["cases"].front())
-      greedy.resize(std::min<size_t>(greedy.size(), 16));
+    if (!full)
+      greedy.resize(std::min<size_t>(greedy.size(), &c == &fixture["cases"].front() ? 24 : 8));
     auto sequence = engine.open_sequence();
     ASSERT_TRUE(sequence.ok());
     std::vector<int32_t> next = prompt;
