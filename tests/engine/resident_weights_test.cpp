@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "engine/cpu_forwarding_backend.h"
 #include "engine/gemma4_engine.h"
 #include "model/synth.h"
 #include "model/weights.h"
@@ -23,7 +24,7 @@ namespace {
 
 // The CPU reference, posing as a device: reads_host_memory() is false, and every weight pointer
 // an operation receives is checked against the buffers it allocated.
-class DeviceLikeBackend final : public Backend {
+class DeviceLikeBackend final : public testing::CpuForwardingBackend {
  public:
   const char* name() const override { return "device-like"; }
   bool reads_host_memory() const override { return false; }
@@ -36,10 +37,6 @@ class DeviceLikeBackend final : public Backend {
       owned_.erase(static_cast<const std::byte*>(p));
       std::free(p);
     });
-  }
-  void upload(void* dst, const void* src, size_t bytes) override { cpu_.upload(dst, src, bytes); }
-  void download(void* dst, const void* src, size_t bytes) override {
-    cpu_.download(dst, src, bytes);
   }
 
   void embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) override {
@@ -54,29 +51,9 @@ class DeviceLikeBackend final : public Backend {
     require(weight, "norm weight");
     cpu_.rms_norm(x, weight, weight_offset, eps, y);
   }
-  void rope(Rows x, int head_dim, const int32_t* positions,
-            const model::RopeParams& rope) override {
-    cpu_.rope(x, head_dim, positions, rope);
-  }
-  void gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) override {
-    cpu_.gelu_tanh_mul(gate, multiplier, out);
-  }
-  void add(Rows acc, Rows x) override { cpu_.add(acc, x); }
   void scale(Rows x, const float* column_scale, float scalar) override {
     require(column_scale, "column scale");
     cpu_.scale(x, column_scale, scalar);
-  }
-  void softcap(Rows x, float cap) override { cpu_.softcap(x, cap); }
-  void copy(Rows src, Rows dst) override { cpu_.copy(src, dst); }
-  void write_kv(const KvView& kv, Rows k, Rows v, const int32_t* positions) override {
-    cpu_.write_kv(kv, k, v, positions);
-  }
-  void forget_kv(const KvView& kv, int64_t from_position) override {
-    cpu_.forget_kv(kv, from_position);
-  }
-  void attention(Rows q, const int32_t* positions, const KvView& kv, int window, float scale,
-                 Rows out) override {
-    cpu_.attention(q, positions, kv, window, scale, out);
   }
   void route_experts(Rows logits, const RouterParams& router, int32_t* expert_ids,
                      float* weights) override {
@@ -112,7 +89,6 @@ class DeviceLikeBackend final : public Backend {
     require(m.scales, what);
   }
 
-  backend::cpu::CpuBackend cpu_{2};
   std::map<const std::byte*, const std::byte*> owned_;  // begin -> end of each live buffer
   std::set<std::string> foreign_;
 };
