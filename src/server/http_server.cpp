@@ -56,6 +56,12 @@ int64_t unix_seconds() {
       .count();
 }
 
+// Whether the model's chat format can express tool calls (and thinking): Gemma 4's can,
+// Gemma 3's cannot.
+bool has_tool_syntax(const ServingModel& model) {
+  return model.chat_template.output_format() == text::OutputFormat::kGemma4;
+}
+
 bool needs_auth(const std::string& path) {
   return path.starts_with("/v1/") || path == "/tokenize" || path == "/detokenize";
 }
@@ -148,7 +154,9 @@ struct HttpServer::Routes {
                     {"max_model_len", context},
                     {"synthetic", model->synthetic},
                     {"description", model->description},
-                    {"capabilities", {"chat", "completion", "tools", "reasoning"}}});
+                    {"capabilities", has_tool_syntax(*model)
+                                         ? json{"chat", "completion", "tools", "reasoning"}
+                                         : json{"chat", "completion"}}});
     } else {
       entry.update({{"id", self.options_.model_id}, {"status", "loading"}});
     }
@@ -219,6 +227,14 @@ struct HttpServer::Routes {
     if (auto error =
             parse_chat_request(body, names(*model), model->scheduler->vocab_size(), request)) {
       return send_error(res, *error);
+    }
+    if (!has_tool_syntax(*model) && (request.tool_choice == ToolChoice::kRequired ||
+                                     request.tool_choice == ToolChoice::kNamed)) {
+      // The chat format has no tool-call syntax (Gemma 3): a forced call cannot be honoured.
+      return send_error(res, invalid_request(fmt::format("model '{}' has no tool-call syntax: "
+                                                         "tool_choice must be \"auto\" or \"none\"",
+                                                         model->id),
+                                             "tool_choice"));
     }
     auto prompt = model->chat_template.render_with_spans(request.messages, request.tools,
                                                          request.template_options);

@@ -150,3 +150,21 @@ def test_server_answers_through_the_openai_client(demo_server):
         max_tokens=16, stream=True)
     text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
     assert text == message.content
+
+
+def test_gemma3_chat_format_has_no_tools(demo_server):
+    """Gemma 3's chat format has no tool-call syntax: /v1/models says so, and a forced call
+    (tool_choice "required" or a named function) is refused with a 400 instead of injecting
+    Gemma 4's call opener into a Gemma 3 prompt."""
+    from openai import BadRequestError, OpenAI
+
+    with urllib.request.urlopen(demo_server + "/v1/models", timeout=10) as response:
+        capabilities = json.load(response)["data"][0]["capabilities"]
+    assert "tools" not in capabilities and "reasoning" not in capabilities, capabilities
+    client = OpenAI(base_url=demo_server + "/v1", api_key="unused")
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        with pytest.raises(BadRequestError) as refused:
+            client.chat.completions.create(model="gemma3-270m", messages=[{"role": "user", "content": "Hi"}],
+                                           tools=tools, tool_choice=choice, max_tokens=4)
+        assert "no tool-call syntax" in str(refused.value)
