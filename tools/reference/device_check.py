@@ -40,6 +40,10 @@ import torch
 from safetensors import safe_open
 from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
+# The golden fixtures' prompt (BOS + a fixed LCG over ordinary-text ids); golden.py sits beside
+# this script, so it is importable when the script runs.
+from golden import fixed_prompt  # noqa: E402
+
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 # Tensors that carry a packed matrix's side data; each is consumed with its matrix.
 SIDE_SUFFIXES = ("weight_scale", "weight_shape", "weight_global_scale", "weight_scale_2",
@@ -50,16 +54,6 @@ def fail(message):
     """An error of the check itself (exit 2), as opposed to a mismatch (exit 1)."""
     print(f"device_check: {message}", file=sys.stderr)
     sys.exit(2)
-
-
-def fixed_prompt(length):
-    """BOS followed by ids spread over the ordinary-text vocabulary (tools/reference/golden.py)."""
-    ids = [2]
-    state = 20260415
-    while len(ids) < length:
-        state = (state * 1103515245 + 12345) % (1 << 31)
-        ids.append(300 + state % 250000)
-    return ids
 
 
 def text_config(checkpoint):
