@@ -107,6 +107,7 @@ struct RunArgs {
   bool ignore_eos = false;
   std::string device = "auto";
   bool no_graphs = false;
+  bool no_pdl = false;
   int threads = 0;
   int prompt_chunk = 0;
   std::string dump_logits;
@@ -124,6 +125,7 @@ Status run(const RunArgs& args) {
   EngineLoadOptions load;
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
   load.engine.record_decode = !args.no_graphs;
+  load.pdl = !args.no_pdl;
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   // The model is opened first so that a text prompt's stop ids include its eos ids; the engine
@@ -199,6 +201,7 @@ void register_run(CLI::App& app, int& exit_code) {
                   "the demo model of scripts/setup)");
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
+  cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");
   cmd->add_option("--messages", args->text.messages_file,

@@ -31,6 +31,7 @@ struct ServeArgs {
   std::string gpu_memory;
   std::string device = "auto";
   bool no_graphs = false;
+  bool no_pdl = false;
   int threads = 0;
   int timeout_s = 600;
   size_t max_body_mib = 16;
@@ -94,6 +95,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   EngineLoadOptions load;
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
   load.engine.record_decode = !args.no_graphs;
+  load.pdl = !args.no_pdl;
   load.threads = args.threads;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
   load.engine.max_context = args.ctx_size;
@@ -119,8 +121,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
 Status check_args(ServeArgs& args) {
   if (args.model.empty() && args.scripted_engine.empty()) {
     // No -m: $GEMMA4_MODEL, else the demo model that scripts/setup installs.
-    GEMMA4_ASSIGN_OR_RETURN(args.model,
-                            io::default_model_spec(io::HubOptions::from_environment()));
+    GEMMA4_ASSIGN_OR_RETURN(args.model, io::default_model_spec(io::HubOptions::from_environment()));
     std::fprintf(stderr, "gemma4 serve: no -m given, using %s\n", args.model.c_str());
   }
   if (args.parallel < 1)
@@ -208,6 +209,7 @@ void register_serve(CLI::App& app, int& exit_code) {
                   "GPU memory budget, e.g. 24GiB (GPU engine only)");
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
+  cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();

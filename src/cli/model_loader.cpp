@@ -31,7 +31,7 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
   }
 #if GEMMA4_HAS_CUDA
   constexpr int kGpu = 0;
-  auto backend = cuda::make_cuda_backend(kGpu);
+  auto backend = cuda::make_cuda_backend(kGpu, options.pdl);
   if (!backend.ok()) return backend.error().with_context("--device cuda");
   return ChosenBackend{std::move(backend).value(), Device::kCuda,
                        fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu)};

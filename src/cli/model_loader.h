@@ -31,10 +31,15 @@ inline constexpr const char* kDeviceHelp =
 inline constexpr const char* kNoGraphsHelp =
     "launch decode steps kernel by kernel instead of replaying recorded CUDA graphs";
 
+// Help text for --no-pdl (EngineLoadOptions::pdl off), the same in every subcommand.
+inline constexpr const char* kNoPdlHelp =
+    "launch CUDA kernels without programmatic dependent launch (for A/B measurements)";
+
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;
   int threads = 0;  // CPU backend threads (0 = all)
+  bool pdl = true;  // CUDA: programmatic dependent launch between kernels
   engine::EngineOptions engine;
 };
 

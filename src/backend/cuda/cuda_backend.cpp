@@ -48,7 +48,7 @@ bool aligned16(const void* p) {
 
 }  // namespace
 
-CudaBackend::CudaBackend(int device) : device_(device) {
+CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
   check(cudaSetDevice(device_), "selecting the GPU");
   if (status_.ok()) check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
 }
@@ -86,7 +86,7 @@ void CudaBackend::launched(cudaError_t status, const char* what, int kernels) {
 
 Launch CudaBackend::launch() {
   cudaSetDevice(device_);
-  return {stream_, false};
+  return {stream_, pdl_};
 }
 
 void* CudaBackend::scratch(Scratch& s, size_t bytes) {
@@ -377,7 +377,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
            "run_experts", run_experts_kernel_count(tokens));
 }
 
-Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device) {
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device, bool pdl) {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
@@ -389,7 +389,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device) {
     return make_error(ErrorCode::kInvalidArgument, "GPU {} does not exist ({} found)", device,
                       count);
   }
-  auto backend = std::make_unique<CudaBackend>(device);
+  auto backend = std::make_unique<CudaBackend>(device, pdl);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

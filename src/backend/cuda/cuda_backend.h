@@ -30,7 +30,8 @@ namespace gemma4::cuda {
 class CudaBackend final : public engine::Backend {
  public:
   // Use make_cuda_backend: it checks the device first.
-  explicit CudaBackend(int device);
+  // pdl: launch every kernel with programmatic dependent launch (launch.h).
+  CudaBackend(int device, bool pdl);
   ~CudaBackend() override;
   CudaBackend(const CudaBackend&) = delete;
   CudaBackend& operator=(const CudaBackend&) = delete;
@@ -96,6 +97,7 @@ class CudaBackend final : public engine::Backend {
   void fail(ErrorCode code, std::string message);
 
   int device_ = 0;
+  bool pdl_ = true;
   cudaStream_t stream_ = nullptr;
   Status status_;
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
@@ -110,6 +112,7 @@ class CudaBackend final : public engine::Backend {
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.
-Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0);
+// pdl = false launches kernels plainly (for A/B measurements: `--no-pdl`).
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0, bool pdl = true);
 
 }  // namespace gemma4::cuda
