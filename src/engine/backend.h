@@ -108,6 +108,19 @@ struct RouterParams {
   const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
 };
 
+// One sequence's rows of a pass and that sequence's K/V of the layer.
+struct SequenceRows {
+  KvView kv;
+  int64_t first_row = 0;
+  int64_t count = 0;
+};
+
+// How every RMSNorm of the model scales: y = x · rsqrt(mean(x²) + eps) · (weight_offset + w).
+struct NormParams {
+  float weight_offset = 0.0f;
+  float eps = 1e-6f;
+};
+
 // A sequence of operations a backend recorded once (record()) to enqueue again cheaply
 // (replay()): on CUDA, an instantiated graph. Each backend defines what it holds.
 class RecordedWork {
@@ -198,6 +211,47 @@ class Backend {
   virtual void run_experts(std::span<const model::ExpertMatrices> experts, Rows x,
                            const int32_t* expert_ids, const float* weights, int top_k,
                            Rows out) = 0;
+
+  // Fused operations. Each has a default composed of the primitives above, in exactly the order
+  // the engine ran them before they existed, so a backend that keeps the defaults (the CPU
+  // reference) computes bit for bit what it did; a device backend overrides them with one kernel
+  // each.
+
+  // acc = (acc + norm(x; weight)) · scalar, row by row; then, if next.data != nullptr,
+  // next = norm(acc; next_weight) (next_weight nullptr: weightless). x may be overwritten.
+  // Default: rms_norm(x → x), add(acc, x), scale(acc, scalar) when scalar != 1, rms_norm(acc →
+  // next).
+  virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
+                            const float* next_weight, Rows next, const NormParams& norm);
+
+  // Attention inputs of one layer, in place: q per head normed (q_norm) and rotated; if
+  // k.data != nullptr (the layer owns its KV): k per head normed (k_norm) and rotated, v per
+  // head normed without weight when norm_v, and rows [s.first_row, s.first_row + s.count) of k/v
+  // stored into s.kv at positions[s.first_row ...] for every s in `sequences`. k and v are
+  // scratch afterwards. Default: the existing rms_norm/rope/write_kv calls.
+  virtual void prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
+                                 bool norm_v, int head_dim, const int32_t* positions,
+                                 const model::RopeParams& rope,
+                                 std::span<const SequenceRows> sequences, const NormParams& norm);
+
+  // attention() for every sequence's rows of q / out (one launch on CUDA for a decode batch).
+  // Default: attention(q.slice(s.first_row, s.count), positions + s.first_row, s.kv, ...) per s.
+  virtual void attention_rows(Rows q, const int32_t* positions,
+                              std::span<const SequenceRows> sequences, int window, float scale,
+                              Rows out);
+
+  // y = gelu_tanh(x · Wᵀ) ⊙ multiplier (the PLE gate). Default: matmul(w, x, y);
+  // gelu_tanh_mul(y, multiplier, y).
+  virtual void matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y);
+
+  // Whether this backend wants row-interleaved gate/up matrices (see matmul_gelu_pairs):
+  // ResidentWeights builds them (instead of separate gate_proj/up_proj copies) only then.
+  virtual bool fuses_gate_up() const { return false; }
+  // y[t][i] = gelu_tanh(a[t][2i]) · a[t][2i + 1] with a = x · Wᵀ, where W's rows alternate
+  // gate row i, up row i (y.width = W.rows / 2). Pure virtual: the CPU backend implements it too
+  // (so the interleaved path is tested in CI through a test backend that reports
+  // fuses_gate_up()).
+  virtual void matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) = 0;
 };
 
 }  // namespace gemma4::engine

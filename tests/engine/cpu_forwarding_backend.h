@@ -67,6 +67,11 @@ class CpuForwardingBackend : public Backend {
                    const int32_t* expert_ids, const float* weights, int top_k, Rows out) override {
     cpu_.run_experts(experts, x, expert_ids, weights, top_k, out);
   }
+  // The fused operations keep Backend's defaults (composed of the forwarded primitives above),
+  // except the one the CPU backend implements itself.
+  void matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) override {
+    cpu_.matmul_gelu_pairs(w, x, y);
+  }
 
  protected:
   backend::cpu::CpuBackend cpu_;

@@ -88,6 +88,26 @@ void CpuBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
                      });
 }
 
+void CpuBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
+  const int64_t k = w.cols;
+  // matmul() over the rows of one pair, then gelu_tanh_mul(): the same dot products and the same
+  // float operations, so the result is bit for bit that of separate gate and up matrices.
+  pool_.parallel_for(y.width,
+                     std::max<int64_t>(1, kMinElementsPerThread / std::max<int64_t>(1, 2 * k)),
+                     [&](int64_t begin, int64_t end) {
+                       std::vector<float> gate_row(k), up_row(k);
+                       for (int64_t i = begin; i < end; ++i) {
+                         quant::dequantize_row(w, 2 * i, gate_row.data());
+                         quant::dequantize_row(w, 2 * i + 1, up_row.data());
+                         for (int64_t t = 0; t < x.count; ++t) {
+                           const float gate = dot(x.row(t), gate_row.data(), k);
+                           const float up = dot(x.row(t), up_row.data(), k);
+                           y.row(t)[i] = gelu_tanh(gate) * up;
+                         }
+                       }
+                     });
+}
+
 void CpuBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
   for_each_row(pool_, x.count, x.width, [&](int64_t r) {
     const float* in = x.row(r);

@@ -47,6 +47,8 @@ class CpuBackend final : public engine::Backend {
                    const int32_t* expert_ids, const float* weights, int top_k,
                    engine::Rows out) override;
 
+  void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
+
  private:
   ThreadPool pool_;
 };

@@ -1,0 +1,67 @@
+// The default fused operations of Backend: the primitives each replaces, called in exactly the
+// order the engine issued them before the fused operations existed, so a backend that keeps these
+// defaults computes bit for bit what it did then.
+#include "engine/backend.h"
+
+namespace gemma4::engine {
+
+namespace {
+
+// rms_norm over every head_dim-wide head of every row of x, in place. A dense x is one call over
+// x.heads(); a column view of a wider buffer (q/k/v of a fused QKV projection) has no uniform
+// stride between heads of consecutive rows, so it is normed row by row (the same per-head
+// arithmetic either way).
+void norm_heads(Backend& backend, Rows x, int head_dim, const float* weight,
+                const NormParams& norm) {
+  if (x.stride == x.width) {
+    const Rows heads = x.heads(head_dim);
+    backend.rms_norm(heads, weight, norm.weight_offset, norm.eps, heads);
+    return;
+  }
+  for (int64_t r = 0; r < x.count; ++r) {
+    const Rows heads = Rows::dense(x.row(r), 1, x.width).heads(head_dim);
+    backend.rms_norm(heads, weight, norm.weight_offset, norm.eps, heads);
+  }
+}
+
+}  // namespace
+
+void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
+                           const float* next_weight, Rows next, const NormParams& norm) {
+  rms_norm(x, weight, norm.weight_offset, norm.eps, x);
+  add(acc, x);
+  if (scalar != 1.0f) scale(acc, nullptr, scalar);
+  if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
+}
+
+void Backend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
+                                bool norm_v, int head_dim, const int32_t* positions,
+                                const model::RopeParams& rope_params,
+                                std::span<const SequenceRows> sequences, const NormParams& norm) {
+  norm_heads(*this, q, head_dim, q_norm, norm);
+  rope(q, head_dim, positions, rope_params);
+  if (k.data == nullptr) return;  // a KV-shared layer reads its source layer's cache
+  norm_heads(*this, k, head_dim, k_norm, norm);
+  rope(k, head_dim, positions, rope_params);
+  if (norm_v) norm_heads(*this, v, head_dim, nullptr, norm);
+  for (const SequenceRows& s : sequences) {
+    write_kv(s.kv, k.slice(s.first_row, s.count), v.slice(s.first_row, s.count),
+             positions + s.first_row);
+  }
+}
+
+void Backend::attention_rows(Rows q, const int32_t* positions,
+                             std::span<const SequenceRows> sequences, int window, float scale,
+                             Rows out) {
+  for (const SequenceRows& s : sequences) {
+    attention(q.slice(s.first_row, s.count), positions + s.first_row, s.kv, window, scale,
+              out.slice(s.first_row, s.count));
+  }
+}
+
+void Backend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
+  matmul(w, x, y);
+  gelu_tanh_mul(y, multiplier, y);
+}
+
+}  // namespace gemma4::engine
