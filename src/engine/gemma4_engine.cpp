@@ -62,7 +62,8 @@ struct Gemma4Engine::Impl {
 
   // Workspace for one pass of up to options.max_pass_tokens rows.
   Buffer token_ids, positions, expert_ids, expert_weights;
-  Buffer x, normed, q, k, v, attn, proj, gate, up, branch, moe, router_logits, ple, ple_tokens,
+  // qkv: q, k and v of a layer, as one [n, q + k + v] matrix or three dense ones.
+  Buffer x, normed, qkv, attn, proj, gate, up, branch, moe, router_logits, ple, ple_tokens,
       ple_gate, last_hidden, logits;
 
   int64_t max_rows() const { return options.max_pass_tokens; }
@@ -78,8 +79,10 @@ struct Gemma4Engine::Impl {
     return Rows::dense(buffer.floats(), count, width);
   }
 
+  NormParams norm_params;
+
   void norm(Rows x_in, const float* weight, Rows y) {
-    backend->rms_norm(x_in, weight, config.norm_weight_offset, config.rms_norm_eps, y);
+    backend->rms_norm(x_in, weight, norm_params.weight_offset, norm_params.eps, y);
   }
 
   void forward(std::span<const Segment> segments, int64_t total_rows);
@@ -113,42 +116,47 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   const LayerGeometry& g = config.layers[l];
   const ResidentLayer& lw = weights.layers[l];
   const int hd = g.head_dim;
-  Rows a = rows(normed, n, config.hidden_size);
-  norm(hidden, lw.input_layernorm, a);
+  const int64_t q_width = g.q_width(), kv_width = g.kv_width();
+  const Rows a = rows(normed, n, config.hidden_size);  // input_layernorm(hidden), made before
 
-  Rows queries = rows(q, n, g.q_width());
-  backend->matmul(lw.q_proj, a, queries);
-  norm(queries.heads(hd), lw.q_norm, queries.heads(hd));
-  backend->rope(queries, hd, positions.ints(), g.rope);
-
-  if (g.owns_kv()) {
-    Rows keys = rows(k, n, g.kv_width());
-    Rows values = rows(v, n, g.kv_width());
-    backend->matmul(lw.k_proj, a, keys);
-    if (g.k_eq_v) {
-      backend->copy(keys, values);  // V is the raw K projection (before k_norm and RoPE)
-    } else {
-      backend->matmul(lw.v_proj, a, values);
-    }
-    norm(keys.heads(hd), lw.k_norm, keys.heads(hd));
-    backend->rope(keys, hd, positions.ints(), g.rope);
-    if (config.has_v_norm) norm(values.heads(hd), nullptr, values.heads(hd));
-    for (const Segment& s : segments) {
-      backend->write_kv(kv_view(s.sequence, g), keys.slice(s.first_row, s.count),
-                        values.slice(s.first_row, s.count), positions.ints() + s.first_row);
+  // q, k, v: column views of one [n, q + k + v] matrix when the projections are stacked (one
+  // matmul), else three dense matrices. A KV-shared layer has no k/v of its own.
+  Rows queries, keys, values;
+  if (model::present(lw.qkv)) {
+    const Rows stacked = Rows::dense(qkv.floats(), n, q_width + 2 * kv_width);
+    backend->matmul(lw.qkv, a, stacked.columns(0, lw.qkv.rows));
+    queries = stacked.columns(0, q_width);
+    keys = stacked.columns(q_width, kv_width);
+    values = stacked.columns(q_width + kv_width, kv_width);
+  } else {
+    queries = Rows::dense(qkv.floats(), n, q_width);
+    backend->matmul(lw.q_proj, a, queries);
+    if (g.owns_kv()) {
+      keys = Rows::dense(qkv.floats() + max_rows() * config.max_q_width(), n, kv_width);
+      values = Rows::dense(keys.data + max_rows() * config.max_kv_width(), n, kv_width);
+      backend->matmul(lw.k_proj, a, keys);
+      if (!g.k_eq_v) backend->matmul(lw.v_proj, a, values);
     }
   }
+  // V is the raw K projection (before k_norm and RoPE).
+  if (g.owns_kv() && g.k_eq_v) backend->copy(keys, values);
 
-  Rows out = rows(attn, n, g.q_width());
+  std::vector<SequenceRows> sequence_rows;
+  sequence_rows.reserve(segments.size());
   for (const Segment& s : segments) {
-    backend->attention(queries.slice(s.first_row, s.count), positions.ints() + s.first_row,
-                       kv_view(s.sequence, g), g.window, config.attention_scale,
-                       out.slice(s.first_row, s.count));
+    sequence_rows.push_back({kv_view(s.sequence, g), s.first_row, s.count});
   }
+  backend->prepare_attention(queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd,
+                             positions.ints(), g.rope, sequence_rows, norm_params);
+  Rows out = rows(attn, n, q_width);
+  backend->attention_rows(queries, positions.ints(), sequence_rows, g.window,
+                          config.attention_scale, out);
+
   Rows projected = rows(proj, n, config.hidden_size);
   backend->matmul(lw.o_proj, out, projected);
-  norm(projected, lw.post_attention_layernorm, projected);
-  backend->add(hidden, projected);
+  backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                        lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
+                        norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
@@ -157,13 +165,16 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const int64_t H = config.hidden_size;
 
   // Dense MLP (the always-on shared expert in MoE models).
-  Rows m = rows(normed, n, H);
-  norm(hidden, lw.pre_feedforward_layernorm, m);
+  const Rows m = rows(normed, n, H);  // pre_feedforward_layernorm(hidden), made before
   Rows gates = rows(gate, n, g.ffn_width);
-  Rows ups = rows(up, n, g.ffn_width);
-  backend->matmul(lw.gate_proj, m, gates);
-  backend->matmul(lw.up_proj, m, ups);
-  backend->gelu_tanh_mul(gates, ups, gates);
+  if (model::present(lw.gate_up)) {
+    backend->matmul_gelu_pairs(lw.gate_up, m, gates);
+  } else {
+    Rows ups = rows(up, n, g.ffn_width);
+    backend->matmul(lw.gate_proj, m, gates);
+    backend->matmul(lw.up_proj, m, ups);
+    backend->gelu_tanh_mul(gates, ups, gates);
+  }
   Rows dense_out = rows(branch, n, H);
   backend->matmul(lw.down_proj, gates, dense_out);
 
@@ -186,22 +197,27 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     norm(expert_out, lw.post_feedforward_layernorm_2, expert_out);
     backend->add(dense_out, expert_out);
   }
-  norm(dense_out, lw.post_feedforward_layernorm, dense_out);
-  backend->add(hidden, dense_out);
 
-  if (config.ple_dim > 0) {
-    // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
-    Rows gated = rows(ple_gate, n, config.ple_dim);
-    backend->matmul(lw.per_layer_input_gate, hidden, gated);
-    const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
-                               .columns(int64_t{l} * config.ple_dim, config.ple_dim);
-    backend->gelu_tanh_mul(gated, layer_ple, gated);
-    Rows projected = rows(proj, n, H);
-    backend->matmul(lw.per_layer_projection, gated, projected);
-    norm(projected, lw.post_per_layer_input_norm, projected);
-    backend->add(hidden, projected);
+  // The layer ends by norming its output for the next layer's attention (none after the last).
+  const bool last = l + 1 == config.num_layers;
+  const float* next_norm = last ? nullptr : weights.layers[l + 1].input_layernorm;
+  const Rows next = last ? Rows{} : rows(normed, n, H);
+  if (config.ple_dim == 0) {
+    backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
+                          next_norm, next, norm_params);
+    return;
   }
-  backend->scale(hidden, nullptr, lw.layer_scalar);
+  backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, 1.0f, nullptr, Rows{},
+                        norm_params);
+  // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
+  Rows gated = rows(ple_gate, n, config.ple_dim);
+  const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
+                             .columns(int64_t{l} * config.ple_dim, config.ple_dim);
+  backend->matmul_gelu_mul(lw.per_layer_input_gate, hidden, layer_ple, gated);
+  Rows projected = rows(proj, n, H);
+  backend->matmul(lw.per_layer_projection, gated, projected);
+  backend->add_rms_norm(hidden, projected, lw.post_per_layer_input_norm, lw.layer_scalar, next_norm,
+                        next, norm_params);
 }
 
 void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
@@ -213,6 +229,8 @@ void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
   backend->embed(w.embed_tokens, token_ids.ints(),
                  std::sqrt(static_cast<float>(config.hidden_size)), hidden);
   if (config.ple_dim > 0) per_layer_inputs(n, hidden);
+  // Every later layer's input norm is fused into the end of the layer before it.
+  norm(hidden, w.layers.front().input_layernorm, rows(normed, n, config.hidden_size));
   for (int l = 0; l < config.num_layers; ++l) {
     attention_block(l, segments, n, hidden);
     feed_forward_block(l, n, hidden);
@@ -281,6 +299,7 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   impl->backend = std::move(backend);
   GEMMA4_ASSIGN_OR_RETURN(impl->weights, ResidentWeights::create(weights, *impl->backend));
   impl->options = options;
+  impl->norm_params = {config.norm_weight_offset, config.rms_norm_eps};
   impl->max_context = config.max_position_embeddings > 0
                           ? std::min(options.max_context, config.max_position_embeddings)
                           : options.max_context;
@@ -300,10 +319,8 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   impl->normed = floats(rows, H);
   impl->proj = floats(rows, H);
   impl->branch = floats(rows, H);
-  impl->q = floats(rows, config.max_q_width());
+  impl->qkv = floats(rows, config.max_q_width() + 2 * config.max_kv_width());
   impl->attn = floats(rows, config.max_q_width());
-  impl->k = floats(rows, config.max_kv_width());
-  impl->v = floats(rows, config.max_kv_width());
   impl->gate = floats(rows, config.max_ffn_width());
   impl->up = floats(rows, config.max_ffn_width());
   if (config.moe) {

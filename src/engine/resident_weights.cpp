@@ -1,7 +1,11 @@
 #include "engine/resident_weights.h"
 
+#include <algorithm>
 #include <map>
+#include <span>
 #include <tuple>
+
+#include "quant/row_stack.h"
 
 namespace gemma4::engine {
 
@@ -23,6 +27,16 @@ class WeightPlacer {
     copied_.emplace(key, placed);
     return placed;
   }
+
+  // A matrix stacked in host memory (quant/row_stack.h), copied.
+  quant::QMatrix stacked(const quant::StackedRows& rows) {
+    quant::QMatrix placed = rows.shape;
+    placed.data = bytes(rows.data.data(), std::ssize(rows.data));
+    if (!rows.scales.empty()) placed.scales = bytes(rows.scales.data(), std::ssize(rows.scales));
+    return placed;
+  }
+
+  bool copies() const { return copy_; }
 
   const float* vector(const std::vector<float>& v) {
     if (v.empty()) return nullptr;
@@ -49,11 +63,43 @@ class WeightPlacer {
 
 namespace {
 
-ResidentLayer place_layer(const model::LayerWeights& w, WeightPlacer& place) {
+bool stackable(std::span<const quant::QMatrix> parts) {
+  return std::all_of(parts.begin(), parts.end(), [&](const quant::QMatrix& m) {
+    return quant::same_row_encoding(m, parts.front());
+  });
+}
+
+// q_proj, k_proj, v_proj: stacked into r.qkv when the backend gets copies and their rows share
+// one encoding (a KV-shared layer has only q_proj: nothing to stack), else placed one by one.
+void place_attention_projections(const model::LayerWeights& w, WeightPlacer& place,
+                                 ResidentLayer& r) {
+  std::vector<quant::QMatrix> parts{w.q_proj};
+  for (const quant::QMatrix* m : {&w.k_proj, &w.v_proj}) {
+    if (model::present(*m)) parts.push_back(*m);
+  }
+  if (!place.copies() || parts.size() < 2 || !stackable(parts)) {
+    r.q_proj = place.matrix(w.q_proj);
+    r.k_proj = place.matrix(w.k_proj);
+    r.v_proj = place.matrix(w.v_proj);
+    return;
+  }
+  r.qkv = place.stacked(quant::concatenate_rows(parts));
+  if (r.qkv.data == nullptr) return;  // allocation failed: the backend's status() reports it
+  int64_t first = 0;
+  const auto next_slice = [&](const quant::QMatrix& source) {
+    if (!model::present(source)) return quant::QMatrix{};
+    const quant::QMatrix slice = quant::row_slice(r.qkv, first, source.rows);
+    first += source.rows;
+    return slice;
+  };
+  r.q_proj = next_slice(w.q_proj);
+  r.k_proj = next_slice(w.k_proj);
+  r.v_proj = next_slice(w.v_proj);
+}
+
+ResidentLayer place_layer(const model::LayerWeights& w, WeightPlacer& place, bool fuse_gate_up) {
   ResidentLayer r;
-  r.q_proj = place.matrix(w.q_proj);
-  r.k_proj = place.matrix(w.k_proj);
-  r.v_proj = place.matrix(w.v_proj);
+  place_attention_projections(w, place, r);
   r.o_proj = place.matrix(w.o_proj);
   r.q_norm = place.vector(w.q_norm);
   r.k_norm = place.vector(w.k_norm);
@@ -61,8 +107,13 @@ ResidentLayer place_layer(const model::LayerWeights& w, WeightPlacer& place) {
   r.post_attention_layernorm = place.vector(w.post_attention_layernorm);
   r.pre_feedforward_layernorm = place.vector(w.pre_feedforward_layernorm);
   r.post_feedforward_layernorm = place.vector(w.post_feedforward_layernorm);
-  r.gate_proj = place.matrix(w.gate_proj);
-  r.up_proj = place.matrix(w.up_proj);
+  if (place.copies() && fuse_gate_up && model::present(w.gate_proj) &&
+      quant::same_row_encoding(w.gate_proj, w.up_proj) && w.gate_proj.rows == w.up_proj.rows) {
+    r.gate_up = place.stacked(quant::interleave_rows(w.gate_proj, w.up_proj));
+  } else {
+    r.gate_proj = place.matrix(w.gate_proj);
+    r.up_proj = place.matrix(w.up_proj);
+  }
   r.down_proj = place.matrix(w.down_proj);
   r.router_proj = place.matrix(w.router_proj);
   r.router_scale = place.vector(w.router_scale);
@@ -95,7 +146,7 @@ Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& wei
   out.per_layer_projection_norm = place.vector(weights.per_layer_projection_norm);
   out.layers.reserve(weights.layers.size());
   for (const model::LayerWeights& layer : weights.layers) {
-    out.layers.push_back(place_layer(layer, place));
+    out.layers.push_back(place_layer(layer, place, backend.fuses_gate_up()));
   }
   if (Status status = backend.status(); !status.ok()) {
     return status.error().with_context(

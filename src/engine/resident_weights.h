@@ -18,6 +18,11 @@ namespace gemma4::engine {
 // model::LayerWeights with backend-readable pointers; a norm that the layer lacks is nullptr.
 struct ResidentLayer {
   quant::QMatrix q_proj, k_proj, v_proj, o_proj;
+  // On a backend that gets copies (not reads_host_memory()), when q_proj and the layer's own
+  // k_proj (and v_proj, if any) share one row encoding (quant::same_row_encoding): their rows
+  // stacked q|k|v in one matrix, read by one matmul; q_proj/k_proj/v_proj are then row slices of
+  // it. Else absent.
+  quant::QMatrix qkv;
   const float* q_norm = nullptr;
   const float* k_norm = nullptr;
 
@@ -27,6 +32,10 @@ struct ResidentLayer {
   const float* post_feedforward_layernorm = nullptr;
 
   quant::QMatrix gate_proj, up_proj, down_proj;
+  // On a copying backend that fuses_gate_up(), when gate_proj and up_proj share one row
+  // encoding: their rows interleaved (gate 0, up 0, gate 1, up 1, ...) for matmul_gelu_pairs;
+  // gate_proj/up_proj are then absent (each row is held once). Else absent.
+  quant::QMatrix gate_up;
 
   quant::QMatrix router_proj;
   const float* router_scale = nullptr;
