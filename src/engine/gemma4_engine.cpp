@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <map>
 
 #include "engine/resident_weights.h"
@@ -55,7 +56,8 @@ struct Gemma4Engine::Impl {
   ResidentWeights weights;  // where the backend reads them
   EngineOptions options;
   int64_t max_context = 0;
-  int64_t ring_slots_limit = 0;  // tokens per sequence per pass when the model has sliding layers
+  int ring_history = 0;             // resolved: ring_history_for()
+  int64_t sequence_pass_limit = 0;  // most tokens of one sequence in a pass
 
   std::vector<SequenceState> sequences;
   std::map<std::vector<SequenceId>, DecodeRecording> decode_recordings;
@@ -73,6 +75,19 @@ struct Gemma4Engine::Impl {
     const LayerGeometry& source = config.layers[geometry.kv_source_layer];
     return {cache.keys.floats(), cache.values.floats(), cache.slot_positions.ints(),
             cache.slots,         source.num_kv_heads,   source.head_dim};
+  }
+
+  // K/V slots of the layer's cache in every sequence.
+  int64_t cache_slots(const LayerGeometry& g) const {
+    return g.window > 0 ? std::min<int64_t>(g.window + ring_history, max_context) : max_context;
+  }
+
+  // Most tokens of one sequence the layer can write to its cache and then attend in one go: a
+  // chunk of C tokens needs window - 1 + C live slots of a ring (unlimited when nothing wraps).
+  int64_t attention_chunk_limit(const LayerGeometry& g) const {
+    const int64_t slots = cache_slots(config.layers[g.kv_source_layer]);
+    if (g.window == 0 || slots >= max_context) return std::numeric_limits<int64_t>::max();
+    return slots - g.window + 1;
   }
 
   Rows rows(const Buffer& buffer, int64_t count, int64_t width) const {
@@ -146,11 +161,33 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   for (const Segment& s : segments) {
     sequence_rows.push_back({kv_view(s.sequence, g), s.first_row, s.count});
   }
-  backend->prepare_attention(queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd,
-                             positions.ints(), g.rope, sequence_rows, norm_params);
   Rows out = rows(attn, n, q_width);
-  backend->attention_rows(queries, positions.ints(), sequence_rows, g.window,
-                          config.attention_scale, out);
+  const int64_t chunk_limit = attention_chunk_limit(g);
+  const bool fits = std::all_of(segments.begin(), segments.end(),
+                                [&](const Segment& s) { return s.count <= chunk_limit; });
+  if (fits) {
+    backend->prepare_attention(queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd,
+                               positions.ints(), g.rope, sequence_rows, norm_params);
+    backend->attention_rows(queries, positions.ints(), sequence_rows, g.window,
+                            config.attention_scale, out);
+  } else {
+    // A sequence's rows are longer than the ring can hold: write and attend them piece by piece
+    // (only a layer that owns its ring: a KV-shared one gets passes that fit, see step()).
+    for (const SequenceRows& s : sequence_rows) {
+      for (int64_t done = 0; done < s.count; done += chunk_limit) {
+        const int64_t row = s.first_row + done;
+        const SequenceRows piece{s.kv, 0, std::min(chunk_limit, s.count - done)};
+        const std::span<const SequenceRows> pieces(&piece, 1);
+        const int32_t* piece_positions = positions.ints() + row;
+        backend->prepare_attention(queries.slice(row, piece.count), keys.slice(row, piece.count),
+                                   values.slice(row, piece.count), lw.q_norm, lw.k_norm,
+                                   config.has_v_norm, hd, piece_positions, g.rope, pieces,
+                                   norm_params);
+        backend->attention_rows(queries.slice(row, piece.count), piece_positions, pieces, g.window,
+                                config.attention_scale, out.slice(row, piece.count));
+      }
+    }
+  }
 
   Rows projected = rows(proj, n, config.hidden_size);
   backend->matmul(lw.o_proj, out, projected);
@@ -284,15 +321,24 @@ void Gemma4Engine::Impl::decode_recorded(const std::vector<Segment>& segments) {
   backend->replay(*recording.work);
 }
 
+int ring_history_for(const model::ModelConfig& config, const EngineOptions& options) {
+  if (options.ring_history > 0) return options.ring_history;
+  constexpr int kRollBackHistory = 32;
+  const bool shared_sliding =
+      std::any_of(config.layers.begin(), config.layers.end(),
+                  [](const LayerGeometry& g) { return !g.owns_kv() && g.window > 0; });
+  return shared_sliding ? std::max(1, options.max_pass_tokens - 1) : kRollBackHistory;
+}
+
 Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelConfig& config,
                                                              const model::ModelWeights& weights,
                                                              std::unique_ptr<Backend> backend,
                                                              const EngineOptions& options) {
-  if (options.max_sequences < 1 || options.max_context < 1 || options.ring_history < 1 ||
+  if (options.max_sequences < 1 || options.max_context < 1 || options.ring_history < 0 ||
       options.max_pass_tokens < 1) {
     return make_error(ErrorCode::kInvalidArgument,
-                      "engine options: max_sequences, max_context, ring_history and "
-                      "max_pass_tokens must all be >= 1");
+                      "engine options: max_sequences, max_context and max_pass_tokens must all be "
+                      ">= 1, ring_history >= 0");
   }
   auto impl = std::make_unique<Impl>();
   impl->config = config;
@@ -303,9 +349,15 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   impl->max_context = config.max_position_embeddings > 0
                           ? std::min(options.max_context, config.max_position_embeddings)
                           : options.max_context;
-  const bool has_sliding = std::any_of(config.layers.begin(), config.layers.end(),
-                                       [](const LayerGeometry& g) { return g.window > 0; });
-  impl->ring_slots_limit = has_sliding ? options.ring_history + 1 : options.max_pass_tokens;
+  impl->ring_history = ring_history_for(config, options);
+  // A KV-shared layer attends after its source layer wrote the whole pass: the pass must fit.
+  impl->sequence_pass_limit = options.max_pass_tokens;
+  for (const LayerGeometry& g : config.layers) {
+    if (!g.owns_kv()) {
+      impl->sequence_pass_limit =
+          std::min(impl->sequence_pass_limit, impl->attention_chunk_limit(g));
+    }
+  }
 
   Backend& b = *impl->backend;
   const int64_t rows = options.max_pass_tokens;
@@ -345,9 +397,7 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
     for (const LayerGeometry& g : config.layers) {
       if (!g.owns_kv()) continue;
       LayerCache& cache = sequence.layers[g.layer_index];
-      cache.slots = g.window > 0
-                        ? std::min<int64_t>(g.window + options.ring_history, impl->max_context)
-                        : impl->max_context;
+      cache.slots = impl->cache_slots(g);
       cache.keys = floats(cache.slots, g.kv_width());
       cache.values = floats(cache.slots, g.kv_width());
       cache.slot_positions = b.allocate(sizeof(int32_t) * cache.slots);
@@ -456,7 +506,7 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
                         new_length, m.max_context);
   }
 
-  // Passes: each takes up to ring_slots_limit tokens from every input that has some left, and
+  // Passes: each takes up to sequence_pass_limit tokens from every input that has some left, and
   // at most max_pass_tokens in all.
   std::vector<size_t> consumed(inputs.size(), 0);
   std::vector<int32_t> ids, positions;
@@ -468,7 +518,7 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
     for (size_t i = 0; i < inputs.size(); ++i) {
       const int64_t left = std::ssize(inputs[i].tokens) - static_cast<int64_t>(consumed[i]);
       const int64_t budget = m.max_rows() - std::ssize(ids);
-      const int64_t take = std::min({left, m.ring_slots_limit, budget});
+      const int64_t take = std::min({left, m.sequence_pass_limit, budget});
       if (take <= 0) continue;
       SequenceState& state = m.sequences[inputs[i].sequence];
       Segment segment;

@@ -8,10 +8,24 @@
 //  * sliding layers: a ring of window + ring_history slots; position p lives in slot p % slots
 //    and each slot records the position it holds.
 // The ring_history extra slots serve two purposes. A forward pass writes a chunk's K/V before
-// attending, so a chunk of C tokens needs window - 1 + C live slots: prefill is therefore cut
-// into passes of at most ring_history + 1 tokens per sequence. And truncate_sequence can roll a
-// sequence back as long as the ring still holds the window before the new end (up to
-// ring_history tokens behind the furthest point written).
+// attending, so attending a chunk of C tokens needs window - 1 + C live slots: a sliding layer
+// attends a longer chunk in pieces of ring_history + 1 tokens (each piece written, then read).
+// And truncate_sequence can roll a sequence back as long as the ring still holds the window
+// before the new end (up to ring_history tokens behind the furthest point written).
+//
+// A KV-shared sliding layer reads its source layer's ring after the source has written the whole
+// chunk, so in models with one (E2B, E4B) a chunk must fit the ring: prefill goes in passes of at
+// most ring_history + 1 tokens per sequence, and every pass reads every weight. Their default
+// ring_history is therefore max_pass_tokens - 1 (long passes), which costs ring memory: E2B (12
+// sliding layers with their own K/V, window 512, one kv head of 256, float32) holds
+// 12 * (512 + 511) * 2 KiB = 25.1 MB of rings per sequence instead of 13.4 MB with a history of
+// 32, beside 12 KiB per context position for its 3 full-attention layers (50 MB at 4K, 1.6 GB at
+// 128K). Models without KV sharing (26B-A4B, 31B, whose rings are large: 16-32 KiB per slot and
+// layer) keep a history of 32 and still prefill in passes of max_pass_tokens per sequence.
+// Writing K/V after attending would not lift the limit for shared layers: a chunk longer than
+// the ring overwrites its own first positions before its last queries (or a later layer's) read
+// them, so attention would have to read the chunk's keys from the projection scratch and only
+// older positions from the ring (a different attention operation).
 #pragma once
 
 #include <memory>
@@ -28,15 +42,19 @@ struct EngineOptions {
   int32_t max_sequences = 4;
   // Clipped to the model's max_position_embeddings.
   int64_t max_context = 4096;
-  // Sliding-ring slots beyond the window (see above). At least 1.
-  int ring_history = 32;
   // Most tokens one forward pass processes over all sequences (workspace size).
-  int max_pass_tokens = 256;
+  int max_pass_tokens = 512;
+  // Sliding-ring slots beyond the window (see above); 0 picks ring_history_for()'s default.
+  int ring_history = 0;
   // Record decode steps (every input appends one token) on backends that can (Backend::record)
   // and replay them: one recording per ordered list of sequences, made on the second step with
   // that list (the first runs unrecorded so every lazily made backend resource exists).
   bool record_decode = true;
 };
+
+// options.ring_history, or when it is 0 the default for `config` (see above): max_pass_tokens - 1
+// if a KV-shared layer reads a sliding ring, else 32.
+int ring_history_for(const model::ModelConfig& config, const EngineOptions& options);
 
 class Gemma4Engine final : public Engine {
  public:

@@ -38,6 +38,7 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
   int64_t top_level_ops = 0;
   int64_t primitive_ops = 0;
   int64_t gelu_pairs_calls = 0;
+  int64_t embed_calls = 0;  // one per forward pass (two with per-layer embeddings)
 
   const char* name() const override { return "cpu-fusing"; }
   bool reads_host_memory() const override { return !fuse_; }
@@ -45,6 +46,7 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
 
   void embed(const QMatrix& table, const int32_t* ids, float scale, Rows out) override {
     Op op(*this);
+    ++embed_calls;
     CpuForwardingBackend::embed(table, ids, scale, out);
   }
   void matmul(const QMatrix& w, Rows x, Rows y) override {
@@ -170,12 +172,12 @@ const model::LoadedModel& tiny_model(const std::string& config) {
 }
 
 std::unique_ptr<Gemma4Engine> make_engine(const std::string& config,
-                                          std::unique_ptr<Backend> backend) {
+                                          std::unique_ptr<Backend> backend, int ring_history = 4) {
   const auto& m = tiny_model(config);
   EngineOptions options;
   options.max_sequences = 3;
   options.max_context = 64;
-  options.ring_history = 4;
+  options.ring_history = ring_history;
   auto engine = Gemma4Engine::create(m.config, m.weights, std::move(backend), options);
   EXPECT_TRUE(engine.ok());
   return std::move(*engine);
@@ -256,6 +258,33 @@ TEST_P(FusedDecode, OperationsPerDecodeStep) {
       static_cast<double>(primitives[false]) / layers, static_cast<long long>(top_level[true]),
       static_cast<double>(top_level[true]) / layers);
   EXPECT_LT(top_level[true], primitives[false]);
+}
+
+// Prefill passes: tiny has KV-shared sliding layers, so a pass must fit the rings (window 8 +
+// history); tiny-moe has none, so its sliding layers attend a long chunk piece by piece and a
+// whole prompt goes in one pass whatever the history.
+TEST(PrefillPasses, ALongPromptTakesOnePassUnlessSharedLayersNeedTheRing) {
+  EngineOptions defaults;
+  EXPECT_EQ(ring_history_for(tiny_model("tiny").config, defaults), defaults.max_pass_tokens - 1);
+  EXPECT_EQ(ring_history_for(tiny_model("tiny-moe").config, defaults), 32);
+
+  const auto prompt = prompt_ids(30, 5);
+  const struct {
+    const char* config;
+    int ring_history;
+    int64_t passes;
+  } cases[] = {{"tiny", 4, 6}, {"tiny", 0, 1}, {"tiny-moe", 4, 1}};
+  for (const auto& c : cases) {
+    auto backend = std::make_unique<FusingCountingBackend>(/*fuse=*/false);
+    FusingCountingBackend& counter = *backend;
+    auto engine = make_engine(c.config, std::move(backend), c.ring_history);
+    std::vector<float> logits(engine->vocab_size());
+    const StepInput input{*engine->open_sequence(), prompt};
+    ASSERT_TRUE(engine->step({&input, 1}, logits).ok());
+    const int64_t embeds_per_pass = tiny_model(c.config).config.ple_dim > 0 ? 2 : 1;
+    EXPECT_EQ(counter.embed_calls, c.passes * embeds_per_pass)
+        << c.config << " ring_history " << c.ring_history;
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, FusedDecode, ::testing::Values("tiny", "tiny-moe"),
