@@ -136,8 +136,12 @@ TEST(RmsNorm, ResidualAddAndNextNorm) {
   const auto w1 = testing::random_floats(width, -1.0f, 1.0f, 33);
   const auto w2 = testing::random_floats(width, -1.0f, 1.0f, 34);
   DeviceArray<float> dx(x), dr(residual), dw1(w1), dw2(w2), dy(rows * width);
-  CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), dw1.get(), view(dr, rows, width), dw2.get(),
-                              kEps, view(dy, rows, width), Launch{}));
+  AddNormSpec spec;
+  spec.weight = dw1.get();
+  spec.next_weight = dw2.get();
+  spec.eps = kEps;
+  CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), view(dr, rows, width), view(dy, rows, width),
+                              spec, Launch{}));
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const auto post = reference_norm(x, rows, width, &w1, 0.0);
   std::vector<double> updated(post.size());

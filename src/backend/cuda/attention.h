@@ -12,10 +12,32 @@ namespace gemma4::cuda {
 
 enum class KvType : uint8_t { kF32, kBF16 };
 
+// One sequence of a batched launch: its K/V arrays of the layer (engine::KvView layout, the
+// element type of the launch's KvType) and its rows [first_row, first_row + rows) of the pass.
+struct SequenceKv {
+  void* keys = nullptr;
+  void* values = nullptr;
+  int32_t* slot_positions = nullptr;
+  int64_t slots = 0;
+  int32_t first_row = 0;
+  int32_t rows = 0;
+};
+
+// Sequences travel inside the kernel parameters (no device table to upload or keep alive while
+// graphs may read it), so one launch takes at most this many; callers split longer lists.
+constexpr int kMaxBatchedSequences = 64;
+struct SequenceKvTable {
+  SequenceKv entries[kMaxBatchedSequences];
+  int count = 0;
+};
+
 // A layer's KV cache for `batch` sequences (engine::KvView layout): per sequence `slots` entries of
 // [kv_heads, head_dim] for K and for V, and the absolute position each slot holds (-1 = empty).
-// Sequence b's arrays start at keys/values + b · sequence_stride elements and slot_positions +
-// b · slots.
+// Either uniform (batch <= kMaxBatchedSequences): sequence b's arrays start at keys/values + b ·
+// sequence_stride elements and slot_positions + b · slots, its query is row b; or, with `sequences`
+// set (batch = sequences->count, each with rows == 1), sequence b is sequences->entries[b] (keys,
+// values, slot_positions, slots of the uniform fields unused) and its query is row
+// entries[b].first_row.
 struct KvCacheView {
   const void* keys = nullptr;
   const void* values = nullptr;
@@ -25,6 +47,7 @@ struct KvCacheView {
   int kv_heads = 0;
   int head_dim = 0;
   int64_t sequence_stride = 0;
+  const SequenceKvTable* sequences = nullptr;
 };
 
 // Device scratch for the split partials (needed when splits > 1): at least
@@ -37,18 +60,22 @@ struct AttentionWorkspace {
 size_t attention_partials_floats(int batch, int q_heads, int head_dim, int max_splits);
 
 struct AttentionQuery {
-  const float* q = nullptr;  // [batch][q_heads · head_dim], row b at q + b · stride
+  const float* q = nullptr;  // [rows][q_heads · head_dim], row r at q + r · stride
   int64_t stride = 0;
   int q_heads = 0;
-  const int32_t* positions = nullptr;  // [batch] query positions (device memory)
-  int batch = 1;
+  const int32_t* positions = nullptr;  // per query row (device memory)
+  int batch = 1;                       // sequences (uniform KvCacheView)
 };
 
-// out[b][h] = Σ_j softmax_j(scale · q[b][h] · k_j) · v_j over the slots j whose position p
-// satisfies p <= P and (window == 0 or P − p < window), P = positions[b]; q head h reads kv head
-// h / (q_heads / kv_heads). Only slots [0, min(slots, P + 1)) are scanned (position p lives in
-// slot p % slots). `splits` (1..4096) blocks share each (sequence, kv head): choose it by the depth
-// the graph is captured for (it must not exceed workspace.max_splits).
+// out[r][h] = Σ_j softmax_j(scale · q[r][h] · k_j) · v_j for each sequence's query row r, over
+// the slots j whose position p satisfies p <= P and (window == 0 or P − p < window),
+// P = positions[r]; q head h reads kv head h / (q_heads / kv_heads). Only slots
+// [0, min(slots, P + 1)) are scanned (position p lives in slot p % slots).
+// Up to `splits` (1..4096) blocks share each (sequence, kv head), each taking at least
+// kMinKeysPerSplit of the scanned slots: a graph captured with the splits of the deepest cache
+// replays cheaply at shallow depths (the unused split blocks exit after reading the position and
+// the merge skips them). splits must not exceed workspace.max_splits.
+constexpr int64_t kMinKeysPerSplit = 64;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch);

@@ -77,6 +77,22 @@ class CudaBackend final : public engine::Backend {
                    const int32_t* expert_ids, const float* weights, int top_k,
                    engine::Rows out) override;
 
+  // Fused decode operations (fused_ops.h, elementwise.h, attention.h): one kernel each, the
+  // sequences of a pass passed in the kernel parameters (attention.h: SequenceKvTable).
+  void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
+                    const float* next_weight, engine::Rows next,
+                    const engine::NormParams& norm) override;
+  void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
+                         const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
+                         const model::RopeParams& rope,
+                         std::span<const engine::SequenceRows> sequences,
+                         const engine::NormParams& norm) override;
+  // A decode batch (every sequence one row) in one decode_attention launch (+ the split merge)
+  // per kMaxBatchedSequences sequences; anything else as the default, per sequence.
+  void attention_rows(engine::Rows q, const int32_t* positions,
+                      std::span<const engine::SequenceRows> sequences, int window, float scale,
+                      engine::Rows out) override;
+
   cudaStream_t stream() const { return stream_; }
 
  private:
@@ -95,6 +111,8 @@ class CudaBackend final : public engine::Backend {
   // check() for a kernel wrapper that enqueued `kernels` kernels when it succeeded.
   void launched(cudaError_t status, const char* what, int kernels = 1);
   void fail(ErrorCode code, std::string message);
+  // The device inv_freq table of (rope, head_dim), uploaded on first use; null on failure.
+  const float* rope_table(const model::RopeParams& rope, int head_dim);
 
   int device_ = 0;
   bool pdl_ = true;

@@ -114,13 +114,13 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a)
 
 struct AddNormArgs {
   RowsView x;
-  const float* weight;
   RowsView residual;
-  const float* next_weight;
-  float eps;
-  RowsView y;
+  RowsView next;
+  AddNormSpec spec;
 };
 
+// The products are rounded before the sum (no fma), as the separate norm and add kernels (and
+// the CPU reference) round them.
 __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
   __shared__ float scratch[kNormThreads / 32];
@@ -128,19 +128,25 @@ __global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(AddNormArgs 
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
   float* residual = a.residual.data + r * a.residual.stride;
-  float* y = a.y.data + r * a.y.stride;
   const int64_t width = a.x.width;
-  const float inv_x = inverse_rms(x, width, a.eps, scratch);
+  const AddNormSpec& spec = a.spec;
+  const float inv_x = inverse_rms(x, width, spec.eps, scratch);
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
-    const float updated = residual[j] + x[j] * inv_x * a.weight[j];
+    float normed = __fmul_rn(x[j], inv_x);
+    if (spec.weight) normed = __fmul_rn(normed, spec.weight_offset + spec.weight[j]);
+    const float updated = __fmul_rn(residual[j] + normed, spec.scalar);
     residual[j] = updated;
     sum += updated * updated;
   }
+  if (a.next.data == nullptr) return;
   const float mean = block_sum(sum, scratch) / static_cast<float>(width);
-  const float inv_residual = 1.0f / sqrtf(mean + a.eps);
+  const float inv_residual = 1.0f / sqrtf(mean + spec.eps);
+  float* next = a.next.data + r * a.next.stride;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
-    y[j] = residual[j] * inv_residual * a.next_weight[j];
+    const float normed = __fmul_rn(residual[j], inv_residual);
+    next[j] =
+        spec.next_weight ? __fmul_rn(normed, spec.weight_offset + spec.next_weight[j]) : normed;
   }
 }
 
@@ -200,15 +206,14 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
                        0, launch, args);
 }
 
-cudaError_t add_rms_norm(const RowsView& x, const float* weight, const RowsView& residual,
-                         const float* next_weight, float eps, const RowsView& y,
-                         const Launch& launch) {
+cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
+                         const AddNormSpec& spec, const Launch& launch) {
   if (x.rows < 1 || x.width < 1 || !valid_rows(x, x.rows, x.width) ||
-      !valid_rows(residual, x.rows, x.width) || !valid_rows(y, x.rows, x.width) ||
-      weight == nullptr || next_weight == nullptr || x.rows > 0x7FFFFFFF) {
+      !valid_rows(residual, x.rows, x.width) ||
+      (next.data != nullptr && !valid_rows(next, x.rows, x.width)) || x.rows > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
   }
-  const AddNormArgs args = {x, weight, residual, next_weight, eps, y};
+  const AddNormArgs args = {x, residual, next, spec};
   return launch_kernel(add_rms_norm_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads),
                        0, launch, args);
 }

@@ -40,13 +40,19 @@ cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset
 cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_offset, float eps,
                         void* out, int64_t out_stride, const Launch& launch);
 
-// The Gemma residual step fused with the next pre-norm:
-//   residual[r] += rms_norm(x[r], weight)          (post-norm of the block's output)
-//   y[r] = rms_norm(residual[r], next_weight)      (pre-norm of the next block)
-// y may alias x.
-cudaError_t add_rms_norm(const RowsView& x, const float* weight, const RowsView& residual,
-                         const float* next_weight, float eps, const RowsView& y,
-                         const Launch& launch);
+// The Gemma residual step fused with the next pre-norm (engine::Backend::add_rms_norm):
+//   residual[r] = (residual[r] + rms_norm(x[r]; weight)) · scalar
+//   next[r] = rms_norm(residual[r]; next_weight)      (only when next.data != nullptr)
+// Both norms scale by (weight_offset + w), or not at all for a null weight. next may alias x.
+struct AddNormSpec {
+  const float* weight = nullptr;
+  const float* next_weight = nullptr;
+  float weight_offset = 0.0f;
+  float eps = 1e-6f;
+  float scalar = 1.0f;
+};
+cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
+                         const AddNormSpec& spec, const Launch& launch);
 
 // out[r][j] = gelu_tanh(gate[r][j]) · multiplier[r][j]; out may alias either input.
 cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,

@@ -1,0 +1,425 @@
+// CudaBackend's fused decode operations (add_rms_norm, prepare_attention, attention_rows) against
+// the CPU backend, whose versions are engine::Backend's default compositions of the primitives
+// (the reference the engine's results are defined by). Fresh random inputs: several sequences at
+// positions past the sliding window, head_dim 256 and 512, q/k/v as column views of one fused QKV
+// buffer, k_eq_v-style V (the raw K projection), more sequences than one launch takes, and a
+// recorded decode step replayed at later positions. Tolerances are float32-level (relative to
+// 1 + |reference|): the kernels reduce in another order than the CPU, nothing is rounded to bf16.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "engine/backend.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using backend::cpu::CpuBackend;
+using engine::KvView;
+using engine::Rows;
+using engine::SequenceRows;
+
+constexpr double kTolerance = 1e-5;
+
+std::unique_ptr<engine::Backend> make_gpu() {
+  auto made = make_cuda_backend();
+  EXPECT_TRUE(made.ok()) << made.error().to_string();
+  return made.ok() ? std::move(*made) : nullptr;
+}
+
+// A host array (the CPU backend's operand) and its copy in a CUDA backend buffer.
+template <typename T>
+class Mirrored {
+ public:
+  Mirrored(engine::Backend& gpu, std::vector<T> values) : gpu_(gpu), host_(std::move(values)) {
+    device_ = gpu.allocate(sizeof(T) * host_.size());
+    gpu.upload(device_.data(), host_.data(), sizeof(T) * host_.size());
+  }
+  T* cpu(int64_t offset = 0) { return host_.data() + offset; }
+  T* gpu(int64_t offset = 0) const { return static_cast<T*>(device_.data()) + offset; }
+  const std::vector<T>& cpu_values() const { return host_; }
+  std::vector<T> gpu_values() const {
+    std::vector<T> out(host_.size());
+    gpu_.download(out.data(), device_.data(), sizeof(T) * host_.size());
+    return out;
+  }
+
+ private:
+  engine::Backend& gpu_;
+  std::vector<T> host_;
+  engine::Buffer device_;
+};
+
+void expect_same(const Mirrored<float>& values, const std::string& what) {
+  const std::vector<float>& expected = values.cpu_values();
+  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+  for (size_t i = 0; i < expected.size(); ++i) magnitude[i] = 1.0 + std::fabs(reference[i]);
+  testing::expect_close(values.gpu_values(), reference, magnitude, kTolerance, what.c_str());
+}
+
+// One sequence's KV cache of a layer, filled up to position `depth` (exclusive) with random K/V:
+// slot s holds the latest position p < depth with p % slots == s (a ring once depth > slots),
+// slots never written hold -1.
+struct MirroredCache {
+  MirroredCache(engine::Backend& gpu, int64_t slots, int kv_heads, int head_dim, int32_t depth,
+                uint32_t seed)
+      : slots(slots),
+        kv_heads(kv_heads),
+        head_dim(head_dim),
+        keys(gpu, testing::random_floats(slots * kv_heads * head_dim, -0.5f, 0.5f, seed)),
+        values(gpu, testing::random_floats(slots * kv_heads * head_dim, -1.0f, 1.0f, seed + 1)),
+        slot_positions(gpu, ring_positions(slots, depth)) {}
+
+  static std::vector<int32_t> ring_positions(int64_t slots, int32_t depth) {
+    std::vector<int32_t> positions(slots, -1);
+    for (int64_t s = 0; s < std::min<int64_t>(slots, depth); ++s) {
+      positions[s] = static_cast<int32_t>(depth - 1 - (depth - 1 - s) % slots);
+    }
+    return positions;
+  }
+  KvView cpu() {
+    return {keys.cpu(), values.cpu(), slot_positions.cpu(), slots, kv_heads, head_dim};
+  }
+  KvView gpu() const {
+    return {keys.gpu(), values.gpu(), slot_positions.gpu(), slots, kv_heads, head_dim};
+  }
+  void expect_same(const std::string& what) const {
+    cuda::expect_same(keys, what + " keys");
+    cuda::expect_same(values, what + " values");
+    EXPECT_EQ(slot_positions.gpu_values(), slot_positions.cpu_values()) << what;
+  }
+
+  int64_t slots;
+  int kv_heads, head_dim;
+  Mirrored<float> keys, values;
+  Mirrored<int32_t> slot_positions;
+};
+
+// The sequences of one pass: sequence i has rows[i] rows starting at position depth[i].
+struct Pass {
+  std::vector<int32_t> depths;
+  std::vector<int64_t> rows;
+
+  int64_t total_rows() const {
+    int64_t n = 0;
+    for (int64_t r : rows) n += r;
+    return n;
+  }
+  std::vector<int32_t> positions() const {
+    std::vector<int32_t> out;
+    for (size_t i = 0; i < rows.size(); ++i) {
+      for (int64_t r = 0; r < rows[i]; ++r) out.push_back(static_cast<int32_t>(depths[i] + r));
+    }
+    return out;
+  }
+};
+
+// A pass over `n` sequences of one row each at the given depths.
+Pass decode_pass(std::vector<int32_t> depths) {
+  Pass pass{std::move(depths), {}};
+  pass.rows.assign(pass.depths.size(), 1);
+  return pass;
+}
+
+// The caches of a pass's sequences and their SequenceRows on each backend.
+struct MirroredSequences {
+  MirroredSequences(engine::Backend& gpu, const Pass& pass, int64_t slots, int kv_heads,
+                    int head_dim, uint32_t seed) {
+    int64_t first_row = 0;
+    for (size_t i = 0; i < pass.rows.size(); ++i) {
+      caches.push_back(std::make_unique<MirroredCache>(gpu, slots, kv_heads, head_dim,
+                                                       pass.depths[i], seed + 2 * i));
+      cpu_rows.push_back({caches.back()->cpu(), first_row, pass.rows[i]});
+      gpu_rows.push_back({caches.back()->gpu(), first_row, pass.rows[i]});
+      first_row += pass.rows[i];
+    }
+  }
+  void expect_same(const std::string& what) const {
+    for (size_t i = 0; i < caches.size(); ++i) {
+      caches[i]->expect_same(what + " sequence " + std::to_string(i));
+    }
+  }
+
+  std::vector<std::unique_ptr<MirroredCache>> caches;
+  std::vector<SequenceRows> cpu_rows, gpu_rows;
+};
+
+struct AddNormCase {
+  const char* name;
+  int64_t rows, width, stride;
+  float weight_offset, scalar;
+  bool next, next_weight;
+};
+
+TEST(FusedOps, AddRmsNormMatchesTheComposition) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  const AddNormCase cases[] = {
+      // E2B: post-attention norm into the pre-feedforward norm; the layer's last norm with the
+      // layer scalar into the next layer's input norm; the last layer (no next).
+      {"attention", 3, 1536, 1536, 0.0f, 1.0f, true, true},
+      {"layer-end", 3, 1536, 1600, 0.0f, 0.625f, true, true},
+      {"last-layer", 2, 1536, 1536, 0.0f, 0.625f, false, false},
+      // Gemma 3 style offset, an odd width, a weightless next norm.
+      {"offset-odd", 5, 1000, 1001, 1.0f, 1.0f, true, false},
+  };
+  uint32_t seed = 100;
+  for (const AddNormCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const int64_t elements = c.rows * c.stride;
+    Mirrored<float> acc(*gpu, testing::random_floats(elements, -40.0f, 40.0f, seed++));
+    Mirrored<float> x(*gpu, testing::random_floats(elements, -3.0f, 3.0f, seed++));
+    Mirrored<float> weight(*gpu, testing::random_floats(c.width, -1.0f, 1.5f, seed++));
+    Mirrored<float> next_weight(*gpu, testing::random_floats(c.width, -1.0f, 1.5f, seed++));
+    Mirrored<float> next(*gpu, std::vector<float>(elements, 7.25f));
+    const engine::NormParams norm = {c.weight_offset, 1e-6f};
+    auto rows = [&](float* data) { return Rows{data, c.rows, c.width, c.stride}; };
+    cpu.add_rms_norm(rows(acc.cpu()), rows(x.cpu()), weight.cpu(), c.scalar,
+                     c.next_weight ? next_weight.cpu() : nullptr,
+                     c.next ? rows(next.cpu()) : Rows{}, norm);
+    gpu->add_rms_norm(rows(acc.gpu()), rows(x.gpu()), weight.gpu(), c.scalar,
+                      c.next_weight ? next_weight.gpu() : nullptr,
+                      c.next ? rows(next.gpu()) : Rows{}, norm);
+    expect_same(acc, "acc");
+    expect_same(next, "next");  // untouched (padding and all) when there is no next
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+struct LayerShape {
+  int q_heads, kv_heads, head_dim;
+  model::RopeParams rope;
+  int64_t slots;
+  int window;
+};
+
+// E2B's sliding layers (theta 10^4, full rotation) and full layers (proportional rope: 64 of
+// 256 pairs, theta 10^6), a 26B-A4B-like sliding layer (8 kv heads), and a small head_dim the
+// decode kernel does not take.
+const LayerShape kSliding = {8, 1, 256, {10000.0, 128, 256}, 600, 512};
+const LayerShape kFull = {8, 1, 512, {1000000.0, 64, 512}, 4096, 0};
+const LayerShape kWideSliding = {16, 8, 256, {10000.0, 128, 256}, 1100, 1024};
+const LayerShape kSmallHeads = {4, 2, 64, {10000.0, 32, 64}, 96, 0};
+
+// q, k, v of a pass as column views of one [rows, q + k + v] buffer, as the fused QKV matmul
+// writes them.
+struct MirroredQkv {
+  MirroredQkv(engine::Backend& gpu, const LayerShape& shape, int64_t rows, bool k_eq_v,
+              uint32_t seed)
+      : q_width(int64_t{shape.q_heads} * shape.head_dim),
+        kv_width(int64_t{shape.kv_heads} * shape.head_dim),
+        rows(rows),
+        stride(q_width + 2 * kv_width),
+        values(gpu, make_values(rows, q_width, kv_width, k_eq_v, seed)) {}
+
+  static std::vector<float> make_values(int64_t rows, int64_t q_width, int64_t kv_width,
+                                        bool k_eq_v, uint32_t seed) {
+    const int64_t stride = q_width + 2 * kv_width;
+    auto values = testing::random_floats(rows * stride, -2.0f, 2.0f, seed);
+    if (k_eq_v) {
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(&values[r * stride + q_width + kv_width], &values[r * stride + q_width],
+                    sizeof(float) * kv_width);
+      }
+    }
+    return values;
+  }
+  Rows q(float* base) const { return {base, rows, q_width, stride}; }
+  Rows k(float* base) const { return {base + q_width, rows, kv_width, stride}; }
+  Rows v(float* base) const { return {base + q_width + kv_width, rows, kv_width, stride}; }
+
+  int64_t q_width, kv_width, rows, stride;
+  Mirrored<float> values;
+};
+
+struct PrepareCase {
+  const char* name;
+  LayerShape shape;
+  Pass pass;
+  bool owns_kv, k_eq_v, norm_v;
+  float weight_offset;
+};
+
+TEST(FusedOps, PrepareAttentionMatchesTheComposition) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  std::vector<int32_t> many_depths;
+  for (int i = 0; i < 70; ++i) many_depths.push_back(i * 37 % 300);
+  const PrepareCase cases[] = {
+      // Decode rows past the window (the ring wrapped), a fresh sequence, a deep one.
+      {"sliding-decode", kSliding, decode_pass({1000, 3, 5000}), true, false, true, 0.0f},
+      // Prefill chunks of three sequences on a full layer, V = the raw K projection.
+      {"full-prefill-k_eq_v", kFull, {{700, 0, 4000}, {4, 1, 6}}, true, true, true, 0.0f},
+      {"wide-sliding", kWideSliding, {{2000, 300}, {2, 3}}, true, false, false, 1.0f},
+      // A layer reading another layer's KV: q only.
+      {"kv-shared", kFull, decode_pass({900, 17}), false, false, true, 0.0f},
+      // More sequences than one launch takes (two launches).
+      {"70-sequences", kSliding, decode_pass(many_depths), true, false, true, 0.0f},
+      {"small-heads", kSmallHeads, {{50, 95}, {3, 2}}, true, false, true, 0.0f},
+  };
+  uint32_t seed = 200;
+  for (const PrepareCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const LayerShape& shape = c.shape;
+    const int hd = shape.head_dim;
+    const int64_t n = c.pass.total_rows();
+    MirroredQkv qkv(*gpu, shape, n, c.k_eq_v, seed++);
+    MirroredSequences sequences(*gpu, c.pass, shape.slots, shape.kv_heads, hd, seed);
+    seed += 200;
+    Mirrored<int32_t> positions(*gpu, c.pass.positions());
+    Mirrored<float> q_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    const engine::NormParams norm = {c.weight_offset, 1e-6f};
+    float* const cpu_base = qkv.values.cpu();
+    float* const gpu_base = qkv.values.gpu();
+    cpu.prepare_attention(qkv.q(cpu_base), c.owns_kv ? qkv.k(cpu_base) : Rows{},
+                          c.owns_kv ? qkv.v(cpu_base) : Rows{}, q_norm.cpu(), k_norm.cpu(),
+                          c.norm_v, hd, positions.cpu(), shape.rope, sequences.cpu_rows, norm);
+    gpu->prepare_attention(qkv.q(gpu_base), c.owns_kv ? qkv.k(gpu_base) : Rows{},
+                           c.owns_kv ? qkv.v(gpu_base) : Rows{}, q_norm.gpu(), k_norm.gpu(),
+                           c.norm_v, hd, positions.gpu(), shape.rope, sequences.gpu_rows, norm);
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    // q in place; k and v are scratch afterwards (the CPU default normalizes them in place, the
+    // kernel only reads them), so only q's columns of the buffer are compared.
+    std::vector<float> gpu_q = qkv.values.gpu_values();
+    std::vector<double> expected_q, magnitude;
+    std::vector<float> got_q;
+    for (int64_t r = 0; r < n; ++r) {
+      for (int64_t j = 0; j < qkv.q_width; ++j) {
+        const float expected = qkv.values.cpu_values()[r * qkv.stride + j];
+        expected_q.push_back(expected);
+        magnitude.push_back(1.0 + std::fabs(expected));
+        got_q.push_back(gpu_q[r * qkv.stride + j]);
+      }
+    }
+    testing::expect_close(got_q, expected_q, magnitude, kTolerance, "q");
+    sequences.expect_same(c.name);
+  }
+}
+
+struct AttentionCase {
+  const char* name;
+  LayerShape shape;
+  Pass pass;
+};
+
+TEST(FusedOps, AttentionRowsMatchesPerSequenceAttention) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  std::vector<int32_t> many_depths;
+  for (int i = 0; i < 70; ++i) many_depths.push_back(i * 53 % 400);
+  const AttentionCase cases[] = {
+      // Decode batches (one launch + merge): ring past the window, first token, deep.
+      {"sliding", kSliding, decode_pass({1000, 0, 5000, 40})},
+      // A 4096-slot full layer at depth 101 (most splits unused) next to deep ones.
+      {"full", kFull, decode_pass({100, 4000, 2500})},
+      {"wide-sliding", kWideSliding, decode_pass({2000, 300})},
+      // Two launches; each sequence's depth wraps its 600-slot ring or not.
+      {"70-sequences", kSliding, decode_pass(many_depths)},
+      // Not a decode batch, or a head_dim the decode kernel does not take: per sequence.
+      {"prefill-mix", kSliding, {{700, 20}, {3, 1}}},
+      {"small-heads", kSmallHeads, decode_pass({50, 95})},
+  };
+  uint32_t seed = 300;
+  for (const AttentionCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const LayerShape& shape = c.shape;
+    const int64_t n = c.pass.total_rows();
+    // Each query attends up to and including its own position: the caches hold one more.
+    Pass filled = c.pass;
+    for (size_t i = 0; i < filled.depths.size(); ++i) filled.depths[i] += filled.rows[i];
+    MirroredSequences sequences(*gpu, filled, shape.slots, shape.kv_heads, shape.head_dim, seed);
+    seed += 200;
+    MirroredQkv qkv(*gpu, shape, n, false, seed++);
+    Mirrored<int32_t> positions(*gpu, c.pass.positions());
+    const int64_t out_width = qkv.q_width;
+    Mirrored<float> out(*gpu, std::vector<float>(n * out_width, std::nanf("")));
+    const float scale = 1.0f / 16.0f;
+    cpu.attention_rows(qkv.q(qkv.values.cpu()), positions.cpu(), sequences.cpu_rows, shape.window,
+                       scale, Rows::dense(out.cpu(), n, out_width));
+    gpu->attention_rows(qkv.q(qkv.values.gpu()), positions.gpu(), sequences.gpu_rows, shape.window,
+                        scale, Rows::dense(out.gpu(), n, out_width));
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    expect_same(out, "out");
+  }
+}
+
+// prepare_attention + attention_rows of a decode batch recorded once (as the engine records a
+// decode step) and replayed at later positions: the sequence tables live in the recorded kernel
+// parameters, the positions in device memory.
+TEST(FusedOps, RecordedDecodeStepReplaysAtLaterPositions) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  ASSERT_TRUE(gpu->can_record());
+  CpuBackend cpu(2);
+  const LayerShape shape = kSliding;
+  const int hd = shape.head_dim;
+  Pass pass = decode_pass({510, 7, 2000});
+  const int64_t n = pass.total_rows();
+  MirroredSequences sequences(*gpu, pass, shape.slots, shape.kv_heads, hd, 400);
+  Mirrored<float> q_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, 401));
+  Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, 402));
+  Mirrored<int32_t> positions(*gpu, pass.positions());
+  MirroredQkv qkv(*gpu, shape, n, false, 403);
+  Mirrored<float> out(*gpu, std::vector<float>(n * qkv.q_width, 0.0f));
+  const engine::NormParams norm = {0.0f, 1e-6f};
+  const float scale = 1.0f / 16.0f;
+  // One layer's attention of the step on `backend`, over its copies of everything.
+  struct Operands {
+    float* qkv;
+    int32_t* positions;
+    const float* q_norm;
+    const float* k_norm;
+    const std::vector<SequenceRows>& rows;
+    float* out;
+  };
+  auto step = [&](engine::Backend& backend, const Operands& o) {
+    backend.prepare_attention(qkv.q(o.qkv), qkv.k(o.qkv), qkv.v(o.qkv), o.q_norm, o.k_norm, true,
+                              hd, o.positions, shape.rope, o.rows, norm);
+    backend.attention_rows(qkv.q(o.qkv), o.positions, o.rows, shape.window, scale,
+                           Rows::dense(o.out, n, qkv.q_width));
+  };
+  const Operands on_cpu = {qkv.values.cpu(), positions.cpu(),    q_norm.cpu(),
+                           k_norm.cpu(),     sequences.cpu_rows, out.cpu()};
+  const Operands on_gpu = {qkv.values.gpu(), positions.gpu(),    q_norm.gpu(),
+                           k_norm.gpu(),     sequences.gpu_rows, out.gpu()};
+  std::unique_ptr<engine::RecordedWork> recording;
+  for (int s = 0; s < 3; ++s) {
+    SCOPED_TRACE("step " + std::to_string(s));
+    // Fresh q/k/v rows and the next positions for both backends.
+    const std::vector<float> inputs =
+        MirroredQkv::make_values(n, qkv.q_width, qkv.kv_width, false, 410 + s);
+    std::copy(inputs.begin(), inputs.end(), qkv.values.cpu());
+    gpu->upload(qkv.values.gpu(), inputs.data(), sizeof(float) * inputs.size());
+    for (size_t i = 0; i < pass.depths.size(); ++i) positions.cpu()[i] = pass.depths[i] + s;
+    gpu->upload(positions.gpu(), positions.cpu(), sizeof(int32_t) * n);
+
+    step(cpu, on_cpu);
+    if (s == 0) {
+      step(*gpu, on_gpu);  // unrecorded first, as the engine warms up a recording
+    } else {
+      if (recording == nullptr) {
+        recording = gpu->record([&] { step(*gpu, on_gpu); });
+        ASSERT_NE(recording, nullptr) << gpu->status().error().to_string();
+      }
+      gpu->replay(*recording);
+    }
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    expect_same(out, "out");
+    sequences.expect_same("caches");
+  }
+}
+
+}  // namespace
+}  // namespace gemma4::cuda
