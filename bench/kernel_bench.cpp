@@ -1,6 +1,7 @@
 // Kernel benchmark for scripts/gpu-check: chains of GEMVs with distinct weights per link (so the
 // weights come from DRAM, as successive layers' do), captured once in a CUDA graph and replayed;
-// plain launches and PDL side by side, every compiled tiling per shape. Also decode attention.
+// plain launches and PDL side by side, every compiled tiling per shape: every weight format (the
+// GGUF repacks with the engine's fp32 activations) and the GELU epilogues. Also decode attention.
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
 // Usage: kernel_bench [--json PATH] [--quick]
@@ -22,6 +23,7 @@
 namespace {
 
 using gemma4::cuda::ActType;
+using gemma4::cuda::GemvEpilogue;
 using gemma4::cuda::GemvInput;
 using gemma4::cuda::GemvOutput;
 using gemma4::cuda::Launch;
@@ -44,11 +46,34 @@ struct Weights {
   }
 };
 
+// A weight format and its scale layout (kW8: the GGUF Q8_0 / Q6_K variants).
+struct Format {
+  Format(WeightFormat f, ScaleType s = ScaleType::kBF16, int g = 32)
+      : format(f), scale_type(s), group_size(g) {}
+  WeightFormat format;
+  ScaleType scale_type;
+  int group_size;
+};
+
 // Enough distinct copies that a chain never finds its weights in the 60 MB L2.
-void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
+void make_weights(const Format& f, int64_t rows, int64_t cols, Weights& w) {
+  const WeightFormat format = f.format;
   size_t data_bytes = 0, scale_bytes = 0;
-  uint32_t scale_mask = 0, scale_bits = 0;
-  if (format == WeightFormat::kW4G32) {
+  uint32_t data_mask = 0xFFFFFFFFu, scale_mask = 0, scale_bits = 0;
+  if (format == WeightFormat::kW4G32A) {
+    data_bytes = rows * cols / 2;
+    scale_bytes = rows * cols / 32 * 8;
+    scale_mask = 0x007FFFFF;  // fp32 {scale, min} in [2^-7, 2^-6)
+    scale_bits = 0x3C000000;
+  } else if (format == WeightFormat::kW8) {
+    data_bytes = rows * cols;
+    scale_bytes = rows * cols / f.group_size * (f.scale_type == ScaleType::kF32 ? 4 : 2);
+    scale_mask = f.scale_type == ScaleType::kF32 ? 0x007FFFFF : 0x03FF03FF;  // around 2^-7
+    scale_bits = f.scale_type == ScaleType::kF32 ? 0x3C000000 : 0x20002000;
+  } else if (format == WeightFormat::kF16) {
+    data_bytes = rows * cols * 2;
+    data_mask = 0xBBFFBBFF;  // fp16 pairs with bounded exponents
+  } else if (format == WeightFormat::kW4G32) {
     data_bytes = rows * cols / 2;
     scale_bytes = rows * cols / 32 * 2;
     scale_mask = 0x003F003F;  // bf16 pairs around 2^-6
@@ -60,7 +85,7 @@ void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
     scale_bits = 0x30303030;
   } else {
     data_bytes = rows * cols * 2;
-    scale_mask = 0x3F7F3F7F;  // bf16 with bounded exponents
+    data_mask = 0x3F7F3F7F;  // bf16 with bounded exponents
   }
   w.bytes = static_cast<double>(data_bytes + scale_bytes);
   const int copies = static_cast<int>(std::clamp<double>(std::ceil(256e6 / w.bytes), 2, 128));
@@ -69,7 +94,7 @@ void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
     void* scales = nullptr;
     CHECK(cudaMalloc(&data, data_bytes));
     w.buffers.push_back(data);
-    fill(data, data_bytes, 17 + c, format == WeightFormat::kBF16 ? scale_mask : 0xFFFFFFFFu);
+    fill(data, data_bytes, 17 + c, data_mask);
     if (scale_bytes) {
       CHECK(cudaMalloc(&scales, scale_bytes + 4));
       w.buffers.push_back(scales);
@@ -81,7 +106,8 @@ void make_weights(WeightFormat format, int64_t rows, int64_t cols, Weights& w) {
     m.cols = cols;
     m.data = data;
     m.scales = scales;
-    m.scale_type = ScaleType::kBF16;
+    m.scale_type = format == WeightFormat::kW4G32A ? ScaleType::kF32 : f.scale_type;
+    m.group_size = f.group_size;
     m.nv_global = {3584.0f, true};
     w.copies.push_back(m);
   }
@@ -100,27 +126,48 @@ struct Result {
   std::string all;  // "tiling:plain/pdl" pairs
 };
 
-const char* format_name(WeightFormat f) {
-  return f == WeightFormat::kW4G32 ? "w4g32" : f == WeightFormat::kNVFP4 ? "nvfp4" : "bf16";
+std::string format_name(const Format& f) {
+  switch (f.format) {
+    case WeightFormat::kW4G32:
+      return "w4g32";
+    case WeightFormat::kNVFP4:
+      return "nvfp4";
+    case WeightFormat::kW4G32A:
+      return "w4g32a";
+    case WeightFormat::kW8:
+      return std::string("w8g") + std::to_string(f.group_size) +
+             (f.scale_type == ScaleType::kF32 ? "f32" : "f16");
+    case WeightFormat::kF16:
+      return "f16";
+    default:
+      return "bf16";
+  }
 }
 
-Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
-                  const char* label, cudaStream_t stream, bool quick) {
+Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActType x_type,
+                  const char* label, cudaStream_t stream, bool quick,
+                  GemvEpilogue epilogue = GemvEpilogue::kNone) {
   Weights w;
   make_weights(format, rows, cols, w);
   const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
   void* x = nullptr;
   float* y = nullptr;
+  float* multiplier = nullptr;
   CHECK(cudaMalloc(&x, size_t(m) * cols * 4));
   CHECK(cudaMalloc(&y, size_t(m) * rows * 4));
+  CHECK(cudaMalloc(&multiplier, size_t(m) * rows * 4));
   fill(x, size_t(m) * cols * 4, 5, 0x3F7F3F7F);  // finite bf16 pairs / floats
+  fill(multiplier, size_t(m) * rows * 4, 6, 0x3F7FFFFF);
   const GemvInput input = {x, x_type, m, cols};
-  const GemvOutput output = {y, rows};
+  const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
+  const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
   Result r;
-  r.kernel = std::string(format_name(format)) + (x_type == ActType::kBF16 ? "/x-bf16"
-                                                 : x_type == ActType::kQ8 ? "/x-q8"
-                                                                          : "/x-f32");
+  r.kernel = format_name(format) + (x_type == ActType::kBF16 ? "/x-bf16"
+                                    : x_type == ActType::kQ8 ? "/x-q8"
+                                                             : "/x-f32");
+  if (epilogue == GemvEpilogue::kGeluMul) r.kernel += "/gelu-mul";
+  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
   r.shape = label;
   r.m = m;
   r.mbytes = w.bytes / 1e6;
@@ -157,6 +204,7 @@ Result bench_gemv(WeightFormat format, int64_t rows, int64_t cols, int m, ActTyp
   std::fflush(stdout);
   CHECK(cudaFree(x));
   CHECK(cudaFree(y));
+  CHECK(cudaFree(multiplier));
   return r;
 }
 
@@ -304,6 +352,41 @@ int main(int argc, char** argv) {
                                stream, quick));
   results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 1536, 1, ActType::kBF16,
                                "lm_head bf16 262144x1536", stream, quick));
+
+  // The fused GELU epilogues against the plain GEMV of the same weights: E2B's interleaved
+  // gate+up and PLE gate.
+  for (GemvEpilogue e : {GemvEpilogue::kNone, GemvEpilogue::kGeluPairs}) {
+    for (int m : {1, 8}) {
+      results.push_back(bench_gemv(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
+                                   dense[1].label, stream, quick, e));
+    }
+  }
+  for (GemvEpilogue e : {GemvEpilogue::kNone, GemvEpilogue::kGeluMul}) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, 256, 1536, 1, ActType::kF32,
+                                 "e2b ple gate 256x1536", stream, quick, e));
+  }
+
+  // The GGUF repacks with fp32 activations (the engine's): Gemma 3 270M (Q4_K_M: w4g32a, w8 g16
+  // f32 from Q6_K, w8 g32 f16 from Q8_0) and E2B shapes.
+  const Shape gguf_shapes[] = {
+      {1536, 640, "270m qkv 1536x640"},   {4096, 640, "270m gate+up 4096x640"},
+      {640, 2048, "270m down 640x2048"},  {262144, 640, "270m lm_head 262144x640"},
+      {2560, 1536, "e2b qkv 2560x1536"},  {12288, 1536, "e2b gate+up 12288x1536"},
+      {1536, 6144, "e2b down 1536x6144"},
+  };
+  const Format gguf_formats[] = {
+      {WeightFormat::kW4G32A},
+      {WeightFormat::kW8, ScaleType::kF16, 32},
+      {WeightFormat::kW8, ScaleType::kF32, 16},
+      {WeightFormat::kF16},
+  };
+  for (const Format& f : gguf_formats) {
+    for (const Shape& s : gguf_shapes) {
+      if (f.format == WeightFormat::kF16 && s.rows == 262144) continue;  // no f16 lm_head
+      results.push_back(bench_gemv(f, s.rows, s.cols, 1, ActType::kF32, s.label, stream, quick));
+    }
+    results.push_back(bench_gemv(f, 12288, 1536, 8, ActType::kF32, dense[1].label, stream, quick));
+  }
 
   // Split counts: the first (about 256 keys per split) is the "default" column.
   results.push_back(

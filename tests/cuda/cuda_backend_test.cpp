@@ -248,52 +248,19 @@ struct GgufMatrixCase {
   int group_size;     // kW8: 16 or 32
 };
 
-std::vector<uint8_t> scale_bytes(const std::vector<float>& scales, ScaleType type) {
-  if (type == ScaleType::kF32) return testing::as_bytes(scales);
-  std::vector<uint16_t> bits(scales.size());
-  for (size_t i = 0; i < scales.size(); ++i) bits[i] = float_to_fp16(scales[i]);
-  return testing::as_bytes(bits);
-}
-
 TwinMatrix gguf_matrix(engine::Backend& gpu, const GgufMatrixCase& c, uint32_t seed) {
-  const int64_t rows = c.matrix.rows, cols = c.matrix.cols;
-  HostMatrix m;
-  m.format = c.matrix.format;
-  m.rows = rows;
-  m.cols = cols;
-  m.scale_type = c.matrix.scale_type;
-  switch (c.matrix.format) {
-    case WeightFormat::kW4G32A: {
-      m.data = testing::as_bytes(testing::random_words(rows * cols / 8, seed));
-      // {scale, min} pairs: Q4_K-like positive scales, mins of either sign.
-      const auto scales = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
-      const auto mins = testing::random_floats(rows * cols / 32, -0.1f, 0.1f, seed + 2);
-      std::vector<float> pairs;
-      for (size_t g = 0; g < scales.size(); ++g) pairs.insert(pairs.end(), {scales[g], mins[g]});
-      m.scales = testing::as_bytes(pairs);
-      break;
-    }
-    case WeightFormat::kW8:
-      m.data = testing::as_bytes(testing::random_words(rows * cols / 4, seed));
-      m.scales =
-          scale_bytes(testing::random_floats(rows * cols / c.group_size, -0.01f, 0.01f, seed + 1),
-                      c.matrix.scale_type);
-      break;
-    default:  // kF16
-      m.data =
-          scale_bytes(testing::random_floats(rows * cols, -0.05f, 0.05f, seed), ScaleType::kF16);
-      break;
-  }
-  TwinMatrix twin(gpu, std::move(m));
-  twin.cpu.group_size = twin.device.group_size = c.group_size;
-  return twin;
+  return TwinMatrix(gpu, random_matrix(c.matrix.format, c.matrix.rows, c.matrix.cols, seed,
+                                       c.matrix.scale_type, false, c.group_size));
 }
 
+// K % 32 == 0 takes the packed GEMV (aligned rows), the others the generic matmul.
 const GgufMatrixCase kGgufMatrices[] = {
     {{"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, false, 37, 96}, 32},
     {{"w8 g32 f16 (Q8_0)", WeightFormat::kW8, ScaleType::kF16, false, 37, 64}, 32},
     {{"w8 g16 f32 (Q6_K)", WeightFormat::kW8, ScaleType::kF32, false, 37, 48}, 16},
+    {{"w8 g16 f32 K 64", WeightFormat::kW8, ScaleType::kF32, false, 38, 64}, 16},
     {{"f16 odd K", WeightFormat::kF16, ScaleType::kBF16, false, 37, 45}, 32},
+    {{"f16", WeightFormat::kF16, ScaleType::kBF16, false, 37, 64}, 32},
 };
 
 TEST(CudaBackend, EmbedGgufFormatsExactly) {
@@ -313,7 +280,7 @@ TEST(CudaBackend, EmbedGgufFormatsExactly) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
-// No GEMV kernel for these: the generic matmul, for decode, strided and prefill-sized inputs.
+// Decode, strided (unaligned: the generic matmul) and prefill-sized inputs (GEMV slices of 64).
 TEST(CudaBackend, MatmulGgufFormats) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
@@ -327,6 +294,98 @@ TEST(CudaBackend, MatmulGgufFormats) {
           MatmulCase{c.matrix, 70, cols, rows}}) {
       SCOPED_TRACE(::testing::Message() << c.matrix.name << ", " << m.tokens << " tokens");
       expect_matmul_matches_cpu(cpu, *gpu, w, m, seed++);
+    }
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// Σ|w[n][k] · x[t][k]| for every (t, n): the scale of a product's fp32 accumulation error.
+std::vector<double> product_magnitudes(const quant::QMatrix& w, const std::vector<float>& x,
+                                       int64_t tokens, int64_t x_stride) {
+  std::vector<double> magnitude(tokens * w.rows);
+  std::vector<float> row(w.cols);
+  for (int64_t n = 0; n < w.rows; ++n) {
+    quant::dequantize_row(w, n, row.data());
+    for (int64_t t = 0; t < tokens; ++t) {
+      double sum = 0.0;
+      for (int64_t k = 0; k < w.cols; ++k) sum += std::fabs(double{row[k]} * x[t * x_stride + k]);
+      magnitude[t * w.rows + n] = sum;
+    }
+  }
+  return magnitude;
+}
+
+// matmul_gelu_mul and matmul_gelu_pairs against the CPU backend: the GEMV epilogues (every
+// packed format, decode and 70-row prefill) and the generic fallbacks (fp32, unaligned rows).
+// The bound carries the products' accumulation error (1e-4 of Σ|w·x|) through GELU, whose
+// slope stays below 1.2.
+TEST(CudaBackend, MatmulGeluMulAndPairsEveryFormat) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  EXPECT_TRUE(gpu->fuses_gate_up());
+  CpuBackend cpu(2);
+  constexpr double kTolerance = 1e-4, kGeluSlope = 1.2;
+  const GgufMatrixCase cases[] = {
+      {{"bf16", WeightFormat::kBF16, ScaleType::kBF16, false, 64, 64}, 32},
+      {{"w4g32", WeightFormat::kW4G32, ScaleType::kBF16, false, 72, 128}, 32},
+      {{"nvfp4", WeightFormat::kNVFP4, ScaleType::kBF16, true, 48, 64}, 32},
+      {{"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, false, 38, 96}, 32},
+      {{"w8 g16 f32", WeightFormat::kW8, ScaleType::kF32, false, 38, 64}, 16},
+      {{"w8 g32 f16", WeightFormat::kW8, ScaleType::kF16, false, 40, 64}, 32},
+      {{"f16", WeightFormat::kF16, ScaleType::kBF16, false, 36, 64}, 32},
+      {{"f32 (generic)", WeightFormat::kF32, ScaleType::kBF16, false, 20, 50}, 32},
+  };
+  uint32_t seed = 900;
+  for (const GgufMatrixCase& c : cases) {
+    TwinMatrix w(*gpu, c.matrix.format == WeightFormat::kF32
+                           ? random_f32_matrix(c.matrix.rows, c.matrix.cols, seed++)
+                           : random_matrix(c.matrix.format, c.matrix.rows, c.matrix.cols, seed++,
+                                           c.matrix.scale_type, c.matrix.nv_divisor, c.group_size));
+    const int64_t n = c.matrix.rows, k = c.matrix.cols;
+    for (const auto& [tokens, x_stride] :
+         {std::pair<int64_t, int64_t>{1, k}, {5, k + 3}, {70, k}}) {
+      SCOPED_TRACE(::testing::Message()
+                   << c.matrix.name << ", " << tokens << " tokens, x stride " << x_stride);
+      TwinRows x = random_rows(*gpu, tokens, k, x_stride, seed++);
+      const std::vector<float> xs = x.cpu_values();
+      const std::vector<double> products = product_magnitudes(w.cpu, xs, tokens, x_stride);
+
+      TwinRows multiplier = random_rows(*gpu, tokens, n, n + 1, seed++, -2.0f, 2.0f);
+      TwinRows gated = output_rows(*gpu, tokens, n, n + 2);
+      cpu.matmul_gelu_mul(w.cpu, x.cpu(), multiplier.cpu(), gated.cpu());
+      gpu->matmul_gelu_mul(w.device, x.gpu(), multiplier.gpu(), gated.gpu());
+      const std::vector<float> multipliers = multiplier.cpu_values(),
+                               gated_cpu = gated.cpu_values();
+      std::vector<double> reference(gated_cpu.begin(), gated_cpu.end());
+      std::vector<double> magnitude(reference.size(), 1e-6);
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t i = 0; i < n; ++i) {
+          magnitude[t * (n + 2) + i] +=
+              kGeluSlope * products[t * n + i] * std::fabs(multipliers[t * (n + 1) + i]);
+        }
+      }
+      testing::expect_close(gated.gpu_values(), reference, magnitude, kTolerance,
+                            "matmul_gelu_mul");
+
+      // The pairs' gate and up products themselves, for the bound (|gelu(u)| <= |u|).
+      TwinRows plain = output_rows(*gpu, tokens, n, n);
+      cpu.matmul(w.cpu, x.cpu(), plain.cpu());
+      const std::vector<float> acc = plain.cpu_values();
+      TwinRows paired = output_rows(*gpu, tokens, n / 2, n / 2 + 1);
+      cpu.matmul_gelu_pairs(w.cpu, x.cpu(), paired.cpu());
+      gpu->matmul_gelu_pairs(w.device, x.gpu(), paired.gpu());
+      const std::vector<float> paired_cpu = paired.cpu_values();
+      reference.assign(paired_cpu.begin(), paired_cpu.end());
+      magnitude.assign(reference.size(), 1e-6);
+      for (int64_t t = 0; t < tokens; ++t) {
+        for (int64_t i = 0; i < n / 2; ++i) {
+          const int64_t gate = t * n + 2 * i, up = gate + 1;
+          magnitude[t * (n / 2 + 1) + i] += kGeluSlope * products[gate] * std::fabs(acc[up]) +
+                                            std::fabs(acc[gate]) * products[up];
+        }
+      }
+      testing::expect_close(paired.gpu_values(), reference, magnitude, kTolerance,
+                            "matmul_gelu_pairs");
     }
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
@@ -759,7 +818,7 @@ class GgufRequantizer {
     out.group_size = group_size;
     out.scale_type = scale_type;
     out.data = keep(testing::as_bytes(q));
-    out.scales = keep(scale_bytes(scales, scale_type));
+    out.scales = keep(testing::f16_or_f32_bytes(scales, scale_type));
     return out;
   }
 
@@ -789,7 +848,7 @@ class GgufRequantizer {
   quant::QMatrix f16(const quant::QMatrix& m) {
     quant::QMatrix out = m;
     out.format = WeightFormat::kF16;
-    out.data = keep(scale_bytes(quant::dequantize(m), ScaleType::kF16));
+    out.data = keep(testing::f16_or_f32_bytes(quant::dequantize(m), ScaleType::kF16));
     out.scales = nullptr;
     return out;
   }

@@ -1,13 +1,17 @@
 // GEMV kernels against quant's CPU oracle (quant::dequantize_row: the formulas of
-// weight-formats.md 2.3-2.4 and 3.1-3.3) on fresh random weights at real shapes.
+// weight-formats.md 2.3-2.4, 3.1-3.3 and 5) on fresh random weights at real shapes, every
+// format and epilogue; the epilogues against PyTorch's gelu(approximate="tanh") formula in
+// double.
 #include "backend/cuda/gemv.h"
 
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <string>
 #include <vector>
 
+#include "backend/cuda/elementwise.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
@@ -80,26 +84,27 @@ const char* act_name(ActType type) {
   return type == ActType::kBF16 ? "bf16" : type == ActType::kQ8 ? "q8" : "f32";
 }
 
-// Runs y = W x for M activation rows and checks every output against the reference.
-void check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m, ActType x_type,
-                int tiling, uint32_t seed) {
-  SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
-               std::to_string(host.rows) + "x" + std::to_string(host.cols) + " M=" +
-               std::to_string(m) + " x=" + act_name(x_type) + " tiling=" + std::to_string(tiling));
-  const int64_t n = host.rows;
-  const int64_t k = host.cols;
-  const std::vector<float> x_source = testing::random_floats(m * k, -1.0f, 1.0f, seed);
-  DeviceArray<uint8_t> x_device(m * k * 4);
-  DeviceArray<float> y(m * n);
-  ASSERT_TRUE(x_device.ok() && y.ok() && device.data.ok());
-  const std::vector<float> x = upload_activations(x_source, m, k, x_type, x_device);
+const char* epilogue_name(GemvEpilogue epilogue) {
+  return epilogue == GemvEpilogue::kGeluMul     ? "gelu_mul"
+         : epilogue == GemvEpilogue::kGeluPairs ? "gelu_pairs"
+                                                : "none";
+}
 
-  const GemvInput input = {x_device.get(), x_type, m, k};
-  CUDA_ASSERT_OK(gemv(device.view, input, GemvOutput{y.get(), n}, Launch{}, tiling));
-  CUDA_ASSERT_OK(cudaDeviceSynchronize());
-  const std::vector<float> got = y.download();
+// PyTorch gelu(approximate="tanh"), in double.
+double gelu_tanh_reference(double u) {
+  return 0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
+}
+// Bounds |d gelu_tanh / du| (its maximum is about 1.13): how far an error in u moves gelu(u).
+constexpr double kGeluSlopeBound = 1.2;
 
-  std::vector<double> expected(m * n), magnitude(m * n);
+// Σ_k W[n][k] x[m][k] in double for every (m, n), and Σ|W x| (the scale of fp32 accumulation
+// error): [m][n] row-major.
+struct Products {
+  std::vector<double> value, magnitude;
+};
+Products reference_products(const HostMatrix& host, const std::vector<float>& x, int m) {
+  const int64_t n = host.rows, k = host.cols;
+  Products p{std::vector<double>(m * n), std::vector<double>(m * n)};
   const QMatrix host_view = host.view();
   testing::parallel_for(n, [&](int64_t row) {
     std::vector<float> w(k);
@@ -107,15 +112,63 @@ void check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m, ActTy
     for (int mi = 0; mi < m; ++mi) {
       double sum = 0.0, abs_sum = 0.0;
       for (int64_t j = 0; j < k; ++j) {
-        const double p = static_cast<double>(w[j]) * x[mi * k + j];
-        sum += p;
-        abs_sum += std::fabs(p);
+        const double product = static_cast<double>(w[j]) * x[mi * k + j];
+        sum += product;
+        abs_sum += std::fabs(product);
       }
-      expected[mi * n + row] = sum;
-      magnitude[mi * n + row] = abs_sum;
+      p.value[mi * n + row] = sum;
+      p.magnitude[mi * n + row] = abs_sum;
     }
   });
+  return p;
+}
+
+// Runs y = epilogue(W x) for M activation rows and checks every output against the reference
+// (the bound: kTolerance on each product, carried through the epilogue). Returns the outputs.
+std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m,
+                              ActType x_type, int tiling, uint32_t seed,
+                              GemvEpilogue epilogue = GemvEpilogue::kNone) {
+  SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
+               std::to_string(host.rows) + "x" + std::to_string(host.cols) +
+               " M=" + std::to_string(m) + " x=" + act_name(x_type) +
+               " tiling=" + std::to_string(tiling) + " epilogue=" + epilogue_name(epilogue));
+  const int64_t n = host.rows;
+  const int64_t k = host.cols;
+  const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? n / 2 : n;
+  const std::vector<float> x_source = testing::random_floats(m * k, -1.0f, 1.0f, seed);
+  const std::vector<float> multiplier = testing::random_floats(m * n, -2.0f, 2.0f, seed + 1);
+  DeviceArray<uint8_t> x_device(m * k * 4);
+  DeviceArray<float> multiplier_device(multiplier);
+  DeviceArray<float> y(m * width);
+  EXPECT_TRUE(x_device.ok() && multiplier_device.ok() && y.ok() && device.data.ok());
+  if (!x_device.ok() || !multiplier_device.ok() || !y.ok() || !device.data.ok()) return {};
+  const std::vector<float> x = upload_activations(x_source, m, k, x_type, x_device);
+
+  const GemvInput input = {x_device.get(), x_type, m, k};
+  const GemvOutput output = {y.get(), width, epilogue, multiplier_device.get(), n};
+  EXPECT_EQ(gemv(device.view, input, output, Launch{}, tiling), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = y.download();
+
+  const Products p = reference_products(host, x, m);
+  std::vector<double> expected(m * width), magnitude(m * width);
+  for (int64_t i = 0; i < m * width; ++i) {
+    if (epilogue == GemvEpilogue::kNone) {
+      expected[i] = p.value[i];
+      magnitude[i] = p.magnitude[i];
+    } else if (epilogue == GemvEpilogue::kGeluMul) {
+      expected[i] = gelu_tanh_reference(p.value[i]) * multiplier[i];
+      magnitude[i] = kGeluSlopeBound * p.magnitude[i] * std::fabs(multiplier[i]);
+    } else {
+      const int64_t gate = (i / width) * n + 2 * (i % width), up = gate + 1;
+      const double gelu = gelu_tanh_reference(p.value[gate]);
+      expected[i] = gelu * p.value[up];
+      magnitude[i] = kGeluSlopeBound * p.magnitude[gate] * std::fabs(p.value[up]) +
+                     std::fabs(gelu) * p.magnitude[up];
+    }
+  }
   testing::expect_close(got, expected, magnitude, kTolerance, "gemv");
+  return got;
 }
 
 struct Shape {
@@ -222,6 +275,153 @@ TEST(Gemv, EveryTiling) {
   }
 }
 
+// The GGUF repacks (quant/gguf_repack.h) and their scale layouts.
+struct GgufFormat {
+  WeightFormat format;
+  ScaleType scale_type;  // kW8's (kW4G32A: fp32 pairs regardless)
+  int group_size;        // kW8's
+};
+constexpr GgufFormat kGgufFormats[] = {
+    {WeightFormat::kW4G32A, ScaleType::kF32, 32},  // Q4_K, Q4_1
+    {WeightFormat::kW8, ScaleType::kF16, 32},      // Q8_0, Q5_0, IQ4_NL
+    {WeightFormat::kW8, ScaleType::kF32, 16},      // Q6_K
+    {WeightFormat::kF16, ScaleType::kBF16, 32},    // F16
+};
+
+HostMatrix random_gguf_matrix(const GgufFormat& f, int64_t rows, int64_t cols, uint32_t seed) {
+  return random_matrix(f.format, rows, cols, seed, f.scale_type, false, f.group_size);
+}
+
+// Gemma 3 270M (hidden 640: QKV 1536, gate+up 2 × 2048, down from 2048) and E2B (QKV, down).
+constexpr Shape kGgufShapes[] = {{1536, 640}, {4096, 640}, {640, 2048}, {2560, 1536}, {1536, 6144}};
+
+// fp32 activations (what the engine passes), single and batched.
+TEST(Gemv, GgufFormatsRealShapes) {
+  uint32_t seed = 1000;
+  for (const GgufFormat& f : kGgufFormats) {
+    for (const Shape& s : kGgufShapes) {
+      const HostMatrix host = random_gguf_matrix(f, s.rows, s.cols, seed++);
+      const DeviceMatrix device(host);
+      for (int m : {1, 2, 8, 64}) check_gemv(host, device, m, ActType::kF32, -1, seed++);
+    }
+  }
+}
+
+// The 270M's tied embedding as the lm_head (Q8_0 or Q6_K in the usual GGUF files).
+TEST(Gemv, GgufLmHead) {
+  for (const GgufFormat& f : {kGgufFormats[1], kGgufFormats[2]}) {
+    const HostMatrix host = random_gguf_matrix(f, 262144, 640, 1100);
+    const DeviceMatrix device(host);
+    check_gemv(host, device, 1, ActType::kF32, -1, 1101);
+  }
+}
+
+// Every epilogue on every format, single and batched (a ragged M tile), at real shapes: E2B's
+// interleaved gate+up (12288 rows = 6144 pairs) and PLE gate (256 × 1536), the 270M's gate+up.
+TEST(Gemv, EpiloguesEveryFormat) {
+  std::vector<GgufFormat> formats(std::begin(kGgufFormats), std::end(kGgufFormats));
+  formats.push_back({WeightFormat::kW4G32, ScaleType::kBF16, 32});
+  formats.push_back({WeightFormat::kNVFP4, ScaleType::kBF16, 32});
+  formats.push_back({WeightFormat::kBF16, ScaleType::kBF16, 32});
+  uint32_t seed = 1200;
+  for (const GgufFormat& f : formats) {
+    for (const Shape& s : {Shape{12288, 1536}, Shape{256, 1536}, Shape{4096, 640}}) {
+      const HostMatrix host = random_gguf_matrix(f, s.rows, s.cols, seed++);
+      const DeviceMatrix device(host);
+      for (int m : {1, 11, 64}) {
+        for (GemvEpilogue e : {GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
+          check_gemv(host, device, m, ActType::kF32, -1, seed++, e);
+        }
+      }
+    }
+  }
+}
+
+// Both reductions (one warp, shared-memory split-K) store through the epilogue: every compiled
+// tiling, 32- and 16-element chunks, ragged coverage (K 704) and ragged row blocks (2 · 1409 rows).
+TEST(Gemv, EpiloguesEveryTiling) {
+  const auto tilings = gemv_tilings();
+  uint32_t seed = 1300;
+  for (const Shape& s : {Shape{2560, 1536}, Shape{2818, 704}}) {
+    for (const GgufFormat& f : {GgufFormat{WeightFormat::kW4G32, ScaleType::kBF16, 32},
+                                kGgufFormats[1], kGgufFormats[3]}) {
+      const HostMatrix host = random_gguf_matrix(f, s.rows, s.cols, seed++);
+      const DeviceMatrix device(host);
+      for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+        if (!gemv_tiling_compiled(t)) continue;
+        const int m = tilings[t].m_tile == 1 ? 1 : 11;
+        check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kGeluPairs);
+        check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kGeluMul);
+      }
+    }
+  }
+}
+
+// The fused epilogues compute exactly what the unfused kernels do from the same products: GELU
+// gating bit for bit as the elementwise gelu_tanh_mul, pairs as gemv_epilogue (the generic
+// matmul's fallback).
+TEST(Gemv, FusedEpiloguesEqualTheUnfusedKernels) {
+  uint32_t seed = 1400;
+  for (const GgufFormat& f :
+       {kGgufFormats[0], kGgufFormats[2], GgufFormat{WeightFormat::kW4G32, ScaleType::kBF16, 32}}) {
+    const HostMatrix host = random_gguf_matrix(f, 4096, 640, seed++);
+    const DeviceMatrix device(host);
+    const int64_t n = host.rows, k = host.cols;
+    for (int m : {1, 5}) {
+      SCOPED_TRACE(std::string(quant::weight_format_name(f.format)) + " M=" + std::to_string(m));
+      const DeviceArray<float> x(testing::random_floats(m * k, -1.0f, 1.0f, seed++));
+      const DeviceArray<float> multiplier(testing::random_floats(m * n, -2.0f, 2.0f, seed++));
+      DeviceArray<float> products(m * n), fused_mul(m * n), unfused_mul(m * n);
+      DeviceArray<float> fused_pairs(m * n / 2), unfused_pairs(m * n / 2);
+      const GemvInput input = {x.get(), ActType::kF32, m, k};
+      CUDA_ASSERT_OK(gemv(device.view, input, {products.get(), n}, Launch{}));
+      CUDA_ASSERT_OK(gemv(device.view, input,
+                          {fused_mul.get(), n, GemvEpilogue::kGeluMul, multiplier.get(), n},
+                          Launch{}));
+      CUDA_ASSERT_OK(
+          gemv(device.view, input, {fused_pairs.get(), n / 2, GemvEpilogue::kGeluPairs}, Launch{}));
+      const RowsView products_view = {products.get(), m, n, n};
+      CUDA_ASSERT_OK(gelu_tanh_mul(products_view, {multiplier.get(), m, n, n},
+                                   {unfused_mul.get(), m, n, n}, Launch{}));
+      CUDA_ASSERT_OK(gemv_epilogue(products.get(), m, n, n,
+                                   {unfused_pairs.get(), n / 2, GemvEpilogue::kGeluPairs},
+                                   Launch{}));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      EXPECT_EQ(fused_mul.download(), unfused_mul.download());
+      EXPECT_EQ(fused_pairs.download(), unfused_pairs.download());
+    }
+  }
+}
+
+// gemv_epilogue over products of any width and stride: odd widths (no pairs), in-place gating.
+TEST(Gemv, EpilogueAloneMatchesTheFormula) {
+  const int m = 3;
+  const int64_t n = 1001, stride = 1004;
+  const std::vector<float> products = testing::random_floats(m * stride, -4.0f, 4.0f, 1500);
+  const std::vector<float> multiplier = testing::random_floats(m * stride, -2.0f, 2.0f, 1501);
+  DeviceArray<float> products_device(products), gated(multiplier);
+  CUDA_ASSERT_OK(gemv_epilogue(products_device.get(), m, n, stride,
+                               {gated.get(), stride, GemvEpilogue::kGeluMul, gated.get(), stride},
+                               Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = gated.download();
+  for (int r = 0; r < m; ++r) {
+    for (int64_t i = 0; i < stride; ++i) {
+      const int64_t at = r * stride + i;
+      if (i >= n) {
+        EXPECT_EQ(got[at], multiplier[at]) << "padding " << at;  // left alone
+        continue;
+      }
+      const double expected = gelu_tanh_reference(products[at]) * multiplier[at];
+      EXPECT_NEAR(got[at], expected, 1e-6 * (1.0 + std::fabs(expected))) << at;
+    }
+  }
+  DeviceArray<float> y(1);
+  EXPECT_EQ(gemv_epilogue(products_device.get(), 1, n, stride,
+                          {y.get(), n, GemvEpilogue::kGeluPairs}, Launch{}),
+            cudaErrorInvalidValue);  // odd width: no pairs
+}
+
 TEST(Gemv, RejectsUnsupportedShapes) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 64, 64, 1);
   DeviceMatrix device(host);
@@ -237,6 +437,26 @@ TEST(Gemv, RejectsUnsupportedShapes) {
   f32.format = WeightFormat::kF32;
   EXPECT_EQ(gemv(f32, GemvInput{x.get(), ActType::kF32, 1, 64}, out, Launch{}),
             cudaErrorInvalidValue);
+  // The GGUF formats take fp32 activations only; kW8 groups of 16 or 32.
+  const HostMatrix w8_host = random_matrix(WeightFormat::kW8, 64, 64, 2, ScaleType::kF16);
+  const DeviceMatrix w8(w8_host);
+  EXPECT_EQ(gemv(w8.view, GemvInput{x.get(), ActType::kBF16, 1, 64}, out, Launch{}),
+            cudaErrorInvalidValue);
+  QMatrix w8_group_64 = w8.view;
+  w8_group_64.group_size = 64;
+  EXPECT_EQ(gemv(w8_group_64, GemvInput{x.get(), ActType::kF32, 1, 64}, out, Launch{}),
+            cudaErrorInvalidValue);
+  // Epilogues: pairs need an even row count, gating a multiplier.
+  QMatrix odd_rows = device.view;
+  odd_rows.rows = 63;
+  const GemvInput one = {x.get(), ActType::kF32, 1, 64};
+  EXPECT_EQ(gemv(odd_rows, one, {y.get(), 64, GemvEpilogue::kGeluPairs}, Launch{}),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gemv(device.view, one, {y.get(), 64, GemvEpilogue::kGeluMul}, Launch{}),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 2, 64},
+                 {y.get(), 31, GemvEpilogue::kGeluPairs}, Launch{}),
+            cudaErrorInvalidValue);  // batched: the stride must hold 32 outputs
 }
 
 }  // namespace

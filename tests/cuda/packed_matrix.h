@@ -1,5 +1,6 @@
-// Packed weight matrices for the CUDA kernel tests: seeded random w4g32 / NVFP4 / bf16 matrices
-// on the host (viewed as quant::QMatrix for the CPU oracles) and their device copies.
+// Packed weight matrices for the CUDA kernel tests: seeded random matrices of every packed format
+// (w4g32, NVFP4, bf16, and the GGUF repacks w4g32a, w8, f16 with the layouts the GGUF loader
+// makes) on the host (viewed as quant::QMatrix for the CPU oracles) and their device copies.
 #pragma once
 
 #include <cstdint>
@@ -24,6 +25,7 @@ struct HostMatrix {
   std::vector<uint8_t> scales;
   ScaleType scale_type = ScaleType::kBF16;
   quant::NvGlobalScale nv_global;
+  int group_size = 32;  // kW8
 
   // The view of the host copy, for quant's CPU oracle (dequantize_row).
   QMatrix view() const {
@@ -35,6 +37,7 @@ struct HostMatrix {
     m.scales = scales.empty() ? nullptr : scales.data();
     m.scale_type = scale_type;
     m.nv_global = nv_global;
+    m.group_size = group_size;
     return m;
   }
 };
@@ -46,14 +49,41 @@ std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
   return bytes;
 }
 
+// fp16 or fp32 (`type`) copies of `values`.
+inline std::vector<uint8_t> f16_or_f32_bytes(const std::vector<float>& values, ScaleType type) {
+  if (type == ScaleType::kF32) return as_bytes(values);
+  std::vector<uint16_t> bits(values.size());
+  for (size_t i = 0; i < values.size(); ++i) bits[i] = float_to_fp16(values[i]);
+  return as_bytes(bits);
+}
+
+// scale_type: the w4g32 / w8 scale type (w4g32a's is always fp32); group_size: w8's (16, 32).
 inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols, uint32_t seed,
-                                ScaleType scale_type = ScaleType::kBF16, bool nv_divisor = true) {
+                                ScaleType scale_type = ScaleType::kBF16, bool nv_divisor = true,
+                                int group_size = 32) {
   HostMatrix m;
   m.format = format;
   m.rows = rows;
   m.cols = cols;
-  m.scale_type = scale_type;
-  if (format == WeightFormat::kW4G32) {
+  m.scale_type = format == WeightFormat::kW4G32A ? ScaleType::kF32 : scale_type;
+  m.group_size = group_size;
+  if (format == WeightFormat::kW4G32A) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+    // {scale, min} pairs: Q4_K-like positive scales, mins of either sign.
+    const auto scales = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
+    const auto mins = testing::random_floats(rows * cols / 32, -0.1f, 0.1f, seed + 2);
+    std::vector<float> pairs;
+    for (size_t g = 0; g < scales.size(); ++g) pairs.insert(pairs.end(), {scales[g], mins[g]});
+    m.scales = as_bytes(pairs);
+  } else if (format == WeightFormat::kW8) {
+    // Every int8 value, -128 included (Q8_0 stores -127..127, Q6_K -32..31).
+    m.data = as_bytes(testing::random_words(rows * cols / 4, seed));
+    m.scales = f16_or_f32_bytes(
+        testing::random_floats(rows * cols / group_size, -0.01f, 0.01f, seed + 1), scale_type);
+  } else if (format == WeightFormat::kF16) {
+    m.data =
+        f16_or_f32_bytes(testing::random_floats(rows * cols, -0.05f, 0.05f, seed), ScaleType::kF16);
+  } else if (format == WeightFormat::kW4G32) {
     m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
     const auto s = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
     if (scale_type == ScaleType::kF32) {
@@ -95,6 +125,7 @@ struct DeviceMatrix {
     view.scales = host.scales.empty() ? nullptr : scales.get();
     view.scale_type = host.scale_type;
     view.nv_global = host.nv_global;
+    view.group_size = host.group_size;
   }
   DeviceArray<uint8_t> data;
   DeviceArray<uint8_t> scales;

@@ -4,9 +4,11 @@
 // download(); per-step values are read from device memory).
 //
 // Which kernel serves what:
-//  * matmul: the packed GEMV (gemv.h) for w4g32 / nvfp4 / bf16 weights, prefill chunks in
-//    slices of 64 rows (correct, not fast: a tensor-core GEMM comes later); anything else
-//    (fp32 weights, K % 32 != 0, unaligned rows) a generic element-wise kernel;
+//  * matmul: the packed GEMV (gemv.h) for every format but fp32 (w4g32, nvfp4, bf16 and the
+//    GGUF repacks w4g32a, w8, f16), prefill chunks in slices of 64 rows (correct, not fast: a
+//    tensor-core GEMM comes later); anything else (fp32 weights, K % 32 != 0, unaligned rows) a
+//    generic element-wise kernel. matmul_gelu_mul / matmul_gelu_pairs: the same GEMV with the
+//    GELU gating in its epilogue (interleaved gate/up rows: fuses_gate_up);
 //  * rms_norm, gelu_tanh_mul: elementwise.h; attention: decode_attention (attention.h) for one
 //    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
 //  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
@@ -26,6 +28,8 @@
 #include "engine/backend.h"
 
 namespace gemma4::cuda {
+
+struct GemvOutput;  // gemv.h
 
 class CudaBackend final : public engine::Backend {
  public:
@@ -77,21 +81,12 @@ class CudaBackend final : public engine::Backend {
                    const int32_t* expert_ids, const float* weights, int top_k,
                    engine::Rows out) override;
 
-  // Fused decode operations (fused_ops.h, elementwise.h, attention.h): one kernel each, the
-  // sequences of a pass passed in the kernel parameters (attention.h: SequenceKvTable).
-  void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
-                    const float* next_weight, engine::Rows next,
-                    const engine::NormParams& norm) override;
-  void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
-                         const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
-                         const model::RopeParams& rope,
-                         std::span<const engine::SequenceRows> sequences,
-                         const engine::NormParams& norm) override;
-  // A decode batch (every sequence one row) in one decode_attention launch (+ the split merge)
-  // per kMaxBatchedSequences sequences; anything else as the default, per sequence.
-  void attention_rows(engine::Rows q, const int32_t* positions,
-                      std::span<const engine::SequenceRows> sequences, int window, float scale,
-                      engine::Rows out) override;
+  // Up to 64 rows: the GEMV with GELU gating in its epilogue (gemv.h), one kernel. Larger passes,
+  // and weights or rows the GEMV does not take: matmul, then the gating (one more kernel).
+  void matmul_gelu_mul(const quant::QMatrix& w, engine::Rows x, engine::Rows multiplier,
+                       engine::Rows y) override;
+  bool fuses_gate_up() const override { return true; }
+  void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
   cudaStream_t stream() const { return stream_; }
 
@@ -111,8 +106,10 @@ class CudaBackend final : public engine::Backend {
   // check() for a kernel wrapper that enqueued `kernels` kernels when it succeeded.
   void launched(cudaError_t status, const char* what, int kernels = 1);
   void fail(ErrorCode code, std::string message);
-  // The device inv_freq table of (rope, head_dim), uploaded on first use; null on failure.
-  const float* rope_table(const model::RopeParams& rope, int head_dim);
+  // y = epilogue(x · Wᵀ) through the packed GEMV, 64 rows per launch (out: row 0's output).
+  // False, with nothing enqueued, when the GEMV does not take these weights or rows.
+  bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
+                   const char* what);
 
   int device_ = 0;
   bool pdl_ = true;
@@ -121,6 +118,7 @@ class CudaBackend final : public engine::Backend {
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
   Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
+  Scratch pair_products_;     // matmul_gelu_pairs off the fused GEMV: the gate/up products
   // Once a graph is recorded it may hold scratch pointers: outgrown scratch is kept until the
   // backend goes instead of being freed.
   bool recorded_ = false;

@@ -1,9 +1,9 @@
-// Device math shared by several kernel files: GELU, and how a 16-byte chunk of w4g32 / NVFP4 /
-// bf16 weights and its scale turn into a dot product with 32 (or 8) activations, dequantized in
-// registers (gemv.cu, moe.cu). The parameter-block functions take any struct with the
-// members they read (scales, chunks_per_row, scale_type, nv_global, nv_global_is_divisor), so
-// the GEMV's GemvArgs and the MoE expert descriptors share them. Design and measurements:
-// spec/h200-decode-notes.md.
+// Device math shared by several kernel files: GELU, and how a 16-byte chunk of packed weights
+// (w4g32, w4g32a, NVFP4: 32 elements; w8: 16; bf16, f16: 8) and its scale turn into a dot product
+// with as many activations, dequantized in registers (gemv.cu, moe.cu). The parameter-block
+// functions take any struct with the members they read (scales, chunks_per_row, scale_type,
+// nv_global, nv_global_is_divisor), so the GEMV's GemvArgs and the MoE expert descriptors share
+// them. Design and measurements: spec/h200-decode-notes.md.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -12,6 +12,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "backend/cuda/gemv_kernels.h"
 
@@ -23,15 +24,23 @@ constexpr int kScaleF16 = 1;
 constexpr int kScaleF32 = 2;
 
 template <PackedFormat F>
-constexpr int kChunkElems = F == PackedFormat::kBF16 ? 8 : 32;
+constexpr int kChunkElems = F == PackedFormat::kBF16 || F == PackedFormat::kF16 ? 8
+                            : F == PackedFormat::kW8                            ? 16
+                                                                                : 32;
 
-// The activations one chunk of weights multiplies, as fp32. `offset` (w4g32 only) is
+// The raw scale data of one chunk: a {scale, min} fp32 pair for w4g32a, else one 32-bit word
+// (a 16- or 32-bit scale, or NVFP4's two e4m3 bytes).
+template <PackedFormat F>
+using ScaleBits = std::conditional_t<F == PackedFormat::kW4G32A, uint2, uint32_t>;
+
+// The activations one chunk of weights multiplies, as fp32. `offset` (w4g32, w4g32a) is
 // 264·Σx_even + 24·Σx_odd: dot_w4g32 works on biased nibbles and subtracts it once per chunk
-// (shared by every row the thread handles).
+// (shared by every row the thread handles); `sum` (w4g32a's min term) is Σx.
 template <int N>
 struct XChunk {
   float v[N];
   float offset;
+  float sum;
 };
 
 // One chunk of kQ8 activations: 32 int8 in the permuted order, their scale and their sum.
@@ -93,6 +102,7 @@ __device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChun
     odd += out.v[i + 1];
   }
   out.offset = 264.0f * even + 24.0f * odd;
+  out.sum = even + odd;
 }
 
 // Streaming weight load: read once, keep L1 for the activations.
@@ -113,15 +123,26 @@ __device__ __forceinline__ uint32_t and_or(uint32_t a, uint32_t bits) {
   return d;
 }
 
+// A 16- or 32-bit scale (a.scale_type) at `index` of the scale array, as raw bits.
+template <typename Params>
+__device__ __forceinline__ uint32_t load_group_scale_bits(const Params& a, int64_t index) {
+  if (a.scale_type == kScaleF32) return __ldg(static_cast<const uint32_t*>(a.scales) + index);
+  return __ldg(static_cast<const uint16_t*>(a.scales) + index);
+}
+
 // Raw scale bits of one chunk, loaded before the activations are ready.
 template <PackedFormat F, typename Params>
-__device__ __forceinline__ uint32_t load_scale_bits(const Params& a, int64_t row, int64_t chunk) {
+__device__ __forceinline__ ScaleBits<F> load_scale_bits(const Params& a, int64_t row,
+                                                        int64_t chunk) {
   if constexpr (F == PackedFormat::kW4G32) {
-    const int64_t i = row * a.chunks_per_row + chunk;
-    if (a.scale_type == kScaleF32) {
-      return __ldg(static_cast<const uint32_t*>(a.scales) + i);
-    }
-    return __ldg(static_cast<const uint16_t*>(a.scales) + i);
+    return load_group_scale_bits(a, row * a.chunks_per_row + chunk);
+  } else if constexpr (F == PackedFormat::kW4G32A) {
+    return __ldg(static_cast<const uint2*>(a.scales) + row * a.chunks_per_row + chunk);
+  } else if constexpr (F == PackedFormat::kW8) {
+    // One scale per group_size (16 or 32) elements: per 1 or 2 chunks (a shift, not a 64-bit
+    // division). Groups never straddle rows (K is a multiple of the group), so the chunk's index
+    // in the matrix gives its group's.
+    return load_group_scale_bits(a, (row * a.chunks_per_row + chunk) >> (a.group_size >> 5));
   } else if constexpr (F == PackedFormat::kNVFP4) {
     // Two e4m3 group-16 scales per 32-element chunk, adjacent bytes.
     return __ldg(static_cast<const uint16_t*>(a.scales) + row * a.chunks_per_row + chunk);
@@ -130,8 +151,9 @@ __device__ __forceinline__ uint32_t load_scale_bits(const Params& a, int64_t row
   }
 }
 
+// A scale loaded by load_group_scale_bits, as fp32.
 template <typename Params>
-__device__ __forceinline__ float w4g32_scale(const Params& a, uint32_t bits) {
+__device__ __forceinline__ float scale_from_bits(const Params& a, uint32_t bits) {
   if (a.scale_type == kScaleBF16) return __uint_as_float(bits << 16);
   if (a.scale_type == kScaleF16) {
     return __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
@@ -150,12 +172,12 @@ __device__ __forceinline__ float nvfp4_factor(const Params& a, uint32_t e4m3_bit
   return factor * 16384.0f;
 }
 
-// w4g32: Σ_k w_k x_k over the chunk's 32 elements, times the group scale. Each byte of a word is
+// Σ_k (u_k − 8) x_k over the 32 nibbles u of a w4g32 / w4g32a chunk. Each byte of a word is
 // shifted to bits 15..22, the mantissa of 0x43000000 (fp32 128.0): masked with one LOP3, the even
 // element becomes the fp32 128 + u/2 and the odd one 128 + 8u, with no integer-to-float
 // conversion. Then Σ(u−8)x = 2·Σ(128 + u_e/2)x_e + Σ(128 + 8u_o)x_o / 8 − offset, exact up to fp32
 // accumulation (the products are exact: small integers times bf16 or fp32 activations).
-__device__ __forceinline__ float dot_w4g32(const uint4& q, float scale, const XChunk<32>& x) {
+__device__ __forceinline__ float dot_centered_nibbles(const uint4& q, const XChunk<32>& x) {
   const uint32_t magic = 0x43000000u;
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
   float even0 = 0.0f, even1 = 0.0f, odd0 = 0.0f, odd1 = 0.0f;
@@ -178,7 +200,55 @@ __device__ __forceinline__ float dot_w4g32(const uint4& q, float scale, const XC
       }
     }
   }
-  return scale * (2.0f * (even0 + even1) + 0.125f * (odd0 + odd1) - x.offset);
+  return 2.0f * (even0 + even1) + 0.125f * (odd0 + odd1) - x.offset;
+}
+
+// w4g32: w = (u − 8) · scale.
+__device__ __forceinline__ float dot_w4g32(const uint4& q, float scale, const XChunk<32>& x) {
+  return scale * dot_centered_nibbles(q, x);
+}
+
+// w4g32a: w = scale · u − min, so Σwx = scale · Σ(u − 8)x + (8 · scale − min) · Σx.
+__device__ __forceinline__ float dot_w4g32a(const uint4& q, uint2 scale_min, const XChunk<32>& x) {
+  const float scale = __uint_as_float(scale_min.x);
+  const float min = __uint_as_float(scale_min.y);
+  return fmaf(scale, dot_centered_nibbles(q, x), (8.0f * scale - min) * x.sum);
+}
+
+// w8: Σ q·x over 16 int8, times the group scale. q + 128 (the sign bit flipped) is placed by one
+// PRMT in the low byte of the mantissa of 2^23, and 2^23 + 128 subtracted: q exactly, as fp32,
+// without an integer-to-float conversion.
+__device__ __forceinline__ float dot_w8(const uint4& q, float scale, const XChunk<16>& x) {
+  const uint32_t words[4] = {q.x ^ 0x80808080u, q.y ^ 0x80808080u, q.z ^ 0x80808080u,
+                             q.w ^ 0x80808080u};
+  float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      // Result bytes: byte b of the word, 0x00, 0x00, 0x4B (the bytes 4, 5, 7 of 0x4B000000).
+      const float biased = __uint_as_float(__byte_perm(words[i], 0x4B000000u, 0x7540u + b));
+      const float value = biased - 8388736.0f;  // 2^23 + 128
+      if (b & 1) {
+        acc1 = fmaf(value, x.v[4 * i + b], acc1);
+      } else {
+        acc0 = fmaf(value, x.v[4 * i + b], acc0);
+      }
+    }
+  }
+  return scale * (acc0 + acc1);
+}
+
+__device__ __forceinline__ float dot_f16(const uint4& q, const XChunk<8>& x) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+  float acc0 = 0.0f, acc1 = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 w = __half22float2(*reinterpret_cast<const __half2*>(&words[j]));
+    acc0 = fmaf(w.x, x.v[2 * j], acc0);
+    acc1 = fmaf(w.y, x.v[2 * j + 1], acc1);
+  }
+  return acc0 + acc1;
 }
 
 // NVFP4: code c (sign bit 3, magnitude e1 e0 m) placed as fp16 bits (c&8)<<12 | (c&7)<<9 is
@@ -235,16 +305,22 @@ template <PackedFormat F, typename Params>
 __device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, const Params& a,
                                            const XChunkQ8& x) {
   static_assert(F == PackedFormat::kW4G32, "kQ8 activations pair with w4g32 weights only");
-  return dot_w4g32_q8(q, w4g32_scale(a, scale_bits), x);
+  return dot_w4g32_q8(q, scale_from_bits(a, scale_bits), x);
 }
 
 template <PackedFormat F, typename Params>
-__device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, const Params& a,
+__device__ __forceinline__ float dot_chunk(const uint4& q, ScaleBits<F> scale_bits, const Params& a,
                                            const XChunk<kChunkElems<F>>& x) {
   if constexpr (F == PackedFormat::kW4G32) {
-    return dot_w4g32(q, w4g32_scale(a, scale_bits), x);
+    return dot_w4g32(q, scale_from_bits(a, scale_bits), x);
+  } else if constexpr (F == PackedFormat::kW4G32A) {
+    return dot_w4g32a(q, scale_bits, x);
+  } else if constexpr (F == PackedFormat::kW8) {
+    return dot_w8(q, scale_from_bits(a, scale_bits), x);
   } else if constexpr (F == PackedFormat::kNVFP4) {
     return dot_nvfp4(q, scale_bits, a, x);
+  } else if constexpr (F == PackedFormat::kF16) {
+    return dot_f16(q, x);
   } else {
     return dot_bf16(q, x);
   }

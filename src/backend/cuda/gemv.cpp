@@ -16,8 +16,75 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// K elements per 16-byte chunk (kChunkElems in device_math.cuh).
 int64_t chunk_elements(WeightFormat format) {
-  return format == WeightFormat::kBF16 ? 8 : 32;
+  switch (format) {
+    case WeightFormat::kBF16:
+    case WeightFormat::kF16:
+      return 8;
+    case WeightFormat::kW8:
+      return 16;
+    default:
+      return 32;
+  }
+}
+
+// The GEMV's layout of a weight format, false for one it has no kernel for (fp32).
+bool packed_format(WeightFormat format, PackedFormat& out) {
+  switch (format) {
+    case WeightFormat::kW4G32:
+      out = PackedFormat::kW4G32;
+      return true;
+    case WeightFormat::kNVFP4:
+      out = PackedFormat::kNVFP4;
+      return true;
+    case WeightFormat::kBF16:
+      out = PackedFormat::kBF16;
+      return true;
+    case WeightFormat::kW4G32A:
+      out = PackedFormat::kW4G32A;
+      return true;
+    case WeightFormat::kW8:
+      out = PackedFormat::kW8;
+      return true;
+    case WeightFormat::kF16:
+      out = PackedFormat::kF16;
+      return true;
+    case WeightFormat::kF32:
+      return false;
+  }
+  return false;
+}
+
+// What each weight format needs of its scales: kW4G32A fp32 {scale, min} pairs, kW8 a group of
+// 16 or 32 with 16/32-bit scales (the kernels read bf16 too, quant::validate admits fp16/fp32).
+bool scales_ok(const quant::QMatrix& w) {
+  switch (w.format) {
+    case WeightFormat::kBF16:
+    case WeightFormat::kF16:
+      return true;
+    case WeightFormat::kW4G32A:
+      return w.scales != nullptr && w.scale_type == quant::ScaleType::kF32;
+    case WeightFormat::kW8:
+      return w.scales != nullptr && (w.group_size == 16 || w.group_size == 32);
+    default:
+      return w.scales != nullptr;
+  }
+}
+
+// The output side: an epilogue's own requirements, and room for M rows of its outputs.
+bool output_ok(const GemvOutput& y, int64_t rows, int m) {
+  if (y.data == nullptr) return false;
+  switch (y.epilogue) {
+    case GemvEpilogue::kNone:
+      return m == 1 || y.stride >= rows;
+    case GemvEpilogue::kGeluMul:
+      return y.multiplier != nullptr &&
+             (m == 1 || (y.stride >= rows && y.multiplier_stride >= rows));
+    case GemvEpilogue::kGeluPairs:
+      return rows % 2 == 0 && (m == 1 || y.stride >= rows / 2);
+  }
+  return false;
 }
 
 }  // namespace
@@ -45,29 +112,17 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling) {
   PackedFormat format;
-  switch (w.format) {
-    case WeightFormat::kW4G32:
-      format = PackedFormat::kW4G32;
-      break;
-    case WeightFormat::kNVFP4:
-      format = PackedFormat::kNVFP4;
-      break;
-    case WeightFormat::kBF16:
-      format = PackedFormat::kBF16;
-      break;
-    default:
-      return cudaErrorInvalidValue;
-  }
+  if (!packed_format(w.format, format)) return cudaErrorInvalidValue;
   // kQ8 rows are stride · 5/4 bytes; alignment of the stride is checked in elements.
   const int64_t x_elem = x.type == ActType::kBF16 ? 2 : x.type == ActType::kQ8 ? 1 : 4;
   if (x.type == ActType::kQ8 && (w.format != WeightFormat::kW4G32 || x.stride % 32 != 0)) {
     return cudaErrorInvalidValue;
   }
   const bool shape_ok = w.rows > 0 && w.cols > 0 && w.cols % 32 == 0 && x.rows >= 1 &&
-                        x.rows <= 64 && (x.rows == 1 || (x.stride >= w.cols && y.stride >= w.rows));
-  const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
-                           (x.stride * x_elem) % 16 == 0 && y.data != nullptr &&
-                           (w.format == WeightFormat::kBF16 || w.scales != nullptr);
+                        x.rows <= 64 && (x.rows == 1 || x.stride >= w.cols) &&
+                        output_ok(y, w.rows, x.rows);
+  const bool pointers_ok =
+      aligned16(w.data) && aligned16(x.data) && (x.stride * x_elem) % 16 == 0 && scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
   if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
 
@@ -75,6 +130,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.weights = w.data;
   args.scales = w.scales;
   args.scale_type = static_cast<int>(w.scale_type);
+  args.group_size = w.group_size;
   args.nv_global = w.nv_global.value;
   args.nv_global_is_divisor = w.nv_global.is_divisor ? 1 : 0;
   args.rows = w.rows;
@@ -84,7 +140,29 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.m = x.rows;
   args.y = y.data;
   args.y_stride = y.stride;
+  args.epilogue = y.epilogue;
+  args.multiplier = y.multiplier;
+  args.multiplier_stride = y.multiplier_stride;
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
+}
+
+cudaError_t gemv_epilogue(const float* products, int64_t rows, int64_t cols,
+                          int64_t products_stride, const GemvOutput& y, const Launch& launch) {
+  if (products == nullptr || rows < 1 || rows > 65535 || cols < 1 ||
+      (rows > 1 && products_stride < cols) || !output_ok(y, cols, rows)) {
+    return cudaErrorInvalidValue;
+  }
+  EpilogueArgs args = {};
+  args.products = products;
+  args.products_stride = products_stride;
+  args.rows = cols;
+  args.m = static_cast<int>(rows);
+  args.y = y.data;
+  args.y_stride = y.stride;
+  args.epilogue = y.epilogue;
+  args.multiplier = y.multiplier;
+  args.multiplier_stride = y.multiplier_stride;
+  return launch_gemv_epilogue(args, launch);
 }
 
 cudaError_t quantize_activations_q8(const float* x, int rows, int64_t cols, int64_t x_stride,

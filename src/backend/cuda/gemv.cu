@@ -20,6 +20,18 @@ __global__ void quantize_q8_kernel(QuantizeArgs a) {
   store_chunk_q8(a.x[row * a.x_stride + chunk * 32 + lane], lane, base, a.out_stride, chunk);
 }
 
+// One thread per pair of product rows (blockIdx.y = activation row): the GEMV's own store.
+__global__ void gemv_epilogue_kernel(EpilogueArgs a) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int m = blockIdx.y;
+  const int64_t row = 2 * (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x);
+  if (row >= a.rows) return;
+  const float* products = a.products + m * a.products_stride;
+  const float pair[2] = {products[row], row + 1 < a.rows ? products[row + 1] : 0.0f};
+  gemv_detail::store_rows<2>(a, m, row, pair);
+}
+
 }  // namespace
 
 cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
@@ -34,6 +46,15 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
       break;
     case PackedFormat::kBF16:
       kernel = gemv_detail::select_kernel<PackedFormat::kBF16>(x_type, tiling);
+      break;
+    case PackedFormat::kW4G32A:
+      kernel = gemv_detail::select_kernel<PackedFormat::kW4G32A>(x_type, tiling);
+      break;
+    case PackedFormat::kW8:
+      kernel = gemv_detail::select_kernel<PackedFormat::kW8>(x_type, tiling);
+      break;
+    case PackedFormat::kF16:
+      kernel = gemv_detail::select_kernel<PackedFormat::kF16>(x_type, tiling);
       break;
   }
   if (kernel == nullptr) return cudaErrorInvalidValue;
@@ -50,6 +71,14 @@ cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch&
   const dim3 grid(static_cast<unsigned>((chunks + kWarpsPerBlock - 1) / kWarpsPerBlock),
                   static_cast<unsigned>(rows));
   return launch_kernel(quantize_q8_kernel, grid, dim3(kWarpsPerBlock * 32), 0, launch, args);
+}
+
+cudaError_t launch_gemv_epilogue(const EpilogueArgs& args, const Launch& launch) {
+  constexpr int kThreads = 256;
+  const int64_t pairs = (args.rows + 1) / 2;
+  const dim3 grid(static_cast<unsigned>((pairs + kThreads - 1) / kThreads),
+                  static_cast<unsigned>(args.m));
+  return launch_kernel(gemv_epilogue_kernel, grid, dim3(kThreads), 0, launch, args);
 }
 
 }  // namespace gemma4::cuda

@@ -1,10 +1,12 @@
 // Decode GEMV on packed weights: y[m][n] = Σ_k W[n][k] · x[m][k] for m < M (M = 1 for a single
-// token, 2..64 for batched decode / speculative verify; the weights are read once for all M).
+// token, 2..64 for batched decode / speculative verify; the weights are read once for all M),
+// optionally through an epilogue (GELU gating, below) before the store.
 //
 // Weights stay in their packed checkpoint layout (quant::QMatrix, device pointers): kW4G32 with
 // bf16/fp16/fp32 group scales, kNVFP4 with e4m3 group-16 scales and the fp32 global factor (both
-// the divisor and the multiplier convention), or kBF16. They are dequantized in registers; the
-// products are exact in fp32 and accumulated in fp32. y is fp32.
+// the divisor and the multiplier convention), kBF16, and the GGUF repacks kW4G32A (fp32 scale +
+// min per 32), kW8 (group 16 or 32, fp16/fp32 scales) and kF16. They are dequantized in
+// registers and accumulated in fp32. y is fp32.
 #pragma once
 
 #include <cstdint>
@@ -25,10 +27,19 @@ struct GemvInput {
   int64_t stride = 0;
 };
 
-// y: M rows of N floats, row m at data + m · stride.
+// y: M rows at data + m · stride, of N floats (kGeluPairs: N / 2). The epilogue maps the dot
+// products acc[m][n] (gelu_tanh exactly as the elementwise gelu_tanh_mul computes it):
+//   kNone:      y[m][n] = acc[m][n]
+//   kGeluMul:   y[m][n] = gelu_tanh(acc[m][n]) · multiplier[m · multiplier_stride + n]
+//               (multiplier may be data itself with the same stride, not a partial overlap)
+//   kGeluPairs: y[m][i] = gelu_tanh(acc[m][2i]) · acc[m][2i + 1]: W's rows alternate gate row i,
+//               up row i (N even)
 struct GemvOutput {
   float* data = nullptr;
   int64_t stride = 0;
+  GemvEpilogue epilogue = GemvEpilogue::kNone;
+  const float* multiplier = nullptr;
+  int64_t multiplier_stride = 0;
 };
 
 // Bytes of one kQ8 activation row of `stride` elements (stride a multiple of 32).
@@ -49,10 +60,17 @@ std::span<const GemvTiling> gemv_tilings();
 // The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).
 int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type);
 
-// Enqueues y = W x. Returns cudaErrorInvalidValue for an unsupported format or a shape the
-// kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers), else the
-// launch status. tiling < 0 picks default_gemv_tiling.
+// Enqueues y = epilogue(W x). Returns cudaErrorInvalidValue, before enqueuing anything, for an
+// unsupported format (fp32; kW4G32A / kW8 / kF16 with other than fp32 activations) or a shape the
+// kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers, N even for
+// kGeluPairs), else the launch status. tiling < 0 picks default_gemv_tiling.
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling = -1);
+
+// The epilogue of `y` alone, applied to products computed elsewhere (the generic matmul's, for
+// weights the GEMV does not take): products[m · products_stride + n] for m < rows, n < cols, as
+// acc[m][n] above. rows in 1..65535.
+cudaError_t gemv_epilogue(const float* products, int64_t rows, int64_t cols,
+                          int64_t products_stride, const GemvOutput& y, const Launch& launch);
 
 }  // namespace gemma4::cuda

@@ -1,8 +1,9 @@
 // The decode GEMV kernel template (gemv.h) and the table of its instantiations for one weight
-// format. Each format's instantiations live in their own translation unit (gemv_w4g32.cu,
-// gemv_nvfp4.cu, gemv_bf16.cu) so that nvcc compiles them in parallel; only the tilings that
-// gemv_tiling_compiled() admits are instantiated (all of them with GEMMA4_GEMV_ALL_TILINGS, the
-// kernel benchmark's build), which keeps the CI compile time in check.
+// format. Each format's instantiations live in their own translation unit (gemv_<format>.cu) so
+// that nvcc compiles them in parallel; only the tilings that gemv_tiling_compiled() admits are
+// instantiated (all of them with GEMMA4_GEMV_ALL_TILINGS, the kernel benchmark's build), and the
+// GGUF formats only with fp32 activations, which keeps the CI compile time in check. The
+// epilogue (GemvEpilogue) is a runtime switch at the store: it costs no extra instantiations.
 #pragma once
 
 #include <array>
@@ -17,6 +18,40 @@ namespace gemma4::cuda::gemv_detail {
 
 using WeightFormat = PackedFormat;
 using KernelFn = void (*)(GemvArgs);
+
+// Stores the dot products acc[0..R) of rows first_row .. first_row + R − 1 (first_row even) for
+// activation row m through the epilogue. Rows at or past a.rows are skipped; a.rows is even for
+// kGeluPairs, so a pair is stored whole or not at all. Params: GemvArgs or EpilogueArgs.
+template <int R, typename Params>
+__device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first_row,
+                                           const float (&acc)[R]) {
+  static_assert(R % 2 == 0, "a thread stores whole gate/up pairs");
+  float* y = a.y + m * a.y_stride;
+  switch (a.epilogue) {
+    case GemvEpilogue::kNone:
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (first_row + r < a.rows) y[first_row + r] = acc[r];
+      }
+      break;
+    case GemvEpilogue::kGeluMul: {
+      const float* multiplier = a.multiplier + m * a.multiplier_stride;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (first_row + r < a.rows) {
+          y[first_row + r] = gelu_tanh(acc[r]) * multiplier[first_row + r];
+        }
+      }
+      break;
+    }
+    case GemvEpilogue::kGeluPairs:
+#pragma unroll
+      for (int r = 0; r < R; r += 2) {
+        if (first_row + r < a.rows) y[(first_row + r) / 2] = gelu_tanh(acc[r]) * acc[r + 1];
+      }
+      break;
+  }
+}
 
 // Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
 // block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
@@ -36,7 +71,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   const int passes = static_cast<int>((a.chunks_per_row + pass_chunks - 1) / pass_chunks);
 
   uint4 weights[G][R];
-  uint32_t scale_bits[G][R];
+  ScaleBits<F> scale_bits[G][R];
   auto chunk_of = [&](int pass, int j) {
     return pass * pass_chunks + (j * W + warp) * T + lane_in_team;
   };
@@ -53,7 +88,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
           scale_bits[j][r] = load_scale_bits<F>(a, row, chunk);
         } else {
           weights[j][r] = make_uint4(0, 0, 0, 0);
-          scale_bits[j][r] = 0;
+          scale_bits[j][r] = {};
         }
       }
     }
@@ -107,12 +142,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       if (lane_in_team == 0) {
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            if (m0 + mi < a.m && first_row + r < a.rows) {
-              a.y[(m0 + mi) * a.y_stride + first_row + r] = acc[mi][r];
-            }
-          }
+          if (m0 + mi < a.m) store_rows<R>(a, m0 + mi, first_row, acc[mi]);
         }
       }
     } else {
@@ -126,13 +156,23 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
         }
       }
       __syncthreads();
-      for (int i = threadIdx.x; i < MT * kRowsPerBlock; i += W * 32) {
-        const int mi = i / kRowsPerBlock;
-        const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + i % kRowsPerBlock;
-        float sum = 0.0f;
+      // One thread per pair of rows (kRowsPerBlock is even), so the pairs epilogue sees both.
+      constexpr int kPairsPerBlock = kRowsPerBlock / 2;
+      for (int i = threadIdx.x; i < MT * kPairsPerBlock; i += W * 32) {
+        const int mi = i / kPairsPerBlock;
+        const int row_in_block = 2 * (i % kPairsPerBlock);
+        float sums[2] = {0.0f, 0.0f};
 #pragma unroll
-        for (int w = 0; w < W; ++w) sum += partial[w * MT * kRowsPerBlock + i];
-        if (m0 + mi < a.m && row < a.rows) a.y[(m0 + mi) * a.y_stride + row] = sum;
+        for (int w = 0; w < W; ++w) {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            sums[h] += partial[(w * MT + mi) * kRowsPerBlock + row_in_block + h];
+          }
+        }
+        if (m0 + mi < a.m) {
+          store_rows<2>(a, m0 + mi, static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + row_in_block,
+                        sums);
+        }
       }
       __syncthreads();
     }
@@ -155,8 +195,15 @@ constexpr std::array<KernelFn, kNumGemvTilings> kernel_table(std::index_sequence
   return {kernel_for<F, XT, static_cast<int>(I)>()...};
 }
 
+// Formats with bf16-activation kernels: the checkpoint formats, whose bf16-activation speed the
+// benchmark tracks. The GGUF formats run with the engine's fp32 activations only.
+template <WeightFormat F>
+constexpr bool kHasBF16Activations =
+    F == WeightFormat::kW4G32 || F == WeightFormat::kNVFP4 || F == WeightFormat::kBF16;
+
 // The kernel of (F, x type, tiling), or nullptr where none is compiled (kQ8 activations exist for
-// kW4G32 only). Explicitly instantiated once per format in gemv_<format>.cu.
+// kW4G32 only, bf16 ones for kHasBF16Activations). Explicitly instantiated once per format in
+// gemv_<format>.cu.
 template <WeightFormat F>
 KernelFn select_kernel(ActType x_type, int tiling) {
   if (x_type == ActType::kQ8) {
@@ -168,9 +215,12 @@ KernelFn select_kernel(ActType x_type, int tiling) {
     return nullptr;
   }
   if (x_type == ActType::kBF16) {
-    static constexpr auto kBF16 =
-        kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
-    return kBF16[tiling];
+    if constexpr (kHasBF16Activations<F>) {
+      static constexpr auto kBF16 =
+          kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
+      return kBF16[tiling];
+    }
+    return nullptr;
   }
   static constexpr auto kF32 =
       kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumGemvTilings>());
@@ -180,5 +230,8 @@ KernelFn select_kernel(ActType x_type, int tiling) {
 extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int);
 extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int);
 extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kW8>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kF16>(ActType, int);
 
 }  // namespace gemma4::cuda::gemv_detail

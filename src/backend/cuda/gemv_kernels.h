@@ -16,13 +16,21 @@ namespace gemma4::cuda {
 enum class ActType : uint8_t { kF32, kBF16, kQ8 };
 
 // The packed layouts the kernels read (quant::WeightFormat minus fp32).
-enum class PackedFormat : uint8_t { kW4G32, kNVFP4, kBF16 };
+enum class PackedFormat : uint8_t { kW4G32, kNVFP4, kBF16, kW4G32A, kW8, kF16 };
+
+// What the GEMV does with a row's dot product acc[m][n] before storing it.
+enum class GemvEpilogue : uint8_t {
+  kNone,       // y[m][n] = acc
+  kGeluMul,    // y[m][n] = gelu_tanh(acc) · multiplier[m][n]
+  kGeluPairs,  // rows 2i, 2i+1 are a gate/up pair: y[m][i] = gelu_tanh(acc_2i) · acc_2i+1
+};
 
 // The shape of the work one thread block does. A "chunk" is what one 16-byte weight load holds:
-// 32 K elements of kW4G32/kNVFP4 (with their scales), 8 of kBF16. A team of lanes_per_row lanes
-// shares rows_per_thread rows; `warps` warps split K further (shared-memory reduction, no
-// atomics); each thread issues rows_per_thread · chunks_per_thread weight loads before it needs
-// the activations; m_tile activation rows are accumulated per pass over the weights.
+// 32 K elements of kW4G32/kW4G32A/kNVFP4 (with their scales), 16 of kW8, 8 of kBF16/kF16. A team of
+// lanes_per_row lanes shares rows_per_thread rows; `warps` warps split K further (shared-memory
+// reduction, no atomics); each thread issues rows_per_thread · chunks_per_thread weight loads
+// before it needs the activations; m_tile activation rows are accumulated per pass over the
+// weights.
 struct GemvTiling {
   int rows_per_thread;
   int lanes_per_row;
@@ -53,6 +61,16 @@ inline constexpr GemvTiling kGemvTilings[] = {
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 
+// The kGeluPairs epilogue needs both rows of a pair in one thread: a thread's rows are
+// rows_per_thread consecutive rows starting at a multiple of rows_per_thread, so that must be even.
+constexpr bool gemv_tilings_keep_pairs() {
+  for (const GemvTiling& t : kGemvTilings) {
+    if (t.rows_per_thread % 2 != 0) return false;
+  }
+  return true;
+}
+static_assert(gemv_tilings_keep_pairs(), "every GEMV tiling must give a thread whole row pairs");
+
 // The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
 // with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
 // so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
@@ -71,17 +89,21 @@ constexpr bool gemv_tiling_compiled(int tiling) {
 
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
-  const void* scales;
-  int scale_type;   // quant::ScaleType value (kW4G32)
-  float nv_global;  // quant::NvGlobalScale (kNVFP4)
+  const void* scales;   // kW4G32A: fp32 {scale, min} pairs
+  int scale_type;       // quant::ScaleType value (kW4G32, kW8)
+  int group_size;       // K elements per kW8 scale (16 or 32)
+  float nv_global;      // quant::NvGlobalScale (kNVFP4)
   int nv_global_is_divisor;
   int64_t rows;
   int64_t chunks_per_row;
   const void* x;
   int64_t x_stride;
   int m;
-  float* y;
+  float* y;  // kGeluPairs: rows / 2 outputs per activation row
   int64_t y_stride;
+  GemvEpilogue epilogue;
+  const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride
+  int64_t multiplier_stride;
 };
 
 // x[r] (fp32, K = `cols`) → the kQ8 layout at out + r · out_stride · 5/4 bytes.
@@ -95,8 +117,24 @@ struct QuantizeArgs {
 cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch& launch);
 
 // Enqueues the kernel of (format, x type, tiling); arguments already validated. Returns
-// cudaErrorInvalidValue for a combination with no kernel (kQ8 with other than w4g32).
+// cudaErrorInvalidValue for a combination with no kernel (kQ8 with other than w4g32; the GGUF
+// formats kW4G32A / kW8 / kF16 take fp32 activations only, the only ones the engine passes).
 cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
                                const GemvArgs& args, const Launch& launch);
+
+// The epilogue alone, over products already computed elsewhere (the generic matmul's output):
+// `products` holds m rows of `rows` fp32 values at products_stride; y, multiplier as in GemvArgs.
+struct EpilogueArgs {
+  const float* products;
+  int64_t products_stride;
+  int64_t rows;
+  int m;
+  float* y;
+  int64_t y_stride;
+  GemvEpilogue epilogue;
+  const float* multiplier;
+  int64_t multiplier_stride;
+};
+cudaError_t launch_gemv_epilogue(const EpilogueArgs& args, const Launch& launch);
 
 }  // namespace gemma4::cuda
