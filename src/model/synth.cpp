@@ -87,11 +87,12 @@ double weight_rms(int64_t cols) {
   return 1.0 / std::sqrt(static_cast<double>(cols));
 }
 
-// One w4g32 row: levels q in [-8, 7] (a rounded normal of std 2.5) and one bf16 scale per 32,
-// each with at most 5 significant bits: q * scale has at most 8 and is exact in bf16.
-void w4g32_row(uint64_t key, int64_t row, int64_t cols, int8_t* levels, float* scales) {
+// One w4g32 row of rms about `rms`: levels q in [-8, 7] (a rounded normal of std 2.5) and one
+// bf16 scale per 32, each with at most 5 significant bits: q * scale has at most 8 and is exact
+// in bf16.
+void w4g32_row(uint64_t key, int64_t row, int64_t cols, double rms, int8_t* levels, float* scales) {
   RowRandom rng(key, row);
-  const double target = weight_rms(cols) / 2.5;
+  const double target = rms / 2.5;
   for (int64_t g = 0; g < cols / 32; ++g) {
     scales[g] = round_significant(static_cast<float>(target * rng.uniform(0.75, 1.25)), 5);
   }
@@ -184,7 +185,7 @@ void grid_row_values(SynthGrid grid, uint64_t key, int64_t row, int64_t cols, fl
     case SynthGrid::kW4G32: {
       std::vector<int8_t> levels(cols);
       std::vector<float> scales(cols / 32);
-      w4g32_row(key, row, cols, levels.data(), scales.data());
+      w4g32_row(key, row, cols, weight_rms(cols), levels.data(), scales.data());
       for (int64_t k = 0; k < cols; ++k) out[k] = static_cast<float>(levels[k]) * scales[k / 32];
       return;
     }
@@ -230,7 +231,7 @@ void gguf_row(SynthGrid grid, uint64_t key, int64_t row, int64_t cols, std::byte
   }
   std::vector<int8_t> levels(cols);
   std::vector<float> scales(cols / 32);
-  w4g32_row(key, row, cols, levels.data(), scales.data());
+  w4g32_row(key, row, cols, weight_rms(cols), levels.data(), scales.data());
   for (int64_t b = 0; b < cols / 32; ++b) {
     std::byte* block = out + b * quant::kQ4_0BlockBytes;
     const uint16_t d = float_to_fp16(scales[b]);
@@ -276,6 +277,8 @@ class TensorPlan {
   }
 
   bool gguf() const { return is_gguf(options_.format); }
+  // The w4a16 format and its twins (bf16 and gguf-q4_0 files of the w4g32 grid).
+  bool w4g32_grid() const { return grid_ == SynthGrid::kW4G32; }
 
   uint64_t key(std::string_view stream) const {
     return mix64(fnv1a64(stream) ^ mix64(options_.seed));
@@ -310,12 +313,23 @@ class TensorPlan {
   }
 
   // A matrix that stays bf16 in every format (embeddings, PLE table and projection, router).
-  void plain_matrix(const std::string& name, int64_t rows, int64_t cols, double stddev) {
+  // `qat_grid`: on the w4g32 grid (levels times bf16 scales, rms about `stddev`), as a
+  // quantization-aware-trained checkpoint stores a table it keeps in bf16.
+  void plain_matrix(const std::string& name, int64_t rows, int64_t cols, double stddev,
+                    bool qat_grid = false) {
     const uint64_t k = key(name);
-    auto fill = [k, cols, stddev](int64_t row, std::byte* out) {
-      RowRandom rng(k, row);
+    auto fill = [k, cols, stddev, qat_grid](int64_t row, std::byte* out) {
       std::vector<float> values(cols);
-      for (auto& v : values) v = static_cast<float>(rng.normal() * stddev);
+      if (qat_grid) {
+        std::vector<int8_t> levels(cols);
+        std::vector<float> scales(cols / 32);
+        w4g32_row(k, row, cols, stddev, levels.data(), scales.data());
+        for (int64_t c = 0; c < cols; ++c)
+          values[c] = static_cast<float>(levels[c]) * scales[c / 32];
+      } else {
+        RowRandom rng(k, row);
+        for (auto& v : values) v = static_cast<float>(rng.normal() * stddev);
+      }
       store_bf16(values.data(), cols, out);
     };
     if (gguf()) {
@@ -351,7 +365,7 @@ class TensorPlan {
             [k, cols](int64_t row, std::byte* out) {
               std::vector<int8_t> levels(cols);
               std::vector<float> scales(cols / 32);
-              w4g32_row(k, row, cols, levels.data(), scales.data());
+              w4g32_row(k, row, cols, weight_rms(cols), levels.data(), scales.data());
               // Offset binary, element 0 in the low nibble of each little-endian word.
               for (int64_t b = 0; b < cols / 2; ++b) {
                 out[b] =
@@ -362,7 +376,7 @@ class TensorPlan {
             [k, cols](int64_t row, std::byte* out) {
               std::vector<int8_t> levels(cols);
               std::vector<float> scales(cols / 32);
-              w4g32_row(k, row, cols, levels.data(), scales.data());
+              w4g32_row(k, row, cols, weight_rms(cols), levels.data(), scales.data());
               store_bf16(scales.data(), cols / 32, out);
             });
         add({name + ".weight_shape", DType::kI64, {2}}, 1, 16,
@@ -477,7 +491,10 @@ void plan_model(const ModelConfig& config, TensorPlan& plan) {
   plan.norm("norm.weight", hidden);
   if (config.ple_dim > 0) {
     const int64_t packed = int64_t{config.num_layers} * config.ple_dim;
-    plan.plain_matrix("embed_tokens_per_layer.weight", config.ple_vocab_size, packed, 1.0 / 16.0);
+    // Google's QAT checkpoints are said to hold this table on the int4 grid: the w4g32 twins do,
+    // so a device backend can keep it in 4 bits losslessly (quant/pack_w4g32.h).
+    plan.plain_matrix("embed_tokens_per_layer.weight", config.ple_vocab_size, packed, 1.0 / 16.0,
+                      plan.w4g32_grid());
     plan.plain_matrix("per_layer_model_projection.weight", packed, hidden, weight_rms(hidden));
     plan.norm("per_layer_projection_norm.weight", config.ple_dim);
   }

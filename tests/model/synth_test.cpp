@@ -12,6 +12,7 @@
 #include "core/numeric.h"
 #include "model/synth.h"
 #include "model/weights.h"
+#include "quant/pack_w4g32.h"
 #include "test_support.h"
 
 namespace gemma4::model {
@@ -174,6 +175,27 @@ TEST(Synth, W4A16TwinsAreTheSameFunction) {
     int64_t quantized = 0;
     expect_same_values(packed, twin, &quantized);
     EXPECT_GT(quantized, 10);
+  }
+}
+
+// On the w4g32 grid the bf16 PLE table holds grid values (as a QAT checkpoint does), so a device
+// backend can pack it losslessly; plain tables (other grids) are not on it.
+TEST(Synth, PleTableIsOnTheInt4GridOnlyForTheW4G32Grid) {
+  struct Case {
+    SynthFormat format;
+    SynthGrid grid;
+    bool on_grid;
+  };
+  for (const Case& c : {Case{SynthFormat::kW4A16, SynthGrid::kW4G32, true},
+                        Case{SynthFormat::kBF16, SynthGrid::kW4G32, true},
+                        Case{SynthFormat::kBF16, SynthGrid::kNone, false},
+                        Case{SynthFormat::kNVFP4, SynthGrid::kNVFP4, false}}) {
+    auto model = LoadedModel::open(synth("tiny", c.format, c.grid, "ple_grid"));
+    ASSERT_TRUE(model.ok()) << model.error().to_string();
+    const QMatrix& table = model->weights.embed_tokens_per_layer;
+    EXPECT_EQ(table.format, WeightFormat::kBF16);
+    EXPECT_EQ(quant::check_w4g32_exact(table).ok(), c.on_grid)
+        << static_cast<int>(c.format) << "/" << static_cast<int>(c.grid);
   }
 }
 
