@@ -5,6 +5,7 @@
 #include <span>
 #include <tuple>
 
+#include "engine/memory_plan.h"
 #include "quant/row_stack.h"
 
 namespace gemma4::engine {
@@ -141,7 +142,11 @@ Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& wei
   out.embed_tokens = place.matrix(weights.embed_tokens);
   out.lm_head = place.matrix(weights.lm_head);
   out.final_norm = place.vector(weights.final_norm);
-  out.embed_tokens_per_layer = place.matrix(weights.embed_tokens_per_layer);
+  // A bf16 per-layer embedding table on the int4 grid (QAT) is kept in 4 bits on a device:
+  // lossless, and 3.5x smaller (E2B: 4.7 GB -> 1.3 GB). Copied out before `packed_ple` goes.
+  const auto packed_ple = pack_table_for_device(weights.embed_tokens_per_layer, backend);
+  out.embed_tokens_per_layer =
+      place.matrix(packed_ple ? packed_ple->view() : weights.embed_tokens_per_layer);
   out.per_layer_model_projection = place.matrix(weights.per_layer_model_projection);
   out.per_layer_projection_norm = place.vector(weights.per_layer_projection_norm);
   out.layers.reserve(weights.layers.size());

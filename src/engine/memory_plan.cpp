@@ -1,0 +1,238 @@
+#include "engine/memory_plan.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <set>
+
+#include "quant/pack_w4g32.h"
+
+namespace gemma4::engine {
+namespace {
+
+using model::LayerGeometry;
+
+constexpr int64_t kFloat = sizeof(float);
+constexpr int64_t kInt = sizeof(int32_t);
+
+// The CUDA backend's decode attention splits the cache in up to this many parts per (sequence,
+// head) and keeps head_dim + 2 floats per part (cuda_backend.cpp kMaxAttentionSplits,
+// attention.h attention_partials_floats).
+constexpr int64_t kAttentionSplits = 1024;
+// run_experts works through at most this many tokens at once (backend/cuda/moe.h).
+constexpr int64_t kMoeTokensPerPass = 512;
+
+double mib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1 << 20);
+}
+
+int64_t context_of(const model::ModelConfig& config, int64_t requested) {
+  return config.max_position_embeddings > 0 ? std::min(requested, config.max_position_embeddings)
+                                            : requested;
+}
+
+// One sequence's K, V and slot positions on every layer that owns a cache (Gemma4Engine::create:
+// sliding layers hold a ring of window + ring_history slots, full layers max_context).
+int64_t kv_bytes_per_sequence(const model::ModelConfig& config, const EngineOptions& options) {
+  const int64_t history = ring_history_for(config, options);
+  int64_t bytes = 0;
+  for (const LayerGeometry& g : config.layers) {
+    if (!g.owns_kv()) continue;
+    const int64_t slots =
+        g.window > 0 ? std::min(g.window + history, options.max_context) : options.max_context;
+    bytes += slots * (2 * kFloat * g.kv_width() + kInt);
+  }
+  return bytes;
+}
+
+// Gemma4Engine::create's workspace: one pass of max_pass_tokens rows, logits per sequence.
+int64_t workspace_bytes(const model::ModelConfig& config, const EngineOptions& options) {
+  const int64_t rows = options.max_pass_tokens;
+  const int64_t H = config.hidden_size;
+  int64_t floats_per_row = 4 * H                          // x, normed, proj, branch
+                           + 2 * config.max_q_width()     // q, attn
+                           + 2 * config.max_kv_width()    // k, v
+                           + 2 * config.max_ffn_width();  // gate, up
+  int64_t ints_per_row = 2;                               // token ids, positions
+  if (config.moe) {
+    const auto& p = config.moe_params;
+    floats_per_row += H + p.num_experts + p.top_k;  // moe, router logits, expert weights
+    ints_per_row += p.top_k;                        // expert ids
+  }
+  if (config.ple_dim > 0) {
+    floats_per_row += 2 * int64_t{config.num_layers} * config.ple_dim  // ple, ple_tokens
+                      + config.ple_dim;                                // ple_gate
+  }
+  const int64_t per_sequence = kFloat * (H + config.vocab_size);  // last_hidden, logits
+  return rows * (kFloat * floats_per_row + kInt * ints_per_row) +
+         options.max_sequences * per_sequence;
+}
+
+// The CUDA backend's scratch at its largest: decode attention partials for every sequence at
+// the widest layer, the MoE workspace for a full pass, and one RoPE table per layer.
+int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOptions& options) {
+  int64_t attention = 0, rope = 0;
+  for (const LayerGeometry& g : config.layers) {
+    attention = std::max(attention, kFloat * options.max_sequences * g.num_q_heads *
+                                        kAttentionSplits * (g.head_dim + 2));
+    rope += kFloat * g.head_dim / 2;
+  }
+  int64_t moe = 0;
+  if (config.moe) {
+    const auto& p = config.moe_params;
+    const int64_t pairs = std::min<int64_t>(options.max_pass_tokens, kMoeTokensPerPass) * p.top_k;
+    moe = kFloat * pairs * (p.intermediate_size + config.hidden_size) +
+          kInt * (2 + 2 * p.num_experts + pairs);
+  }
+  return attention + moe + rope;
+}
+
+std::string options_line(const EngineOptions& o) {
+  return fmt::format("{} x {} tokens", o.max_sequences, o.max_context);
+}
+
+}  // namespace
+
+std::string MemoryPlan::summary() const {
+  const std::string weights =
+      weight_bytes > 0 ? fmt::format("{:.0f} MiB", mib(weight_bytes)) : "read in place";
+  return fmt::format(
+      "weights {} + KV {:.0f} MiB ({}, fp32) + workspace {:.0f} MiB + scratch {:.0f} MiB + "
+      "runtime reserve {:.0f} MiB = {:.0f} MiB",
+      weights, mib(kv_bytes), options_line(options), mib(workspace_bytes), mib(scratch_bytes),
+      mib(reserve_bytes), mib(total()));
+}
+
+MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
+                       const EngineOptions& options, bool on_device) {
+  MemoryPlan plan;
+  plan.options = options;
+  plan.options.max_context = context_of(config, options.max_context);
+  plan.weight_bytes = weight_bytes;
+  plan.kv_bytes = options.max_sequences * kv_bytes_per_sequence(config, plan.options);
+  for (const LayerGeometry& g : config.layers) {
+    if (g.owns_kv() && g.window == 0)
+      plan.kv_full_bytes_per_token += 2 * kFloat * g.kv_width() + kInt;
+  }
+  plan.workspace_bytes = workspace_bytes(config, plan.options);
+  plan.scratch_bytes = on_device ? backend_scratch_bytes(config, plan.options) : 0;
+  plan.reserve_bytes = on_device ? kCudaRuntimeReserveBytes : 0;
+  return plan;
+}
+
+Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t weight_bytes,
+                                     const EngineOptions& requested, bool on_device,
+                                     int64_t budget_bytes) {
+  auto plan_for = [&](int32_t sequences, int64_t context) {
+    EngineOptions options = requested;
+    options.max_sequences = sequences;
+    options.max_context = context;
+    return plan_memory(config, weight_bytes, options, on_device);
+  };
+  const MemoryPlan wanted = plan_memory(config, weight_bytes, requested, on_device);
+  if (wanted.total() <= budget_bytes) return wanted;
+  // Fewer sequences at the requested context.
+  const int64_t context = wanted.options.max_context;
+  for (int32_t sequences = requested.max_sequences - 1; sequences >= 1; --sequences) {
+    const MemoryPlan plan = plan_for(sequences, context);
+    if (plan.total() <= budget_bytes) return plan;
+  }
+  // One sequence, the longest context that fits (the plan grows with the context).
+  const int64_t shortest = std::min(context, kContextGranularity);
+  const MemoryPlan smallest = plan_for(1, shortest);
+  if (smallest.total() > budget_bytes) {
+    return make_error(ErrorCode::kResourceExhausted,
+                      "the model does not fit in {:.0f} MiB of GPU memory: even one sequence of "
+                      "{} tokens needs {}",
+                      mib(budget_bytes), shortest, smallest.summary());
+  }
+  int64_t fits = 1, too_long = context / kContextGranularity + 1;  // in units of granularity
+  while (too_long - fits > 1) {
+    const int64_t middle = (fits + too_long) / 2;
+    (plan_for(1, middle * kContextGranularity).total() <= budget_bytes ? fits : too_long) = middle;
+  }
+  return shortest < kContextGranularity ? smallest : plan_for(1, fits * kContextGranularity);
+}
+
+namespace {
+
+// Whether a device copy of `table` is worth trying to pack (the grid check decides the rest).
+bool packing_candidate(const quant::QMatrix& table, const Backend& backend) {
+  return !backend.reads_host_memory() && model::present(table) &&
+         table.format == quant::WeightFormat::kBF16;
+}
+
+}  // namespace
+
+bool table_packs_on_device(const quant::QMatrix& table, const Backend& backend) {
+  return packing_candidate(table, backend) && quant::check_w4g32_exact(table).ok();
+}
+
+std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& table,
+                                                         const Backend& backend) {
+  if (!packing_candidate(table, backend)) return std::nullopt;
+  auto packed = quant::pack_w4g32_exact(table);
+  if (!packed.ok()) return std::nullopt;
+  return std::move(packed).value();
+}
+
+int64_t resident_weight_bytes(const model::ModelWeights& weights, bool reads_host_memory,
+                              bool ple_table_packs) {
+  if (reads_host_memory) return 0;
+  int64_t bytes = 0;
+  std::set<const void*> seen;  // a tied lm_head is the embedding table, copied once
+  model::for_each_matrix(weights, [&](const std::string&, const quant::QMatrix& m) {
+    if (!seen.insert(m.data).second) return;
+    if (ple_table_packs && m.data == weights.embed_tokens_per_layer.data) {
+      quant::QMatrix packed = m;
+      packed.format = quant::WeightFormat::kW4G32;
+      packed.scale_type = quant::ScaleType::kBF16;
+      bytes += packed.bytes();
+      return;
+    }
+    bytes += m.bytes();
+  });
+  auto vector_bytes = [](const std::vector<float>& v) { return kFloat * std::ssize(v); };
+  bytes += vector_bytes(weights.final_norm) + vector_bytes(weights.per_layer_projection_norm);
+  for (const model::LayerWeights& l : weights.layers) {
+    for (const std::vector<float>* v :
+         {&l.q_norm, &l.k_norm, &l.input_layernorm, &l.post_attention_layernorm,
+          &l.pre_feedforward_layernorm, &l.post_feedforward_layernorm, &l.router_scale,
+          &l.per_expert_scale, &l.post_feedforward_layernorm_1, &l.pre_feedforward_layernorm_2,
+          &l.post_feedforward_layernorm_2, &l.post_per_layer_input_norm})
+      bytes += vector_bytes(*v);
+  }
+  return bytes;
+}
+
+Expected<int64_t> parse_memory_size(std::string_view text) {
+  auto invalid = [&] {
+    return make_error(ErrorCode::kInvalidArgument,
+                      "memory size '{}': expected a number with a unit, e.g. 3732MiB, 24GiB, 4GB",
+                      text);
+  };
+  size_t digits = 0;
+  while (digits < text.size() &&
+         (std::isdigit(static_cast<unsigned char>(text[digits])) || text[digits] == '.'))
+    ++digits;
+  double number = 0;
+  const auto [end, error] = std::from_chars(text.data(), text.data() + digits, number);
+  if (digits == 0 || error != std::errc() || end != text.data() + digits) return invalid();
+  std::string unit(text.substr(digits));
+  std::transform(unit.begin(), unit.end(), unit.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  static const std::pair<const char*, double> kUnits[] = {
+      {"", 1},       {"b", 1},        {"k", 0x1p10},   {"kib", 0x1p10}, {"kb", 1e3},
+      {"m", 0x1p20}, {"mib", 0x1p20}, {"mb", 1e6},     {"g", 0x1p30},   {"gib", 0x1p30},
+      {"gb", 1e9},   {"t", 0x1p40},   {"tib", 0x1p40}, {"tb", 1e12}};
+  for (const auto& [name, factor] : kUnits) {
+    if (unit != name) continue;
+    const double bytes = number * factor;
+    if (!(bytes >= 1) || bytes > 0x1p62) return invalid();
+    return static_cast<int64_t>(bytes);
+  }
+  return invalid();
+}
+
+}  // namespace gemma4::engine

@@ -1,0 +1,84 @@
+// Memory planned at load (DESIGN.md engine rule 5): what an engine will hold on its backend —
+// weights as resident, every sequence's KV cache, the per-pass workspace, the backend's own
+// scratch — and, against a budget (--gpu-memory), the largest sequences/context that fit, or a
+// clear error naming the numbers before anything is allocated.
+//
+// KV and workspace mirror Gemma4Engine::create's allocations exactly (tests/engine check the
+// plan against the bytes a backend is asked for). Backend scratch is the CUDA backend's
+// (attention split partials, MoE workspace, RoPE tables) at its largest. The runtime reserve
+// stands for what the driver takes beside our allocations: the CUDA context with its per-SM
+// local memory, lazily loaded kernel images, allocation rounding, a cuBLAS workspace if one is
+// ever used; it is a stated constant (kCudaRuntimeReserveBytes), sized for a small GPU.
+#pragma once
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+
+#include "core/status.h"
+#include "engine/backend.h"
+#include "engine/gemma4_engine.h"
+#include "model/config.h"
+#include "model/weights.h"
+#include "quant/quantize.h"
+
+namespace gemma4::engine {
+
+// CUDA context (per-SM local memory, printf FIFO, device heap), kernel images loaded on first
+// use, cudaMalloc rounding and a cuBLAS workspace: 256 MiB, what a 4 GB laptop GPU's context
+// and our kernels take with room to spare. A large GPU's context is bigger (an H200 has 132
+// SMs of local memory); `gemma4` logs the device memory in use before loading next to the plan.
+inline constexpr int64_t kCudaRuntimeReserveBytes = int64_t{256} << 20;
+
+// Contexts chosen to fit a budget are multiples of this (or the requested context when smaller).
+inline constexpr int64_t kContextGranularity = 256;
+
+struct MemoryPlan {
+  EngineOptions options;  // what the plan is for; max_context clipped to the model's
+  int64_t weight_bytes = 0;
+  int64_t kv_bytes = 0;                 // every sequence's K, V and slot positions
+  int64_t kv_full_bytes_per_token = 0;  // per sequence, the part that grows with the context
+  int64_t workspace_bytes = 0;          // the engine's activation rows, ids, logits
+  int64_t scratch_bytes = 0;            // the backend's own (CUDA) scratch at its largest
+  int64_t reserve_bytes = 0;            // kCudaRuntimeReserveBytes on a device, 0 on the CPU
+  int64_t total() const {
+    return weight_bytes + kv_bytes + workspace_bytes + scratch_bytes + reserve_bytes;
+  }
+  // "weights 3064 MiB + KV 288 MiB (1 x 24576 tokens, fp32) + workspace 58 MiB + scratch 17 MiB
+  //  + runtime reserve 256 MiB = 3683 MiB" (weights "read in place" when none are copied)
+  std::string summary() const;
+};
+
+// The plan of an engine with `options` over weights of `weight_bytes` as resident; `on_device`
+// adds the CUDA backend's scratch and kCudaRuntimeReserveBytes.
+MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
+                       const EngineOptions& options, bool on_device);
+
+// plan_memory within `budget_bytes`: the requested options if they fit; else the requested
+// context with as many sequences as fit; else one sequence with the longest context that fits
+// (a multiple of kContextGranularity). Fails with kResourceExhausted naming the budget and the
+// parts when not even one sequence of min(requested context, kContextGranularity) tokens fits.
+Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t weight_bytes,
+                                     const EngineOptions& requested, bool on_device,
+                                     int64_t budget_bytes);
+
+// The 4-bit copy a device backend keeps of a bf16 table on the int4 grid (the per-layer
+// embedding table of a QAT checkpoint: quant/pack_w4g32.h), or nullopt: not bf16, not on the
+// grid, or `backend` reads host memory (the CPU reads the mapping in place, copying nothing).
+std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& table,
+                                                         const Backend& backend);
+// Whether pack_table_for_device would pack `table` (the same scan, nothing written).
+bool table_packs_on_device(const quant::QMatrix& table, const Backend& backend);
+
+// Bytes `weights` take where a backend reads them (ResidentWeights): 0 when the backend reads
+// host memory; else every matrix once (a tied lm_head is the embedding), the per-layer
+// embedding table in 4 bits when `ple_table_packs`, and the float32 norm vectors.
+int64_t resident_weight_bytes(const model::ModelWeights& weights, bool reads_host_memory,
+                              bool ple_table_packs);
+
+// "3732MiB", "24GiB", "4GB", "512M", "1.5G", "1000000" (bytes): binary units (KiB/MiB/GiB/TiB,
+// and K/M/G/T), decimal kB/MB/GB/TB. A clear error for anything else.
+Expected<int64_t> parse_memory_size(std::string_view text);
+
+}  // namespace gemma4::engine

@@ -1,0 +1,170 @@
+// The memory planner: its KV + workspace + weights must be exactly what an engine asks its
+// backend for (a counting device-like backend), its E2B KV matches the architecture by hand, and
+// fitting a budget keeps what fits, lowers sequences then context, and fails with the numbers.
+#include "engine/memory_plan.h"
+
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+
+#include "engine/cpu_forwarding_backend.h"
+#include "model/presets.h"
+#include "model/synth.h"
+#include "quant/pack_w4g32.h"
+#include "test_support.h"
+
+namespace gemma4::engine {
+namespace {
+
+// The CPU reference posing as a device (weights copied into its buffers), counting every byte
+// the engine allocates.
+class CountingDeviceBackend final : public testing::CpuForwardingBackend {
+ public:
+  explicit CountingDeviceBackend(int64_t* allocated) : allocated_(allocated) {}
+  const char* name() const override { return "counting-device"; }
+  bool reads_host_memory() const override { return false; }
+  Buffer allocate(size_t bytes) override {
+    *allocated_ += static_cast<int64_t>(bytes);
+    return testing::CpuForwardingBackend::allocate(bytes);
+  }
+
+ private:
+  int64_t* allocated_;
+};
+
+model::ModelConfig preset_config(const std::string& name) {
+  auto text = model::preset_text_config(name);
+  EXPECT_TRUE(text.ok());
+  auto config =
+      model::ModelConfig::from_hf_json(model::hf_config_json(*text, model::ConfigLayout::kText));
+  EXPECT_TRUE(config.ok()) << config.error().to_string();
+  return *config;
+}
+
+class PlanVersusEngine : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
+  model::SynthOptions synth;
+  synth.config = GetParam();
+  synth.seed = 5;
+  synth.format = model::SynthFormat::kW4A16;
+  synth.output = testing::scratch_dir("memory_plan_" + GetParam());
+  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
+  auto loaded = model::LoadedModel::open(synth.output);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
+
+  EngineOptions options;
+  options.max_sequences = 3;
+  options.max_context = 100;
+  options.max_pass_tokens = 40;
+  int64_t allocated = 0;
+  auto engine = Gemma4Engine::create(loaded->config, loaded->weights,
+                                     std::make_unique<CountingDeviceBackend>(&allocated), options);
+  ASSERT_TRUE(engine.ok()) << engine.error().to_string();
+
+  const model::ModelWeights& w = loaded->weights;
+  const bool ple_packs = model::present(w.embed_tokens_per_layer) &&
+                         quant::check_w4g32_exact(w.embed_tokens_per_layer).ok();
+  EXPECT_EQ(ple_packs, loaded->config.ple_dim > 0);  // the w4a16 synth's table is on the grid
+  const int64_t weights = resident_weight_bytes(w, /*reads_host_memory=*/false, ple_packs);
+  const MemoryPlan plan = plan_memory(loaded->config, weights, options, /*on_device=*/false);
+  EXPECT_EQ(plan.weight_bytes + plan.kv_bytes + plan.workspace_bytes, allocated) << plan.summary();
+  EXPECT_EQ(plan.total(), allocated);
+  EXPECT_EQ(resident_weight_bytes(w, /*reads_host_memory=*/true, ple_packs), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, PlanVersusEngine, ::testing::Values("tiny", "tiny-moe"),
+                         [](const auto& info) {
+                           std::string name = info.param;
+                           std::replace(name.begin(), name.end(), '-', '_');
+                           return name;
+                         });
+
+TEST(MemoryPlan, E2bKvCacheByHand) {
+  // E2B (gemma4-architecture.md 1.1): 35 layers, the last 20 KV-shared, so layers 0..14 own
+  // K/V; full attention on layers 4, 9, 14 (1 KV head x 512), sliding on the other 12 (1 x 256,
+  // window 512). fp32 K and V plus one int32 slot position per slot.
+  const model::ModelConfig config = preset_config("e2b");
+  EngineOptions options;
+  options.max_sequences = 1;
+  options.max_context = 131072;
+  options.ring_history = 32;
+  const MemoryPlan plan = plan_memory(config, 0, options, /*on_device=*/false);
+  const int64_t full_per_token = 3 * (2 * 4 * 512 + 4);
+  const int64_t sliding = 12 * (512 + 32) * (2 * 4 * 256 + 4);
+  EXPECT_EQ(plan.kv_full_bytes_per_token, full_per_token);
+  EXPECT_EQ(plan.kv_bytes, 131072 * full_per_token + sliding);
+  EXPECT_EQ(plan.scratch_bytes, 0);
+  EXPECT_EQ(plan.reserve_bytes, 0);
+  // A context beyond the model's is clipped to it.
+  options.max_context = 1 << 20;
+  EXPECT_EQ(plan_memory(config, 0, options, false).options.max_context, 131072);
+  std::printf("[ plan     ] e2b, 1 x 131072, fp32 KV: %s\n", plan.summary().c_str());
+}
+
+TEST(MemoryPlan, OnDeviceAddsScratchAndTheRuntimeReserve) {
+  const model::ModelConfig config = preset_config("e2b");
+  const MemoryPlan host = plan_memory(config, 1000, {}, false);
+  const MemoryPlan device = plan_memory(config, 1000, {}, true);
+  EXPECT_EQ(device.reserve_bytes, kCudaRuntimeReserveBytes);
+  EXPECT_GT(device.scratch_bytes, 0);
+  EXPECT_EQ(device.total(), host.total() + device.scratch_bytes + kCudaRuntimeReserveBytes);
+}
+
+TEST(FitMemoryPlan, KeepsWhatFitsThenLowersSequencesThenContext) {
+  const model::ModelConfig config = preset_config("e2b");
+  const int64_t weights = int64_t{3000} << 20;
+  EngineOptions requested;
+  requested.max_sequences = 4;
+  requested.max_context = 32768;
+  const MemoryPlan wanted = plan_memory(config, weights, requested, true);
+
+  auto exact = fit_memory_plan(config, weights, requested, true, wanted.total());
+  ASSERT_TRUE(exact.ok());
+  EXPECT_EQ(exact->options.max_sequences, 4);
+  EXPECT_EQ(exact->options.max_context, 32768);
+
+  // One byte short: three sequences of the requested context.
+  auto fewer = fit_memory_plan(config, weights, requested, true, wanted.total() - 1);
+  ASSERT_TRUE(fewer.ok());
+  EXPECT_EQ(fewer->options.max_sequences, 3);
+  EXPECT_EQ(fewer->options.max_context, 32768);
+
+  // Room for one sequence of about 10,000 tokens: a multiple of 256 that fits, the next not.
+  EngineOptions one = requested;
+  one.max_sequences = 1;
+  one.max_context = 10000;
+  const int64_t budget = plan_memory(config, weights, one, true).total();
+  auto shorter = fit_memory_plan(config, weights, requested, true, budget);
+  ASSERT_TRUE(shorter.ok());
+  EXPECT_EQ(shorter->options.max_sequences, 1);
+  EXPECT_EQ(shorter->options.max_context, 9984);  // 39 x 256
+  EXPECT_LE(shorter->total(), budget);
+  one.max_context = 9984 + 256;
+  EXPECT_GT(plan_memory(config, weights, one, true).total(), budget);
+}
+
+TEST(FitMemoryPlan, FailsWithTheNumbersWhenNothingFits) {
+  const model::ModelConfig config = preset_config("e2b");
+  auto fit = fit_memory_plan(config, int64_t{3064} << 20, {}, true, int64_t{3000} << 20);
+  ASSERT_FALSE(fit.ok());
+  EXPECT_EQ(fit.error().code, ErrorCode::kResourceExhausted);
+  EXPECT_NE(fit.error().message.find("3000 MiB"), std::string::npos) << fit.error().message;
+  EXPECT_NE(fit.error().message.find("weights 3064 MiB"), std::string::npos) << fit.error().message;
+}
+
+TEST(ParseMemorySize, UnitsAndErrors) {
+  EXPECT_EQ(*parse_memory_size("3732MiB"), int64_t{3732} << 20);
+  EXPECT_EQ(*parse_memory_size("24GiB"), int64_t{24} << 30);
+  EXPECT_EQ(*parse_memory_size("24gib"), int64_t{24} << 30);
+  EXPECT_EQ(*parse_memory_size("512M"), int64_t{512} << 20);
+  EXPECT_EQ(*parse_memory_size("1.5G"), int64_t{3} << 29);
+  EXPECT_EQ(*parse_memory_size("4GB"), int64_t{4000000000});
+  EXPECT_EQ(*parse_memory_size("1000000"), 1000000);
+  for (const char* bad : {"", "MiB", "12XB", "-1GiB", "0", "1..5G", "3732 MiB", "1e9"})
+    EXPECT_FALSE(parse_memory_size(bad).ok()) << bad;
+}
+
+}  // namespace
+}  // namespace gemma4::engine
