@@ -41,10 +41,14 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // What padding between strided rows holds: an operation must leave it alone.
 constexpr float kPadding = 7.25f;
 
+// This file checks the fp32 kernels at fp32 tolerance, so passes of more than 16 rows stay on
+// them (set_fp32_prefill); prefill_test.cpp checks the bf16 tensor-core prefill paths.
 std::unique_ptr<engine::Backend> make_gpu() {
   auto made = make_cuda_backend();
   EXPECT_TRUE(made.ok()) << made.error().to_string();
-  return made.ok() ? std::move(*made) : nullptr;
+  if (!made.ok()) return nullptr;
+  static_cast<CudaBackend&>(**made).set_fp32_prefill(true);
+  return std::move(*made);
 }
 
 // The same bytes on the host (for the CPU backend) and in a CUDA backend buffer.
@@ -678,10 +682,9 @@ model::LoadedModel synthesize(const std::string& config, uint64_t seed, model::S
 
 std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m,
                                                   const engine::EngineOptions& options) {
-  auto backend = make_cuda_backend();
-  EXPECT_TRUE(backend.ok()) << backend.error().to_string();
-  if (!backend.ok()) return nullptr;
-  auto engine = engine::Gemma4Engine::create(m.config, m.weights, std::move(*backend), options);
+  auto backend = make_gpu();
+  if (backend == nullptr) return nullptr;
+  auto engine = engine::Gemma4Engine::create(m.config, m.weights, std::move(backend), options);
   EXPECT_TRUE(engine.ok()) << engine.error().to_string();
   return engine.ok() ? std::move(*engine) : nullptr;
 }

@@ -11,6 +11,8 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/prefill_kernels.h"
+#include "backend/cuda/prefill_matmul.h"
 #include "quant/qmatrix.h"
 
 namespace gemma4::cuda {
@@ -61,6 +63,8 @@ CudaBackend::~CudaBackend() {
     cudaFree(s->data);
   }
   for (const Scratch& s : retired_scratch_) cudaFree(s.data);
+  cublas_.reset();  // before its stream goes
+  for (Scratch* s : {&prefill_activations_, &prefill_weights_}) cudaFree(s->data);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -250,6 +254,11 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
+  if (MatrixView weights; tensor_core_rows(x.count) && matrix_view(w, weights) &&
+                          tensor_core_matmul_accepts(weights, view(x), view(y))) {
+    tensor_core_matmul(weights, view(x), view(y));
+    return;
+  }
   if (packed_gemv(w, x, {y.data, y.stride}, "matmul (gemv)")) return;
   MatrixView weights;
   if (!matrix_view(w, weights)) {
@@ -345,6 +354,14 @@ void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
                             float scale, Rows out) {
   if (q.count == 0) return;
+  if (tensor_core_rows(q.count)) {
+    const cudaError_t status =
+        prefill_attention(view(q), positions, slots(kv), window, scale, view(out), launch());
+    if (status != cudaErrorInvalidValue) {  // else a shape it does not take: the kernels below
+      launched(status, "attention (prefill)");
+      return;
+    }
+  }
   // One decode query: the split-K decode kernel (head_dim 256/512, aligned
   // rows). It rejects other shapes before enqueuing anything; those, and
   // prefill chunks, take the generic kernel.

@@ -12,6 +12,8 @@
 //  * rms_norm, gelu_tanh_mul: elementwise.h; attention: decode_attention (attention.h) for one
 //    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
 //  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
+//  * prefill passes (more than kTensorCoreMaxGemvRows = 16 rows): matmul and attention on bf16
+//    tensor cores (prefill_matmul.h, prefill_kernels.h), unless set_fp32_prefill(true).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -30,6 +32,10 @@
 namespace gemma4::cuda {
 
 struct GemvOutput;  // gemv.h
+
+class CublasContext;  // prefill_matmul.h
+struct MatrixView;    // backend_kernels.h
+struct RowsView;      // elementwise.h
 
 class CudaBackend final : public engine::Backend {
  public:
@@ -90,6 +96,11 @@ class CudaBackend final : public engine::Backend {
 
   cudaStream_t stream() const { return stream_; }
 
+  // Passes of more than kTensorCoreMaxGemvRows rows (prefill) run matmul and attention on bf16
+  // tensor cores with fp32 sums. fp32 = true keeps them on the fp32 kernels (much slower), for
+  // tests that compare whole passes with the fp32 CPU reference at fp32 tolerance.
+  void set_fp32_prefill(bool fp32) { fp32_prefill_ = fp32; }
+
  private:
   // Device scratch that grows on demand (synchronizing first: kernels may still read it; and
   // never freed while recorded graphs may read it, see retired_scratch_).
@@ -106,6 +117,11 @@ class CudaBackend final : public engine::Backend {
   // check() for a kernel wrapper that enqueued `kernels` kernels when it succeeded.
   void launched(cudaError_t status, const char* what, int kernels = 1);
   void fail(ErrorCode code, std::string message);
+  // Whether a pass of `rows` rows takes the tensor-core paths (prefill_matmul.h).
+  bool tensor_core_rows(int64_t rows) const;
+  // y = x · Wᵀ on tensor cores (prefill_matmul.cpp); the operands as
+  // tensor_core_matmul_accepts takes them.
+  void tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y);
   // y = epilogue(x · Wᵀ) through the packed GEMV, 64 rows per launch (out: row 0's output).
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
@@ -125,6 +141,10 @@ class CudaBackend final : public engine::Backend {
   std::vector<Scratch> retired_scratch_;
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
+  bool fp32_prefill_ = false;
+  std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
+  Scratch prefill_activations_;            // its bf16 activations
+  Scratch prefill_weights_;                // its bf16 weight tile
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.
