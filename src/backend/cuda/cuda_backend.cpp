@@ -9,6 +9,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/elementwise.h"
+#include "backend/cuda/fused_ops.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/prefill_kernels.h"
@@ -32,10 +33,21 @@ namespace {
 
 // The packed GEMV handles up to this many activation rows per launch.
 constexpr int64_t kMaxGemvRows = 64;
-// decode_attention: cached keys per split block (more splits for deeper
-// caches).
+// decode_attention: cached keys per split block (more splits for deeper caches).
 constexpr int64_t kKeysPerSplit = 256;
 constexpr int kMaxAttentionSplits = 1024;
+// A decode batch's splits stop at about this many attention blocks (sequences · kv heads ·
+// splits): a batch fills the GPU with fewer splits each, and the partials stay small.
+constexpr int64_t kMaxAttentionBlocks = 2048;
+
+// Splits for caches of up to `slots` slots: chosen by capacity, since one recording replays at
+// every depth (the kernel leaves the splits a shallow cache does not need after reading the
+// query position).
+int attention_splits(int64_t slots, int64_t sequences, int kv_heads) {
+  const int64_t budget = std::max<int64_t>(1, kMaxAttentionBlocks / (sequences * kv_heads));
+  return static_cast<int>(std::clamp<int64_t>((slots + kKeysPerSplit - 1) / kKeysPerSplit, 1,
+                                              std::min<int64_t>(kMaxAttentionSplits, budget)));
+}
 
 RowsView view(const Rows& r) {
   return {r.data, r.count, r.width, r.stride};
@@ -75,8 +87,7 @@ void CudaBackend::fail(ErrorCode code, std::string message) {
 void CudaBackend::check(cudaError_t status, const char* what) {
   if (status == cudaSuccess) return;
   if (status == cudaErrorInvalidValue) {
-    // Our own kernels' argument checks: a shape, format or alignment they do
-    // not take.
+    // Our own kernels' argument checks: a shape, format or alignment they do not take.
     fail(ErrorCode::kInternal,
          fmt::format("CUDA backend: {}: arguments rejected (shape, format or alignment)", what));
   } else {
@@ -133,8 +144,7 @@ engine::Buffer CudaBackend::allocate(size_t bytes) {
 }
 
 void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
-  // From pageable memory the copy returns once `src` is staged: the caller may
-  // reuse it.
+  // From pageable memory the copy returns once `src` is staged: the caller may reuse it.
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch().stream), "upload");
 }
 
@@ -145,8 +155,7 @@ void CudaBackend::download(void* dst, const void* src, size_t bytes) {
 
 namespace {
 
-// An instantiated graph and how many kernels it launches (kernels_launched
-// counts replays).
+// An instantiated graph and how many kernels it launches (kernels_launched counts replays).
 class CudaGraph final : public engine::RecordedWork {
  public:
   CudaGraph(cudaGraphExec_t exec, int64_t kernels) : exec_(exec), kernels_(kernels) {}
@@ -195,8 +204,8 @@ void CudaBackend::replay(engine::RecordedWork& work) {
 
 namespace {
 
-// quant::QMatrix → the generic kernels' view (embedding, the fallback matmul);
-// false for a format with no CUDA kernel.
+// quant::QMatrix → the generic kernels' view (embedding, the fallback matmul); false for a
+// format with no CUDA kernel.
 bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
   switch (m.format) {
     case WeightFormat::kF32:
@@ -235,9 +244,8 @@ void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float s
 
 bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput& out,
                               const char* what) {
-  // The GEMV rejects what it has no kernel for (fp32 weights, K % 32 != 0,
-  // unaligned rows) before enqueuing anything; every slice has the first one's
-  // shape and alignment.
+  // The GEMV rejects what it has no kernel for (fp32 weights, K % 32 != 0, unaligned rows)
+  // before enqueuing anything; every slice has the first one's shape and alignment.
   for (int64_t done = 0; done < x.count; done += kMaxGemvRows) {
     const int64_t rows = std::min(kMaxGemvRows, x.count - done);
     const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride};
@@ -269,9 +277,8 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
   launched(matmul_rows(weights, view(x), view(y), launch()), "matmul");
 }
 
-// Decode-sized passes (up to 64 rows): one GEMV with the gating in its
-// epilogue. Larger passes (matmul's prefill path) and weights or rows the GEMV
-// does not take: matmul, then the gating.
+// Decode-sized passes (up to 64 rows): one GEMV with the gating in its epilogue. Larger passes
+// (matmul's prefill path) and weights or rows the GEMV does not take: matmul, then the gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
   if (x.count == 0) return;
   const GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data,
@@ -299,22 +306,27 @@ void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, flo
            "rms_norm");
 }
 
-void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
-                       const model::RopeParams& rope) {
-  if (x.count == 0) return;
+const float* CudaBackend::rope_table(const model::RopeParams& rope, int head_dim) {
   const auto key =
       std::make_tuple(rope.theta, rope.rotated_pairs, rope.exponent_denominator, head_dim);
   auto table = rope_tables_.find(key);
   if (table == rope_tables_.end()) {
-    // Once per (rope, head_dim): a static device table, so graphs can capture
-    // the kernel.
+    // Once per (rope, head_dim): a static device table, so graphs can capture the kernels.
     const std::vector<float> inv_freq = engine::rope_inverse_frequencies(rope, head_dim);
     engine::Buffer buffer = allocate(sizeof(float) * inv_freq.size());
-    if (buffer.data() == nullptr) return;
+    if (buffer.data() == nullptr) return nullptr;
     upload(buffer.data(), inv_freq.data(), sizeof(float) * inv_freq.size());
     table = rope_tables_.emplace(key, std::move(buffer)).first;
   }
-  launched(rope_rows(view(x), head_dim, positions, table->second.floats(), launch()), "rope");
+  return table->second.floats();
+}
+
+void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
+                       const model::RopeParams& rope) {
+  if (x.count == 0) return;
+  const float* inv_freq = rope_table(rope, head_dim);
+  if (inv_freq == nullptr) return;
+  launched(rope_rows(view(x), head_dim, positions, inv_freq, launch()), "rope");
 }
 
 void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
@@ -362,13 +374,11 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
       return;
     }
   }
-  // One decode query: the split-K decode kernel (head_dim 256/512, aligned
-  // rows). It rejects other shapes before enqueuing anything; those, and
-  // prefill chunks, take the generic kernel.
+  // One decode query: the split-K decode kernel (head_dim 256/512, aligned rows). It rejects
+  // other shapes before enqueuing anything; those, and prefill chunks, take the generic kernel.
   if (q.count == 1 && aligned16(q.data) && kv.head_dim > 0 && q.width % kv.head_dim == 0) {
     const int q_heads = static_cast<int>(q.width / kv.head_dim);
-    const int splits = static_cast<int>(std::clamp<int64_t>(
-        (kv.slots + kKeysPerSplit - 1) / kKeysPerSplit, 1, kMaxAttentionSplits));
+    const int splits = attention_splits(kv.slots, 1, kv.kv_heads);
     float* partials = nullptr;
     if (splits > 1) {
       partials = static_cast<float*>(
@@ -388,8 +398,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
                                                 {partials, splits}, splits, launch());
     if (status != cudaErrorInvalidValue) {
-      launched(status, "attention (decode)",
-               splits > 1 ? 2 : 1);  // + the split merge
+      launched(status, "attention (decode)", splits > 1 ? 2 : 1);  // + the split merge
       return;
     }
   }
@@ -411,8 +420,8 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
                               Rows out) {
   if (out.count == 0) return;
   const Launch on_stream = launch();  // the device is current before the table is made
-  // The grouped MoE kernels (moe.h): no host round-trip; the layer's descriptor
-  // table is uploaded on its first call and reused after.
+  // The grouped MoE kernels (moe.h): no host round-trip; the layer's descriptor table is
+  // uploaded on its first call and reused after.
   std::string why;
   const MoeExpertTable* table = cached_expert_table(experts, &why);
   if (table == nullptr) {
@@ -425,6 +434,119 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
   launched(cuda::run_experts(*table, x.data, x.stride, tokens, top_k, expert_ids, weights, out.data,
                              out.stride, workspace, on_stream),
            "run_experts", run_experts_kernel_count(tokens));
+}
+
+void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
+                               const float* next_weight, Rows next,
+                               const engine::NormParams& norm) {
+  if (acc.count == 0) return;
+  AddNormSpec spec;
+  spec.weight = weight;
+  spec.next_weight = next_weight;
+  spec.weight_offset = norm.weight_offset;
+  spec.eps = norm.eps;
+  spec.scalar = scalar;
+  launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
+}
+
+void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
+                                    const float* k_norm, bool norm_v, int head_dim,
+                                    const int32_t* positions, const model::RopeParams& rope,
+                                    std::span<const engine::SequenceRows> sequences,
+                                    const engine::NormParams& norm) {
+  if (q.count == 0) return;
+  const float* inv_freq = rope_table(rope, head_dim);
+  if (inv_freq == nullptr) return;
+  std::vector<SequenceKv> stored;
+  if (k.data != nullptr) {
+    stored.reserve(sequences.size());
+    for (const engine::SequenceRows& s : sequences) {
+      if (s.kv.head_dim != head_dim || int64_t{s.kv.kv_heads} * s.kv.head_dim != k.width) {
+        fail(ErrorCode::kInvalidArgument,
+             fmt::format("CUDA backend: prepare_attention: a KV cache of {} x {} for k rows of {}",
+                         s.kv.kv_heads, s.kv.head_dim, k.width));
+        return;
+      }
+      stored.push_back({s.kv.keys, s.kv.values, s.kv.slot_positions, s.kv.slots,
+                        static_cast<int32_t>(s.first_row), static_cast<int32_t>(s.count)});
+    }
+  }
+  AttentionInputs inputs;
+  inputs.q = view(q);
+  if (k.data != nullptr) {
+    inputs.k = view(k);
+    inputs.v = view(v);
+  }
+  inputs.q_norm = q_norm;
+  inputs.k_norm = k_norm;
+  inputs.norm_v = norm_v;
+  inputs.head_dim = head_dim;
+  inputs.weight_offset = norm.weight_offset;
+  inputs.eps = norm.eps;
+  inputs.positions = positions;
+  inputs.inv_freq = inv_freq;
+  launched(cuda::prepare_attention(inputs, stored, launch()), "prepare_attention",
+           prepare_attention_launches(static_cast<int>(stored.size())));
+}
+
+void CudaBackend::attention_rows(Rows q, const int32_t* positions,
+                                 std::span<const engine::SequenceRows> sequences, int window,
+                                 float scale, Rows out) {
+  const bool decode =
+      !sequences.empty() &&
+      std::all_of(sequences.begin(), sequences.end(), [&](const engine::SequenceRows& s) {
+        return s.count == 1 && s.kv.head_dim == sequences[0].kv.head_dim &&
+               s.kv.kv_heads == sequences[0].kv.kv_heads;
+      });
+  const int head_dim = decode ? sequences[0].kv.head_dim : 0;
+  if (!decode || head_dim <= 0 || q.width % head_dim != 0) {
+    Backend::attention_rows(q, positions, sequences, window, scale, out);
+    return;
+  }
+  const int kv_heads = sequences[0].kv.kv_heads;
+  const int q_heads = static_cast<int>(q.width / head_dim);
+  const int64_t batch =
+      std::min<int64_t>(std::ssize(sequences), int64_t{kMaxBatchedSequences});  // per launch
+  int64_t max_slots = 1;
+  for (const engine::SequenceRows& s : sequences) max_slots = std::max(max_slots, s.kv.slots);
+  const int splits = attention_splits(max_slots, batch, kv_heads);
+  float* partials = nullptr;
+  if (splits > 1) {
+    partials = static_cast<float*>(scratch(
+        attention_partials_, sizeof(float) * attention_partials_floats(static_cast<int>(batch),
+                                                                       q_heads, head_dim, splits)));
+    if (partials == nullptr) return;
+  }
+  // Chunks run in stream order, so they share the partials.
+  for (size_t first = 0; first < sequences.size(); first += kMaxBatchedSequences) {
+    const auto chunk =
+        sequences.subspan(first, std::min<size_t>(kMaxBatchedSequences, sequences.size() - first));
+    SequenceKvTable table;
+    table.count = static_cast<int>(chunk.size());
+    for (size_t b = 0; b < chunk.size(); ++b) {
+      const engine::SequenceRows& s = chunk[b];
+      table.entries[b] = {s.kv.keys,
+                          s.kv.values,
+                          s.kv.slot_positions,
+                          s.kv.slots,
+                          static_cast<int32_t>(s.first_row),
+                          1};
+    }
+    KvCacheView cache;
+    cache.type = KvType::kF32;
+    cache.kv_heads = kv_heads;
+    cache.head_dim = head_dim;
+    cache.sequences = &table;
+    const AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
+    const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
+                                                {partials, splits}, splits, launch());
+    if (status == cudaErrorInvalidValue) {
+      // A shape the decode kernel does not take (checked before anything is enqueued).
+      Backend::attention_rows(q, positions, sequences.subspan(first), window, scale, out);
+      return;
+    }
+    launched(status, "attention_rows (decode)", splits > 1 ? 2 : 1);  // + the split merge
+  }
 }
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device, bool pdl) {

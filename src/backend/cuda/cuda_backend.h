@@ -87,6 +87,22 @@ class CudaBackend final : public engine::Backend {
                    const int32_t* expert_ids, const float* weights, int top_k,
                    engine::Rows out) override;
 
+  // Fused decode operations (fused_ops.h, elementwise.h, attention.h): one kernel each, the
+  // sequences of a pass passed in the kernel parameters (attention.h: SequenceKvTable).
+  void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
+                    const float* next_weight, engine::Rows next,
+                    const engine::NormParams& norm) override;
+  void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
+                         const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
+                         const model::RopeParams& rope,
+                         std::span<const engine::SequenceRows> sequences,
+                         const engine::NormParams& norm) override;
+  // A decode batch (every sequence one row) in one decode_attention launch (+ the split merge)
+  // per kMaxBatchedSequences sequences; anything else as the default, per sequence.
+  void attention_rows(engine::Rows q, const int32_t* positions,
+                      std::span<const engine::SequenceRows> sequences, int window, float scale,
+                      engine::Rows out) override;
+
   // Up to 64 rows: the GEMV with GELU gating in its epilogue (gemv.h), one kernel. Larger passes,
   // and weights or rows the GEMV does not take: matmul, then the gating (one more kernel).
   void matmul_gelu_mul(const quant::QMatrix& w, engine::Rows x, engine::Rows multiplier,
@@ -126,6 +142,8 @@ class CudaBackend final : public engine::Backend {
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
                    const char* what);
+  // The device inv_freq table of (rope, head_dim), uploaded on first use; null on failure.
+  const float* rope_table(const model::RopeParams& rope, int head_dim);
 
   int device_ = 0;
   bool pdl_ = true;
