@@ -277,13 +277,14 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
   launched(matmul_rows(weights, view(x), view(y), launch()), "matmul");
 }
 
-// Decode-sized passes (up to 64 rows): one GEMV with the gating in its epilogue. Larger passes
-// (matmul's prefill path) and weights or rows the GEMV does not take: matmul, then the gating.
+// Where matmul would take the GEMV (decode passes, fp32 prefill), the gating rides in its
+// epilogue. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
+// gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
   if (x.count == 0) return;
   const GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data,
                             multiplier.stride};
-  if (x.count > kMaxGemvRows || !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
+  if (tensor_core_rows(x.count) || !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
   }
 }
@@ -291,7 +292,7 @@ void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multipli
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
   const GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
-  if (x.count <= kMaxGemvRows && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) return;
+  if (!tensor_core_rows(x.count) && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) return;
   auto* products = static_cast<float*>(
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;

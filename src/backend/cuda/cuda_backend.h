@@ -103,8 +103,9 @@ class CudaBackend final : public engine::Backend {
                       std::span<const engine::SequenceRows> sequences, int window, float scale,
                       engine::Rows out) override;
 
-  // Up to 64 rows: the GEMV with GELU gating in its epilogue (gemv.h), one kernel. Larger passes,
-  // and weights or rows the GEMV does not take: matmul, then the gating (one more kernel).
+  // Where matmul takes the GEMV: the GEMV with GELU gating in its epilogue (gemv.h), one kernel
+  // per 64 rows. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
+  // gating (one more kernel).
   void matmul_gelu_mul(const quant::QMatrix& w, engine::Rows x, engine::Rows multiplier,
                        engine::Rows y) override;
   bool fuses_gate_up() const override { return true; }
