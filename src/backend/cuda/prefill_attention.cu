@@ -94,6 +94,9 @@ template <int HD>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs a) {
   using L = Layout<HD>;
   constexpr int kRows = L::kRows, kKeys = L::kKeys;
+  constexpr int kVectorsPerThread = kKeys * (HD / 4) / kThreads;  // float4s of a K (V) tile
+  constexpr int kLoadBatch = 8;
+  static_assert(kKeys * (HD / 4) % kThreads == 0 && kVectorsPerThread % kLoadBatch == 0);
   pdl_trigger_dependents();
   extern __shared__ __align__(128) unsigned char shared[];
   bf16* q_tile = reinterpret_cast<bf16*>(shared + L::kQ);
@@ -162,22 +165,33 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
     }
     if (!__syncthreads_or(wanted)) continue;
 
-    // 2. K and V → bf16 (16-byte loads: a head's row is HD contiguous floats).
-    for (int i = threadIdx.x; i < kKeys * (HD / 4); i += kThreads) {
-      const int key = i / (HD / 4);
-      const int d = (i % (HD / 4)) * 4;
-      float4 k = make_float4(0.0f, 0.0f, 0.0f, 0.0f), v = k;
-      if (key_position[key] >= 0) {
-        const int64_t offset = (first_slot + key) * kv_width + d;
-        k = *reinterpret_cast<const float4*>(keys + offset);
-        v = *reinterpret_cast<const float4*>(values + offset);
+    // 2. K and V → bf16 (16-byte loads: a head's row is HD contiguous floats). Each thread
+    // issues kLoadBatch loads of K and of V before converting any, so a tile costs a few memory
+    // round trips, not one per vector.
+    for (int first = 0; first < kVectorsPerThread; first += kLoadBatch) {
+      float4 k[kLoadBatch], v[kLoadBatch];
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int i = threadIdx.x + (first + j) * kThreads;
+        const int key = i / (HD / 4);
+        k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (key_position[key] >= 0) {
+          const int64_t offset = (first_slot + key) * kv_width + (i % (HD / 4)) * 4;
+          k[j] = __ldg(reinterpret_cast<const float4*>(keys + offset));
+          v[j] = __ldg(reinterpret_cast<const float4*>(values + offset));
+        }
       }
-      __nv_bfloat162* k_out = reinterpret_cast<__nv_bfloat162*>(k_tile + key * L::kLdQ + d);
-      __nv_bfloat162* v_out = reinterpret_cast<__nv_bfloat162*>(v_tile + key * L::kLdQ + d);
-      k_out[0] = __floats2bfloat162_rn(k.x, k.y);
-      k_out[1] = __floats2bfloat162_rn(k.z, k.w);
-      v_out[0] = __floats2bfloat162_rn(v.x, v.y);
-      v_out[1] = __floats2bfloat162_rn(v.z, v.w);
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int i = threadIdx.x + (first + j) * kThreads;
+        const int at = i / (HD / 4) * L::kLdQ + (i % (HD / 4)) * 4;
+        __nv_bfloat162* k_out = reinterpret_cast<__nv_bfloat162*>(k_tile + at);
+        __nv_bfloat162* v_out = reinterpret_cast<__nv_bfloat162*>(v_tile + at);
+        k_out[0] = __floats2bfloat162_rn(k[j].x, k[j].y);
+        k_out[1] = __floats2bfloat162_rn(k[j].z, k[j].w);
+        v_out[0] = __floats2bfloat162_rn(v[j].x, v[j].y);
+        v_out[1] = __floats2bfloat162_rn(v[j].z, v[j].w);
+      }
     }
     __syncthreads();
 
