@@ -378,5 +378,96 @@ INSTANTIATE_TEST_SUITE_P(
         AttentionCase{"hd128_generic_fallback_33", 128, 4, 2, 64, 0, 10, 33}),
     [](const auto& info) { return std::string(info.param.name); });
 
+// ---------------------------------------------------------------------------------------------
+// Timings at E2B's shapes, for the GPU machine (not a check; run with
+// --gtest_also_run_disabled_tests --gtest_filter='PrefillTiming.*'): the tensor-core matmul of
+// each layer matrix (W4A16, bf16 scales) and prefill attention of a 512-query pass late in a
+// 4096-token prompt, median of 5 runs after a warm-up.
+
+// Milliseconds `enqueue` takes on the backend's stream.
+template <typename Enqueue>
+double median_ms(engine::Backend& gpu, Enqueue enqueue) {
+  cudaStream_t stream = static_cast<CudaBackend&>(gpu).stream();
+  cudaEvent_t start, stop;
+  cudaEventCreate(&start);
+  cudaEventCreate(&stop);
+  enqueue();  // warm-up: cuBLAS handle, scratch
+  std::vector<double> runs;
+  for (int i = 0; i < 5; ++i) {
+    cudaEventRecord(start, stream);
+    enqueue();
+    cudaEventRecord(stop, stream);
+    cudaEventSynchronize(stop);
+    float ms = 0.0f;
+    cudaEventElapsedTime(&ms, start, stop);
+    runs.push_back(ms);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(runs.begin(), runs.end());
+  return runs[runs.size() / 2];
+}
+
+TEST(PrefillTiming, DISABLED_E2BShapes) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  struct Shape {
+    const char* name;
+    int64_t rows, cols;
+  };
+  const Shape shapes[] = {{"qkv", 2560, 1536},
+                          {"o_proj", 1536, 2048},
+                          {"gate_up", 12288, 1536},
+                          {"down", 1536, 6144},
+                          {"lm_head", 262144, 1536}};
+  // x and y as large as the largest case: 4096 rows of K 6144 in, of N 12288 out.
+  DeviceArray<float> x(size_t{4096} * 6144), y(size_t{4096} * 12288);
+  CUDA_ASSERT_OK(cudaMemset(x.get(), 0, size_t{4096} * 6144 * sizeof(float)));
+  for (const Shape& shape : shapes) {
+    const testing::DeviceMatrix w(
+        testing::random_matrix(WeightFormat::kW4G32, shape.rows, shape.cols, 1));
+    // The lm_head sees one row per sequence (a 64-sequence batch); layers see whole passes.
+    for (const int64_t tokens :
+         shape.rows > 12288 ? std::vector<int64_t>{64} : std::vector<int64_t>{512, 4096}) {
+      const Rows xs{x.get(), tokens, shape.cols, shape.cols};
+      const Rows ys{y.get(), tokens, shape.rows, shape.rows};
+      const double ms = median_ms(*gpu, [&] { gpu->matmul(w.view, xs, ys); });
+      std::printf(
+          "[ prefill timing ] matmul %-8s %6lld x %5lld, %4lld rows: %8.3f ms, %6.1f TFLOP/s\n",
+          shape.name, static_cast<long long>(shape.rows), static_cast<long long>(shape.cols),
+          static_cast<long long>(tokens), ms,
+          2e-9 * static_cast<double>(shape.rows * shape.cols * tokens) / ms);
+    }
+  }
+  // attention: 8 q heads on 1 kv head, queries 3584..4095 against a sliding ring (window 512,
+  // 1023 slots) or a full cache (4096 slots).
+  struct Layer {
+    const char* name;
+    int head_dim, window;
+    int64_t slots;
+  };
+  for (const Layer& layer : {Layer{"sliding", 256, 512, 1023}, Layer{"full", 512, 0, 4096}}) {
+    const int64_t queries = 512, width = 8 * layer.head_dim;
+    std::vector<int32_t> slot_positions(layer.slots), query_positions(queries);
+    for (int32_t p = 0; p < 4096; ++p) slot_positions[p % layer.slots] = p;
+    for (int64_t t = 0; t < queries; ++t) query_positions[t] = static_cast<int32_t>(3584 + t);
+    DeviceArray<float> keys(testing::random_floats(layer.slots * layer.head_dim, -1, 1, 2));
+    DeviceArray<float> values(testing::random_floats(layer.slots * layer.head_dim, -1, 1, 3));
+    DeviceArray<int32_t> slots(slot_positions), positions(query_positions);
+    DeviceArray<float> q(testing::random_floats(queries * width, -1, 1, 4));
+    DeviceArray<float> out(static_cast<size_t>(queries * width));
+    const engine::KvView kv{keys.get(), values.get(), slots.get(), layer.slots, 1, layer.head_dim};
+    const double ms = median_ms(*gpu, [&] {
+      gpu->attention({q.get(), queries, width, width}, positions.get(), kv, layer.window, 0.1f,
+                     {out.get(), queries, width, width});
+    });
+    const double visible = layer.window > 0 ? layer.window : 3584 + queries / 2.0;
+    std::printf(
+        "[ prefill timing ] attention %-7s head_dim %d, 512 queries: %8.3f ms, %6.1f TFLOP/s\n",
+        layer.name, layer.head_dim, ms, 4e-9 * 8 * queries * visible * layer.head_dim / ms);
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
 }  // namespace
 }  // namespace gemma4::cuda
