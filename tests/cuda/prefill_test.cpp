@@ -379,6 +379,45 @@ INSTANTIATE_TEST_SUITE_P(
     [](const auto& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------------------------------------
+// Graphs: the engine records decode steps, and a batch of more than 16 sequences takes the
+// tensor-core matmul (cuBLAS inside a stream capture, on its own workspace). A recorded
+// tensor-core matmul and prefill attention replay bit for bit what plain launches computed.
+
+TEST(PrefillGraph, RecordedPassesReplayBitForBit) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  ASSERT_TRUE(gpu->can_record());
+  const HostMatrix host = testing::random_matrix(WeightFormat::kW4G32, 96, 256, 21);
+  const testing::DeviceMatrix w(host);
+  TwinRows x = random_rows(40, 256, 256, 22);
+  TwinRows plain_y = output_rows(40, 96, 96), recorded_y = output_rows(40, 96, 96);
+
+  const AttentionCase c{"graph", 256, 8, 1, 128, 64, 150, 33};
+  TwinKv kv(c, 23);
+  TwinRows q = random_rows(c.chunk, 8 * 256, 8 * 256, 24);
+  TwinRows plain_out = output_rows(c.chunk, 8 * 256, 8 * 256);
+  TwinRows recorded_out = output_rows(c.chunk, 8 * 256, 8 * 256);
+  std::vector<int32_t> query_positions(c.chunk);
+  for (int64_t t = 0; t < c.chunk; ++t) {
+    query_positions[t] = c.first_position + static_cast<int32_t>(t);
+  }
+  DeviceArray<int32_t> positions(query_positions);
+
+  // Plain first: it also creates what a recording may not (the cuBLAS handle, scratch).
+  gpu->matmul(w.view, x.gpu(), plain_y.gpu());
+  gpu->attention(q.gpu(), positions.get(), kv.gpu(), c.window, 0.0625f, plain_out.gpu());
+  auto work = gpu->record([&] {
+    gpu->matmul(w.view, x.gpu(), recorded_y.gpu());
+    gpu->attention(q.gpu(), positions.get(), kv.gpu(), c.window, 0.0625f, recorded_out.gpu());
+  });
+  ASSERT_TRUE(work) << (gpu->status().ok() ? "" : gpu->status().error().to_string());
+  gpu->replay(*work);
+  EXPECT_EQ(recorded_y.gpu_values(), plain_y.gpu_values());
+  EXPECT_EQ(recorded_out.gpu_values(), plain_out.gpu_values());
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// ---------------------------------------------------------------------------------------------
 // Timings at E2B's shapes, for the GPU machine (not a check; run with
 // --gtest_also_run_disabled_tests --gtest_filter='PrefillTiming.*'): the tensor-core matmul of
 // each layer matrix (W4A16, bf16 scales) and prefill attention of a 512-query pass late in a
