@@ -1,10 +1,13 @@
 // MoE layer benchmark (26B-A4B shapes: hidden 2816, moe_intermediate 704, 128 experts, top-8):
-// router + grouped experts per layer, chained over distinct expert tables (so the selected
-// experts come from DRAM, as successive layers' do), captured in a CUDA graph and replayed,
-// plain launches and PDL. Reports µs per layer and the GB/s of expert bytes the layer reads
-// (each distinct selected expert once).
+// router + experts per layer for 1, 8, 32, 128 and 512 tokens (batch-1 decode, 8 and 32
+// streams, prefill chunks), NVFP4 and w4g32, on each MoE path that may serve that batch
+// (decode below 512 tokens, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
+// these lines show where the crossover really is), chained over distinct expert tables (so the
+// selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
+// replayed, plain launches and PDL. Reports µs per layer, tokens/s of the experts alone and the
+// GB/s of expert bytes the layer reads (each distinct selected expert once).
 //
-// Usage: moe_bench [--quick]
+// Usage: moe_bench [--quick]   (--quick: 1 and 512 tokens, experts only)
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -20,6 +23,7 @@ namespace {
 
 using gemma4::cuda::Launch;
 using gemma4::cuda::MoeExpertTable;
+using gemma4::cuda::MoePath;
 using gemma4::quant::QMatrix;
 using gemma4::quant::ScaleType;
 using gemma4::quant::WeightFormat;
@@ -80,7 +84,6 @@ struct Layer {
   float* logits = nullptr;  // [tokens, kExperts]
   int32_t* ids = nullptr;
   float* weights = nullptr;
-  double distinct_experts = 0;  // mean over the layer's routing
 };
 
 void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
@@ -93,7 +96,10 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   CHECK(cudaMalloc(&scale, kExperts * sizeof(float)));
   CHECK(cudaMalloc(&x, size_t(tokens) * kHidden * sizeof(float)));
   CHECK(cudaMalloc(&out, size_t(tokens) * kHidden * sizeof(float)));
-  CHECK(cudaMalloc(&workspace, gemma4::cuda::moe_workspace_bytes(tables[0].table, tokens, kTopK)));
+  // Room for either path (the grouped layout is the larger).
+  CHECK(cudaMalloc(&workspace, gemma4::cuda::moe_workspace_layout(tables[0].table.shape(), tokens,
+                                                                  kTopK, MoePath::kGrouped)
+                                   .bytes));
   const std::vector<float> ones(kExperts, 1.0f);
   CHECK(cudaMemcpy(scale, ones.data(), kExperts * sizeof(float), cudaMemcpyHostToDevice));
   // Floats with bounded exponents (finite, |v| < 2^-1).
@@ -111,38 +117,49 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
     CHECK(gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK, scale,
                                       layer.ids, layer.weights, Launch{stream, false}));
     std::vector<int32_t> ids(size_t(tokens) * kTopK);
+    // cudaMemcpy runs on the legacy stream, which does not wait for `stream`.
+    CHECK(cudaStreamSynchronize(stream));
     CHECK(cudaMemcpy(ids.data(), layer.ids, ids.size() * sizeof(int32_t), cudaMemcpyDeviceToHost));
     distinct_total += static_cast<double>(std::set<int32_t>(ids.begin(), ids.end()).size());
   }
   const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
 
-  for (int with_router = 0; with_router < 2; ++with_router) {
-    double us[2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
-      const Launch launch = {stream, pdl == 1};
-      us[pdl] = time_chain(
-          kLayers,
-          [&](int l) {
-            const Layer& layer = layers[l];
-            if (with_router) {
-              const cudaError_t status =
-                  gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
-                                              scale, layer.ids, layer.weights, launch);
-              if (status != cudaSuccess) return status;
-            }
-            return gemma4::cuda::run_experts(tables[l % kTables].table, x, kHidden, tokens, kTopK,
-                                             layer.ids, layer.weights, out, kHidden, workspace,
-                                             launch);
-          },
-          stream);
+  for (MoePath path : {MoePath::kDecode, MoePath::kGrouped}) {
+    if ((path == MoePath::kDecode && tokens >= 512) || (path == MoePath::kGrouped && tokens < 8)) {
+      continue;
     }
-    std::printf(
-        "moe %-6s T=%-4d %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f GB/s\n",
-        format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
-        with_router ? "router+experts" : "experts", expert_mb, us[0], us[1],
-        expert_mb / us[1] * 1e3);
-    std::fflush(stdout);
-    if (quick) break;
+    for (int with_router = 0; with_router < 2; ++with_router) {
+      double us[2];
+      for (int pdl = 0; pdl < 2; ++pdl) {
+        const Launch launch = {stream, pdl == 1};
+        us[pdl] = time_chain(
+            kLayers,
+            [&](int l) {
+              const Layer& layer = layers[l];
+              if (with_router) {
+                const cudaError_t status =
+                    gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
+                                                scale, layer.ids, layer.weights, launch);
+                if (status != cudaSuccess) return status;
+              }
+              const MoeExpertTable& table = tables[l % kTables].table;
+              const gemma4::cuda::MoeRunArgs args = {
+                  table.device(), table.shape(), x,   kHidden, tokens,    kTopK,
+                  layer.ids,      layer.weights, out, kHidden, workspace, path};
+              return gemma4::cuda::launch_moe(args, launch);
+            },
+            stream);
+      }
+      std::printf(
+          "moe %-6s T=%-4d %-7s %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
+          "GB/s  %9.0f tok/s/layer\n",
+          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
+          path == MoePath::kDecode ? "decode" : "grouped",
+          with_router ? "router+experts" : "experts", expert_mb, us[0], us[1],
+          expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
+      std::fflush(stdout);
+      if (quick) break;
+    }
   }
 
   for (Layer& layer : layers) {
@@ -169,12 +186,10 @@ int main(int argc, char** argv) {
   std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
               kHidden, kInner, kExperts, kTopK, kLayers);
   for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
-    for (int tokens : {1, 4, 32}) {
-      bench(format, tokens, quick, stream);
-      if (quick) break;
+    for (int tokens : {1, 8, 32, 128, 512}) {
+      if (!quick || tokens == 1 || tokens == 512) bench(format, tokens, quick, stream);
     }
   }
-  if (!quick) bench(WeightFormat::kNVFP4, 512, true, stream);  // a prefill chunk
   CHECK(cudaStreamDestroy(stream));
   return 0;
 }

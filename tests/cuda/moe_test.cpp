@@ -1,7 +1,8 @@
 // MoE kernels (moe.h) against the CPU backend's route_experts / run_experts (the reference every
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
-// expert weight format, router ties.
+// expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
+// grouped tensor-core tiles from there on).
 #include "backend/cuda/moe.h"
 
 #include <cuda_runtime_api.h>
@@ -11,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -32,9 +34,14 @@ using testing::DeviceMatrix;
 using testing::HostMatrix;
 using testing::random_matrix;
 
-// Both sides multiply exactly and accumulate in fp32 (the CPU in double per dot product), so
-// they differ by fp32 rounding only; bf16 rounding (2^-8) is the engine's budget.
+// Decode path: both sides multiply exactly and accumulate in fp32 (the CPU in double per dot
+// product), so they differ by fp32 rounding only; bf16 rounding (2^-8) is the engine's budget.
 constexpr double kTolerance = 1e-3;
+// Grouped path: tokens, activations and w4g32 weights enter the tensor cores as bf16 (relative
+// rounding 2^-9 each). A float64 model of exactly that rounding at 26B-A4B shapes (random
+// w4g32 / NVFP4 experts, x uniform in [-1, 1]) puts the largest error at 0.55-0.62 % of the row's
+// largest magnitude; 2 % leaves room for other seeds while any indexing mistake is O(100 %).
+constexpr double kGroupedTolerance = 2e-2;
 
 constexpr int kHidden = 2816;
 constexpr int kInner = 704;
@@ -115,8 +122,11 @@ Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint3
 }
 
 struct RunOptions {
-  bool strided = false;     // x and out rows wider than hidden
-  bool invalid_id = false;  // one pick outside the table (contributes nothing)
+  bool strided = false;       // x and out rows wider than hidden
+  bool invalid_id = false;    // one pick outside the table (contributes nothing)
+  bool same_experts = false;  // every token picks experts 0 .. top_k-1 (one long slot each)
+  // A path forced through launch_moe (at most kMoeTokensPerPass tokens), else run_experts' own.
+  std::optional<MoePath> path = std::nullopt;
 };
 
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
@@ -125,14 +135,21 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
                RunOptions options = {}) {
   const auto num_experts = static_cast<int>(set.host_views.size());
   const int64_t hidden = set.host_views[0].gate.cols;
-  SCOPED_TRACE("tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
-               " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
-               (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : ""));
+  SCOPED_TRACE(
+      "tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
+      " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
+      (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
+      (options.same_experts ? " same experts" : "") +
+      (options.path ? options.path == MoePath::kDecode ? " decode path" : " grouped path" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
   Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1);
   // Both kinds of invalid id: negative and one past the table.
+  if (options.same_experts) {
+    for (size_t i = 0; i < routing.ids.size(); ++i)
+      routing.ids[i] = static_cast<int32_t>(i % top_k);
+  }
   if (options.invalid_id) routing.ids[routing.ids.size() / 2] = options.strided ? -1 : num_experts;
 
   std::vector<float> expected(tokens * hidden);
@@ -145,10 +162,20 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
   DeviceArray<int32_t> ids(routing.ids);
   DeviceArray<float> weights(routing.weights);
   DeviceArray<float> out(tokens * out_stride);
-  DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, top_k));
+  const MoePath path = options.path.value_or(moe_path_for(tokens));
+  DeviceArray<uint8_t> workspace(
+      options.path ? moe_workspace_layout(table.shape(), tokens, top_k, path).bytes
+                   : moe_workspace_bytes(table, tokens, top_k));
   ASSERT_TRUE(x_device.ok() && ids.ok() && weights.ok() && out.ok() && workspace.ok());
-  CUDA_ASSERT_OK(run_experts(table, x_device.get(), x_stride, tokens, top_k, ids.get(),
-                             weights.get(), out.get(), out_stride, workspace.get(), Launch{}));
+  if (options.path) {
+    const MoeRunArgs args = {table.device(), table.shape(), x_device.get(),  x_stride,
+                             tokens,         top_k,         ids.get(),       weights.get(),
+                             out.get(),      out_stride,    workspace.get(), path};
+    CUDA_ASSERT_OK(launch_moe(args, Launch{}));
+  } else {
+    CUDA_ASSERT_OK(run_experts(table, x_device.get(), x_stride, tokens, top_k, ids.get(),
+                               weights.get(), out.get(), out_stride, workspace.get(), Launch{}));
+  }
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<float> got_strided = out.download();
 
@@ -165,7 +192,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
       magnitude[t * hidden + j] = row_max;
     }
   }
-  testing::expect_close(got, reference, magnitude, kTolerance, "run_experts");
+  testing::expect_close(got, reference, magnitude,
+                        path == MoePath::kGrouped ? kGroupedTolerance : kTolerance, "run_experts");
 }
 
 void check_router(CpuBackend& cpu, const std::vector<float>& logits, int tokens, int num_experts,
@@ -234,28 +262,29 @@ TEST(MoeRouter, RejectsBadArguments) {
             cudaErrorInvalidValue);
 }
 
-// Decode (one token), small batches and a prefill chunk (grouped by expert) at real shapes.
+// Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes.
 TEST(MoeExperts, RealShapesNvfp4) {
   CpuBackend cpu(0);
   uint32_t seed = 100;
   for (const ExpertFormat& f : {kNvfp4Divisor, kNvfp4Multiplier}) {
     SCOPED_TRACE(f.name);
     const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed);
-    for (int tokens : {1, 4, 64, 80}) check_run(cpu, set, tokens, kTopK, seed++);
+    for (int tokens : {1, 8, 32, kMoeGroupedMinTokens, 200})
+      check_run(cpu, set, tokens, kTopK, seed++);
   }
 }
 
 TEST(MoeExperts, RealShapesW4G32) {
   CpuBackend cpu(0);
   const ExpertSet set = make_experts(kW4G32Bf16, kExperts, kHidden, kInner, 200);
-  for (int tokens : {1, 2, 64}) check_run(cpu, set, tokens, kTopK, 300 + tokens);
+  for (int tokens : {1, 2, 64, 160}) check_run(cpu, set, tokens, kTopK, 300 + tokens);
 }
 
 // bf16 experts (row slices of a fused gate_up) at real widths, fewer experts to bound memory.
 TEST(MoeExperts, RealWidthsBf16FusedGateUp) {
   CpuBackend cpu(0);
   const ExpertSet set = make_experts(kBf16Fused, 16, kHidden, kInner, 400);
-  for (int tokens : {1, 5}) check_run(cpu, set, tokens, kTopK, 500 + tokens);
+  for (int tokens : {1, 5, 130}) check_run(cpu, set, tokens, kTopK, 500 + tokens);
 }
 
 // Every format and scale type at a tiny shape, with strided rows, an invalid pick, a top-1
@@ -273,6 +302,24 @@ TEST(MoeExperts, TinyAllFormats) {
     check_run(cpu, set, 9, 4, seed++, {.strided = true, .invalid_id = true});
     check_run(cpu, set, 65, 1, seed++);
     check_run(cpu, set, 33, 16, seed++);
+    // Grouped: tiles of a slot, partial tiles, K and column tails (hidden 96, inner 64).
+    check_run(cpu, set, 150, 4, seed++, {.strided = true, .invalid_id = true});
+    check_run(cpu, set, 300, 1, seed++);
+    check_run(cpu, set, 140, 16, seed++);
+    check_run(cpu, set, 129, 4, seed++, {.same_experts = true});
+  }
+}
+
+// Each path at batch sizes run_experts gives the other one (moe_bench compares them there).
+TEST(MoeExperts, EitherPathAtAnyBatch) {
+  CpuBackend cpu(0);
+  uint32_t seed = 630;
+  for (const ExpertFormat& f : {kW4G32Bf16, kNvfp4Multiplier}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
+    for (MoePath path : {MoePath::kDecode, MoePath::kGrouped}) {
+      for (int tokens : {1, 8, 130}) check_run(cpu, set, tokens, 4, seed++, {.path = path});
+    }
   }
 }
 
@@ -283,29 +330,31 @@ TEST(MoeExperts, LongPrefillInPasses) {
   check_run(cpu, set, 2 * kMoeTokensPerPass + 77, 4, 651, {.strided = true});
 }
 
-// Same inputs, same bits: no atomics in any sum.
+// Same inputs, same bits on both paths: no atomics in any sum.
 TEST(MoeExperts, Deterministic) {
   const ExpertSet set = make_experts(kNvfp4Divisor, 32, 256, 128, 700);
   MoeExpertTable table;
   CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
-  const int tokens = 40;
   CpuBackend cpu(0);
-  const Routing routing = cpu_route(cpu, tokens, 32, kTopK, 701);
-  DeviceArray<float> x(testing::random_floats(tokens * 256, -1.0f, 1.0f, 702));
-  DeviceArray<int32_t> ids(routing.ids);
-  DeviceArray<float> weights(routing.weights);
-  DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, kTopK));
-  std::vector<float> first;
-  for (int run = 0; run < 3; ++run) {
-    DeviceArray<float> out(tokens * 256);
-    CUDA_ASSERT_OK(run_experts(table, x.get(), 256, tokens, kTopK, ids.get(), weights.get(),
-                               out.get(), 256, workspace.get(), Launch{}));
-    CUDA_ASSERT_OK(cudaDeviceSynchronize());
-    const std::vector<float> got = out.download();
-    if (run == 0) {
-      first = got;
-    } else {
-      EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(float)), 0);
+  for (int tokens : {40, 200}) {
+    SCOPED_TRACE(tokens);
+    const Routing routing = cpu_route(cpu, tokens, 32, kTopK, 701);
+    DeviceArray<float> x(testing::random_floats(tokens * 256, -1.0f, 1.0f, 702));
+    DeviceArray<int32_t> ids(routing.ids);
+    DeviceArray<float> weights(routing.weights);
+    DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, kTopK));
+    std::vector<float> first;
+    for (int run = 0; run < 3; ++run) {
+      DeviceArray<float> out(tokens * 256);
+      CUDA_ASSERT_OK(run_experts(table, x.get(), 256, tokens, kTopK, ids.get(), weights.get(),
+                                 out.get(), 256, workspace.get(), Launch{}));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      const std::vector<float> got = out.download();
+      if (run == 0) {
+        first = got;
+      } else {
+        EXPECT_EQ(std::memcmp(got.data(), first.data(), got.size() * sizeof(float)), 0);
+      }
     }
   }
 }
@@ -321,7 +370,7 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
   CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
   cudaStream_t stream;
   CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int tokens : {1, 4}) {
+  for (int tokens : {1, 4, kMoeGroupedMinTokens + 3}) {
     SCOPED_TRACE("tokens=" + std::to_string(tokens));
     DeviceArray<float> logits(tokens * kSmallExperts);
     DeviceArray<float> scale(testing::random_floats(kSmallExperts, 0.5f, 1.5f, 1001));
@@ -378,10 +427,12 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
 
 TEST(MoeExperts, KernelCount) {
   EXPECT_EQ(run_experts_kernel_count(1), 2);
-  EXPECT_EQ(run_experts_kernel_count(2), 4);
+  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens - 1), 2);
+  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens), 4);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass), 4);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
-  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 12);
+  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
+  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 10);
 }
 
 TEST(MoeExperts, RejectsUnusableExperts) {
@@ -404,6 +455,26 @@ TEST(MoeExperts, RejectsUnusableExperts) {
   MoeExpertTable table;
   EXPECT_EQ(MoeExpertTable::create(experts, table), cudaErrorInvalidValue);
   EXPECT_EQ(check_experts({}), "no experts");
+}
+
+TEST(MoeExperts, RejectsBadArguments) {
+  const ExpertSet set = make_experts(kW4G32Bf16, 40, 96, 64, 850);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  DeviceArray<float> x(4 * 96), weights(4 * 40), out(4 * 96);
+  DeviceArray<int32_t> ids(4 * 40);
+  DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, 4, 33));
+  auto run = [&](const float* x_rows, int64_t x_stride, int tokens, int top_k) {
+    return run_experts(table, x_rows, x_stride, tokens, top_k, ids.get(), weights.get(), out.get(),
+                       96, workspace.get(), Launch{});
+  };
+  EXPECT_EQ(run(x.get(), 96, 4, 4), cudaSuccess);
+  EXPECT_EQ(run(x.get(), 96, 4, kMaxTopK + 1), cudaErrorInvalidValue);
+  EXPECT_EQ(run(x.get(), 96, 4, 0), cudaErrorInvalidValue);
+  EXPECT_EQ(run(x.get(), 96, 0, 4), cudaErrorInvalidValue);
+  EXPECT_EQ(run(x.get(), 64, 4, 4), cudaErrorInvalidValue);      // rows overlap
+  EXPECT_EQ(run(x.get() + 1, 96, 4, 4), cudaErrorInvalidValue);  // not 16-byte aligned
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
 }
 
 TEST(MoeExperts, CachedTableFollowsTheDescriptors) {

@@ -5,7 +5,10 @@ Runs ON THE GPU MACHINE with a torch + transformers that have CUDA. The transfor
 in GPU memory from the checkpoint itself: packed matrices (compressed-tensors w4g32 or NVFP4,
 ModelOpt NVFP4) are dequantized to bf16 in torch, one tensor at a time, and copied into a
 Gemma4ForCausalLM built from config.json (bf16, or float32 with --dtype float32 for a tight
-check; eager attention) — no bf16 file is written, so the 31B fits the machine's disk.
+check; eager attention) — no bf16 file is written, so the 31B and the 26B-A4B fit the machine's
+disk. MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as quantized checkpoints
+do) are copied into transformers' fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
+`experts.down_proj [E, H, I]` slice by slice; bf16 checkpoints already use the fused names.
 
 The prompt is BOS + fixed ids (the golden fixtures' LCG) longer than the sliding window.
 transformers gives 64 greedy tokens (full recompute each step) and the logits at every position
@@ -29,6 +32,7 @@ import argparse
 import json
 import math
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -102,6 +106,25 @@ def dequantize(get, module, names, device):
     return None
 
 
+# A per-expert matrix of a quantized checkpoint (transformers' name, after hf_name).
+EXPERT_SLICE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<which>gate_proj|up_proj|down_proj)\.weight$")
+
+
+def expert_slice(target, targets):
+    """(fused parameter name, view of its slice) for a per-expert matrix, else None."""
+    match = EXPERT_SLICE.match(target)
+    if match is None:
+        return None
+    prefix, expert, which = match["prefix"], int(match["expert"]), match["which"]
+    if which == "down_proj":
+        name = f"{prefix}.down_proj"
+        return name, targets[name][expert]
+    name = f"{prefix}.gate_up_proj"
+    fused = targets[name][expert]
+    inner = fused.shape[0] // 2
+    return name, fused[:inner] if which == "gate_proj" else fused[inner:]
+
+
 def hf_name(name):
     for prefix in ("model.language_model.", "model."):
         if name.startswith(prefix):
@@ -109,16 +132,17 @@ def hf_name(name):
     return name
 
 
+@torch.no_grad()
 def build_model(checkpoint, device, dtype):
     config = text_config(checkpoint)
-    if getattr(config, "enable_moe_block", False) or getattr(config, "num_experts", 0):
-        fail("MoE checkpoints are not handled by this script yet (experts need fusing)")
     torch.set_default_dtype(dtype)
     with torch.device(device):
         model = Gemma4ForCausalLM(config).eval()
     torch.set_default_dtype(torch.float32)
     targets = model.state_dict(keep_vars=True)
     loaded = set()
+    # Fused expert parameters filled slice by slice: how many slices each received.
+    expert_slices = {}
     files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
     for file in files:
         with safe_open(os.path.join(checkpoint, file), framework="pt", device="cpu") as f:
@@ -137,12 +161,21 @@ def build_model(checkpoint, device, dtype):
                     tensor = f.get_tensor(name)
                 target = hf_name(name)
                 if target not in targets:
-                    continue  # e.g. K/V of KV-shared layers, which transformers does not have
+                    sliced = expert_slice(target, targets)
+                    if sliced is None:
+                        continue  # e.g. K/V of KV-shared layers, which transformers does not have
+                    target, destination = sliced
+                    expert_slices[target] = expert_slices.get(target, 0) + 1
+                else:
+                    destination = targets[target]
                 with torch.no_grad():
-                    targets[target].copy_(tensor.to(device).to(targets[target].dtype).view_as(targets[target]))
+                    destination.copy_(tensor.to(device).to(destination.dtype).view_as(destination))
                 loaded.add(target)
     missing = [k for k in targets if k not in loaded and k != "lm_head.weight"
                and not k.endswith("inv_freq")]
+    # gate_up_proj takes two slices per expert (gate, up), down_proj one.
+    missing += [k for k, n in expert_slices.items()
+                if n != targets[k].shape[0] * (2 if k.endswith("gate_up_proj") else 1)]
     if missing:
         fail(f"checkpoint does not fill Gemma4ForCausalLM: missing {missing[:8]}...")
     model.tie_weights()

@@ -180,7 +180,9 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
 }
 
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k) {
-  return moe_workspace_layout(table.shape(), std::min(tokens, kMoeTokensPerPass), top_k).bytes;
+  // A pass of fewer tokens (the last) needs less, whichever path it takes.
+  const int pass = std::min(tokens, kMoeTokensPerPass);
+  return moe_workspace_layout(table.shape(), pass, top_k, moe_path_for(pass)).bytes;
 }
 
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
@@ -188,7 +190,7 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
                         int64_t out_stride, void* workspace, const Launch& launch) {
   const MoeShape& shape = table.shape();
   const bool shape_ok = table.device() != nullptr && tokens >= 1 && top_k >= 1 &&
-                        top_k <= shape.num_experts &&
+                        top_k <= shape.num_experts && top_k <= kMaxTopK &&
                         (tokens == 1 || (x_stride >= shape.hidden && out_stride >= shape.hidden));
   const bool pointers_ok = x != nullptr && aligned16(x) && x_stride % 4 == 0 &&
                            expert_ids != nullptr && weights != nullptr && out != nullptr &&
@@ -197,9 +199,10 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
     const int count = std::min(kMoeTokensPerPass, tokens - first);
     const int64_t pair = static_cast<int64_t>(first) * top_k;
-    const MoeRunArgs args = {
-        table.device(),    shape,          x + first * x_stride,     x_stride,   count,    top_k,
-        expert_ids + pair, weights + pair, out + first * out_stride, out_stride, workspace};
+    const MoeRunArgs args = {table.device(),    shape,          x + first * x_stride,
+                             x_stride,          count,          top_k,
+                             expert_ids + pair, weights + pair, out + first * out_stride,
+                             out_stride,        workspace,      moe_path_for(count)};
     const cudaError_t status = launch_moe(args, launch);
     if (status != cudaSuccess) return status;
   }
@@ -207,10 +210,11 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
 }
 
 int run_experts_kernel_count(int tokens) {
-  // Per pass: plan, gate/up, down, combine; a pass of one token: gate/up and the fused down.
+  // Per pass: decode path gate/up and down; grouped path plan, gate/up, down, combine.
   int kernels = 0;
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
-    kernels += std::min(kMoeTokensPerPass, tokens - first) == 1 ? 2 : 4;
+    kernels +=
+        moe_path_for(std::min(kMoeTokensPerPass, tokens - first)) == MoePath::kDecode ? 2 : 4;
   }
   return kernels;
 }

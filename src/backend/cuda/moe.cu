@@ -1,26 +1,45 @@
-// Mixture-of-experts kernels (see moe.h): the router, the expert grouping, the grouped expert
-// GEMVs and the weighted sum. Weights are dequantized in registers by device_math.cuh's chunk
-// dot products, exactly as the dense GEMV does; accumulation is fp32 throughout.
+// Mixture-of-experts kernels (see moe.h): the router, the decode path (few tokens: one GEMV-like
+// launch per projection over every (token, expert) pair) and the grouped path (prefill: tokens
+// grouped by expert, tensor-core tiles). Accumulation is fp32 throughout.
 //
-// launch_moe for T tokens with top_k experts each ("pairs" p = t · top_k + k) is four launches:
-//   1. plan (T > 1 only): one block counts the pairs per expert, numbers the experts in use in
-//      ascending id ("slots") and lists each slot's pairs. With T = 1 every pair is its own slot
-//      (a token's experts are distinct), so decode skips it.
-//   2. gate/up: grid (inner-row tiles, slots). A block loads its rows of the slot's gate and up
-//      matrices into registers once and runs every pair of the slot through them, writing
-//      gelu_tanh(gate · x) ⊙ (up · x) to activations[p]. Only the selected experts are read, each
-//      once per call.
-//   3. down: grid (hidden-row tiles, slots), activations[p] → expert_outputs[p], the same way.
-//   4. combine: out[t] = Σ_k weights[t][k] · expert_outputs[t · top_k + k], summed in ascending
-//      expert id (the CPU reference's order): deterministic, no atomics.
-// Decode (T = 1) fuses 3 and 4 (down_combine_kernel): three launches with the router.
-// The grouping within a slot is made with shared-memory atomics, so the order of a slot's pairs
-// may vary between runs; it never changes a value, because every pair is accumulated on its
-// own.
+// Decode path (run_experts: T < kMoeGroupedMinTokens tokens) for T tokens with top_k experts each
+// (pairs p = t · top_k + k), two launches after the router:
+//   1. decode_gate_up_kernel: grid (pairs, inner-row tiles); a warp owns kDecodeRows rows of the
+//      pair's expert in both gate and up, its 32 lanes split K (one 16-byte chunk each, all of a
+//      lane's loads in flight at once), a butterfly reduces, gelu_tanh(gate) · up is stored
+//      (fp32) to activations[p]. Pairs vary fastest, so pairs that share an expert read its rows
+//      at the same time (the second read hits L2).
+//   2. decode_down_kernel: grid (tokens, hidden-row tiles); row n of a token is one GEMV over the
+//      concatenation of its experts' down rows n (K = top_k · inner), each chunk's dot product
+//      times its pick's routing weight: the weighted combine is fused, and the sum order is fixed
+//      (lane order, then a butterfly), so the result is deterministic with no atomics. Its weights
+//      depend only on the router, not on step 1: they are loaded before the PDL wait, overlapping
+//      step 1 (safe because step 1 triggers its dependents only after its own wait, see there).
+// Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV.
+//
+// Grouped path (run_experts: T >= kMoeGroupedMinTokens), four launches:
+//   1. plan_kernel: a device-side counting sort of the pairs by expert (ascending id = "slots")
+//      and the list of (slot, 32-pair tile) work items.
+//   2. grouped_kernel<gate/up>: grid (inner-column tiles, work items); each block stages 128
+//      weight rows (64 gate + the same 64 up rows) dequantized to bf16 and its 32 pairs' token
+//      rows (bf16) in shared memory, kStepK elements of K at a time (the next step's global loads
+//      in flight during this step's WMMA), accumulates in fp32 and stores gelu_tanh(gate) · up as
+//      bf16 activations. Each weight is read once per 32 pairs of its expert.
+//   3. grouped_kernel<down>: the same over hidden-row tiles, activations → expert_outputs (fp32).
+//   4. combine_kernel: out[t] = Σ_k weights[t][k] · expert_outputs[p], summed in ascending expert
+//      id (the CPU reference's order): deterministic, no atomics.
+// The tensor cores take bf16 inputs (activations and dequantized weights rounded to bf16, NVFP4's
+// global scale applied to the fp32 sums), so the grouped path agrees with the CPU reference to
+// bf16 precision, the decode path to fp32 rounding. The plan's slot order within a slot comes
+// from shared-memory atomics and may vary between runs; it never changes a value, because every
+// pair is computed on its own.
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
+#include <mma.h>
 
 #include <climits>
 #include <cmath>
+#include <type_traits>
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
@@ -112,17 +131,223 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
   }
 }
 
+template <int N>
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+// ---- Decode path ----
+
+constexpr int kDecodeWarps = 4;
+constexpr int kDecodeRows = 2;  // output rows per warp (gate/up: that many rows of each)
+constexpr int kDecodeRowsPerBlock = kDecodeWarps * kDecodeRows;
+// Chunks per lane per pass: 96 covers hidden 2816 of 4-bit weights (88 chunks), 192 the 8 down
+// rows of inner 704 (176 chunks) in one pass.
+constexpr int kGateUpChunksPerLane = 3;
+constexpr int kDownChunksPerLane = 6;
+
+struct DecodeGateUpArgs {
+  const MoeExpert* experts;
+  int num_experts;
+  const int32_t* expert_ids;  // [pairs]
+  int top_k;
+  int64_t inner;
+  int64_t chunks_per_row;  // of a gate/up row
+  const float* x;
+  int64_t x_stride;
+  float* activations;  // [pairs, inner]
+};
+
+// Four blocks per SM (128 registers, no spills): one token's 704 blocks in 1.3 waves, not 1.8.
+template <PackedFormat F>
+__global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(DecodeGateUpArgs a) {
+  constexpr int R = kDecodeRows;
+  constexpr int G = kGateUpChunksPerLane;
+  constexpr int kElems = kChunkElems<F>;
+  // Wait first, trigger after: decode_down_kernel reads the router's output before its own
+  // wait, which is safe only because no block here lets it start before the router finished.
+  pdl_wait_for_predecessors();
+  pdl_trigger_dependents();
+  const int pair = blockIdx.x;
+  const int expert = a.expert_ids[pair];
+  // An invalid pick contributes nothing: decode_down_kernel skips it.
+  if (expert < 0 || expert >= a.num_experts) return;
+  const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kDecodeWarps + warp) * R;
+  const float* x = a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride;
+
+  float acc[2][R] = {};
+  for (int64_t base = 0; base < a.chunks_per_row; base += 32 * G) {
+    uint4 weights[G][2][R];
+    uint32_t scale_bits[G][2][R];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+#pragma unroll
+      for (int mat = 0; mat < 2; ++mat) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = first_row + r;
+          if (chunk < a.chunks_per_row && row < a.inner) {
+            weights[j][mat][r] = load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
+                                                 row * a.chunks_per_row + chunk);
+            scale_bits[j][mat][r] = load_scale_bits<F>(mats[mat], row, chunk);
+          } else {
+            weights[j][mat][r] = make_uint4(0, 0, 0, 0);
+            scale_bits[j][mat][r] = 0;
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+      if (chunk >= a.chunks_per_row) continue;
+      XChunk<kElems> xc;
+      load_x_chunk<ActType::kF32>(x, chunk * kElems, xc);
+#pragma unroll
+      for (int mat = 0; mat < 2; ++mat) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          acc[mat][r] += dot_chunk<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
+        }
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float gate = butterfly_sum<32>(acc[0][r]);
+    const float up = butterfly_sum<32>(acc[1][r]);
+    const int64_t row = first_row + r;
+    if (lane == r && row < a.inner) {
+      a.activations[static_cast<int64_t>(pair) * a.inner + row] = gelu_tanh(gate) * up;
+    }
+  }
+}
+
+struct DecodeDownArgs {
+  const MoeExpert* experts;
+  int num_experts;
+  const int32_t* expert_ids;  // [tokens, top_k]
+  const float* weights;       // [tokens, top_k]
+  int top_k;
+  int64_t hidden;
+  int64_t chunks_per_row;    // of one expert's down row
+  const float* activations;  // [tokens · top_k, inner]
+  int64_t inner;
+  float* out;
+  int64_t out_stride;
+};
+
+template <PackedFormat F>
+__global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDownArgs a) {
+  constexpr int R = kDecodeRows;
+  constexpr int G = kDownChunksPerLane;
+  constexpr int kElems = kChunkElems<F>;
+  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights.
+  __shared__ MoeMatrix downs[kMaxTopK];
+  __shared__ float pick_weights[kMaxTopK];
+  pdl_trigger_dependents();
+  const int token = blockIdx.x;
+  // The router's output, read before the wait: this grid starts only once every gate/up block has
+  // passed its own wait, i.e. after the router completed. The wait below is for the activations.
+  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
+    const int e = a.expert_ids[pick];
+    const bool valid = e >= 0 && e < a.num_experts;
+    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
+    pick_weights[k] = valid ? a.weights[pick] : 0.0f;
+  }
+  __syncthreads();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kDecodeWarps + warp) * R;
+  const int64_t total_chunks = a.top_k * a.chunks_per_row;
+  const float* activations = a.activations + static_cast<int64_t>(token) * a.top_k * a.inner;
+
+  float acc[R] = {};
+  for (int64_t base = 0; base < total_chunks; base += 32 * G) {
+    uint4 weights[G][R];
+    uint32_t scale_bits[G][R];
+    int pick[G];
+    int64_t in_row[G];
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+      // 32-bit division: a token's chunks number far below 2^31.
+      pick[j] =
+          chunk < total_chunks ? static_cast<int>(chunk) / static_cast<int>(a.chunks_per_row) : 0;
+      in_row[j] = chunk - pick[j] * a.chunks_per_row;
+      const bool live = chunk < total_chunks && downs[pick[j]].weights != nullptr;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = first_row + r;
+        if (live && row < a.hidden) {
+          weights[j][r] = load_weights_nc(static_cast<const uint4*>(downs[pick[j]].weights) +
+                                          row * a.chunks_per_row + in_row[j]);
+          scale_bits[j][r] = load_scale_bits<F>(downs[pick[j]], row, in_row[j]);
+        } else {
+          weights[j][r] = make_uint4(0, 0, 0, 0);
+          scale_bits[j][r] = 0;
+        }
+      }
+    }
+    // Every thread passes here on the first pass (total_chunks > 0), before any activation read.
+    if (base == 0) pdl_wait_for_predecessors();
+#pragma unroll
+    for (int j = 0; j < G; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+      if (chunk >= total_chunks || downs[pick[j]].weights == nullptr) continue;
+      XChunk<kElems> xc;
+      load_x_chunk<ActType::kF32>(activations, pick[j] * a.inner + in_row[j] * kElems, xc);
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        acc[r] += pick_weights[pick[j]] *
+                  dot_chunk<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
+      }
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+    const float sum = butterfly_sum<32>(acc[r]);
+    const int64_t row = first_row + r;
+    if (lane == r && row < a.hidden) a.out[token * a.out_stride + row] = sum;
+  }
+}
+
+// ---- Grouped path ----
+
+// Work items of the grouped GEMMs: kTileM pairs of one slot.
+constexpr int kTileM = 32;
+
 // The grouping, int32 words in the workspace: [0] = number of slots S, [1 + s] = expert of slot
 // s (ascending), [1 + E + s] = first entry of slot s in the pair list ([1 + E + S] = the end),
-// [2 + 2E + i] = the pair list (pair indices grouped by slot).
+// [2 + 2E + i] = the pair list (pair indices grouped by slot), then the number of work items and
+// the items, each slot << 16 | tile index within the slot.
 struct Plan {
   const int32_t* words;
   int num_experts;
-  __device__ int slots() const { return words[0]; }
+  int pairs;
   __device__ int expert(int slot) const { return words[1 + slot]; }
   __device__ int begin(int slot) const { return words[1 + num_experts + slot]; }
   __device__ int pair(int entry) const { return words[2 + 2 * num_experts + entry]; }
+  __device__ int items() const { return words[2 + 2 * num_experts + pairs]; }
+  __device__ int item(int i) const { return words[3 + 2 * num_experts + pairs + i]; }
 };
+
+// Bound on the work items: Σ_s ⌈c_s / kTileM⌉ <= slots + pairs / kTileM.
+int max_items(int pairs, int num_experts) {
+  return (pairs < num_experts ? pairs : num_experts) + (pairs + kTileM - 1) / kTileM;
+}
+
+size_t plan_words(int pairs, int num_experts) {
+  return 3 + 2 * static_cast<size_t>(num_experts) + pairs + max_items(pairs, num_experts);
+}
 
 constexpr int kPlanThreads = 1024;
 constexpr int kPlanExpertsPerLane = kMaxRouterExperts / 32;
@@ -148,29 +373,34 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
   __syncthreads();
   int32_t* slot_expert = a.words + 1;
   int32_t* slot_begin = a.words + 1 + a.num_experts;
+  int32_t* items = a.words + 2 + 2 * a.num_experts + a.pairs;
   if (threadIdx.x < 32) {
-    // Lane l numbers experts 8l .. 8l+7: a warp scan of (experts in use, pairs) gives each
-    // expert its slot and its first list entry.
+    // Lane l numbers experts 8l .. 8l+7: a warp scan of (experts in use, pairs, work items)
+    // gives each expert its slot, its first list entry and its first work item.
     const int lane = threadIdx.x;
-    int used = 0, listed = 0;
+    int used = 0, listed = 0, tiles = 0;
 #pragma unroll
     for (int j = 0; j < kPlanExpertsPerLane; ++j) {
       const int c = counts[lane * kPlanExpertsPerLane + j];
       used += c > 0;
       listed += c;
+      tiles += (c + kTileM - 1) / kTileM;
     }
-    int used_before = used, listed_before = listed;
+    int used_before = used, listed_before = listed, tiles_before = tiles;
 #pragma unroll
     for (int offset = 1; offset < 32; offset *= 2) {
       const int u = __shfl_up_sync(0xFFFFFFFFu, used_before, offset);
       const int l = __shfl_up_sync(0xFFFFFFFFu, listed_before, offset);
+      const int t = __shfl_up_sync(0xFFFFFFFFu, tiles_before, offset);
       if (lane >= offset) {
         used_before += u;
         listed_before += l;
+        tiles_before += t;
       }
     }
     used_before -= used;
     listed_before -= listed;
+    tiles_before -= tiles;
 #pragma unroll
     for (int j = 0; j < kPlanExpertsPerLane; ++j) {
       const int e = lane * kPlanExpertsPerLane + j;
@@ -179,6 +409,9 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
         slot_expert[used_before] = e;
         slot_begin[used_before] = listed_before;
         cursor[e] = listed_before;
+        for (int tile = 0; tile * kTileM < c; ++tile) {
+          items[1 + tiles_before++] = used_before << 16 | tile;
+        }
         ++used_before;
         listed_before += c;
       }
@@ -186,6 +419,7 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
     if (lane == 31) {
       a.words[0] = used_before;
       slot_begin[used_before] = listed_before;
+      items[0] = tiles_before;
     }
   }
   __syncthreads();
@@ -196,345 +430,281 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
   }
 }
 
-struct ExpertGemvArgs {
+constexpr int kGroupedThreads = 128;  // 4 warps
+constexpr int kTileN = 128;           // weight rows staged per block
+constexpr int kStepK = 128;           // K elements staged per step
+constexpr int kPitch = kStepK + 8;    // shared row pitch in bf16 (16-byte shift between rows)
+
+struct GroupedArgs {
   const MoeExpert* experts;
   int num_experts;
-  const int32_t* expert_ids;
-  const int32_t* plan;  // nullptr: pair p is slot p (one token)
+  const int32_t* plan;
+  int pairs;
   int top_k;
-  int64_t rows;  // output rows: inner (gate/up) or hidden (down)
-  int64_t chunks_per_row;
-  const float* x;  // gate/up: the token rows; down: the activation rows (one per pair)
-  int64_t x_stride;
-  float* y;  // one row per pair
+  int64_t rows;            // output columns: inner (gate/up) or hidden (down)
+  int64_t chunks_per_row;  // of a weight row (K = hidden or inner)
+  const void* a;  // gate/up: token rows (fp32, a_stride); down: activations (bf16, [pairs, K])
+  int64_t a_stride;
+  void* y;  // gate/up: activations (bf16, [pairs, inner]); down: expert outputs (fp32)
   int64_t y_stride;
 };
 
-// Tiling (gemv_kernels.h's terms). gate/up: K = hidden (2816: 88 chunks of 4-bit weights, one
-// pass), one inner row = a gate row and an up row per team; down: K = inner (704: 22 chunks).
-// Expert-token tiles of MT pairs reuse the weights held in registers; one token (decode) has a
-// tiling with MT = 1, as a larger tile costs registers (occupancy) for nothing.
-struct ExpertTiling {
-  int rows_per_thread;
-  int lanes_per_row;
-  int warps;
-  int chunks_per_thread;
-  int m_tile;
+// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
+// as nvfp4_factor yields it: a multiplier of 1.
+struct NoGlobalScale {
+  float nv_global = 1.0f;
+  int nv_global_is_divisor = 0;
 };
 
-enum class Stage { kGateUpOneToken, kGateUpGrouped, kDownGrouped };
-
-template <Stage S>
-constexpr ExpertTiling kTilingFor = S == Stage::kGateUpOneToken  ? ExpertTiling{1, 8, 4, 3, 1}
-                                    : S == Stage::kGateUpGrouped ? ExpertTiling{1, 8, 4, 3, 4}
-                                                                 : ExpertTiling{2, 8, 3, 1, 2};
-
-template <Stage S>
-constexpr int rows_per_block() {
-  return (32 / kTilingFor<S>.lanes_per_row) * kTilingFor<S>.rows_per_thread;
-}
-
-// Grouped GEMV over the slots: block (x, s) computes output rows x · rows_per_block ... of slot
-// s's expert for each of the slot's pairs. In the gate/up stages the expert's gate and up rows
-// are both read and the output is gelu_tanh(gate · x) ⊙ (up · x).
-template <PackedFormat F, Stage S>
-__global__ void __launch_bounds__(kTilingFor<S>.warps * 32) expert_gemv_kernel(ExpertGemvArgs a) {
-  constexpr bool kGateUp = S != Stage::kDownGrouped;
-  constexpr ExpertTiling kTiling = kTilingFor<S>;
-  constexpr int R = kTiling.rows_per_thread;
-  constexpr int T = kTiling.lanes_per_row;
-  constexpr int W = kTiling.warps;
-  constexpr int G = kTiling.chunks_per_thread;
-  constexpr int MT = kTiling.m_tile;
-  constexpr int kMats = kGateUp ? 2 : 1;
-  constexpr int kRowsPerBlock = rows_per_block<S>();
-  constexpr int kElems = kChunkElems<F>;
-  pdl_trigger_dependents();
-  // Which expert this block reads is the router's result: nothing can be loaded before it.
-  pdl_wait_for_predecessors();
-
-  const int slot = blockIdx.y;
-  int expert, first, count;
-  if (a.plan != nullptr) {
-    const Plan plan{a.plan, a.num_experts};
-    if (slot >= plan.slots()) return;
-    expert = plan.expert(slot);
-    first = plan.begin(slot);
-    count = plan.begin(slot + 1) - first;
-  } else {
-    expert = a.expert_ids[slot];
-    first = slot;
-    count = 1;
-    // The combine step skips invalid ids; nothing to compute.
-    if (expert < 0 || expert >= a.num_experts) return;
-  }
-  auto pair_of = [&](int entry) {
-    return a.plan != nullptr ? Plan{a.plan, a.num_experts}.pair(first + entry) : first + entry;
-  };
-
-  MoeMatrix mats[kMats];
-  if constexpr (kGateUp) {
-    mats[0] = a.experts[expert].gate;
-    mats[1] = a.experts[expert].up;
-  } else {
-    mats[0] = a.experts[expert].down;
-  }
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int team = lane / T;
-  const int lane_in_team = lane % T;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + team * R;
-  const int64_t pass_chunks = T * W * G;
-  const int passes = static_cast<int>((a.chunks_per_row + pass_chunks - 1) / pass_chunks);
-
-  uint4 weights[G][kMats][R];
-  uint32_t scale_bits[G][kMats][R];
-  auto chunk_of = [&](int pass, int j) {
-    return pass * pass_chunks + (j * W + warp) * T + lane_in_team;
-  };
-  auto load_pass = [&](int pass) {
-#pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int64_t chunk = chunk_of(pass, j);
-#pragma unroll
-      for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int64_t row = first_row + r;
-          if (row < a.rows && chunk < a.chunks_per_row) {
-            weights[j][mat][r] = load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
-                                                 row * a.chunks_per_row + chunk);
-            scale_bits[j][mat][r] = load_scale_bits<F>(mats[mat], row, chunk);
-          } else {
-            weights[j][mat][r] = make_uint4(0, 0, 0, 0);
-            scale_bits[j][mat][r] = 0;
-          }
-        }
-      }
-    }
-  };
-  load_pass(0);
-
-  // The value of output row `row` for one pair from its fully reduced sums.
-  auto output = [](const float(&sums)[kMats]) {
-    if constexpr (kGateUp) {
-      return gelu_tanh(sums[0]) * sums[1];
-    } else {
-      return sums[0];
-    }
-  };
-
-  extern __shared__ float partial[];  // [W][MT][kMats][kRowsPerBlock], only when W > 1
-  for (int m0 = 0; m0 < count; m0 += MT) {
-    int64_t pair[MT];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi) pair[mi] = m0 + mi < count ? pair_of(m0 + mi) : 0;
-    float acc[MT][kMats][R];
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-      for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) acc[mi][mat][r] = 0.0f;
-      }
-    }
-    for (int pass = 0; pass < passes; ++pass) {
-      if (pass > 0 || (m0 > 0 && passes > 1)) load_pass(pass);
-#pragma unroll
-      for (int j = 0; j < G; ++j) {
-        const int64_t chunk = chunk_of(pass, j);
-        if (chunk >= a.chunks_per_row) continue;
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-          if (m0 + mi >= count) break;
-          const int64_t x_row = kGateUp ? pair[mi] / a.top_k : pair[mi];
-          XChunk<kElems> x;
-          load_x_chunk<ActType::kF32>(a.x, x_row * a.x_stride + chunk * kElems, x);
-#pragma unroll
-          for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              acc[mi][mat][r] +=
-                  dot_chunk<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], x);
-            }
-          }
-        }
-      }
-    }
-#pragma unroll
-    for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-      for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-#pragma unroll
-          for (int offset = T / 2; offset > 0; offset /= 2) {
-            acc[mi][mat][r] += __shfl_xor_sync(0xFFFFFFFFu, acc[mi][mat][r], offset);
-          }
-        }
-      }
-    }
-    if constexpr (W == 1) {
-      if (lane_in_team == 0) {
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            if (m0 + mi < count && first_row + r < a.rows) {
-              float sums[kMats];
-#pragma unroll
-              for (int mat = 0; mat < kMats; ++mat) sums[mat] = acc[mi][mat][r];
-              a.y[pair[mi] * a.y_stride + first_row + r] = output(sums);
-            }
-          }
-        }
-      }
-    } else {
-      if (lane_in_team == 0) {
-#pragma unroll
-        for (int mi = 0; mi < MT; ++mi) {
-#pragma unroll
-          for (int mat = 0; mat < kMats; ++mat) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              partial[((warp * MT + mi) * kMats + mat) * kRowsPerBlock + team * R + r] =
-                  acc[mi][mat][r];
-            }
-          }
-        }
-      }
-      __syncthreads();
-      for (int i = threadIdx.x; i < MT * kRowsPerBlock; i += W * 32) {
-        const int mi = i / kRowsPerBlock;
-        const int row_in_block = i % kRowsPerBlock;
-        const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + row_in_block;
-        float sums[kMats];
-#pragma unroll
-        for (int mat = 0; mat < kMats; ++mat) {
-          sums[mat] = 0.0f;
-#pragma unroll
-          for (int w = 0; w < W; ++w) {
-            sums[mat] += partial[((w * MT + mi) * kMats + mat) * kRowsPerBlock + row_in_block];
-          }
-        }
-        if (m0 + mi < count && row < a.rows) {
-          a.y[static_cast<int64_t>(pair_of(m0 + mi)) * a.y_stride + row] = output(sums);
-        }
-      }
-      __syncthreads();
-    }
-  }
-}
-
-// Decode (one token): the down projections of all top_k experts and their weighted sum as one
-// GEMV whose row n is the concatenation of the experts' rows n (K = top_k · inner), each
-// chunk's dot product times its expert's weight. One launch instead of down + combine, no
-// expert-output round trip, and a long row (176 chunks at 26B-A4B) instead of 8 short ones.
-// Fixed summation order: deterministic.
-struct DownCombineArgs {
-  const MoeExpert* experts;
-  int num_experts;
-  const int32_t* expert_ids;  // [top_k]
-  const float* weights;       // [top_k]
-  int top_k;
-  int64_t rows;              // hidden
-  int64_t chunks_per_row;    // of one expert's down row
-  const float* activations;  // [top_k, activation_stride]
-  int64_t activation_stride;
-  float* out;
-};
-
-constexpr ExpertTiling kDownCombineTiling = {2, 16, 4, 3, 1};  // one pass covers 192 chunks
-constexpr int kDownCombineRowsPerBlock =
-    (32 / kDownCombineTiling.lanes_per_row) * kDownCombineTiling.rows_per_thread;
-
+// One chunk of weights as bf16, in element order. NVFP4 and bf16 values are exact (e2m1 · e4m3
+// has at most 6 significant bits); w4g32's (u − 8) · scale is rounded.
 template <PackedFormat F>
-__global__ void __launch_bounds__(kDownCombineTiling.warps * 32)
-    down_combine_kernel(DownCombineArgs a) {
-  constexpr int R = kDownCombineTiling.rows_per_thread;
-  constexpr int T = kDownCombineTiling.lanes_per_row;
-  constexpr int W = kDownCombineTiling.warps;
-  constexpr int G = kDownCombineTiling.chunks_per_thread;
-  constexpr int kRowsPerBlock = kDownCombineRowsPerBlock;
-  constexpr int kElems = kChunkElems<F>;
-  // The picked experts' down matrices (weights == nullptr: an invalid pick, skipped).
-  __shared__ MoeMatrix downs[kMaxTopK];
-  __shared__ float pick_weights[kMaxTopK];
-  __shared__ float partial[W][kRowsPerBlock];
-  pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
-  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
-    const int e = a.expert_ids[k];
-    const bool valid = e >= 0 && e < a.num_experts;
-    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] = valid ? a.weights[k] : 0.0f;
-  }
-  __syncthreads();
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int team = lane / T;
-  const int lane_in_team = lane % T;
-  const int64_t first_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + team * R;
-  const int64_t total_chunks = a.top_k * a.chunks_per_row;
-  const int64_t pass_chunks = T * W * G;
-  const int passes = static_cast<int>((total_chunks + pass_chunks - 1) / pass_chunks);
-
-  float acc[R];
+__device__ __forceinline__ void dequantize_chunk(const uint4& q, uint32_t scale_bits,
+                                                 const MoeMatrix& m, uint4* out) {
+  if constexpr (F == PackedFormat::kBF16) {
+    out[0] = q;
+  } else {
+    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+    float v[32];
+    if constexpr (F == PackedFormat::kNVFP4) {
+      const float factor[2] = {nvfp4_factor(NoGlobalScale{}, scale_bits),
+                               nvfp4_factor(NoGlobalScale{}, scale_bits >> 8)};
 #pragma unroll
-  for (int r = 0; r < R; ++r) acc[r] = 0.0f;
-  for (int pass = 0; pass < passes; ++pass) {
-    uint4 weights[G][R];
-    uint32_t scale_bits[G][R];
+      for (int i = 0; i < 4; ++i) {
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int64_t chunk = pass * pass_chunks + (j * W + warp) * T + lane_in_team;
-      const int k = static_cast<int>(chunk / a.chunks_per_row);
-      const int64_t in_row = chunk % a.chunks_per_row;
-#pragma unroll
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = first_row + r;
-        if (chunk < total_chunks && row < a.rows && downs[k].weights != nullptr) {
-          weights[j][r] = load_weights_nc(static_cast<const uint4*>(downs[k].weights) +
-                                          row * a.chunks_per_row + in_row);
-          scale_bits[j][r] = load_scale_bits<F>(downs[k], row, in_row);
-        } else {
-          weights[j][r] = make_uint4(0, 0, 0, 0);
-          scale_bits[j][r] = 0;
+        for (int s = 0; s < 4; ++s) {
+          // As dot_nvfp4: elements s and s + 4 of the word as one half2, value · 2^-14.
+          const uint32_t t = words[i] >> (4 * s);
+          const uint32_t h = ((t << 9) & 0x0E000E00u) | ((t << 12) & 0x80008000u);
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&h));
+          v[8 * i + s] = f.x * factor[i / 2];
+          v[8 * i + s + 4] = f.y * factor[i / 2];
         }
       }
+    } else {
+      const float scale = scale_from_bits(m, scale_bits);
+#pragma unroll
+      for (int e = 0; e < 32; ++e) {
+        v[e] =
+            static_cast<float>(static_cast<int>((words[e / 8] >> (4 * (e % 8))) & 0xF) - 8) * scale;
+      }
     }
 #pragma unroll
-    for (int j = 0; j < G; ++j) {
-      const int64_t chunk = pass * pass_chunks + (j * W + warp) * T + lane_in_team;
-      if (chunk >= total_chunks) continue;
-      const int k = static_cast<int>(chunk / a.chunks_per_row);
-      const int64_t in_row = chunk % a.chunks_per_row;
-      if (downs[k].weights == nullptr) continue;
-      XChunk<kElems> x;
-      load_x_chunk<ActType::kF32>(a.activations, k * a.activation_stride + in_row * kElems, x);
+    for (int i = 0; i < 4; ++i) {
+      uint32_t packed[4];
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        acc[r] += pick_weights[k] * dot_chunk<F>(weights[j][r], scale_bits[j][r], downs[k], x);
+      for (int j = 0; j < 4; ++j) {
+        const __nv_bfloat162 b = __floats2bfloat162_rn(v[8 * i + 2 * j], v[8 * i + 2 * j + 1]);
+        packed[j] = *reinterpret_cast<const uint32_t*>(&b);
+      }
+      out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    }
+  }
+}
+
+// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
+template <PackedFormat F>
+__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
+  } else {
+    return sum;
+  }
+}
+
+// Grouped GEMM over the plan's work items: block (x, i) computes output columns
+// x · kColumns ... of work item i's pairs. Gate/up: columns = inner rows of gate and up (64 of
+// each), output gelu_tanh(gate) · up; down: 128 hidden rows.
+// Four blocks per SM (128 registers; ptxas -v: NVFP4 spills nothing, w4g32's gate/up 20 bytes)
+// hide the global latency of each step's loads better than the two that 180 registers allow;
+// bf16's 16 loads per thread need the registers of two.
+template <PackedFormat F>
+constexpr int kGroupedBlocksPerSm = F == PackedFormat::kBF16 ? 2 : 4;
+
+template <PackedFormat F, bool kGateUp>
+__global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
+    grouped_kernel(GroupedArgs a) {
+  using namespace nvcuda;
+  constexpr int kElems = kChunkElems<F>;
+  constexpr int kChunksPerRowStep = kStepK / kElems;
+  constexpr int kChunksPerThread = kTileN * kChunksPerRowStep / kGroupedThreads;
+  constexpr int kColumns = kGateUp ? kTileN / 2 : kTileN;
+  constexpr int kAElemsPerThread = kTileM * kStepK / kGroupedThreads;  // 32: one A row quarter
+  static_assert(kAElemsPerThread == 32 && kStepK / kAElemsPerThread == 4);
+  // The output staging reuses b_tile once the last step is done.
+  constexpr int kStagePitch = kColumns + 4;
+  static_assert(sizeof(float) * kTileM * kStagePitch <= sizeof(__nv_bfloat16) * kTileN * kPitch);
+  __shared__ __align__(32) __nv_bfloat16 a_tile[kTileM][kPitch];
+  __shared__ __align__(32) __nv_bfloat16 b_tile[kTileN][kPitch];
+  __shared__ int tile_pairs[kTileM];
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+
+  const Plan plan{a.plan, a.num_experts, a.pairs};
+  if (static_cast<int>(blockIdx.y) >= plan.items()) return;
+  const int item = plan.item(blockIdx.y);
+  const int slot = item >> 16;
+  const int first = plan.begin(slot) + (item & 0xFFFF) * kTileM;
+  const int remaining = plan.begin(slot + 1) - first;
+  const int count = remaining < kTileM ? remaining : kTileM;
+  const MoeExpert& expert = a.experts[plan.expert(slot)];
+  const MoeMatrix mats[2] = {kGateUp ? expert.gate : expert.down,
+                             kGateUp ? expert.up : expert.down};
+  const int64_t column0 = static_cast<int64_t>(blockIdx.x) * kColumns;
+  if (threadIdx.x < kTileM) {
+    tile_pairs[threadIdx.x] =
+        static_cast<int>(threadIdx.x) < count ? plan.pair(first + threadIdx.x) : -1;
+  }
+  __syncthreads();
+
+  // What this thread stages per step: chunks of the weight rows, and a quarter of one A row.
+  const int a_row = threadIdx.x / 4;
+  const int64_t a_k = (threadIdx.x % 4) * kAElemsPerThread;
+  const int a_pair = tile_pairs[a_row];
+  // The A row's first element (a row past the tile's pairs stages zeros: offset 0, never read).
+  const bool a_live = a_pair >= 0;
+  const int64_t a_offset = a_live ? (kGateUp ? a_pair / a.top_k : a_pair) * a.a_stride : 0;
+  const int64_t k_total = a.chunks_per_row * kElems;
+  uint4 weights[kChunksPerThread];
+  uint32_t scale_bits[kChunksPerThread];
+  float4 a_f32[kGateUp ? 8 : 1];
+  uint4 a_bf16[kGateUp ? 1 : 4];
+
+  auto weight_slot = [&](int i, int& row_in_tile, int& chunk_in_step) {
+    const int index = i * kGroupedThreads + threadIdx.x;
+    row_in_tile = index / kChunksPerRowStep;
+    chunk_in_step = index % kChunksPerRowStep;
+  };
+  auto load_step = [&](int step) {
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      int row_in_tile, chunk_in_step;
+      weight_slot(i, row_in_tile, chunk_in_step);
+      const int mat = kGateUp && row_in_tile >= kColumns ? 1 : 0;
+      const int64_t row = column0 + row_in_tile - mat * kColumns;
+      const int64_t chunk = static_cast<int64_t>(step) * kChunksPerRowStep + chunk_in_step;
+      if (row < a.rows && chunk < a.chunks_per_row) {
+        weights[i] = load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
+                                     row * a.chunks_per_row + chunk);
+        scale_bits[i] = load_scale_bits<F>(mats[mat], row, chunk);
+      } else {
+        weights[i] = make_uint4(0, 0, 0, 0);
+        scale_bits[i] = 0;
+      }
+    }
+    const int64_t k = static_cast<int64_t>(step) * kStepK + a_k;
+    const bool live = a_live && k < k_total;
+    if constexpr (kGateUp) {
+      const float4* src =
+          reinterpret_cast<const float4*>(static_cast<const float*>(a.a) + a_offset + k);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) a_f32[i] = live ? __ldg(src + i) : make_float4(0, 0, 0, 0);
+    } else {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.a) + a_offset + k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a_bf16[i] = live ? __ldg(src + i) : make_uint4(0, 0, 0, 0);
+    }
+  };
+  auto store_step = [&]() {
+#pragma unroll
+    for (int i = 0; i < kChunksPerThread; ++i) {
+      int row_in_tile, chunk_in_step;
+      weight_slot(i, row_in_tile, chunk_in_step);
+      const int mat = kGateUp && row_in_tile >= kColumns ? 1 : 0;
+      dequantize_chunk<F>(weights[i], scale_bits[i], mats[mat],
+                          reinterpret_cast<uint4*>(&b_tile[row_in_tile][chunk_in_step * kElems]));
+    }
+    uint4* a_out = reinterpret_cast<uint4*>(&a_tile[a_row][a_k]);
+    if constexpr (kGateUp) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const __nv_bfloat162 p0 = __floats2bfloat162_rn(a_f32[2 * i].x, a_f32[2 * i].y);
+        const __nv_bfloat162 p1 = __floats2bfloat162_rn(a_f32[2 * i].z, a_f32[2 * i].w);
+        const __nv_bfloat162 p2 = __floats2bfloat162_rn(a_f32[2 * i + 1].x, a_f32[2 * i + 1].y);
+        const __nv_bfloat162 p3 = __floats2bfloat162_rn(a_f32[2 * i + 1].z, a_f32[2 * i + 1].w);
+        a_out[i] = make_uint4(
+            *reinterpret_cast<const uint32_t*>(&p0), *reinterpret_cast<const uint32_t*>(&p1),
+            *reinterpret_cast<const uint32_t*>(&p2), *reinterpret_cast<const uint32_t*>(&p3));
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) a_out[i] = a_bf16[i];
+    }
+  };
+
+  // Warp w: rows 0..31 of the tile (two 16-row fragments) times two 16-column fragments, the
+  // gate and up columns 16w.. (gate/up) or columns 32w.. (down).
+  const int warp = threadIdx.x >> 5;
+  auto b_column = [&](int j) { return kGateUp ? j * kColumns + 16 * warp : 32 * warp + 16 * j; };
+  wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc[2][2];
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) wmma::fill_fragment(acc[mi][j], 0.0f);
+  }
+  const int steps = static_cast<int>((k_total + kStepK - 1) / kStepK);
+  load_step(0);
+  for (int step = 0; step < steps; ++step) {
+    store_step();
+    __syncthreads();
+    if (step + 1 < steps) load_step(step + 1);  // in flight during this step's products
+#pragma unroll
+    for (int kk = 0; kk < kStepK; kk += 16) {
+      wmma::fragment<wmma::matrix_a, 16, 16, 16, __nv_bfloat16, wmma::row_major> fa[2];
+      wmma::fragment<wmma::matrix_b, 16, 16, 16, __nv_bfloat16, wmma::col_major> fb[2];
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) wmma::load_matrix_sync(fa[mi], &a_tile[16 * mi][kk], kPitch);
+#pragma unroll
+      for (int j = 0; j < 2; ++j) wmma::load_matrix_sync(fb[j], &b_tile[b_column(j)][kk], kPitch);
+#pragma unroll
+      for (int mi = 0; mi < 2; ++mi) {
+#pragma unroll
+        for (int j = 0; j < 2; ++j) wmma::mma_sync(acc[mi][j], fa[mi], fb[j], acc[mi][j]);
+      }
+    }
+    __syncthreads();
+  }
+
+  // Epilogue: the fp32 sums (global scale applied) through shared memory to the pairs' rows.
+  float* stage = reinterpret_cast<float*>(&b_tile[0][0]);
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    if constexpr (kGateUp) {
+      // Fragments of one type map elements to positions alike: element e of the gate and the up
+      // fragment is the same (pair, column).
+#pragma unroll
+      for (int e = 0; e < acc[mi][0].num_elements; ++e) {
+        const float gate = apply_global_scale<F>(mats[0], acc[mi][0].x[e]);
+        const float up = apply_global_scale<F>(mats[1], acc[mi][1].x[e]);
+        acc[mi][0].x[e] = gelu_tanh(gate) * up;
+      }
+      wmma::store_matrix_sync(stage + 16 * mi * kStagePitch + 16 * warp, acc[mi][0], kStagePitch,
+                              wmma::mem_row_major);
+    } else {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+#pragma unroll
+        for (int e = 0; e < acc[mi][j].num_elements; ++e) {
+          acc[mi][j].x[e] = apply_global_scale<F>(mats[0], acc[mi][j].x[e]);
+        }
+        wmma::store_matrix_sync(stage + 16 * mi * kStagePitch + b_column(j), acc[mi][j],
+                                kStagePitch, wmma::mem_row_major);
       }
     }
   }
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-#pragma unroll
-    for (int offset = T / 2; offset > 0; offset /= 2) {
-      acc[r] += __shfl_xor_sync(0xFFFFFFFFu, acc[r], offset);
-    }
-    if (lane_in_team == 0) partial[warp][team * R + r] = acc[r];
-  }
   __syncthreads();
-  for (int i = threadIdx.x; i < kRowsPerBlock; i += W * 32) {
-    const int64_t row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + i;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < W; ++w) sum += partial[w][i];
-    if (row < a.rows) a.out[row] = sum;
+  for (int i = threadIdx.x; i < kTileM * kColumns; i += kGroupedThreads) {
+    const int m = i / kColumns;
+    const int column = i % kColumns;
+    if (m >= count || column0 + column >= a.rows) continue;
+    const int64_t at = static_cast<int64_t>(tile_pairs[m]) * a.y_stride + column0 + column;
+    const float value = stage[m * kStagePitch + column];
+    if constexpr (kGateUp) {
+      static_cast<__nv_bfloat16*>(a.y)[at] = __float2bfloat16_rn(value);
+    } else {
+      static_cast<float*>(a.y)[at] = value;
+    }
   }
 }
 
@@ -581,48 +751,20 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
   a.out[t * a.out_stride + j] = sum;
 }
 
-template <PackedFormat F, Stage S>
-cudaError_t launch_expert_stage(const ExpertGemvArgs& args, int slots, const Launch& launch) {
-  constexpr ExpertTiling kTiling = kTilingFor<S>;
-  constexpr int kRowsPerBlock = rows_per_block<S>();
-  constexpr int kMats = S == Stage::kDownGrouped ? 1 : 2;
-  const dim3 grid(static_cast<unsigned>((args.rows + kRowsPerBlock - 1) / kRowsPerBlock),
-                  static_cast<unsigned>(slots));
-  const size_t shared = kTiling.warps > 1
-                            ? sizeof(float) * kTiling.warps * kTiling.m_tile * kMats * kRowsPerBlock
-                            : 0;
-  return launch_kernel(expert_gemv_kernel<F, S>, grid, dim3(kTiling.warps * 32), shared, launch,
-                       args);
-}
-
-template <Stage S>
-cudaError_t launch_stage(PackedFormat format, const ExpertGemvArgs& args, int slots,
-                         const Launch& launch) {
+// launch_one(std::integral_constant<PackedFormat, F>) for the formats the MoE kernels read
+// (check_experts admits no other).
+template <typename LaunchOne>
+cudaError_t for_format(PackedFormat format, LaunchOne launch_one) {
   switch (format) {
     case PackedFormat::kW4G32:
-      return launch_expert_stage<PackedFormat::kW4G32, S>(args, slots, launch);
+      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kW4G32>{});
     case PackedFormat::kNVFP4:
-      return launch_expert_stage<PackedFormat::kNVFP4, S>(args, slots, launch);
+      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kNVFP4>{});
     case PackedFormat::kBF16:
-      return launch_expert_stage<PackedFormat::kBF16, S>(args, slots, launch);
+      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kBF16>{});
+    default:
+      return cudaErrorInvalidValue;
   }
-  return cudaErrorInvalidValue;
-}
-
-cudaError_t launch_down_combine(PackedFormat format, const DownCombineArgs& args,
-                                const Launch& launch) {
-  const dim3 grid(
-      static_cast<unsigned>((args.rows + kDownCombineRowsPerBlock - 1) / kDownCombineRowsPerBlock));
-  const dim3 block(kDownCombineTiling.warps * 32);
-  switch (format) {
-    case PackedFormat::kW4G32:
-      return launch_kernel(down_combine_kernel<PackedFormat::kW4G32>, grid, block, 0, launch, args);
-    case PackedFormat::kNVFP4:
-      return launch_kernel(down_combine_kernel<PackedFormat::kNVFP4>, grid, block, 0, launch, args);
-    case PackedFormat::kBF16:
-      return launch_kernel(down_combine_kernel<PackedFormat::kBF16>, grid, block, 0, launch, args);
-  }
-  return cudaErrorInvalidValue;
 }
 
 int64_t chunk_elements(PackedFormat format) {
@@ -633,86 +775,128 @@ size_t align16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
+unsigned blocks(int64_t n, int64_t per_block) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
+  const MoeShape& shape = args.shape;
+  const int pairs = args.tokens * args.top_k;
+  const DecodeGateUpArgs gate_up = {
+      args.experts, shape.num_experts, args.expert_ids,
+      args.top_k,   shape.inner,       shape.hidden / chunk_elements(shape.gate_up_format),
+      args.x,       args.x_stride,     activations};
+  const dim3 block(kDecodeWarps * 32);
+  const dim3 gate_up_grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
+  cudaError_t status = for_format(shape.gate_up_format, [&](auto format) {
+    return launch_kernel(decode_gate_up_kernel<decltype(format)::value>, gate_up_grid, block, 0,
+                         launch, gate_up);
+  });
+  if (status != cudaSuccess) return status;
+  const DecodeDownArgs down = {args.experts,
+                               shape.num_experts,
+                               args.expert_ids,
+                               args.weights,
+                               args.top_k,
+                               shape.hidden,
+                               shape.inner / chunk_elements(shape.down_format),
+                               activations,
+                               shape.inner,
+                               args.out,
+                               args.out_stride};
+  const dim3 down_grid(static_cast<unsigned>(args.tokens),
+                       blocks(shape.hidden, kDecodeRowsPerBlock));
+  return for_format(shape.down_format, [&](auto format) {
+    return launch_kernel(decode_down_kernel<decltype(format)::value>, down_grid, block, 0, launch,
+                         down);
+  });
+}
+
+cudaError_t launch_grouped(const MoeRunArgs& args, const MoeWorkspaceLayout& layout,
+                           const Launch& launch) {
+  const MoeShape& shape = args.shape;
+  auto* workspace = static_cast<char*>(args.workspace);
+  auto* activations = reinterpret_cast<__nv_bfloat16*>(workspace + layout.activations);
+  auto* expert_outputs = reinterpret_cast<float*>(workspace + layout.expert_outputs);
+  auto* plan = reinterpret_cast<int32_t*>(workspace + layout.plan);
+  const int pairs = args.tokens * args.top_k;
+  const PlanArgs plan_args = {args.expert_ids, pairs, shape.num_experts, plan};
+  cudaError_t status =
+      launch_kernel(plan_kernel, dim3(1), dim3(kPlanThreads), 0, launch, plan_args);
+  if (status != cudaSuccess) return status;
+
+  const unsigned items = static_cast<unsigned>(max_items(pairs, shape.num_experts));
+  GroupedArgs gate_up = {args.experts,
+                         shape.num_experts,
+                         plan,
+                         pairs,
+                         args.top_k,
+                         shape.inner,
+                         shape.hidden / chunk_elements(shape.gate_up_format),
+                         args.x,
+                         args.x_stride,
+                         activations,
+                         shape.inner};
+  const dim3 block(kGroupedThreads);
+  const dim3 gate_up_grid(blocks(shape.inner, kTileN / 2), items);
+  status = for_format(shape.gate_up_format, [&](auto format) {
+    return launch_kernel(grouped_kernel<decltype(format)::value, true>, gate_up_grid, block, 0,
+                         launch, gate_up);
+  });
+  if (status != cudaSuccess) return status;
+  GroupedArgs down = gate_up;
+  down.rows = shape.hidden;
+  down.chunks_per_row = shape.inner / chunk_elements(shape.down_format);
+  down.a = activations;
+  down.a_stride = shape.inner;
+  down.y = expert_outputs;
+  down.y_stride = shape.hidden;
+  const dim3 down_grid(blocks(shape.hidden, kTileN), items);
+  status = for_format(shape.down_format, [&](auto format) {
+    return launch_kernel(grouped_kernel<decltype(format)::value, false>, down_grid, block, 0,
+                         launch, down);
+  });
+  if (status != cudaSuccess) return status;
+
+  const CombineArgs combine = {args.expert_ids, args.weights, args.top_k, shape.num_experts,
+                               expert_outputs,  shape.hidden, args.out,   args.out_stride};
+  return launch_kernel(
+      combine_kernel,
+      dim3(blocks(shape.hidden, kCombineThreads), static_cast<unsigned>(args.tokens)),
+      dim3(kCombineThreads), 0, launch, combine);
+}
+
 }  // namespace
 
 cudaError_t launch_router(const RouterArgs& args, const Launch& launch) {
-  const dim3 grid(static_cast<unsigned>((args.tokens + kRouterWarps - 1) / kRouterWarps));
+  const dim3 grid(blocks(args.tokens, kRouterWarps));
   return launch_kernel(router_kernel, grid, dim3(kRouterWarps * 32), 0, launch, args);
 }
 
-MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k) {
-  const size_t pairs = static_cast<size_t>(tokens) * top_k;
+MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k,
+                                        MoePath path) {
+  const int pairs = tokens * top_k;
+  const bool grouped = path == MoePath::kGrouped;
   MoeWorkspaceLayout layout;
   layout.activations = 0;
+  // fp32 activations (decode) or bf16 ones (grouped).
   layout.expert_outputs = align16(sizeof(float) * pairs * shape.inner);
-  layout.plan = layout.expert_outputs + align16(sizeof(float) * pairs * shape.hidden);
-  const size_t plan_words = tokens > 1 ? 2 + 2 * static_cast<size_t>(shape.num_experts) + pairs : 0;
-  layout.bytes = layout.plan + align16(sizeof(int32_t) * plan_words);
+  layout.plan =
+      layout.expert_outputs + (grouped ? align16(sizeof(float) * pairs * shape.hidden) : 0);
+  layout.bytes =
+      layout.plan + (grouped ? align16(sizeof(int32_t) * plan_words(pairs, shape.num_experts)) : 0);
   return layout;
 }
 
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
-  const MoeWorkspaceLayout layout = moe_workspace_layout(args.shape, args.tokens, args.top_k);
-  auto* workspace = static_cast<char*>(args.workspace);
-  auto* activations = reinterpret_cast<float*>(workspace + layout.activations);
-  auto* expert_outputs = reinterpret_cast<float*>(workspace + layout.expert_outputs);
-  const int pairs = args.tokens * args.top_k;
-  const int32_t* plan = nullptr;
-  int slots = pairs;
-  if (args.tokens > 1) {
-    auto* words = reinterpret_cast<int32_t*>(workspace + layout.plan);
-    const PlanArgs plan_args = {args.expert_ids, pairs, args.shape.num_experts, words};
-    const cudaError_t status =
-        launch_kernel(plan_kernel, dim3(1), dim3(kPlanThreads), 0, launch, plan_args);
-    if (status != cudaSuccess) return status;
-    plan = words;
-    slots = pairs < args.shape.num_experts ? pairs : args.shape.num_experts;
+  const MoeWorkspaceLayout layout =
+      moe_workspace_layout(args.shape, args.tokens, args.top_k, args.path);
+  if (args.path == MoePath::kDecode) {
+    return launch_decode(
+        args, reinterpret_cast<float*>(static_cast<char*>(args.workspace) + layout.activations),
+        launch);
   }
-
-  ExpertGemvArgs gate_up = {};
-  gate_up.experts = args.experts;
-  gate_up.num_experts = args.shape.num_experts;
-  gate_up.expert_ids = args.expert_ids;
-  gate_up.plan = plan;
-  gate_up.top_k = args.top_k;
-  gate_up.rows = args.shape.inner;
-  gate_up.chunks_per_row = args.shape.hidden / chunk_elements(args.shape.gate_up_format);
-  gate_up.x = args.x;
-  gate_up.x_stride = args.x_stride;
-  gate_up.y = activations;
-  gate_up.y_stride = args.shape.inner;
-  cudaError_t status =
-      plan == nullptr
-          ? launch_stage<Stage::kGateUpOneToken>(args.shape.gate_up_format, gate_up, slots, launch)
-          : launch_stage<Stage::kGateUpGrouped>(args.shape.gate_up_format, gate_up, slots, launch);
-  if (status != cudaSuccess) return status;
-
-  const int64_t down_chunks = args.shape.inner / chunk_elements(args.shape.down_format);
-  if (args.tokens == 1) {
-    const DownCombineArgs down = {args.experts,     args.shape.num_experts,
-                                  args.expert_ids,  args.weights,
-                                  args.top_k,       args.shape.hidden,
-                                  down_chunks,      activations,
-                                  args.shape.inner, args.out};
-    return launch_down_combine(args.shape.down_format, down, launch);
-  }
-  ExpertGemvArgs down = gate_up;
-  down.rows = args.shape.hidden;
-  down.chunks_per_row = down_chunks;
-  down.x = activations;
-  down.x_stride = args.shape.inner;
-  down.y = expert_outputs;
-  down.y_stride = args.shape.hidden;
-  status = launch_stage<Stage::kDownGrouped>(args.shape.down_format, down, slots, launch);
-  if (status != cudaSuccess) return status;
-
-  const CombineArgs combine = {
-      args.expert_ids, args.weights,      args.top_k, args.shape.num_experts,
-      expert_outputs,  args.shape.hidden, args.out,   args.out_stride};
-  const dim3 grid(
-      static_cast<unsigned>((args.shape.hidden + kCombineThreads - 1) / kCombineThreads),
-      static_cast<unsigned>(args.tokens));
-  return launch_kernel(combine_kernel, grid, dim3(kCombineThreads), 0, launch, combine);
+  return launch_grouped(args, layout, launch);
 }
 
 }  // namespace gemma4::cuda

@@ -3,12 +3,13 @@
 //   route_experts: per token softmax over the router logits (fp32), top_k (ties: lower expert id
 //     first), renormalised, times per_expert_scale; ids and weights stay in device memory.
 //   run_experts: out[t] = Σ_k w[t][k] · down_e(gelu_tanh(gate_e x[t]) ⊙ up_e x[t]) for the
-//     routed experts only, grouped by expert so each selected expert's weights are read once per
-//     pass (kMoeTokensPerPass tokens), for any number of tokens (decode, batches, prefill).
-//     Deterministic.
+//     routed experts only, for any number of tokens. Below kMoeGroupedMinTokens tokens (decode,
+//     small batches) every (token, expert) pair runs as a GEMV, in fp32; from there on (prefill)
+//     the pairs are grouped by expert on the device and run as tensor-core tiles with bf16
+//     inputs, each selected expert's weights read once per 32 of its pairs. Deterministic.
 // Expert weights: kW4G32 (bf16/f16/f32 scales), kNVFP4 (divisor or multiplier global scale) or
-// kBF16, dequantized in registers; fp32 activations and accumulation. No host round-trip: every
-// launch is graph-capturable once the layer's MoeExpertTable exists.
+// kBF16, dequantized in registers; fp32 accumulation. No host round-trip: every launch is
+// graph-capturable once the layer's MoeExpertTable exists.
 #pragma once
 
 #include <cstddef>
@@ -62,16 +63,16 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
                           float* weights, const Launch& launch);
 
 // run_experts works through at most this many tokens per pass, bounding its workspace (58 MB at
-// 26B-A4B shapes, top-8); each pass reads every expert its tokens chose once.
+// 26B-A4B shapes, top-8).
 inline constexpr int kMoeTokensPerPass = 512;
 
 // Device scratch run_experts needs (16-byte aligned), for `tokens` tokens.
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k);
 
 // out[t] (hidden floats, row t at out + t · out_stride) = Σ_k weights[t][k] ·
-// expert_{expert_ids[t][k]}(x[t]). x rows 16-byte aligned (x_stride a multiple of 4); an
-// expert id outside the table contributes nothing. Every out row is written; out must not
-// overlap x.
+// expert_{expert_ids[t][k]}(x[t]), 1 <= top_k <= min(num_experts, kMaxTopK). x rows 16-byte
+// aligned (x_stride a multiple of 4); an expert id outside the table contributes nothing. Every
+// out row is written; out must not overlap x. cudaErrorInvalidValue for bad arguments.
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
                         int64_t out_stride, void* workspace, const Launch& launch);

@@ -55,6 +55,20 @@ struct RouterArgs {
 };
 cudaError_t launch_router(const RouterArgs& args, const Launch& launch);
 
+// The two ways launch_moe runs the experts (moe.cu describes both).
+enum class MoePath : uint8_t {
+  kDecode,   // every (token, expert) pair as a GEMV, fp32 throughout: two kernels
+  kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
+};
+
+// Tokens from which run_experts takes the grouped path: below, the decode path is exact to fp32
+// rounding and reads each expert once per token that picked it (L2 absorbs the repeats).
+inline constexpr int kMoeGroupedMinTokens = 128;
+
+constexpr MoePath moe_path_for(int tokens) {
+  return tokens < kMoeGroupedMinTokens ? MoePath::kDecode : MoePath::kGrouped;
+}
+
 struct MoeRunArgs {
   const MoeExpert* experts;  // device array [shape.num_experts]
   MoeShape shape;
@@ -67,21 +81,21 @@ struct MoeRunArgs {
   float* out;                 // [tokens, hidden]
   int64_t out_stride;
   void* workspace;  // moe_workspace_layout(...).bytes, 16-byte aligned
+  MoePath path;
 };
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
-// activations [pairs, inner] f32, expert outputs [pairs, hidden] f32 (pairs = tokens · top_k)
-// and, when tokens > 1, the expert grouping (moe.cu describes it).
+// activations [pairs, inner] (fp32 on the decode path, bf16 on the grouped one) and, grouped
+// only, expert outputs [pairs, hidden] f32 and the expert grouping.
 struct MoeWorkspaceLayout {
   size_t activations = 0;
   size_t expert_outputs = 0;
   size_t plan = 0;
   size_t bytes = 0;
 };
-MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k);
+MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k, MoePath path);
 
-// Enqueues the grouping (tokens > 1), the gate/up kernel, the down kernel and the weighted sum
-// (down and sum fused into one kernel for a single token); arguments already validated.
+// Enqueues args.path for at most kMoeTokensPerPass tokens (moe.h); arguments already validated.
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
 
 }  // namespace gemma4::cuda
