@@ -18,8 +18,9 @@
 // Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV.
 //
 // Grouped path (run_experts: T >= kMoeGroupedMinTokens), four launches:
-//   1. plan_kernel: a device-side counting sort of the pairs by expert (ascending id = "slots")
-//      and the list of (slot, 32-pair tile) work items.
+//   1. plan_kernel: a device-side stable counting sort of the pairs by expert (ascending id =
+//      "slots", each slot's pairs in ascending order) and the list of (slot, 32-pair tile) work
+//      items: the same plan on every run.
 //   2. grouped_kernel<gate/up>: grid (inner-column tiles, work items); each block stages 128
 //      weight rows (64 gate + the same 64 up rows) dequantized to bf16 and its 32 pairs' token
 //      rows (bf16) in shared memory, kStepK elements of K at a time (the next step's global loads
@@ -30,9 +31,8 @@
 //      id (the CPU reference's order): deterministic, no atomics.
 // The tensor cores take bf16 inputs (activations and dequantized weights rounded to bf16, NVFP4's
 // global scale applied to the fp32 sums), so the grouped path agrees with the CPU reference to
-// bf16 precision, the decode path to fp32 rounding. The plan's slot order within a slot comes
-// from shared-memory atomics and may vary between runs; it never changes a value, because every
-// pair is computed on its own.
+// bf16 precision, the decode path to fp32 rounding. Both are deterministic: no atomics in any
+// sum, every launch's work split fixed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -350,6 +350,7 @@ size_t plan_words(int pairs, int num_experts) {
 }
 
 constexpr int kPlanThreads = 1024;
+constexpr int kPlanWarps = kPlanThreads / 32;
 constexpr int kPlanExpertsPerLane = kMaxRouterExperts / 32;
 
 struct PlanArgs {
@@ -359,29 +360,61 @@ struct PlanArgs {
   int32_t* words;
 };
 
+// A stable counting sort in one block: warp w owns a contiguous segment of the pairs and visits
+// it 32 pairs at a time in order; lanes that picked the same expert find each other with
+// __match_any_sync. Each slot lists its pairs in ascending order, so the plan (and every tile's
+// content) is the same on every run.
 __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
+  // counts[w][e]: pairs of warp w's segment that picked expert e; after the prefix over the
+  // warps, where warp w's next pair of expert e goes, relative to the expert's first entry.
+  __shared__ int counts[kPlanWarps][kMaxRouterExperts];
+  __shared__ int totals[kMaxRouterExperts];
+  __shared__ int first_entry[kMaxRouterExperts];
   pdl_trigger_dependents();
   pdl_wait_for_predecessors();
-  __shared__ int counts[kMaxRouterExperts];
-  __shared__ int cursor[kMaxRouterExperts];
-  for (int e = threadIdx.x; e < kMaxRouterExperts; e += blockDim.x) counts[e] = 0;
-  __syncthreads();
-  for (int i = threadIdx.x; i < a.pairs; i += blockDim.x) {
-    const int e = a.expert_ids[i];
-    if (e >= 0 && e < a.num_experts) atomicAdd(&counts[e], 1);
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  for (int i = threadIdx.x; i < kPlanWarps * kMaxRouterExperts; i += blockDim.x) {
+    counts[i / kMaxRouterExperts][i % kMaxRouterExperts] = 0;
   }
   __syncthreads();
+  const int span = (a.pairs + kPlanWarps - 1) / kPlanWarps;
+  const int segment_begin = min(warp * span, a.pairs);
+  const int segment_end = min(segment_begin + span, a.pairs);
+  const unsigned lanes_below = (1u << lane) - 1;
+  // The expert of pair i, -1 when invalid or past the segment (those contribute nothing).
+  auto expert_of = [&](int i) {
+    const int e = i < segment_end ? a.expert_ids[i] : -1;
+    return e >= 0 && e < a.num_experts ? e : -1;
+  };
+  for (int base = segment_begin; base < segment_end; base += 32) {
+    const int e = expert_of(base + lane);
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+    if (e >= 0 && (peers & lanes_below) == 0) counts[warp][e] += __popc(peers);
+    __syncwarp();
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < kMaxRouterExperts; e += blockDim.x) {
+    int running = 0;
+    for (int w = 0; w < kPlanWarps; ++w) {
+      const int c = counts[w][e];
+      counts[w][e] = running;
+      running += c;
+    }
+    totals[e] = running;
+  }
+  __syncthreads();
+
   int32_t* slot_expert = a.words + 1;
   int32_t* slot_begin = a.words + 1 + a.num_experts;
   int32_t* items = a.words + 2 + 2 * a.num_experts + a.pairs;
-  if (threadIdx.x < 32) {
+  if (warp == 0) {
     // Lane l numbers experts 8l .. 8l+7: a warp scan of (experts in use, pairs, work items)
     // gives each expert its slot, its first list entry and its first work item.
-    const int lane = threadIdx.x;
     int used = 0, listed = 0, tiles = 0;
 #pragma unroll
     for (int j = 0; j < kPlanExpertsPerLane; ++j) {
-      const int c = counts[lane * kPlanExpertsPerLane + j];
+      const int c = totals[lane * kPlanExpertsPerLane + j];
       used += c > 0;
       listed += c;
       tiles += (c + kTileM - 1) / kTileM;
@@ -404,11 +437,11 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
 #pragma unroll
     for (int j = 0; j < kPlanExpertsPerLane; ++j) {
       const int e = lane * kPlanExpertsPerLane + j;
-      const int c = counts[e];
+      const int c = totals[e];
       if (c > 0) {
         slot_expert[used_before] = e;
         slot_begin[used_before] = listed_before;
-        cursor[e] = listed_before;
+        first_entry[e] = listed_before;
         for (int tile = 0; tile * kTileM < c; ++tile) {
           items[1 + tiles_before++] = used_before << 16 | tile;
         }
@@ -424,9 +457,14 @@ __global__ void __launch_bounds__(kPlanThreads) plan_kernel(PlanArgs a) {
   }
   __syncthreads();
   int32_t* list = a.words + 2 + 2 * a.num_experts;
-  for (int i = threadIdx.x; i < a.pairs; i += blockDim.x) {
-    const int e = a.expert_ids[i];
-    if (e >= 0 && e < a.num_experts) list[atomicAdd(&cursor[e], 1)] = i;
+  for (int base = segment_begin; base < segment_end; base += 32) {
+    const int i = base + lane;
+    const int e = expert_of(i);
+    const unsigned peers = __match_any_sync(0xFFFFFFFFu, e);
+    if (e >= 0) list[first_entry[e] + counts[warp][e] + __popc(peers & lanes_below)] = i;
+    __syncwarp();
+    if (e >= 0 && (peers & lanes_below) == 0) counts[warp][e] += __popc(peers);
+    __syncwarp();
   }
 }
 
