@@ -35,6 +35,7 @@ struct BenchArgs {
   std::string device = "auto";
   bool no_graphs = false;
   bool no_pdl = false;
+  std::string gpu_memory;
   int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
   std::vector<int64_t> prefill = {512, 4096, 32768};
@@ -173,6 +174,7 @@ class Bench {
     GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, make_engine(1, context));
     auto& engine = *loaded.engine;
     context_ = engine.max_context();
+    memory_plan_ = loaded.memory_plan;
 
     // A depth that does not fit with its decode tokens is clipped to the deepest one that does.
     std::vector<int64_t> depths;
@@ -184,6 +186,7 @@ class Bench {
       progress(fmt::format("decode at depth {} (prefill first)", depth));
       GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(engine, 1, depth));
       decode_.push_back({1, depth, rate});
+      sample_memory();  // backend scratch grows with the depth
     }
     for (int64_t tokens : args_.prefill) {
       if (tokens > context_) {
@@ -193,6 +196,7 @@ class Bench {
       progress(fmt::format("prefill {}", tokens));
       GEMMA4_ASSIGN_OR_RETURN(double rate, prefill_rate(engine, tokens));
       prefill_.push_back({tokens, rate});
+      sample_memory();
     }
     kernels_per_token_ = kernels_per_token(engine, *loaded.backend);
     return Status::ok_status();
@@ -309,6 +313,7 @@ class Bench {
   std::vector<PrefillResult> prefill_;
   std::optional<int64_t> peak_gpu_bytes_;
   std::optional<double> kernels_per_token_;
+  engine::MemoryPlan memory_plan_;  // of the single-stream engine
 };
 
 Status Bench::write_report() const {
@@ -347,6 +352,10 @@ Status Bench::write_report() const {
                   ? fmt::format("{:.0f} MiB (whole device)", mib(*peak_gpu_bytes_)).c_str()
                   : "n/a",
               kernels_per_token_ ? fmt::format("{:.1f}", *kernels_per_token_).c_str() : "n/a");
+  std::printf("memory plan (single stream): %s%s\n", memory_plan_.summary().c_str(),
+              load_.gpu_memory > 0
+                  ? fmt::format(" of {:.0f} MiB (--gpu-memory)", mib(load_.gpu_memory)).c_str()
+                  : "");
 
   if (args_.json_file.empty()) return Status::ok_status();
   nlohmann::ordered_json json;
@@ -373,6 +382,17 @@ Status Bench::write_report() const {
       peak_gpu_bytes_ ? nlohmann::ordered_json(mib(*peak_gpu_bytes_)) : nlohmann::ordered_json();
   json["kernels_per_token"] =
       kernels_per_token_ ? nlohmann::ordered_json(*kernels_per_token_) : nlohmann::ordered_json();
+  json["gpu_memory_budget_mib"] = load_.gpu_memory > 0
+                                      ? nlohmann::ordered_json(mib(load_.gpu_memory))
+                                      : nlohmann::ordered_json();
+  json["memory_plan"] = {{"sequences", memory_plan_.options.max_sequences},
+                         {"context", memory_plan_.options.max_context},
+                         {"weights_mib", mib(memory_plan_.weight_bytes)},
+                         {"kv_mib", mib(memory_plan_.kv_bytes)},
+                         {"workspace_mib", mib(memory_plan_.workspace_bytes)},
+                         {"scratch_mib", mib(memory_plan_.scratch_bytes)},
+                         {"reserve_mib", mib(memory_plan_.reserve_bytes)},
+                         {"total_mib", mib(memory_plan_.total())}};
   json["weight_bytes_per_token"] = bytes_per_token;
   json["bandwidth_gbs"] = args_.bandwidth_gbs;
   json["decode_tokens"] = args_.decode_tokens;
@@ -399,6 +419,7 @@ Status bench(const BenchArgs& args) {
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.threads = args.threads;
+  GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
   Bench bench(args, path, std::move(model), load);
@@ -414,6 +435,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
+  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,
                   "batch-1 decode depths, reached by prefill (clipped to the context)")

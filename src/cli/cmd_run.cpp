@@ -108,6 +108,7 @@ struct RunArgs {
   std::string device = "auto";
   bool no_graphs = false;
   bool no_pdl = false;
+  std::string gpu_memory;
   int threads = 0;
   int prompt_chunk = 0;
   std::string dump_logits;
@@ -127,6 +128,7 @@ Status run(const RunArgs& args) {
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.threads = args.threads;
+  GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   // The model is opened first so that a text prompt's stop ids include its eos ids; the engine
   // is sized for the prompt afterwards.
@@ -146,6 +148,10 @@ Status run(const RunArgs& args) {
   load.engine.max_context = static_cast<int64_t>(prompt.size()) + args.max_tokens;
   GEMMA4_ASSIGN_OR_RETURN(auto loaded, create_engine(path, model, load));
   auto& engine = *loaded.engine;
+  if (engine.max_context() < load.engine.max_context && load.gpu_memory > 0)
+    return make_error(ErrorCode::kResourceExhausted,
+                      "--gpu-memory {}: the prompt and -n need {} tokens of context, {} fit",
+                      args.gpu_memory, load.engine.max_context, engine.max_context());
   std::optional<NpyRowWriter> dump;
   if (!args.dump_logits.empty()) {
     GEMMA4_ASSIGN_OR_RETURN(dump, NpyRowWriter::create(args.dump_logits, engine.vocab_size()));
@@ -202,6 +208,7 @@ void register_run(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
+  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");
   cmd->add_option("--messages", args->text.messages_file,

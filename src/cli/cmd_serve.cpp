@@ -29,6 +29,7 @@ struct ServeArgs {
   std::string api_key;
   std::string alias;
   std::string gpu_memory;
+  int64_t gpu_memory_bytes = 0;  // --gpu-memory parsed by check_args (0 = none)
   std::string device = "auto";
   bool no_graphs = false;
   bool no_pdl = false;
@@ -97,6 +98,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.threads = args.threads;
+  load.gpu_memory = args.gpu_memory_bytes;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
   load.engine.max_context = args.ctx_size;
   GEMMA4_ASSIGN_OR_RETURN(auto tokenizer, load_tokenizer(path));
@@ -131,8 +133,7 @@ Status check_args(ServeArgs& args) {
   if (args.max_queue < 0)
     return make_error(ErrorCode::kInvalidArgument, "--max-queue must be >= 0");
   if (auto device = parse_device(args.device); !device.ok()) return device.error();
-  if (!args.gpu_memory.empty())
-    std::fprintf(stderr, "gemma4 serve: --gpu-memory is not used yet (no memory planner)\n");
+  GEMMA4_ASSIGN_OR_RETURN(args.gpu_memory_bytes, parse_gpu_memory(args.gpu_memory));
   return Status::ok_status();
 }
 
@@ -205,8 +206,7 @@ void register_serve(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--alias", args->alias, "model name shown to clients");
-  cmd->add_option("--gpu-memory", args->gpu_memory,
-                  "GPU memory budget, e.g. 24GiB (GPU engine only)");
+  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);

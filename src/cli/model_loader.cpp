@@ -2,6 +2,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <fstream>
 #include <sstream>
 
@@ -17,6 +18,8 @@
 namespace gemma4::cli {
 namespace {
 
+constexpr int kGpu = 0;  // the CUDA engine runs on the first GPU
+
 struct ChosenBackend {
   std::unique_ptr<engine::Backend> backend;
   Device device = Device::kCpu;
@@ -30,7 +33,6 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
                          "CPU reference engine"};
   }
 #if GEMMA4_HAS_CUDA
-  constexpr int kGpu = 0;
   auto backend = cuda::make_cuda_backend(kGpu, options.pdl);
   if (!backend.ok()) return backend.error().with_context("--device cuda");
   return ChosenBackend{std::move(backend).value(), Device::kCuda,
@@ -40,6 +42,50 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
                     "--device cuda: this gemma4 was built without the CUDA backend "
                     "(configure with -DGEMMA4_CUDA=ON)");
 #endif
+}
+
+double mib(int64_t bytes) {
+  return static_cast<double>(bytes) / (1 << 20);
+}
+
+// The engine's memory plan (engine/memory_plan.h), logged in one line. With --gpu-memory on a
+// device, the sequences and context are fitted to the budget, or loading fails naming the numbers
+// before anything is allocated.
+Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
+                                                const engine::Backend& backend,
+                                                const EngineLoadOptions& options) {
+  const bool on_device = !backend.reads_host_memory();
+  if (options.gpu_memory > 0 && !on_device)
+    std::fprintf(stderr, "gemma4: --gpu-memory ignored: the %s backend keeps nothing on a GPU\n",
+                 backend.name());
+  const bool ple_packs =
+      engine::table_packs_on_device(model.weights.embed_tokens_per_layer, backend);
+  const int64_t weights = engine::resident_weight_bytes(model.weights, !on_device, ple_packs);
+  const engine::MemoryPlan requested =
+      engine::plan_memory(model.config, weights, options.engine, on_device);
+  engine::MemoryPlan plan = requested;
+  const bool budgeted = options.gpu_memory > 0 && on_device;
+  if (budgeted) {
+    auto fitted = engine::fit_memory_plan(model.config, weights, options.engine, on_device,
+                                          options.gpu_memory);
+    if (!fitted.ok()) return fitted.error().with_context("--gpu-memory");
+    plan = *fitted;
+  }
+  std::string line = "gemma4: memory plan: " + plan.summary();
+  if (budgeted) {
+    line += fmt::format(" of {:.0f} MiB (--gpu-memory)", mib(options.gpu_memory));
+    if (plan.options.max_sequences != requested.options.max_sequences ||
+        plan.options.max_context != requested.options.max_context)
+      line += fmt::format("; lowered from {} x {} tokens to fit", requested.options.max_sequences,
+                          requested.options.max_context);
+  }
+  if (ple_packs) line += "; per-layer embeddings packed to 4 bits (lossless)";
+  if (on_device) {
+    if (auto used = cuda_memory_used_bytes(kGpu))
+      line += fmt::format("; {:.0f} MiB of the GPU in use before loading", mib(*used));
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
+  return plan;
 }
 
 bool is_synthetic(const std::filesystem::path& path) {
@@ -59,6 +105,13 @@ Expected<Device> parse_device(std::string_view name) {
 
 std::string LoadedEngine::description() const {
   return fmt::format("{} ({})", path.string(), backend_description);
+}
+
+Expected<int64_t> parse_gpu_memory(std::string_view text) {
+  if (text.empty()) return int64_t{0};
+  auto bytes = engine::parse_memory_size(text);
+  if (!bytes.ok()) return bytes.error().with_context("--gpu-memory");
+  return bytes;
 }
 
 Expected<std::filesystem::path> resolve_model(std::string_view model) {
@@ -81,9 +134,12 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.backend = chosen.backend.get();
   loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
-  GEMMA4_ASSIGN_OR_RETURN(loaded.engine,
-                          engine::Gemma4Engine::create(loaded.model->config, loaded.model->weights,
-                                                       std::move(chosen.backend), options.engine));
+  GEMMA4_ASSIGN_OR_RETURN(loaded.memory_plan,
+                          plan_engine_memory(*loaded.model, *chosen.backend, options));
+  GEMMA4_ASSIGN_OR_RETURN(
+      loaded.engine,
+      engine::Gemma4Engine::create(loaded.model->config, loaded.model->weights,
+                                   std::move(chosen.backend), loaded.memory_plan.options));
   loaded.synthetic = is_synthetic(path);
   return loaded;
 }

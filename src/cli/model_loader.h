@@ -12,6 +12,7 @@
 #include "core/status.h"
 #include "engine/backend.h"
 #include "engine/gemma4_engine.h"
+#include "engine/memory_plan.h"
 #include "model/weights.h"
 #include "text/chat_template.h"
 #include "text/tokenizer.h"
@@ -35,11 +36,19 @@ inline constexpr const char* kNoGraphsHelp =
 inline constexpr const char* kNoPdlHelp =
     "launch CUDA kernels without programmatic dependent launch (for A/B measurements)";
 
+// Help text for --gpu-memory, the same in every subcommand.
+inline constexpr const char* kGpuMemoryHelp =
+    "GPU memory budget, e.g. 3732MiB or 24GiB: fewer sequences, then a shorter context, if the "
+    "requested ones do not fit (CUDA engine only)";
+
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;
   int threads = 0;  // CPU backend threads (0 = all)
   bool pdl = true;  // CUDA: programmatic dependent launch between kernels
+  // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are
+  // lowered to fit it (engine/memory_plan.h).
+  int64_t gpu_memory = 0;
   engine::EngineOptions engine;
 };
 
@@ -53,11 +62,15 @@ struct LoadedEngine {
   Device device = Device::kCpu;     // the backend --device resolved to (never kAuto)
   std::string backend_description;  // "CPU reference engine", "CUDA engine on NVIDIA H200"
   bool synthetic = false;           // a `gemma4 synth` checkpoint: random weights
+  engine::MemoryPlan memory_plan;   // what the engine was sized to (logged at load)
   std::unique_ptr<engine::Gemma4Engine> engine;
 
   // One line for logs: "<path> (<backend_description>)".
   std::string description() const;
 };
+
+// --gpu-memory's value in bytes (engine::parse_memory_size); 0 when empty (no budget).
+Expected<int64_t> parse_gpu_memory(std::string_view text);
 
 // The resolved local path of -m (io::resolve_model_path with the environment's hub options).
 Expected<std::filesystem::path> resolve_model(std::string_view model);
