@@ -74,10 +74,12 @@ Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
   std::string line = "gemma4: memory plan: " + plan.summary();
   if (budgeted) {
     line += fmt::format(" of {:.0f} MiB (--gpu-memory)", mib(options.gpu_memory));
-    if (plan.options.max_sequences != requested.options.max_sequences ||
-        plan.options.max_context != requested.options.max_context)
-      line += fmt::format("; lowered from {} x {} tokens to fit", requested.options.max_sequences,
-                          requested.options.max_context);
+    const engine::EngineOptions& want = requested.options;
+    if (plan.options.max_sequences != want.max_sequences ||
+        plan.options.max_context != want.max_context ||
+        plan.options.max_pass_tokens != want.max_pass_tokens)
+      line += fmt::format("; lowered from {} x {} tokens, passes of {}, to fit", want.max_sequences,
+                          want.max_context, want.max_pass_tokens);
   }
   if (ple_packs) line += "; per-layer embeddings packed to 4 bits (lossless)";
   if (on_device) {

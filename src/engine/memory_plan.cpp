@@ -16,12 +16,20 @@ using model::LayerGeometry;
 constexpr int64_t kFloat = sizeof(float);
 constexpr int64_t kInt = sizeof(int32_t);
 
-// The CUDA backend's decode attention splits the cache in up to this many parts per (sequence,
-// head) and keeps head_dim + 2 floats per part (cuda_backend.cpp kMaxAttentionSplits,
-// attention.h attention_partials_floats).
-constexpr int64_t kAttentionSplits = 1024;
-// run_experts works through at most this many tokens at once (backend/cuda/moe.h).
+// The CUDA backend's scratch constants (backend/cuda: cuda_backend.cpp, attention.h, moe.h,
+// prefill_matmul.*), mirrored here because the engine library cannot include CUDA code.
+// Decode attention: up to kMaxAttentionSplits parts of kKeysPerSplit keys per (sequence, kv
+// head), at most kMaxAttentionBlocks (sequence, kv head, split) blocks per launch of at most
+// kMaxBatchedSequences sequences, head_dim + 2 floats per (query head, split).
+constexpr int64_t kKeysPerSplit = 256;
+constexpr int64_t kMaxAttentionSplits = 1024;
+constexpr int64_t kMaxAttentionBlocks = 2048;
+constexpr int64_t kMaxBatchedSequences = 64;
+// run_experts works through at most this many tokens at once.
 constexpr int64_t kMoeTokensPerPass = 512;
+// Tensor-core prefill: the cuBLAS workspace, one bf16 weight tile, bf16 activations.
+constexpr int64_t kCublasWorkspaceBytes = int64_t{32} << 20;
+constexpr int64_t kWeightTileBytes = int64_t{32} << 20;
 
 double mib(int64_t bytes) {
   return static_cast<double>(bytes) / (1 << 20);
@@ -69,27 +77,42 @@ int64_t workspace_bytes(const model::ModelConfig& config, const EngineOptions& o
          options.max_sequences * per_sequence;
 }
 
-// The CUDA backend's scratch at its largest: decode attention partials for every sequence at
-// the widest layer, the MoE workspace for a full pass, and one RoPE table per layer.
+// The CUDA backend's scratch at its largest: decode attention partials at the widest layer,
+// the gate/up products of a prefill pass (matmul_gelu_pairs off the GEMV), the MoE workspace of a
+// full pass, the tensor-core prefill's buffers, one RoPE table per layer.
 int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOptions& options) {
+  const int64_t history = ring_history_for(config, options);
+  const int64_t batch = std::min<int64_t>(options.max_sequences, kMaxBatchedSequences);
   int64_t attention = 0, rope = 0;
   for (const LayerGeometry& g : config.layers) {
-    attention = std::max(attention, kFloat * options.max_sequences * g.num_q_heads *
-                                        kAttentionSplits * (g.head_dim + 2));
+    const int64_t slots =
+        g.window > 0 ? std::min(g.window + history, options.max_context) : options.max_context;
+    const int64_t splits = std::clamp<int64_t>(
+        (slots + kKeysPerSplit - 1) / kKeysPerSplit, 1,
+        std::min(kMaxAttentionSplits,
+                 std::max<int64_t>(1, kMaxAttentionBlocks / (batch * g.num_kv_heads))));
+    attention = std::max(attention, kFloat * batch * g.num_q_heads * splits * (g.head_dim + 2));
     rope += kFloat * g.head_dim / 2;
   }
+  const int64_t rows = options.max_pass_tokens;
+  const int64_t pair_products = kFloat * rows * 2 * config.max_ffn_width();
+  const int64_t widest_input = std::max({int64_t{config.hidden_size}, int64_t{config.max_q_width()},
+                                         int64_t{config.max_ffn_width()}});
+  const int64_t prefill = kCublasWorkspaceBytes + kWeightTileBytes +
+                          int64_t{sizeof(uint16_t)} * rows * (widest_input + 8);  // K padded to 8
   int64_t moe = 0;
   if (config.moe) {
     const auto& p = config.moe_params;
-    const int64_t pairs = std::min<int64_t>(options.max_pass_tokens, kMoeTokensPerPass) * p.top_k;
+    const int64_t pairs = std::min(rows, kMoeTokensPerPass) * p.top_k;
     moe = kFloat * pairs * (p.intermediate_size + config.hidden_size) +
           kInt * (2 + 2 * p.num_experts + pairs);
   }
-  return attention + moe + rope;
+  return attention + pair_products + prefill + moe + rope;
 }
 
 std::string options_line(const EngineOptions& o) {
-  return fmt::format("{} x {} tokens", o.max_sequences, o.max_context);
+  return fmt::format("{} x {} tokens, passes of {}", o.max_sequences, o.max_context,
+                     o.max_pass_tokens);
 }
 
 }  // namespace
@@ -124,10 +147,12 @@ MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
 Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t weight_bytes,
                                      const EngineOptions& requested, bool on_device,
                                      int64_t budget_bytes) {
+  int pass_tokens = requested.max_pass_tokens;
   auto plan_for = [&](int32_t sequences, int64_t context) {
     EngineOptions options = requested;
     options.max_sequences = sequences;
     options.max_context = context;
+    options.max_pass_tokens = pass_tokens;
     return plan_memory(config, weight_bytes, options, on_device);
   };
   const MemoryPlan wanted = plan_memory(config, weight_bytes, requested, on_device);
@@ -138,7 +163,13 @@ Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t w
     const MemoryPlan plan = plan_for(sequences, context);
     if (plan.total() <= budget_bytes) return plan;
   }
-  // One sequence, the longest context that fits (the plan grows with the context).
+  // One sequence in shorter prefill passes (a smaller workspace; more weight reads per prompt).
+  while (pass_tokens / 2 >= kMinPassTokens) {
+    pass_tokens /= 2;
+    const MemoryPlan plan = plan_for(1, context);
+    if (plan.total() <= budget_bytes) return plan;
+  }
+  // One sequence in the shortest passes, the longest context that fits (the plan grows with it).
   const int64_t shortest = std::min(context, kContextGranularity);
   const MemoryPlan smallest = plan_for(1, shortest);
   if (smallest.total() > budget_bytes) {

@@ -33,6 +33,8 @@ inline constexpr int64_t kCudaRuntimeReserveBytes = int64_t{256} << 20;
 
 // Contexts chosen to fit a budget are multiples of this (or the requested context when smaller).
 inline constexpr int64_t kContextGranularity = 256;
+// Fitting a budget halves max_pass_tokens down to no less than this.
+inline constexpr int kMinPassTokens = 64;
 
 struct MemoryPlan {
   EngineOptions options;  // what the plan is for; max_context clipped to the model's
@@ -45,8 +47,8 @@ struct MemoryPlan {
   int64_t total() const {
     return weight_bytes + kv_bytes + workspace_bytes + scratch_bytes + reserve_bytes;
   }
-  // "weights 3064 MiB + KV 288 MiB (1 x 24576 tokens, fp32) + workspace 58 MiB + scratch 17 MiB
-  //  + runtime reserve 256 MiB = 3683 MiB" (weights "read in place" when none are copied)
+  // "weights 3056 MiB + KV 329 MiB (1 x 26880 tokens, passes of 64, fp32) + workspace 15 MiB +
+  //  scratch 73 MiB + runtime reserve 256 MiB = 3729 MiB" ("read in place": nothing copied)
   std::string summary() const;
 };
 
@@ -56,9 +58,11 @@ MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
                        const EngineOptions& options, bool on_device);
 
 // plan_memory within `budget_bytes`: the requested options if they fit; else the requested
-// context with as many sequences as fit; else one sequence with the longest context that fits
-// (a multiple of kContextGranularity). Fails with kResourceExhausted naming the budget and the
-// parts when not even one sequence of min(requested context, kContextGranularity) tokens fits.
+// context with as many sequences as fit; else one sequence of the requested context in prefill
+// passes halved down to kMinPassTokens (a smaller workspace); else one sequence in those passes
+// with the longest context that fits (a multiple of kContextGranularity). Fails with
+// kResourceExhausted naming the budget and the parts when not even one sequence of
+// min(requested context, kContextGranularity) tokens fits.
 Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t weight_bytes,
                                      const EngineOptions& requested, bool on_device,
                                      int64_t budget_bytes);

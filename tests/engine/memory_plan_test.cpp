@@ -131,17 +131,31 @@ TEST(FitMemoryPlan, KeepsWhatFitsThenLowersSequencesThenContext) {
   EXPECT_EQ(fewer->options.max_sequences, 3);
   EXPECT_EQ(fewer->options.max_context, 32768);
 
-  // Room for one sequence of about 10,000 tokens: a multiple of 256 that fits, the next not.
+  // Room for one sequence of the requested context in passes of 128 rows (not 256).
   EngineOptions one = requested;
   one.max_sequences = 1;
+  one.max_pass_tokens = 128;
+  auto halved = fit_memory_plan(config, weights, requested, true,
+                                plan_memory(config, weights, one, true).total());
+  ASSERT_TRUE(halved.ok());
+  EXPECT_EQ(halved->options.max_sequences, 1);
+  EXPECT_EQ(halved->options.max_context, 32768);
+  EXPECT_EQ(halved->options.max_pass_tokens, 128);
+
+  // Room for about 10,000 tokens in the default passes: passes of kMinPassTokens and the
+  // longest multiple of 256 that fits with them, the next multiple not.
+  one.max_pass_tokens = requested.max_pass_tokens;
   one.max_context = 10000;
   const int64_t budget = plan_memory(config, weights, one, true).total();
   auto shorter = fit_memory_plan(config, weights, requested, true, budget);
   ASSERT_TRUE(shorter.ok());
   EXPECT_EQ(shorter->options.max_sequences, 1);
-  EXPECT_EQ(shorter->options.max_context, 9984);  // 39 x 256
+  EXPECT_EQ(shorter->options.max_pass_tokens, kMinPassTokens);
+  EXPECT_GE(shorter->options.max_context, 10000);  // the smaller workspace leaves more for KV
+  EXPECT_EQ(shorter->options.max_context % kContextGranularity, 0);
   EXPECT_LE(shorter->total(), budget);
-  one.max_context = 9984 + 256;
+  one = shorter->options;
+  one.max_context += kContextGranularity;
   EXPECT_GT(plan_memory(config, weights, one, true).total(), budget);
 }
 

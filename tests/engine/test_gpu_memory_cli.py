@@ -41,4 +41,4 @@ def test_cpu_engine_logs_its_plan_and_ignores_the_budget(tiny_w4a16):
     assert len(out.stdout.strip().split(",")) == 2
     assert "--gpu-memory ignored" in out.stderr
     assert "memory plan: weights read in place + KV" in out.stderr
-    assert "(1 x 5 tokens, fp32)" in out.stderr
+    assert "(1 x 5 tokens, passes of " in out.stderr
