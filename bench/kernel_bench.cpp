@@ -208,19 +208,21 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   return r;
 }
 
-// Decode attention over a bf16 cache at `depth` tokens, for each split count of `split_options`
-// (the first one is reported as the default); the fastest with PDL is "best".
-Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, int window,
-                       const std::vector<int>& split_options, const char* label,
-                       cudaStream_t stream) {
+// Decode attention over an fp32 or bf16 cache at `depth` tokens, for each split count of
+// `split_options` (the first one is reported as the default); the fastest with PDL is "best".
+Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int head_dim,
+                       int64_t depth, int window, const std::vector<int>& split_options,
+                       const char* label, cudaStream_t stream) {
   const int splits = *std::max_element(split_options.begin(), split_options.end());
   const int64_t slots = window > 0 ? window : depth;
   const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
+  const bool bf16 = type == gemma4::cuda::KvType::kBF16;
+  const size_t kv_bytes = kv_elems * (bf16 ? 2 : 4);
   void *keys, *values;
   float *q, *out, *partials;
   int32_t *slot_positions, *position;
-  CHECK(cudaMalloc(&keys, kv_elems * 2));
-  CHECK(cudaMalloc(&values, kv_elems * 2));
+  CHECK(cudaMalloc(&keys, kv_bytes));
+  CHECK(cudaMalloc(&values, kv_bytes));
   CHECK(cudaMalloc(&q, size_t(q_heads) * head_dim * 4));
   CHECK(cudaMalloc(&out, size_t(q_heads) * head_dim * 4));
   const size_t partial_floats =
@@ -228,8 +230,10 @@ Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, i
   CHECK(cudaMalloc(&partials, partial_floats * 4));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
-  fill(keys, kv_elems * 2, 1, 0x3B7F3B7F);
-  fill(values, kv_elems * 2, 2, 0x3B7F3B7F);
+  // Small finite values: bf16 pairs, or fp32 words of the same magnitude.
+  const uint32_t kv_mask = bf16 ? 0x3B7F3B7F : 0x3C7FFFFF;
+  fill(keys, kv_bytes, 1, kv_mask);
+  fill(values, kv_bytes, 2, kv_mask);
   fill(q, size_t(q_heads) * head_dim * 4, 3, 0x3C7FFFFF);
   std::vector<int32_t> host_positions(slots);
   const int32_t query_position = static_cast<int32_t>(depth - 1);
@@ -242,16 +246,16 @@ Result bench_attention(int q_heads, int kv_heads, int head_dim, int64_t depth, i
   kv.keys = keys;
   kv.values = values;
   kv.slot_positions = slot_positions;
-  kv.type = gemma4::cuda::KvType::kBF16;
+  kv.type = type;
   kv.slots = slots;
   kv.kv_heads = kv_heads;
   kv.head_dim = head_dim;
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
   const gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   Result r;
-  r.kernel = "attention/bf16";
+  r.kernel = bf16 ? "attention/bf16" : "attention/fp32";
   r.shape = label;
-  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * 2 / 1e6;
+  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
   r.best_pdl_us = 1e30;
   for (int option : split_options) {
     double us[2];
@@ -388,17 +392,21 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv(f, 12288, 1536, 8, ActType::kF32, dense[1].label, stream, quick));
   }
 
-  // Split counts: the first (about 256 keys per split) is the "default" column.
-  results.push_back(
-      bench_attention(8, 1, 256, 4096, 512, {2, 4, 8, 16}, "e2b sliding w512", stream));
-  results.push_back(
-      bench_attention(8, 1, 512, 4096, 0, {16, 8, 32, 66, 132}, "e2b full depth 4K", stream));
-  results.push_back(
-      bench_attention(8, 1, 512, 32768, 0, {128, 66, 132, 264, 528}, "e2b full depth 32K", stream));
-  results.push_back(
-      bench_attention(8, 1, 512, 131072, 0, {512, 264, 528, 1056}, "e2b full depth 128K", stream));
-  results.push_back(
-      bench_attention(16, 2, 512, 32768, 0, {128, 66, 132, 264}, "26b full depth 32K", stream));
+  // Split counts: the first (what CudaBackend picks for a single sequence: about 256 keys per
+  // split) is the "default" column. The engine's cache is fp32; bf16 halves the bytes.
+  for (const gemma4::cuda::KvType type :
+       {gemma4::cuda::KvType::kF32, gemma4::cuda::KvType::kBF16}) {
+    results.push_back(
+        bench_attention(type, 8, 1, 256, 4096, 512, {2, 4, 8, 16}, "e2b sliding w512", stream));
+    results.push_back(
+        bench_attention(type, 8, 1, 512, 4096, 0, {16, 32, 64, 128}, "e2b full depth 4K", stream));
+    results.push_back(bench_attention(type, 8, 1, 512, 32768, 0, {128, 66, 132, 264, 528},
+                                      "e2b full depth 32K", stream));
+    results.push_back(bench_attention(type, 8, 1, 512, 131072, 0, {512, 132, 264, 528, 1056},
+                                      "e2b full depth 128K", stream));
+    results.push_back(bench_attention(type, 16, 2, 512, 32768, 0, {128, 66, 132, 264},
+                                      "26b full depth 32K", stream));
+  }
   const int sms = prop.multiProcessorCount;
 
   if (json_path) {

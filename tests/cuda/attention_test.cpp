@@ -126,6 +126,15 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
       {"26b-full", 16, 2, 512, 2048, 0, {1500, 10}, 64, KvType::kF32},
       // First token of a sequence: one visible key, most splits empty.
       {"first-token", 8, 1, 512, 256, 0, {0}, 8, KvType::kBF16},
+      // The engine's fp32 cache through the tiled pipeline: one split streaming hundreds of tiles
+      // (4 keys of 512 or 8 of 256 per tile), splits ending mid-tile, a wrapped sliding ring.
+      {"fp32-full-deep", 8, 1, 512, 4096, 0, {3001}, 1, KvType::kF32},
+      {"fp32-full-splits", 8, 1, 512, 4096, 0, {3001}, 23, KvType::kF32},
+      {"fp32-sliding", 8, 1, 256, 1023, 512, {4000, 511}, 16, KvType::kF32},
+      // Groups that leave warps idle (5 q heads per kv head: 3 head groups of 2 on 8 warps) or
+      // use one q head per kv head.
+      {"group-of-5", 10, 2, 512, 700, 0, {650, 77}, 5, KvType::kF32},
+      {"group-of-1", 4, 4, 256, 300, 0, {299}, 1, KvType::kBF16},
   };
   for (const Case& c : cases) run_case(c);
 }

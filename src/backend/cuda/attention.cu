@@ -1,11 +1,18 @@
-// Decode attention (see attention.h). Block (split, kv head, sequence) of 8 warps. Lane l owns
-// dims [l·D, l·D + D) of a head (D = head_dim / 32), so a warp reads each K/V row with one
-// coalesced sweep. Warp w serves q heads [hg·HPW, hg·HPW + HPW) of the group (hg = w % HG) over
-// the keys ks, ks + KS, ... of the split (ks = w / HG): with few heads per group more warps share
-// the keys. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block are
-// merged in shared memory, and the splits by a small second kernel. The sequences come from a
-// table in the kernel parameters, so one launch serves a whole decode batch of separate caches.
+// Decode attention (see attention.h). Block (split, kv head, sequence) of 8 warps, two blocks per
+// SM. The block streams its keys' K/V rows and slot positions through shared memory in tiles of
+// kStageBytes with cp.async, kStages tiles deep: while one tile is computed the next
+// kStages − 1 are in flight, so the DRAM latency is hidden instead of waited for per key (the
+// earlier register-batched kernel reached ~10 % of the read bandwidth).
+// Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the group (hg = w % HG) over
+// the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group more warps share the
+// keys. A row is read as 16-byte chunks, lane l taking chunks l, l + 32, ... so a warp's reads
+// of a row are contiguous in shared memory (no bank conflicts); lane l therefore owns the dims of
+// those chunks. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block
+// are merged in shared memory, and the splits by a small second kernel. The sequences come from
+// a table in the kernel parameters, so one launch serves a whole decode batch of separate caches.
 #include <cuda_bf16.h>
+
+#include <type_traits>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/launch.cuh"
@@ -14,8 +21,17 @@ namespace gemma4::cuda {
 namespace {
 
 constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
 // The merge keeps one weight per split in shared memory.
 constexpr int kMaxSplits = 4096;
+// One pipeline stage: K and V rows of a tile of keys (4 keys of fp32 × 512 ... 16 keys of bf16 ×
+// 256). Six stages keep 80 KB per block of reads in flight while one tile is computed, enough to
+// cover the DRAM latency even when a shallow cache gives fewer blocks than SMs; two blocks (192 KB)
+// fit an SM.
+constexpr int kStageBytes = 16384;
+constexpr int kStages = 6;
+constexpr int kChunkBytes = 16;
+constexpr size_t kPipelineBytes = size_t{kStages} * kStageBytes;
 
 struct AttentionArgs {
   const float* q;
@@ -49,37 +65,84 @@ __device__ __forceinline__ int used_splits(int64_t scanned, int splits) {
   return static_cast<int>(max(int64_t{1}, (scanned + per_split - 1) / per_split));
 }
 
-template <int D>
-__device__ __forceinline__ void load_row(const float* p, float (&v)[D]) {
-#pragma unroll
-  for (int i = 0; i < D / 4; ++i) {
-    const float4 q = __ldg(reinterpret_cast<const float4*>(p) + i);
-    v[4 * i] = q.x;
-    v[4 * i + 1] = q.y;
-    v[4 * i + 2] = q.z;
-    v[4 * i + 3] = q.w;
-  }
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-template <int D>
-__device__ __forceinline__ void load_row(const __nv_bfloat16* p, float (&v)[D]) {
+// 16 bytes global -> shared, bypassing L1 (each K/V byte is read once).
+__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+
+__device__ __forceinline__ void copy_async4(void* shared, const void* global) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+
+__device__ __forceinline__ void commit_copies() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most `Pending` of this thread's committed copy groups are still in flight.
+template <int Pending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
+}
+
+// The floats of one 16-byte chunk: 4 fp32 or 8 bf16 values.
+template <typename KvT>
+__device__ __forceinline__ void unpack_chunk(const uint4& chunk, float* v) {
+  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) {
-    const uint4 q = __ldg(reinterpret_cast<const uint4*>(p) + i);
-    const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      v[8 * i + 2 * j] = __uint_as_float(words[j] << 16);
-      v[8 * i + 2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+  for (int j = 0; j < 4; ++j) {
+    if constexpr (std::is_same_v<KvT, float>) {
+      v[j] = __uint_as_float(words[j]);
+    } else {
+      v[2 * j] = __uint_as_float(words[j] << 16);
+      v[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
     }
   }
 }
 
 template <int HD, int HPW, typename KvT>
-__global__ void __launch_bounds__(kWarps * 32) decode_attention_kernel(AttentionArgs a) {
-  constexpr int D = HD / 32;
+struct Tiling {
+  static constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(KvT));
+  static constexpr int kRowChunks = HD / kChunkElems;
+  static constexpr int kLaneChunks = kRowChunks / 32;  // chunks l, l + 32, ... of a row
+  static constexpr int kLaneDims = HD / 32;
+  static constexpr int kTileKeys = kStageBytes / (2 * HD * static_cast<int>(sizeof(KvT)));
+  static constexpr int kTileChunks = 2 * kTileKeys * kRowChunks;  // K rows, then V rows
+  static_assert(kLaneChunks * kChunkElems == kLaneDims && kTileChunks % kThreads == 0);
+  static_assert(kTileKeys <= kThreads && kTileKeys <= kMinKeysPerSplit);
+  // The block merge reuses the pipeline's shared memory.
+  static_assert(sizeof(float) * kWarps * HPW * (HD + 2) <= kPipelineBytes);
+
+  // The head dim of element e of lane `lane`'s chunk i.
+  static __device__ __forceinline__ int dim(int lane, int i, int e) {
+    return (lane + 32 * i) * kChunkElems + e;
+  }
+
+  // Lane `lane`'s dims of a row in shared memory.
+  static __device__ __forceinline__ void load_lane(const KvT* row, int lane,
+                                                   float (&v)[kLaneDims]) {
+#pragma unroll
+    for (int i = 0; i < kLaneChunks; ++i) {
+      const uint4 chunk = reinterpret_cast<const uint4*>(row)[lane + 32 * i];
+      unpack_chunk<KvT>(chunk, v + i * kChunkElems);
+    }
+  }
+};
+
+template <int HD, int HPW, typename KvT>
+__global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(AttentionArgs a) {
+  using T = Tiling<HD, HPW, KvT>;
+  constexpr int D = T::kLaneDims;
   pdl_trigger_dependents();
-  __shared__ float merge[kWarps][HPW][HD + 2];
+  extern __shared__ __align__(16) unsigned char pipeline[];
+  __shared__ int32_t tile_positions[kStages][T::kTileKeys];
   pdl_wait_for_predecessors();
 
   const int split = blockIdx.x;
@@ -92,6 +155,44 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attention_kernel(Attention
   const int64_t per_split = keys_per_split(scanned, a.splits);
   const int64_t begin = split * per_split;
   const int64_t end = min(scanned, begin + per_split);
+  const int64_t tiles = max(int64_t{0}, (end - begin + T::kTileKeys - 1) / T::kTileKeys);
+
+  const KvT* keys = static_cast<const KvT*>(sequence.keys);
+  const KvT* values = static_cast<const KvT*>(sequence.values);
+  const int32_t* slot_positions = sequence.slot_positions;
+  // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past the
+  // split's end are not read and get position -1 (never visible). Every thread commits one group
+  // per call, empty or not, so the group count tells which tiles have landed.
+  auto load_tile = [&](int64_t tile) {
+    if (tile < tiles) {
+      const int stage = static_cast<int>(tile % kStages);
+      unsigned char* base = pipeline + stage * kStageBytes;
+      const int64_t first_key = begin + tile * T::kTileKeys;
+#pragma unroll
+      for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
+        const int c = threadIdx.x + n * kThreads;
+        const int is_value = c / (T::kTileChunks / 2);
+        const int key = c / T::kRowChunks % T::kTileKeys;
+        const int chunk = c % T::kRowChunks;
+        const int64_t j = first_key + key;
+        if (j < end) {
+          const KvT* source =
+              (is_value ? values : keys) + (j * a.kv_heads + kv) * HD + chunk * T::kChunkElems;
+          copy_async16(base + c * kChunkBytes, source);
+        }
+      }
+      if (threadIdx.x < T::kTileKeys) {
+        const int64_t j = first_key + threadIdx.x;
+        if (j < end) {
+          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + j);
+        } else {
+          tile_positions[stage][threadIdx.x] = -1;
+        }
+      }
+    }
+    commit_copies();
+  };
+  for (int t = 0; t < kStages - 1; ++t) load_tile(t);
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -106,113 +207,94 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attention_kernel(Attention
   float running_max[HPW];
   float running_sum[HPW];
 #pragma unroll
-  for (int i = 0; i < HPW; ++i) {
-    const int g = hg * HPW + i;
-    if (active && g < a.group) {
-      load_row(a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD + lane * D,
-               q[i]);
-    } else {
+  for (int h = 0; h < HPW; ++h) {
+    const int g = hg * HPW + h;
+    const bool used = active && g < a.group;
+    const float* q_head = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
 #pragma unroll
-      for (int d = 0; d < D; ++d) q[i][d] = 0.0f;
+    for (int i = 0; i < T::kLaneChunks; ++i) {
+#pragma unroll
+      for (int e = 0; e < T::kChunkElems; e += 4) {
+        const float4 x = used ? __ldg(reinterpret_cast<const float4*>(q_head + T::dim(lane, i, e)))
+                              : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        float* dst = q[h] + i * T::kChunkElems + e;
+        dst[0] = x.x * a.scale;
+        dst[1] = x.y * a.scale;
+        dst[2] = x.z * a.scale;
+        dst[3] = x.w * a.scale;
+      }
     }
 #pragma unroll
-    for (int d = 0; d < D; ++d) {
-      q[i][d] *= a.scale;
-      acc[i][d] = 0.0f;
-    }
-    running_max[i] = -INFINITY;
-    running_sum[i] = 0.0f;
+    for (int d = 0; d < D; ++d) acc[h][d] = 0.0f;
+    running_max[h] = -INFINITY;
+    running_sum[h] = 0.0f;
   }
 
-  const KvT* keys = static_cast<const KvT*>(sequence.keys);
-  const KvT* values = static_cast<const KvT*>(sequence.values);
-  const int32_t* slot_positions = sequence.slot_positions;
-  // kBatch keys per step: their positions, K and V rows are all loaded before any is used (one
-  // memory round trip per step, not two per key). Slots in [0, scanned) are always readable, so
-  // the loads need no visibility test; invisible keys get weight 0.
-  constexpr int kBatch = HD == 256 ? 4 : 2;
-  if (active) {
-    for (int64_t j0 = begin + ks; j0 < end; j0 += kBatch * key_slices) {
-      int32_t p[kBatch];
-      float k[kBatch][D], v[kBatch][D];
-#pragma unroll
-      for (int t = 0; t < kBatch; ++t) {
-        const int64_t j = j0 + t * key_slices;
-        if (j < end) {
-          p[t] = slot_positions[j];
-          const int64_t row = (j * a.kv_heads + kv) * HD + lane * D;
-          load_row(keys + row, k[t]);
-          load_row(values + row, v[t]);
-        } else {
-          // Past the split's end: nothing loaded, and no stale register may reach the sums.
-          p[t] = -1;
-#pragma unroll
-          for (int d = 0; d < D; ++d) k[t][d] = v[t][d] = 0.0f;
-        }
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
+    __syncthreads();             // everyone's have, and the stage loaded next is free again
+    load_tile(tile + kStages - 1);
+    const int stage = static_cast<int>(tile % kStages);
+    const KvT* tile_keys = reinterpret_cast<const KvT*>(pipeline + stage * kStageBytes);
+    const KvT* tile_values = tile_keys + T::kTileKeys * HD;
+    for (int t = active ? ks : T::kTileKeys; t < T::kTileKeys; t += key_slices) {
+      const int32_t p = tile_positions[stage][t];
+      // The same for the whole warp, so the skip does not diverge.
+      if (p < 0 || p > query_position || (a.window > 0 && query_position - p >= a.window)) {
+        continue;
       }
-      float score[kBatch][HPW];
+      float k[D];
+      T::load_lane(tile_keys + t * HD, lane, k);
+      float score[HPW];
 #pragma unroll
-      for (int t = 0; t < kBatch; ++t) {
+      for (int h = 0; h < HPW; ++h) {
+        float s = 0.0f;
 #pragma unroll
-        for (int i = 0; i < HPW; ++i) {
-          float s = 0.0f;
-          if (p[t] >= 0) {
-#pragma unroll
-            for (int d = 0; d < D; ++d) s = fmaf(q[i][d], k[t][d], s);
-          }
-          score[t][i] = s;
-        }
+        for (int d = 0; d < D; ++d) s = fmaf(q[h][d], k[d], s);
+        score[h] = s;
       }
+      // A butterfly: every lane ends with the same bits, so the branches below stay uniform.
 #pragma unroll
       for (int offset = 16; offset > 0; offset /= 2) {
 #pragma unroll
-        for (int t = 0; t < kBatch; ++t) {
-#pragma unroll
-          for (int i = 0; i < HPW; ++i) {
-            score[t][i] += __shfl_xor_sync(0xFFFFFFFFu, score[t][i], offset);
-          }
-        }
+        for (int h = 0; h < HPW; ++h) score[h] += __shfl_xor_sync(0xFFFFFFFFu, score[h], offset);
       }
-      bool visible[kBatch];
+      float v[D];
+      T::load_lane(tile_values + t * HD, lane, v);
 #pragma unroll
-      for (int t = 0; t < kBatch; ++t) {
-        visible[t] = p[t] >= 0 && p[t] <= query_position &&
-                     (a.window <= 0 || query_position - p[t] < a.window);
-      }
+      for (int h = 0; h < HPW; ++h) {
+        // Rescale only when the maximum grows (rarely after the first keys).
+        if (score[h] > running_max[h]) {
+          const float rescale = expf(running_max[h] - score[h]);
+          running_sum[h] *= rescale;
 #pragma unroll
-      for (int i = 0; i < HPW; ++i) {
-        float new_max = running_max[i];
-#pragma unroll
-        for (int t = 0; t < kBatch; ++t) {
-          if (visible[t]) new_max = fmaxf(new_max, score[t][i]);
+          for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
+          running_max[h] = score[h];
         }
-        if (new_max == -INFINITY) continue;  // nothing visible yet
-        const float rescale = expf(running_max[i] - new_max);
-        float sum = running_sum[i] * rescale;
+        const float weight = expf(score[h] - running_max[h]);
+        running_sum[h] += weight;
 #pragma unroll
-        for (int d = 0; d < D; ++d) acc[i][d] *= rescale;
-#pragma unroll
-        for (int t = 0; t < kBatch; ++t) {
-          if (!visible[t]) continue;
-          const float weight = expf(score[t][i] - new_max);
-          sum += weight;
-#pragma unroll
-          for (int d = 0; d < D; ++d) acc[i][d] = fmaf(weight, v[t][d], acc[i][d]);
-        }
-        running_sum[i] = sum;
-        running_max[i] = new_max;
+        for (int d = 0; d < D; ++d) acc[h][d] = fmaf(weight, v[d], acc[h][d]);
       }
     }
   }
+  wait_copies<0>();  // only empty groups remain, but the stages are reused below
+  __syncthreads();
 
-  // Merge the key slices of this block.
+  // Merge the key slices of this block, in the pipeline's shared memory.
+  auto merge = reinterpret_cast<float(*)[HPW][HD + 2]>(pipeline);
 #pragma unroll
-  for (int i = 0; i < HPW; ++i) {
+  for (int h = 0; h < HPW; ++h) {
 #pragma unroll
-    for (int d = 0; d < D; ++d) merge[warp][i][2 + lane * D + d] = acc[i][d];
+    for (int i = 0; i < T::kLaneChunks; ++i) {
+#pragma unroll
+      for (int e = 0; e < T::kChunkElems; ++e) {
+        merge[warp][h][2 + T::dim(lane, i, e)] = acc[h][i * T::kChunkElems + e];
+      }
+    }
     if (lane == 0) {
-      merge[warp][i][0] = running_max[i];
-      merge[warp][i][1] = running_sum[i];
+      merge[warp][h][0] = running_max[h];
+      merge[warp][h][1] = running_sum[h];
     }
   }
   __syncthreads();
@@ -220,14 +302,14 @@ __global__ void __launch_bounds__(kWarps * 32) decode_attention_kernel(Attention
     const int g = idx / HD;
     const int d = idx % HD;
     const int group_warp = g / HPW;
-    const int i = g % HPW;
+    const int h = g % HPW;
     float block_max = -INFINITY;
     for (int s = 0; s < key_slices; ++s)
-      block_max = fmaxf(block_max, merge[group_warp + s * head_groups][i][0]);
+      block_max = fmaxf(block_max, merge[group_warp + s * head_groups][h][0]);
     float sum = 0.0f, value = 0.0f;
     if (block_max != -INFINITY) {
       for (int s = 0; s < key_slices; ++s) {
-        const float* m = merge[group_warp + s * head_groups][i];
+        const float* m = merge[group_warp + s * head_groups][h];
         const float w = expf(m[0] - block_max);
         sum += m[1] * w;
         value += m[2 + d] * w;
@@ -435,7 +517,12 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.partials = workspace.partials;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(kv.kv_heads),
                   static_cast<unsigned>(batch));
-  cudaError_t status = launch_kernel(kernel, grid, dim3(kWarps * 32), 0, launch, args);
+  // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
+  // operation: allowed while a graph is captured).
+  cudaError_t status =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipelineBytes);
+  if (status != cudaSuccess) return status;
+  status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
   if (status != cudaSuccess || splits == 1) return status;
   const MergeArgs merge = {
       workspace.partials, query.positions, args.sequences, query.q_heads, kv.head_dim, splits, out,

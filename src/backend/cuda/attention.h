@@ -75,7 +75,7 @@ struct AttentionQuery {
 // kMinKeysPerSplit of the scanned slots: a graph captured with the splits of the deepest cache
 // replays cheaply at shallow depths (the unused split blocks exit after reading the position and
 // the merge skips them). splits must not exceed workspace.max_splits.
-constexpr int64_t kMinKeysPerSplit = 64;
+constexpr int64_t kMinKeysPerSplit = 32;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch);
