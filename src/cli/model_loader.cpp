@@ -33,7 +33,7 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
                          "CPU reference engine"};
   }
 #if GEMMA4_HAS_CUDA
-  auto backend = cuda::make_cuda_backend(kGpu, options.pdl);
+  auto backend = cuda::make_cuda_backend(kGpu, {options.pdl, options.fp32});
   if (!backend.ok()) return backend.error().with_context("--device cuda");
   return ChosenBackend{std::move(backend).value(), Device::kCuda,
                        fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu)};

@@ -36,6 +36,11 @@ inline constexpr const char* kNoGraphsHelp =
 inline constexpr const char* kNoPdlHelp =
     "launch CUDA kernels without programmatic dependent launch (for A/B measurements)";
 
+// Help text for --fp32 (EngineLoadOptions::fp32), the same in every subcommand.
+inline constexpr const char* kFp32Help =
+    "CUDA: exact fp32 activations everywhere (no bf16 tensor-core prefill or bf16 GEMV inputs): "
+    "slower, for comparisons against a float32 reference";
+
 // Help text for --gpu-memory, the same in every subcommand.
 inline constexpr const char* kGpuMemoryHelp =
     "GPU memory budget, e.g. 3732MiB or 24GiB: fewer sequences, then a shorter context, if the "
@@ -44,8 +49,9 @@ inline constexpr const char* kGpuMemoryHelp =
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;
-  int threads = 0;  // CPU backend threads (0 = all)
-  bool pdl = true;  // CUDA: programmatic dependent launch between kernels
+  int threads = 0;    // CPU backend threads (0 = all)
+  bool pdl = true;    // CUDA: programmatic dependent launch between kernels
+  bool fp32 = false;  // CUDA: exact fp32 kernels only (kFp32Help)
   // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are
   // lowered to fit it (engine/memory_plan.h).
   int64_t gpu_memory = 0;

@@ -7,7 +7,7 @@ ids, and 64 greedy tokens. This runs our binary on any device (`--device cuda` o
 machine: the CPU engine is checked by tests/model in CI), compares, and prints one JSON summary.
 
   check_golden.py --bin gemma4 --model FILE.gguf --golden FIXTURE.json [--device cuda]
-                  [--tolerance 1e-3] [--out result.json]
+                  [--tolerance 1e-3] [--gemma4-flag=--fp32] [--out result.json]
 
 Exit status 0 when every case is within tolerance and every greedy token matches. Needs only
 the standard library plus numpy (to read the .npy the binary dumps).
@@ -29,7 +29,7 @@ def run_case(args, case, workdir, index):
         args.bin, "run", "-m", args.model, "--device", args.device,
         "--prompt-ids", ",".join(str(i) for i in case["ids"]),
         "-n", str(greedy_count), "--temperature", "0", "--ignore-eos",
-        "--dump-logits", str(dump),
+        "--dump-logits", str(dump), *args.gemma4_flag,
     ]
     completed = subprocess.run(command, capture_output=True, text=True, check=False)
     if completed.returncode != 0:
@@ -58,6 +58,8 @@ def main():
     parser.add_argument("--golden", required=True)
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tolerance", type=float, default=1e-3)
+    parser.add_argument("--gemma4-flag", action="append", default=[],
+                        help="extra flag for `gemma4 run` (repeatable), e.g. --fp32")
     parser.add_argument("--out")
     args = parser.parse_args()
 

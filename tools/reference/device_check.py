@@ -221,6 +221,8 @@ def main():
     parser.add_argument("--checkpoint", required=True)
     parser.add_argument("--gemma4", default=".devbin/gemma4", help="the gemma4 binary")
     parser.add_argument("--device", default="cuda", help="gemma4 --device")
+    parser.add_argument("--gemma4-flag", action="append", default=[],
+                        help="extra flag for every `gemma4 run` (repeatable), e.g. --fp32")
     parser.add_argument("--torch-device", default="cuda",
                         help="where transformers runs (cpu: to try this script on a tiny model)")
     parser.add_argument("--prompt-length", type=int, default=0,
@@ -253,7 +255,8 @@ def main():
     dumps = args.out if args.save_logits else tempfile.mkdtemp(prefix="device_check-")
     dump = os.path.join(dumps, f"{name}-gemma4-teacher.npy")
     _, ours, forced_s = run_gemma4(args.gemma4, args.checkpoint, sequence, 1,
-                                   ["--prompt-chunk", "1"], dump, args.device)
+                                   ["--prompt-chunk", "1", *args.gemma4_flag], dump,
+                                   args.device)
     assert ours.shape == hf_logits.shape, (ours.shape, hf_logits.shape)
     delta = np.abs(ours - hf_logits).max(axis=1)
     hf_top, our_top = hf_logits.argmax(axis=1), ours.argmax(axis=1)
@@ -262,7 +265,8 @@ def main():
 
     dump_free = os.path.join(dumps, f"{name}-gemma4-free.npy")
     our_greedy, free_logits, free_s = run_gemma4(args.gemma4, args.checkpoint, prompt,
-                                                 args.greedy, [], dump_free, args.device)
+                                                 args.greedy, args.gemma4_flag, dump_free,
+                                                 args.device)
     prefill_delta = float(np.abs(free_logits[0] - hf_logits[len(prompt) - 1]).max())
     agree = next((i for i, (a, b) in enumerate(zip(hf_greedy, our_greedy)) if a != b),
                  len(hf_greedy))

@@ -550,7 +550,8 @@ void CudaBackend::attention_rows(Rows q, const int32_t* positions,
   }
 }
 
-Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device, bool pdl) {
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
+                                                             const CudaOptions& options) {
   int count = 0;
   const cudaError_t status = cudaGetDeviceCount(&count);
   if (status != cudaSuccess || count == 0) {
@@ -562,7 +563,8 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device, bool pd
     return make_error(ErrorCode::kInvalidArgument, "GPU {} does not exist ({} found)", device,
                       count);
   }
-  auto backend = std::make_unique<CudaBackend>(device, pdl);
+  auto backend = std::make_unique<CudaBackend>(device, options.pdl);
+  backend->set_fp32_prefill(options.fp32);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

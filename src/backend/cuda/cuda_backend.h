@@ -167,7 +167,13 @@ class CudaBackend final : public engine::Backend {
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.
-// pdl = false launches kernels plainly (for A/B measurements: `--no-pdl`).
-Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0, bool pdl = true);
+// How make_cuda_backend sets a backend up (the CLI's --no-pdl and --fp32).
+struct CudaOptions {
+  bool pdl = true;    // false: kernels launched plainly (for A/B measurements)
+  bool fp32 = false;  // true: the exact fp32 kernels for every pass (set_fp32_prefill)
+};
+
+Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0,
+                                                             const CudaOptions& options = {});
 
 }  // namespace gemma4::cuda
