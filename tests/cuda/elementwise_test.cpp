@@ -129,30 +129,43 @@ TEST(RmsNorm, Q8OutputMatchesNormThenQuantize) {
   }
 }
 
+// One quad of the row per thread (1536), two (5376: 31B), an unaligned row (scalar accesses).
 TEST(RmsNorm, ResidualAddAndNextNorm) {
-  const int64_t rows = 2, width = 1536;
-  const auto x = testing::random_floats(rows * width, -3.0f, 3.0f, 31);
-  const auto residual = testing::random_floats(rows * width, -50.0f, 50.0f, 32);
-  const auto w1 = testing::random_floats(width, -1.0f, 1.0f, 33);
-  const auto w2 = testing::random_floats(width, -1.0f, 1.0f, 34);
-  DeviceArray<float> dx(x), dr(residual), dw1(w1), dw2(w2), dy(rows * width);
-  AddNormSpec spec;
-  spec.weight = dw1.get();
-  spec.next_weight = dw2.get();
-  spec.eps = kEps;
-  CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), view(dr, rows, width), view(dy, rows, width),
-                              spec, Launch{}));
-  CUDA_ASSERT_OK(cudaDeviceSynchronize());
-  const auto post = reference_norm(x, rows, width, &w1, 0.0);
-  std::vector<double> updated(post.size());
-  std::vector<float> updated_f(post.size());
-  for (size_t i = 0; i < post.size(); ++i) {
-    updated[i] = residual[i] + post[i];
-    updated_f[i] = static_cast<float>(updated[i]);
+  for (int64_t width : {1536, 5376, 1001}) {
+    SCOPED_TRACE(width);
+    const int64_t rows = 2;
+    const auto x = testing::random_floats(rows * width, -3.0f, 3.0f, 31);
+    const auto residual = testing::random_floats(rows * width, -50.0f, 50.0f, 32);
+    const auto w1 = testing::random_floats(width, -1.0f, 1.0f, 33);
+    const auto w2 = testing::random_floats(width, -1.0f, 1.0f, 34);
+    DeviceArray<float> dx(x), dr(residual), dw1(w1), dw2(w2), dy(rows * width);
+    AddNormSpec spec;
+    spec.weight = dw1.get();
+    spec.next_weight = dw2.get();
+    spec.eps = kEps;
+    CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), view(dr, rows, width), view(dy, rows, width),
+                                spec, Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    const auto post = reference_norm(x, rows, width, &w1, 0.0);
+    std::vector<double> updated(post.size());
+    std::vector<float> updated_f(post.size());
+    for (size_t i = 0; i < post.size(); ++i) {
+      updated[i] = residual[i] + post[i];
+      updated_f[i] = static_cast<float>(updated[i]);
+    }
+    expect_near_all(dr.download(), updated, 1e-5, "residual");
+    expect_near_all(dy.download(), reference_norm(updated_f, rows, width, &w2, 0.0), 1e-5,
+                    "next norm");
   }
-  expect_near_all(dr.download(), updated, 1e-5, "residual");
-  expect_near_all(dy.download(), reference_norm(updated_f, rows, width, &w2, 0.0), 1e-5,
-                  "next norm");
+}
+
+// The row lives in registers: wider rows are refused before anything is launched.
+TEST(RmsNorm, ResidualAddRefusesRowsWiderThan8192) {
+  const int64_t width = 8193;
+  DeviceArray<float> dx(width), dr(width);
+  EXPECT_EQ(
+      add_rms_norm(view(dx, 1, width), view(dr, 1, width), RowsView{}, AddNormSpec{}, Launch{}),
+      cudaErrorInvalidValue);
 }
 
 TEST(GeluTanhMul, FusedGateUpRows) {

@@ -171,6 +171,11 @@ TEST(FusedOps, AddRmsNormMatchesTheComposition) {
       {"last-layer", 2, 1536, 1536, 0.0f, 0.625f, false, false},
       // Gemma 3 style offset, an odd width, a weightless next norm.
       {"offset-odd", 5, 1000, 1001, 1.0f, 1.0f, true, false},
+      // 26B-A4B's width (704 threads of one quad each); 31B's and a wider unaligned row take two
+      // quads per thread.
+      {"26B", 2, 2816, 2816, 0.0f, 0.5f, true, true},
+      {"31B", 2, 5376, 5376, 0.0f, 1.0f, true, true},
+      {"two-quads-odd", 2, 8191, 8193, 1.0f, 0.75f, true, true},
   };
   uint32_t seed = 100;
   for (const AddNormCase& c : cases) {
@@ -204,11 +209,13 @@ struct LayerShape {
 
 // E2B's sliding layers (theta 10^4, full rotation) and full layers (proportional rope: 64 of
 // 256 pairs, theta 10^6), a 26B-A4B-like sliding layer (8 kv heads), and a small head_dim the
-// decode kernel does not take.
+// decode kernel does not take (and one whose rows are not 16-byte aligned).
 const LayerShape kSliding = {8, 1, 256, {10000.0, 128, 256}, 600, 512};
 const LayerShape kFull = {8, 1, 512, {1000000.0, 64, 512}, 4096, 0};
 const LayerShape kWideSliding = {16, 8, 256, {10000.0, 128, 256}, 1100, 1024};
 const LayerShape kSmallHeads = {4, 2, 64, {10000.0, 32, 64}, 96, 0};
+// Half a head of 10: not whole 16-byte quads, the kernel's scalar path.
+const LayerShape kOddHeads = {3, 1, 20, {10000.0, 10, 20}, 40, 0};
 
 // q, k, v of a pass as column views of one [rows, q + k + v] buffer, as the fused QKV matmul
 // writes them.
@@ -266,6 +273,7 @@ TEST(FusedOps, PrepareAttentionMatchesTheComposition) {
       // More sequences than one launch takes (two launches).
       {"70-sequences", kSliding, decode_pass(many_depths), true, false, true, 0.0f},
       {"small-heads", kSmallHeads, {{50, 95}, {3, 2}}, true, false, true, 0.0f},
+      {"odd-heads", kOddHeads, {{30, 7}, {2, 1}}, true, false, true, 0.5f},
   };
   uint32_t seed = 200;
   for (const PrepareCase& c : cases) {

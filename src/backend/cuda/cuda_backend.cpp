@@ -33,20 +33,18 @@ namespace {
 
 // The packed GEMV handles up to this many activation rows per launch.
 constexpr int64_t kMaxGemvRows = 64;
-// decode_attention: cached keys per split block (more splits for deeper caches).
-constexpr int64_t kKeysPerSplit = 256;
-constexpr int kMaxAttentionSplits = 1024;
-// A decode batch's splits stop at about this many attention blocks (sequences · kv heads ·
-// splits): a batch fills the GPU with fewer splits each, and the partials stay small.
-constexpr int64_t kMaxAttentionBlocks = 2048;
+// decode_attention runs two blocks per SM: a launch's (sequence, kv head, split) blocks stop at
+// about two per SM of the H200's 132, one wave, so a batch takes fewer splits each and the
+// partials stay small.
+constexpr int64_t kMaxAttentionBlocks = 2 * 132;
 
-// Splits for caches of up to `slots` slots: chosen by capacity, since one recording replays at
-// every depth (the kernel leaves the splits a shallow cache does not need after reading the
-// query position).
+// Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
+// capacity, since one recording replays at every depth (the kernel leaves the splits a shallow
+// cache does not need after reading the query position).
 int attention_splits(int64_t slots, int64_t sequences, int kv_heads) {
   const int64_t budget = std::max<int64_t>(1, kMaxAttentionBlocks / (sequences * kv_heads));
-  return static_cast<int>(std::clamp<int64_t>((slots + kKeysPerSplit - 1) / kKeysPerSplit, 1,
-                                              std::min<int64_t>(kMaxAttentionSplits, budget)));
+  return static_cast<int>(
+      std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
 
 RowsView view(const Rows& r) {

@@ -4,6 +4,7 @@
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/elementwise.h"
+#include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
 
@@ -12,28 +13,27 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
-// Sum of `value` over the block; every thread gets the result. `scratch` holds one float per warp.
+// Sum of `value` over the block (a multiple of 32 threads); every thread gets the result. One
+// barrier: each warp reduces the per-warp sums itself. `scratch` holds 32 floats and serves one
+// call only (a second sum in the same kernel takes its own).
 __device__ float block_sum(float value, float* scratch) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
-  const int warp = threadIdx.x / 32;
-  const int warps = blockDim.x / 32;
-  __syncthreads();  // scratch may still be read by a previous call
-  if ((threadIdx.x & 31) == 0) scratch[warp] = value;
+  value = warp_sum(value);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) scratch[threadIdx.x / 32] = value;
   __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < warps; ++w) total += scratch[w];
-  return total;
+  return warp_sum(lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f);
 }
 
 // (mean(x²) + eps)^-1/2 as transformers evaluates it (eps inside; a correctly rounded sqrt and
 // division rather than the approximate rsqrt).
+__device__ float inverse_rms(float sum_of_squares, int64_t width, float eps, float* scratch) {
+  return 1.0f / sqrtf(block_sum(sum_of_squares, scratch) / static_cast<float>(width) + eps);
+}
+
 __device__ float inverse_rms(const float* row, int64_t width, float eps, float* scratch) {
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) sum += row[j] * row[j];
-  const float mean = block_sum(sum, scratch) / static_cast<float>(width);
-  return 1.0f / sqrtf(mean + eps);
+  return inverse_rms(sum, width, eps, scratch);
 }
 
 struct NormArgs {
@@ -46,9 +46,10 @@ struct NormArgs {
   int has_rope;
 };
 
+// rms_norm with RoPE, or of rows too wide for rms_norm_row_kernel: strided loops over the row.
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(NormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float scratch[kNormThreads / 32];
+  __shared__ float scratch[32];
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
@@ -97,7 +98,7 @@ struct NormQ8Args {
 // Block per row; warp w quantizes chunks w, w + 8, ... of the normalized row.
 __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a) {
   pdl_trigger_dependents();
-  __shared__ float scratch[kNormThreads / 32];
+  __shared__ float scratch[32];
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
@@ -112,6 +113,88 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a)
   }
 }
 
+// The register-resident row kernels (add_rms_norm, rms_norm without RoPE): thread t holds quads
+// t, t + blockDim, ... (kQuads of them), every global load is issued before the first reduction
+// and every store happens once. kMaxRowQuads · kMaxRowThreads quads bound the width.
+constexpr int kMaxRowThreads = 1024;
+constexpr int kMaxRowQuads = 2;
+
+__device__ __forceinline__ int64_t quad_first(int k) {
+  return 4 * (threadIdx.x + int64_t{k} * blockDim.x);
+}
+
+__device__ __forceinline__ bool quad_in_row(int k, int64_t width) {
+  return quad_first(k) < width;
+}
+
+// The thread's quads of `row` (zeros past the row).
+template <int kQuads, bool kAligned>
+__device__ __forceinline__ void load_row(const float* row, int64_t width,
+                                         FloatQuad (&out)[kQuads]) {
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k) {
+    out[k] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (quad_in_row(k, width)) out[k] = load_quad<kAligned>(row, quad_first(k), width);
+  }
+}
+
+// The thread's quads of the norm scale (weight_offset + weight); ones for a null weight.
+template <int kQuads, bool kAligned>
+__device__ __forceinline__ void load_row_scale(const float* weight, float weight_offset,
+                                               int64_t width, FloatQuad (&out)[kQuads]) {
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k) {
+    out[k] = {{1.0f, 1.0f, 1.0f, 1.0f}};
+    if (quad_in_row(k, width))
+      out[k] = load_norm_scale<kAligned>(weight, weight_offset, quad_first(k), width);
+  }
+}
+
+template <int kQuads, bool kAligned>
+__device__ __forceinline__ void store_row(float* row, int64_t width,
+                                          const FloatQuad (&quads)[kQuads]) {
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+    if (quad_in_row(k, width)) store_quad<kAligned>(row, quad_first(k), width, quads[k]);
+}
+
+template <int kQuads>
+__device__ __forceinline__ float sum_of_squares(const FloatQuad (&quads)[kQuads]) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) sum += quads[k].v[e] * quads[k].v[e];
+  return sum;
+}
+
+// quads[k] · inv · scale[k], each product rounded (no fma), as the CPU reference rounds them.
+template <int kQuads>
+__device__ __forceinline__ void scale_row(FloatQuad (&quads)[kQuads], float inv,
+                                          const FloatQuad (&scale)[kQuads]) {
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      quads[k].v[e] = __fmul_rn(__fmul_rn(quads[k].v[e], inv), scale[k].v[e]);
+}
+
+// rms_norm without RoPE (y may alias x: the row is in registers before the first store).
+template <int kQuads, bool kAligned>
+__global__ void __launch_bounds__(kMaxRowThreads) rms_norm_row_kernel(NormArgs a) {
+  pdl_trigger_dependents();
+  __shared__ float sums[32];
+  const int64_t width = a.x.width;
+  // The norm weight is not written by a predecessor: loaded before the wait.
+  FloatQuad scale[kQuads], x[kQuads];
+  load_row_scale<kQuads, kAligned>(a.weight, a.weight_offset, width, scale);
+  pdl_wait_for_predecessors();
+  const int64_t r = blockIdx.x;
+  load_row<kQuads, kAligned>(a.x.data + r * a.x.stride, width, x);
+  scale_row(x, inverse_rms(sum_of_squares(x), width, a.eps, sums), scale);
+  store_row<kQuads, kAligned>(a.y.data + r * a.y.stride, width, x);
+}
+
 struct AddNormArgs {
   RowsView x;
   RowsView residual;
@@ -119,35 +202,55 @@ struct AddNormArgs {
   AddNormSpec spec;
 };
 
-// The products are rounded before the sum (no fma), as the separate norm and add kernels (and
-// the CPU reference) round them.
-__global__ void __launch_bounds__(kNormThreads) add_rms_norm_kernel(AddNormArgs a) {
+template <int kQuads, bool kAligned>
+__global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float scratch[kNormThreads / 32];
-  pdl_wait_for_predecessors();
-  const int64_t r = blockIdx.x;
-  const float* x = a.x.data + r * a.x.stride;
-  float* residual = a.residual.data + r * a.residual.stride;
+  __shared__ float x_sums[32], residual_sums[32];
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
-  const float inv_x = inverse_rms(x, width, spec.eps, scratch);
-  float sum = 0.0f;
-  for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
-    float normed = __fmul_rn(x[j], inv_x);
-    if (spec.weight) normed = __fmul_rn(normed, spec.weight_offset + spec.weight[j]);
-    const float updated = __fmul_rn(residual[j] + normed, spec.scalar);
-    residual[j] = updated;
-    sum += updated * updated;
-  }
-  if (a.next.data == nullptr) return;
-  const float mean = block_sum(sum, scratch) / static_cast<float>(width);
-  const float inv_residual = 1.0f / sqrtf(mean + spec.eps);
-  float* next = a.next.data + r * a.next.stride;
-  for (int64_t j = threadIdx.x; j < width; j += blockDim.x) {
-    const float normed = __fmul_rn(residual[j], inv_residual);
-    next[j] =
-        spec.next_weight ? __fmul_rn(normed, spec.weight_offset + spec.next_weight[j]) : normed;
-  }
+  const bool has_next = a.next.data != nullptr;
+  // The norm weights are not written by a predecessor: loaded before the wait.
+  FloatQuad scale[kQuads], next_scale[kQuads];
+  load_row_scale<kQuads, kAligned>(spec.weight, spec.weight_offset, width, scale);
+  if (has_next)
+    load_row_scale<kQuads, kAligned>(spec.next_weight, spec.weight_offset, width, next_scale);
+  pdl_wait_for_predecessors();
+  const int64_t r = blockIdx.x;
+  float* residual_row = a.residual.data + r * a.residual.stride;
+  FloatQuad x[kQuads], residual[kQuads];
+  load_row<kQuads, kAligned>(a.x.data + r * a.x.stride, width, x);
+  load_row<kQuads, kAligned>(residual_row, width, residual);
+
+  scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, x_sums), scale);
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      residual[k].v[e] = __fmul_rn(residual[k].v[e] + x[k].v[e], spec.scalar);
+  store_row<kQuads, kAligned>(residual_row, width, residual);
+  if (!has_next) return;
+  scale_row(residual, inverse_rms(sum_of_squares(residual), width, spec.eps, residual_sums),
+            next_scale);
+  store_row<kQuads, kAligned>(a.next.data + r * a.next.stride, width, residual);
+}
+
+// How a register-resident row kernel takes rows of `width` (<= 4 · kMaxRowQuads ·
+// kMaxRowThreads): one quad per thread while the row fits kMaxRowThreads (E2B's 1536: 384
+// threads), else two.
+struct RowShape {
+  int quads_per_thread;
+  unsigned threads;
+};
+
+RowShape row_shape(int64_t width) {
+  const int64_t quads = (width + 3) / 4;
+  const int per_thread = quads <= kMaxRowThreads ? 1 : 2;
+  return {per_thread,
+          static_cast<unsigned>(((quads + per_thread - 1) / per_thread + 31) / 32 * 32)};
+}
+
+bool fits_registers(int64_t width) {
+  return width <= 4 * int64_t{kMaxRowQuads} * kMaxRowThreads;
 }
 
 struct GeluArgs {
@@ -190,8 +293,18 @@ cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset
     args.rope = *rope;
     args.has_rope = 1;
   }
-  return launch_kernel(rms_norm_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads), 0,
-                       launch, args);
+  if (rope != nullptr || !fits_registers(x.width)) {
+    return launch_kernel(rms_norm_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads),
+                         0, launch, args);
+  }
+  // [quads per thread − 1][16-byte accesses]
+  constexpr decltype(&rms_norm_row_kernel<1, true>) kRowKernels[2][2] = {
+      {rms_norm_row_kernel<1, false>, rms_norm_row_kernel<1, true>},
+      {rms_norm_row_kernel<2, false>, rms_norm_row_kernel<2, true>}};
+  const bool aligned = x.width % 4 == 0 && aligned_rows(x) && aligned_rows(y) && aligned_16(weight);
+  const RowShape shape = row_shape(x.width);
+  return launch_kernel(kRowKernels[shape.quads_per_thread - 1][aligned],
+                       dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
 }
 
 cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_offset, float eps,
@@ -208,14 +321,22 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
 
 cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
                          const AddNormSpec& spec, const Launch& launch) {
-  if (x.rows < 1 || x.width < 1 || !valid_rows(x, x.rows, x.width) ||
+  if (x.rows < 1 || x.width < 1 || !fits_registers(x.width) || !valid_rows(x, x.rows, x.width) ||
       !valid_rows(residual, x.rows, x.width) ||
       (next.data != nullptr && !valid_rows(next, x.rows, x.width)) || x.rows > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
   }
+  // [quads per thread − 1][16-byte accesses]
+  constexpr decltype(&add_rms_norm_kernel<1, true>) kKernels[2][2] = {
+      {add_rms_norm_kernel<1, false>, add_rms_norm_kernel<1, true>},
+      {add_rms_norm_kernel<2, false>, add_rms_norm_kernel<2, true>}};
+  const bool aligned = x.width % 4 == 0 && aligned_rows(x) && aligned_rows(residual) &&
+                       aligned_rows(next) && aligned_16(spec.weight) &&
+                       aligned_16(spec.next_weight);
+  const RowShape shape = row_shape(x.width);
   const AddNormArgs args = {x, residual, next, spec};
-  return launch_kernel(add_rms_norm_kernel, dim3(static_cast<unsigned>(x.rows)), dim3(kNormThreads),
-                       0, launch, args);
+  return launch_kernel(kKernels[shape.quads_per_thread - 1][aligned],
+                       dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
 }
 
 cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,

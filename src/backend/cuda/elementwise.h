@@ -44,6 +44,7 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
 //   residual[r] = (residual[r] + rms_norm(x[r]; weight)) · scalar
 //   next[r] = rms_norm(residual[r]; next_weight)      (only when next.data != nullptr)
 // Both norms scale by (weight_offset + w), or not at all for a null weight. next may alias x.
+// One block per row holds the row in registers: width <= 8192.
 struct AddNormSpec {
   const float* weight = nullptr;
   const float* next_weight = nullptr;

@@ -21,8 +21,8 @@ struct AttentionInputs {
   RowsView v;
   const float* q_norm = nullptr;  // [head_dim]; null: weightless
   const float* k_norm = nullptr;
-  bool norm_v = false;  // v per head normed without weight (else stored as it is)
-  int head_dim = 0;
+  bool norm_v = false;         // v per head normed without weight (else stored as it is)
+  int head_dim = 0;            // even, <= 512
   float weight_offset = 0.0f;  // the norms scale by (weight_offset + w)
   float eps = 1e-6f;
   const int32_t* positions = nullptr;  // [rows]

@@ -1,16 +1,21 @@
-// prepare_attention (fused_ops.h). Block per row of 8 warps; warp w takes heads w, w + 8, ... of
-// the row's list (q heads, then k heads, then v heads). A head is normed by one warp (a shuffle
-// reduction, no block barrier), and lane l owns the RoPE pairs (i, i + head_dim/2) for i = l,
-// l + 32, ..., so the rotation needs no exchange either.
+// prepare_attention (fused_ops.h). One warp per head: block (row, g) of kWarps warps takes heads
+// g · kWarps + w of the row's list (q heads, then k heads, then v heads), so a row's heads run on
+// as many SMs as it has head groups. A head is normed with a shuffle reduction (no block barrier)
+// and lane l owns the quads at 4c and half + 4c for c = l, l + 32, ...: the RoPE pairs
+// (i, i + head_dim/2) stay in one lane and the rotation needs no exchange. Every load of a lane
+// (norm weights and inv_freq before the PDL wait, the head after it) is issued before the sum.
 #include <algorithm>
 
+#include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/fused_ops.h"
 #include "backend/cuda/launch.cuh"
 
 namespace gemma4::cuda {
 namespace {
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 4;
+// Quads per half head per lane: head_dim <= 2 · 4 · 32 · kMaxPairQuads = 512.
+constexpr int kMaxPairQuads = 2;
 
 struct PrepareArgs {
   AttentionInputs in;
@@ -20,48 +25,24 @@ struct PrepareArgs {
   bool prepare_q;  // the first launch of a call prepares q; every launch stores its sequences
 };
 
-// One head: src normed ((weight_offset + weight) when weight is set), rotated by `position`
-// (when inv_freq is set), written to dst (dst may be src).
-__device__ void prepare_head(const float* src, float* dst, int head_dim, const float* weight,
-                             float weight_offset, float eps, const float* inv_freq,
-                             float position) {
-  const int lane = threadIdx.x & 31;
-  float sum = 0.0f;
-  for (int j = lane; j < head_dim; j += 32) sum += src[j] * src[j];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
-  // Every lane has read its elements before the shuffles complete: dst may alias src.
-  const float inv = 1.0f / sqrtf(sum / static_cast<float>(head_dim) + eps);
-  auto normed = [&](int j) {
-    const float v = src[j] * inv;
-    return weight ? v * (weight_offset + weight[j]) : v;
-  };
-  const int half = head_dim / 2;
-  for (int i = lane; i < half; i += 32) {
-    const float first = normed(i);
-    const float second = normed(i + half);
-    if (inv_freq != nullptr && inv_freq[i] != 0.0f) {
-      // The angle as the CPU reference rounds it: fp32(position) · inv_freq in fp32.
-      float sin_angle, cos_angle;
-      sincosf(position * inv_freq[i], &sin_angle, &cos_angle);
-      dst[i] = first * cos_angle - second * sin_angle;
-      dst[i + half] = second * cos_angle + first * sin_angle;
-    } else {
-      dst[i] = first;
-      dst[i + half] = second;
-    }
-  }
-}
+// What a head is: its source and destination and how it is transformed.
+struct HeadJob {
+  const float* src = nullptr;
+  float* dst = nullptr;  // may be src
+  const float* weight = nullptr;
+  bool norm = false;
+  bool rotate = false;
+};
 
+template <int kPairQuads, bool kAligned>
 __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareArgs a) {
   pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
-  const int64_t row = blockIdx.x;
   const AttentionInputs& in = a.in;
-  const int warp = threadIdx.x >> 5;
-  const int32_t position = in.positions[row];
-  const float angle_position = static_cast<float>(position);
+  const int64_t row = blockIdx.x;
+  const int head = static_cast<int>(blockIdx.y) * kWarps + static_cast<int>(threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
   const int hd = in.head_dim;
+  const int half = hd / 2;
 
   // The sequence whose rows include this one (a short scan of the parameter table).
   SequenceKv sequence = {};
@@ -72,31 +53,90 @@ __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareA
   }
   const int q_heads = a.prepare_q ? a.q_heads : 0;
   const int kv_heads = stores ? a.kv_heads : 0;
-  if (q_heads + kv_heads == 0) return;
+  const bool has_head = head < q_heads + 2 * kv_heads;
 
+  HeadJob job;
+  int64_t cache_offset = 0;  // of the head within its slot (k and v)
+  if (head < q_heads) {
+    job.src = job.dst = in.q.data + row * in.q.stride + int64_t{head} * hd;
+    job.weight = in.q_norm;
+    job.norm = job.rotate = true;
+  } else if (head < q_heads + kv_heads) {
+    cache_offset = int64_t{head - q_heads} * hd;
+    job.src = in.k.data + row * in.k.stride + cache_offset;
+    job.weight = in.k_norm;
+    job.norm = job.rotate = true;
+  } else if (has_head) {
+    cache_offset = int64_t{head - q_heads - kv_heads} * hd;
+    job.src = in.v.data + row * in.v.stride + cache_offset;
+    job.norm = in.norm_v;
+  }
+
+  // Norm weights and the RoPE frequencies are not written by a predecessor: loaded before the
+  // wait, as every other load of the lane is issued before the first use.
+  auto pair_quad = [&](int k) { return 4 * (lane + 32 * k); };
+  auto in_head = [&](int k) { return pair_quad(k) < half; };
+  FloatQuad scale_first[kPairQuads], scale_second[kPairQuads], inv_freq[kPairQuads];
+#pragma unroll
+  for (int k = 0; k < kPairQuads; ++k) {
+    if (!has_head || !in_head(k)) continue;
+    scale_first[k] = load_norm_scale<kAligned>(job.weight, in.weight_offset, pair_quad(k), half);
+    scale_second[k] = load_norm_scale<kAligned>(job.weight ? job.weight + half : nullptr,
+                                                in.weight_offset, pair_quad(k), half);
+    if (job.rotate) inv_freq[k] = load_quad<kAligned>(in.inv_freq, pair_quad(k), half);
+  }
+  pdl_wait_for_predecessors();
+  if (!has_head) return;
+  const int32_t position = in.positions[row];
   const int64_t slot = stores ? position % sequence.slots : 0;
-  const int64_t kv_width = int64_t{a.kv_heads} * hd;
-  if (stores && threadIdx.x == 0) sequence.slot_positions[slot] = position;
-  for (int head = warp; head < q_heads + 2 * kv_heads; head += kWarps) {
-    if (head < q_heads) {
-      float* q = in.q.data + row * in.q.stride + int64_t{head} * hd;
-      prepare_head(q, q, hd, in.q_norm, in.weight_offset, in.eps, in.inv_freq, angle_position);
-    } else if (head < q_heads + kv_heads) {
-      const int kv_head = head - q_heads;
-      const float* k = in.k.data + row * in.k.stride + int64_t{kv_head} * hd;
-      float* cached = static_cast<float*>(sequence.keys) + slot * kv_width + int64_t{kv_head} * hd;
-      prepare_head(k, cached, hd, in.k_norm, in.weight_offset, in.eps, in.inv_freq, angle_position);
-    } else {
-      const int kv_head = head - q_heads - kv_heads;
-      const float* v = in.v.data + row * in.v.stride + int64_t{kv_head} * hd;
-      float* cached =
-          static_cast<float*>(sequence.values) + slot * kv_width + int64_t{kv_head} * hd;
-      if (in.norm_v) {
-        prepare_head(v, cached, hd, nullptr, 0.0f, in.eps, nullptr, 0.0f);
-      } else {
-        for (int j = threadIdx.x & 31; j < hd; j += 32) cached[j] = v[j];
+  if (stores && head == 0 && lane == 0) sequence.slot_positions[slot] = position;
+  if (job.dst == nullptr) {
+    const int64_t slot_offset = slot * int64_t{a.kv_heads} * hd + cache_offset;
+    const bool is_key = head < q_heads + kv_heads;
+    job.dst = static_cast<float*>(is_key ? sequence.keys : sequence.values) + slot_offset;
+  }
+
+  FloatQuad first[kPairQuads], second[kPairQuads];
+  float sum = 0.0f;
+#pragma unroll
+  for (int k = 0; k < kPairQuads; ++k) {
+    first[k] = second[k] = {{0.0f, 0.0f, 0.0f, 0.0f}};
+    if (!in_head(k)) continue;
+    first[k] = load_quad<kAligned>(job.src, pair_quad(k), half);
+    second[k] = load_quad<kAligned>(job.src + half, pair_quad(k), half);
+  }
+#pragma unroll
+  for (int k = 0; k < kPairQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      sum += first[k].v[e] * first[k].v[e] + second[k].v[e] * second[k].v[e];
+  // Every lane has read its elements before the shuffles complete: dst may alias src.
+  const float inv = job.norm ? 1.0f / sqrtf(warp_sum(sum) / static_cast<float>(hd) + in.eps) : 1.0f;
+  // The angle as the CPU reference rounds it: fp32(position) · inv_freq in fp32.
+  const float angle_position = static_cast<float>(position);
+#pragma unroll
+  for (int k = 0; k < kPairQuads; ++k) {
+    if (!in_head(k)) continue;
+    if (job.norm) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        first[k].v[e] = first[k].v[e] * inv * scale_first[k].v[e];
+        second[k].v[e] = second[k].v[e] * inv * scale_second[k].v[e];
       }
     }
+    if (job.rotate) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        if (inv_freq[k].v[e] == 0.0f) continue;
+        float sin_angle, cos_angle;
+        sincosf(angle_position * inv_freq[k].v[e], &sin_angle, &cos_angle);
+        const float x = first[k].v[e], y = second[k].v[e];
+        first[k].v[e] = x * cos_angle - y * sin_angle;
+        second[k].v[e] = y * cos_angle + x * sin_angle;
+      }
+    }
+    store_quad<kAligned>(job.dst, pair_quad(k), half, first[k]);
+    store_quad<kAligned>(job.dst + half, pair_quad(k), half, second[k]);
   }
 }
 
@@ -114,8 +154,9 @@ cudaError_t prepare_attention(const AttentionInputs& inputs, std::span<const Seq
                               const Launch& launch) {
   const int64_t rows = inputs.q.rows;
   const int hd = inputs.head_dim;
-  if (rows < 1 || rows > 0x7FFFFFFF || hd < 2 || hd % 2 != 0 || !valid_rows(inputs.q, rows) ||
-      inputs.q.width % hd != 0 || inputs.positions == nullptr || inputs.inv_freq == nullptr) {
+  if (rows < 1 || rows > 0x7FFFFFFF || hd < 2 || hd % 2 != 0 || hd > 8 * 32 * kMaxPairQuads ||
+      !valid_rows(inputs.q, rows) || inputs.q.width % hd != 0 || inputs.positions == nullptr ||
+      inputs.inv_freq == nullptr) {
     return cudaErrorInvalidValue;
   }
   PrepareArgs args = {};
@@ -138,6 +179,17 @@ cudaError_t prepare_attention(const AttentionInputs& inputs, std::span<const Seq
   // Without k there is nothing to store: one launch for q.
   const std::span<const SequenceKv> stored =
       inputs.k.data != nullptr ? sequences : std::span<const SequenceKv>();
+  // 16-byte accesses when every row, weight and cache allows them.
+  const int half = hd / 2;
+  const bool aligned =
+      half % 4 == 0 && aligned_rows(inputs.q) && aligned_rows(inputs.k) && aligned_rows(inputs.v) &&
+      aligned_16(inputs.q_norm) && aligned_16(inputs.k_norm) && aligned_16(inputs.inv_freq) &&
+      std::all_of(stored.begin(), stored.end(),
+                  [](const SequenceKv& s) { return aligned_16(s.keys) && aligned_16(s.values); });
+  const auto kernel =
+      half <= 128
+          ? (aligned ? prepare_attention_kernel<1, true> : prepare_attention_kernel<1, false>)
+          : (aligned ? prepare_attention_kernel<2, true> : prepare_attention_kernel<2, false>);
   const int launches = prepare_attention_launches(static_cast<int>(stored.size()));
   for (int c = 0; c < launches; ++c) {
     const auto chunk =
@@ -145,8 +197,9 @@ cudaError_t prepare_attention(const AttentionInputs& inputs, std::span<const Seq
     args.sequences.count = static_cast<int>(std::min<size_t>(chunk.size(), kMaxBatchedSequences));
     std::copy_n(chunk.begin(), args.sequences.count, args.sequences.entries);
     args.prepare_q = c == 0;
+    const int heads = (args.prepare_q ? args.q_heads : 0) + 2 * args.kv_heads;
     const cudaError_t status =
-        launch_kernel(prepare_attention_kernel, dim3(static_cast<unsigned>(rows)),
+        launch_kernel(kernel, dim3(static_cast<unsigned>(rows), (heads + kWarps - 1) / kWarps),
                       dim3(kWarps * 32), 0, launch, args);
     if (status != cudaSuccess) return status;
   }

@@ -1,0 +1,74 @@
+// Four consecutive fp32 values of a row held in registers: the unit in which the one-row kernels
+// (elementwise.cu, fused_prepare_attention.cu) issue all their loads up front. An aligned row
+// (width and stride multiples of 4, 16-byte base) moves as one 16-byte access per quad; any other
+// row as four scalar accesses bounded by its width (zeros read past it, nothing written there).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "backend/cuda/elementwise.h"
+
+namespace gemma4::cuda {
+
+struct FloatQuad {
+  float v[4];
+};
+
+// The quad starting at row[first]; `fill` stands for the values past `width` (unaligned rows).
+template <bool kAligned>
+__device__ __forceinline__ FloatQuad load_quad(const float* row, int64_t first, int64_t width,
+                                               float fill = 0.0f) {
+  if constexpr (kAligned) {
+    const float4 f = *reinterpret_cast<const float4*>(row + first);
+    return {{f.x, f.y, f.z, f.w}};
+  } else {
+    FloatQuad q;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) q.v[e] = first + e < width ? row[first + e] : fill;
+    return q;
+  }
+}
+
+template <bool kAligned>
+__device__ __forceinline__ void store_quad(float* row, int64_t first, int64_t width,
+                                           const FloatQuad& q) {
+  if constexpr (kAligned) {
+    *reinterpret_cast<float4*>(row + first) = make_float4(q.v[0], q.v[1], q.v[2], q.v[3]);
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      if (first + e < width) row[first + e] = q.v[e];
+  }
+}
+
+// The norm scale (weight_offset + weight[j]) of the quad at `first`; all ones for a null weight
+// (the exact identity for the rounded products the kernels form).
+template <bool kAligned>
+__device__ __forceinline__ FloatQuad load_norm_scale(const float* weight, float weight_offset,
+                                                     int64_t first, int64_t width) {
+  if (weight == nullptr) return {{1.0f, 1.0f, 1.0f, 1.0f}};
+  FloatQuad q = load_quad<kAligned>(weight, first, width);
+#pragma unroll
+  for (int e = 0; e < 4; ++e) q.v[e] = weight_offset + q.v[e];
+  return q;
+}
+
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+  return value;
+}
+
+__host__ __device__ inline bool aligned_16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Whether every row of `v` (or no rows at all: data null) starts 16-byte aligned.
+inline bool aligned_rows(const RowsView& v) {
+  return v.data == nullptr || (aligned_16(v.data) && v.stride % 4 == 0);
+}
+
+}  // namespace gemma4::cuda
