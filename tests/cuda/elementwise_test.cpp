@@ -45,8 +45,10 @@ void expect_near_all(const std::vector<float>& got, const std::vector<double>& e
   testing::expect_close(got, expected, magnitude, tolerance, what);
 }
 
+// Rows in registers (one and two quads per thread, 16-byte and scalar accesses) and a row too
+// wide for them (the strided kernel).
 TEST(RmsNorm, WithAndWithoutWeightInPlace) {
-  for (int64_t width : {256, 1536, 2816, 5376}) {
+  for (int64_t width : {256, 1536, 2816, 5376, 1001, 9000}) {
     const int64_t rows = 3;
     const auto x = testing::random_floats(rows * width, -4.0f, 4.0f, 11);
     const auto w = testing::random_floats(width, -2.0f, 2.0f, 12);
