@@ -146,7 +146,7 @@ std::string format_name(const Format& f) {
 
 Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActType x_type,
                   const char* label, cudaStream_t stream, bool quick,
-                  GemvEpilogue epilogue = GemvEpilogue::kNone) {
+                  GemvEpilogue epilogue = GemvEpilogue::kNone, bool round_to_bf16 = false) {
   Weights w;
   make_weights(format, rows, cols, w);
   const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
@@ -158,13 +158,14 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   CHECK(cudaMalloc(&multiplier, size_t(m) * rows * 4));
   fill(x, size_t(m) * cols * 4, 5, 0x3F7F3F7F);  // finite bf16 pairs / floats
   fill(multiplier, size_t(m) * rows * 4, 6, 0x3F7FFFFF);
-  const GemvInput input = {x, x_type, m, cols};
+  const GemvInput input = {x, x_type, m, cols, round_to_bf16};
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
   const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
   Result r;
   r.kernel = format_name(format) + (x_type == ActType::kBF16 ? "/x-bf16"
                                     : x_type == ActType::kQ8 ? "/x-q8"
+                                    : round_to_bf16          ? "/x-f32-as-bf16"
                                                              : "/x-f32");
   if (epilogue == GemvEpilogue::kGeluMul) r.kernel += "/gelu-mul";
   if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
@@ -327,6 +328,20 @@ int main(int argc, char** argv) {
   }
   results.push_back(bench_gemv(WeightFormat::kW4G32, 2560, 1536, 1, ActType::kF32, dense[0].label,
                                stream, quick));
+  // The engine's default: fp32 activations rounded to bf16, staged in shared memory per block.
+  std::vector<Shape> rounded_shapes(std::begin(dense), std::end(dense));
+  rounded_shapes.push_back({256, 1536, "e2b ple gate 256x1536"});
+  rounded_shapes.push_back({1536, 256, "e2b ple proj 1536x256"});
+  for (const Shape& s : rounded_shapes) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kF32, s.label,
+                                 stream, quick, GemvEpilogue::kNone, true));
+  }
+  for (int m : {2, 8, 64}) {
+    for (const Shape& s : {dense[1], dense[3]}) {
+      results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, m, ActType::kF32, s.label,
+                                   stream, quick, GemvEpilogue::kNone, true));
+    }
+  }
   results.push_back(bench_gemv(WeightFormat::kW4G32, 262144, 1536, 1, ActType::kF32, dense[6].label,
                                stream, quick));
   // int8 activations (dp4a) beside bf16 activations, same shapes.

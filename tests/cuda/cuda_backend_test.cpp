@@ -41,13 +41,14 @@ constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
 // What padding between strided rows holds: an operation must leave it alone.
 constexpr float kPadding = 7.25f;
 
-// This file checks the fp32 kernels at fp32 tolerance, so passes of more than 16 rows stay on
-// them (set_fp32_prefill); prefill_test.cpp checks the bf16 tensor-core prefill paths.
+// This file checks the fp32 kernels at fp32 tolerance, so every matmul multiplies the exact fp32
+// activations (set_fp32_activations); prefill_test.cpp checks the bf16 tensor-core prefill paths,
+// gemv_test.cpp the GEMVs' bf16-rounded activations.
 std::unique_ptr<engine::Backend> make_gpu() {
   auto made = make_cuda_backend();
   EXPECT_TRUE(made.ok()) << made.error().to_string();
   if (!made.ok()) return nullptr;
-  static_cast<CudaBackend&>(**made).set_fp32_prefill(true);
+  static_cast<CudaBackend&>(**made).set_fp32_activations(true);
   return std::move(*made);
 }
 

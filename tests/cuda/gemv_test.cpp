@@ -31,15 +31,18 @@ using testing::random_matrix;
 // tighter than bf16 rounding (2^-8), which is what the engine's tolerance budget allows.
 constexpr double kTolerance = 2e-4;
 
-// Runs y = W x for M activation rows and checks every output against the reference.
 // Uploads x (M rows of K fp32) as the activation type under test. Returns what the kernel
-// multiplies: the bf16-rounded values, or for kQ8 the values the quantizer produced (checked
-// here against its contract: scale = max|x| / 127 per 32, |x − q·scale| <= scale / 2).
+// multiplies: the bf16-rounded values (kBF16, and kF32 with round_to_bf16), or for kQ8 the values
+// the quantizer produced (checked here against its contract: scale = max|x| / 127 per 32,
+// |x − q·scale| <= scale / 2).
 std::vector<float> upload_activations(const std::vector<float>& x, int m, int64_t k, ActType type,
-                                      DeviceArray<uint8_t>& device) {
+                                      bool round_to_bf16, DeviceArray<uint8_t>& device) {
   std::vector<float> effective = x;
   if (type == ActType::kF32) {
     cudaMemcpy(device.get(), x.data(), x.size() * 4, cudaMemcpyHostToDevice);
+    if (round_to_bf16) {
+      for (float& value : effective) value = round_bf16(value);
+    }
   } else if (type == ActType::kBF16) {
     std::vector<uint16_t> bits(x.size());
     for (size_t i = 0; i < x.size(); ++i) {
@@ -127,11 +130,13 @@ Products reference_products(const HostMatrix& host, const std::vector<float>& x,
 // (the bound: kTolerance on each product, carried through the epilogue). Returns the outputs.
 std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m,
                               ActType x_type, int tiling, uint32_t seed,
-                              GemvEpilogue epilogue = GemvEpilogue::kNone) {
+                              GemvEpilogue epilogue = GemvEpilogue::kNone,
+                              bool round_to_bf16 = false) {
   SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
                std::to_string(host.rows) + "x" + std::to_string(host.cols) +
                " M=" + std::to_string(m) + " x=" + act_name(x_type) +
-               " tiling=" + std::to_string(tiling) + " epilogue=" + epilogue_name(epilogue));
+               (round_to_bf16 ? " rounded to bf16" : "") + " tiling=" + std::to_string(tiling) +
+               " epilogue=" + epilogue_name(epilogue));
   const int64_t n = host.rows;
   const int64_t k = host.cols;
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? n / 2 : n;
@@ -142,9 +147,9 @@ std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device
   DeviceArray<float> y(m * width);
   EXPECT_TRUE(x_device.ok() && multiplier_device.ok() && y.ok() && device.data.ok());
   if (!x_device.ok() || !multiplier_device.ok() || !y.ok() || !device.data.ok()) return {};
-  const std::vector<float> x = upload_activations(x_source, m, k, x_type, x_device);
+  const std::vector<float> x = upload_activations(x_source, m, k, x_type, round_to_bf16, x_device);
 
-  const GemvInput input = {x_device.get(), x_type, m, k};
+  const GemvInput input = {x_device.get(), x_type, m, k, round_to_bf16};
   const GemvOutput output = {y.get(), width, epilogue, multiplier_device.get(), n};
   EXPECT_EQ(gemv(device.view, input, output, Launch{}, tiling), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -275,6 +280,24 @@ TEST(Gemv, EveryTiling) {
   }
 }
 
+// kF32 activations rounded to bf16 (CudaBackend's default): staged in shared memory, exact
+// against the rounded values, on every compiled tiling (ragged coverage K 704, ragged M tile).
+TEST(Gemv, F32RoundedToBF16EveryTiling) {
+  const auto tilings = gemv_tilings();
+  uint32_t seed = 1600;
+  for (const Shape& s : {Shape{2560, 1536}, Shape{2816, 704}}) {
+    for (WeightFormat format : {WeightFormat::kW4G32, WeightFormat::kW8, WeightFormat::kBF16}) {
+      const HostMatrix host = random_matrix(format, s.rows, s.cols, seed++, ScaleType::kF16);
+      const DeviceMatrix device(host);
+      for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+        if (!gemv_tiling_compiled(t)) continue;
+        const int m = tilings[t].m_tile == 1 ? 1 : 11;
+        check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
+      }
+    }
+  }
+}
+
 // The GGUF repacks (quant/gguf_repack.h) and their scale layouts.
 struct GgufFormat {
   WeightFormat format;
@@ -335,6 +358,44 @@ TEST(Gemv, EpiloguesEveryFormat) {
       }
     }
   }
+}
+
+// kF32 activations rounded to bf16, every format and scale type, every epilogue, M = 1, 2, 8, 64
+// at the PLE gate shape (256 × 1536: every m tile staged) and the PLE projection (1536 × 256);
+// E2B's down (K 6144: staged for M = 1, rounded in registers for the batched tilings, whose 8-row
+// tile does not fit) and double-wide gate+up (24576 × 1536: tiling 1).
+TEST(Gemv, F32RoundedToBF16EveryFormatAndEpilogue) {
+  std::vector<GgufFormat> formats(std::begin(kGgufFormats), std::end(kGgufFormats));
+  for (ScaleType type : {ScaleType::kBF16, ScaleType::kF16, ScaleType::kF32}) {
+    formats.push_back({WeightFormat::kW4G32, type, 32});
+  }
+  formats.push_back({WeightFormat::kBF16, ScaleType::kBF16, 32});
+  uint32_t seed = 1700;
+  const auto check_all = [&](const HostMatrix& host, const DeviceMatrix& device) {
+    for (int m : {1, 2, 8, 64}) {
+      for (GemvEpilogue e :
+           {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
+        check_gemv(host, device, m, ActType::kF32, -1, seed++, e, true);
+      }
+    }
+  };
+  for (const GgufFormat& f : formats) {
+    for (const Shape& s : {Shape{256, 1536}, Shape{1536, 256}}) {
+      const HostMatrix host = random_gguf_matrix(f, s.rows, s.cols, seed++);
+      check_all(host, DeviceMatrix(host));
+    }
+  }
+  for (bool divisor : {true, false}) {
+    const HostMatrix host =
+        random_matrix(WeightFormat::kNVFP4, 256, 1536, seed++, ScaleType::kBF16, divisor);
+    check_all(host, DeviceMatrix(host));
+  }
+  const HostMatrix down = random_matrix(WeightFormat::kW4G32, 1536, 6144, seed++);
+  const DeviceMatrix down_device(down);
+  for (int m : {1, 8}) check_gemv(down, down_device, m, ActType::kF32, -1, seed++, {}, true);
+  const HostMatrix gate_up = random_matrix(WeightFormat::kW4G32, 24576, 1536, seed++);
+  check_gemv(gate_up, DeviceMatrix(gate_up), 1, ActType::kF32, -1, seed++, GemvEpilogue::kGeluPairs,
+             true);
 }
 
 // Both reductions (one warp, shared-memory split-K) store through the epilogue: every compiled
@@ -441,6 +502,9 @@ TEST(Gemv, RejectsUnsupportedShapes) {
   const HostMatrix w8_host = random_matrix(WeightFormat::kW8, 64, 64, 2, ScaleType::kF16);
   const DeviceMatrix w8(w8_host);
   EXPECT_EQ(gemv(w8.view, GemvInput{x.get(), ActType::kBF16, 1, 64}, out, Launch{}),
+            cudaErrorInvalidValue);
+  // Rounding to bf16 applies to fp32 activations only.
+  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kBF16, 1, 64, true}, out, Launch{}),
             cudaErrorInvalidValue);
   QMatrix w8_group_64 = w8.view;
   w8_group_64.group_size = 64;

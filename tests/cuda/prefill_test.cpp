@@ -185,11 +185,11 @@ TEST(PrefillMatmul, EveryFormatWithinTheBf16Bound) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
-// set_fp32_prefill keeps a 100-row pass on the fp32 kernels: within fp32 summation error.
+// set_fp32_activations keeps a 100-row pass on the fp32 kernels: within fp32 summation error.
 TEST(PrefillMatmul, Fp32PrefillStaysOnTheFp32Kernels) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
-  static_cast<CudaBackend&>(*gpu).set_fp32_prefill(true);
+  static_cast<CudaBackend&>(*gpu).set_fp32_activations(true);
   CpuBackend cpu(0);
   const HostMatrix host = testing::random_matrix(WeightFormat::kW4G32, 64, 256, 7);
   const testing::DeviceMatrix device(host);

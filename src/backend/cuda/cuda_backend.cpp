@@ -246,7 +246,8 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
   // before enqueuing anything; every slice has the first one's shape and alignment.
   for (int64_t done = 0; done < x.count; done += kMaxGemvRows) {
     const int64_t rows = std::min(kMaxGemvRows, x.count - done);
-    const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride};
+    const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride,
+                             !fp32_activations_};
     GemvOutput slice = out;
     slice.data += done * out.stride;
     if (slice.multiplier != nullptr) slice.multiplier += done * out.multiplier_stride;
@@ -562,7 +563,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
                       count);
   }
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
-  backend->set_fp32_prefill(options.fp32);
+  backend->set_fp32_activations(options.fp32);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

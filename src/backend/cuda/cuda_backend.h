@@ -13,7 +13,9 @@
 //    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
 //  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
 //  * prefill passes (more than kTensorCoreMaxGemvRows = 16 rows): matmul and attention on bf16
-//    tensor cores (prefill_matmul.h, prefill_kernels.h), unless set_fp32_prefill(true).
+//    tensor cores (prefill_matmul.h, prefill_kernels.h), unless set_fp32_activations(true);
+//  * the decode GEMVs round activations to bf16 (fp32 sums), as the tensor-core passes and a
+//    bf16 model do, unless set_fp32_activations(true).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -113,10 +115,12 @@ class CudaBackend final : public engine::Backend {
 
   cudaStream_t stream() const { return stream_; }
 
-  // Passes of more than kTensorCoreMaxGemvRows rows (prefill) run matmul and attention on bf16
-  // tensor cores with fp32 sums. fp32 = true keeps them on the fp32 kernels (much slower), for
-  // tests that compare whole passes with the fp32 CPU reference at fp32 tolerance.
-  void set_fp32_prefill(bool fp32) { fp32_prefill_ = fp32; }
+  // By default activations enter matmuls as bf16 (fp32 sums): passes of more than
+  // kTensorCoreMaxGemvRows rows (prefill) run matmul and attention on bf16 tensor cores, and the
+  // GEMVs round their fp32 activations to bf16. fp32 = true multiplies the exact fp32 activations
+  // everywhere (fp32 kernels, much slower), for tests that compare whole passes with the fp32 CPU
+  // reference at fp32 tolerance and for the CLI's --fp32.
+  void set_fp32_activations(bool fp32) { fp32_activations_ = fp32; }
 
  private:
   // Device scratch that grows on demand (synchronizing first: kernels may still read it; and
@@ -160,7 +164,7 @@ class CudaBackend final : public engine::Backend {
   std::vector<Scratch> retired_scratch_;
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
-  bool fp32_prefill_ = false;
+  bool fp32_activations_ = false;
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
@@ -170,7 +174,7 @@ class CudaBackend final : public engine::Backend {
 // How make_cuda_backend sets a backend up (the CLI's --no-pdl and --fp32).
 struct CudaOptions {
   bool pdl = true;    // false: kernels launched plainly (for A/B measurements)
-  bool fp32 = false;  // true: the exact fp32 kernels for every pass (set_fp32_prefill)
+  bool fp32 = false;  // true: the exact fp32 kernels for every pass (set_fp32_activations)
 };
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0,

@@ -24,9 +24,7 @@ constexpr int kScaleF16 = 1;
 constexpr int kScaleF32 = 2;
 
 template <PackedFormat F>
-constexpr int kChunkElems = F == PackedFormat::kBF16 || F == PackedFormat::kF16 ? 8
-                            : F == PackedFormat::kW8                            ? 16
-                                                                                : 32;
+constexpr int kChunkElems = packed_chunk_elements(F);
 
 // The raw scale data of one chunk: a {scale, min} fp32 pair for w4g32a, else one 32-bit word
 // (a 16- or 32-bit scale, or NVFP4's two e4m3 bytes).
@@ -70,20 +68,49 @@ __device__ __forceinline__ void load_x_chunk_q8(const void* x, int64_t row, int6
   out.sum = __ldg(reinterpret_cast<const int*>(base + stride + stride / 8) + chunk);
 }
 
+// Unpacks 8 bf16 values (one 16-byte word, element 2j in the low half of word j) to fp32.
+__device__ __forceinline__ void unpack_bf16x8(const uint4& q, float* out) {
+  const uint32_t words[4] = {q.x, q.y, q.z, q.w};
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    out[2 * j] = __uint_as_float(words[j] << 16);
+    out[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+  }
+}
+
+// v rounded to the nearest bf16 (ties to even), back as fp32.
+__device__ __forceinline__ float bf16_rounded(float v) {
+  return __bfloat162float(__float2bfloat16_rn(v));
+}
+
+// lo and hi rounded to bf16 (ties to even) in one word, lo in the low half (unpack_bf16x8's order).
+__device__ __forceinline__ uint32_t pack_bf16x2(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+// The chunk's offset and sum from its values (XChunk).
+template <int N>
+__device__ __forceinline__ void finish_x_chunk(XChunk<N>& out) {
+  float even = 0.0f, odd = 0.0f;
+#pragma unroll
+  for (int i = 0; i < N; i += 2) {
+    even += out.v[i];
+    odd += out.v[i + 1];
+  }
+  out.offset = 264.0f * even + 24.0f * odd;
+  out.sum = even + odd;
+}
+
+// Activations first .. first + N − 1 of x (kF32 or kBF16, global memory); kF32 values are rounded
+// to bf16 when `to_bf16` (the products a bf16 model computes).
 template <ActType XT, int N>
-__device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChunk<N>& out) {
+__device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChunk<N>& out,
+                                             bool to_bf16 = false) {
   if constexpr (XT == ActType::kBF16) {
     const uint4* p = reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(x) + first);
 #pragma unroll
-    for (int i = 0; i < N / 8; ++i) {
-      const uint4 q = __ldg(p + i);
-      const uint32_t words[4] = {q.x, q.y, q.z, q.w};
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        out.v[8 * i + 2 * j] = __uint_as_float(words[j] << 16);
-        out.v[8 * i + 2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
-      }
-    }
+    for (int i = 0; i < N / 8; ++i) unpack_bf16x8(__ldg(p + i), out.v + 8 * i);
   } else {
     const float4* p = reinterpret_cast<const float4*>(static_cast<const float*>(x) + first);
 #pragma unroll
@@ -94,15 +121,23 @@ __device__ __forceinline__ void load_x_chunk(const void* x, int64_t first, XChun
       out.v[4 * i + 2] = q.z;
       out.v[4 * i + 3] = q.w;
     }
-  }
-  float even = 0.0f, odd = 0.0f;
+    if (to_bf16) {
 #pragma unroll
-  for (int i = 0; i < N; i += 2) {
-    even += out.v[i];
-    odd += out.v[i + 1];
+      for (int i = 0; i < N; ++i) out.v[i] = bf16_rounded(out.v[i]);
+    }
   }
-  out.offset = 264.0f * even + 24.0f * odd;
-  out.sum = even + odd;
+  finish_x_chunk(out);
+}
+
+// Chunk `chunk` of an activation row staged in shared memory as bf16, piece-major: the k-th
+// 8-element piece of chunk c at staged[k · chunks_per_row + c], so that lanes reading
+// consecutive chunks read consecutive 16-byte words (no bank conflicts).
+template <int N>
+__device__ __forceinline__ void load_x_chunk_staged(const uint4* staged, int64_t chunks_per_row,
+                                                    int64_t chunk, XChunk<N>& out) {
+#pragma unroll
+  for (int i = 0; i < N / 8; ++i) unpack_bf16x8(staged[i * chunks_per_row + chunk], out.v + 8 * i);
+  finish_x_chunk(out);
 }
 
 // Streaming weight load: read once, keep L1 for the activations.

@@ -2,6 +2,8 @@
 // the kernels' parameter block (gemv_kernels.h).
 #include "backend/cuda/gemv.h"
 
+#include <algorithm>
+
 namespace gemma4::cuda {
 namespace {
 
@@ -93,16 +95,25 @@ std::span<const GemvTiling> gemv_tilings() {
   return kGemvTilings;
 }
 
-// Fastest tiling per shape in the first H200 run (bench/RESULTS.md, graph replays with PDL).
+// Per shape, from the H200 measurements (bench/RESULTS.md, run 4, graph replays with PDL): the
+// fastest bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner
+// loop from shared memory); except, by reasoning not yet measured, where staging changes the
+// trade-off (marked).
 int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
   if (m > 1) return m == 2 && chunks <= 48 ? 11 : 12;
-  if (chunks <= 24) return 2;  // 26B expert down (K 704)
+  if (chunks <= 24) return 2;  // 26B expert down (K 704), PLE projection (K 256)
   if (chunks <= 48) {
-    if (w.rows >= 131072) return x_type == ActType::kF32 ? 5 : 4;  // lm_head
-    if (w.rows >= 16384) return 4;                                 // double-wide gate+up
-    if (w.rows >= 8192) return 1;                                  // gate+up
-    return 3;                                                      // QKV
+    if (w.rows >= 131072) return 4;  // lm_head
+    // Double-wide gate+up: q8 measured best with 4 (1 warp, two passes over K); with staged x,
+    // 1 (2 warps, one pass: every weight load before the wait, the staging split over 64
+    // threads, twice the warps per SM) — unmeasured.
+    if (w.rows >= 16384) return x_type == ActType::kQ8 ? 4 : 1;
+    if (w.rows >= 8192) return 1;  // gate+up
+    // PLE gate (256 rows): latency-bound, so half the rows per block (2 loads per lane), twice
+    // the blocks of 3 — unmeasured.
+    if (w.rows <= 1024) return 2;
+    return 3;  // QKV
   }
   if (chunks <= 64) return 8;  // o_proj
   if (chunks <= 96) return 7;  // 26B expert gate+up (K 2816)
@@ -118,6 +129,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   if (x.type == ActType::kQ8 && (w.format != WeightFormat::kW4G32 || x.stride % 32 != 0)) {
     return cudaErrorInvalidValue;
   }
+  if (x.round_to_bf16 && x.type != ActType::kF32) return cudaErrorInvalidValue;
   const bool shape_ok = w.rows > 0 && w.cols > 0 && w.cols % 32 == 0 && x.rows >= 1 &&
                         x.rows <= 64 && (x.rows == 1 || x.stride >= w.cols) &&
                         output_ok(y, w.rows, x.rows);
@@ -138,6 +150,15 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.x = x.data;
   args.x_stride = x.stride;
   args.m = x.rows;
+  args.f32_products = F32Products::kExact;
+  if (x.round_to_bf16) {
+    // Stage a block's m tile of activations in shared memory when it fits.
+    const GemvTiling& t = kGemvTilings[tiling];
+    args.staged_rows = std::min(t.m_tile, x.rows);
+    args.f32_products = gemv_shared_bytes(t, args.staged_rows, w.cols) <= kGemvMaxSharedBytes
+                            ? F32Products::kBF16Staged
+                            : F32Products::kBF16InRegisters;
+  }
   args.y = y.data;
   args.y_stride = y.stride;
   args.epilogue = y.epilogue;

@@ -61,7 +61,10 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
   const GemvTiling& t = kGemvTilings[tiling];
   const int rows_per_block = (32 / t.lanes_per_row) * t.rows_per_thread;
   const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block));
-  const size_t shared = t.warps > 1 ? sizeof(float) * t.warps * t.m_tile * rows_per_block : 0;
+  const bool staged = x_type == ActType::kF32 && args.f32_products == F32Products::kBF16Staged;
+  const int64_t cols = args.chunks_per_row * packed_chunk_elements(format);
+  const auto shared =
+      static_cast<size_t>(gemv_shared_bytes(t, staged ? args.staged_rows : 0, cols));
   return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
 }
 

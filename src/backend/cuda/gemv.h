@@ -20,11 +20,15 @@ namespace gemma4::cuda {
 
 // Activations: `rows` (= M) rows of K elements, row m at data + m · stride elements. data and
 // stride·element size must be 16-byte aligned.
+// round_to_bf16 (kF32 only): each activation is rounded to bf16 (ties to even) before the
+// products, as a bf16 model multiplies (fp32 sums either way); false multiplies the exact fp32
+// values (slower: fp32 loads per weight chunk).
 struct GemvInput {
   const void* data = nullptr;
   ActType type = ActType::kF32;
   int rows = 1;
   int64_t stride = 0;
+  bool round_to_bf16 = false;
 };
 
 // y: M rows at data + m · stride, of N floats (kGeluPairs: N / 2). The epilogue maps the dot
@@ -63,7 +67,8 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type);
 // Enqueues y = epilogue(W x). Returns cudaErrorInvalidValue, before enqueuing anything, for an
 // unsupported format (fp32; kW4G32A / kW8 / kF16 with other than fp32 activations) or a shape the
 // kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers, N even for
-// kGeluPairs), else the launch status. tiling < 0 picks default_gemv_tiling.
+// kGeluPairs, round_to_bf16 with kF32 only), else the launch status. tiling < 0 picks
+// default_gemv_tiling.
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling = -1);
 

@@ -98,8 +98,34 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   load_pass(0);
   pdl_wait_for_predecessors();
 
-  extern __shared__ float partial[];  // [W][MT][kRowsPerBlock], only when W > 1
+  // Dynamic shared memory (gemv_shared_bytes): the split-K partial sums [W][MT][kRowsPerBlock]
+  // when W > 1, then for kBF16Staged a.staged_rows activation rows of K bf16 values, each row
+  // a.chunks_per_row · kPieces 16-byte words in load_x_chunk_staged's piece-major order.
+  extern __shared__ uint4 shared_words[];
+  float* partial = reinterpret_cast<float*>(shared_words);
+  constexpr int kPieces = kElems / 8;  // 16-byte bf16 words per chunk
+  const int64_t staged_row_words = a.chunks_per_row * kPieces;
+  constexpr int64_t kPartialWords = gemv_partial_floats({R, T, W, G, MT}) / 4;
+  uint4* staged = shared_words + kPartialWords;
+  const bool staged_x = XT == ActType::kF32 && a.f32_products == F32Products::kBF16Staged;
   for (int m0 = 0; m0 < a.m; m0 += MT) {
+    if (staged_x) {
+      // Rows m0 .. m0 + staged_rows − 1 of x, rounded to bf16; the previous m tile's reads of
+      // the staged rows end at the first barrier.
+      if (m0 > 0) __syncthreads();
+      const int rows_here = min(a.staged_rows, a.m - m0);
+      for (int64_t i = threadIdx.x; i < rows_here * staged_row_words; i += W * 32) {
+        const int64_t row = i / staged_row_words;
+        const int64_t piece = i % staged_row_words;  // elements 8·piece .. 8·piece + 7
+        const float4* source = reinterpret_cast<const float4*>(static_cast<const float*>(a.x) +
+                                                               (m0 + row) * a.x_stride + 8 * piece);
+        const float4 lo = __ldg(source), hi = __ldg(source + 1);
+        staged[row * staged_row_words + (piece % kPieces) * a.chunks_per_row + piece / kPieces] =
+            make_uint4(pack_bf16x2(lo.x, lo.y), pack_bf16x2(lo.z, lo.w), pack_bf16x2(hi.x, hi.y),
+                       pack_bf16x2(hi.z, hi.w));
+      }
+      __syncthreads();
+    }
     float acc[MT][R];
 #pragma unroll
     for (int mi = 0; mi < MT; ++mi) {
@@ -118,8 +144,11 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
           typename XChunkFor<XT, kElems>::type x;
           if constexpr (XT == ActType::kQ8) {
             load_x_chunk_q8(a.x, m0 + mi, a.x_stride, chunk, x);
+          } else if (staged_x) {
+            load_x_chunk_staged(staged + mi * staged_row_words, a.chunks_per_row, chunk, x);
           } else {
-            load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x);
+            load_x_chunk<XT>(a.x, (m0 + mi) * a.x_stride + chunk * kElems, x,
+                             a.f32_products == F32Products::kBF16InRegisters);
           }
 #pragma unroll
           for (int r = 0; r < R; ++r) {

@@ -31,6 +31,13 @@ enum class GemvEpilogue : uint8_t {
 // reduction, no atomics); each thread issues rows_per_thread · chunks_per_thread weight loads
 // before it needs the activations; m_tile activation rows are accumulated per pass over the
 // weights.
+// K elements per 16-byte chunk of a packed format.
+constexpr int packed_chunk_elements(PackedFormat format) {
+  return format == PackedFormat::kBF16 || format == PackedFormat::kF16 ? 8
+         : format == PackedFormat::kW8                                 ? 16
+                                                                       : 32;
+}
+
 struct GemvTiling {
   int rows_per_thread;
   int lanes_per_row;
@@ -74,7 +81,7 @@ static_assert(gemv_tilings_keep_pairs(), "every GEMV tiling must give a thread w
 // The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
 // with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
 // so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
-inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 5, 7, 8, 11, 12};
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 7, 8, 11, 12};
 
 constexpr bool gemv_tiling_compiled(int tiling) {
 #ifdef GEMMA4_GEMV_ALL_TILINGS
@@ -85,6 +92,29 @@ constexpr bool gemv_tiling_compiled(int tiling) {
   }
   return false;
 #endif
+}
+
+// How kF32 activations enter the products: exactly, or rounded to bf16 (ties to even) as a bf16
+// model multiplies them. Rounded activations are staged once per block into shared memory
+// (converted after the PDL wait; the inner loop then reads bf16 words from shared memory) when a
+// block's m tile fits gemv_shared_bytes, else rounded in registers per chunk: the same values.
+enum class F32Products : uint8_t { kExact, kBF16Staged, kBF16InRegisters };
+
+// Dynamic shared memory a block may use without the opt-in attribute.
+inline constexpr int64_t kGemvMaxSharedBytes = 48 * 1024;
+
+// Floats of a block's split-K partial sums ([warps][m_tile][rows per block], warps > 1), rounded
+// up to 16 bytes: the staged activations follow them.
+constexpr int64_t gemv_partial_floats(const GemvTiling& t) {
+  const int64_t floats =
+      t.warps > 1 ? int64_t{t.warps} * t.m_tile * (32 / t.lanes_per_row) * t.rows_per_thread : 0;
+  return (floats + 3) / 4 * 4;
+}
+
+// A block's dynamic shared memory: the partial sums, then `staged_rows` activation rows of
+// `cols` bf16 values (0 rows: nothing staged).
+constexpr int64_t gemv_shared_bytes(const GemvTiling& t, int64_t staged_rows, int64_t cols) {
+  return 4 * gemv_partial_floats(t) + 2 * staged_rows * cols;
 }
 
 struct GemvArgs {
@@ -99,7 +129,9 @@ struct GemvArgs {
   const void* x;
   int64_t x_stride;
   int m;
-  float* y;  // kGeluPairs: rows / 2 outputs per activation row
+  F32Products f32_products;  // kF32 activations only
+  int staged_rows;           // kBF16Staged: activation rows staged per m tile, min(m_tile, m)
+  float* y;                  // kGeluPairs: rows / 2 outputs per activation row
   int64_t y_stride;
   GemvEpilogue epilogue;
   const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride

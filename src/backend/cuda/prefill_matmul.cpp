@@ -69,7 +69,7 @@ Status CublasContext::gemm(const void* w_bf16, int64_t weight_rows, const void* 
 }
 
 bool CudaBackend::tensor_core_rows(int64_t rows) const {
-  return !fp32_prefill_ && rows > kTensorCoreMaxGemvRows;
+  return !fp32_activations_ && rows > kTensorCoreMaxGemvRows;
 }
 
 void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y) {
