@@ -33,6 +33,7 @@ Prints one summary line (last) and writes summary.json (and with --save-logits t
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -148,33 +149,41 @@ def build_model(checkpoint, device, dtype):
     # Fused expert parameters filled slice by slice: how many slices each received.
     expert_slices = {}
     files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
-    for file in files:
-        with safe_open(os.path.join(checkpoint, file), framework="pt", device="cpu") as f:
-            names = set(f.keys())
-            for name in sorted(names):
-                module, _, suffix = name.rpartition(".")
-                if suffix in SIDE_SUFFIXES:
-                    continue
-                if suffix in ("weight_packed", "weight"):
-                    tensor = dequantize(f.get_tensor, module, names, device)
-                    if tensor is not None:
-                        name = module + ".weight"
-                    else:
-                        tensor = f.get_tensor(name)
+    # A module's tensors may straddle shards (packed codes in one file, its global scale in the
+    # next): every name is looked up in the shard that holds it.
+    with contextlib.ExitStack() as stack:
+        shards = [stack.enter_context(safe_open(os.path.join(checkpoint, file), framework="pt",
+                                                device="cpu")) for file in files]
+        owner = {name: shard for shard in shards for name in shard.keys()}
+        names = set(owner)
+
+        def get(name):
+            return owner[name].get_tensor(name)
+
+        for name in sorted(names):
+            module, _, suffix = name.rpartition(".")
+            if suffix in SIDE_SUFFIXES:
+                continue
+            if suffix in ("weight_packed", "weight"):
+                tensor = dequantize(get, module, names, device)
+                if tensor is not None:
+                    name = module + ".weight"
                 else:
-                    tensor = f.get_tensor(name)
-                target = hf_name(name)
-                if target not in targets:
-                    sliced = expert_slice(target, targets)
-                    if sliced is None:
-                        continue  # e.g. K/V of KV-shared layers, which transformers does not have
-                    target, destination = sliced
-                    expert_slices[target] = expert_slices.get(target, 0) + 1
-                else:
-                    destination = targets[target]
-                with torch.no_grad():
-                    destination.copy_(tensor.to(device).to(destination.dtype).view_as(destination))
-                loaded.add(target)
+                    tensor = get(name)
+            else:
+                tensor = get(name)
+            target = hf_name(name)
+            if target not in targets:
+                sliced = expert_slice(target, targets)
+                if sliced is None:
+                    continue  # e.g. K/V of KV-shared layers, which transformers does not have
+                target, destination = sliced
+                expert_slices[target] = expert_slices.get(target, 0) + 1
+            else:
+                destination = targets[target]
+            with torch.no_grad():
+                destination.copy_(tensor.to(device).to(destination.dtype).view_as(destination))
+            loaded.add(target)
     missing = [k for k in targets if k not in loaded and k != "lm_head.weight"
                and not k.endswith("inv_freq")]
     # gate_up_proj takes two slices per expert (gate, up), down_proj one.
