@@ -1,9 +1,12 @@
 // Helpers shared by the C++ tests.
 #pragma once
 
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <random>
 #include <string>
+#include <vector>
 
 namespace gemma4::testing {
 
@@ -20,6 +23,16 @@ inline std::filesystem::path scratch_dir(const std::string& name) {
   std::filesystem::remove_all(dir);
   std::filesystem::create_directories(dir);
   return dir;
+}
+
+// `count` draws of N(0, stddev²) from std::mt19937(seed): random test inputs, the same on every
+// run of one build (the expected values are always computed from them in the same run).
+inline std::vector<float> random_normal(size_t count, uint32_t seed, float stddev = 1.0f) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<float> normal(0.0f, stddev);
+  std::vector<float> values(count);
+  for (float& v : values) v = normal(rng);
+  return values;
 }
 
 }  // namespace gemma4::testing

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <atomic>
 #include <cmath>
 #include <numeric>
@@ -17,14 +19,6 @@ namespace {
 
 using engine::KvView;
 using engine::Rows;
-
-std::vector<float> random_values(size_t n, uint32_t seed, float scale = 1.0f) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, scale);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
 
 quant::QMatrix f32_matrix(const std::vector<float>& data, int64_t rows, int64_t cols) {
   quant::QMatrix m;
@@ -47,8 +41,8 @@ TEST(ThreadPool, CoversEveryIndexOnce) {
 TEST(CpuBackend, MatmulF32AndBf16) {
   CpuBackend backend(2);
   const int64_t n = 37, k = 64, t = 3;
-  auto w = random_values(n * k, 1);
-  auto x = random_values(t * k, 2);
+  auto w = testing::random_normal(n * k, 1);
+  auto x = testing::random_normal(t * k, 2);
   std::vector<uint16_t> w_bf16(w.size());
   for (size_t i = 0; i < w.size(); ++i) w_bf16[i] = float_to_bf16(w[i]);
 
@@ -75,7 +69,7 @@ TEST(CpuBackend, MatmulF32AndBf16) {
 
 TEST(CpuBackend, EmbedScalesTheRows) {
   CpuBackend backend(1);
-  auto table = random_values(10 * 4, 3);
+  auto table = testing::random_normal(10 * 4, 3);
   const std::vector<int32_t> ids{7, 2};
   std::vector<float> out(2 * 4);
   backend.embed(f32_matrix(table, 10, 4), ids.data(), 8.0f, Rows::dense(out.data(), 2, 4));
@@ -106,7 +100,7 @@ TEST(CpuBackend, RmsNormUsesWeightDirectlyWithEpsInside) {
 TEST(CpuBackend, RopeHalfSplitDefaultAndProportional) {
   CpuBackend backend(1);
   const int hd = 8, heads = 2;
-  auto x = random_values(heads * hd, 4);
+  auto x = testing::random_normal(heads * hd, 4);
   const std::vector<int32_t> positions{5};
 
   // Default: all 4 pairs rotate, inv_freq[i] = theta^(-2i/8); pairing (i, i + 4).
@@ -190,7 +184,7 @@ TEST(CpuBackend, AttentionOverARingWithSlidingAndCausalMasks) {
   KvView kv{keys.data(), values.data(), slot_positions.data(), slots, kv_heads, hd};
 
   // Write positions 0..8 three at a time; the ring keeps 3..8.
-  auto k_all = random_values(9 * hd, 5), v_all = random_values(9 * hd, 6);
+  auto k_all = testing::random_normal(9 * hd, 5), v_all = testing::random_normal(9 * hd, 6);
   for (int p = 0; p < 9; p += 3) {
     std::vector<int32_t> pos{p, p + 1, p + 2};
     backend.write_kv(kv, Rows::dense(k_all.data() + p * hd, 3, hd),
@@ -198,7 +192,7 @@ TEST(CpuBackend, AttentionOverARingWithSlidingAndCausalMasks) {
   }
   EXPECT_EQ(slot_positions, (std::vector<int32_t>{6, 7, 8, 3, 4, 5}));
 
-  auto q = random_values(2 * q_heads * hd, 7);
+  auto q = testing::random_normal(2 * q_heads * hd, 7);
   const std::vector<int32_t> query_positions{7, 8};
   for (int window : {0, 4}) {
     std::vector<float> out(2 * q_heads * hd);
@@ -247,16 +241,16 @@ TEST(CpuBackend, ExpertsWeightedSum) {
   std::vector<std::vector<float>> store;
   std::vector<model::ExpertMatrices> matrices(experts);
   for (int e = 0; e < experts; ++e) {
-    store.push_back(random_values(inner * h, 10 + e));
-    store.push_back(random_values(inner * h, 20 + e));
-    store.push_back(random_values(h * inner, 30 + e));
+    store.push_back(testing::random_normal(inner * h, 10 + e));
+    store.push_back(testing::random_normal(inner * h, 20 + e));
+    store.push_back(testing::random_normal(h * inner, 30 + e));
   }
   for (int e = 0; e < experts; ++e) {
     matrices[e].gate = f32_matrix(store[3 * e], inner, h);
     matrices[e].up = f32_matrix(store[3 * e + 1], inner, h);
     matrices[e].down = f32_matrix(store[3 * e + 2], h, inner);
   }
-  auto x = random_values(2 * h, 40);
+  auto x = testing::random_normal(2 * h, 40);
   const std::vector<int32_t> ids{2, 0, 1, 2};
   const std::vector<float> weights{0.25f, 0.75f, 1.5f, -0.5f};
   std::vector<float> out(2 * h);

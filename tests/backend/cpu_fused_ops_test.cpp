@@ -2,6 +2,8 @@
 // gelu_tanh(a[2i]) · a[2i + 1], and against the formula in double precision.
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <cmath>
 #include <random>
 #include <vector>
@@ -13,19 +15,11 @@ namespace {
 
 using engine::Rows;
 
-std::vector<float> random_values(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 0.5f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
-
 TEST(CpuBackend, MatmulGeluPairsIsTheMatmulThenThePairs) {
   CpuBackend backend(2);
   const int64_t pairs = 23, k = 64, tokens = 3;
-  const std::vector<float> w = random_values(2 * pairs * k, 11);
-  const std::vector<float> x = random_values(tokens * k, 12);
+  const std::vector<float> w = testing::random_normal(2 * pairs * k, 11, 0.5f);
+  const std::vector<float> x = testing::random_normal(tokens * k, 12, 0.5f);
   quant::QMatrix m;
   m.format = quant::WeightFormat::kF32;
   m.rows = 2 * pairs;

@@ -2,6 +2,8 @@
 // documented formulas, in double precision: what every overriding kernel is checked against.
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <algorithm>
 #include <cmath>
 #include <random>
@@ -12,14 +14,6 @@
 
 namespace gemma4::engine {
 namespace {
-
-std::vector<float> random_values(size_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
 
 // y = x · rsqrt(mean(x²) + eps) · (offset + w), w = nullptr: no weight factor.
 std::vector<double> rms_normed(const float* x, int64_t n, const float* w, const NormParams& p) {
@@ -35,8 +29,10 @@ TEST(BackendDefaults, AddRmsNormAddsScalesAndNormsTheNextInput) {
   backend::cpu::CpuBackend backend(2);
   const int64_t rows = 3, width = 48;
   const NormParams params{1.0f, 1e-6f};
-  const auto x0 = random_values(rows * width, 1), acc0 = random_values(rows * width, 2);
-  const auto weight = random_values(width, 3), next_weight = random_values(width, 4);
+  const auto x0 = testing::random_normal(rows * width, 1),
+             acc0 = testing::random_normal(rows * width, 2);
+  const auto weight = testing::random_normal(width, 3),
+             next_weight = testing::random_normal(width, 4);
   for (const bool with_next : {false, true}) {
     auto x = x0, acc = acc0;
     std::vector<float> next(rows * width, 0.0f);
@@ -66,8 +62,9 @@ TEST(BackendDefaults, PrepareAttentionOnColumnViewsEqualsDenseMatrices) {
   const int head_dim = 16, q_heads = 4, kv_heads = 2, rows = 5;
   const int64_t q_width = q_heads * head_dim, kv_width = kv_heads * head_dim;
   const int64_t width = q_width + 2 * kv_width;
-  const auto stacked0 = random_values(rows * width, 5);
-  const auto q_norm = random_values(head_dim, 6), k_norm = random_values(head_dim, 7);
+  const auto stacked0 = testing::random_normal(rows * width, 5);
+  const auto q_norm = testing::random_normal(head_dim, 6),
+             k_norm = testing::random_normal(head_dim, 7);
   const std::vector<int32_t> positions{0, 1, 2, 7, 8};
   const model::RopeParams rope{10000.0, head_dim / 2, head_dim};
   const NormParams params{0.0f, 1e-6f};

@@ -2,6 +2,8 @@
 // stores raw blocks next to gguf-py's float output), and the synthetic encoders.
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -73,17 +75,9 @@ TEST(GgufBlocks, Q4_0HandComputedBlock) {
   EXPECT_EQ(dequantize_ggml(kGgmlQ4_0, block, 1, 64).error().code, ErrorCode::kInvalidArgument);
 }
 
-std::vector<float> random_values(size_t count, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, 0.03f);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(rng);
-  return values;
-}
-
 TEST(GgufBlocks, Q4_0EncoderMatchesW4g32Twin) {
   const int64_t rows = 4, cols = 128;
-  const auto values = random_values(rows * cols, 3);
+  const auto values = testing::random_normal(rows * cols, 3, 0.03f);
   auto q4_0 = quantize_q4_0(values, rows, cols);
   auto w4 = quantize_w4g32(values, rows, cols);
   ASSERT_TRUE(q4_0.ok() && w4.ok());
@@ -95,7 +89,7 @@ TEST(GgufBlocks, Q4_0EncoderMatchesW4g32Twin) {
 
 TEST(GgufBlocks, Q4_KEncoderIsBf16ExactAndClose) {
   const int64_t rows = 3, cols = 512;
-  auto values = random_values(rows * cols, 5);
+  auto values = testing::random_normal(rows * cols, 5, 0.03f);
   for (int64_t k = 0; k < 32; ++k) values[k] = 0.01f + 0.001f * k;  // an all-positive sub-block
   auto blocks = quantize_q4_k(values, rows, cols);
   ASSERT_TRUE(blocks.ok()) << blocks.error().to_string();

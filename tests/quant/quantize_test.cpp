@@ -2,6 +2,8 @@
 // must be exact in bf16 (the bf16 twin of a quantized synthetic checkpoint holds them).
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -12,14 +14,6 @@
 
 namespace gemma4::quant {
 namespace {
-
-std::vector<float> random_values(size_t count, float spread, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> normal(0.0f, spread);
-  std::vector<float> values(count);
-  for (float& v : values) v = normal(rng);
-  return values;
-}
 
 int significant_bits(float value) {
   if (value == 0.0f) return 0;
@@ -67,7 +61,7 @@ TEST(QuantizeW4G32, ScaleRoundsToFiveSignificantBits) {
 
 TEST(QuantizeW4G32, RoundTripIsBf16ExactAndWithinHalfAStep) {
   const int64_t rows = 16, cols = 256;
-  auto values = random_values(rows * cols, 0.02f, 1);
+  auto values = testing::random_normal(rows * cols, 1, 0.02f);
   for (int64_t k = 0; k < 32; ++k) values[k] = 0.0f;  // an all-zero group
   auto packed = quantize_w4g32(values, rows, cols);
   ASSERT_TRUE(packed.ok());
@@ -115,7 +109,7 @@ TEST(QuantizeNvfp4, HandComputedTiesGoToEvenCodes) {
 
 TEST(QuantizeNvfp4, PowerOfTwoGlobalScaleGivesBf16ExactValues) {
   const int64_t rows = 8, cols = 128;
-  const auto values = random_values(rows * cols, 0.05f, 2);
+  const auto values = testing::random_normal(rows * cols, 2, 0.05f);
   float amax = 0.0f;
   for (float v : values) amax = std::max(amax, std::fabs(v));
   const float gs = nvfp4_power_of_two_global_scale(amax);

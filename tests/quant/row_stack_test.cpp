@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include "test_support.h"
+
 #include <random>
 #include <vector>
 
@@ -13,14 +15,6 @@
 
 namespace gemma4::quant {
 namespace {
-
-std::vector<float> random_values(int64_t n, uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::normal_distribution<float> dist(0.0f, 1.0f);
-  std::vector<float> v(n);
-  for (auto& x : v) x = dist(rng);
-  return v;
-}
 
 std::vector<float> row_of(const QMatrix& m, int64_t row) {
   std::vector<float> out(m.cols);
@@ -31,7 +25,7 @@ std::vector<float> row_of(const QMatrix& m, int64_t row) {
 // Two packed matrices [rows_a, 64] and [rows_b, 64] of one format.
 std::pair<PackedMatrix, PackedMatrix> packed_pair(WeightFormat format, int64_t rows_a,
                                                   int64_t rows_b) {
-  const auto a = random_values(rows_a * 64, 1), b = random_values(rows_b * 64, 2);
+  const auto a = testing::random_normal(rows_a * 64, 1), b = testing::random_normal(rows_b * 64, 2);
   if (format == WeightFormat::kW4G32)
     return {*quantize_w4g32(a, rows_a, 64), *quantize_w4g32(b, rows_b, 64)};
   const NvGlobalScale global{0.5f, true};
