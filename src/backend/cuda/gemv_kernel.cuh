@@ -114,9 +114,13 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       // the staged rows end at the first barrier.
       if (m0 > 0) __syncthreads();
       const int rows_here = min(a.staged_rows, a.m - m0);
-      for (int64_t i = threadIdx.x; i < rows_here * staged_row_words; i += W * 32) {
-        const int64_t row = i / staged_row_words;
-        const int64_t piece = i % staged_row_words;  // elements 8·piece .. 8·piece + 7
+      // Unrolled so that several L2 round trips overlap (a one-warp block stages K = 1536 in
+      // six steps). Indices fit int: at most 8 rows of K / 8 words reach shared memory.
+      const int row_words = static_cast<int>(staged_row_words);
+#pragma unroll 4
+      for (int i = threadIdx.x; i < rows_here * row_words; i += W * 32) {
+        const int row = i / row_words;
+        const int piece = i % row_words;  // elements 8·piece .. 8·piece + 7
         const float4* source = reinterpret_cast<const float4*>(static_cast<const float*>(a.x) +
                                                                (m0 + row) * a.x_stride + 8 * piece);
         const float4 lo = __ldg(source), hi = __ldg(source + 1);
