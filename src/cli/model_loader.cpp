@@ -1,5 +1,6 @@
 #include "cli/model_loader.h"
 
+#include <fmt/ranges.h>
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
@@ -58,9 +59,9 @@ Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
   if (options.gpu_memory > 0 && !on_device)
     std::fprintf(stderr, "gemma4: --gpu-memory ignored: the %s backend keeps nothing on a GPU\n",
                  backend.name());
-  const bool ple_packs =
-      engine::table_packs_on_device(model.weights.embed_tokens_per_layer, backend);
-  const int64_t weights = engine::resident_weight_bytes(model.weights, !on_device, ple_packs);
+  const engine::ResidentWeightBytes resident =
+      engine::resident_weight_bytes(model.weights, backend);
+  const int64_t weights = resident.bytes;
   const engine::MemoryPlan requested =
       engine::plan_memory(model.config, weights, options.engine, on_device);
   engine::MemoryPlan plan = requested;
@@ -81,7 +82,9 @@ Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
       line += fmt::format("; lowered from {} x {} tokens, passes of {}, to fit", want.max_sequences,
                           want.max_context, want.max_pass_tokens);
   }
-  if (ple_packs) line += "; per-layer embeddings packed to 4 bits (lossless)";
+  if (!resident.packed_tables.empty())
+    line +=
+        fmt::format("; {} packed to 4 bits (lossless)", fmt::join(resident.packed_tables, ", "));
   if (on_device) {
     if (auto used = cuda_memory_used_bytes(kGpu))
       line += fmt::format("; {:.0f} MiB of the GPU in use before loading", mib(*used));

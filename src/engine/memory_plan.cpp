@@ -208,14 +208,19 @@ std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& t
   return std::move(packed).value();
 }
 
-int64_t resident_weight_bytes(const model::ModelWeights& weights, bool reads_host_memory,
-                              bool ple_table_packs) {
-  if (reads_host_memory) return 0;
-  int64_t bytes = 0;
+ResidentWeightBytes resident_weight_bytes(const model::ModelWeights& weights,
+                                          const Backend& backend) {
+  ResidentWeightBytes out;
+  if (backend.reads_host_memory()) return out;
+  int64_t& bytes = out.bytes;
   std::set<const void*> seen;  // a tied lm_head is the embedding table, copied once
-  model::for_each_matrix(weights, [&](const std::string&, const quant::QMatrix& m) {
+  model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
     if (!seen.insert(m.data).second) return;
-    if (ple_table_packs && m.data == weights.embed_tokens_per_layer.data) {
+    // The tables ResidentWeights places through pack_table_for_device.
+    const bool table =
+        name == "embed_tokens" || name == "lm_head" || name == "embed_tokens_per_layer";
+    if (table && table_packs_on_device(m, backend)) {
+      out.packed_tables.push_back(name);
       quant::QMatrix packed = m;
       packed.format = quant::WeightFormat::kW4G32;
       packed.scale_type = quant::ScaleType::kBF16;
@@ -234,7 +239,7 @@ int64_t resident_weight_bytes(const model::ModelWeights& weights, bool reads_hos
           &l.post_feedforward_layernorm_2, &l.post_per_layer_input_norm})
       bytes += vector_bytes(*v);
   }
-  return bytes;
+  return out;
 }
 
 Expected<int64_t> parse_memory_size(std::string_view text) {

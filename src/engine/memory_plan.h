@@ -15,6 +15,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <vector>
 
 #include "core/status.h"
 #include "engine/backend.h"
@@ -67,19 +68,26 @@ Expected<MemoryPlan> fit_memory_plan(const model::ModelConfig& config, int64_t w
                                      const EngineOptions& requested, bool on_device,
                                      int64_t budget_bytes);
 
-// The 4-bit copy a device backend keeps of a bf16 table on the int4 grid (the per-layer
-// embedding table of a QAT checkpoint: quant/pack_w4g32.h), or nullopt: not bf16, not on the
-// grid, or `backend` reads host memory (the CPU reads the mapping in place, copying nothing).
+// The 4-bit copy a device backend keeps of a bf16 table on the int4 grid (the embedding / tied
+// lm_head or per-layer embedding table of a QAT checkpoint: quant/pack_w4g32.h), or nullopt: not
+// bf16, not on the grid, or `backend` reads host memory (the CPU reads the mapping in place,
+// copying nothing).
 std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& table,
                                                          const Backend& backend);
 // Whether pack_table_for_device would pack `table` (the same scan, nothing written).
 bool table_packs_on_device(const quant::QMatrix& table, const Backend& backend);
 
-// Bytes `weights` take where a backend reads them (ResidentWeights): 0 when the backend reads
-// host memory; else every matrix once (a tied lm_head is the embedding), the per-layer
-// embedding table in 4 bits when `ple_table_packs`, and the float32 norm vectors.
-int64_t resident_weight_bytes(const model::ModelWeights& weights, bool reads_host_memory,
-                              bool ple_table_packs);
+// What `weights` take where `backend` reads them (ResidentWeights).
+struct ResidentWeightBytes {
+  // 0 when the backend reads host memory; else every matrix once (a tied lm_head is the
+  // embedding), the tables in `packed_tables` in 4 bits, and the float32 norm vectors.
+  int64_t bytes = 0;
+  // The tables (embed_tokens, lm_head, embed_tokens_per_layer) that table_packs_on_device.
+  std::vector<std::string> packed_tables;
+};
+// Scans the tables for the int4 grid, as ResidentWeights::create does.
+ResidentWeightBytes resident_weight_bytes(const model::ModelWeights& weights,
+                                          const Backend& backend);
 
 // "3732MiB", "24GiB", "4GB", "512M", "1.5G", "1000000" (bytes): binary units (KiB/MiB/GiB/TiB,
 // and K/M/G/T), decimal kB/MB/GB/TB. A clear error for anything else.

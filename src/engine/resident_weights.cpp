@@ -20,13 +20,19 @@ class WeightPlacer {
   quant::QMatrix matrix(const quant::QMatrix& m) {
     if (!copy_ || !model::present(m)) return m;
     // A tied lm_head is the embedding table itself: copied once.
-    const auto key = std::make_tuple(m.data, m.rows, m.cols, m.format);
-    if (auto it = copied_.find(key); it != copied_.end()) return it->second;
-    quant::QMatrix placed = m;
-    placed.data = bytes(m.data, m.rows * quant::row_data_bytes(m));
-    if (m.scales != nullptr) placed.scales = bytes(m.scales, m.rows * quant::row_scale_bytes(m));
-    copied_.emplace(key, placed);
-    return placed;
+    if (auto it = copied_.find(key_of(m)); it != copied_.end()) return it->second;
+    return copied_.emplace(key_of(m), copy(m)).first->second;
+  }
+
+  // A table (embedding, tied lm_head, per-layer embedding): as matrix(), except that a bf16
+  // table on the int4 grid (QAT) is kept in 4 bits: lossless, and 3.5x smaller (E2B: the
+  // embedding 805 -> 227 MB, read by every decode step as the lm_head; the PLE table 4.7 ->
+  // 1.3 GB). Placed under the bf16 source's key, so a tied lm_head finds the packed copy.
+  quant::QMatrix table(const quant::QMatrix& m) {
+    if (auto it = copied_.find(key_of(m)); it != copied_.end()) return it->second;
+    const auto packed = pack_table_for_device(m, backend_);
+    if (!packed) return matrix(m);
+    return copied_.emplace(key_of(m), copy(packed->view())).first->second;
   }
 
   // A matrix stacked in host memory (quant/row_stack.h), copied.
@@ -46,6 +52,16 @@ class WeightPlacer {
   }
 
  private:
+  using Key = std::tuple<const void*, int64_t, int64_t, quant::WeightFormat>;
+  static Key key_of(const quant::QMatrix& m) { return {m.data, m.rows, m.cols, m.format}; }
+
+  quant::QMatrix copy(const quant::QMatrix& m) {
+    quant::QMatrix placed = m;
+    placed.data = bytes(m.data, m.rows * quant::row_data_bytes(m));
+    if (m.scales != nullptr) placed.scales = bytes(m.scales, m.rows * quant::row_scale_bytes(m));
+    return placed;
+  }
+
   const void* bytes(const void* source, int64_t count) {
     Buffer buffer = backend_.allocate(static_cast<size_t>(count));
     if (buffer.data() == nullptr) return nullptr;  // the backend's status() reports why
@@ -59,7 +75,7 @@ class WeightPlacer {
   Backend& backend_;
   ResidentWeights& out_;
   const bool copy_;
-  std::map<std::tuple<const void*, int64_t, int64_t, quant::WeightFormat>, quant::QMatrix> copied_;
+  std::map<Key, quant::QMatrix> copied_;
 };
 
 namespace {
@@ -139,14 +155,10 @@ Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& wei
                                                   Backend& backend) {
   ResidentWeights out;
   WeightPlacer place(backend, out);
-  out.embed_tokens = place.matrix(weights.embed_tokens);
-  out.lm_head = place.matrix(weights.lm_head);
+  out.embed_tokens = place.table(weights.embed_tokens);
+  out.lm_head = place.table(weights.lm_head);
   out.final_norm = place.vector(weights.final_norm);
-  // A bf16 per-layer embedding table on the int4 grid (QAT) is kept in 4 bits on a device:
-  // lossless, and 3.5x smaller (E2B: 4.7 GB -> 1.3 GB). Copied out before `packed_ple` goes.
-  const auto packed_ple = pack_table_for_device(weights.embed_tokens_per_layer, backend);
-  out.embed_tokens_per_layer =
-      place.matrix(packed_ple ? packed_ple->view() : weights.embed_tokens_per_layer);
+  out.embed_tokens_per_layer = place.table(weights.embed_tokens_per_layer);
   out.per_layer_model_projection = place.matrix(weights.per_layer_model_projection);
   out.per_layer_projection_norm = place.vector(weights.per_layer_projection_norm);
   out.layers.reserve(weights.layers.size());

@@ -485,9 +485,12 @@ class TensorPlan {
 // activations of a random model sane through all layers.
 void plan_model(const ModelConfig& config, TensorPlan& plan) {
   const int64_t hidden = config.hidden_size;
-  // h0 = E * sqrt(H) has rms 3; tied logits then have std about 3.
+  // h0 = E * sqrt(H) has rms 3; tied logits then have std about 3. On the w4g32 grid the table
+  // (the tied lm_head too) holds int4 grid values, like the PLE table below: a device backend
+  // keeps it in 4 bits losslessly, so a decode step reads 4-bit logits weights
+  // (quant/pack_w4g32.h).
   plan.plain_matrix("embed_tokens.weight", config.vocab_size, hidden,
-                    3.0 / std::sqrt(static_cast<double>(hidden)));
+                    3.0 / std::sqrt(static_cast<double>(hidden)), plan.w4g32_grid());
   plan.norm("norm.weight", hidden);
   if (config.ple_dim > 0) {
     const int64_t packed = int64_t{config.num_layers} * config.ple_dim;

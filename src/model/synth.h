@@ -16,8 +16,9 @@
 // attention, MLP, per-layer-input gate/projection and experts (as per-expert Linears
 // `experts.E.{gate,up,down}_proj`); embeddings, the PLE table, per_layer_model_projection, the
 // router and every vector stay bf16. On the w4g32 grid (w4a16 and its bf16 / gguf-q4_0 twins)
-// the bf16 PLE table holds w4g32 grid values, as Google's QAT checkpoints are said to: a device
-// backend packs it to 4 bits losslessly (quant/pack_w4g32.h).
+// the bf16 embedding table (the tied lm_head) and PLE table hold w4g32 grid values, as Google's
+// QAT checkpoints are said to: a device backend packs them to 4 bits losslessly
+// (quant/pack_w4g32.h).
 #pragma once
 
 #include <cstdint>

@@ -7,11 +7,11 @@
 
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "engine/cpu_forwarding_backend.h"
 #include "model/presets.h"
 #include "model/synth.h"
-#include "quant/pack_w4g32.h"
 #include "test_support.h"
 
 namespace gemma4::engine {
@@ -64,14 +64,23 @@ TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
   ASSERT_TRUE(engine.ok()) << engine.error().to_string();
 
   const model::ModelWeights& w = loaded->weights;
-  const bool ple_packs = model::present(w.embed_tokens_per_layer) &&
-                         quant::check_w4g32_exact(w.embed_tokens_per_layer).ok();
-  EXPECT_EQ(ple_packs, loaded->config.ple_dim > 0);  // the w4a16 synth's table is on the grid
-  const int64_t weights = resident_weight_bytes(w, /*reads_host_memory=*/false, ple_packs);
+  // The w4a16 synth's tables are on the int4 grid: the embedding (the tied lm_head) always, the
+  // per-layer embedding table where the config has one. Both are counted packed.
+  // The tied lm_head is the embedding: not listed, not counted again.
+  int64_t not_counted = 0;
+  const CountingDeviceBackend device(&not_counted);
+  EXPECT_EQ(w.lm_head.data, w.embed_tokens.data);
+  const ResidentWeightBytes resident = resident_weight_bytes(w, device);
+  std::vector<std::string> packed{"embed_tokens"};
+  if (loaded->config.ple_dim > 0) packed.push_back("embed_tokens_per_layer");
+  EXPECT_EQ(resident.packed_tables, packed);
+  const int64_t weights = resident.bytes;
   const MemoryPlan plan = plan_memory(loaded->config, weights, options, /*on_device=*/false);
   EXPECT_EQ(plan.weight_bytes + plan.kv_bytes + plan.workspace_bytes, allocated) << plan.summary();
   EXPECT_EQ(plan.total(), allocated);
-  EXPECT_EQ(resident_weight_bytes(w, /*reads_host_memory=*/true, ple_packs), 0);
+  const ResidentWeightBytes on_host = resident_weight_bytes(w, testing::CpuForwardingBackend());
+  EXPECT_EQ(on_host.bytes, 0);
+  EXPECT_TRUE(on_host.packed_tables.empty());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, PlanVersusEngine, ::testing::Values("tiny", "tiny-moe"),

@@ -131,6 +131,37 @@ TEST_P(ResidentWeightsTest, CopiedWeightsAreTheOnlyOnesReadAndGiveIdenticalLogit
       << "read from host memory: " << *checker.foreign_reads().begin();
 }
 
+// The w4a16 synth's bf16 tables lie on the int4 grid: a device keeps the embedding (one copy,
+// also the tied lm_head) and the per-layer table in 4 bits; the CPU reads the bf16 mapping.
+TEST(ResidentWeights, TablesOnTheInt4GridArePackedOnceOnADevice) {
+  model::SynthOptions synth;
+  synth.config = "tiny";
+  synth.seed = 11;
+  synth.format = model::SynthFormat::kW4A16;
+  synth.grid = model::SynthGrid::kW4G32;
+  synth.output = testing::scratch_dir("resident_tables");
+  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
+  auto loaded = model::LoadedModel::open(synth.output);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
+  ASSERT_GT(loaded->config.ple_dim, 0);
+
+  DeviceLikeBackend device;
+  auto placed = ResidentWeights::create(loaded->weights, device);
+  ASSERT_TRUE(placed.ok()) << placed.error().to_string();
+  for (const quant::QMatrix* table : {&placed->embed_tokens, &placed->embed_tokens_per_layer}) {
+    EXPECT_EQ(table->format, quant::WeightFormat::kW4G32);
+    EXPECT_EQ(table->scale_type, quant::ScaleType::kBF16);
+  }
+  EXPECT_EQ(placed->lm_head.data, placed->embed_tokens.data);
+  EXPECT_EQ(placed->lm_head.format, quant::WeightFormat::kW4G32);
+
+  backend::cpu::CpuBackend cpu(1);
+  auto viewed = ResidentWeights::create(loaded->weights, cpu);
+  ASSERT_TRUE(viewed.ok());
+  EXPECT_EQ(viewed->embed_tokens.format, quant::WeightFormat::kBF16);
+  EXPECT_EQ(viewed->embed_tokens.data, loaded->weights.embed_tokens.data);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),
                          [](const auto& info) {
                            std::string name = info.param;

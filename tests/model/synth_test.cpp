@@ -178,9 +178,10 @@ TEST(Synth, W4A16TwinsAreTheSameFunction) {
   }
 }
 
-// On the w4g32 grid the bf16 PLE table holds grid values (as a QAT checkpoint does), so a device
-// backend can pack it losslessly; plain tables (other grids) are not on it.
-TEST(Synth, PleTableIsOnTheInt4GridOnlyForTheW4G32Grid) {
+// On the w4g32 grid the bf16 embedding (the tied lm_head) and PLE tables hold grid values (as a
+// QAT checkpoint does), so a device backend can pack them losslessly; plain tables (other grids)
+// are not on it.
+TEST(Synth, TablesAreOnTheInt4GridOnlyForTheW4G32Grid) {
   struct Case {
     SynthFormat format;
     SynthGrid grid;
@@ -192,10 +193,13 @@ TEST(Synth, PleTableIsOnTheInt4GridOnlyForTheW4G32Grid) {
                         Case{SynthFormat::kNVFP4, SynthGrid::kNVFP4, false}}) {
     auto model = LoadedModel::open(synth("tiny", c.format, c.grid, "ple_grid"));
     ASSERT_TRUE(model.ok()) << model.error().to_string();
-    const QMatrix& table = model->weights.embed_tokens_per_layer;
-    EXPECT_EQ(table.format, WeightFormat::kBF16);
-    EXPECT_EQ(quant::check_w4g32_exact(table).ok(), c.on_grid)
-        << static_cast<int>(c.format) << "/" << static_cast<int>(c.grid);
+    for (const QMatrix* table :
+         {&model->weights.embed_tokens, &model->weights.embed_tokens_per_layer}) {
+      EXPECT_EQ(table->format, WeightFormat::kBF16);
+      EXPECT_EQ(quant::check_w4g32_exact(*table).ok(), c.on_grid)
+          << static_cast<int>(c.format) << "/" << static_cast<int>(c.grid) << " "
+          << (table == &model->weights.embed_tokens ? "embed_tokens" : "embed_tokens_per_layer");
+    }
   }
 }
 
