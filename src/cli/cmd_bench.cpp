@@ -94,12 +94,17 @@ double seconds_since(Clock::time_point start) {
 }
 
 // Weights a decode step reads once for every token of the batch: every matrix except the
-// embedding tables (one row each per token), plus the logits matrix, and for MoE layers only
-// top_k / num_experts of the expert matrices (the share routing picks on average).
-double weight_bytes_per_token(const model::LoadedModel& model) {
+// embedding tables (one row each per token), plus the logits matrix — in 4 bits when the backend
+// keeps a 4-bit copy of it (lm_head_packed: engine::pack_table_for_device) — and for MoE layers
+// only top_k / num_experts of the expert matrices (the share routing picks on average).
+double weight_bytes_per_token(const model::LoadedModel& model, bool lm_head_packed) {
   const auto& config = model.config;
   const auto& weights = model.weights;
-  double bytes = static_cast<double>(weights.lm_head.bytes());
+  const quant::QMatrix& lm_head = weights.lm_head;
+  // w4g32 with bf16 scales: half a byte per weight and 2 bytes per group of 32.
+  double bytes = lm_head_packed
+                     ? static_cast<double>(lm_head.rows) * (lm_head.cols / 2 + lm_head.cols / 16)
+                     : static_cast<double>(lm_head.bytes());
   model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
     if (name == "embed_tokens" || name == "embed_tokens_per_layer" || name == "lm_head") return;
     const bool expert = name.find(".experts.") != std::string::npos;
@@ -176,6 +181,7 @@ class Bench {
     auto& engine = *loaded.engine;
     context_ = engine.max_context();
     memory_plan_ = loaded.memory_plan;
+    lm_head_packed_ = engine::table_packs_on_device(model_->weights.lm_head, *loaded.backend);
 
     // A depth that does not fit with its decode tokens is clipped to the deepest one that does.
     std::vector<int64_t> depths;
@@ -315,10 +321,11 @@ class Bench {
   std::optional<int64_t> peak_gpu_bytes_;
   std::optional<double> kernels_per_token_;
   engine::MemoryPlan memory_plan_;  // of the single-stream engine
+  bool lm_head_packed_ = false;     // the backend reads a 4-bit copy of the logits matrix
 };
 
 Status Bench::write_report() const {
-  const double bytes_per_token = weight_bytes_per_token(*model_);
+  const double bytes_per_token = weight_bytes_per_token(*model_, lm_head_packed_);
   const std::string gpu = on_gpu_ ? cuda_device_name(0) : "none";
   const std::string format = quant::weight_format_name(model_->quantization.weight_format);
   const std::string commit = current_commit();
