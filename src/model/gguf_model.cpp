@@ -555,8 +555,8 @@ class GgufSource final : public TensorSource {
         if (!quant::ggml_type_repackable(tensor.type)) {
           return make_error(ErrorCode::kUnsupported,
                             "GGUF {}: tensor '{}' has type {}, which gemma4 does not load "
-                            "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0, IQ4_NL, Q4_K, "
-                            "Q6_K)",
+                            "(supported: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, "
+                            "Q4_K, Q5_K, Q6_K)",
                             file_.path().string(), tensor.name, io::gguf_type_name(tensor.type));
         }
         auto packed = quant::repack_ggml(tensor.type, {tensor.data, tensor.nbytes}, m.rows, m.cols);

@@ -105,10 +105,24 @@ int split_nibble(const std::byte* qs, int i) {
   return i < 16 ? (byte & 15) : (byte >> 4);
 }
 
-int q5_0_level(const std::byte* block, int i) {
+namespace {
+
+// Element i of a 32-element block whose u32 `qh` (bit i: the level's bit 4) is followed by the
+// split-nibble `qs` (Q5_0, Q5_1).
+int five_bit_level(const std::byte* qh_then_qs, int i) {
   uint32_t qh;
-  std::memcpy(&qh, block + 2, 4);
-  return (split_nibble(block + 6, i) | static_cast<int>(((qh >> i) & 1) << 4)) - 16;
+  std::memcpy(&qh, qh_then_qs, 4);
+  return split_nibble(qh_then_qs + 4, i) | static_cast<int>(((qh >> i) & 1) << 4);
+}
+
+}  // namespace
+
+int q5_0_level(const std::byte* block, int i) {
+  return five_bit_level(block + 2, i) - 16;
+}
+
+int q5_1_level(const std::byte* block, int i) {
+  return five_bit_level(block + 4, i);
 }
 
 void q4_k_scale_min(const std::byte* block, int j, int& sc, int& mn) {
@@ -126,6 +140,14 @@ int q4_k_level(const std::byte* block, int e) {
   const int c = e / 64, r = e % 64;
   const uint8_t byte = byte_at(block + 16, 32 * c + r % 32);
   return r < 32 ? (byte & 15) : (byte >> 4);
+}
+
+int q5_k_level(const std::byte* block, int e) {
+  const int c = e / 64, r = e % 64;
+  const uint8_t low_byte = byte_at(block + 48, 32 * c + r % 32);  // qs
+  const int low = r < 32 ? (low_byte & 15) : (low_byte >> 4);
+  const int high = (byte_at(block + 16, e % 32) >> (e / 32)) & 1;  // qh
+  return low | (high << 4);
 }
 
 int q6_k_level(const std::byte* block, int e) {
@@ -150,6 +172,12 @@ void dequantize_q4_1_block(const std::byte* block, float* out) {
 void dequantize_q5_0_block(const std::byte* block, float* out) {
   const float d = fp16_to_float(load_u16(block));
   for (int i = 0; i < 32; ++i) out[i] = static_cast<float>(q5_0_level(block, i)) * d;
+}
+
+void dequantize_q5_1_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block));
+  const float m = fp16_to_float(load_u16(block + 2));
+  for (int i = 0; i < 32; ++i) out[i] = d * static_cast<float>(q5_1_level(block, i)) + m;
 }
 
 void dequantize_iq4_nl_block(const std::byte* block, float* out) {
@@ -184,6 +212,17 @@ void dequantize_q4_k_block(const std::byte* block, float* out) {
   }
 }
 
+void dequantize_q5_k_block(const std::byte* block, float* out) {
+  const float d = fp16_to_float(load_u16(block));
+  const float dmin = fp16_to_float(load_u16(block + 2));
+  for (int e = 0; e < kQ5_KBlockElements; ++e) {
+    int sc = 0, mn = 0;
+    q4_k_scale_min(block, e / kQ4_KSubBlockElements, sc, mn);
+    out[e] = (d * static_cast<float>(sc)) * static_cast<float>(q5_k_level(block, e)) -
+             dmin * static_cast<float>(mn);
+  }
+}
+
 Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std::byte> data,
                                              int64_t rows, int64_t cols) {
   int64_t block_elements = 1, block_bytes = 0;
@@ -208,6 +247,10 @@ Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std:
       block_elements = kQ5_0BlockElements, block_bytes = kQ5_0BlockBytes;
       decode_block = dequantize_q5_0_block;
       break;
+    case kGgmlQ5_1:
+      block_elements = kQ5_1BlockElements, block_bytes = kQ5_1BlockBytes;
+      decode_block = dequantize_q5_1_block;
+      break;
     case kGgmlQ8_0:
       block_elements = kQ8_0BlockElements, block_bytes = kQ8_0BlockBytes;
       decode_block = dequantize_q8_0_block;
@@ -220,6 +263,10 @@ Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std:
       block_elements = kQ4_KBlockElements, block_bytes = kQ4_KBlockBytes;
       decode_block = dequantize_q4_k_block;
       break;
+    case kGgmlQ5_K:
+      block_elements = kQ5_KBlockElements, block_bytes = kQ5_KBlockBytes;
+      decode_block = dequantize_q5_k_block;
+      break;
     case kGgmlQ6_K:
       block_elements = kQ6_KBlockElements, block_bytes = kQ6_KBlockBytes;
       decode_block = dequantize_q6_k_block;
@@ -227,7 +274,7 @@ Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std:
     default:
       return make_error(ErrorCode::kUnsupported,
                         "ggml type {} cannot be dequantized (supported: F32, F16, BF16, Q4_0, "
-                        "Q4_1, Q5_0, Q8_0, IQ4_NL, Q4_K, Q6_K)",
+                        "Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K)",
                         type);
   }
   if (rows < 0 || cols < 0 || cols % block_elements != 0 ||

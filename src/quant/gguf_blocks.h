@@ -15,15 +15,17 @@ namespace gemma4::quant {
 
 // ggml type ids these functions handle (the same numbers as io::GgufType).
 inline constexpr uint32_t kGgmlF32 = 0, kGgmlF16 = 1, kGgmlQ4_0 = 2, kGgmlQ4_1 = 3, kGgmlQ5_0 = 6,
-                          kGgmlQ8_0 = 8, kGgmlQ4_K = 12, kGgmlQ6_K = 14, kGgmlIQ4_NL = 20,
-                          kGgmlBF16 = 30;
+                          kGgmlQ5_1 = 7, kGgmlQ8_0 = 8, kGgmlQ4_K = 12, kGgmlQ5_K = 13,
+                          kGgmlQ6_K = 14, kGgmlIQ4_NL = 20, kGgmlBF16 = 30;
 
 inline constexpr int64_t kQ4_0BlockElements = 32, kQ4_0BlockBytes = 18;
 inline constexpr int64_t kQ4_1BlockElements = 32, kQ4_1BlockBytes = 20;
 inline constexpr int64_t kQ5_0BlockElements = 32, kQ5_0BlockBytes = 22;
+inline constexpr int64_t kQ5_1BlockElements = 32, kQ5_1BlockBytes = 24;
 inline constexpr int64_t kQ8_0BlockElements = 32, kQ8_0BlockBytes = 34;
 inline constexpr int64_t kIQ4_NLBlockElements = 32, kIQ4_NLBlockBytes = 18;
 inline constexpr int64_t kQ4_KBlockElements = 256, kQ4_KBlockBytes = 144;
+inline constexpr int64_t kQ5_KBlockElements = 256, kQ5_KBlockBytes = 176;
 inline constexpr int64_t kQ6_KBlockElements = 256, kQ6_KBlockBytes = 210;
 
 // IQ4_NL's non-uniform levels (spec 4.6), all int8.
@@ -37,10 +39,16 @@ inline constexpr int8_t kIQ4_NLLevels[16] = {-127, -104, -83, -65, -49, -35, -22
 int split_nibble(const std::byte* qs, int i);
 // Q5_0 element i as the signed level u - 16 in [-16, 15].
 int q5_0_level(const std::byte* block, int i);
-// Q4_K sub-block j's (0..7) 6-bit scale and min.
+// Q5_1 element i as the unsigned level in [0, 31] (Q5_0's bits after d and m).
+int q5_1_level(const std::byte* block, int i);
+// Q4_K (and Q5_K: the same d, dmin and 12 scale bytes lead its block) sub-block j's (0..7)
+// 6-bit scale and min.
 void q4_k_scale_min(const std::byte* block, int j, int& sc, int& mn);
 // Q4_K element e's (0..255) 4-bit level.
 int q4_k_level(const std::byte* block, int e);
+// Q5_K element e's (0..255) unsigned 5-bit level: Q4_K's nibble addressing over qs, plus bit
+// e / 32 of qh[e % 32].
+int q5_k_level(const std::byte* block, int e);
 // Q6_K element e's (0..255) signed level in [-32, 31].
 int q6_k_level(const std::byte* block, int e);
 
@@ -49,20 +57,24 @@ int q6_k_level(const std::byte* block, int e);
 //   Q8_0: d * qs[i].
 //   Q4_1: d * nibble(i) + m.
 //   Q5_0: d * ((nibble(i) | bit i of qh << 4) - 16).
+//   Q5_1: d * (nibble(i) | bit i of qh << 4) + m.
 //   IQ4_NL: d * kIQ4_NLLevels[nibble(i)].
 //   Q4_K: (d * sc) * q - (dmin * mn) with the 6-bit sub-block scales/mins of spec 4.6.
+//   Q5_K: as Q4_K with the 5-bit q of q5_k_level.
 //   Q6_K: d * scales[e / 16] * q, q = 6-bit value - 32 (spec 4.6 addressing).
 void dequantize_q4_0_block(const std::byte* block, float* out);
 void dequantize_q4_1_block(const std::byte* block, float* out);
 void dequantize_q5_0_block(const std::byte* block, float* out);
+void dequantize_q5_1_block(const std::byte* block, float* out);
 void dequantize_q8_0_block(const std::byte* block, float* out);
 void dequantize_iq4_nl_block(const std::byte* block, float* out);
 void dequantize_q4_k_block(const std::byte* block, float* out);
+void dequantize_q5_k_block(const std::byte* block, float* out);
 void dequantize_q6_k_block(const std::byte* block, float* out);
 
-// `rows` rows of `cols` elements of ggml type `type` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q8_0,
-// IQ4_NL, Q4_K, Q6_K) to floats; kUnsupported names other types, kInvalidArgument a size
-// mismatch.
+// `rows` rows of `cols` elements of ggml type `type` (F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1,
+// Q8_0, IQ4_NL, Q4_K, Q5_K, Q6_K) to floats; kUnsupported names other types, kInvalidArgument a
+// size mismatch.
 Expected<std::vector<float>> dequantize_ggml(uint32_t type, std::span<const std::byte> data,
                                              int64_t rows, int64_t cols);
 

@@ -9,7 +9,10 @@
 //   Q5_0          -> kW8 g32, fp16 scale d, q = u - 16
 //   IQ4_NL        -> kW8 g32, fp16 scale d, q = table value
 //   Q6_K          -> kW8 g16, fp32 scale = d * scales[s] (exact), q = 6-bit value - 32
-// Other quantized types (Q5_1, Q5_K, Q2_K, Q3_K, the IQ2/IQ3 family, MXFP4, ...) are kUnsupported.
+//   Q5_1          -> kW8A: q = 5-bit level, scale = d, min = -m
+//   Q5_K          -> kW8A: q = 5-bit level, per 32-element sub-block scale = d * sc,
+//                    min = dmin * mn (exact, as Q4_K)
+// Other quantized types (Q2_K, Q3_K, the IQ2/IQ3 family, MXFP4, ...) are kUnsupported.
 #pragma once
 
 #include <cstddef>

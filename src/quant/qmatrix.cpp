@@ -57,6 +57,8 @@ const char* weight_format_name(WeightFormat format) {
       return "w8";
     case WeightFormat::kF16:
       return "f16";
+    case WeightFormat::kW8A:
+      return "w8a";
   }
   return "unknown";
 }
@@ -85,6 +87,7 @@ int64_t row_data_bytes(const QMatrix& m) {
     case WeightFormat::kW4G32A:
       return m.cols / 2;
     case WeightFormat::kW8:
+    case WeightFormat::kW8A:
       return m.cols;
   }
   return 0;
@@ -97,6 +100,7 @@ int64_t row_scale_bytes(const QMatrix& m) {
     case WeightFormat::kNVFP4:
       return m.cols / kNvBlockSize;
     case WeightFormat::kW4G32A:
+    case WeightFormat::kW8A:
       return m.cols / kW4GroupSize * 8;  // {scale, min} fp32
     case WeightFormat::kW8:
       return m.group_size > 0 ? m.cols / m.group_size * scale_bytes(m.scale_type) : 0;
@@ -122,6 +126,7 @@ Status validate(const QMatrix& m) {
   switch (m.format) {
     case WeightFormat::kW4G32:
     case WeightFormat::kW4G32A:
+    case WeightFormat::kW8A:
       group = kW4GroupSize;
       break;
     case WeightFormat::kNVFP4:
@@ -148,7 +153,8 @@ Status validate(const QMatrix& m) {
     return make_error(ErrorCode::kInvalidArgument, "nvfp4 global factor {} is not finite non-zero",
                       m.nv_global.value);
   }
-  if ((m.format == WeightFormat::kW4G32A && m.scale_type != ScaleType::kF32) ||
+  const bool has_scale_min = m.format == WeightFormat::kW4G32A || m.format == WeightFormat::kW8A;
+  if ((has_scale_min && m.scale_type != ScaleType::kF32) ||
       (m.format == WeightFormat::kW8 && m.scale_type == ScaleType::kBF16)) {
     return make_error(ErrorCode::kInvalidArgument, "{} matrix with {} scales", name,
                       scale_type_name(m.scale_type));
@@ -193,6 +199,18 @@ void dequantize_row(const QMatrix& m, int64_t row, float* out) {
           const uint8_t byte = bytes[g * (kW4GroupSize / 2) + j];
           out[g * kW4GroupSize + 2 * j] = scale * static_cast<float>(byte & 15) - min;
           out[g * kW4GroupSize + 2 * j + 1] = scale * static_cast<float>(byte >> 4) - min;
+        }
+      }
+      return;
+    }
+    case WeightFormat::kW8A: {
+      const auto* q = static_cast<const int8_t*>(m.data) + row * k_count;
+      const int64_t groups_per_row = k_count / kW4GroupSize;
+      for (int64_t g = 0; g < groups_per_row; ++g) {
+        const float scale = load<float>(m.scales, 2 * (row * groups_per_row + g));
+        const float min = load<float>(m.scales, 2 * (row * groups_per_row + g) + 1);
+        for (int64_t j = g * kW4GroupSize; j < (g + 1) * kW4GroupSize; ++j) {
+          out[j] = scale * static_cast<float>(q[j]) - min;
         }
       }
       return;

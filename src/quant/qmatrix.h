@@ -34,6 +34,10 @@ enum class WeightFormat : uint8_t {
   // Q6_K: g16 with fp32 d * sc. All exact, spec 5.)
   kW8,
   kF16,  // plain fp16 (GGUF F16 tensors, read in place)
+  // int8, one fp32 {scale, min} pair per 32 consecutive K elements, asymmetric:
+  // w = scale * q - min, laid out like kW4G32A's scales. (GGUF Q5_1 with scale = d, min = -m,
+  // and Q5_K with scale = d * sc, min = dmin * mn, q the unsigned 5-bit level: exact, spec 5.)
+  kW8A,
 };
 
 // Element type of the w4g32 group scales (the checkpoint's own dtype, kept as is).
@@ -57,10 +61,10 @@ struct QMatrix {
   int64_t rows = 0;
   int64_t cols = 0;
   // kF32 / kBF16 / kF16: rows*cols elements. kW4G32: u32 words [rows, cols/8].
-  // kNVFP4, kW4G32A: bytes [rows, cols/2]. kW8: int8 [rows, cols].
+  // kNVFP4, kW4G32A: bytes [rows, cols/2]. kW8, kW8A: int8 [rows, cols].
   const void* data = nullptr;
   // kW4G32: [rows, cols/32] of scale_type. kNVFP4: e4m3 bytes [rows, cols/16].
-  // kW4G32A: fp32 pairs {scale, min} [rows, cols/32, 2]. kW8: [rows, cols/group_size] of
+  // kW4G32A, kW8A: fp32 pairs {scale, min} [rows, cols/32, 2]. kW8: [rows, cols/group_size] of
   // scale_type (kF16 or kF32). Else unused.
   const void* scales = nullptr;
   ScaleType scale_type = ScaleType::kBF16;
@@ -72,7 +76,7 @@ struct QMatrix {
   int64_t bytes() const;
 };
 
-// "f32", "bf16", "f16", "w4g32", "nvfp4", "w4g32a", "w8"
+// "f32", "bf16", "f16", "w4g32", "nvfp4", "w4g32a", "w8", "w8a"
 const char* weight_format_name(WeightFormat format);
 const char* scale_type_name(ScaleType type);  // "bf16", "f16", "f32"
 
@@ -81,8 +85,8 @@ int64_t row_data_bytes(const QMatrix& m);
 int64_t row_scale_bytes(const QMatrix& m);
 
 // Checks what every function here assumes: positive dims, cols a multiple of the group (32 for
-// kW4G32 / kW4G32A, 16 for kNVFP4, group_size 16 or 32 for kW8), non-null pointers, a finite
-// non-zero NVFP4 global factor, kW8 scales fp16 or fp32, kW4G32A scales fp32.
+// kW4G32 / kW4G32A / kW8A, 16 for kNVFP4, group_size 16 or 32 for kW8), non-null pointers, a
+// finite non-zero NVFP4 global factor, kW8 scales fp16 or fp32, kW4G32A / kW8A scales fp32.
 Status validate(const QMatrix& m);
 
 // Rows [first, first + count) of `m` as a view (e.g. the gate and up halves of a fused
@@ -98,6 +102,8 @@ QMatrix row_slice(const QMatrix& m, int64_t first, int64_t count);
 //   kW4G32A: w = scale * u - min in fp32: scale * u is exact (a K-quant scale d * sc has at
 //           most 17 significant bits, u 4), so the one rounding is ggml's own subtraction.
 //   kW8: w = q * scale in fp32, exact (q has at most 8 significant bits, the scale at most 19).
+//   kW8A: w = scale * q - min in fp32, two roundings like kW4G32A (scale * q is exact for the
+//           GGUF repacks: q has 5 significant bits, d * sc at most 17).
 void dequantize_row(const QMatrix& m, int64_t row, float* out);
 
 // sum_k W[row, k] * x[k] over the dequantized row, accumulated in double so the oracle's own

@@ -9,7 +9,8 @@ namespace {
 
 bool has_scales(WeightFormat format) {
   return format == WeightFormat::kW4G32 || format == WeightFormat::kNVFP4 ||
-         format == WeightFormat::kW4G32A || format == WeightFormat::kW8;
+         format == WeightFormat::kW4G32A || format == WeightFormat::kW8 ||
+         format == WeightFormat::kW8A;
 }
 
 StackedRows empty_stack(const QMatrix& like, int64_t rows) {

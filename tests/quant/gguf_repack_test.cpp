@@ -52,7 +52,8 @@ class GgufRepack : public ::testing::Test {
 io::GgufFile* GgufRepack::file_ = nullptr;
 
 TEST_F(GgufRepack, DecodersMatchGgufPy) {
-  for (const char* name : {"q4_0", "q4_1", "q5_0", "q8_0", "iq4_nl", "q4_k", "q6_k"}) {
+  for (const char* name :
+       {"q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "iq4_nl", "q4_k", "q5_k", "q6_k"}) {
     auto [raw, expected] = load(name);
     ASSERT_NE(raw, nullptr);
     auto values = dequantize_ggml(raw->type, {raw->data, raw->nbytes}, raw->ne[1], raw->ne[0]);
@@ -70,6 +71,8 @@ TEST_F(GgufRepack, RepacksAreBitExact) {
       {"q8_0", WeightFormat::kW8, ScaleType::kF16, 32},
       {"iq4_nl", WeightFormat::kW8, ScaleType::kF16, 32},
       {"q6_k", WeightFormat::kW8, ScaleType::kF32, 16},
+      {"q5_1", WeightFormat::kW8A, ScaleType::kF32, 32},
+      {"q5_k", WeightFormat::kW8A, ScaleType::kF32, 32},
   };
   for (const auto& c : cases) {
     SCOPED_TRACE(c.name);
@@ -105,10 +108,13 @@ TEST_F(GgufRepack, RepacksAreBitExact) {
 
 TEST(GgufRepackErrors, UnsupportedTypesAndSizes) {
   std::vector<std::byte> bytes(24);
-  auto q5_1 = repack_ggml(7, bytes, 1, 32);  // Q5_1 has no lossless internal format here
-  ASSERT_FALSE(q5_1.ok());
-  EXPECT_EQ(q5_1.error().code, ErrorCode::kUnsupported);
-  EXPECT_FALSE(ggml_type_repackable(7));
+  auto q2_k = repack_ggml(10, bytes, 1, 256);  // Q2_K has no lossless internal format here
+  ASSERT_FALSE(q2_k.ok());
+  EXPECT_EQ(q2_k.error().code, ErrorCode::kUnsupported);
+  EXPECT_NE(q2_k.error().message.find("Q5_K"), std::string::npos);  // lists what is supported
+  EXPECT_FALSE(ggml_type_repackable(10));
+  EXPECT_TRUE(ggml_type_repackable(kGgmlQ5_1));
+  EXPECT_TRUE(ggml_type_repackable(kGgmlQ5_K));
   EXPECT_TRUE(ggml_type_repackable(kGgmlQ6_K));
   auto short_data = repack_ggml(kGgmlQ8_0, bytes, 1, 32);  // 24 bytes, one Q8_0 block is 34
   ASSERT_FALSE(short_data.ok());
@@ -136,6 +142,12 @@ TEST(W8, ValidateChecksGroupAndScaleType) {
   EXPECT_FALSE(validate(m).ok());
   m.format = WeightFormat::kW4G32A;
   EXPECT_FALSE(validate(m).ok());  // {scale, min} are fp32
+  m.format = WeightFormat::kW8A;
+  EXPECT_FALSE(validate(m).ok());
+  m.scale_type = ScaleType::kF32;
+  EXPECT_TRUE(validate(m).ok());
+  m.cols = 16;  // one {scale, min} pair per 32
+  EXPECT_FALSE(validate(m).ok());
 }
 
 }  // namespace

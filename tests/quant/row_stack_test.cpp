@@ -1,5 +1,5 @@
 // quant/row_stack: a stacked matrix's row r decodes to the source row it was copied from, for the
-// packed formats with scales (w4g32, nvfp4) and a plain one (bf16); matrices whose rows decode
+// packed formats with scales (w4g32, nvfp4, w8a) and a plain one (bf16); matrices whose rows decode
 // differently are not stackable.
 #include "quant/row_stack.h"
 
@@ -7,10 +7,13 @@
 
 #include "test_support.h"
 
+#include <cstring>
 #include <random>
 #include <vector>
 
 #include "core/numeric.h"
+#include "quant/gguf_blocks.h"
+#include "quant/gguf_repack.h"
 #include "quant/quantize.h"
 
 namespace gemma4::quant {
@@ -22,9 +25,23 @@ std::vector<float> row_of(const QMatrix& m, int64_t row) {
   return out;
 }
 
+// [rows, 64] as w8a: Q5_1 blocks of random levels (d = 1, m = -0.5 in fp16), repacked.
+PackedMatrix random_w8a(int64_t rows, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<std::byte> blocks(static_cast<size_t>(rows * 2 * kQ5_1BlockBytes));
+  for (auto& b : blocks) b = static_cast<std::byte>(rng());
+  for (size_t at = 0; at < blocks.size(); at += kQ5_1BlockBytes) {
+    const uint16_t d = float_to_fp16(1.0f), m = float_to_fp16(-0.5f);
+    std::memcpy(&blocks[at], &d, 2);
+    std::memcpy(&blocks[at + 2], &m, 2);
+  }
+  return *repack_ggml(kGgmlQ5_1, blocks, rows, 64);
+}
+
 // Two packed matrices [rows_a, 64] and [rows_b, 64] of one format.
 std::pair<PackedMatrix, PackedMatrix> packed_pair(WeightFormat format, int64_t rows_a,
                                                   int64_t rows_b) {
+  if (format == WeightFormat::kW8A) return {random_w8a(rows_a, 1), random_w8a(rows_b, 2)};
   const auto a = testing::random_normal(rows_a * 64, 1), b = testing::random_normal(rows_b * 64, 2);
   if (format == WeightFormat::kW4G32)
     return {*quantize_w4g32(a, rows_a, 64), *quantize_w4g32(b, rows_b, 64)};
@@ -60,7 +77,8 @@ TEST_P(RowStack, InterleavedRowsAlternate) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Formats, RowStack,
-                         ::testing::Values(WeightFormat::kW4G32, WeightFormat::kNVFP4),
+                         ::testing::Values(WeightFormat::kW4G32, WeightFormat::kNVFP4,
+                                           WeightFormat::kW8A),
                          [](const auto& info) { return weight_format_name(info.param); });
 
 TEST(RowStackPlain, Bf16RowsHaveNoScales) {

@@ -15,7 +15,7 @@
 namespace gemma4::cuda {
 
 // quant::WeightFormat values (static_asserted in cuda_backend.cpp).
-enum class MatrixFormat : uint8_t { kF32, kBF16, kW4G32, kNVFP4, kW4G32A, kW8, kF16 };
+enum class MatrixFormat : uint8_t { kF32, kBF16, kW4G32, kNVFP4, kW4G32A, kW8, kF16, kW8A };
 
 // A quant::QMatrix in device memory (see quant/qmatrix.h for the layouts).
 struct MatrixView {
@@ -23,7 +23,7 @@ struct MatrixView {
   int64_t rows = 0;
   int64_t cols = 0;
   const void* data = nullptr;
-  const void* scales = nullptr;  // kW4G32A: fp32 {scale, min} pairs, the mins included
+  const void* scales = nullptr;  // kW4G32A, kW8A: fp32 {scale, min} pairs, the mins included
   int scale_type = 0;            // quant::ScaleType value (kW4G32, kW8)
   float nv_global = 1.0f;
   int nv_global_is_divisor = 0;

@@ -61,6 +61,7 @@ int64_t scale_group(const MatrixView& m) {
   switch (m.format) {
     case MatrixFormat::kW4G32:
     case MatrixFormat::kW4G32A:
+    case MatrixFormat::kW8A:
       return 32;
     case MatrixFormat::kNVFP4:
       return 16;

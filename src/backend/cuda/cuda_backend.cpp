@@ -27,7 +27,8 @@ static_assert(static_cast<int>(WeightFormat::kF32) == static_cast<int>(MatrixFor
               static_cast<int>(WeightFormat::kNVFP4) == static_cast<int>(MatrixFormat::kNVFP4) &&
               static_cast<int>(WeightFormat::kW4G32A) == static_cast<int>(MatrixFormat::kW4G32A) &&
               static_cast<int>(WeightFormat::kW8) == static_cast<int>(MatrixFormat::kW8) &&
-              static_cast<int>(WeightFormat::kF16) == static_cast<int>(MatrixFormat::kF16));
+              static_cast<int>(WeightFormat::kF16) == static_cast<int>(MatrixFormat::kF16) &&
+              static_cast<int>(WeightFormat::kW8A) == static_cast<int>(MatrixFormat::kW8A));
 
 namespace {
 
@@ -213,6 +214,7 @@ bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
     case WeightFormat::kW4G32A:
     case WeightFormat::kW8:
     case WeightFormat::kF16:
+    case WeightFormat::kW8A:
       out = {static_cast<MatrixFormat>(m.format),
              m.rows,
              m.cols,

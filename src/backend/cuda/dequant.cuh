@@ -77,6 +77,12 @@ __device__ __forceinline__ float weight_at(const MatrixView& m, int64_t row, int
       return static_cast<float>(q) *
              group_scale(m, row * (m.cols / m.group_size) + k / m.group_size);
     }
+    case MatrixFormat::kW8A: {
+      const int8_t q = static_cast<const int8_t*>(m.data)[row * m.cols + k];
+      const float* scale_min =
+          static_cast<const float*>(m.scales) + 2 * (row * (m.cols / 32) + k / 32);
+      return __fsub_rn(__fmul_rn(scale_min[0], static_cast<float>(q)), scale_min[1]);  // as kW4G32A
+    }
     case MatrixFormat::kNVFP4: {
       const uint8_t byte = static_cast<const uint8_t*>(m.data)[row * (m.cols / 2) + k / 2];
       const uint8_t code = (k % 2 == 0) ? (byte & 0xF) : (byte >> 4);

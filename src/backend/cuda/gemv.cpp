@@ -31,7 +31,7 @@ int64_t chunk_elements(WeightFormat format) {
   }
 }
 
-// The GEMV's layout of a weight format, false for one it has no kernel for (fp32).
+// The GEMV's layout of a weight format, false for one it has no kernel for (fp32, w8a).
 bool packed_format(WeightFormat format, PackedFormat& out) {
   switch (format) {
     case WeightFormat::kW4G32:
@@ -53,6 +53,7 @@ bool packed_format(WeightFormat format, PackedFormat& out) {
       out = PackedFormat::kF16;
       return true;
     case WeightFormat::kF32:
+    case WeightFormat::kW8A:  // no packed kernel yet: the generic matmul reads it
       return false;
   }
   return false;

@@ -1,6 +1,6 @@
 // The tensor-core matmul's bf16 operands (prefill_kernels.h). One thread per 8 consecutive
 // elements of an output row: one 16-byte store; the packed formats decode those 8 from one
-// 32-bit word (4-bit formats) or one 8-byte load (kW8), with the scale of their group, using
+// 32-bit word (4-bit formats) or one 8-byte load (kW8, kW8A), with the scale of their group, using
 // the fp32 formulas of dequant.cuh's weight_at (the CPU reference's), rounded to bf16 once.
 #include <cuda_bf16.h>
 
@@ -25,6 +25,16 @@ __device__ __forceinline__ void store_bf16x8(const float (&v)[8], void* out) {
     words[i] = *reinterpret_cast<const uint32_t*>(&pair);
   }
   *static_cast<uint4*>(out) = make_uint4(words[0], words[1], words[2], words[3]);
+}
+
+// The 8 int8 values at `p` (8-byte aligned: one load) as floats (kW8, kW8A).
+__device__ __forceinline__ void int8_levels(const uint8_t* p, float (&levels)[8]) {
+  const uint2 q = *reinterpret_cast<const uint2*>(p);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t word = i < 4 ? q.x : q.y;
+    levels[i] = static_cast<float>(static_cast<int8_t>((word >> (8 * (i % 4))) & 0xFF));
+  }
 }
 
 // Elements k0 .. k0 + 7 of weight row `row` (zeros past cols).
@@ -64,12 +74,22 @@ __device__ __forceinline__ void weight_chunk(const MatrixView& m, int64_t row, i
       return;
     }
     case MatrixFormat::kW8: {
-      const uint2 q = *reinterpret_cast<const uint2*>(bytes + row * m.cols + k0);
+      float levels[8];
+      int8_levels(bytes + row * m.cols + k0, levels);
       const float scale = group_scale(m, row * (m.cols / m.group_size) + k0 / m.group_size);
 #pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = levels[i] * scale;
+      return;
+    }
+    case MatrixFormat::kW8A: {
+      float levels[8];
+      int8_levels(bytes + row * m.cols + k0, levels);
+      const float* scale_min =
+          static_cast<const float*>(m.scales) + 2 * (row * (m.cols / 32) + k0 / 32);
+#pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const uint32_t word = i < 4 ? q.x : q.y;
-        v[i] = static_cast<float>(static_cast<int8_t>((word >> (8 * (i % 4))) & 0xFF)) * scale;
+        // Two roundings, as weight_at and the CPU reference (no FMA contraction).
+        v[i] = __fsub_rn(__fmul_rn(scale_min[0], levels[i]), scale_min[1]);
       }
       return;
     }
@@ -120,6 +140,7 @@ int64_t scale_group(const MatrixView& m) {
   switch (m.format) {
     case MatrixFormat::kW4G32:
     case MatrixFormat::kW4G32A:
+    case MatrixFormat::kW8A:
       return 32;
     case MatrixFormat::kNVFP4:
       return 16;
@@ -139,6 +160,7 @@ uintptr_t data_alignment(MatrixFormat format) {
     case MatrixFormat::kW4G32A:
       return 4;
     case MatrixFormat::kW8:
+    case MatrixFormat::kW8A:
       return 8;
     default:
       return 1;
