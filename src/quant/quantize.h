@@ -20,7 +20,7 @@ namespace gemma4::quant {
 //           scales = `weight_scale` BF16 [rows, cols/32].
 //   kNVFP4: data = `weight_packed` / ModelOpt `weight` U8 [rows, cols/2],
 //           scales = `weight_scale` F8_E4M3 [rows, cols/16], nv_global = the global factor.
-//   kW4G32A, kW8 (repacked GGUF blocks): the layouts of qmatrix.h.
+//   kW4G32A, kW8, kW8A (repacked GGUF blocks): the layouts of qmatrix.h.
 struct PackedMatrix {
   WeightFormat format = WeightFormat::kW4G32;
   int64_t rows = 0;

@@ -258,9 +258,11 @@ TwinMatrix gguf_matrix(engine::Backend& gpu, const GgufMatrixCase& c, uint32_t s
                                        c.matrix.scale_type, false, c.group_size));
 }
 
-// K % 32 == 0 takes the packed GEMV (aligned rows), the others the generic matmul.
+// K % 32 == 0 takes the packed GEMV (aligned rows), the others the generic matmul; w8a always
+// the generic matmul (no packed GEMV kernel yet), prefill the tensor-core path.
 const GgufMatrixCase kGgufMatrices[] = {
     {{"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, false, 37, 96}, 32},
+    {{"w8a (Q5_1, Q5_K)", WeightFormat::kW8A, ScaleType::kF32, false, 37, 96}, 32},
     {{"w8 g32 f16 (Q8_0)", WeightFormat::kW8, ScaleType::kF16, false, 37, 64}, 32},
     {{"w8 g16 f32 (Q6_K)", WeightFormat::kW8, ScaleType::kF32, false, 37, 48}, 16},
     {{"w8 g16 f32 K 64", WeightFormat::kW8, ScaleType::kF32, false, 38, 64}, 16},
@@ -335,6 +337,7 @@ TEST(CudaBackend, MatmulGeluMulAndPairsEveryFormat) {
       {{"w4g32", WeightFormat::kW4G32, ScaleType::kBF16, false, 72, 128}, 32},
       {{"nvfp4", WeightFormat::kNVFP4, ScaleType::kBF16, true, 48, 64}, 32},
       {{"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, false, 38, 96}, 32},
+      {{"w8a (generic)", WeightFormat::kW8A, ScaleType::kF32, false, 38, 64}, 32},
       {{"w8 g16 f32", WeightFormat::kW8, ScaleType::kF32, false, 38, 64}, 16},
       {{"w8 g32 f16", WeightFormat::kW8, ScaleType::kF16, false, 40, 64}, 32},
       {{"f16", WeightFormat::kF16, ScaleType::kBF16, false, 36, 64}, 32},

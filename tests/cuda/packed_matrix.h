@@ -57,7 +57,8 @@ inline std::vector<uint8_t> f16_or_f32_bytes(const std::vector<float>& values, S
   return as_bytes(bits);
 }
 
-// scale_type: the w4g32 / w8 scale type (w4g32a's is always fp32); group_size: w8's (16, 32).
+// scale_type: the w4g32 / w8 scale type (w4g32a's and w8a's are always fp32); group_size: w8's (16,
+// 32).
 inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols, uint32_t seed,
                                 ScaleType scale_type = ScaleType::kBF16, bool nv_divisor = true,
                                 int group_size = 32) {
@@ -65,16 +66,23 @@ inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols,
   m.format = format;
   m.rows = rows;
   m.cols = cols;
-  m.scale_type = format == WeightFormat::kW4G32A ? ScaleType::kF32 : scale_type;
+  const bool scale_min_pairs = format == WeightFormat::kW4G32A || format == WeightFormat::kW8A;
+  m.scale_type = scale_min_pairs ? ScaleType::kF32 : scale_type;
   m.group_size = group_size;
-  if (format == WeightFormat::kW4G32A) {
-    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
-    // {scale, min} pairs: Q4_K-like positive scales, mins of either sign.
+  if (scale_min_pairs) {
+    // {scale, min} pairs: K-quant-like positive scales, mins of either sign.
     const auto scales = testing::random_floats(rows * cols / 32, 0.002f, 0.03f, seed + 1);
     const auto mins = testing::random_floats(rows * cols / 32, -0.1f, 0.1f, seed + 2);
     std::vector<float> pairs;
     for (size_t g = 0; g < scales.size(); ++g) pairs.insert(pairs.end(), {scales[g], mins[g]});
     m.scales = as_bytes(pairs);
+  }
+  if (format == WeightFormat::kW4G32A) {
+    m.data = as_bytes(testing::random_words(rows * cols / 8, seed));
+  } else if (format == WeightFormat::kW8A) {
+    // Every 5-bit level 0..31, as Q5_1 / Q5_K repack.
+    m.data = as_bytes(testing::random_words(rows * cols / 4, seed));
+    for (uint8_t& level : m.data) level &= 31;
   } else if (format == WeightFormat::kW8) {
     // Every int8 value, -128 included (Q8_0 stores -127..127, Q6_K -32..31).
     m.data = as_bytes(testing::random_words(rows * cols / 4, seed));

@@ -170,6 +170,7 @@ TEST(PrefillMatmul, EveryFormatWithinTheBf16Bound) {
       {"f32 K 50", WeightFormat::kF32, ScaleType::kBF16, true, 32, 20, 50, 30, 53, 21},
       {"f16 K 45", WeightFormat::kF16, ScaleType::kBF16, true, 32, 37, 45, 70, 45, 37},
       {"w4g32a", WeightFormat::kW4G32A, ScaleType::kF32, true, 32, 37, 96, 50, 96, 40},
+      {"w8a", WeightFormat::kW8A, ScaleType::kF32, true, 32, 37, 96, 50, 98, 40},
       {"w8 g32 f16", WeightFormat::kW8, ScaleType::kF16, true, 32, 37, 64, 40, 64, 37},
       {"w8 g16 f32", WeightFormat::kW8, ScaleType::kF32, true, 16, 37, 48, 18, 50, 37},
       // 17000 x 1024 bf16 is 34.8 MB: two weight tiles of at most 32 MB, the second partial.
