@@ -18,6 +18,7 @@
 #include "model/gguf_model.h"
 #include "model/synth.h"
 #include "model/weights.h"
+#include "quant/gguf_blocks.h"
 #include "test_support.h"
 
 namespace gemma4 {
@@ -245,6 +246,71 @@ INSTANTIATE_TEST_SUITE_P(Tiny, GgufTwin,
                                            TwinCase{"tiny-moe", model::SynthFormat::kGgufQ4_K,
                                                     model::SynthGrid::kQ4K, "tiny_moe_q4_k"}),
                          [](const auto& info) { return info.param.name; });
+
+// Q4_K blocks rewritten as Q5_K blocks of the same values: d, dmin and the 12 scale bytes
+// as they are, qh all zero (every level < 16), qs the same 128 bytes (both formats address
+// element e as nibble r < 32 of qs[32 (e / 64) + e % 32], r = e % 64).
+std::vector<std::byte> q4_k_as_q5_k(std::span<const std::byte> q4_k) {
+  std::vector<std::byte> out;
+  for (size_t at = 0; at < q4_k.size(); at += quant::kQ4_KBlockBytes) {
+    const std::byte* block = q4_k.data() + at;
+    out.insert(out.end(), block, block + 16);        // d, dmin, scales
+    out.insert(out.end(), 32, std::byte{0});         // qh
+    out.insert(out.end(), block + 16, block + 144);  // qs
+  }
+  return out;
+}
+
+// A GGUF whose Q4_K matrices become Q5_K (w8a on load) runs the same forward pass as the Q4_K
+// original (w4g32a): the same values through another format, so the same logits bit for bit.
+TEST(GgufQ5K, LogitsEqualTheQ4KOriginal) {
+  const auto dir = testing::scratch_dir("gguf_q5_k");
+  const struct RemoveOnExit {
+    std::filesystem::path path;
+    ~RemoveOnExit() { std::filesystem::remove_all(path); }
+  } cleanup{dir};
+  model::SynthOptions synth;
+  synth.config = "tiny";
+  synth.seed = 7;
+  synth.format = model::SynthFormat::kGgufQ4_K;
+  synth.output = dir / "q4_k.gguf";
+  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
+  {
+    auto original = io::GgufFile::open(synth.output);
+    ASSERT_TRUE(original.ok()) << original.error().to_string();
+    std::vector<io::GgufTensorSpec> specs;
+    for (const io::GgufTensorInfo& t : original->tensors()) {
+      const bool q4_k = t.type == static_cast<uint32_t>(io::GgufType::kQ4_K);
+      specs.push_back(
+          {t.name, q4_k ? io::GgufType::kQ5_K : static_cast<io::GgufType>(t.type), t.ne});
+    }
+    auto writer = io::GgufWriter::create(
+        dir / "q5_k.gguf", {original->metadata().begin(), original->metadata().end()}, specs);
+    ASSERT_TRUE(writer.ok()) << writer.error().to_string();
+    for (const io::GgufTensorInfo& t : original->tensors()) {
+      const std::span<const std::byte> bytes(t.data, t.nbytes);
+      const Status appended = t.type == static_cast<uint32_t>(io::GgufType::kQ4_K)
+                                  ? writer->append(q4_k_as_q5_k(bytes))
+                                  : writer->append(bytes);
+      ASSERT_TRUE(appended.ok()) << appended.error().to_string();
+    }
+    ASSERT_TRUE(writer->finish().ok());
+  }
+  auto q4_k = model::LoadedModel::open(synth.output);
+  ASSERT_TRUE(q4_k.ok()) << q4_k.error().to_string();
+  auto q5_k = model::LoadedModel::open(dir / "q5_k.gguf");
+  ASSERT_TRUE(q5_k.ok()) << q5_k.error().to_string();
+  int64_t w8a = 0;
+  model::for_each_matrix(q5_k->weights, [&](const std::string&, const quant::QMatrix& m) {
+    w8a += m.format == quant::WeightFormat::kW8A;
+  });
+  EXPECT_GT(w8a, 0);
+  const std::vector<int32_t> prompt = {2, 818, 5279, 529, 7001, 563, 1000, 20000, 5, 9};
+  const auto a = run_engine(*q5_k, prompt);
+  const auto b = run_engine(*q4_k, prompt);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t step = 0; step < a.size(); ++step) EXPECT_EQ(a[step], b[step]) << "step " << step;
+}
 
 // ---- Errors -----------------------------------------------------------------------------------
 
