@@ -1,5 +1,7 @@
 #include "text/output_tool_call.h"
 
+#include <cmath>
+#include <cstdlib>
 #include <optional>
 #include <unordered_set>
 
@@ -278,7 +280,13 @@ class ArgumentParser {
       return {};
     }
     if (auto number = json_number(scalar)) {
-      out += *number;
+      // A number beyond double's range (1e+320) is valid JSON text that JSON libraries reject
+      // (nlohmann) or turn into infinity: it is passed on as a string, digits intact.
+      if (std::isinf(std::strtod(number->c_str(), nullptr))) {
+        append_json_string(scalar, out);
+      } else {
+        out += *number;
+      }
       return {};
     }
     pos_ = begin;
