@@ -30,6 +30,22 @@ struct MatrixView {
   int group_size = 32;  // K elements per kW8 scale (16 or 32)
 };
 
+// K elements per scale of `m` (0: no scales; -1: a kW8 group size the kernels do not take).
+inline int64_t scale_group(const MatrixView& m) {
+  switch (m.format) {
+    case MatrixFormat::kW4G32:
+    case MatrixFormat::kW4G32A:
+    case MatrixFormat::kW8A:
+      return 32;
+    case MatrixFormat::kNVFP4:
+      return 16;
+    case MatrixFormat::kW8:
+      return m.group_size == 16 || m.group_size == 32 ? m.group_size : -1;
+    default:
+      return 0;
+  }
+}
+
 // out[t] = row ids[t] of `table`, dequantized exactly as quant::dequantize_row, times `scale`.
 // An id outside [0, table.rows) gives a zero row.
 cudaError_t embed_rows(const MatrixView& table, const int32_t* ids, float scale,

@@ -56,22 +56,6 @@ __global__ void __launch_bounds__(kThreads) matmul_kernel(MatrixView w, RowsView
   }
 }
 
-// K elements per scale (0: no scales).
-int64_t scale_group(const MatrixView& m) {
-  switch (m.format) {
-    case MatrixFormat::kW4G32:
-    case MatrixFormat::kW4G32A:
-    case MatrixFormat::kW8A:
-      return 32;
-    case MatrixFormat::kNVFP4:
-      return 16;
-    case MatrixFormat::kW8:
-      return m.group_size == 16 || m.group_size == 32 ? m.group_size : -1;
-    default:
-      return 0;
-  }
-}
-
 bool valid_matrix(const MatrixView& m) {
   const int64_t group = scale_group(m);
   return m.rows > 0 && m.cols > 0 && m.data != nullptr && group >= 0 &&

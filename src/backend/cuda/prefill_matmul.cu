@@ -135,22 +135,6 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// K elements per scale, as backend_matmul.cu's valid_matrix (0: no scales, -1: invalid).
-int64_t scale_group(const MatrixView& m) {
-  switch (m.format) {
-    case MatrixFormat::kW4G32:
-    case MatrixFormat::kW4G32A:
-    case MatrixFormat::kW8A:
-      return 32;
-    case MatrixFormat::kNVFP4:
-      return 16;
-    case MatrixFormat::kW8:
-      return m.group_size == 16 || m.group_size == 32 ? m.group_size : -1;
-    default:
-      return 0;
-  }
-}
-
 // Alignment the vector loads of weight_chunk need from the data pointer (every row then keeps
 // it: packed rows are whole groups).
 uintptr_t data_alignment(MatrixFormat format) {
