@@ -231,12 +231,15 @@ Result bench_gemv_mma(int64_t rows, int64_t cols, int m, ActType x_type, const c
   const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
   Result r;
-  r.kernel = std::string("mma/") + (x_type == ActType::kBF16 ? "x-bf16" : "x-f32-as-bf16");
+  r.kernel = std::string("mma/") + (x_type == ActType::kBF16 ? "x-bf16"
+                                    : x_type == ActType::kQ8 ? "x-q8"
+                                                             : "x-f32-as-bf16");
   if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
   r.shape = label;
   r.m = m;
   r.mbytes = w.bytes / 1e6;
-  const gemma4::cuda::MmaGemvTiling chosen = gemma4::cuda::default_mma_gemv_tiling(rows, cols, m);
+  const gemma4::cuda::MmaGemvTiling chosen =
+      gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   r.default_tiling = 10 * chosen.warps + chosen.splits;
   r.best_pdl_us = 1e30;
   for (int warps : {4, 8}) {
@@ -244,7 +247,7 @@ Result bench_gemv_mma(int64_t rows, int64_t cols, int m, ActType x_type, const c
       const gemma4::cuda::MmaGemvTiling tiling = {warps, splits};
       const int id = 10 * warps + splits;
       if (quick && id != r.default_tiling) continue;
-      if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
+      if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
           gemma4::cuda::kMmaGemvMaxSharedBytes) {
         continue;
       }
@@ -445,10 +448,11 @@ int main(int argc, char** argv) {
                                "lm_head bf16 262144x1536", stream, quick));
 
   // Batched decode on tensor cores beside the CUDA-core batched tilings above: the engine's
-  // fp32 rows rounded to bf16 and bf16 rows, E2B shapes; the GELU pairs of gate+up.
+  // fp32 rows rounded to bf16, bf16 rows and q8 rows (random bytes: the timing does not depend
+  // on the values), E2B shapes; the GELU pairs of gate+up.
   for (int m : {8, 32, 64}) {
     for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
-      for (ActType x_type : {ActType::kF32, ActType::kBF16}) {
+      for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
         results.push_back(bench_gemv_mma(s.rows, s.cols, m, x_type, s.label, stream, quick));
       }
     }

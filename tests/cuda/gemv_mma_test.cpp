@@ -9,6 +9,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -36,6 +37,8 @@ double gelu_tanh_reference(double u) {
   return 0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
 }
 
+constexpr ActType kActivationTypes[] = {ActType::kF32, ActType::kBF16, ActType::kQ8};
+
 struct Case {
   int m = 2;
   ActType x_type = ActType::kF32;
@@ -46,7 +49,9 @@ struct Case {
 
 std::string describe(const HostMatrix& w, const Case& c) {
   return std::to_string(w.rows) + "x" + std::to_string(w.cols) + " M=" + std::to_string(c.m) +
-         (c.x_type == ActType::kBF16 ? " x=bf16" : " x=f32 rounded") +
+         (c.x_type == ActType::kBF16 ? " x=bf16"
+          : c.x_type == ActType::kQ8 ? " x=q8"
+                                     : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
          " warps=" + std::to_string(c.tiling.warps) + " splits=" + std::to_string(c.tiling.splits);
 }
@@ -68,11 +73,32 @@ std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, con
   }
   DeviceArray<float> x_f32(source);
   DeviceArray<uint16_t> x_bf16(bits);
+  DeviceArray<uint8_t> x_q8(c.m * q8_row_bytes(stride));
+  if (c.x_type == ActType::kQ8) {
+    // The quantizer's output (its own tests check it against its contract); what the kernel
+    // multiplies is q · scale.
+    EXPECT_EQ(quantize_activations_q8(x_f32.get(), c.m, k, stride, x_q8.get(), stride, Launch{}),
+              cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint8_t> q8 = x_q8.download();
+    for (int m = 0; m < c.m; ++m) {
+      const uint8_t* row = q8.data() + m * q8_row_bytes(stride);
+      for (int64_t e = 0; e < k; ++e) {
+        float scale;
+        std::memcpy(&scale, row + stride + 4 * (e / 32), 4);
+        const int in_group = e % 8;
+        const int8_t q =
+            static_cast<int8_t>(row[e / 8 * 8 + (in_group % 2 ? 4 : 0) + in_group / 2]);
+        x[m * stride + e] = static_cast<float>(q) * scale;
+      }
+    }
+  }
   DeviceArray<float> multiplier_device(multiplier);
   DeviceArray<float> y(c.m * width);
-  const bool bf16 = c.x_type == ActType::kBF16;
-  const GemvInput input = {bf16 ? static_cast<const void*>(x_bf16.get()) : x_f32.get(), c.x_type,
-                           c.m, stride, !bf16};
+  const void* x_device = c.x_type == ActType::kBF16 ? static_cast<const void*>(x_bf16.get())
+                         : c.x_type == ActType::kQ8 ? static_cast<const void*>(x_q8.get())
+                                                    : x_f32.get();
+  const GemvInput input = {x_device, c.x_type, c.m, stride, c.x_type == ActType::kF32};
   const GemvOutput output = {y.get(), width, c.epilogue, multiplier_device.get(), n};
   const cudaError_t status = c.tiling.warps == 0
                                  ? gemv(device.view, input, output, Launch{})
@@ -128,8 +154,8 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
   for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
     Case c;
     c.m = m;
-    c.x_type = m % 2 ? ActType::kBF16 : ActType::kF32;
-    c.tiling = {m % 3 == 0 ? 8 : 4, 1 + m % 5};
+    c.x_type = kActivationTypes[m % 3];
+    c.tiling = {m % 2 == 0 ? 8 : 4, 1 + m % 5};
     c.seed = 100 + m;
     check(host, device, c);
   }
@@ -145,7 +171,7 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
            {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
         Case c;
         c.m = splits % 2 ? 37 : 12;
-        c.x_type = warps == 4 ? ActType::kBF16 : ActType::kF32;
+        c.x_type = kActivationTypes[(splits + warps) % 3];
         c.epilogue = e;
         c.tiling = {warps, splits};
         c.seed = seed++;
@@ -171,7 +197,7 @@ TEST(GemvMma, RealShapesThroughGemv) {
     const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
     const DeviceMatrix device(host);
     for (int m : {2, 9, 64}) {
-      for (ActType x_type : {ActType::kF32, ActType::kBF16}) {
+      for (ActType x_type : kActivationTypes) {
         Case c;
         c.m = m;
         c.x_type = x_type;
@@ -212,13 +238,13 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   const DeviceMatrix device(host);
   DeviceArray<float> x(65 * 64), y(65 * 64);
   const GemvOutput output = {y.get(), 64};
-  auto run = [&](int m, ActType type, bool rounded, MmaGemvTiling tiling) {
-    return gemv_mma(device.view, {x.get(), type, m, 64, rounded}, output, Launch{}, tiling);
+  auto run = [&](int m, ActType type, bool rounded, MmaGemvTiling tiling, int64_t stride = 64) {
+    return gemv_mma(device.view, {x.get(), type, m, stride, rounded}, output, Launch{}, tiling);
   };
-  EXPECT_EQ(run(1, ActType::kF32, true, {}), cudaErrorInvalidValue);   // one row: the GEMV's
-  EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);  // more than 64
-  EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);  // exact fp32 products
-  EXPECT_EQ(run(8, ActType::kQ8, false, {}), cudaErrorInvalidValue);
+  EXPECT_EQ(run(1, ActType::kF32, true, {}), cudaErrorInvalidValue);      // one row: the GEMV's
+  EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);     // more than 64
+  EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);     // exact fp32 products
+  EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
   EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // warps 4 or 8
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);

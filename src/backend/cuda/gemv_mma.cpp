@@ -21,13 +21,13 @@ bool aligned16(const void* p) {
 }  // namespace
 
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
-  const bool bf16_products =
-      x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16);
-  return w.format == quant::WeightFormat::kW4G32 && bf16_products && x.rows >= kMmaGemvMinRows &&
+  const bool mma_activations = x.type == ActType::kBF16 || x.type == ActType::kQ8 ||
+                               (x.type == ActType::kF32 && x.round_to_bf16);
+  return w.format == quant::WeightFormat::kW4G32 && mma_activations && x.rows >= kMmaGemvMinRows &&
          x.rows <= kMmaGemvMaxRows;
 }
 
-MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m) {
+MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
   // Wide blocks where there are rows enough: every block re-reads the activations of its K range,
   // so 256 rows per block halve that traffic. Then K splits until the launch fills the GPU (each
   // split adds a share of partial sums to the cluster's reduction) and the staged activations fit.
@@ -38,7 +38,7 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m) {
       warps, static_cast<int>(std::clamp<int64_t>((kTargetBlocks + row_blocks - 1) / row_blocks, 1,
                                                   max_splits))};
   while (tiling.splits < max_splits &&
-         mma_gemv_shared_bytes(tiling, m, cols / 32) > kTwoBlocksSharedBytes) {
+         mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) > kTwoBlocksSharedBytes) {
     ++tiling.splits;
   }
   return tiling;
@@ -47,21 +47,23 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m) {
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling) {
   if (!gemv_mma_takes(w, x)) return cudaErrorInvalidValue;
-  const int64_t x_elem = x.type == ActType::kBF16 ? 2 : 4;
+  // kQ8 rows are stride · 5/4 bytes: 8-byte aligned (the kernel's loads) for a stride of 32s.
+  const int64_t x_elem = x.type == ActType::kBF16 ? 2 : x.type == ActType::kQ8 ? 1 : 4;
   const int64_t width = y.epilogue == GemvEpilogue::kGeluPairs ? w.rows / 2 : w.rows;
   const bool operands_ok =
       w.rows > 0 && w.cols > 0 && w.cols % 32 == 0 && w.data != nullptr && w.scales != nullptr &&
       aligned16(w.data) && x.data != nullptr && aligned16(x.data) && x.stride >= w.cols &&
-      (x.stride * x_elem) % 16 == 0 && y.data != nullptr && y.stride >= width &&
+      (x.type == ActType::kQ8 ? x.stride % 32 == 0 : (x.stride * x_elem) % 16 == 0) &&
+      y.data != nullptr && y.stride >= width &&
       (y.epilogue != GemvEpilogue::kGeluPairs || w.rows % 2 == 0) &&
       (y.epilogue != GemvEpilogue::kGeluMul ||
        (y.multiplier != nullptr && y.multiplier_stride >= w.rows));
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
-  if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows);
+  if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if ((tiling.warps != 4 && tiling.warps != 8) || tiling.splits < 1 ||
       tiling.splits > kMmaGemvMaxSplits || tiling.splits > groups ||
-      mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
+      mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
       (w.rows + 32 * tiling.warps - 1) / (32 * tiling.warps) > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
   }

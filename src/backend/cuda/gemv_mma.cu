@@ -54,11 +54,25 @@ __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Start of kQ8 activation row m (gemv_kernels.h).
+__device__ __forceinline__ const uint8_t* q8_row(const MmaGemvArgs& a, int m) {
+  return static_cast<const uint8_t*>(a.x) + m * (a.x_stride + a.x_stride / 4);
+}
+
 // Elements k .. k + 7 of activation row m as the staged word: bf16 pairs (v0, v4), (v1, v5),
 // (v2, v6), (v3, v7).
 template <ActType XT>
 __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_t k) {
-  if constexpr (XT == ActType::kBF16) {
+  if constexpr (XT == ActType::kQ8) {
+    // Stored as q0 q2 q4 q6 | q1 q3 q5 q7; bf16 holds every int8 exactly.
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(q8_row(a, m) + k));
+    auto value = [](uint32_t word, int byte) {
+      return static_cast<float>(static_cast<int8_t>((word >> (8 * byte)) & 0xFF));
+    };
+    return make_uint4(
+        pack_bf16x2(value(q.x, 0), value(q.x, 2)), pack_bf16x2(value(q.y, 0), value(q.y, 2)),
+        pack_bf16x2(value(q.x, 1), value(q.x, 3)), pack_bf16x2(value(q.y, 1), value(q.y, 3)));
+  } else if constexpr (XT == ActType::kBF16) {
     const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) +
                                                          m * a.x_stride + k));
     return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
@@ -130,6 +144,17 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
     shared_words[m * row_words + j] =
         m < a.m ? staged_word<XT>(a, m, 32 * group_begin + 8 * j) : make_uint4(0, 0, 0, 0);
   }
+  // kQ8: the activation scales [group][row], after the staged rows.
+  float* x_scales = reinterpret_cast<float*>(shared_words + kPaddedRows * row_words);
+  if constexpr (XT == ActType::kQ8) {
+    for (int i = threadIdx.x; i < kPaddedRows * group_count; i += kThreads) {
+      const int group = i / kPaddedRows;
+      const int m = i % kPaddedRows;
+      x_scales[i] = m < a.m ? __ldg(reinterpret_cast<const float*>(q8_row(a, m) + a.x_stride) +
+                                    group_begin + group)
+                            : 0.0f;
+    }
+  }
   __syncthreads();
 
   float acc[kTilesPerWarp][NT][4] = {};
@@ -159,16 +184,29 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
+        // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2, c1/c3).
+        float2 x_scale = make_float2(1.0f, 1.0f);
+        if constexpr (XT == ActType::kQ8) {
+          x_scale = *reinterpret_cast<const float2*>(x_scales + i * kPaddedRows + 8 * nt + 2 * t);
+        }
 #pragma unroll
         for (int tile = 0; tile < kTilesPerWarp; ++tile) {
           float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
           mma_bf16(group_sum, fragments[tile][0], b.x, b.y);
           mma_bf16(group_sum, fragments[tile][1], b.z, b.w);
           float(&out)[4] = acc[tile][nt];
-          out[0] = fmaf(scales[2 * tile], group_sum[0], out[0]);
-          out[1] = fmaf(scales[2 * tile], group_sum[1], out[1]);
-          out[2] = fmaf(scales[2 * tile + 1], group_sum[2], out[2]);
-          out[3] = fmaf(scales[2 * tile + 1], group_sum[3], out[3]);
+          const float top = scales[2 * tile], bottom = scales[2 * tile + 1];
+          if constexpr (XT == ActType::kQ8) {
+            out[0] = fmaf(top * x_scale.x, group_sum[0], out[0]);
+            out[1] = fmaf(top * x_scale.y, group_sum[1], out[1]);
+            out[2] = fmaf(bottom * x_scale.x, group_sum[2], out[2]);
+            out[3] = fmaf(bottom * x_scale.y, group_sum[3], out[3]);
+          } else {
+            out[0] = fmaf(top, group_sum[0], out[0]);
+            out[1] = fmaf(top, group_sum[1], out[1]);
+            out[2] = fmaf(bottom, group_sum[2], out[2]);
+            out[3] = fmaf(bottom, group_sum[3], out[3]);
+          }
         }
       }
     }
@@ -229,8 +267,14 @@ constexpr std::array<MmaKernel, 8> kernel_table(std::index_sequence<I...>) {
   return {gemv_mma_kernel<XT, kNTileOptions[I / 2], kWarpOptions[I % 2]>...};
 }
 
-constexpr auto kF32Kernels = kernel_table<ActType::kF32>(std::make_index_sequence<8>());
-constexpr auto kBF16Kernels = kernel_table<ActType::kBF16>(std::make_index_sequence<8>());
+// [x type: kF32, kBF16, kQ8][n tiles][warps]
+constexpr std::array<MmaKernel, 8> kKernels[] = {
+    kernel_table<ActType::kF32>(std::make_index_sequence<8>()),
+    kernel_table<ActType::kBF16>(std::make_index_sequence<8>()),
+    kernel_table<ActType::kQ8>(std::make_index_sequence<8>()),
+};
+static_assert(static_cast<int>(ActType::kF32) == 0 && static_cast<int>(ActType::kBF16) == 1 &&
+              static_cast<int>(ActType::kQ8) == 2);
 
 int option_index(const int* options, int count, int value) {
   for (int i = 0; i < count; ++i) {
@@ -245,11 +289,8 @@ cudaError_t launch_gemv_mma(const MmaGemvArgs& args, ActType x_type, const MmaGe
                             const Launch& launch) {
   const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
   const int warps = option_index(kWarpOptions, 2, tiling.warps);
-  if (n_tiles < 0 || warps < 0 || (x_type != ActType::kF32 && x_type != ActType::kBF16)) {
-    return cudaErrorInvalidValue;
-  }
-  const int index = 2 * n_tiles + warps;
-  const MmaKernel kernel = x_type == ActType::kBF16 ? kBF16Kernels[index] : kF32Kernels[index];
+  if (n_tiles < 0 || warps < 0 || static_cast<int>(x_type) > 2) return cudaErrorInvalidValue;
+  const MmaKernel kernel = kKernels[static_cast<int>(x_type)][2 * n_tiles + warps];
 
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
@@ -263,7 +304,8 @@ cudaError_t launch_gemv_mma(const MmaGemvArgs& args, ActType x_type, const MmaGe
   config.gridDim = dim3(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block),
                         static_cast<unsigned>(tiling.splits));
   config.blockDim = dim3(32 * tiling.warps);
-  config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(tiling, args.m, args.groups));
+  config.dynamicSmemBytes =
+      static_cast<size_t>(mma_gemv_shared_bytes(tiling, args.m, args.groups, x_type));
   config.stream = launch.stream;
   cudaLaunchAttribute attributes[2] = {};
   int count = 0;

@@ -10,12 +10,12 @@
 namespace gemma4::cuda {
 
 // Whether the tensor-core kernel multiplies these operands: w4g32 weights (any scale type) and
-// 2..64 rows of bf16 activations or fp32 ones rounded to bf16 (the products a bf16 model
-// computes; exact fp32 activations stay on the CUDA-core GEMV).
+// 2..64 rows of bf16 activations, fp32 ones rounded to bf16 (the products a bf16 model computes;
+// exact fp32 activations stay on the CUDA-core GEMV) or kQ8 ones.
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 
 // The tiling used when none is given, from the weight shape and the row count.
-MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m);
+MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type);
 
 // Enqueues y = epilogue(W x) on tensor cores with `tiling` (warps 0: the default). The operands
 // follow gemv()'s contract (gemv.h). Returns cudaErrorInvalidValue, before enqueuing anything,

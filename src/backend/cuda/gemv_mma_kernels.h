@@ -9,7 +9,9 @@
 // elements of one 32-element group, so a group's two mma sums are multiplied by the group scale
 // in fp32: the same products as the CUDA-core GEMV with bf16 activations (exact), summed in
 // another order. Activations (bf16, or fp32 rounded to bf16) are staged once per block in shared
-// memory in the fragment order.
+// memory in the fragment order. kQ8 activations stage their int8 values as bf16 (exact integers)
+// and their per-32 scales beside them: each group's integer sum Σ(u − 8)·q is exact in fp32 and
+// takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV.
 //
 // Work split: a block of `warps` warps owns 32 · warps consecutive weight rows (each warp two
 // 16-row tiles, so every activation fragment read from shared memory feeds two mma) and 1/splits
@@ -59,12 +61,15 @@ constexpr int64_t mma_gemv_partial_stride(int warps) {
   return 32 * warps + 4;
 }
 
-// Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
-// and this tiling: the staged activations of a block's K range, reused for the partial sums.
-constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups) {
+// Dynamic shared memory the kernel needs for `m` activation rows of `x_type`, `groups` 32-element
+// K groups and this tiling: the staged activations of a block's K range (kQ8: then their fp32
+// scales [group][row]), reused for the partial sums.
+constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups,
+                                        ActType x_type) {
   const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
-  const int64_t staged =
-      padded_rows * mma_gemv_staged_row_bytes(mma_gemv_groups_per_split(groups, tiling.splits));
+  const int64_t groups_per_split = mma_gemv_groups_per_split(groups, tiling.splits);
+  const int64_t staged = padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
+                         (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
   const int64_t partial = padded_rows * mma_gemv_partial_stride(tiling.warps) * 4;
   return staged > partial ? staged : partial;
 }
@@ -78,7 +83,9 @@ struct MmaGemvArgs {
   int scale_type;       // quant::ScaleType value
   int64_t rows;
   int64_t groups;  // K / 32
-  const void* x;   // kF32 (rounded to bf16 here) or kBF16, row m at x + m · x_stride elements
+  // kF32 (rounded to bf16 here) or kBF16: row m at x + m · x_stride elements; kQ8 (the layout of
+  // gemv_kernels.h, x_stride a multiple of 32): row m at byte m · x_stride · 5/4.
+  const void* x;
   int64_t x_stride;
   int m;
   float* y;  // kGeluPairs: rows / 2 outputs per activation row
@@ -88,8 +95,8 @@ struct MmaGemvArgs {
   int64_t multiplier_stride;
 };
 
-// Enqueues the kernel; arguments already validated (rows, groups > 0, m in 2..64, x type kF32 or
-// kBF16, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes).
+// Enqueues the kernel; arguments already validated (rows, groups > 0, m in 2..64, x type kF32,
+// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes).
 cudaError_t launch_gemv_mma(const MmaGemvArgs& args, ActType x_type, const MmaGemvTiling& tiling,
                             const Launch& launch);
 
