@@ -212,11 +212,11 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows, every tiling option; "default" is
 // default_mma_gemv_tiling's choice, the tiling column reads warps·10 + splits.
-Result bench_gemv_mma(int64_t rows, int64_t cols, int m, ActType x_type, const char* label,
-                      cudaStream_t stream, bool quick,
+Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
+                      const char* label, cudaStream_t stream, bool quick,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
   Weights w;
-  make_weights(Format(WeightFormat::kW4G32), rows, cols, w);
+  make_weights(Format(format), rows, cols, w);
   const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
   void* x = nullptr;
   float* y = nullptr;
@@ -231,9 +231,10 @@ Result bench_gemv_mma(int64_t rows, int64_t cols, int m, ActType x_type, const c
   const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
   Result r;
-  r.kernel = std::string("mma/") + (x_type == ActType::kBF16 ? "x-bf16"
-                                    : x_type == ActType::kQ8 ? "x-q8"
-                                                             : "x-f32-as-bf16");
+  r.kernel = std::string(format == WeightFormat::kNVFP4 ? "mma-nvfp4/" : "mma/") +
+             (x_type == ActType::kBF16 ? "x-bf16"
+              : x_type == ActType::kQ8 ? "x-q8"
+                                       : "x-f32-as-bf16");
   if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
   r.shape = label;
   r.m = m;
@@ -453,11 +454,25 @@ int main(int argc, char** argv) {
   for (int m : {8, 32, 64}) {
     for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
       for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
-        results.push_back(bench_gemv_mma(s.rows, s.cols, m, x_type, s.label, stream, quick));
+        results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
+                                         stream, quick));
       }
     }
-    results.push_back(bench_gemv_mma(12288, 1536, m, ActType::kF32, dense[1].label, stream, quick,
-                                     GemvEpilogue::kGeluPairs));
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
+                                     dense[1].label, stream, quick, GemvEpilogue::kGeluPairs));
+  }
+  // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
+  const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
+                               {4224, 2816, "26b gate+up 4224x2816"},
+                               {2816, 2112, "26b down 2816x2112"},
+                               {2816, 4096, "26b o_proj 2816x4096"}};
+  for (int m : {8, 32}) {
+    for (const Shape& s : nvfp4_dense) {
+      results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32,
+                                       s.label, stream, quick));
+      results.push_back(bench_gemv(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32, s.label,
+                                   stream, quick, GemvEpilogue::kNone, true));
+    }
   }
 
   // The fused GELU epilogues against the plain GEMV of the same weights: E2B's interleaved

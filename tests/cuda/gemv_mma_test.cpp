@@ -1,8 +1,9 @@
 // The tensor-core batched GEMV (gemv_mma.h) against quant's CPU oracle (quant::dequantize_row,
-// weight-formats.md 2.3) on fresh random w4g32 weights: every row count 2..64, real E2B and
-// 26B-A4B shapes through gemv()'s dispatch, every epilogue, every tiling option, partial row
-// tiles and K splits, both activation types; outputs poisoned first (NaN), so an unwritten
-// element fails. The epilogues against PyTorch's gelu(approximate="tanh") formula in double.
+// weight-formats.md 2.3, 3.1-3.3) on fresh random w4g32 and NVFP4 weights: every row count 2..64,
+// real E2B and 26B-A4B shapes through gemv()'s dispatch, every epilogue, every tiling option,
+// partial row tiles and K splits, every activation type (fp32 rounded to bf16, bf16, q8); outputs
+// poisoned first (NaN), so an unwritten element fails. The epilogues against PyTorch's
+// gelu(approximate="tanh") formula in double.
 #include "backend/cuda/gemv_mma.h"
 
 #include <cuda_runtime_api.h>
@@ -221,6 +222,46 @@ TEST(GemvMma, ScaleTypes) {
   }
 }
 
+// NVFP4 (e4m3 block scales, zero blocks among them) in both global-factor conventions: 26B-A4B
+// shapes (QKV of a sliding layer, dense MLP gate+up with GELU pairs and down, an expert).
+TEST(GemvMma, Nvfp4BothConventions) {
+  struct Shape {
+    int64_t rows, cols;
+    GemvEpilogue epilogue;
+  };
+  const Shape shapes[] = {{8192, 2816, GemvEpilogue::kNone},
+                          {4224, 2816, GemvEpilogue::kGeluPairs},
+                          {2816, 2112, GemvEpilogue::kNone},
+                          {1408, 2816, GemvEpilogue::kGeluMul}};
+  uint32_t seed = 900;
+  for (bool divisor : {true, false}) {
+    for (const Shape& s : shapes) {
+      const HostMatrix host =
+          random_matrix(WeightFormat::kNVFP4, s.rows, s.cols, seed++, ScaleType::kBF16, divisor);
+      const DeviceMatrix device(host);
+      for (int m : {2, 17, 32}) {
+        Case c;
+        c.m = m;
+        c.x_type = m == 17 ? ActType::kBF16 : ActType::kF32;
+        c.epilogue = s.epilogue;
+        c.seed = seed++;
+        check(host, device, c);
+      }
+    }
+  }
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 300, 704, seed++);
+  const DeviceMatrix device(host);
+  for (int warps : {4, 8}) {
+    for (int splits : {1, 3, 8}) {
+      Case c;
+      c.m = 64;
+      c.tiling = {warps, splits};
+      c.seed = seed++;
+      check(host, device, c);
+    }
+  }
+}
+
 // The cluster adds its partial sums in a fixed order: two runs give the same bits.
 TEST(GemvMma, Deterministic) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1536, 6144, 13);
@@ -250,7 +291,11 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
-  EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
+  EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),
+            cudaErrorInvalidValue);  // q8 activations pair with w4g32 only
+  const HostMatrix bf16 = random_matrix(WeightFormat::kBF16, 64, 64, 16);
+  const DeviceMatrix bf16_device(bf16);
+  EXPECT_EQ(gemv_mma(bf16_device.view, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
             cudaErrorInvalidValue);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
 }

@@ -23,8 +23,9 @@ bool aligned16(const void* p) {
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
   const bool mma_activations = x.type == ActType::kBF16 || x.type == ActType::kQ8 ||
                                (x.type == ActType::kF32 && x.round_to_bf16);
-  return w.format == quant::WeightFormat::kW4G32 && mma_activations && x.rows >= kMmaGemvMinRows &&
-         x.rows <= kMmaGemvMaxRows;
+  const bool format_ok = w.format == quant::WeightFormat::kW4G32 ||
+                         (w.format == quant::WeightFormat::kNVFP4 && x.type != ActType::kQ8);
+  return format_ok && mma_activations && x.rows >= kMmaGemvMinRows && x.rows <= kMmaGemvMaxRows;
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
@@ -72,6 +73,8 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   args.weights = w.data;
   args.scales = w.scales;
   args.scale_type = static_cast<int>(w.scale_type);
+  args.nv_global = w.nv_global.value;
+  args.nv_global_is_divisor = w.nv_global.is_divisor ? 1 : 0;
   args.rows = w.rows;
   args.groups = groups;
   args.x = x.data;
@@ -82,7 +85,9 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   args.epilogue = y.epilogue;
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
-  return launch_gemv_mma(args, x.type, tiling, launch);
+  const PackedFormat format =
+      w.format == quant::WeightFormat::kNVFP4 ? PackedFormat::kNVFP4 : PackedFormat::kW4G32;
+  return launch_gemv_mma(format, args, x.type, tiling, launch);
 }
 
 }  // namespace gemma4::cuda

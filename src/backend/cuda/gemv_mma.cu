@@ -45,6 +45,30 @@ __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&
   }
 }
 
+// NVFP4: e2m1(u) · block scale as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed
+// word (all 8 in one 16-element block), times 2^-14: code c placed as fp16 bits
+// (c & 8) << 12 | (c & 7) << 9 is e2m1(c) · 2^-14 (device_math.cuh's dot_nvfp4), and its product
+// with the e4m3 scale (exact in fp16) is a multiple of 2^-24 with at most 7 significant bits, so
+// fp16 holds it exactly (subnormals included), and so does bf16.
+__device__ __forceinline__ void scaled_e2m1_pairs(uint32_t word, __half2 block_scale,
+                                                  uint32_t (&pairs)[4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t shifted = word >> (4 * s);
+    const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
+    const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), block_scale);
+    const __nv_bfloat162 pair = __float22bfloat162_rn(__half22float2(scaled));
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
+// An e4m3 scale as an fp16 pair (exact: e4m3 is a subset of fp16).
+__device__ __forceinline__ __half2 e4m3_pair(uint32_t bits) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
+  return __half2half2(__half(h));
+}
+
 // c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
 __device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
                                          uint32_t b1) {
@@ -86,10 +110,12 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
   }
 }
 
-// NT n tiles of 8 activation rows, W warps (32 · W weight rows per block); gridDim.y blocks along
-// K form one cluster.
-template <ActType XT, int NT, int W>
+// F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows, W warps (32 · W weight rows per
+// block); gridDim.y blocks along K form one cluster.
+template <PackedFormat F, ActType XT, int NT, int W>
 __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
+  static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
+  constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
   constexpr int kRowsPerBlock = 32 * W;
   constexpr int kPaddedRows = 8 * NT;
@@ -125,7 +151,13 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
 #pragma unroll
     for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
       packed[slot][r] = __ldg(words + (rows[r] * a.groups + group) * 4 + t);
-      scale_bits[slot][r] = load_group_scale_bits(a, rows[r] * a.groups + group);
+      if constexpr (kNvfp4) {
+        // The e4m3 scale of word t's 16-element block.
+        scale_bits[slot][r] =
+            __ldg(static_cast<const uint8_t*>(a.scales) + (rows[r] * a.groups + group) * 2 + t / 2);
+      } else {
+        scale_bits[slot][r] = load_group_scale_bits(a, rows[r] * a.groups + group);
+      }
     }
   };
   // Weights never depend on the previous kernel: their loads go out before the wait.
@@ -168,8 +200,14 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
 #pragma unroll
       for (int tile = 0; tile < kTilesPerWarp; ++tile) {
         uint32_t top[4], bottom[4];  // rows g and g + 8
-        centered_nibble_pairs(packed[s][2 * tile], top);
-        centered_nibble_pairs(packed[s][2 * tile + 1], bottom);
+        if constexpr (kNvfp4) {
+          scaled_e2m1_pairs(packed[s][2 * tile], e4m3_pair(scale_bits[s][2 * tile]), top);
+          scaled_e2m1_pairs(packed[s][2 * tile + 1], e4m3_pair(scale_bits[s][2 * tile + 1]),
+                            bottom);
+        } else {
+          centered_nibble_pairs(packed[s][2 * tile], top);
+          centered_nibble_pairs(packed[s][2 * tile + 1], bottom);
+        }
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
           fragments[tile][step][0] = top[2 * step];
@@ -177,8 +215,10 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
           fragments[tile][step][2] = top[2 * step + 1];
           fragments[tile][step][3] = bottom[2 * step + 1];
         }
-        scales[2 * tile] = scale_from_bits(a, scale_bits[s][2 * tile]);
-        scales[2 * tile + 1] = scale_from_bits(a, scale_bits[s][2 * tile + 1]);
+        if constexpr (!kNvfp4) {
+          scales[2 * tile] = scale_from_bits(a, scale_bits[s][2 * tile]);
+          scales[2 * tile + 1] = scale_from_bits(a, scale_bits[s][2 * tile + 1]);
+        }
       }
       load_group(s, i + kPrefetchGroups);
 #pragma unroll
@@ -191,21 +231,23 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
         }
 #pragma unroll
         for (int tile = 0; tile < kTilesPerWarp; ++tile) {
-          float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-          mma_bf16(group_sum, fragments[tile][0], b.x, b.y);
-          mma_bf16(group_sum, fragments[tile][1], b.z, b.w);
-          float(&out)[4] = acc[tile][nt];
-          const float top = scales[2 * tile], bottom = scales[2 * tile + 1];
-          if constexpr (XT == ActType::kQ8) {
-            out[0] = fmaf(top * x_scale.x, group_sum[0], out[0]);
-            out[1] = fmaf(top * x_scale.y, group_sum[1], out[1]);
-            out[2] = fmaf(bottom * x_scale.x, group_sum[2], out[2]);
-            out[3] = fmaf(bottom * x_scale.y, group_sum[3], out[3]);
+          if constexpr (kNvfp4) {
+            // The block scales are in the weights: the mma accumulates across groups.
+            mma_bf16(acc[tile][nt], fragments[tile][0], b.x, b.y);
+            mma_bf16(acc[tile][nt], fragments[tile][1], b.z, b.w);
           } else {
-            out[0] = fmaf(top, group_sum[0], out[0]);
-            out[1] = fmaf(top, group_sum[1], out[1]);
-            out[2] = fmaf(bottom, group_sum[2], out[2]);
-            out[3] = fmaf(bottom, group_sum[3], out[3]);
+            float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(group_sum, fragments[tile][0], b.x, b.y);
+            mma_bf16(group_sum, fragments[tile][1], b.z, b.w);
+            // The weight scales of rows g, g + 8 times (kQ8) the activation scales of rows 2t,
+            // 2t + 1 (1 otherwise: folded away).
+            const float top = scales[2 * tile], bottom = scales[2 * tile + 1];
+            const float factors[4] = {top * x_scale.x, top * x_scale.y, bottom * x_scale.x,
+                                      bottom * x_scale.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[tile][nt][e] = fmaf(factors[e], group_sum[e], acc[tile][nt][e]);
+            }
           }
         }
       }
@@ -218,6 +260,17 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
   __syncthreads();
   constexpr int64_t kStride = mma_gemv_partial_stride(W);
   float* partial = reinterpret_cast<float*>(shared_words);
+  // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
+  const float sum_scale =
+      kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[tile][nt][e] *= sum_scale;
+    }
+  }
 #pragma unroll
   for (int tile = 0; tile < kTilesPerWarp; ++tile) {
     const int row = 16 * (kTilesPerWarp * warp + tile) + g;
@@ -262,16 +315,21 @@ using MmaKernel = void (*)(MmaGemvArgs);
 constexpr int kNTileOptions[] = {1, 2, 4, 8};
 constexpr int kWarpOptions[] = {4, 8};
 
-template <ActType XT, size_t... I>
+template <PackedFormat F, ActType XT, size_t... I>
 constexpr std::array<MmaKernel, 8> kernel_table(std::index_sequence<I...>) {
-  return {gemv_mma_kernel<XT, kNTileOptions[I / 2], kWarpOptions[I % 2]>...};
+  return {gemv_mma_kernel<F, XT, kNTileOptions[I / 2], kWarpOptions[I % 2]>...};
 }
 
-// [x type: kF32, kBF16, kQ8][n tiles][warps]
-constexpr std::array<MmaKernel, 8> kKernels[] = {
-    kernel_table<ActType::kF32>(std::make_index_sequence<8>()),
-    kernel_table<ActType::kBF16>(std::make_index_sequence<8>()),
-    kernel_table<ActType::kQ8>(std::make_index_sequence<8>()),
+// [x type: kF32, kBF16, kQ8][n tiles][warps] per weight format; NVFP4 has no kQ8 kernels.
+constexpr std::array<MmaKernel, 8> kW4G32Kernels[] = {
+    kernel_table<PackedFormat::kW4G32, ActType::kF32>(std::make_index_sequence<8>()),
+    kernel_table<PackedFormat::kW4G32, ActType::kBF16>(std::make_index_sequence<8>()),
+    kernel_table<PackedFormat::kW4G32, ActType::kQ8>(std::make_index_sequence<8>()),
+};
+constexpr std::array<MmaKernel, 8> kNvfp4Kernels[] = {
+    kernel_table<PackedFormat::kNVFP4, ActType::kF32>(std::make_index_sequence<8>()),
+    kernel_table<PackedFormat::kNVFP4, ActType::kBF16>(std::make_index_sequence<8>()),
+    {},
 };
 static_assert(static_cast<int>(ActType::kF32) == 0 && static_cast<int>(ActType::kBF16) == 1 &&
               static_cast<int>(ActType::kQ8) == 2);
@@ -285,12 +343,17 @@ int option_index(const int* options, int count, int value) {
 
 }  // namespace
 
-cudaError_t launch_gemv_mma(const MmaGemvArgs& args, ActType x_type, const MmaGemvTiling& tiling,
-                            const Launch& launch) {
+cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
+                            const MmaGemvTiling& tiling, const Launch& launch) {
   const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
   const int warps = option_index(kWarpOptions, 2, tiling.warps);
-  if (n_tiles < 0 || warps < 0 || static_cast<int>(x_type) > 2) return cudaErrorInvalidValue;
-  const MmaKernel kernel = kKernels[static_cast<int>(x_type)][2 * n_tiles + warps];
+  if (n_tiles < 0 || warps < 0 || static_cast<int>(x_type) > 2 ||
+      (format != PackedFormat::kW4G32 && format != PackedFormat::kNVFP4)) {
+    return cudaErrorInvalidValue;
+  }
+  const auto& table = format == PackedFormat::kNVFP4 ? kNvfp4Kernels : kW4G32Kernels;
+  const MmaKernel kernel = table[static_cast<int>(x_type)][2 * n_tiles + warps];
+  if (kernel == nullptr) return cudaErrorInvalidValue;
 
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).

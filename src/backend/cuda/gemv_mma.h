@@ -1,6 +1,6 @@
 // The tensor-core batched GEMV (gemv_mma_kernels.h): y = epilogue(W x) for 2..64 activation rows
-// over packed w4g32 weights, dequantized in registers and multiplied on bf16 tensor cores with
-// fp32 accumulation. gemv() sends the calls this takes to it (batched decode, speculative
+// over packed w4g32 or NVFP4 weights, dequantized in registers and multiplied on bf16 tensor cores
+// with fp32 accumulation. gemv() sends the calls this takes to it (batched decode, speculative
 // verification); the benchmark calls it directly to compare tilings.
 #pragma once
 
@@ -9,9 +9,9 @@
 
 namespace gemma4::cuda {
 
-// Whether the tensor-core kernel multiplies these operands: w4g32 weights (any scale type) and
-// 2..64 rows of bf16 activations, fp32 ones rounded to bf16 (the products a bf16 model computes;
-// exact fp32 activations stay on the CUDA-core GEMV) or kQ8 ones.
+// Whether the tensor-core kernel multiplies these operands: 2..64 rows of bf16 activations or
+// fp32 ones rounded to bf16 (the products a bf16 model computes; exact fp32 activations stay on
+// the CUDA-core GEMV) with w4g32 (any scale type) or NVFP4 weights, or kQ8 ones with w4g32.
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 
 // The tiling used when none is given, from the weight shape and the row count.

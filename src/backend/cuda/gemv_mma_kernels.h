@@ -3,15 +3,16 @@
 // the engine uses; gemv_mma.cpp validates and translates to this.
 //
 // The kernel: y[m][n] = epilogue(Σ_k W[n][k] · x[m][k]) for 2..64 activation rows over packed
-// w4g32 weights, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation). Weights are the A
-// operand (16 weight rows per fragment), activations the B operand (8 rows per n tile). A packed
-// word is turned into bf16 pairs of the exact integers u − 8 in registers; every mma covers 16 K
-// elements of one 32-element group, so a group's two mma sums are multiplied by the group scale
-// in fp32: the same products as the CUDA-core GEMV with bf16 activations (exact), summed in
+// w4g32 or NVFP4 weights, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation). Weights are
+// the A operand (16 weight rows per fragment), activations the B operand (8 rows per n tile). A
+// packed word is turned into bf16 pairs of the exact integers u − 8 in registers; every mma covers
+// 16 K elements of one 32-element group, so a group's two mma sums are multiplied by the group
+// scale in fp32: the same products as the CUDA-core GEMV with bf16 activations (exact), summed in
 // another order. Activations (bf16, or fp32 rounded to bf16) are staged once per block in shared
 // memory in the fragment order. kQ8 activations stage their int8 values as bf16 (exact integers)
 // and their per-32 scales beside them: each group's integer sum Σ(u − 8)·q is exact in fp32 and
-// takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV.
+// takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV. NVFP4 weights
+// enter as e2m1 value × e4m3 block scale (exact in bf16), the global factor applied to the sums.
 //
 // Work split: a block of `warps` warps owns 32 · warps consecutive weight rows (each warp two
 // 16-row tiles, so every activation fragment read from shared memory feeds two mma) and 1/splits
@@ -78,9 +79,11 @@ constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int6
 inline constexpr int64_t kMmaGemvMaxSharedBytes = 227 * 1024;
 
 struct MmaGemvArgs {
-  const void* weights;  // w4g32: u32 words [rows][groups · 4]
-  const void* scales;   // [rows][groups] of scale_type
-  int scale_type;       // quant::ScaleType value
+  const void* weights;  // w4g32: u32 words [rows][groups · 4]; NVFP4: bytes [rows][groups · 16]
+  const void* scales;   // w4g32: [rows][groups] of scale_type; NVFP4: e4m3 [rows][groups · 2]
+  int scale_type;       // quant::ScaleType value (w4g32)
+  float nv_global;      // quant::NvGlobalScale (NVFP4)
+  int nv_global_is_divisor;
   int64_t rows;
   int64_t groups;  // K / 32
   // kF32 (rounded to bf16 here) or kBF16: row m at x + m · x_stride elements; kQ8 (the layout of
@@ -96,8 +99,9 @@ struct MmaGemvArgs {
 };
 
 // Enqueues the kernel; arguments already validated (rows, groups > 0, m in 2..64, x type kF32,
-// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes).
-cudaError_t launch_gemv_mma(const MmaGemvArgs& args, ActType x_type, const MmaGemvTiling& tiling,
-                            const Launch& launch);
+// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes). Returns
+// cudaErrorInvalidValue for a format other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
+cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
+                            const MmaGemvTiling& tiling, const Launch& launch);
 
 }  // namespace gemma4::cuda
