@@ -368,9 +368,26 @@ void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
                             float scale, Rows out) {
   if (q.count == 0) return;
-  if (tensor_core_rows(q.count)) {
-    const cudaError_t status =
-        prefill_attention(view(q), positions, slots(kv), window, scale, view(out), launch());
+  if (tensor_core_rows(q.count) && kv.head_dim > 0) {
+    KvCacheView cache;
+    cache.keys = kv.keys;
+    cache.values = kv.values;
+    cache.slot_positions = kv.slot_positions;
+    cache.type = KvType::kF32;
+    cache.slots = kv.slots;
+    cache.kv_heads = kv.kv_heads;
+    cache.head_dim = kv.head_dim;
+    const int q_heads = static_cast<int>(q.width / kv.head_dim);
+    const int splits = prefill_attention_splits(q.count, q_heads, cache);
+    float* partials = nullptr;
+    if (splits > 1) {
+      partials = static_cast<float*>(
+          scratch(attention_partials_, sizeof(float) * prefill_attention_partials_floats(
+                                                           q.count, q_heads, kv.head_dim, splits)));
+      if (partials == nullptr) return;
+    }
+    const cudaError_t status = prefill_attention(view(q), positions, cache, window, scale,
+                                                 view(out), partials, splits, launch());
     if (status != cudaErrorInvalidValue) {  // else a shape it does not take: the kernels below
       launched(status, "attention (prefill)");
       return;
