@@ -17,6 +17,7 @@
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/gemv_mma.h"
 #include "bench_util.h"
 #include "fill.h"
 
@@ -209,6 +210,81 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   return r;
 }
 
+// The tensor-core batched GEMV (gemv_mma.h) at M rows, every tiling option; "default" is
+// default_mma_gemv_tiling's choice, the tiling column reads warps·10 + splits.
+Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
+                      const char* label, cudaStream_t stream, bool quick,
+                      GemvEpilogue epilogue = GemvEpilogue::kNone) {
+  Weights w;
+  make_weights(Format(format), rows, cols, w);
+  const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
+  void* x = nullptr;
+  float* y = nullptr;
+  float* multiplier = nullptr;
+  CHECK(cudaMalloc(&x, size_t(m) * cols * 4));
+  CHECK(cudaMalloc(&y, size_t(m) * rows * 4));
+  CHECK(cudaMalloc(&multiplier, size_t(m) * rows * 4));
+  fill(x, size_t(m) * cols * 4, 5, 0x3F7F3F7F);
+  fill(multiplier, size_t(m) * rows * 4, 6, 0x3F7FFFFF);
+  const GemvInput input = {x, x_type, m, cols, x_type == ActType::kF32};
+  const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
+  const GemvOutput output = {y, width, epilogue, multiplier, rows};
+
+  Result r;
+  r.kernel = std::string(format == WeightFormat::kNVFP4 ? "mma-nvfp4/" : "mma/") +
+             (x_type == ActType::kBF16 ? "x-bf16"
+              : x_type == ActType::kQ8 ? "x-q8"
+                                       : "x-f32-as-bf16");
+  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
+  r.shape = label;
+  r.m = m;
+  r.mbytes = w.bytes / 1e6;
+  const gemma4::cuda::MmaGemvTiling chosen =
+      gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
+  r.default_tiling = 10 * chosen.warps + chosen.splits;
+  r.best_pdl_us = 1e30;
+  for (int warps : {4, 8}) {
+    for (int splits : {1, 2, 3, 4, 6, 8}) {
+      const gemma4::cuda::MmaGemvTiling tiling = {warps, splits};
+      const int id = 10 * warps + splits;
+      if (quick && id != r.default_tiling) continue;
+      if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
+          gemma4::cuda::kMmaGemvMaxSharedBytes) {
+        continue;
+      }
+      double us[2];
+      for (int pdl = 0; pdl < 2; ++pdl) {
+        const Launch launch = {stream, pdl == 1};
+        us[pdl] = time_chain(
+            links,
+            [&](int i) {
+              return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
+                                            tiling);
+            },
+            stream);
+      }
+      char buf[64];
+      std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", id, us[0], us[1]);
+      r.all += buf;
+      if (id == r.default_tiling) {
+        r.default_plain_us = us[0];
+        r.default_pdl_us = us[1];
+      }
+      if (us[1] < r.best_pdl_us) {
+        r.best_pdl_us = us[1];
+        r.best_tiling = id;
+      }
+    }
+  }
+  std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
+              m, r.mbytes, r.all.c_str());
+  std::fflush(stdout);
+  CHECK(cudaFree(x));
+  CHECK(cudaFree(y));
+  CHECK(cudaFree(multiplier));
+  return r;
+}
+
 // Decode attention over an fp32 or bf16 cache at `depth` tokens, for each split count of
 // `split_options` (the first one is reported as the default); the fastest with PDL is "best".
 Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int head_dim,
@@ -371,6 +447,33 @@ int main(int argc, char** argv) {
                                stream, quick));
   results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 1536, 1, ActType::kBF16,
                                "lm_head bf16 262144x1536", stream, quick));
+
+  // Batched decode on tensor cores beside the CUDA-core batched tilings above: the engine's
+  // fp32 rows rounded to bf16, bf16 rows and q8 rows (random bytes: the timing does not depend
+  // on the values), E2B shapes; the GELU pairs of gate+up.
+  for (int m : {8, 32, 64}) {
+    for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
+      for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
+        results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
+                                         stream, quick));
+      }
+    }
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
+                                     dense[1].label, stream, quick, GemvEpilogue::kGeluPairs));
+  }
+  // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
+  const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
+                               {4224, 2816, "26b gate+up 4224x2816"},
+                               {2816, 2112, "26b down 2816x2112"},
+                               {2816, 4096, "26b o_proj 2816x4096"}};
+  for (int m : {8, 32}) {
+    for (const Shape& s : nvfp4_dense) {
+      results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32,
+                                       s.label, stream, quick));
+      results.push_back(bench_gemv(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32, s.label,
+                                   stream, quick, GemvEpilogue::kNone, true));
+    }
+  }
 
   // The fused GELU epilogues against the plain GEMV of the same weights: E2B's interleaved
   // gate+up and PLE gate.

@@ -274,7 +274,24 @@ Status parse_text_config(const KeyReader& text, ModelConfig& config) {
   }
   config.num_kv_shared_layers = static_cast<int>(kv_shared);
 
-  GEMMA4_ASSIGN_OR_RETURN(auto types, parse_layer_types(text, config.num_layers));
+  LayerShapes shapes;
+  GEMMA4_ASSIGN_OR_RETURN(shapes.types, parse_layer_types(text, config.num_layers));
+  const int first_shared = config.first_kv_shared_layer();
+  if (const int layer = ModelConfig::first_layer_without_kv_source(shapes.types, first_shared);
+      layer >= 0) {
+    const char* type = layer_type_name(shapes.types[layer]);
+    return text.unsupported(
+        "num_kv_shared_layers", json(config.num_kv_shared_layers),
+        fmt::format("shared {} layer {} has no earlier {} layer to read", type, layer, type));
+  }
+  // transformers reads num_global_key_value_heads only for k_eq_v full layers (the last layer is
+  // always full).
+  const int full_kv_heads =
+      k_eq_v && global_kv_heads ? static_cast<int>(*global_kv_heads) : num_kv_heads;
+  if (full_kv_heads <= 0 || num_heads % full_kv_heads != 0) {
+    return text.unsupported("num_global_key_value_heads", json(full_kv_heads),
+                            "must divide num_attention_heads");
+  }
 
   json default_rope = {
       {"sliding_attention", {{"rope_type", "default"}, {"rope_theta", 10000.0}}},
@@ -285,42 +302,24 @@ Status parse_text_config(const KeyReader& text, ModelConfig& config) {
   if (!rope_parameters->is_object()) {
     return text.type_error("rope_parameters", "an object", *rope_parameters);
   }
-
-  const int first_shared = config.first_kv_shared_layer();
-  config.layers.resize(config.num_layers);
-  for (int i = 0; i < config.num_layers; ++i) {
-    LayerGeometry& layer = config.layers[i];
-    layer.layer_index = i;
-    layer.type = types[i];
-    const bool full = layer.type == LayerType::kFull;
-    layer.head_dim = full ? full_head_dim : sliding_head_dim;
-    layer.num_q_heads = num_heads;
-    // transformers reads num_global_key_value_heads only for k_eq_v full layers.
-    layer.k_eq_v = full && k_eq_v;
-    layer.num_kv_heads =
-        layer.k_eq_v && global_kv_heads ? static_cast<int>(*global_kv_heads) : num_kv_heads;
-    if (layer.num_kv_heads <= 0 || num_heads % layer.num_kv_heads != 0) {
-      return text.unsupported("num_global_key_value_heads", json(layer.num_kv_heads),
-                              "must divide num_attention_heads");
-    }
-    const bool shared = i >= first_shared;
-    layer.ffn_width = intermediate * (double_wide && shared ? 2 : 1);
-    layer.window = full ? 0 : config.sliding_window;
-    GEMMA4_ASSIGN_OR_RETURN(
-        layer.rope, parse_rope(text, *rope_parameters,
-                               full ? "full_attention" : "sliding_attention", layer.head_dim));
-    layer.kv_source_layer = i;
-    if (shared) {
-      const int source = ModelConfig::kv_source_layer(types, first_shared, i);
-      if (source < 0) {
-        return text.unsupported(
-            "num_kv_shared_layers", json(config.num_kv_shared_layers),
-            fmt::format("shared {} layer {} has no earlier {} layer to read",
-                        layer_type_name(layer.type), i, layer_type_name(layer.type)));
-      }
-      layer.kv_source_layer = source;
-    }
+  if (std::ranges::count(shapes.types, LayerType::kSliding) > 0) {
+    GEMMA4_ASSIGN_OR_RETURN(shapes.sliding_rope, parse_rope(text, *rope_parameters,
+                                                            "sliding_attention", sliding_head_dim));
   }
+  GEMMA4_ASSIGN_OR_RETURN(shapes.full_rope,
+                          parse_rope(text, *rope_parameters, "full_attention", full_head_dim));
+
+  shapes.num_q_heads = num_heads;
+  shapes.sliding_head_dim = sliding_head_dim;
+  shapes.full_head_dim = full_head_dim;
+  for (int i = 0; i < config.num_layers; ++i) {
+    const bool full = shapes.types[i] == LayerType::kFull;
+    shapes.num_kv_heads.push_back(full ? full_kv_heads : num_kv_heads);
+    shapes.ffn_widths.push_back(intermediate * (double_wide && i >= first_shared ? 2 : 1));
+  }
+  config.resolve_layers(shapes);
+  for (LayerGeometry& layer : config.layers)
+    layer.k_eq_v = layer.type == LayerType::kFull && k_eq_v;
   return Status::ok_status();
 }
 
@@ -345,6 +344,32 @@ int ModelConfig::kv_source_layer(const std::vector<LayerType>& types, int first_
     if (types[j] == types[layer]) return j;
   }
   return -1;
+}
+
+int ModelConfig::first_layer_without_kv_source(const std::vector<LayerType>& types,
+                                               int first_shared) {
+  for (int layer = first_shared; layer < static_cast<int>(types.size()); ++layer) {
+    if (kv_source_layer(types, first_shared, layer) < 0) return layer;
+  }
+  return -1;
+}
+
+void ModelConfig::resolve_layers(const LayerShapes& shapes) {
+  const int first_shared = first_kv_shared_layer();
+  layers.assign(num_layers, LayerGeometry{});
+  for (int i = 0; i < num_layers; ++i) {
+    LayerGeometry& layer = layers[i];
+    layer.layer_index = i;
+    layer.type = shapes.types[i];
+    const bool full = layer.type == LayerType::kFull;
+    layer.head_dim = full ? shapes.full_head_dim : shapes.sliding_head_dim;
+    layer.num_q_heads = shapes.num_q_heads;
+    layer.num_kv_heads = shapes.num_kv_heads[i];
+    layer.ffn_width = shapes.ffn_widths[i];
+    layer.window = full ? 0 : sliding_window;
+    layer.rope = full ? shapes.full_rope : shapes.sliding_rope;
+    layer.kv_source_layer = i >= first_shared ? kv_source_layer(shapes.types, first_shared, i) : i;
+  }
 }
 
 float ModelConfig::embedding_scale() const {

@@ -47,6 +47,18 @@ struct LayerGeometry {
   int kv_width() const { return num_kv_heads * head_dim; }
 };
 
+// What a config gives about each layer, in whichever format: ModelConfig::resolve_layers' input.
+struct LayerShapes {
+  std::vector<LayerType> types;
+  std::vector<int> num_kv_heads;  // per layer
+  std::vector<int> ffn_widths;    // per layer, double-wide resolved
+  int num_q_heads = 0;
+  int sliding_head_dim = 0;
+  int full_head_dim = 0;
+  RopeParams sliding_rope;
+  RopeParams full_rope;
+};
+
 struct MoeParams {
   int num_experts = 0;
   int top_k = 0;
@@ -103,6 +115,13 @@ struct ModelConfig {
   // The layer whose K/V KV-shared layer `layer` reads: the last layer before the shared block
   // (which starts at first_shared) with the same attention type (arch spec 2.4); -1 if none.
   static int kv_source_layer(const std::vector<LayerType>& types, int first_shared, int layer);
+  // The first KV-shared layer with no layer to read (kv_source_layer -1); -1 when there is none.
+  static int first_layer_without_kv_source(const std::vector<LayerType>& types, int first_shared);
+
+  // Fills `layers` from `shapes`, sliding_window and num_kv_shared_layers, the same way for every
+  // config format; k_eq_v is left false. The caller has checked the shapes (KV heads divide the
+  // query heads, first_layer_without_kv_source finds none) to name the key at fault its own way.
+  void resolve_layers(const LayerShapes& shapes);
 
   // Parses an HF config.json (multimodal with nested text_config, or text-only). Unknown
   // architectures, missing or contradictory keys fail with a message naming the key.

@@ -310,36 +310,37 @@ Expected<ModelConfig> config_from_gguf(const GgufFile& file) {
     return meta.invalid("attention.shared_kv_layers", "leaves no layer computing its own KV");
   }
 
-  const int first_shared = c.first_kv_shared_layer();
-  c.layers.resize(c.num_layers);
   for (int i = 0; i < c.num_layers; ++i) {
-    LayerGeometry& layer = c.layers[i];
-    layer.layer_index = i;
-    layer.type = types[i];
-    const bool full = layer.type == LayerType::kFull;
-    layer.head_dim = full ? full_head_dim : sliding_head_dim;
-    if (int64_t{num_heads} * layer.head_dim > kMaxSize) {
+    const int head_dim = types[i] == LayerType::kFull ? full_head_dim : sliding_head_dim;
+    if (int64_t{num_heads} * head_dim > kMaxSize) {
       return meta.invalid("attention.head_count", "times the head dim is not a plausible width");
     }
-    layer.num_q_heads = num_heads;
-    layer.num_kv_heads = kv_heads[i];
-    if (num_heads % layer.num_kv_heads != 0) {
-      return meta.invalid("attention.head_count_kv",
-                          fmt::format("{} does not divide head_count {} (layer {})",
-                                      layer.num_kv_heads, num_heads, i));
+    if (num_heads % kv_heads[i] != 0) {
+      return meta.invalid(
+          "attention.head_count_kv",
+          fmt::format("{} does not divide head_count {} (layer {})", kv_heads[i], num_heads, i));
     }
-    layer.ffn_width = ffn[i];
-    layer.window = full ? 0 : c.sliding_window;
-    layer.rope = full ? full_rope : sliding_rope;
-    layer.kv_source_layer = i;
-    if (i >= first_shared) {
-      layer.kv_source_layer = ModelConfig::kv_source_layer(types, first_shared, i);
-      if (layer.kv_source_layer < 0) {
-        return meta.invalid("attention.shared_kv_layers",
-                            fmt::format("shared layer {} has no earlier {} layer to read", i,
-                                        layer_type_name(layer.type)));
-      }
-    }
+  }
+  if (const int layer =
+          ModelConfig::first_layer_without_kv_source(types, c.first_kv_shared_layer());
+      layer >= 0) {
+    return meta.invalid("attention.shared_kv_layers",
+                        fmt::format("shared layer {} has no earlier {} layer to read", layer,
+                                    layer_type_name(types[layer])));
+  }
+  LayerShapes shapes;
+  shapes.types = std::move(types);
+  shapes.num_kv_heads = std::move(kv_heads);
+  shapes.ffn_widths = std::move(ffn);
+  shapes.num_q_heads = num_heads;
+  shapes.sliding_head_dim = sliding_head_dim;
+  shapes.full_head_dim = full_head_dim;
+  shapes.sliding_rope = sliding_rope;
+  shapes.full_rope = full_rope;
+  c.resolve_layers(shapes);
+  for (LayerGeometry& layer : c.layers) {
+    const int i = layer.layer_index;
+    const bool full = layer.type == LayerType::kFull;
     // Gemma 4's attention_k_eq_v: a full layer with K but no V projection uses raw K as V.
     layer.k_eq_v = !gemma3 && full && layer.owns_kv() && layer_has(file, i, "attn_k.weight") &&
                    !layer_has(file, i, "attn_v.weight");

@@ -17,9 +17,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/cpu_forwarding_backend.h"
 #include "engine/gemma4_engine.h"
-#include "model/synth.h"
-#include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::engine {
 namespace {
@@ -151,24 +149,10 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
   int depth_ = 0;
 };
 
-// Loaded once per config: synthesis and mapping are the slow part. w4g32 weights, so the stacked
-// matrices carry packed data and scales.
+// w4g32 weights, so the stacked matrices carry packed data and scales.
 const model::LoadedModel& tiny_model(const std::string& config) {
-  static std::map<std::string, model::LoadedModel> models;
-  auto it = models.find(config);
-  if (it == models.end()) {
-    model::SynthOptions synth;
-    synth.config = config;
-    synth.seed = 23;
-    synth.format = model::SynthFormat::kW4A16;
-    synth.grid = model::SynthGrid::kW4G32;
-    synth.output = testing::scratch_dir("fused_" + config);
-    EXPECT_TRUE(model::synthesize_checkpoint(synth).ok());
-    auto loaded = model::LoadedModel::open(synth.output);
-    EXPECT_TRUE(loaded.ok()) << loaded.error().to_string();
-    it = models.emplace(config, std::move(*loaded)).first;
-  }
-  return it->second;
+  return testing::cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32,
+                                     23);
 }
 
 std::unique_ptr<Gemma4Engine> make_engine(const std::string& config,

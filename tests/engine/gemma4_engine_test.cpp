@@ -8,33 +8,16 @@
 
 #include <algorithm>
 #include <cmath>
-#include <map>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "model/synth.h"
-#include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::engine {
 namespace {
 
-// Loaded once per config: synthesis and mapping are the slow part.
 const model::LoadedModel& tiny_model(const std::string& config) {
-  static std::map<std::string, model::LoadedModel> models;
-  auto it = models.find(config);
-  if (it == models.end()) {
-    model::SynthOptions synth;
-    synth.config = config;
-    synth.seed = 7;
-    synth.grid = model::SynthGrid::kNone;
-    synth.output = testing::scratch_dir("engine_" + config);
-    EXPECT_TRUE(model::synthesize_checkpoint(synth).ok());
-    auto loaded = model::LoadedModel::open(synth.output);
-    EXPECT_TRUE(loaded.ok()) << loaded.error().to_string();
-    it = models.emplace(config, std::move(*loaded)).first;
-  }
-  return it->second;
+  return testing::cached_synth_model(config, model::SynthFormat::kBF16, model::SynthGrid::kNone, 7);
 }
 
 std::unique_ptr<Gemma4Engine> make_engine(const std::string& config, int ring_history = 4) {

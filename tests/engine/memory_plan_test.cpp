@@ -11,8 +11,7 @@
 
 #include "engine/cpu_forwarding_backend.h"
 #include "model/presets.h"
-#include "model/synth.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::engine {
 namespace {
@@ -45,25 +44,19 @@ model::ModelConfig preset_config(const std::string& name) {
 class PlanVersusEngine : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
-  model::SynthOptions synth;
-  synth.config = GetParam();
-  synth.seed = 5;
-  synth.format = model::SynthFormat::kW4A16;
-  synth.output = testing::scratch_dir("memory_plan_" + GetParam());
-  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto loaded = model::LoadedModel::open(synth.output);
-  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
+  const model::LoadedModel& loaded = testing::cached_synth_model(
+      GetParam(), model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, 5);
 
   EngineOptions options;
   options.max_sequences = 3;
   options.max_context = 100;
   options.max_pass_tokens = 40;
   int64_t allocated = 0;
-  auto engine = Gemma4Engine::create(loaded->config, loaded->weights,
+  auto engine = Gemma4Engine::create(loaded.config, loaded.weights,
                                      std::make_unique<CountingDeviceBackend>(&allocated), options);
   ASSERT_TRUE(engine.ok()) << engine.error().to_string();
 
-  const model::ModelWeights& w = loaded->weights;
+  const model::ModelWeights& w = loaded.weights;
   // The w4a16 synth's tables are on the int4 grid: the embedding (the tied lm_head) always, the
   // per-layer embedding table where the config has one. Both are counted packed.
   // The tied lm_head is the embedding: not listed, not counted again.
@@ -72,10 +65,10 @@ TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
   EXPECT_EQ(w.lm_head.data, w.embed_tokens.data);
   const ResidentWeightBytes resident = resident_weight_bytes(w, device);
   std::vector<std::string> packed{"embed_tokens"};
-  if (loaded->config.ple_dim > 0) packed.push_back("embed_tokens_per_layer");
+  if (loaded.config.ple_dim > 0) packed.push_back("embed_tokens_per_layer");
   EXPECT_EQ(resident.packed_tables, packed);
   const int64_t weights = resident.bytes;
-  const MemoryPlan plan = plan_memory(loaded->config, weights, options, /*on_device=*/false);
+  const MemoryPlan plan = plan_memory(loaded.config, weights, options, /*on_device=*/false);
   EXPECT_EQ(plan.weight_bytes + plan.kv_bytes + plan.workspace_bytes, allocated) << plan.summary();
   EXPECT_EQ(plan.total(), allocated);
   const ResidentWeightBytes on_host = resident_weight_bytes(w, testing::CpuForwardingBackend());

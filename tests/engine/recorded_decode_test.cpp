@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <functional>
 #include <memory>
 #include <string>
@@ -16,9 +15,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/cpu_forwarding_backend.h"
 #include "engine/gemma4_engine.h"
-#include "model/synth.h"
-#include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::engine {
 namespace {
@@ -50,25 +47,17 @@ class ClosureRecordingBackend final : public testing::CpuForwardingBackend {
 class RecordedDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(RecordedDecode, ReplayedClosuresMatchThePlainPath) {
-  const auto dir = testing::scratch_dir("recorded_decode_" + GetParam());
-  model::SynthOptions synth;
-  synth.config = GetParam();
-  synth.seed = 5;
-  synth.grid = model::SynthGrid::kNone;
-  synth.output = dir;
-  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto m = model::LoadedModel::open(dir);
-  ASSERT_TRUE(m.ok()) << m.error().to_string();
+  const model::LoadedModel& m = testing::cached_synth_model(GetParam(), model::SynthFormat::kBF16,
+                                                            model::SynthGrid::kNone, 5);
   EngineOptions options;
   options.max_sequences = 3;
   options.max_context = 48;
   options.ring_history = 4;
   auto recording_backend = std::make_unique<ClosureRecordingBackend>();
   const ClosureRecordingBackend& counts = *recording_backend;
-  auto plain = Gemma4Engine::create(m->config, m->weights,
+  auto plain = Gemma4Engine::create(m.config, m.weights,
                                     std::make_unique<backend::cpu::CpuBackend>(), options);
-  auto recorded =
-      Gemma4Engine::create(m->config, m->weights, std::move(recording_backend), options);
+  auto recorded = Gemma4Engine::create(m.config, m.weights, std::move(recording_backend), options);
   ASSERT_TRUE(plain.ok() && recorded.ok());
   const int32_t vocab = (*plain)->vocab_size();
 
@@ -106,7 +95,6 @@ TEST_P(RecordedDecode, ReplayedClosuresMatchThePlainPath) {
   // Two orders (3 and 2 sequences), each recorded on its second step and replayed from then on.
   EXPECT_EQ(counts.records, 2);
   EXPECT_EQ(counts.replays, (24 - 1) + (12 - 1));
-  std::filesystem::remove_all(dir);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, RecordedDecode, ::testing::Values("tiny", "tiny-moe"),

@@ -15,9 +15,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "engine/cpu_forwarding_backend.h"
 #include "engine/gemma4_engine.h"
-#include "model/synth.h"
-#include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::engine {
 namespace {
@@ -93,18 +91,15 @@ class DeviceLikeBackend final : public testing::CpuForwardingBackend {
   std::set<std::string> foreign_;
 };
 
+const model::LoadedModel& tiny_w4a16_model(const std::string& config) {
+  return testing::cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32,
+                                     11);
+}
+
 class ResidentWeightsTest : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(ResidentWeightsTest, CopiedWeightsAreTheOnlyOnesReadAndGiveIdenticalLogits) {
-  model::SynthOptions synth;
-  synth.config = GetParam();
-  synth.seed = 11;
-  synth.format = model::SynthFormat::kW4A16;
-  synth.grid = model::SynthGrid::kW4G32;
-  synth.output = testing::scratch_dir("resident_" + GetParam());
-  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto loaded = model::LoadedModel::open(synth.output);
-  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
+  const model::LoadedModel& loaded = tiny_w4a16_model(GetParam());
 
   EngineOptions options;
   options.max_sequences = 1;
@@ -112,8 +107,8 @@ TEST_P(ResidentWeightsTest, CopiedWeightsAreTheOnlyOnesReadAndGiveIdenticalLogit
   auto device_like = std::make_unique<DeviceLikeBackend>();
   const DeviceLikeBackend& checker = *device_like;
   auto copied =
-      Gemma4Engine::create(loaded->config, loaded->weights, std::move(device_like), options);
-  auto viewed = Gemma4Engine::create(loaded->config, loaded->weights,
+      Gemma4Engine::create(loaded.config, loaded.weights, std::move(device_like), options);
+  auto viewed = Gemma4Engine::create(loaded.config, loaded.weights,
                                      std::make_unique<backend::cpu::CpuBackend>(2), options);
   ASSERT_TRUE(copied.ok() && viewed.ok());
 
@@ -134,19 +129,11 @@ TEST_P(ResidentWeightsTest, CopiedWeightsAreTheOnlyOnesReadAndGiveIdenticalLogit
 // The w4a16 synth's bf16 tables lie on the int4 grid: a device keeps the embedding (one copy,
 // also the tied lm_head) and the per-layer table in 4 bits; the CPU reads the bf16 mapping.
 TEST(ResidentWeights, TablesOnTheInt4GridArePackedOnceOnADevice) {
-  model::SynthOptions synth;
-  synth.config = "tiny";
-  synth.seed = 11;
-  synth.format = model::SynthFormat::kW4A16;
-  synth.grid = model::SynthGrid::kW4G32;
-  synth.output = testing::scratch_dir("resident_tables");
-  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto loaded = model::LoadedModel::open(synth.output);
-  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
-  ASSERT_GT(loaded->config.ple_dim, 0);
+  const model::LoadedModel& loaded = tiny_w4a16_model("tiny");
+  ASSERT_GT(loaded.config.ple_dim, 0);
 
   DeviceLikeBackend device;
-  auto placed = ResidentWeights::create(loaded->weights, device);
+  auto placed = ResidentWeights::create(loaded.weights, device);
   ASSERT_TRUE(placed.ok()) << placed.error().to_string();
   for (const quant::QMatrix* table : {&placed->embed_tokens, &placed->embed_tokens_per_layer}) {
     EXPECT_EQ(table->format, quant::WeightFormat::kW4G32);
@@ -156,10 +143,10 @@ TEST(ResidentWeights, TablesOnTheInt4GridArePackedOnceOnADevice) {
   EXPECT_EQ(placed->lm_head.format, quant::WeightFormat::kW4G32);
 
   backend::cpu::CpuBackend cpu(1);
-  auto viewed = ResidentWeights::create(loaded->weights, cpu);
+  auto viewed = ResidentWeights::create(loaded.weights, cpu);
   ASSERT_TRUE(viewed.ok());
   EXPECT_EQ(viewed->embed_tokens.format, quant::WeightFormat::kBF16);
-  EXPECT_EQ(viewed->embed_tokens.data, loaded->weights.embed_tokens.data);
+  EXPECT_EQ(viewed->embed_tokens.data, loaded.weights.embed_tokens.data);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),

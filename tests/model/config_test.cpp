@@ -260,6 +260,18 @@ TEST(ModelConfig, BadConfigsNameTheKey) {
        "'rope_parameters.full_attention'"},
       {[](json& c) { c["num_kv_shared_layers"] = 5; }, "'num_kv_shared_layers'"},
       {[](json& c) { c["num_key_value_heads"] = 3; }, "'num_key_value_heads'"},
+      {[](json& c) {
+         c["attention_k_eq_v"] = true;
+         c["num_global_key_value_heads"] = 3;
+       },
+       "'num_global_key_value_heads'"},
+      {[](json& c) {
+         // The only sliding layer is KV-shared: it has no earlier sliding layer to read.
+         for (json& type : c["layer_types"]) type = "full_attention";
+         c["layer_types"][c["layer_types"].size() - 2] = "sliding_attention";
+         c["num_kv_shared_layers"] = 2;
+       },
+       "'num_kv_shared_layers'"},
       {[](json& c) { c["enable_moe_block"] = true; }, "'num_experts'"},
       {[](json& c) { c["architectures"] = {"LlamaForCausalLM"}; }, "'architectures'"},
       {[](json& c) { c["use_bidirectional_attention"] = "all"; }, "'use_bidirectional_attention'"},

@@ -19,7 +19,7 @@
 #include "model/synth.h"
 #include "model/weights.h"
 #include "quant/gguf_blocks.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4 {
 namespace {
@@ -189,10 +189,7 @@ TEST_P(GgufTwin, LogitsEqualSafetensorsTwin) {
   const TwinCase& c = GetParam();
   const auto dir = testing::scratch_dir("gguf_twin_" + c.name);
   // Removed when the test ends (about 70 MB: the real vocabulary); declared before the mappings.
-  const struct RemoveOnExit {
-    std::filesystem::path path;
-    ~RemoveOnExit() { std::filesystem::remove_all(path); }
-  } cleanup{dir};
+  const testing::RemoveOnExit cleanup{dir};
   model::SynthOptions gguf;
   gguf.config = c.config;
   gguf.seed = 7;
@@ -265,10 +262,7 @@ std::vector<std::byte> q4_k_as_q5_k(std::span<const std::byte> q4_k) {
 // original (w4g32a): the same values through another format, so the same logits bit for bit.
 TEST(GgufQ5K, LogitsEqualTheQ4KOriginal) {
   const auto dir = testing::scratch_dir("gguf_q5_k");
-  const struct RemoveOnExit {
-    std::filesystem::path path;
-    ~RemoveOnExit() { std::filesystem::remove_all(path); }
-  } cleanup{dir};
+  const testing::RemoveOnExit cleanup{dir};
   model::SynthOptions synth;
   synth.config = "tiny";
   synth.seed = 7;

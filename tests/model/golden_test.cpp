@@ -17,7 +17,7 @@
 #include "engine/gemma4_engine.h"
 #include "model/synth.h"
 #include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4 {
 namespace {
@@ -52,12 +52,6 @@ int32_t argmax(const std::vector<float>& logits) {
   return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
 }
 
-// Removes a regenerated checkpoint (about 120 MB: the real vocabulary) when the test ends.
-struct RemoveOnExit {
-  std::filesystem::path path;
-  ~RemoveOnExit() { std::filesystem::remove_all(path); }
-};
-
 class Golden : public ::testing::TestWithParam<GoldenCase> {};
 
 TEST_P(Golden, MatchesTransformers) {
@@ -74,7 +68,8 @@ TEST_P(Golden, MatchesTransformers) {
   ASSERT_TRUE(grid.ok());
   synth.grid = *grid;
   synth.output = testing::scratch_dir("golden_" + case_name(c));
-  const RemoveOnExit cleanup{synth.output};  // declared before the mapping, destroyed after it
+  // Removes the checkpoint (about 120 MB: the real vocabulary); declared before the mapping.
+  const testing::RemoveOnExit cleanup{synth.output};
   ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
   auto loaded = model::LoadedModel::open(synth.output);
   ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();

@@ -11,6 +11,7 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/fused_ops.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/gemv_mma.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/prefill_matmul.h"
@@ -34,6 +35,15 @@ namespace {
 
 // The packed GEMV handles up to this many activation rows per launch.
 constexpr int64_t kMaxGemvRows = 64;
+
+// Batched decode passes the GEMV multiplies on tensor cores from the packed weights (gemv_mma.h):
+// they skip the prefill path, whose bf16 copy of each weight tile costs more than the whole
+// GEMV at these row counts.
+bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
+  return rows <= kMaxGemvRows &&
+         gemv_mma_takes(w, {nullptr, ActType::kF32, static_cast<int>(rows), 0, true});
+}
+
 // decode_attention runs two blocks per SM: a launch's (sequence, kv head, split) blocks stop at
 // about two per SM of the H200's 132, one wave, so a batch takes fewer splits each and the
 // partials stay small.
@@ -263,7 +273,8 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
-  if (MatrixView weights; tensor_core_rows(x.count) && matrix_view(w, weights) &&
+  if (MatrixView weights; tensor_core_rows(x.count) && !tensor_core_gemv_rows(w, x.count) &&
+                          matrix_view(w, weights) &&
                           tensor_core_matmul_accepts(weights, view(x), view(y))) {
     tensor_core_matmul(weights, view(x), view(y));
     return;
@@ -285,7 +296,8 @@ void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multipli
   if (x.count == 0) return;
   const GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data,
                             multiplier.stride};
-  if (tensor_core_rows(x.count) || !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
+  if ((tensor_core_rows(x.count) && !tensor_core_gemv_rows(w, x.count)) ||
+      !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
   }
 }
@@ -293,7 +305,10 @@ void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multipli
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
   const GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
-  if (!tensor_core_rows(x.count) && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) return;
+  if ((!tensor_core_rows(x.count) || tensor_core_gemv_rows(w, x.count)) &&
+      packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
+    return;
+  }
   auto* products = static_cast<float*>(
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;
@@ -368,9 +383,26 @@ void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
                             float scale, Rows out) {
   if (q.count == 0) return;
-  if (tensor_core_rows(q.count)) {
-    const cudaError_t status =
-        prefill_attention(view(q), positions, slots(kv), window, scale, view(out), launch());
+  if (tensor_core_rows(q.count) && kv.head_dim > 0) {
+    KvCacheView cache;
+    cache.keys = kv.keys;
+    cache.values = kv.values;
+    cache.slot_positions = kv.slot_positions;
+    cache.type = KvType::kF32;
+    cache.slots = kv.slots;
+    cache.kv_heads = kv.kv_heads;
+    cache.head_dim = kv.head_dim;
+    const int q_heads = static_cast<int>(q.width / kv.head_dim);
+    const int splits = prefill_attention_splits(q.count, q_heads, cache);
+    float* partials = nullptr;
+    if (splits > 1) {
+      partials = static_cast<float*>(
+          scratch(attention_partials_, sizeof(float) * prefill_attention_partials_floats(
+                                                           q.count, q_heads, kv.head_dim, splits)));
+      if (partials == nullptr) return;
+    }
+    const cudaError_t status = prefill_attention(view(q), positions, cache, window, scale,
+                                                 view(out), partials, splits, launch());
     if (status != cudaErrorInvalidValue) {  // else a shape it does not take: the kernels below
       launched(status, "attention (prefill)");
       return;

@@ -4,6 +4,8 @@
 
 #include <algorithm>
 
+#include "backend/cuda/gemv_mma.h"
+
 namespace gemma4::cuda {
 namespace {
 
@@ -137,6 +139,8 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool pointers_ok =
       aligned16(w.data) && aligned16(x.data) && (x.stride * x_elem) % 16 == 0 && scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  // Batched rows with bf16 products: tensor cores (gemv_mma.h).
+  if (tiling < 0 && gemv_mma_takes(w, x)) return gemv_mma(w, x, y, launch);
   if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
 
   GemvArgs args = {};

@@ -1,23 +1,32 @@
-// Prefill attention (prefill_kernels.h): flash attention on bf16 tensor cores.
+// Prefill attention (prefill_kernels.h): flash attention on bf16 tensor cores (mma.sync
+// m16n8k16, fp32 accumulation), FlashAttention-2 style: scores, softmax statistics and the
+// output accumulator stay in registers.
 //
-// The rows of one kv head's work are the pairs (query t, q head g of the group), flattened as
-// t · group + g; block (b, kv head) takes kRows of them, so each K/V tile it loads serves every
-// q head of the group and several queries. Per tile of kKeys slots:
-//   1. the slots' positions; a tile no row can see (all empty, in every row's future or before
-//      every row's window) is skipped;
-//   2. K and V (fp32 in the cache) converted to bf16 in shared memory; empty slots as zeros (a
-//      stale or never-written slot must not reach the sums even with weight 0: 0 · NaN = NaN);
-//   3. S = Q · Kᵀ with WMMA (bf16 16x16x16, fp32 accumulate) into shared memory;
-//   4. the online softmax per row in fp32: scale, mask, running max; the weights rounded to
-//      bf16 for the tensor cores, and the running sum adds those rounded weights, so the
-//      normalisation matches what was multiplied;
-//   5. O = O · rescale + P · V with WMMA; O lives in shared memory (fp32), where each warp
-//      rescales its own 16x16 tiles before loading them as accumulators (a WMMA accumulator's
-//      element order is unspecified, so it cannot be rescaled per row in registers).
-// Finally out = O / sum (zeros where nothing was visible, as the CPU reference).
+// Rows. The work of one kv head is the pairs (query t, q head g of its group), flattened as
+// t · group + g; block (x, kv head, split) takes kRows of them, so every K/V tile it loads into
+// shared memory serves all q heads of the group and several queries (GQA). A warp owns 16 rows
+// and 256 head dims of the output (128 fp32 accumulators a thread): head_dim 256 gives each warp
+// its own rows; at head_dim 512 two warps share 16 rows, each accumulating half of the dims and
+// computing half of every score's dot product, the halves summed through shared memory in a
+// fixed order (both warps then hold bit-identical scores and softmax statistics).
+//
+// Keys. The slots a block may need are [0, scanned) (position p lives in slot p % slots, so
+// slots past the block's largest query position hold none it can see); they are cut into tiles
+// of kKeys, and with splits > 1 each split block takes a contiguous share of the tiles and
+// writes unnormalised partials that prefill_merge_kernel combines (what fills the GPU when a
+// pass has few row tiles: E2B's one kv head). A block first lists the tiles some row of it can
+// see (positions read from slot_positions: ring slots and sliding windows make that set
+// irregular), then walks the list with the next tile's K/V loading (cp.async for bf16 caches)
+// while the current one is multiplied. Empty slots load as zeros (a stale or never-written slot
+// must not reach the sums even with weight 0: 0 · NaN = NaN).
+//
+// Softmax per row: scores scaled by scale · log2(e) (exp2), masked by the recorded positions,
+// running max per row; weights rounded to bf16 for the tensor cores and the running sum adds
+// those rounded weights, so the normalisation matches what was multiplied. out = O / sum (zeros
+// where nothing was visible, as the CPU reference).
 #include <cuda_bf16.h>
-#include <mma.h>
 
+#include <algorithm>
 #include <climits>
 
 #include "backend/cuda/launch.cuh"
@@ -26,50 +35,41 @@
 namespace gemma4::cuda {
 namespace {
 
-using namespace nvcuda;
 using bf16 = __nv_bfloat16;
 
-constexpr int kWarps = 8;
+constexpr int kWarps = 4;
 constexpr int kThreads = kWarps * 32;
-constexpr int kMma = 16;  // WMMA tile edge
+constexpr int kWarpRows = 16;   // rows of an mma.sync m16n8k16 tile
+constexpr int kWarpDims = 256;  // head dims of O one warp accumulates
+constexpr float kLog2e = 1.4426950408889634f;
 
-// Rows per block and keys per tile: shared memory holds Q, K, V (bf16), S (fp32), P (bf16) and
-// O (fp32); these sizes keep it under the 227 KB a Hopper block may use.
-template <int HD>
-struct Tiling;
-template <>
-struct Tiling<256> {
-  static constexpr int kRows = 64, kKeys = 64;
-};
-template <>
-struct Tiling<512> {
-  static constexpr int kRows = 32, kKeys = 32;
-};
-
-// Shared memory layout of the kernel for head_dim HD (leading dimensions padded by 16 bytes
-// against bank conflicts; every array starts 32-byte aligned, as WMMA loads want).
+// Shared memory of the kernel for head_dim HD: Q (bf16, the block's rows), two K and two V
+// tiles (bf16), the score halves exchanged at HD 512, two tiles' key positions, the block's
+// rows' positions and the list of tiles to visit. Rows are padded by 16 bytes, which makes the
+// eight 16-byte rows an ldmatrix reads fall in distinct bank groups. ~101 KB at HD 256, ~108 KB
+// at HD 512: two blocks per SM.
 template <int HD>
 struct Layout {
-  static constexpr int kRows = Tiling<HD>::kRows, kKeys = Tiling<HD>::kKeys;
-  static constexpr int kLdQ = HD + 8;     // Q, K, V rows (bf16)
-  static constexpr int kLdS = kKeys + 4;  // S (fp32)
-  static constexpr int kLdP = kKeys + 8;  // P (bf16)
-  static constexpr int kLdO = HD + 4;     // O (fp32)
+  static constexpr int kDimParts = HD / kWarpDims;  // warps sharing a row tile
+  static constexpr int kRowTiles = kWarps / kDimParts;
+  static constexpr int kRows = kRowTiles * kWarpRows;
+  static constexpr int kKeys = HD == 256 ? 32 : 16;
+  static constexpr int kScoreRegs = kKeys / 8 * 4;  // a thread's score fragment floats
+  static constexpr int kLd = HD + 8;                // bf16 elements per Q/K/V row
+  static constexpr size_t kTileBytes = sizeof(bf16) * kKeys * kLd;
   static constexpr size_t kQ = 0;
-  static constexpr size_t kK = kQ + sizeof(bf16) * kRows * kLdQ;
-  static constexpr size_t kV = kK + sizeof(bf16) * kKeys * kLdQ;
-  static constexpr size_t kS = kV + sizeof(bf16) * kKeys * kLdQ;
-  static constexpr size_t kP = kS + sizeof(float) * kRows * kLdS;
-  static constexpr size_t kO = kP + sizeof(bf16) * kRows * kLdP;
-  static constexpr size_t kRowMax = kO + sizeof(float) * kRows * kLdO;
-  static constexpr size_t kRowSum = kRowMax + sizeof(float) * kRows;
-  static constexpr size_t kRowRescale = kRowSum + sizeof(float) * kRows;
-  static constexpr size_t kRowPosition = kRowRescale + sizeof(float) * kRows;
-  static constexpr size_t kKeyPosition = kRowPosition + sizeof(int32_t) * kRows;
-  static constexpr size_t kBytes = kKeyPosition + sizeof(int32_t) * kKeys;
-  static_assert(kK % 32 == 0 && kV % 32 == 0 && kS % 32 == 0 && kP % 32 == 0 && kO % 32 == 0);
-  static_assert(kRows % kMma == 0 && kKeys % kMma == 0 && kThreads % kRows == 0);
-  static_assert(kBytes <= 227 * 1024);
+  static constexpr size_t kK = kQ + sizeof(bf16) * kRows * kLd;  // [2] tiles
+  static constexpr size_t kV = kK + 2 * kTileBytes;              // [2] tiles
+  static constexpr size_t kExchange = kV + 2 * kTileBytes;       // [warp][kScoreRegs][lane]
+  static constexpr size_t kKeyPosition =
+      kExchange + (kDimParts > 1 ? sizeof(float) * kWarps * kScoreRegs * 32 : 0);  // [2][kKeys]
+  static constexpr size_t kRowPosition = kKeyPosition + sizeof(int32_t) * 2 * kKeys;
+  static constexpr size_t kTileList = kRowPosition + sizeof(int32_t) * kRows;  // [kThreads]
+  static constexpr size_t kWarpCounts = kTileList + sizeof(int32_t) * kThreads;
+  static constexpr size_t kBytes = kWarpCounts + sizeof(int32_t) * kWarps;
+  static_assert(kDimParts * kRowTiles == kWarps && kKeys % 16 == 0);
+  static_assert(kK % 16 == 0 && kV % 16 == 0 && (kLd * sizeof(bf16)) % 16 == 0);
+  static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
 
 struct PrefillArgs {
@@ -78,11 +78,17 @@ struct PrefillArgs {
   const int32_t* positions;
   int64_t queries;
   int group;  // q heads per kv head
-  KvSlots kv;
+  int kv_heads;
+  const void* keys;
+  const void* values;
+  const int32_t* slot_positions;
+  int64_t slots;
   int window;
-  float scale;
-  float* out;
+  float scale_log2;  // scale · log2(e)
+  int splits;
+  float* out;  // splits == 1
   int64_t out_stride;
+  float* partials;  // splits > 1: prefill_attention_partials_floats
 };
 
 __device__ __forceinline__ bool visible(int32_t key_position, int32_t query_position, int window) {
@@ -90,35 +96,160 @@ __device__ __forceinline__ bool visible(int32_t key_position, int32_t query_posi
          (window == 0 || query_position - key_position < window);
 }
 
-template <int HD>
-__global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs a) {
+__device__ __forceinline__ uint32_t shared_address(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+// 16 bytes global → shared, asynchronously; zeros when !valid (nothing is read then).
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
+               "l"(src), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::);
+}
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// Four 8x8 bf16 matrices from shared memory (lane l gives the address of row l % 8 of matrix
+// l / 8); `transposed` delivers them transposed (V as the B operand).
+template <bool kTransposed>
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
+  if constexpr (kTransposed) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p)));
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p)));
+  }
+}
+
+// c += a · b for a 16x16 bf16 A (row major), a 16x8 bf16 B (column major), fp32 C.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
+      "{%8, %9}, {%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats as the bf16 pair of an mma fragment (the lower column in the low half).
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&pair);
+}
+
+__device__ __forceinline__ float unpacked_sum(uint32_t pair) {
+  const __nv_bfloat162 v = *reinterpret_cast<const __nv_bfloat162*>(&pair);
+  return __low2float(v) + __high2float(v);
+}
+
+// Starts loading tile `tile` (slots tile · kKeys ...) of kv head `kv_head` into K/V buffer
+// `buffer`, with its slot positions (-1 past the cache). bf16 caches: cp.async (the caller
+// commits and waits); float caches: converted through registers, complete on return.
+template <int HD, typename Kv>
+__device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int buffer,
+                          unsigned char* shared) {
+  using L = Layout<HD>;
+  constexpr int kElementsPerChunk = 16 / sizeof(Kv);
+  constexpr int kChunksPerKey = HD / kElementsPerChunk;
+  constexpr int kChunksPerThread = L::kKeys * kChunksPerKey / kThreads;
+  static_assert(L::kKeys * kChunksPerKey % kThreads == 0);
+  const int64_t first_slot = tile * L::kKeys;
+  int32_t* key_position = reinterpret_cast<int32_t*>(shared + L::kKeyPosition) + buffer * L::kKeys;
+  bf16* k_tile = reinterpret_cast<bf16*>(shared + L::kK + buffer * L::kTileBytes);
+  bf16* v_tile = reinterpret_cast<bf16*>(shared + L::kV + buffer * L::kTileBytes);
+  if (threadIdx.x < L::kKeys) {
+    const int64_t slot = first_slot + threadIdx.x;
+    key_position[threadIdx.x] = slot < a.slots ? __ldg(a.slot_positions + slot) : -1;
+  }
+  const int64_t row_elements = int64_t{a.kv_heads} * HD;
+  const Kv* keys = static_cast<const Kv*>(a.keys) + int64_t{kv_head} * HD;
+  const Kv* values = static_cast<const Kv*>(a.values) + int64_t{kv_head} * HD;
+  // Each thread's chunks in batches: the positions of a batch first (they decide which
+  // chunks are read), then its loads.
+  constexpr int kBatch = sizeof(Kv) == 2 ? 4 : 2;
+  static_assert(kChunksPerThread % kBatch == 0);
+#pragma unroll
+  for (int first = 0; first < kChunksPerThread; first += kBatch) {
+    bool valid[kBatch];
+#pragma unroll
+    for (int j = 0; j < kBatch; ++j) {
+      const int key = (threadIdx.x + (first + j) * kThreads) / kChunksPerKey;
+      const int64_t slot = first_slot + key;
+      valid[j] = slot < a.slots && __ldg(a.slot_positions + slot) >= 0;
+    }
+    if constexpr (sizeof(Kv) == 2) {
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = threadIdx.x + (first + j) * kThreads;
+        const int key = i / kChunksPerKey;
+        const int column = i % kChunksPerKey * kElementsPerChunk;
+        const int64_t offset = valid[j] ? (first_slot + key) * row_elements + column : 0;
+        cp_async16(k_tile + key * L::kLd + column, keys + offset, valid[j]);
+        cp_async16(v_tile + key * L::kLd + column, values + offset, valid[j]);
+      }
+    } else {
+      float4 k[kBatch], v[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = threadIdx.x + (first + j) * kThreads;
+        const int64_t offset =
+            (first_slot + i / kChunksPerKey) * row_elements + i % kChunksPerKey * 4;
+        k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        if (valid[j]) {
+          k[j] = __ldg(reinterpret_cast<const float4*>(keys + offset));
+          v[j] = __ldg(reinterpret_cast<const float4*>(values + offset));
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        const int i = threadIdx.x + (first + j) * kThreads;
+        const int at = i / kChunksPerKey * L::kLd + i % kChunksPerKey * 4;
+        uint2 k_out, v_out;
+        k_out.x = pack_bf16(k[j].x, k[j].y);
+        k_out.y = pack_bf16(k[j].z, k[j].w);
+        v_out.x = pack_bf16(v[j].x, v[j].y);
+        v_out.y = pack_bf16(v[j].z, v[j].w);
+        *reinterpret_cast<uint2*>(k_tile + at) = k_out;
+        *reinterpret_cast<uint2*>(v_tile + at) = v_out;
+      }
+    }
+  }
+}
+
+template <int HD, typename Kv>
+__global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillArgs a) {
   using L = Layout<HD>;
   constexpr int kRows = L::kRows, kKeys = L::kKeys;
-  constexpr int kVectorsPerThread = kKeys * (HD / 4) / kThreads;  // float4s of a K (V) tile
-  constexpr int kLoadBatch = 8;
-  static_assert(kKeys * (HD / 4) % kThreads == 0 && kVectorsPerThread % kLoadBatch == 0);
+  constexpr int kKeyTiles = kKeys / 8;      // n-tiles of a score fragment
+  constexpr int kDimTiles = kWarpDims / 8;  // n-tiles of the output fragment
   pdl_trigger_dependents();
   extern __shared__ __align__(128) unsigned char shared[];
   bf16* q_tile = reinterpret_cast<bf16*>(shared + L::kQ);
-  bf16* k_tile = reinterpret_cast<bf16*>(shared + L::kK);
-  bf16* v_tile = reinterpret_cast<bf16*>(shared + L::kV);
-  float* scores = reinterpret_cast<float*>(shared + L::kS);
-  bf16* weights = reinterpret_cast<bf16*>(shared + L::kP);
-  float* o_acc = reinterpret_cast<float*>(shared + L::kO);
-  float* row_max = reinterpret_cast<float*>(shared + L::kRowMax);
-  float* row_sum = reinterpret_cast<float*>(shared + L::kRowSum);
-  float* row_rescale = reinterpret_cast<float*>(shared + L::kRowRescale);
+  float* exchange = reinterpret_cast<float*>(shared + L::kExchange);
   int32_t* row_position = reinterpret_cast<int32_t*>(shared + L::kRowPosition);
-  int32_t* key_position = reinterpret_cast<int32_t*>(shared + L::kKeyPosition);
+  int32_t* tile_list = reinterpret_cast<int32_t*>(shared + L::kTileList);
+  int32_t* warp_counts = reinterpret_cast<int32_t*>(shared + L::kWarpCounts);
   pdl_wait_for_predecessors();
 
   const int kv_head = blockIdx.y;
+  const int split = blockIdx.z;
   const int64_t first_row = int64_t{blockIdx.x} * kRows;
   const int64_t total_rows = a.queries * a.group;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  const int row_tile = warp % L::kRowTiles;
+  const int dim_part = warp / L::kRowTiles;
+  const int quad_row = lane / 4;     // the fragment row (and row + 8) this lane holds
+  const int quad_column = lane % 4;  // its column pair within each 8-wide n-tile
 
-  // Q rows (zeros past the last query), their positions (-1: sees nothing), empty stats and O.
+  // Q rows → bf16 (zeros past the last query) and their positions (-1: sees nothing).
   for (int r = warp; r < kRows; r += kWarps) {
     const int64_t row = first_row + r;
     const bool live = row < total_rows;
@@ -126,18 +257,12 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
     const int64_t head = int64_t{kv_head} * a.group + (live ? row % a.group : 0);
     const float* q = a.q + t * a.q_stride + head * HD;
     for (int d = lane; d < HD; d += 32) {
-      q_tile[r * L::kLdQ + d] = __float2bfloat16(live ? q[d] : 0.0f);
+      q_tile[r * L::kLd + d] = __float2bfloat16(live ? q[d] : 0.0f);
     }
-    if (lane == 0) {
-      row_position[r] = live ? a.positions[t] : -1;
-      row_max[r] = -INFINITY;
-      row_sum[r] = 0.0f;
-    }
+    if (lane == 0) row_position[r] = live ? a.positions[t] : -1;
   }
-  for (int i = threadIdx.x; i < kRows * L::kLdO; i += kThreads) o_acc[i] = 0.0f;
   __syncthreads();
 
-  // The rows' position range: a slot is worth loading only if some row may see it.
   int32_t max_position = -1, min_position = INT_MAX;
   for (int r = 0; r < kRows; ++r) {
     const int32_t p = row_position[r];
@@ -146,187 +271,300 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
       min_position = min(min_position, p);
     }
   }
-  // Position p lives in slot p % slots: slots past the largest query position hold none of
-  // the visible ones when the cache has more slots than that.
-  const int64_t scanned = min(a.kv.slots, int64_t{max_position} + 1);
-  const int64_t kv_width = int64_t{a.kv.kv_heads} * HD;
-  const float* keys = a.kv.keys + int64_t{kv_head} * HD;
-  const float* values = a.kv.values + int64_t{kv_head} * HD;
+  const int32_t my_position[2] = {row_position[row_tile * kWarpRows + quad_row],
+                                  row_position[row_tile * kWarpRows + quad_row + 8]};
 
-  for (int64_t first_slot = 0; first_slot < scanned; first_slot += kKeys) {
-    // 1. Positions; skip the tile if no row can see any of it (a superset test: each row's
-    // own mask is applied in step 4).
+  // This split's share of the tiles of slots [0, scanned).
+  const int64_t scanned = min(a.slots, int64_t{max_position} + 1);
+  const int64_t tiles = (scanned + kKeys - 1) / kKeys;
+  const int64_t tile_begin = tiles * split / a.splits;
+  const int64_t tile_end = tiles * (split + 1) / a.splits;
+
+  float o[kDimTiles][4] = {};
+  float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
+  float row_sum[2] = {0.0f, 0.0f};            // this lane's columns only
+
+  for (int64_t chunk = tile_begin; chunk < tile_end; chunk += kThreads) {
+    // The chunk's tiles that some row may see (a superset test; each row's own mask is
+    // applied to the scores), compacted in order into tile_list.
     bool wanted = false;
-    if (threadIdx.x < kKeys) {
-      const int64_t slot = first_slot + threadIdx.x;
-      const int32_t p = slot < scanned ? a.kv.slot_positions[slot] : -1;
-      key_position[threadIdx.x] = p;
-      wanted = p >= 0 && p <= max_position && (a.window == 0 || min_position - p < a.window);
-    }
-    if (!__syncthreads_or(wanted)) continue;
-
-    // 2. K and V → bf16 (16-byte loads: a head's row is HD contiguous floats). Each thread
-    // issues kLoadBatch loads of K and of V before converting any, so a tile costs a few memory
-    // round trips, not one per vector.
-    for (int first = 0; first < kVectorsPerThread; first += kLoadBatch) {
-      float4 k[kLoadBatch], v[kLoadBatch];
+    const int64_t tile = chunk + threadIdx.x;
+    if (tile < tile_end) {
+      // Independent loads (no early exit): one memory round trip per tile, not kKeys.
 #pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int i = threadIdx.x + (first + j) * kThreads;
-        const int key = i / (HD / 4);
-        k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (key_position[key] >= 0) {
-          const int64_t offset = (first_slot + key) * kv_width + (i % (HD / 4)) * 4;
-          k[j] = __ldg(reinterpret_cast<const float4*>(keys + offset));
-          v[j] = __ldg(reinterpret_cast<const float4*>(values + offset));
+      for (int k = 0; k < kKeys; ++k) {
+        const int64_t slot = tile * kKeys + k;
+        const int32_t p = slot < scanned ? __ldg(a.slot_positions + slot) : -1;
+        wanted |= p >= 0 && p <= max_position && (a.window == 0 || min_position - p < a.window);
+      }
+    }
+    const unsigned ballot = __ballot_sync(0xFFFFFFFFu, wanted);
+    if (lane == 0) warp_counts[warp] = __popc(ballot);
+    __syncthreads();
+    int offset = __popc(ballot & ((1u << lane) - 1u)), count = 0;
+    for (int w = 0; w < kWarps; ++w) {
+      offset += w < warp ? warp_counts[w] : 0;
+      count += warp_counts[w];
+    }
+    if (wanted) tile_list[offset] = static_cast<int32_t>(tile);
+    __syncthreads();
+    if (count == 0) continue;
+
+    load_tile<HD, Kv>(a, kv_head, tile_list[0], 0, shared);
+    cp_async_commit();
+    for (int i = 0; i < count; ++i) {
+      const int buffer = i % 2;
+      if (i + 1 < count) {
+        load_tile<HD, Kv>(a, kv_head, tile_list[i + 1], 1 - buffer, shared);
+        cp_async_commit();
+        cp_async_wait<1>();
+      } else {
+        cp_async_wait<0>();
+      }
+      __syncthreads();  // tile i complete and visible to every warp
+      const bf16* k_tile = reinterpret_cast<const bf16*>(shared + L::kK + buffer * L::kTileBytes);
+      const bf16* v_tile = reinterpret_cast<const bf16*>(shared + L::kV + buffer * L::kTileBytes);
+      const int32_t* key_position =
+          reinterpret_cast<const int32_t*>(shared + L::kKeyPosition) + buffer * kKeys;
+
+      // S = Q · Kᵀ over this warp's dims (K's rows [key][d] are Kᵀ column-major).
+      float s[kKeyTiles][4] = {};
+      const int dim0 = dim_part * kWarpDims;
+#pragma unroll
+      for (int kk = 0; kk < kWarpDims; kk += 16) {
+        uint32_t q_fragment[4];
+        ldmatrix_x4<false>(q_fragment, q_tile + (row_tile * kWarpRows + lane % 16) * L::kLd + dim0 +
+                                           kk + lane / 16 * 8);
+#pragma unroll
+        for (int n = 0; n < kKeyTiles; n += 2) {
+          uint32_t k_fragment[4];
+          ldmatrix_x4<false>(k_fragment, k_tile + (n * 8 + lane % 8 + lane / 16 * 8) * L::kLd +
+                                             dim0 + kk + lane / 8 % 2 * 8);
+          mma_bf16(s[n], q_fragment, k_fragment[0], k_fragment[1]);
+          mma_bf16(s[n + 1], q_fragment, k_fragment[2], k_fragment[3]);
         }
       }
+      if constexpr (L::kDimParts > 1) {
+        // Every part's partial scores, summed in part order by each warp of the row tile.
+        float* mine = exchange + warp * L::kScoreRegs * 32;
 #pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int i = threadIdx.x + (first + j) * kThreads;
-        const int at = i / (HD / 4) * L::kLdQ + (i % (HD / 4)) * 4;
-        __nv_bfloat162* k_out = reinterpret_cast<__nv_bfloat162*>(k_tile + at);
-        __nv_bfloat162* v_out = reinterpret_cast<__nv_bfloat162*>(v_tile + at);
-        k_out[0] = __floats2bfloat162_rn(k[j].x, k[j].y);
-        k_out[1] = __floats2bfloat162_rn(k[j].z, k[j].w);
-        v_out[0] = __floats2bfloat162_rn(v[j].x, v[j].y);
-        v_out[1] = __floats2bfloat162_rn(v[j].z, v[j].w);
+        for (int i = 0; i < L::kScoreRegs; ++i) mine[i * 32 + lane] = s[i / 4][i % 4];
+        __syncthreads();
+#pragma unroll
+        for (int i = 0; i < L::kScoreRegs; ++i) {
+          float sum = 0.0f;
+#pragma unroll
+          for (int part = 0; part < L::kDimParts; ++part) {
+            sum += exchange[((part * L::kRowTiles + row_tile) * L::kScoreRegs + i) * 32 + lane];
+          }
+          s[i / 4][i % 4] = sum;
+        }
       }
-    }
-    __syncthreads();
 
-    // 3. S = Q · Kᵀ: K's rows [key][d] are Kᵀ in column-major order.
-    for (int tile = warp; tile < (kRows / kMma) * (kKeys / kMma); tile += kWarps) {
-      const int r0 = tile / (kKeys / kMma) * kMma;
-      const int c0 = tile % (kKeys / kMma) * kMma;
-      wmma::fragment<wmma::accumulator, kMma, kMma, kMma, float> s;
-      wmma::fill_fragment(s, 0.0f);
-      for (int d0 = 0; d0 < HD; d0 += kMma) {
-        wmma::fragment<wmma::matrix_a, kMma, kMma, kMma, bf16, wmma::row_major> q;
-        wmma::fragment<wmma::matrix_b, kMma, kMma, kMma, bf16, wmma::col_major> k;
-        wmma::load_matrix_sync(q, q_tile + r0 * L::kLdQ + d0, L::kLdQ);
-        wmma::load_matrix_sync(k, k_tile + c0 * L::kLdQ + d0, L::kLdQ);
-        wmma::mma_sync(s, q, k, s);
+      // Online softmax; element e of n-tile n is row quad_row + 8 · (e / 2), key
+      // n · 8 + 2 · quad_column + e % 2.
+      float tile_max[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+      for (int n = 0; n < kKeyTiles; ++n) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int32_t key = key_position[n * 8 + 2 * quad_column + e % 2];
+          s[n][e] = visible(key, my_position[e / 2], a.window) ? s[n][e] * a.scale_log2 : -INFINITY;
+          tile_max[e / 2] = fmaxf(tile_max[e / 2], s[n][e]);
+        }
       }
-      wmma::store_matrix_sync(scores + r0 * L::kLdS + c0, s, L::kLdS, wmma::mem_row_major);
-    }
-    __syncthreads();
+      float base[2], rescale[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xFFFFFFFFu, tile_max[h], 1));
+        tile_max[h] = fmaxf(tile_max[h], __shfl_xor_sync(0xFFFFFFFFu, tile_max[h], 2));
+        const float new_max = fmaxf(row_max[h], tile_max[h]);
+        // Nothing visible yet: every weight 0 (exp2(−∞ − 0)), O and the sum stay 0.
+        base[h] = new_max == -INFINITY ? 0.0f : new_max;
+        rescale[h] = exp2f(row_max[h] - base[h]);
+        row_max[h] = new_max;
+        row_sum[h] *= rescale[h];
+      }
+#pragma unroll
+      for (int n = 0; n < kDimTiles; ++n) {
+        o[n][0] *= rescale[0];
+        o[n][1] *= rescale[0];
+        o[n][2] *= rescale[1];
+        o[n][3] *= rescale[1];
+      }
 
-    // 4. Online softmax: kLanesPerRow consecutive lanes share a row, each taking every
-    // kLanesPerRow-th key of the tile.
-    {
-      constexpr int kLanesPerRow = kThreads / kRows;
-      constexpr int kKeysPerLane = kKeys / kLanesPerRow;
-      const int r = threadIdx.x / kLanesPerRow;
-      const int part = threadIdx.x % kLanesPerRow;
-      const int32_t query_position = row_position[r];
-      float s[kKeysPerLane];
-      float tile_max = -INFINITY;
+      // O += P · V: the score fragments of 16 keys are the A fragment of one mma k-step.
 #pragma unroll
-      for (int i = 0; i < kKeysPerLane; ++i) {
-        const int c = part + i * kLanesPerRow;
-        s[i] = visible(key_position[c], query_position, a.window)
-                   ? scores[r * L::kLdS + c] * a.scale
-                   : -INFINITY;
-        tile_max = fmaxf(tile_max, s[i]);
-      }
+      for (int kk = 0; kk < kKeyTiles; kk += 2) {
+        uint32_t p[4];
+        p[0] = pack_bf16(exp2f(s[kk][0] - base[0]), exp2f(s[kk][1] - base[0]));
+        p[1] = pack_bf16(exp2f(s[kk][2] - base[1]), exp2f(s[kk][3] - base[1]));
+        p[2] = pack_bf16(exp2f(s[kk + 1][0] - base[0]), exp2f(s[kk + 1][1] - base[0]));
+        p[3] = pack_bf16(exp2f(s[kk + 1][2] - base[1]), exp2f(s[kk + 1][3] - base[1]));
+        row_sum[0] += unpacked_sum(p[0]) + unpacked_sum(p[2]);
+        row_sum[1] += unpacked_sum(p[1]) + unpacked_sum(p[3]);
 #pragma unroll
-      for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) {
-        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, offset));
+        for (int n = 0; n < kDimTiles; n += 2) {
+          uint32_t v_fragment[4];
+          ldmatrix_x4<true>(v_fragment, v_tile + (kk * 8 + lane % 8 + lane / 8 % 2 * 8) * L::kLd +
+                                            dim0 + n * 8 + lane / 16 * 8);
+          mma_bf16(o[n], p, v_fragment[0], v_fragment[1]);
+          mma_bf16(o[n + 1], p, v_fragment[2], v_fragment[3]);
+        }
       }
-      const float old_max = row_max[r];
-      const float new_max = fmaxf(old_max, tile_max);
-      // Nothing visible yet: the max stays −∞, every weight 0, O untouched.
-      const float rescale = new_max == -INFINITY ? 1.0f : expf(old_max - new_max);
-      float tile_sum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < kKeysPerLane; ++i) {
-        const int c = part + i * kLanesPerRow;
-        const bf16 w = __float2bfloat16(s[i] == -INFINITY ? 0.0f : expf(s[i] - new_max));
-        weights[r * L::kLdP + c] = w;
-        tile_sum += __bfloat162float(w);
-      }
-#pragma unroll
-      for (int offset = kLanesPerRow / 2; offset > 0; offset /= 2) {
-        tile_sum += __shfl_xor_sync(0xFFFFFFFFu, tile_sum, offset);
-      }
-      __syncwarp();  // every lane of the row has read row_max
-      if (part == 0) {
-        row_max[r] = new_max;
-        row_sum[r] = row_sum[r] * rescale + tile_sum;
-        row_rescale[r] = rescale;
-      }
+      __syncthreads();  // the buffers (and the exchange) are refilled next iteration
     }
-    __syncthreads();
-
-    // 5. O = O · rescale + P · V, one 16x16 tile of O at a time per warp.
-    for (int tile = warp; tile < (kRows / kMma) * (HD / kMma); tile += kWarps) {
-      const int r0 = tile / (HD / kMma) * kMma;
-      const int c0 = tile % (HD / kMma) * kMma;
-      float* o = o_acc + r0 * L::kLdO + c0;
-      for (int i = lane; i < kMma * kMma; i += 32) {
-        const float rescale = row_rescale[r0 + i / kMma];
-        if (rescale != 1.0f) o[(i / kMma) * L::kLdO + i % kMma] *= rescale;
-      }
-      __syncwarp();
-      wmma::fragment<wmma::accumulator, kMma, kMma, kMma, float> acc;
-      wmma::load_matrix_sync(acc, o, L::kLdO, wmma::mem_row_major);
-      for (int k0 = 0; k0 < kKeys; k0 += kMma) {
-        wmma::fragment<wmma::matrix_a, kMma, kMma, kMma, bf16, wmma::row_major> p;
-        wmma::fragment<wmma::matrix_b, kMma, kMma, kMma, bf16, wmma::row_major> v;
-        wmma::load_matrix_sync(p, weights + r0 * L::kLdP + k0, L::kLdP);
-        wmma::load_matrix_sync(v, v_tile + k0 * L::kLdQ + c0, L::kLdQ);
-        wmma::mma_sync(acc, p, v, acc);
-      }
-      wmma::store_matrix_sync(o, acc, L::kLdO, wmma::mem_row_major);
-    }
-    __syncthreads();  // K, V and P are overwritten by the next tile
   }
 
-  for (int r = warp; r < kRows; r += kWarps) {
-    const int64_t row = first_row + r;
-    if (row >= total_rows) break;
+  // The row sums over the quad's columns; then the output (or this split's partial).
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    row_sum[h] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[h], 1);
+    row_sum[h] += __shfl_xor_sync(0xFFFFFFFFu, row_sum[h], 2);
+  }
+  const int q_heads = a.kv_heads * a.group;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t row = first_row + row_tile * kWarpRows + quad_row + 8 * h;
+    if (row >= total_rows) continue;
     const int64_t t = row / a.group;
     const int64_t head = int64_t{kv_head} * a.group + row % a.group;
-    const float sum = row_sum[r];
-    float* out = a.out + t * a.out_stride + head * HD;
-    for (int d = lane; d < HD; d += 32) {
-      out[d] = sum > 0.0f ? o_acc[r * L::kLdO + d] / sum : 0.0f;
+    float* out;
+    float divisor = 1.0f;
+    if (a.splits == 1) {
+      out = a.out + t * a.out_stride + head * HD;
+      divisor = row_sum[h];
+    } else {
+      const int64_t partial_row = (split * a.queries + t) * q_heads + head;
+      out = a.partials + partial_row * HD;
+      if (dim_part == 0 && quad_column == 0) {
+        float* stats = a.partials + a.splits * a.queries * q_heads * HD + partial_row * 2;
+        stats[0] = row_max[h];
+        stats[1] = row_sum[h];
+      }
+    }
+#pragma unroll
+    for (int n = 0; n < kDimTiles; ++n) {
+      const int d = dim_part * kWarpDims + n * 8 + 2 * quad_column;
+      out[d] = divisor > 0.0f ? o[n][2 * h] / divisor : 0.0f;
+      out[d + 1] = divisor > 0.0f ? o[n][2 * h + 1] / divisor : 0.0f;
     }
   }
 }
 
-template <int HD>
-cudaError_t launch_prefill_attention(const PrefillArgs& args, int kv_heads, const Launch& launch) {
+// out[t][head] = Σ_s 2^(m_s − M) · O_s / Σ_s 2^(m_s − M) · l_s over the splits' partials
+// (M = max m_s; zeros where no split saw anything). One block per (query, q head).
+__global__ void __launch_bounds__(kThreads)
+    prefill_merge_kernel(const float* partials, int64_t queries, int q_heads, int head_dim,
+                         int splits, float* out, int64_t out_stride) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int64_t row = blockIdx.x;  // t · q_heads + head
+  const int64_t rows = queries * q_heads;
+  const float* stats = partials + splits * rows * head_dim;
+  float max_log2 = -INFINITY;
+  for (int s = 0; s < splits; ++s) max_log2 = fmaxf(max_log2, stats[(s * rows + row) * 2]);
+  float* o = out + row / q_heads * out_stride + row % q_heads * head_dim;
+  if (max_log2 == -INFINITY) {
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) o[d] = 0.0f;
+    return;
+  }
+  float total = 0.0f;
+  for (int s = 0; s < splits; ++s) {
+    total += exp2f(stats[(s * rows + row) * 2] - max_log2) * stats[(s * rows + row) * 2 + 1];
+  }
+  for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      sum +=
+          exp2f(stats[(s * rows + row) * 2] - max_log2) * partials[(s * rows + row) * head_dim + d];
+    }
+    o[d] = total > 0.0f ? sum / total : 0.0f;
+  }
+}
+
+template <int HD, typename Kv>
+cudaError_t launch_prefill_attention(const PrefillArgs& args, const Launch& launch) {
   using L = Layout<HD>;
   const int64_t blocks = (args.queries * args.group + L::kRows - 1) / L::kRows;
-  if (blocks > INT_MAX || kv_heads > 65535) return cudaErrorInvalidValue;
+  if (blocks > INT_MAX || args.kv_heads > 65535) return cudaErrorInvalidValue;
   // Above 48 KB a kernel must opt in (a function attribute, not a stream operation: allowed
   // while a graph is captured).
   const cudaError_t status = cudaFuncSetAttribute(
-      prefill_attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+      prefill_attention_kernel<HD, Kv>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (status != cudaSuccess) return status;
-  return launch_kernel(prefill_attention_kernel<HD>,
-                       dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(kv_heads)),
+  return launch_kernel(prefill_attention_kernel<HD, Kv>,
+                       dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(args.kv_heads),
+                            static_cast<unsigned>(args.splits)),
                        dim3(kThreads), L::kBytes, launch, args);
+}
+
+template <typename Kv>
+cudaError_t launch_for_head_dim(const PrefillArgs& args, int head_dim, const Launch& launch) {
+  return head_dim == 256 ? launch_prefill_attention<256, Kv>(args, launch)
+                         : launch_prefill_attention<512, Kv>(args, launch);
 }
 
 bool aligned16(const void* p) {
   return reinterpret_cast<uintptr_t>(p) % 16 == 0;
 }
 
+int64_t rows_per_block(int head_dim) {
+  return head_dim == 256 ? Layout<256>::kRows : Layout<512>::kRows;
+}
+
+int64_t keys_per_tile(int head_dim) {
+  return head_dim == 256 ? Layout<256>::kKeys : Layout<512>::kKeys;
+}
+
 }  // namespace
 
-cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const KvSlots& kv,
-                              int window, float scale, const RowsView& out, const Launch& launch) {
+size_t prefill_attention_partials_floats(int64_t queries, int q_heads, int head_dim, int splits) {
+  return static_cast<size_t>(splits) * static_cast<size_t>(queries) * static_cast<size_t>(q_heads) *
+         (static_cast<size_t>(head_dim) + 2);
+}
+
+int prefill_attention_splits(int64_t queries, int q_heads, const KvCacheView& kv) {
+  if (kv.kv_heads < 1 || q_heads < kv.kv_heads || (kv.head_dim != 256 && kv.head_dim != 512)) {
+    return 1;
+  }
+  int multiprocessors = 0, device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device) !=
+          cudaSuccess) {
+    cudaGetLastError();
+    return 1;
+  }
+  // Two waves of two blocks per SM: blocks differ in work (causal rows see different numbers
+  // of keys), and more, smaller ones even that out. Each split keeps at least four tiles of the
+  // whole cache, and the partials stay within kMaxPartialBytes.
+  constexpr int kMaxSplits = 16;
+  constexpr size_t kMaxPartialBytes = size_t{64} << 20;
+  const int64_t row_blocks = (queries * (q_heads / kv.kv_heads) + rows_per_block(kv.head_dim) - 1) /
+                             rows_per_block(kv.head_dim) * kv.kv_heads;
+  const int64_t wanted = (4 * int64_t{multiprocessors} + row_blocks - 1) / row_blocks;
+  const int64_t by_keys = std::max<int64_t>(1, kv.slots / (4 * keys_per_tile(kv.head_dim)));
+  int splits = static_cast<int>(std::clamp<int64_t>(std::min(wanted, by_keys), 1, kMaxSplits));
+  while (splits > 1 &&
+         sizeof(float) * prefill_attention_partials_floats(queries, q_heads, kv.head_dim, splits) >
+             kMaxPartialBytes) {
+    --splits;
+  }
+  return splits;
+}
+
+cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const KvCacheView& kv,
+                              int window, float scale, const RowsView& out, float* partials,
+                              int splits, const Launch& launch) {
   const int head_dim = kv.head_dim;
   if (q.data == nullptr || out.data == nullptr || q.rows < 1 || out.rows != q.rows ||
       out.width != q.width || q.stride < q.width || out.stride < out.width ||
       positions == nullptr || kv.keys == nullptr || kv.values == nullptr ||
-      kv.slot_positions == nullptr || kv.slots < 1 || kv.kv_heads < 1 ||
+      kv.slot_positions == nullptr || kv.slots < 1 || kv.kv_heads < 1 || kv.sequences != nullptr ||
       (head_dim != 256 && head_dim != 512) || q.width % head_dim != 0 ||
       (q.width / head_dim) % kv.kv_heads != 0 || q.width / head_dim > INT_MAX ||
-      !aligned16(kv.keys) || !aligned16(kv.values)) {
+      !aligned16(kv.keys) || !aligned16(kv.values) || splits < 1 || splits > 65535 ||
+      (splits > 1 && partials == nullptr) || q.rows * (q.width / head_dim) > INT_MAX) {
     return cudaErrorInvalidValue;
   }
   PrefillArgs args = {};
@@ -335,13 +573,26 @@ cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const
   args.positions = positions;
   args.queries = q.rows;
   args.group = static_cast<int>(q.width / head_dim / kv.kv_heads);
-  args.kv = kv;
+  args.kv_heads = kv.kv_heads;
+  args.keys = kv.keys;
+  args.values = kv.values;
+  args.slot_positions = kv.slot_positions;
+  args.slots = kv.slots;
   args.window = window;
-  args.scale = scale;
+  args.scale_log2 = scale * kLog2e;
+  args.splits = splits;
   args.out = out.data;
   args.out_stride = out.stride;
-  return head_dim == 256 ? launch_prefill_attention<256>(args, kv.kv_heads, launch)
-                         : launch_prefill_attention<512>(args, kv.kv_heads, launch);
+  args.partials = partials;
+  const cudaError_t status = kv.type == KvType::kBF16
+                                 ? launch_for_head_dim<bf16>(args, head_dim, launch)
+                                 : launch_for_head_dim<float>(args, head_dim, launch);
+  if (status != cudaSuccess || splits == 1) return status;
+  const int64_t rows = q.rows * (q.width / head_dim);
+  return launch_kernel(prefill_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                       launch, static_cast<const float*>(partials), q.rows,
+                       static_cast<int>(q.width / head_dim), head_dim, splits, out.data,
+                       out.stride);
 }
 
 }  // namespace gemma4::cuda

@@ -1,16 +1,17 @@
 // Kernels of the prefill paths (passes of many rows), used by CudaBackend (prefill_backend.cpp):
 //  * the tensor-core matmul's operands: fp32 activation rows and tiles of a packed weight matrix
 //    converted to bf16 (cuBLAS then multiplies them, fp32 accumulation and output);
-//  * prefill attention: a chunk of queries of one sequence against its fp32 KV slots, flash
-//    style (online softmax over key tiles) on bf16 tensor cores (WMMA 16x16x16, fp32
+//  * prefill attention: a chunk of queries of one sequence against its float or bf16 KV slots,
+//    flash style (online softmax over key tiles) on bf16 tensor cores (mma.sync, fp32
 //    accumulation), each K/V tile in shared memory serving every q head of its group and
-//    several queries.
+//    several queries, the cache split among blocks when the rows alone do not fill the GPU.
 // Plain parameter blocks (backend_kernels.h); every kernel is graph-capturable and takes the
 // PDL hooks of launch.cuh.
 #pragma once
 
 #include <cstdint>
 
+#include "backend/cuda/attention.h"
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/launch.h"
 
@@ -39,13 +40,23 @@ cudaError_t bf16_weight_tile(const MatrixView& w, int64_t first_row, int64_t row
                              int64_t padded_cols, void* out, const Launch& launch);
 
 // engine::Backend::attention for any number of queries (q.rows) of one sequence: out[t] =
-// softmax(scale · q[t] · Kᵀ + mask) · V per q head over the slots of `kv` (same visibility rule:
-// position p is visible to the query at P = positions[t] iff p <= P and (window == 0 or
-// P − p < window); nothing visible gives zeros). head_dim 256 or 512; keys/values 16-byte
-// aligned. Q, K, V and the softmax weights are rounded to bf16 for the tensor cores; scores,
-// softmax and sums are fp32. Returns cudaErrorInvalidValue, launching nothing, for shapes it
-// does not take (the generic attention_rows does).
-cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const KvSlots& kv,
-                              int window, float scale, const RowsView& out, const Launch& launch);
+// softmax(scale · q[t] · Kᵀ + mask) · V per q head over the slots of `kv` (a uniform view of one
+// sequence, float or bf16 K/V; same visibility rule: position p is visible to the query at
+// P = positions[t] iff p <= P and (window == 0 or P − p < window); nothing visible gives
+// zeros). head_dim 256 or 512; keys/values 16-byte aligned. Q, K, V and the softmax weights
+// are rounded to bf16 for the tensor cores; scores, softmax and sums are fp32. With splits > 1
+// the cache is divided among that many blocks per row tile, whose partials (`partials`:
+// prefill_attention_partials_floats) a second kernel merges. Returns cudaErrorInvalidValue,
+// launching nothing, for shapes it does not take (the generic attention_rows does).
+cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const KvCacheView& kv,
+                              int window, float scale, const RowsView& out, float* partials,
+                              int splits, const Launch& launch);
+
+// Splits that fill the GPU for `queries` queries of q_heads heads against `kv` (a function of
+// the shapes and the cache's capacity only, so a recorded pass replays the same launches).
+int prefill_attention_splits(int64_t queries, int q_heads, const KvCacheView& kv);
+
+// Floats of partials prefill_attention needs with `splits` > 1.
+size_t prefill_attention_partials_floats(int64_t queries, int q_heads, int head_dim, int splits);
 
 }  // namespace gemma4::cuda

@@ -1,0 +1,28 @@
+// The tensor-core batched GEMV (gemv_mma_kernels.h): y = epilogue(W x) for 2..64 activation rows
+// over packed w4g32 or NVFP4 weights, dequantized in registers and multiplied on bf16 tensor cores
+// with fp32 accumulation. gemv() sends the calls this takes to it (batched decode, speculative
+// verification); the benchmark calls it directly to compare tilings.
+#pragma once
+
+#include "backend/cuda/gemv.h"
+#include "backend/cuda/gemv_mma_kernels.h"
+
+namespace gemma4::cuda {
+
+// Whether the tensor-core kernel multiplies these operands: 2..64 rows of bf16 activations or
+// fp32 ones rounded to bf16 (the products a bf16 model computes; exact fp32 activations stay on
+// the CUDA-core GEMV) with w4g32 (any scale type) or NVFP4 weights, or kQ8 ones with w4g32.
+bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
+
+// The tiling used when none is given, from the weight shape and the row count.
+MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type);
+
+// Enqueues y = epilogue(W x) on tensor cores with `tiling` (warps 0: the default). The operands
+// follow gemv()'s contract (gemv.h). Returns cudaErrorInvalidValue, before enqueuing anything,
+// for operands gemv_mma_takes refuses, a shape or pointer gemv() would refuse, or a tiling
+// outside the kernel's options (warps 4 or 8, splits 1..kMmaGemvMaxSplits and at most K / 32,
+// shared memory within kMmaGemvMaxSharedBytes); else the launch status.
+cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
+                     const Launch& launch, MmaGemvTiling tiling = {0, 0});
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,107 @@
+// The tensor-core batched GEMV's kernel interface (gemv_mma.cu): a plain parameter block, no
+// checkpoint types (nvcc cannot parse fmt, which quant/qmatrix.h pulls in). gemv_mma.h is the API
+// the engine uses; gemv_mma.cpp validates and translates to this.
+//
+// The kernel: y[m][n] = epilogue(Σ_k W[n][k] · x[m][k]) for 2..64 activation rows over packed
+// w4g32 or NVFP4 weights, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation). Weights are
+// the A operand (16 weight rows per fragment), activations the B operand (8 rows per n tile). A
+// packed word is turned into bf16 pairs of the exact integers u − 8 in registers; every mma covers
+// 16 K elements of one 32-element group, so a group's two mma sums are multiplied by the group
+// scale in fp32: the same products as the CUDA-core GEMV with bf16 activations (exact), summed in
+// another order. Activations (bf16, or fp32 rounded to bf16) are staged once per block in shared
+// memory in the fragment order. kQ8 activations stage their int8 values as bf16 (exact integers)
+// and their per-32 scales beside them: each group's integer sum Σ(u − 8)·q is exact in fp32 and
+// takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV. NVFP4 weights
+// enter as e2m1 value × e4m3 block scale (exact in bf16), the global factor applied to the sums.
+//
+// Work split: a block of `warps` warps owns 32 · warps consecutive weight rows (each warp two
+// 16-row tiles, so every activation fragment read from shared memory feeds two mma) and 1/splits
+// of K; the `splits` blocks of one row range form a thread-block cluster that adds its partial
+// sums through distributed shared memory in a fixed order (deterministic) before the epilogue.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/launch.h"
+
+namespace gemma4::cuda {
+
+// Activation rows (2..64) the tensor-core GEMV takes.
+inline constexpr int kMmaGemvMinRows = 2;
+inline constexpr int kMmaGemvMaxRows = 64;
+
+// Largest thread-block cluster (the portable size).
+inline constexpr int kMmaGemvMaxSplits = 8;
+
+struct MmaGemvTiling {
+  int warps;   // 4 or 8: 128 or 256 weight rows per block
+  int splits;  // 1..kMmaGemvMaxSplits blocks along K, one cluster
+};
+
+// n tiles (8 activation rows each) a kernel covers for m rows: 1, 2, 4 or 8 (one instantiation
+// each; rows past m are zeros that are never stored).
+constexpr int mma_gemv_n_tiles(int m) {
+  return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
+}
+
+// K groups one block of a cluster multiplies (the last one may have fewer).
+constexpr int64_t mma_gemv_groups_per_split(int64_t groups, int splits) {
+  return (groups + splits - 1) / splits;
+}
+
+// Bytes of one staged activation row: 64 per group, padded to an odd multiple of 64 so that the
+// two rows one 8-lane phase of a 16-byte shared-memory load reads fall in different banks.
+constexpr int64_t mma_gemv_staged_row_bytes(int64_t groups_per_split) {
+  return 64 * (groups_per_split | 1);
+}
+
+// Floats per activation row of a block's partial sums: its 32 · warps weight rows plus 4, so that
+// the 4 lanes of a quad (rows 2t, 2t + 1 apart by twice the stride) store to distinct banks.
+constexpr int64_t mma_gemv_partial_stride(int warps) {
+  return 32 * warps + 4;
+}
+
+// Dynamic shared memory the kernel needs for `m` activation rows of `x_type`, `groups` 32-element
+// K groups and this tiling: the staged activations of a block's K range (kQ8: then their fp32
+// scales [group][row]), reused for the partial sums.
+constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups,
+                                        ActType x_type) {
+  const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
+  const int64_t groups_per_split = mma_gemv_groups_per_split(groups, tiling.splits);
+  const int64_t staged = padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
+                         (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
+  const int64_t partial = padded_rows * mma_gemv_partial_stride(tiling.warps) * 4;
+  return staged > partial ? staged : partial;
+}
+
+// The most dynamic shared memory one block may use (the H200's opt-in maximum, 227 KB).
+inline constexpr int64_t kMmaGemvMaxSharedBytes = 227 * 1024;
+
+struct MmaGemvArgs {
+  const void* weights;  // w4g32: u32 words [rows][groups · 4]; NVFP4: bytes [rows][groups · 16]
+  const void* scales;   // w4g32: [rows][groups] of scale_type; NVFP4: e4m3 [rows][groups · 2]
+  int scale_type;       // quant::ScaleType value (w4g32)
+  float nv_global;      // quant::NvGlobalScale (NVFP4)
+  int nv_global_is_divisor;
+  int64_t rows;
+  int64_t groups;  // K / 32
+  // kF32 (rounded to bf16 here) or kBF16: row m at x + m · x_stride elements; kQ8 (the layout of
+  // gemv_kernels.h, x_stride a multiple of 32): row m at byte m · x_stride · 5/4.
+  const void* x;
+  int64_t x_stride;
+  int m;
+  float* y;  // kGeluPairs: rows / 2 outputs per activation row
+  int64_t y_stride;
+  GemvEpilogue epilogue;
+  const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride
+  int64_t multiplier_stride;
+};
+
+// Enqueues the kernel; arguments already validated (rows, groups > 0, m in 2..64, x type kF32,
+// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes). Returns
+// cudaErrorInvalidValue for a format other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
+cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
+                            const MmaGemvTiling& tiling, const Launch& launch);
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,304 @@
+// The tensor-core batched GEMV (gemv_mma.h) against quant's CPU oracle (quant::dequantize_row,
+// weight-formats.md 2.3, 3.1-3.3) on fresh random w4g32 and NVFP4 weights: every row count 2..64,
+// real E2B and 26B-A4B shapes through gemv()'s dispatch, every epilogue, every tiling option,
+// partial row tiles and K splits, every activation type (fp32 rounded to bf16, bf16, q8); outputs
+// poisoned first (NaN), so an unwritten element fails. The epilogues against PyTorch's
+// gelu(approximate="tanh") formula in double.
+#include "backend/cuda/gemv_mma.h"
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/numeric.h"
+#include "cuda_test_util.h"
+#include "packed_matrix.h"
+
+namespace gemma4::cuda {
+namespace {
+
+using quant::ScaleType;
+using quant::WeightFormat;
+using testing::DeviceArray;
+using testing::DeviceMatrix;
+using testing::HostMatrix;
+using testing::random_matrix;
+
+// Products are exact (u − 8 times a bf16 activation) and summed in fp32: the bound, relative to
+// Σ|w·x|, is far below bf16 rounding (2^-8).
+constexpr double kTolerance = 2e-4;
+// Bounds |d gelu_tanh / du| (its maximum is about 1.13).
+constexpr double kGeluSlopeBound = 1.2;
+
+double gelu_tanh_reference(double u) {
+  return 0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
+}
+
+constexpr ActType kActivationTypes[] = {ActType::kF32, ActType::kBF16, ActType::kQ8};
+
+struct Case {
+  int m = 2;
+  ActType x_type = ActType::kF32;
+  GemvEpilogue epilogue = GemvEpilogue::kNone;
+  MmaGemvTiling tiling = {0, 0};  // {0, 0}: through gemv() and its default choice
+  uint32_t seed = 1;
+};
+
+std::string describe(const HostMatrix& w, const Case& c) {
+  return std::to_string(w.rows) + "x" + std::to_string(w.cols) + " M=" + std::to_string(c.m) +
+         (c.x_type == ActType::kBF16 ? " x=bf16"
+          : c.x_type == ActType::kQ8 ? " x=q8"
+                                     : " x=f32 rounded") +
+         " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
+         " warps=" + std::to_string(c.tiling.warps) + " splits=" + std::to_string(c.tiling.splits);
+}
+
+// Runs one case and checks every output against the reference. Returns the outputs.
+std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, const Case& c) {
+  SCOPED_TRACE(describe(host, c));
+  const int64_t n = host.rows, k = host.cols;
+  const int64_t width = c.epilogue == GemvEpilogue::kGeluPairs ? n / 2 : n;
+  // Activation rows with a stride wider than K, as the engine's scratch rows may be.
+  const int64_t stride = k + 32;
+  const std::vector<float> source = testing::random_floats(c.m * stride, -1.0f, 1.0f, c.seed);
+  const std::vector<float> multiplier = testing::random_floats(c.m * n, -2.0f, 2.0f, c.seed + 1);
+  std::vector<float> x(source.size());  // what the tensor cores multiply: bf16 values
+  std::vector<uint16_t> bits(source.size());
+  for (size_t i = 0; i < source.size(); ++i) {
+    bits[i] = float_to_bf16(source[i]);
+    x[i] = bf16_to_float(bits[i]);
+  }
+  DeviceArray<float> x_f32(source);
+  DeviceArray<uint16_t> x_bf16(bits);
+  DeviceArray<uint8_t> x_q8(c.m * q8_row_bytes(stride));
+  if (c.x_type == ActType::kQ8) {
+    // The quantizer's output (its own tests check it against its contract); what the kernel
+    // multiplies is q · scale.
+    EXPECT_EQ(quantize_activations_q8(x_f32.get(), c.m, k, stride, x_q8.get(), stride, Launch{}),
+              cudaSuccess);
+    EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    const std::vector<uint8_t> q8 = x_q8.download();
+    for (int m = 0; m < c.m; ++m) {
+      const uint8_t* row = q8.data() + m * q8_row_bytes(stride);
+      for (int64_t e = 0; e < k; ++e) {
+        float scale;
+        std::memcpy(&scale, row + stride + 4 * (e / 32), 4);
+        const int in_group = e % 8;
+        const int8_t q =
+            static_cast<int8_t>(row[e / 8 * 8 + (in_group % 2 ? 4 : 0) + in_group / 2]);
+        x[m * stride + e] = static_cast<float>(q) * scale;
+      }
+    }
+  }
+  DeviceArray<float> multiplier_device(multiplier);
+  DeviceArray<float> y(c.m * width);
+  const void* x_device = c.x_type == ActType::kBF16 ? static_cast<const void*>(x_bf16.get())
+                         : c.x_type == ActType::kQ8 ? static_cast<const void*>(x_q8.get())
+                                                    : x_f32.get();
+  const GemvInput input = {x_device, c.x_type, c.m, stride, c.x_type == ActType::kF32};
+  const GemvOutput output = {y.get(), width, c.epilogue, multiplier_device.get(), n};
+  const cudaError_t status = c.tiling.warps == 0
+                                 ? gemv(device.view, input, output, Launch{})
+                                 : gemv_mma(device.view, input, output, Launch{}, c.tiling);
+  EXPECT_EQ(status, cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  const std::vector<float> got = y.download();
+
+  std::vector<double> products(c.m * n), magnitudes(c.m * n);
+  const quant::QMatrix view = host.view();
+  testing::parallel_for(n, [&](int64_t row) {
+    std::vector<float> w(k);
+    quant::dequantize_row(view, row, w.data());
+    for (int m = 0; m < c.m; ++m) {
+      double sum = 0.0, magnitude = 0.0;
+      for (int64_t j = 0; j < k; ++j) {
+        const double product = static_cast<double>(w[j]) * x[m * stride + j];
+        sum += product;
+        magnitude += std::fabs(product);
+      }
+      products[m * n + row] = sum;
+      magnitudes[m * n + row] = magnitude;
+    }
+  });
+  std::vector<double> expected(c.m * width), bound(c.m * width);
+  for (int m = 0; m < c.m; ++m) {
+    for (int64_t i = 0; i < width; ++i) {
+      const int64_t out = m * width + i, at = m * n + i;
+      if (c.epilogue == GemvEpilogue::kNone) {
+        expected[out] = products[at];
+        bound[out] = magnitudes[at];
+      } else if (c.epilogue == GemvEpilogue::kGeluMul) {
+        expected[out] = gelu_tanh_reference(products[at]) * multiplier[at];
+        bound[out] = kGeluSlopeBound * magnitudes[at] * std::fabs(multiplier[at]);
+      } else {
+        const int64_t gate = m * n + 2 * i, up = gate + 1;
+        const double gelu = gelu_tanh_reference(products[gate]);
+        expected[out] = gelu * products[up];
+        bound[out] = kGeluSlopeBound * magnitudes[gate] * std::fabs(products[up]) +
+                     std::fabs(gelu) * magnitudes[up];
+      }
+    }
+  }
+  testing::expect_close(got, expected, bound, kTolerance, "gemv_mma");
+  return got;
+}
+
+// Every row count, with row tiles and K splits that do not divide the matrix: 200 rows (a
+// partial 16-row tile and a partial block) by 7 groups of K.
+TEST(GemvMma, EveryRowCountPartialTiles) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 200, 224, 11);
+  const DeviceMatrix device(host);
+  for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
+    Case c;
+    c.m = m;
+    c.x_type = kActivationTypes[m % 3];
+    c.tiling = {m % 2 == 0 ? 8 : 4, 1 + m % 5};
+    c.seed = 100 + m;
+    check(host, device, c);
+  }
+}
+
+TEST(GemvMma, EveryTilingEveryEpilogue) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1040, 1536, 12);
+  const DeviceMatrix device(host);
+  uint32_t seed = 300;
+  for (int warps : {4, 8}) {
+    for (int splits = 1; splits <= kMmaGemvMaxSplits; ++splits) {
+      for (GemvEpilogue e :
+           {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
+        Case c;
+        c.m = splits % 2 ? 37 : 12;
+        c.x_type = kActivationTypes[(splits + warps) % 3];
+        c.epilogue = e;
+        c.tiling = {warps, splits};
+        c.seed = seed++;
+        check(host, device, c);
+      }
+    }
+  }
+}
+
+// Real shapes through gemv(): E2B QKV, gate+up (GELU pairs, as the engine runs it), down,
+// o_proj; 26B-A4B expert gate+up and down.
+TEST(GemvMma, RealShapesThroughGemv) {
+  struct Shape {
+    int64_t rows, cols;
+    GemvEpilogue epilogue;
+  };
+  const Shape shapes[] = {
+      {2560, 1536, GemvEpilogue::kNone},      {12288, 1536, GemvEpilogue::kGeluPairs},
+      {1536, 6144, GemvEpilogue::kNone},      {1536, 2048, GemvEpilogue::kNone},
+      {1408, 2816, GemvEpilogue::kGeluPairs}, {2816, 704, GemvEpilogue::kNone}};
+  uint32_t seed = 500;
+  for (const Shape& s : shapes) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int m : {2, 9, 64}) {
+      for (ActType x_type : kActivationTypes) {
+        Case c;
+        c.m = m;
+        c.x_type = x_type;
+        c.epilogue = s.epilogue;
+        c.seed = seed++;
+        check(host, device, c);
+      }
+    }
+  }
+}
+
+TEST(GemvMma, ScaleTypes) {
+  uint32_t seed = 700;
+  for (ScaleType type : {ScaleType::kBF16, ScaleType::kF16, ScaleType::kF32}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, 512, 1536, seed++, type);
+    const DeviceMatrix device(host);
+    Case c;
+    c.m = 24;
+    c.seed = seed++;
+    check(host, device, c);
+  }
+}
+
+// NVFP4 (e4m3 block scales, zero blocks among them) in both global-factor conventions: 26B-A4B
+// shapes (QKV of a sliding layer, dense MLP gate+up with GELU pairs and down, an expert).
+TEST(GemvMma, Nvfp4BothConventions) {
+  struct Shape {
+    int64_t rows, cols;
+    GemvEpilogue epilogue;
+  };
+  const Shape shapes[] = {{8192, 2816, GemvEpilogue::kNone},
+                          {4224, 2816, GemvEpilogue::kGeluPairs},
+                          {2816, 2112, GemvEpilogue::kNone},
+                          {1408, 2816, GemvEpilogue::kGeluMul}};
+  uint32_t seed = 900;
+  for (bool divisor : {true, false}) {
+    for (const Shape& s : shapes) {
+      const HostMatrix host =
+          random_matrix(WeightFormat::kNVFP4, s.rows, s.cols, seed++, ScaleType::kBF16, divisor);
+      const DeviceMatrix device(host);
+      for (int m : {2, 17, 32}) {
+        Case c;
+        c.m = m;
+        c.x_type = m == 17 ? ActType::kBF16 : ActType::kF32;
+        c.epilogue = s.epilogue;
+        c.seed = seed++;
+        check(host, device, c);
+      }
+    }
+  }
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 300, 704, seed++);
+  const DeviceMatrix device(host);
+  for (int warps : {4, 8}) {
+    for (int splits : {1, 3, 8}) {
+      Case c;
+      c.m = 64;
+      c.tiling = {warps, splits};
+      c.seed = seed++;
+      check(host, device, c);
+    }
+  }
+}
+
+// The cluster adds its partial sums in a fixed order: two runs give the same bits.
+TEST(GemvMma, Deterministic) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1536, 6144, 13);
+  const DeviceMatrix device(host);
+  Case c;
+  c.m = 64;
+  c.tiling = {4, 8};
+  const std::vector<float> first = check(host, device, c);
+  const std::vector<float> second = check(host, device, c);
+  EXPECT_EQ(first, second);
+}
+
+TEST(GemvMma, RefusesWhatItDoesNotTake) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 64, 64, 14);
+  const DeviceMatrix device(host);
+  DeviceArray<float> x(65 * 64), y(65 * 64);
+  const GemvOutput output = {y.get(), 64};
+  auto run = [&](int m, ActType type, bool rounded, MmaGemvTiling tiling, int64_t stride = 64) {
+    return gemv_mma(device.view, {x.get(), type, m, stride, rounded}, output, Launch{}, tiling);
+  };
+  EXPECT_EQ(run(1, ActType::kF32, true, {}), cudaErrorInvalidValue);      // one row: the GEMV's
+  EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);     // more than 64
+  EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);     // exact fp32 products
+  EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
+  EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // warps 4 or 8
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
+  const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
+  const DeviceMatrix nvfp4_device(nvfp4);
+  EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),
+            cudaErrorInvalidValue);  // q8 activations pair with w4g32 only
+  const HostMatrix bf16 = random_matrix(WeightFormat::kBF16, 64, 64, 16);
+  const DeviceMatrix bf16_device(bf16);
+  EXPECT_EQ(gemv_mma(bf16_device.view, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
+}  // namespace
+}  // namespace gemma4::cuda

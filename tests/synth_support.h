@@ -1,0 +1,69 @@
+// Synthetic checkpoints for the C++ tests: synthesized into a scratch folder and mapped.
+#pragma once
+
+#include <unistd.h>
+#include <cstdint>
+#include <filesystem>
+#include <map>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+
+#include "core/status.h"
+#include "model/synth.h"
+#include "model/weights.h"
+#include "test_support.h"
+
+namespace gemma4::testing {
+
+// Removes a scratch folder when it goes out of scope. Declare it before the mapping of a
+// checkpoint inside the folder, so that the mapping is released first.
+struct RemoveOnExit {
+  std::filesystem::path path;
+  ~RemoveOnExit() {
+    if (!path.empty()) std::filesystem::remove_all(path);
+  }
+};
+
+// Synthesizes the checkpoint `options` describe into options.output and maps it.
+inline Expected<model::LoadedModel> synthesize_and_open(const model::SynthOptions& options) {
+  GEMMA4_RETURN_IF_ERROR(model::synthesize_checkpoint(options));
+  return model::LoadedModel::open(options.output);
+}
+
+// The checkpoint of (config, format, grid, seed), synthesized and mapped once per test process:
+// synthesis and mapping are the slow part of most tests that run a model. The scratch folder is
+// named by the process id, as test binaries run in parallel, and removed at exit. A failure
+// throws, which fails the calling test with the error's text.
+inline const model::LoadedModel& cached_synth_model(const std::string& config,
+                                                    model::SynthFormat format,
+                                                    model::SynthGrid grid, uint64_t seed) {
+  struct Synthesized {
+    RemoveOnExit folder;  // destroyed after the mapping
+    model::LoadedModel model;
+  };
+  using Key = std::tuple<std::string, model::SynthFormat, model::SynthGrid, uint64_t>;
+  static std::map<Key, Synthesized> models;
+  const Key key{config, format, grid, seed};
+  if (auto it = models.find(key); it != models.end()) return it->second.model;
+
+  model::SynthOptions synth;
+  synth.config = config;
+  synth.format = format;
+  synth.grid = grid;
+  synth.seed = seed;
+  synth.output = scratch_dir("synth_" + std::to_string(getpid()) + "_" + config + "_" +
+                             std::to_string(static_cast<int>(format)) + "_" +
+                             std::to_string(static_cast<int>(grid)) + "_" + std::to_string(seed));
+  auto loaded = synthesize_and_open(synth);
+  if (!loaded.ok()) {
+    std::filesystem::remove_all(synth.output);
+    throw std::runtime_error("synthesizing " + config + ": " + loaded.error().to_string());
+  }
+  Synthesized& entry = models[key];
+  entry.folder.path = synth.output;
+  entry.model = std::move(*loaded);
+  return entry.model;
+}
+
+}  // namespace gemma4::testing
