@@ -52,6 +52,15 @@ struct EngineOptions {
   bool record_decode = true;
 };
 
+// The pass a GPU backend gets unless asked otherwise (cli::create_engine; a --gpu-memory budget
+// still halves it to fit): every pass reads and dequantizes every weight once and launches every
+// kernel once, so a 4,096-token prompt costs ~13 ms less of that in passes of 2048 than of 512
+// on an H200 (session 4 profile: ~2.2 ms of bf16 weight tiles per E2B pass), and attention gets
+// more rows per launch. The price: models with KV-shared sliding layers (E2B, E4B) keep a ring
+// of window + pass - 1 slots (E2B: 12 layers x 2559 slots, 1 KiB per slot in bf16) and the
+// workspace grows with the pass (E2B ~0.7 GB at 2048 rows).
+inline constexpr int kDevicePassTokens = 2048;
+
 // options.ring_history, or when it is 0 the default for `config` (see above): max_pass_tokens - 1
 // if a KV-shared layer reads a sliding ring, else 32.
 int ring_history_for(const model::ModelConfig& config, const EngineOptions& options);

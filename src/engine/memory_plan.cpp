@@ -25,6 +25,10 @@ constexpr int64_t kKeysPerSplit = 256;
 constexpr int64_t kMaxAttentionSplits = 1024;
 constexpr int64_t kMaxAttentionBlocks = 2048;
 constexpr int64_t kMaxBatchedSequences = 64;
+// Prefill attention (prefill_kernels.h) shares the decode partials' scratch: at most
+// kMaxPrefillSplits splits of a pass's rows, within kMaxPrefillPartialBytes.
+constexpr int64_t kMaxPrefillSplits = 8;
+constexpr int64_t kMaxPrefillPartialBytes = int64_t{32} << 20;
 // run_experts works through at most this many tokens at once.
 constexpr int64_t kMoeTokensPerPass = 512;
 // Tensor-core prefill: the cuBLAS workspace, one bf16 weight tile, bf16 activations.
@@ -92,6 +96,9 @@ int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOpti
         std::min(kMaxAttentionSplits,
                  std::max<int64_t>(1, kMaxAttentionBlocks / (batch * g.num_kv_heads))));
     attention = std::max(attention, kFloat * batch * g.num_q_heads * splits * (g.head_dim + 2));
+    attention = std::max(attention, std::min(kMaxPrefillPartialBytes,
+                                             kFloat * kMaxPrefillSplits * options.max_pass_tokens *
+                                                 g.num_q_heads * (g.head_dim + 2)));
     rope += kFloat * g.head_dim / 2;
   }
   const int64_t rows = options.max_pass_tokens;

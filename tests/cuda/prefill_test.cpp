@@ -31,6 +31,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/prefill_kernels.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
@@ -421,8 +422,8 @@ TEST(PrefillGraph, RecordedPassesReplayBitForBit) {
 // ---------------------------------------------------------------------------------------------
 // Timings at E2B's shapes, for the GPU machine (not a check; run with
 // --gtest_also_run_disabled_tests --gtest_filter='PrefillTiming.*'): the tensor-core matmul of
-// each layer matrix (W4A16, bf16 scales) and prefill attention of a 512-query pass late in a
-// 4096-token prompt, median of 5 runs after a warm-up.
+// each layer matrix (W4A16, bf16 scales) and prefill attention of the last 512- or 2048-query
+// pass of a 4096-token prompt, median of 5 runs after a warm-up.
 
 // Milliseconds `enqueue` takes on the backend's stream.
 template <typename Enqueue>
@@ -479,32 +480,60 @@ TEST(PrefillTiming, DISABLED_E2BShapes) {
           2e-9 * static_cast<double>(shape.rows * shape.cols * tokens) / ms);
     }
   }
-  // attention: 8 q heads on 1 kv head, queries 3584..4095 against a sliding ring (window 512,
-  // 1023 slots) or a full cache (4096 slots).
+  // attention (the kernel itself, float and bf16 K/V, the backend's choice of splits): 8 q
+  // heads on 1 kv head, the last pass of a 4096-token prompt (512 or 2048 queries) against a
+  // sliding ring (window 512, window + pass - 1 slots) or a full cache (4096 slots).
   struct Layer {
     const char* name;
     int head_dim, window;
-    int64_t slots;
+    int64_t queries;
   };
-  for (const Layer& layer : {Layer{"sliding", 256, 512, 1023}, Layer{"full", 512, 0, 4096}}) {
-    const int64_t queries = 512, width = 8 * layer.head_dim;
-    std::vector<int32_t> slot_positions(layer.slots), query_positions(queries);
-    for (int32_t p = 0; p < 4096; ++p) slot_positions[p % layer.slots] = p;
-    for (int64_t t = 0; t < queries; ++t) query_positions[t] = static_cast<int32_t>(3584 + t);
-    DeviceArray<float> keys(testing::random_floats(layer.slots * layer.head_dim, -1, 1, 2));
-    DeviceArray<float> values(testing::random_floats(layer.slots * layer.head_dim, -1, 1, 3));
-    DeviceArray<int32_t> slots(slot_positions), positions(query_positions);
+  cudaStream_t stream = static_cast<CudaBackend&>(*gpu).stream();
+  for (const Layer& layer : {Layer{"sliding", 256, 512, 512}, Layer{"full", 512, 0, 512},
+                             Layer{"sliding", 256, 512, 2048}, Layer{"full", 512, 0, 2048}}) {
+    const int64_t queries = layer.queries, width = 8 * layer.head_dim;
+    const int64_t slots = layer.window > 0 ? layer.window + queries - 1 : 4096;
+    const int32_t first = static_cast<int32_t>(4096 - queries);
+    std::vector<int32_t> slot_positions(slots), query_positions(queries);
+    for (int32_t p = 0; p < 4096; ++p) slot_positions[p % slots] = p;
+    for (int64_t t = 0; t < queries; ++t) query_positions[t] = first + static_cast<int32_t>(t);
+    const auto k = testing::random_floats(slots * layer.head_dim, -1, 1, 2);
+    const auto v = testing::random_floats(slots * layer.head_dim, -1, 1, 3);
+    std::vector<uint16_t> k_bf16(k.size()), v_bf16(v.size());
+    for (size_t i = 0; i < k.size(); ++i) {
+      k_bf16[i] = float_to_bf16(k[i]);
+      v_bf16[i] = float_to_bf16(v[i]);
+    }
+    DeviceArray<float> keys(k), values(v);
+    DeviceArray<uint16_t> keys_bf16(k_bf16), values_bf16(v_bf16);
+    DeviceArray<int32_t> slots_device(slot_positions), positions(query_positions);
     DeviceArray<float> q(testing::random_floats(queries * width, -1, 1, 4));
     DeviceArray<float> out(static_cast<size_t>(queries * width));
-    const engine::KvView kv{keys.get(), values.get(), slots.get(), layer.slots, 1, layer.head_dim};
-    const double ms = median_ms(*gpu, [&] {
-      gpu->attention({q.get(), queries, width, width}, positions.get(), kv, layer.window, 0.1f,
-                     {out.get(), queries, width, width});
-    });
-    const double visible = layer.window > 0 ? layer.window : 3584 + queries / 2.0;
-    std::printf(
-        "[ prefill timing ] attention %-7s head_dim %d, 512 queries: %8.3f ms, %6.1f TFLOP/s\n",
-        layer.name, layer.head_dim, ms, 4e-9 * 8 * queries * visible * layer.head_dim / ms);
+    for (const KvType type : {KvType::kF32, KvType::kBF16}) {
+      KvCacheView kv;
+      kv.keys = type == KvType::kF32 ? static_cast<void*>(keys.get()) : keys_bf16.get();
+      kv.values = type == KvType::kF32 ? static_cast<void*>(values.get()) : values_bf16.get();
+      kv.slot_positions = slots_device.get();
+      kv.type = type;
+      kv.slots = slots;
+      kv.kv_heads = 1;
+      kv.head_dim = layer.head_dim;
+      const int splits = prefill_attention_splits(queries, 8, kv);
+      DeviceArray<float> partials(
+          splits > 1 ? prefill_attention_partials_floats(queries, 8, layer.head_dim, splits) : 1);
+      const double ms = median_ms(*gpu, [&] {
+        CUDA_ASSERT_OK(prefill_attention({q.get(), queries, width, width}, positions.get(), kv,
+                                         layer.window, 1.0f, {out.get(), queries, width, width},
+                                         partials.get(), splits, Launch{stream, false}));
+      });
+      const double visible = layer.window > 0 ? layer.window : first + (queries + 1) / 2.0;
+      std::printf(
+          "[ prefill timing ] attention %-7s head_dim %d, %4lld queries, %s K/V, %d splits: %8.3f "
+          "ms, %6.1f TFLOP/s\n",
+          layer.name, layer.head_dim, static_cast<long long>(queries),
+          type == KvType::kF32 ? "f32 " : "bf16", splits, ms,
+          4e-9 * 8 * static_cast<double>(queries) * visible * layer.head_dim / ms);
+    }
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }

@@ -537,9 +537,10 @@ int prefill_attention_splits(int64_t queries, int q_heads, const KvCacheView& kv
   }
   // Two waves of two blocks per SM: blocks differ in work (causal rows see different numbers
   // of keys), and more, smaller ones even that out. Each split keeps at least four tiles of the
-  // whole cache, and the partials stay within kMaxPartialBytes.
-  constexpr int kMaxSplits = 16;
-  constexpr size_t kMaxPartialBytes = size_t{64} << 20;
+  // whole cache, and the partials stay within kMaxPartialBytes (both mirrored in
+  // engine/memory_plan.cpp, which plans this scratch).
+  constexpr int kMaxSplits = 8;
+  constexpr size_t kMaxPartialBytes = size_t{32} << 20;
   const int64_t row_blocks = (queries * (q_heads / kv.kv_heads) + rows_per_block(kv.head_dim) - 1) /
                              rows_per_block(kv.head_dim) * kv.kv_heads;
   const int64_t wanted = (4 * int64_t{multiprocessors} + row_blocks - 1) / row_blocks;
