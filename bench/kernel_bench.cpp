@@ -244,7 +244,7 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   r.default_tiling = 10 * chosen.warps + chosen.splits;
   r.best_pdl_us = 1e30;
   for (int warps : {4, 8}) {
-    for (int splits : {1, 2, 3, 4, 6, 8}) {
+    for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       const gemma4::cuda::MmaGemvTiling tiling = {warps, splits};
       const int id = 10 * warps + splits;
       if (quick && id != r.default_tiling) continue;

@@ -9,6 +9,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <string>
@@ -272,6 +273,40 @@ TEST(GemvMma, Deterministic) {
   const std::vector<float> first = check(host, device, c);
   const std::vector<float> second = check(host, device, c);
   EXPECT_EQ(first, second);
+}
+
+// The default tiling of every shape the engines run (and small ones) is one gemv_mma accepts.
+TEST(GemvMma, DefaultTilingsAreValid) {
+  const int64_t shapes[][2] = {{2560, 1536},  {12288, 1536}, {24576, 1536},  {1536, 6144},
+                               {1536, 12288}, {1536, 2048},  {262144, 1536}, {8192, 2816},
+                               {4224, 2816},  {2816, 2112},  {2816, 704},    {16, 32},
+                               {200, 96}};
+  for (const auto& shape : shapes) {
+    for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
+      for (ActType x_type : kActivationTypes) {
+        const MmaGemvTiling t = default_mma_gemv_tiling(shape[0], shape[1], m, x_type);
+        SCOPED_TRACE(std::to_string(shape[0]) + "x" + std::to_string(shape[1]) +
+                     " M=" + std::to_string(m));
+        EXPECT_TRUE(t.warps == 4 || t.warps == 8);
+        EXPECT_GE(t.splits, 1);
+        EXPECT_LE(t.splits, std::min<int64_t>(kMmaGemvMaxSplits, shape[1] / 32));
+        EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32, x_type), kMmaGemvMaxSharedBytes);
+      }
+    }
+  }
+}
+
+// gemv() keeps on the CUDA-core GEMV what the tensor-core kernel cannot stage.
+TEST(GemvMma, TakesOnlyWhatFits) {
+  quant::QMatrix w;
+  w.format = WeightFormat::kW4G32;
+  w.rows = 1536;
+  w.cols = 12288;
+  const GemvInput x = {nullptr, ActType::kF32, 64, 0, true};
+  EXPECT_TRUE(gemv_mma_takes(w, x));
+  w.cols = 32768;  // 128 groups per split at 64 rows: over the shared memory
+  EXPECT_FALSE(gemv_mma_takes(w, x));
+  EXPECT_TRUE(gemv_mma_takes(w, {nullptr, ActType::kF32, 8, 0, true}));
 }
 
 TEST(GemvMma, RefusesWhatItDoesNotTake) {

@@ -14,6 +14,8 @@
 //  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
 //  * prefill passes (more than kTensorCoreMaxGemvRows = 16 rows): matmul and attention on bf16
 //    tensor cores (prefill_matmul.h, prefill_kernels.h), unless set_fp32_activations(true);
+//    passes of up to 64 rows over w4g32 / NVFP4 weights (batched decode) keep the GEMV, which
+//    multiplies 2..64 rows on tensor cores from the packed weights (gemv_mma.h);
 //  * the decode GEMVs round activations to bf16 (fp32 sums), as the tensor-core passes and a
 //    bf16 model do, unless set_fp32_activations(true).
 #pragma once

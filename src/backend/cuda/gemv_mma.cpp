@@ -7,12 +7,16 @@
 namespace gemma4::cuda {
 namespace {
 
-// Blocks a launch aims for: two per SM of an H200 (132 SMs), so that each SM has two blocks' weight
-// loads in flight.
-constexpr int64_t kTargetBlocks = 264;
+// SMs of the H200, the GPU the choice is tuned for.
+constexpr int64_t kSms = 132;
 
-// Shared memory that still lets two blocks share an SM.
-constexpr int64_t kTwoBlocksSharedBytes = kMmaGemvMaxSharedBytes / 2;
+// Blocks of this tiling one SM holds at once by registers (ptxas: about 128 a thread up to 16
+// activation rows, 170 up to 32, 250 up to 64, of 64 K an SM). Shared memory is left out: it
+// would make the splits that stage less look emptier, not faster.
+int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m) {
+  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 170 : 250;
+  return std::max<int64_t>(1, 65536 / (registers * 32 * tiling.warps));
+}
 
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
@@ -25,24 +29,42 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
                                (x.type == ActType::kF32 && x.round_to_bf16);
   const bool format_ok = w.format == quant::WeightFormat::kW4G32 ||
                          (w.format == quant::WeightFormat::kNVFP4 && x.type != ActType::kQ8);
-  return format_ok && mma_activations && x.rows >= kMmaGemvMinRows && x.rows <= kMmaGemvMaxRows;
+  if (!format_ok || !mma_activations || x.rows < kMmaGemvMinRows || x.rows > kMmaGemvMaxRows ||
+      w.cols < 32) {
+    return false;
+  }
+  // The most splits stage the least: a K whose slice does not fit even then stays on the GEMV.
+  const int64_t groups = w.cols / 32;
+  const MmaGemvTiling most_split = {4,
+                                    static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups))};
+  return mma_gemv_shared_bytes(most_split, x.rows, groups, x.type) <= kMmaGemvMaxSharedBytes;
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
   // Wide blocks where there are rows enough: every block re-reads the activations of its K range,
-  // so 256 rows per block halve that traffic. Then K splits until the launch fills the GPU (each
-  // split adds a share of partial sums to the cluster's reduction) and the staged activations fit.
+  // so 256 rows per block halve that traffic. Then the K splits that fill the GPU's block slots
+  // most evenly (whole waves); a split more only for a clearly fuller GPU, since each adds a
+  // share of partial sums to the cluster's reduction. Not yet measured (kernel_bench sweeps every
+  // tiling).
+  const int64_t groups = cols / 32;
   const int warps = rows >= 8192 ? 8 : 4;
   const int64_t row_blocks = (rows + 32 * warps - 1) / (32 * warps);
-  const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, cols / 32));
-  MmaGemvTiling tiling = {
-      warps, static_cast<int>(std::clamp<int64_t>((kTargetBlocks + row_blocks - 1) / row_blocks, 1,
-                                                  max_splits))};
-  while (tiling.splits < max_splits &&
-         mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) > kTwoBlocksSharedBytes) {
-    ++tiling.splits;
+  const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
+  MmaGemvTiling best = {warps, max_splits};
+  double best_fill = 0.0;
+  for (int splits = 1; splits <= max_splits; ++splits) {
+    const MmaGemvTiling tiling = {warps, splits};
+    if (mma_gemv_shared_bytes(tiling, m, groups, x_type) > kMmaGemvMaxSharedBytes) continue;
+    const int64_t slots = kSms * blocks_per_sm(tiling, m);
+    const int64_t blocks = row_blocks * splits;
+    const int64_t waves = (blocks + slots - 1) / slots;
+    const double fill = static_cast<double>(blocks) / static_cast<double>(waves * slots);
+    if (fill > best_fill * 1.05) {
+      best = tiling;
+      best_fill = fill;
+    }
   }
-  return tiling;
+  return best;
 }
 
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,

@@ -11,7 +11,8 @@ namespace gemma4::cuda {
 
 // Whether the tensor-core kernel multiplies these operands: 2..64 rows of bf16 activations or
 // fp32 ones rounded to bf16 (the products a bf16 model computes; exact fp32 activations stay on
-// the CUDA-core GEMV) with w4g32 (any scale type) or NVFP4 weights, or kQ8 ones with w4g32.
+// the CUDA-core GEMV) with w4g32 (any scale type) or NVFP4 weights, or kQ8 ones with w4g32; K
+// small enough that 1/kMmaGemvMaxSplits of it fits shared memory (up to 12,288 at 64 rows).
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 
 // The tiling used when none is given, from the weight shape and the row count.

@@ -1,0 +1,357 @@
+// The tensor-core batched GEMV kernel template (gemv_mma_kernels.h describes the method) and the
+// table of its instantiations for one weight format: each format's in its own translation unit
+// (gemv_mma_<format>.cu), so that nvcc compiles them in parallel.
+//
+// Fragment order. mma.sync m16n8k16 gives lane (g = lane / 4, t = lane % 4) the A elements of
+// rows g and g + 8 at k slots {2t, 2t + 1} (registers 0, 1) and {2t + 8, 2t + 9} (registers 2, 3),
+// and the B elements of column g at the same k slots. The sum over k does not care which K
+// element sits in which slot as long as A and B agree, so lane t takes packed word t of a group
+// (elements 8t .. 8t + 7, nibble i = element 8t + i) for both of the group's mma steps:
+//   step 0: slots {2t, 2t + 1} = elements {8t, 8t + 4}, slots {2t + 8, 2t + 9} = {8t + 1, 8t + 5}
+//   step 1: slots {2t, 2t + 1} = elements {8t + 2, 8t + 6}, {2t + 8, 2t + 9} = {8t + 3, 8t + 7}
+// which are exactly the nibble pairs (s, s + 4) one mask of (word >> 4s) extracts. The staged
+// activations hold the same pairs: 16 bytes per (row, group, t) = bf16 pairs (v0, v4), (v1, v5),
+// (v2, v6), (v3, v7) of elements 8t .. 8t + 7, one shared-memory load per n tile and group.
+#pragma once
+
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <array>
+#include <utility>
+
+#include "backend/cuda/gemv_kernel.cuh"
+#include "backend/cuda/gemv_mma_kernels.h"
+
+namespace gemma4::cuda::gemv_mma_detail {
+
+namespace cg = cooperative_groups;
+
+// Groups whose packed words and scales a warp has in flight ahead of the mma.
+constexpr int kPrefetchGroups = 4;
+// 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
+constexpr int kTilesPerWarp = 2;
+
+// u − 8 as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed word: the nibble is
+// OR-ed into the low mantissa bits of bf16 128.0 (0x4300: 128 + u exactly), then 136 subtracted.
+__device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
+  const uint32_t magic = 0x43004300u;
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  const uint32_t biased[4] = {
+      and_or<0x000F000Fu>(word, magic), and_or<0x000F000Fu>(word >> 4, magic),
+      and_or<0x000F000Fu>(word >> 8, magic), and_or<0x000F000Fu>(word >> 12, magic)};
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const __nv_bfloat162 centered =
+        __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased[s]), bias);
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&centered);
+  }
+}
+
+// NVFP4: e2m1(u) · block scale as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed
+// word (all 8 in one 16-element block), times 2^-14: code c placed as fp16 bits
+// (c & 8) << 12 | (c & 7) << 9 is e2m1(c) · 2^-14 (device_math.cuh's dot_nvfp4), and its product
+// with the e4m3 scale (exact in fp16) is a multiple of 2^-24 with at most 7 significant bits, so
+// fp16 holds it exactly (subnormals included), and so does bf16.
+__device__ __forceinline__ void scaled_e2m1_pairs(uint32_t word, __half2 block_scale,
+                                                  uint32_t (&pairs)[4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t shifted = word >> (4 * s);
+    const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
+    const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), block_scale);
+    const __nv_bfloat162 pair = __float22bfloat162_rn(__half22float2(scaled));
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
+// An e4m3 scale as an fp16 pair (exact: e4m3 is a subset of fp16).
+__device__ __forceinline__ __half2 e4m3_pair(uint32_t bits) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
+  return __half2half2(__half(h));
+}
+
+// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Start of kQ8 activation row m (gemv_kernels.h).
+__device__ __forceinline__ const uint8_t* q8_row(const MmaGemvArgs& a, int m) {
+  return static_cast<const uint8_t*>(a.x) + m * (a.x_stride + a.x_stride / 4);
+}
+
+// Elements k .. k + 7 of activation row m as the staged word: bf16 pairs (v0, v4), (v1, v5),
+// (v2, v6), (v3, v7).
+template <ActType XT>
+__device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_t k) {
+  if constexpr (XT == ActType::kQ8) {
+    // Stored as q0 q2 q4 q6 | q1 q3 q5 q7; bf16 holds every int8 exactly.
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(q8_row(a, m) + k));
+    auto value = [](uint32_t word, int byte) {
+      return static_cast<float>(static_cast<int8_t>((word >> (8 * byte)) & 0xFF));
+    };
+    return make_uint4(
+        pack_bf16x2(value(q.x, 0), value(q.x, 2)), pack_bf16x2(value(q.y, 0), value(q.y, 2)),
+        pack_bf16x2(value(q.x, 1), value(q.x, 3)), pack_bf16x2(value(q.y, 1), value(q.y, 3)));
+  } else if constexpr (XT == ActType::kBF16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(static_cast<const __nv_bfloat16*>(a.x) +
+                                                         m * a.x_stride + k));
+    return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+  } else {
+    const float4* p =
+        reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + m * a.x_stride + k);
+    const float4 lo = __ldg(p), hi = __ldg(p + 1);
+    return make_uint4(pack_bf16x2(lo.x, hi.x), pack_bf16x2(lo.y, hi.y), pack_bf16x2(lo.z, hi.z),
+                      pack_bf16x2(lo.w, hi.w));
+  }
+}
+
+// F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows, W warps (32 · W weight rows per
+// block); gridDim.y blocks along K form one cluster.
+template <PackedFormat F, ActType XT, int NT, int W>
+__global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
+  static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
+  constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
+  pdl_trigger_dependents();
+  constexpr int kRowsPerBlock = 32 * W;
+  constexpr int kPaddedRows = 8 * NT;
+  constexpr int kThreads = 32 * W;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int splits = static_cast<int>(gridDim.y);
+  const int split = static_cast<int>(blockIdx.y);
+  const int64_t groups_per_split = mma_gemv_groups_per_split(a.groups, splits);
+  const int64_t group_begin = split * groups_per_split;
+  const int group_count =
+      static_cast<int>(max(int64_t{0}, min(a.groups - group_begin, groups_per_split)));
+  const int64_t block_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
+
+  // The weight rows of this lane: tile i's rows g and g + 8, clamped into the matrix (a clamped
+  // row's products land in rows that are never stored).
+  int64_t rows[2 * kTilesPerWarp];
+#pragma unroll
+  for (int i = 0; i < kTilesPerWarp; ++i) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      rows[2 * i + h] = min(block_row + 16 * (kTilesPerWarp * warp + i) + g + 8 * h, a.rows - 1);
+    }
+  }
+  const uint32_t* words = static_cast<const uint32_t*>(a.weights);
+  uint32_t packed[kPrefetchGroups][2 * kTilesPerWarp];
+  uint32_t scale_bits[kPrefetchGroups][2 * kTilesPerWarp];
+  auto load_group = [&](int slot, int i) {
+    if (i >= group_count) return;
+    const int64_t group = group_begin + i;
+#pragma unroll
+    for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
+      packed[slot][r] = __ldg(words + (rows[r] * a.groups + group) * 4 + t);
+      if constexpr (kNvfp4) {
+        // The e4m3 scale of word t's 16-element block.
+        scale_bits[slot][r] =
+            __ldg(static_cast<const uint8_t*>(a.scales) + (rows[r] * a.groups + group) * 2 + t / 2);
+      } else {
+        scale_bits[slot][r] = load_group_scale_bits(a, rows[r] * a.groups + group);
+      }
+    }
+  };
+  // Weights never depend on the previous kernel: their loads go out before the wait.
+#pragma unroll
+  for (int s = 0; s < kPrefetchGroups; ++s) load_group(s, s);
+  pdl_wait_for_predecessors();
+
+  // The block's K range of every activation row (rows m >= a.m as zeros), in fragment order.
+  extern __shared__ uint4 shared_words[];
+  const int row_words = static_cast<int>(mma_gemv_staged_row_bytes(groups_per_split) / 16);
+  const int words_per_row = 4 * group_count;
+#pragma unroll 4
+  for (int i = threadIdx.x; i < kPaddedRows * words_per_row; i += kThreads) {
+    const int m = i / words_per_row;
+    const int j = i % words_per_row;
+    shared_words[m * row_words + j] =
+        m < a.m ? staged_word<XT>(a, m, 32 * group_begin + 8 * j) : make_uint4(0, 0, 0, 0);
+  }
+  // kQ8: the activation scales [group][row], after the staged rows.
+  float* x_scales = reinterpret_cast<float*>(shared_words + kPaddedRows * row_words);
+  if constexpr (XT == ActType::kQ8) {
+    for (int i = threadIdx.x; i < kPaddedRows * group_count; i += kThreads) {
+      const int group = i / kPaddedRows;
+      const int m = i % kPaddedRows;
+      x_scales[i] = m < a.m ? __ldg(reinterpret_cast<const float*>(q8_row(a, m) + a.x_stride) +
+                                    group_begin + group)
+                            : 0.0f;
+    }
+  }
+  __syncthreads();
+
+  float acc[kTilesPerWarp][NT][4] = {};
+  for (int i0 = 0; i0 < group_count; i0 += kPrefetchGroups) {
+#pragma unroll
+    for (int s = 0; s < kPrefetchGroups; ++s) {
+      const int i = i0 + s;
+      if (i >= group_count) break;
+      uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
+      float scales[2 * kTilesPerWarp];
+#pragma unroll
+      for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+        uint32_t top[4], bottom[4];  // rows g and g + 8
+        if constexpr (kNvfp4) {
+          scaled_e2m1_pairs(packed[s][2 * tile], e4m3_pair(scale_bits[s][2 * tile]), top);
+          scaled_e2m1_pairs(packed[s][2 * tile + 1], e4m3_pair(scale_bits[s][2 * tile + 1]),
+                            bottom);
+        } else {
+          centered_nibble_pairs(packed[s][2 * tile], top);
+          centered_nibble_pairs(packed[s][2 * tile + 1], bottom);
+        }
+#pragma unroll
+        for (int step = 0; step < 2; ++step) {
+          fragments[tile][step][0] = top[2 * step];
+          fragments[tile][step][1] = bottom[2 * step];
+          fragments[tile][step][2] = top[2 * step + 1];
+          fragments[tile][step][3] = bottom[2 * step + 1];
+        }
+        if constexpr (!kNvfp4) {
+          scales[2 * tile] = scale_from_bits(a, scale_bits[s][2 * tile]);
+          scales[2 * tile + 1] = scale_from_bits(a, scale_bits[s][2 * tile + 1]);
+        }
+      }
+      load_group(s, i + kPrefetchGroups);
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
+        // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2, c1/c3).
+        float2 x_scale = make_float2(1.0f, 1.0f);
+        if constexpr (XT == ActType::kQ8) {
+          x_scale = *reinterpret_cast<const float2*>(x_scales + i * kPaddedRows + 8 * nt + 2 * t);
+        }
+#pragma unroll
+        for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+          if constexpr (kNvfp4) {
+            // The block scales are in the weights: the mma accumulates across groups.
+            mma_bf16(acc[tile][nt], fragments[tile][0], b.x, b.y);
+            mma_bf16(acc[tile][nt], fragments[tile][1], b.z, b.w);
+          } else {
+            float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            mma_bf16(group_sum, fragments[tile][0], b.x, b.y);
+            mma_bf16(group_sum, fragments[tile][1], b.z, b.w);
+            // The weight scales of rows g, g + 8 times (kQ8) the activation scales of rows 2t,
+            // 2t + 1 (1 otherwise: folded away).
+            const float top = scales[2 * tile], bottom = scales[2 * tile + 1];
+            const float factors[4] = {top * x_scale.x, top * x_scale.y, bottom * x_scale.x,
+                                      bottom * x_scale.y};
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              acc[tile][nt][e] = fmaf(factors[e], group_sum[e], acc[tile][nt][e]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Partial sums [activation row][block row] over the staged activations (every warp is done
+  // reading them at the barrier). Lane (g, t) holds rows g, g + 8 of a tile for activation rows
+  // 2t, 2t + 1 of each n tile.
+  __syncthreads();
+  constexpr int64_t kStride = mma_gemv_partial_stride(W);
+  float* partial = reinterpret_cast<float*>(shared_words);
+  // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
+  const float sum_scale =
+      kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[tile][nt][e] *= sum_scale;
+    }
+  }
+#pragma unroll
+  for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+    const int row = 16 * (kTilesPerWarp * warp + tile) + g;
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+      const int m = 8 * nt + 2 * t;
+      partial[m * kStride + row] = acc[tile][nt][0];
+      partial[(m + 1) * kStride + row] = acc[tile][nt][1];
+      partial[m * kStride + row + 8] = acc[tile][nt][2];
+      partial[(m + 1) * kStride + row + 8] = acc[tile][nt][3];
+    }
+  }
+
+  // Every block of the cluster sums the K splits for its share of the outputs, in rank order
+  // (the same sums every run), and stores them through the epilogue: one thread per row pair,
+  // so the pairs epilogue sees both rows.
+  cg::cluster_group cluster = cg::this_cluster();
+  if (splits > 1) {
+    cluster.sync();
+  } else {
+    __syncthreads();
+  }
+  constexpr int kPairs = kRowsPerBlock / 2;
+  for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
+       i += splits * kThreads) {
+    const int m = i / kPairs;
+    const int row = 2 * (i % kPairs);
+    // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+    float2 parts[kMmaGemvMaxSplits];
+#pragma unroll
+    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+      if (rank < splits) {
+        const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
+        parts[rank] = *reinterpret_cast<const float2*>(source + m * kStride + row);
+      }
+    }
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+      if (rank < splits) {
+        sums[0] += parts[rank].x;
+        sums[1] += parts[rank].y;
+      }
+    }
+    gemv_detail::store_rows<2>(a, m, block_row + row, sums);
+  }
+  // No block may leave while another still reads its shared memory.
+  if (splits > 1) cluster.sync();
+}
+
+using MmaKernel = void (*)(MmaGemvArgs);
+
+inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
+inline constexpr int kWarpOptions[] = {4, 8};
+
+template <PackedFormat F, ActType XT, size_t... I>
+constexpr std::array<MmaKernel, 8> kernel_table(std::index_sequence<I...>) {
+  return {gemv_mma_kernel<F, XT, kNTileOptions[I / 2], kWarpOptions[I % 2]>...};
+}
+
+// The kernel of format F for x_type and index = 2 · (index of the n tiles in kNTileOptions) +
+// (index of the warps in kWarpOptions); nullptr for NVFP4 with kQ8 activations (none compiled).
+// Explicitly instantiated once per format in gemv_mma_<format>.cu.
+template <PackedFormat F>
+MmaKernel select_mma_kernel(ActType x_type, int index) {
+  if (x_type == ActType::kQ8) {
+    if constexpr (F == PackedFormat::kW4G32) {
+      static constexpr auto kQ8 = kernel_table<F, ActType::kQ8>(std::make_index_sequence<8>());
+      return kQ8[index];
+    }
+    return nullptr;
+  }
+  static constexpr auto kBF16 = kernel_table<F, ActType::kBF16>(std::make_index_sequence<8>());
+  static constexpr auto kF32 = kernel_table<F, ActType::kF32>(std::make_index_sequence<8>());
+  return x_type == ActType::kBF16 ? kBF16[index] : kF32[index];
+}
+
+extern template MmaKernel select_mma_kernel<PackedFormat::kW4G32>(ActType, int);
+extern template MmaKernel select_mma_kernel<PackedFormat::kNVFP4>(ActType, int);
+
+}  // namespace gemma4::cuda::gemv_mma_detail
