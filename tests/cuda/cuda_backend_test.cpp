@@ -26,6 +26,7 @@
 #include "model/weights.h"
 #include "packed_matrix.h"
 #include "quant/quantize.h"
+#include "synth_support.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -35,6 +36,7 @@ using engine::Rows;
 using quant::ScaleType;
 using quant::WeightFormat;
 using testing::HostMatrix;
+using testing::Mirrored;
 using testing::random_matrix;
 
 constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
@@ -52,57 +54,20 @@ std::unique_ptr<engine::Backend> make_gpu() {
   return std::move(*made);
 }
 
-// The same bytes on the host (for the CPU backend) and in a CUDA backend buffer.
-class Twin {
- public:
-  Twin(engine::Backend& gpu, std::vector<uint8_t> bytes) : gpu_(gpu), host_(std::move(bytes)) {
-    device_ = gpu.allocate(host_.size());
-    gpu.upload(device_.data(), host_.data(), host_.size());
-  }
-  template <typename T>
-  Twin(engine::Backend& gpu, const std::vector<T>& values) : Twin(gpu, testing::as_bytes(values)) {}
-
-  template <typename T>
-  T* cpu() {
-    return reinterpret_cast<T*>(host_.data());
-  }
-  template <typename T>
-  T* gpu() const {
-    return static_cast<T*>(device_.data());
-  }
-  template <typename T>
-  std::vector<T> cpu_values() const {
-    std::vector<T> out(host_.size() / sizeof(T));
-    std::memcpy(out.data(), host_.data(), host_.size());
-    return out;
-  }
-  template <typename T>
-  std::vector<T> gpu_values() const {
-    std::vector<T> out(host_.size() / sizeof(T));
-    gpu_.download(out.data(), device_.data(), host_.size());
-    return out;
-  }
-
- private:
-  engine::Backend& gpu_;
-  std::vector<uint8_t> host_;
-  engine::Buffer device_;
-};
-
 // `count` rows of `width` floats, `stride` apart, on both sides.
 class TwinRows {
  public:
   TwinRows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride,
            const std::vector<float>& values)
       : count_(count), width_(width), stride_(stride), twin_(gpu, values) {}
-  Rows cpu() { return {twin_.cpu<float>(), count_, width_, stride_}; }
-  Rows gpu() const { return {twin_.gpu<float>(), count_, width_, stride_}; }
-  std::vector<float> cpu_values() const { return twin_.cpu_values<float>(); }
-  std::vector<float> gpu_values() const { return twin_.gpu_values<float>(); }
+  Rows cpu() { return {twin_.cpu(), count_, width_, stride_}; }
+  Rows gpu() const { return {twin_.gpu(), count_, width_, stride_}; }
+  const std::vector<float>& cpu_values() const { return twin_.cpu_values(); }
+  std::vector<float> gpu_values() const { return twin_.gpu_values(); }
 
  private:
   int64_t count_, width_, stride_;
-  Twin twin_;
+  Mirrored<float> twin_;
 };
 
 TwinRows random_rows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride,
@@ -133,14 +98,14 @@ struct TwinMatrix {
   TwinMatrix(engine::Backend& gpu, HostMatrix matrix)
       : host(std::move(matrix)),
         data(gpu, host.data),
-        scales(gpu, host.scales.empty() ? std::vector<uint8_t>(1) : host.scales) {
+        scales(gpu, host.scales.empty() ? std::vector<std::byte>(1) : host.scales) {
     cpu = host.view();
     device = cpu;
-    device.data = data.gpu<void>();
-    device.scales = host.scales.empty() ? nullptr : scales.gpu<void>();
+    device.data = data.gpu();
+    device.scales = host.scales.empty() ? nullptr : scales.gpu();
   }
   HostMatrix host;
-  Twin data, scales;
+  Mirrored<std::byte> data, scales;
   quant::QMatrix cpu, device;
 };
 
@@ -185,10 +150,10 @@ TEST(CudaBackend, EmbedEveryTableFormatExactly) {
   for (const MatrixCase& c : kTables) {
     TwinMatrix table(*gpu, make_matrix(c, seed++));
     const std::vector<int32_t> ids = {5, 0, 36, 17, 5};
-    Twin id_twin(*gpu, ids);
+    Mirrored id_twin(*gpu, ids);
     TwinRows out = output_rows(*gpu, std::ssize(ids), c.cols, c.cols + 3);
-    cpu.embed(table.cpu, id_twin.cpu<int32_t>(), 1.75f, out.cpu());
-    gpu->embed(table.device, id_twin.gpu<int32_t>(), 1.75f, out.gpu());
+    cpu.embed(table.cpu, id_twin.cpu(), 1.75f, out.cpu());
+    gpu->embed(table.device, id_twin.gpu(), 1.75f, out.gpu());
     expect_same(out, 0.0, c.name);  // the same fp32 products: bit-identical
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
@@ -278,10 +243,10 @@ TEST(CudaBackend, EmbedGgufFormatsExactly) {
   for (const GgufMatrixCase& c : kGgufMatrices) {
     TwinMatrix table = gguf_matrix(*gpu, c, seed++);
     const std::vector<int32_t> ids = {5, 0, 36, 17, 5};
-    Twin id_twin(*gpu, ids);
+    Mirrored id_twin(*gpu, ids);
     TwinRows out = output_rows(*gpu, std::ssize(ids), c.matrix.cols, c.matrix.cols + 3);
-    cpu.embed(table.cpu, id_twin.cpu<int32_t>(), 1.75f, out.cpu());
-    gpu->embed(table.device, id_twin.gpu<int32_t>(), 1.75f, out.gpu());
+    cpu.embed(table.cpu, id_twin.cpu(), 1.75f, out.cpu());
+    gpu->embed(table.device, id_twin.gpu(), 1.75f, out.gpu());
     expect_same(out, 0.0, c.matrix.name);  // the same fp32 roundings: bit-identical
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
@@ -403,12 +368,12 @@ TEST(CudaBackend, RmsNormWeightedPlainAliasedAndPerHead) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
   CpuBackend cpu(2);
-  Twin weight(*gpu, testing::random_floats(100, -0.5f, 1.5f, 1));
+  Mirrored weight(*gpu, testing::random_floats(100, -0.5f, 1.5f, 1));
   for (float offset : {0.0f, 1.0f}) {
     TwinRows x = random_rows(*gpu, 3, 100, 104, 2, -3.0f, 3.0f);
     TwinRows y = output_rows(*gpu, 3, 100, 101);
-    cpu.rms_norm(x.cpu(), weight.cpu<float>(), offset, 1e-6f, y.cpu());
-    gpu->rms_norm(x.gpu(), weight.gpu<float>(), offset, 1e-6f, y.gpu());
+    cpu.rms_norm(x.cpu(), weight.cpu(), offset, 1e-6f, y.cpu());
+    gpu->rms_norm(x.gpu(), weight.gpu(), offset, 1e-6f, y.gpu());
     expect_same(y, 1e-5, "rms_norm weighted");
   }
   TwinRows y = output_rows(*gpu, 3, 100, 100);
@@ -418,8 +383,8 @@ TEST(CudaBackend, RmsNormWeightedPlainAliasedAndPerHead) {
   expect_same(y, 1e-5, "rms_norm without weight");
   // In place, per head of 32 (a [2, 4·32] matrix as 8 rows).
   TwinRows heads = random_rows(*gpu, 2, 128, 128, 4);
-  cpu.rms_norm(heads.cpu().heads(32), weight.cpu<float>(), 0.0f, 1e-6f, heads.cpu().heads(32));
-  gpu->rms_norm(heads.gpu().heads(32), weight.gpu<float>(), 0.0f, 1e-6f, heads.gpu().heads(32));
+  cpu.rms_norm(heads.cpu().heads(32), weight.cpu(), 0.0f, 1e-6f, heads.cpu().heads(32));
+  gpu->rms_norm(heads.gpu().heads(32), weight.gpu(), 0.0f, 1e-6f, heads.gpu().heads(32));
   expect_same(heads, 1e-5, "rms_norm per head, in place");
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
@@ -428,13 +393,13 @@ TEST(CudaBackend, RopeDefaultAndProportionalAtLargePositions) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
   CpuBackend cpu(2);
-  Twin positions(*gpu, std::vector<int32_t>{0, 1, 777, 40000});
+  Mirrored positions(*gpu, std::vector<int32_t>{0, 1, 777, 40000});
   const model::RopeParams kinds[] = {{10000.0, 16, 32}, {1000000.0, 4, 64}};
   uint32_t seed = 10;
   for (const model::RopeParams& rope : kinds) {
     TwinRows x = random_rows(*gpu, 4, 3 * 32, 100, seed++);
-    cpu.rope(x.cpu(), 32, positions.cpu<int32_t>(), rope);
-    gpu->rope(x.gpu(), 32, positions.gpu<int32_t>(), rope);
+    cpu.rope(x.cpu(), 32, positions.cpu(), rope);
+    gpu->rope(x.gpu(), 32, positions.gpu(), rope);
     // Same fp32 angles (shared inv_freq); sin/cos within a few ulp.
     expect_same(x, 1e-5, "rope");
   }
@@ -464,9 +429,9 @@ TEST(CudaBackend, GeluAddScaleSoftcapCopy) {
   cpu.add(acc.cpu(), x.cpu());
   gpu->add(acc.gpu(), x.gpu());
   expect_same(acc, 0.0, "add");
-  Twin column_scale(*gpu, testing::random_floats(70, -2.0f, 2.0f, 5));
-  cpu.scale(acc.cpu(), column_scale.cpu<float>(), 0.125f);
-  gpu->scale(acc.gpu(), column_scale.gpu<float>(), 0.125f);
+  Mirrored column_scale(*gpu, testing::random_floats(70, -2.0f, 2.0f, 5));
+  cpu.scale(acc.cpu(), column_scale.cpu(), 0.125f);
+  gpu->scale(acc.gpu(), column_scale.gpu(), 0.125f);
   expect_same(acc, 0.0, "scale by column and scalar");
   cpu.scale(acc.cpu(), nullptr, 3.0f);
   gpu->scale(acc.gpu(), nullptr, 3.0f);
@@ -492,14 +457,13 @@ struct TwinKv {
         kv_heads(kv_heads),
         head_dim(head_dim) {}
   engine::KvView cpu() {
-    return {keys.cpu<float>(), values.cpu<float>(), positions.cpu<int32_t>(), slots, kv_heads,
-            head_dim};
+    return {keys.cpu(), values.cpu(), positions.cpu(), slots, kv_heads, head_dim};
   }
   engine::KvView gpu() const {
-    return {keys.gpu<float>(), values.gpu<float>(), positions.gpu<int32_t>(), slots, kv_heads,
-            head_dim};
+    return {keys.gpu(), values.gpu(), positions.gpu(), slots, kv_heads, head_dim};
   }
-  Twin keys, values, positions;
+  Mirrored<float> keys, values;
+  Mirrored<int32_t> positions;
   int64_t slots;
   int kv_heads, head_dim;
 };
@@ -537,13 +501,13 @@ TEST_P(CudaAttention, KvStoreForgetAndAttentionMatchTheReference) {
     TwinRows v = random_rows(*gpu, n, kv_width, kv_width, seed++);
     std::vector<int32_t> written(n);
     std::iota(written.begin(), written.end(), static_cast<int32_t>(first));
-    Twin positions(*gpu, written);
-    cpu.write_kv(kv.cpu(), k.cpu(), v.cpu(), positions.cpu<int32_t>());
-    gpu->write_kv(kv.gpu(), k.gpu(), v.gpu(), positions.gpu<int32_t>());
+    Mirrored positions(*gpu, written);
+    cpu.write_kv(kv.cpu(), k.cpu(), v.cpu(), positions.cpu());
+    gpu->write_kv(kv.gpu(), k.gpu(), v.gpu(), positions.gpu());
   }
-  EXPECT_EQ(kv.keys.gpu_values<float>(), kv.keys.cpu_values<float>());
-  EXPECT_EQ(kv.values.gpu_values<float>(), kv.values.cpu_values<float>());
-  EXPECT_EQ(kv.positions.gpu_values<int32_t>(), kv.positions.cpu_values<int32_t>());
+  EXPECT_EQ(kv.keys.gpu_values(), kv.keys.cpu_values());
+  EXPECT_EQ(kv.values.gpu_values(), kv.values.cpu_values());
+  EXPECT_EQ(kv.positions.gpu_values(), kv.positions.cpu_values());
 
   const float scale = 1.0f / std::sqrt(static_cast<float>(c.head_dim));
   auto attend = [&](int64_t first_position, int64_t count, const char* what) {
@@ -552,9 +516,9 @@ TEST_P(CudaAttention, KvStoreForgetAndAttentionMatchTheReference) {
     TwinRows out = output_rows(*gpu, count, q_width, q_width + 8);
     std::vector<int32_t> query_positions(count);
     std::iota(query_positions.begin(), query_positions.end(), static_cast<int32_t>(first_position));
-    Twin positions(*gpu, query_positions);
-    cpu.attention(q.cpu(), positions.cpu<int32_t>(), kv.cpu(), c.window, scale, out.cpu());
-    gpu->attention(q.gpu(), positions.gpu<int32_t>(), kv.gpu(), c.window, scale, out.gpu());
+    Mirrored positions(*gpu, query_positions);
+    cpu.attention(q.cpu(), positions.cpu(), kv.cpu(), c.window, scale, out.cpu());
+    gpu->attention(q.gpu(), positions.gpu(), kv.gpu(), c.window, scale, out.gpu());
     expect_same(out, 2e-5, what);
   };
   attend(c.length - c.chunk, c.chunk, "attention chunk");
@@ -562,7 +526,7 @@ TEST_P(CudaAttention, KvStoreForgetAndAttentionMatchTheReference) {
   // Roll back three tokens: their slots empty; the next query sees the earlier ones only.
   cpu.forget_kv(kv.cpu(), c.length - 3);
   gpu->forget_kv(kv.gpu(), c.length - 3);
-  EXPECT_EQ(kv.positions.gpu_values<int32_t>(), kv.positions.cpu_values<int32_t>());
+  EXPECT_EQ(kv.positions.gpu_values(), kv.positions.cpu_values());
   attend(c.length - 3, 1, "attention after forget_kv");
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
@@ -590,14 +554,14 @@ TEST(CudaBackend, RouterMatchesTheReferenceIncludingTies) {
     std::fill(logits.begin(), logits.begin() + c.experts, 0.5f);  // every expert tied
     logits[c.experts + 3] = logits[c.experts + 6] = 10.0f;        // two tied maxima
     TwinRows rows(*gpu, c.tokens, c.experts, c.experts, logits);
-    Twin expert_scale(*gpu, testing::random_floats(c.experts, 0.5f, 2.0f, 2));
-    Twin ids(*gpu, std::vector<int32_t>(c.tokens * c.top_k, -1));
+    Mirrored expert_scale(*gpu, testing::random_floats(c.experts, 0.5f, 2.0f, 2));
+    Mirrored ids(*gpu, std::vector<int32_t>(c.tokens * c.top_k, -1));
     TwinRows weights = output_rows(*gpu, c.tokens, c.top_k, c.top_k);
-    const engine::RouterParams cpu_router = {c.top_k, expert_scale.cpu<float>()};
-    const engine::RouterParams gpu_router = {c.top_k, expert_scale.gpu<float>()};
-    cpu.route_experts(rows.cpu(), cpu_router, ids.cpu<int32_t>(), weights.cpu().data);
-    gpu->route_experts(rows.gpu(), gpu_router, ids.gpu<int32_t>(), weights.gpu().data);
-    EXPECT_EQ(ids.gpu_values<int32_t>(), ids.cpu_values<int32_t>());
+    const engine::RouterParams cpu_router = {c.top_k, expert_scale.cpu()};
+    const engine::RouterParams gpu_router = {c.top_k, expert_scale.gpu()};
+    cpu.route_experts(rows.cpu(), cpu_router, ids.cpu(), weights.cpu().data);
+    gpu->route_experts(rows.gpu(), gpu_router, ids.gpu(), weights.gpu().data);
+    EXPECT_EQ(ids.gpu_values(), ids.cpu_values());
     expect_same(weights, 1e-6, "router weights");
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
@@ -631,14 +595,12 @@ TEST(CudaBackend, ExpertsMatchTheReference) {
         ids[t * kTopK] = static_cast<int32_t>((t * 5) % 6);
         ids[t * kTopK + 1] = static_cast<int32_t>((t * 5 + 1 + t % 3) % 6);
       }
-      Twin id_twin(*gpu, ids);
-      Twin weights(*gpu, testing::random_floats(tokens * kTopK, 0.1f, 1.0f, 7));
+      Mirrored id_twin(*gpu, ids);
+      Mirrored weights(*gpu, testing::random_floats(tokens * kTopK, 0.1f, 1.0f, 7));
       TwinRows x = random_rows(*gpu, tokens, kHidden, kHidden + 4, 8);
       TwinRows out = output_rows(*gpu, tokens, kHidden, kHidden + 1);
-      cpu.run_experts(cpu_experts, x.cpu(), id_twin.cpu<int32_t>(), weights.cpu<float>(), kTopK,
-                      out.cpu());
-      gpu->run_experts(gpu_experts, x.gpu(), id_twin.gpu<int32_t>(), weights.gpu<float>(), kTopK,
-                       out.gpu());
+      cpu.run_experts(cpu_experts, x.cpu(), id_twin.cpu(), weights.cpu(), kTopK, out.cpu());
+      gpu->run_experts(gpu_experts, x.gpu(), id_twin.gpu(), weights.gpu(), kTopK, out.gpu());
       expect_same(out, 1e-4, "run_experts");
     }
   }
@@ -664,10 +626,7 @@ std::filesystem::path scratch_dir(const std::string& name) {
 }
 
 // Removes a synthesized checkpoint (about 120 MB: the real vocabulary) when the test ends.
-struct RemoveOnExit {
-  std::filesystem::path path;
-  ~RemoveOnExit() { std::filesystem::remove_all(path); }
-};
+using gemma4::testing::RemoveOnExit;
 
 model::LoadedModel synthesize(const std::string& config, uint64_t seed, model::SynthFormat format,
                               model::SynthGrid grid, const std::filesystem::path& output) {
@@ -847,7 +806,7 @@ class GgufRequantizer {
     quant::QMatrix out = m;
     out.format = WeightFormat::kW4G32A;
     out.scale_type = ScaleType::kF32;
-    out.data = keep(std::move(packed));
+    out.data = keep(testing::as_bytes(packed));
     out.scales = keep(testing::as_bytes(pairs));
     return out;
   }
@@ -861,10 +820,10 @@ class GgufRequantizer {
   }
 
  private:
-  const void* keep(std::vector<uint8_t> bytes) {
+  const void* keep(std::vector<std::byte> bytes) {
     return kept_.emplace_back(std::move(bytes)).data();
   }
-  std::deque<std::vector<uint8_t>> kept_;
+  std::deque<std::vector<std::byte>> kept_;
 };
 
 struct EngineCase {

@@ -1,5 +1,6 @@
-// Helpers for the CUDA kernel tests: device buffers, poisoned outputs, seeded random inputs and a
-// threaded loop for the CPU references (the lm_head reference alone is 400 M multiply-adds).
+// Helpers for the CUDA kernel tests: device buffers, host arrays mirrored in backend buffers,
+// poisoned outputs, seeded random inputs and a threaded loop for the CPU references (the lm_head
+// reference alone is 400 M multiply-adds).
 #pragma once
 
 #include <cuda_runtime.h>
@@ -12,6 +13,8 @@
 #include <random>
 #include <thread>
 #include <vector>
+
+#include "engine/backend.h"
 
 namespace gemma4::cuda::testing {
 
@@ -51,6 +54,29 @@ class DeviceArray {
  private:
   T* data_ = nullptr;
   size_t count_ = 0;
+};
+
+// A host array (the CPU backend's operand) and its copy in a CUDA backend buffer.
+template <typename T>
+class Mirrored {
+ public:
+  Mirrored(engine::Backend& gpu, std::vector<T> values) : gpu_(gpu), host_(std::move(values)) {
+    device_ = gpu.allocate(sizeof(T) * host_.size());
+    gpu.upload(device_.data(), host_.data(), sizeof(T) * host_.size());
+  }
+  T* cpu(int64_t offset = 0) { return host_.data() + offset; }
+  T* gpu(int64_t offset = 0) const { return static_cast<T*>(device_.data()) + offset; }
+  const std::vector<T>& cpu_values() const { return host_; }
+  std::vector<T> gpu_values() const {
+    std::vector<T> out(host_.size());
+    gpu_.download(out.data(), device_.data(), sizeof(T) * host_.size());
+    return out;
+  }
+
+ private:
+  engine::Backend& gpu_;
+  std::vector<T> host_;
+  engine::Buffer device_;
 };
 
 // Runs body(i) for i in [0, n) on all hardware threads.

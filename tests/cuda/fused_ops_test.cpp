@@ -35,28 +35,7 @@ std::unique_ptr<engine::Backend> make_gpu() {
   return made.ok() ? std::move(*made) : nullptr;
 }
 
-// A host array (the CPU backend's operand) and its copy in a CUDA backend buffer.
-template <typename T>
-class Mirrored {
- public:
-  Mirrored(engine::Backend& gpu, std::vector<T> values) : gpu_(gpu), host_(std::move(values)) {
-    device_ = gpu.allocate(sizeof(T) * host_.size());
-    gpu.upload(device_.data(), host_.data(), sizeof(T) * host_.size());
-  }
-  T* cpu(int64_t offset = 0) { return host_.data() + offset; }
-  T* gpu(int64_t offset = 0) const { return static_cast<T*>(device_.data()) + offset; }
-  const std::vector<T>& cpu_values() const { return host_; }
-  std::vector<T> gpu_values() const {
-    std::vector<T> out(host_.size());
-    gpu_.download(out.data(), device_.data(), sizeof(T) * host_.size());
-    return out;
-  }
-
- private:
-  engine::Backend& gpu_;
-  std::vector<T> host_;
-  engine::Buffer device_;
-};
+using testing::Mirrored;
 
 void expect_same(const Mirrored<float>& values, const std::string& what) {
   const std::vector<float>& expected = values.cpu_values();

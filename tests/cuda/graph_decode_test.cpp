@@ -14,15 +14,12 @@
 #include "engine/gemma4_engine.h"
 #include "model/synth.h"
 #include "model/weights.h"
-#include "test_support.h"
+#include "synth_support.h"
 
 namespace gemma4::cuda {
 namespace {
 
-struct RemoveOnExit {
-  std::filesystem::path path;
-  ~RemoveOnExit() { std::filesystem::remove_all(path); }
-};
+using gemma4::testing::RemoveOnExit;
 
 std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m, bool record) {
   engine::EngineOptions options;

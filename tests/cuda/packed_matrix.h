@@ -3,6 +3,7 @@
 // makes) on the host (viewed as quant::QMatrix for the CPU oracles) and their device copies.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -10,6 +11,7 @@
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "quant/qmatrix.h"
+#include "quant/quantize.h"
 
 namespace gemma4::cuda::testing {
 
@@ -17,40 +19,18 @@ using quant::QMatrix;
 using quant::ScaleType;
 using quant::WeightFormat;
 
-struct HostMatrix {
-  WeightFormat format = WeightFormat::kW4G32;
-  int64_t rows = 0;
-  int64_t cols = 0;
-  std::vector<uint8_t> data;
-  std::vector<uint8_t> scales;
-  ScaleType scale_type = ScaleType::kBF16;
-  quant::NvGlobalScale nv_global;
-  int group_size = 32;  // kW8
-
-  // The view of the host copy, for quant's CPU oracle (dequantize_row).
-  QMatrix view() const {
-    QMatrix m;
-    m.format = format;
-    m.rows = rows;
-    m.cols = cols;
-    m.data = data.data();
-    m.scales = scales.empty() ? nullptr : scales.data();
-    m.scale_type = scale_type;
-    m.nv_global = nv_global;
-    m.group_size = group_size;
-    return m;
-  }
-};
+// A packed matrix owned on the host; view() for quant's CPU oracle (dequantize_row).
+using HostMatrix = quant::PackedMatrix;
 
 template <typename T>
-std::vector<uint8_t> as_bytes(const std::vector<T>& v) {
-  std::vector<uint8_t> bytes(v.size() * sizeof(T));
+std::vector<std::byte> as_bytes(const std::vector<T>& v) {
+  std::vector<std::byte> bytes(v.size() * sizeof(T));
   std::memcpy(bytes.data(), v.data(), bytes.size());
   return bytes;
 }
 
 // fp16 or fp32 (`type`) copies of `values`.
-inline std::vector<uint8_t> f16_or_f32_bytes(const std::vector<float>& values, ScaleType type) {
+inline std::vector<std::byte> f16_or_f32_bytes(const std::vector<float>& values, ScaleType type) {
   if (type == ScaleType::kF32) return as_bytes(values);
   std::vector<uint16_t> bits(values.size());
   for (size_t i = 0; i < values.size(); ++i) bits[i] = float_to_fp16(values[i]);
@@ -82,7 +62,7 @@ inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols,
   } else if (format == WeightFormat::kW8A) {
     // Every 5-bit level 0..31, as Q5_1 / Q5_K repack.
     m.data = as_bytes(testing::random_words(rows * cols / 4, seed));
-    for (uint8_t& level : m.data) level &= 31;
+    for (std::byte& level : m.data) level &= std::byte{31};
   } else if (format == WeightFormat::kW8) {
     // Every int8 value, -128 included (Q8_0 stores -127..127, Q6_K -32..31).
     m.data = as_bytes(testing::random_words(rows * cols / 4, seed));
@@ -109,7 +89,8 @@ inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols,
     const auto codes = testing::random_words(rows * cols / 16, seed + 1);
     m.scales.resize(codes.size());
     for (size_t i = 0; i < codes.size(); ++i) {
-      m.scales[i] = codes[i] % 64 == 0 ? 0 : static_cast<uint8_t>(0x20 + codes[i] % 0x30);
+      m.scales[i] =
+          codes[i] % 64 == 0 ? std::byte{0} : static_cast<std::byte>(0x20 + codes[i] % 0x30);
     }
     // Not a power of two: the divisor and multiplier conventions round differently.
     m.nv_global = nv_divisor ? quant::NvGlobalScale{3584.7f, true}
@@ -125,7 +106,7 @@ inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols,
 
 struct DeviceMatrix {
   explicit DeviceMatrix(const HostMatrix& host)
-      : data(host.data), scales(host.scales.empty() ? std::vector<uint8_t>(1) : host.scales) {
+      : data(host.data), scales(host.scales.empty() ? std::vector<std::byte>(1) : host.scales) {
     view.format = host.format;
     view.rows = host.rows;
     view.cols = host.cols;
@@ -135,8 +116,8 @@ struct DeviceMatrix {
     view.nv_global = host.nv_global;
     view.group_size = host.group_size;
   }
-  DeviceArray<uint8_t> data;
-  DeviceArray<uint8_t> scales;
+  DeviceArray<std::byte> data;
+  DeviceArray<std::byte> scales;
   QMatrix view;
 };
 
