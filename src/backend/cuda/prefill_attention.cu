@@ -5,8 +5,9 @@
 // q head of the group and several queries. Per tile of kKeys slots:
 //   1. the slots' positions; a tile no row can see (all empty, in every row's future or before
 //      every row's window) is skipped;
-//   2. K and V (fp32 in the cache) converted to bf16 in shared memory; empty slots as zeros (a
-//      stale or never-written slot must not reach the sums even with weight 0: 0 · NaN = NaN);
+//   2. K and V (the cache's element type, attention_kv.cuh) converted to bf16 in shared memory;
+//      empty slots as zeros (a stale or never-written slot must not reach the sums even with
+//      weight 0: 0 · NaN = NaN);
 //   3. S = Q · Kᵀ with WMMA (bf16 16x16x16, fp32 accumulate) into shared memory;
 //   4. the online softmax per row in fp32: scale, mask, running max; the weights rounded to
 //      bf16 for the tensor cores, and the running sum adds those rounded weights, so the
@@ -20,6 +21,7 @@
 
 #include <climits>
 
+#include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/prefill_kernels.h"
 
@@ -90,7 +92,7 @@ __device__ __forceinline__ bool visible(int32_t key_position, int32_t query_posi
          (window == 0 || query_position - key_position < window);
 }
 
-template <int HD>
+template <int HD, typename KvT>
 __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs a) {
   using L = Layout<HD>;
   constexpr int kRows = L::kRows, kKeys = L::kKeys;
@@ -150,8 +152,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
   // the visible ones when the cache has more slots than that.
   const int64_t scanned = min(a.kv.slots, int64_t{max_position} + 1);
   const int64_t kv_width = int64_t{a.kv.kv_heads} * HD;
-  const float* keys = a.kv.keys + int64_t{kv_head} * HD;
-  const float* values = a.kv.values + int64_t{kv_head} * HD;
+  const KvT* keys = static_cast<const KvT*>(a.kv.keys) + int64_t{kv_head} * HD;
+  const KvT* values = static_cast<const KvT*>(a.kv.values) + int64_t{kv_head} * HD;
 
   for (int64_t first_slot = 0; first_slot < scanned; first_slot += kKeys) {
     // 1. Positions; skip the tile if no row can see any of it (a superset test: each row's
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
     }
     if (!__syncthreads_or(wanted)) continue;
 
-    // 2. K and V → bf16 (16-byte loads: a head's row is HD contiguous floats). Each thread
+    // 2. K and V → bf16 (4 elements per load: a head's row is HD contiguous ones). Each thread
     // issues kLoadBatch loads of K and of V before converting any, so a tile costs a few memory
     // round trips, not one per vector.
     for (int first = 0; first < kVectorsPerThread; first += kLoadBatch) {
@@ -177,8 +179,8 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
         k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (key_position[key] >= 0) {
           const int64_t offset = (first_slot + key) * kv_width + (i % (HD / 4)) * 4;
-          k[j] = __ldg(reinterpret_cast<const float4*>(keys + offset));
-          v[j] = __ldg(reinterpret_cast<const float4*>(values + offset));
+          k[j] = load_kv4(keys + offset);
+          v[j] = load_kv4(values + offset);
         }
       }
 #pragma unroll
@@ -296,7 +298,7 @@ __global__ void __launch_bounds__(kThreads) prefill_attention_kernel(PrefillArgs
   }
 }
 
-template <int HD>
+template <int HD, typename KvT>
 cudaError_t launch_prefill_attention(const PrefillArgs& args, int kv_heads, const Launch& launch) {
   using L = Layout<HD>;
   const int64_t blocks = (args.queries * args.group + L::kRows - 1) / L::kRows;
@@ -304,9 +306,9 @@ cudaError_t launch_prefill_attention(const PrefillArgs& args, int kv_heads, cons
   // Above 48 KB a kernel must opt in (a function attribute, not a stream operation: allowed
   // while a graph is captured).
   const cudaError_t status = cudaFuncSetAttribute(
-      prefill_attention_kernel<HD>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+      prefill_attention_kernel<HD, KvT>, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (status != cudaSuccess) return status;
-  return launch_kernel(prefill_attention_kernel<HD>,
+  return launch_kernel(prefill_attention_kernel<HD, KvT>,
                        dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(kv_heads)),
                        dim3(kThreads), L::kBytes, launch, args);
 }
@@ -340,8 +342,11 @@ cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const
   args.scale = scale;
   args.out = out.data;
   args.out_stride = out.stride;
-  return head_dim == 256 ? launch_prefill_attention<256>(args, kv.kv_heads, launch)
-                         : launch_prefill_attention<512>(args, kv.kv_heads, launch);
+  return with_kv_type(kv.type, [&](auto element) {
+    using KvT = decltype(element);
+    return head_dim == 256 ? launch_prefill_attention<256, KvT>(args, kv.kv_heads, launch)
+                           : launch_prefill_attention<512, KvT>(args, kv.kv_heads, launch);
+  });
 }
 
 }  // namespace gemma4::cuda
