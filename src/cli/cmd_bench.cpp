@@ -36,6 +36,7 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_pdl = false;
   bool fp32 = false;
+  std::string kv_cache;
   std::string gpu_memory;
   int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
@@ -338,8 +339,10 @@ Status Bench::write_report() const {
   std::printf("engine: %s   format: %s   gpu: %s   commit: %s   context: %lld\n",
               backend_description_.c_str(), format.c_str(), gpu.c_str(), commit.c_str(),
               static_cast<long long>(context_));
-  std::printf("cuda graphs: %s   pdl: %s   activations: %s\n", args_.no_graphs ? "off" : "on",
-              args_.no_pdl ? "off" : "on", args_.fp32 ? "fp32 (--fp32)" : "bf16 where faster");
+  std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
+              args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on",
+              args_.fp32 ? "fp32 (--fp32)" : "bf16 where faster",
+              engine::kv_type_name(memory_plan_.options.kv_type));
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
   std::printf("%-8s %6s %8s %12s %10s %12s %8s\n", "decode", "batch", "depth", "tok/s", "ms/step",
@@ -376,6 +379,7 @@ Status Bench::write_report() const {
   json["graphs"] = !args_.no_graphs;
   json["pdl"] = !args_.no_pdl;
   json["fp32"] = args_.fp32;
+  json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
   json["decode"] = nlohmann::ordered_json::array();
   for (const auto& d : decode_) {
     json["decode"].push_back({{"batch", d.batch},
@@ -428,6 +432,7 @@ Status bench(const BenchArgs& args) {
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.fp32 = args.fp32;
+  load.kv_cache = args.kv_cache;
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
@@ -446,6 +451,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
+  cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,

@@ -45,6 +45,20 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
 #endif
 }
 
+// --kv-cache resolved for the chosen device: bf16 on CUDA (what a bf16 transformers model
+// caches) unless activations are exact fp32; the CPU reference keeps fp32 only.
+Expected<engine::KvType> resolve_kv_cache(const EngineLoadOptions& options, Device device) {
+  if (options.kv_cache.empty())
+    return device == Device::kCuda && !options.fp32 ? engine::KvType::kBF16 : engine::KvType::kF32;
+  auto type = engine::parse_kv_type(options.kv_cache);
+  if (!type.ok()) return type.error().with_context("--kv-cache");
+  if (device != Device::kCuda && *type != engine::KvType::kF32)
+    return make_error(ErrorCode::kInvalidArgument,
+                      "--kv-cache {}: the CPU reference engine keeps an f32 KV cache only",
+                      options.kv_cache);
+  return type;
+}
+
 double mib(int64_t bytes) {
   return static_cast<double>(bytes) / (1 << 20);
 }
@@ -139,13 +153,14 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.backend = chosen.backend.get();
   loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
-  EngineLoadOptions sized = options;
+  EngineLoadOptions resolved = options;
   if (!chosen.backend->reads_host_memory() &&
-      sized.engine.max_pass_tokens == engine::EngineOptions{}.max_pass_tokens) {
-    sized.engine.max_pass_tokens = engine::kDevicePassTokens;
+      resolved.engine.max_pass_tokens == engine::EngineOptions{}.max_pass_tokens) {
+    resolved.engine.max_pass_tokens = engine::kDevicePassTokens;
   }
+  GEMMA4_ASSIGN_OR_RETURN(resolved.engine.kv_type, resolve_kv_cache(options, chosen.device));
   GEMMA4_ASSIGN_OR_RETURN(loaded.memory_plan,
-                          plan_engine_memory(*loaded.model, *chosen.backend, sized));
+                          plan_engine_memory(*loaded.model, *chosen.backend, resolved));
   GEMMA4_ASSIGN_OR_RETURN(
       loaded.engine,
       engine::Gemma4Engine::create(loaded.model->config, loaded.model->weights,

@@ -46,6 +46,11 @@ inline constexpr const char* kGpuMemoryHelp =
     "GPU memory budget, e.g. 3732MiB or 24GiB: fewer sequences, then a shorter context, if the "
     "requested ones do not fit (CUDA engine only)";
 
+// Help text for --kv-cache (EngineLoadOptions::kv_cache), the same in every subcommand.
+inline constexpr const char* kKvCacheHelp =
+    "KV cache element type: f32, bf16 or fp8 (e4m3); default bf16 on CUDA (f32 with --fp32), f32 "
+    "on the CPU (which keeps nothing else)";
+
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;
@@ -55,6 +60,9 @@ struct EngineLoadOptions {
   // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are
   // lowered to fit it (engine/memory_plan.h).
   int64_t gpu_memory = 0;
+  // --kv-cache: f32, bf16 or fp8; empty picks the device's default (kKvCacheHelp). Overrides
+  // engine.kv_type.
+  std::string kv_cache;
   engine::EngineOptions engine;
 };
 

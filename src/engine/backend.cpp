@@ -5,6 +5,38 @@
 
 namespace gemma4::engine {
 
+int64_t kv_element_bytes(KvType type) {
+  switch (type) {
+    case KvType::kBF16:
+      return 2;
+    case KvType::kFP8:
+      return 1;
+    case KvType::kF32:
+      break;
+  }
+  return 4;
+}
+
+const char* kv_type_name(KvType type) {
+  switch (type) {
+    case KvType::kBF16:
+      return "bf16";
+    case KvType::kFP8:
+      return "fp8";
+    case KvType::kF32:
+      break;
+  }
+  return "f32";
+}
+
+Expected<KvType> parse_kv_type(std::string_view name) {
+  for (KvType type : {KvType::kF32, KvType::kBF16, KvType::kFP8}) {
+    if (name == kv_type_name(type)) return type;
+  }
+  return make_error(ErrorCode::kInvalidArgument, "KV cache type '{}': expected f32, bf16 or fp8",
+                    name);
+}
+
 namespace {
 
 // rms_norm over every head_dim-wide head of every row of x, in place. A dense x is one call over
@@ -48,6 +80,15 @@ void Backend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, con
     write_kv(s.kv, k.slice(s.first_row, s.count), v.slice(s.first_row, s.count),
              positions + s.first_row);
   }
+}
+
+void Backend::prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
+                                 bool norm_v, int head_dim, const int32_t* positions,
+                                 const model::RopeParams& rope,
+                                 std::span<const SequenceRows> sequences, const NormParams& norm,
+                                 int window, float scale, Rows out) {
+  prepare_attention(q, k, v, q_norm, k_norm, norm_v, head_dim, positions, rope, sequences, norm);
+  attention_rows(q, positions, sequences, window, scale, out);
 }
 
 void Backend::attention_rows(Rows q, const int32_t* positions,

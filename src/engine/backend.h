@@ -16,6 +16,7 @@
 #include <memory>
 #include <optional>
 #include <span>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -84,18 +85,35 @@ struct Rows {
   }
 };
 
-// One sequence's K/V store for one layer: `slots` entries of [kv_heads, head_dim] floats for K
-// and for V, plus the absolute position each slot holds (-1 = empty). Position p lives in slot
-// p % slots: full-attention layers have one slot per position of the context, sliding layers a
-// ring of window + history slots. Attention reads the recorded positions, so masking never
-// depends on how the slots were filled.
+// The element type of a KV cache's K and V. kF32 is exact (the CPU reference keeps nothing
+// else); kBF16 rounds to nearest even, what a bf16 transformers model caches; kFP8 is e4m3
+// (round to nearest even, saturating at ±448) without scales: every Gemma 4 layer that owns K/V
+// RMS-normalises k (k_norm) and v (weightless v_norm) per head right before storing them, so V
+// has RMS 1 (|v| <= sqrt(head_dim) <= 23) and K is that times the k_norm weight; both sit well
+// inside e4m3's normal range (2^-6 .. 448), where the relative rounding error is at most 2^-4,
+// and elements below 2^-6 keep an absolute error of at most 2^-10.
+enum class KvType : uint8_t { kF32, kBF16, kFP8 };
+
+// Bytes per K or V element: 4, 2, 1.
+int64_t kv_element_bytes(KvType type);
+// "f32", "bf16", "fp8" (the --kv-cache values).
+const char* kv_type_name(KvType type);
+// The inverse of kv_type_name; a clear error for anything else.
+Expected<KvType> parse_kv_type(std::string_view name);
+
+// One sequence's K/V store for one layer: `slots` entries of [kv_heads, head_dim] elements of
+// `type` for K and for V, plus the absolute position each slot holds (-1 = empty). Position p
+// lives in slot p % slots: full-attention layers have one slot per position of the context,
+// sliding layers a ring of window + history slots. Attention reads the recorded positions, so
+// masking never depends on how the slots were filled.
 struct KvView {
-  float* keys = nullptr;
-  float* values = nullptr;
+  void* keys = nullptr;
+  void* values = nullptr;
   int32_t* slot_positions = nullptr;
   int64_t slots = 0;
   int kv_heads = 0;
   int head_dim = 0;
+  KvType type = KvType::kF32;
 };
 
 // inv_freq[i] of the head_dim / 2 pairs of rope() below, in float32 as transformers computes it
@@ -143,6 +161,10 @@ class Backend {
   // operation the backend cannot run), or ok. Operations return nothing and are asynchronous on
   // a device, so the engine checks this after each pass; once failed, it stays failed.
   virtual Status status() const { return Status::ok_status(); }
+
+  // Whether write_kv / prepare_attention / attention take caches of `type` (Gemma4Engine::create
+  // refuses an EngineOptions::kv_type the backend does not). The CPU reference: kF32 only.
+  virtual bool supports_kv_type(KvType type) const { return type == KvType::kF32; }
 
   // Kernels launched so far (a replayed graph counts each of its kernels), for `gemma4 bench`'s
   // kernels per token; nullopt when the backend does not count them.
@@ -239,6 +261,14 @@ class Backend {
   virtual void attention_rows(Rows q, const int32_t* positions,
                               std::span<const SequenceRows> sequences, int window, float scale,
                               Rows out);
+
+  // prepare_attention(q, k, v, ...), then attention_rows(q, ...) over the same sequences (one
+  // launch on CUDA for a decode batch). q, k and v are scratch afterwards. Default: those calls.
+  virtual void prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
+                                  bool norm_v, int head_dim, const int32_t* positions,
+                                  const model::RopeParams& rope,
+                                  std::span<const SequenceRows> sequences, const NormParams& norm,
+                                  int window, float scale, Rows out);
 
   // y = gelu_tanh(x · Wᵀ) ⊙ multiplier (the PLE gate). Default: matmul(w, x, y);
   // gelu_tanh_mul(y, multiplier, y).

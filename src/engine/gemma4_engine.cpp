@@ -73,8 +73,9 @@ struct Gemma4Engine::Impl {
   KvView kv_view(SequenceId sequence, const LayerGeometry& geometry) const {
     const LayerCache& cache = sequences[sequence].layers[geometry.kv_source_layer];
     const LayerGeometry& source = config.layers[geometry.kv_source_layer];
-    return {cache.keys.floats(), cache.values.floats(), cache.slot_positions.ints(),
-            cache.slots,         source.num_kv_heads,   source.head_dim};
+    return {cache.keys.data(), cache.values.data(), cache.slot_positions.ints(),
+            cache.slots,       source.num_kv_heads, source.head_dim,
+            options.kv_type};
   }
 
   // K/V slots of the layer's cache in every sequence.
@@ -166,10 +167,9 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   const bool fits = std::all_of(segments.begin(), segments.end(),
                                 [&](const Segment& s) { return s.count <= chunk_limit; });
   if (fits) {
-    backend->prepare_attention(queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd,
-                               positions.ints(), g.rope, sequence_rows, norm_params);
-    backend->attention_rows(queries, positions.ints(), sequence_rows, g.window,
-                            config.attention_scale, out);
+    backend->prepare_and_attend(queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd,
+                                positions.ints(), g.rope, sequence_rows, norm_params, g.window,
+                                config.attention_scale, out);
   } else {
     // A sequence's rows are longer than the ring can hold: write and attend them piece by piece
     // (only a layer that owns its ring: a KV-shared one gets passes that fit, see step()).
@@ -340,6 +340,10 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
                       "engine options: max_sequences, max_context and max_pass_tokens must all be "
                       ">= 1, ring_history >= 0");
   }
+  if (!backend->supports_kv_type(options.kv_type)) {
+    return make_error(ErrorCode::kUnsupported, "the {} backend does not keep a {} KV cache",
+                      backend->name(), kv_type_name(options.kv_type));
+  }
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->backend = std::move(backend);
@@ -398,8 +402,9 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
       if (!g.owns_kv()) continue;
       LayerCache& cache = sequence.layers[g.layer_index];
       cache.slots = impl->cache_slots(g);
-      cache.keys = floats(cache.slots, g.kv_width());
-      cache.values = floats(cache.slots, g.kv_width());
+      const int64_t kv_bytes = kv_element_bytes(options.kv_type) * cache.slots * g.kv_width();
+      cache.keys = b.allocate(kv_bytes);
+      cache.values = b.allocate(kv_bytes);
       cache.slot_positions = b.allocate(sizeof(int32_t) * cache.slots);
     }
   }

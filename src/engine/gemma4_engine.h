@@ -50,6 +50,9 @@ struct EngineOptions {
   // and replay them: one recording per ordered list of sequences, made on the second step with
   // that list (the first runs unrecorded so every lazily made backend resource exists).
   bool record_decode = true;
+  // The element type of every KV cache (the backend must support it: supports_kv_type). The CLI
+  // picks bf16 on CUDA unless activations are exact fp32 (cli/model_loader.h).
+  KvType kv_type = KvType::kF32;
 };
 
 // The pass a GPU backend gets unless asked otherwise (cli::create_engine; a --gpu-memory budget

@@ -53,7 +53,7 @@ int64_t kv_bytes_per_sequence(const model::ModelConfig& config, const EngineOpti
     if (!g.owns_kv()) continue;
     const int64_t slots =
         g.window > 0 ? std::min(g.window + history, options.max_context) : options.max_context;
-    bytes += slots * (2 * kFloat * g.kv_width() + kInt);
+    bytes += slots * (2 * kv_element_bytes(options.kv_type) * g.kv_width() + kInt);
   }
   return bytes;
 }
@@ -128,10 +128,10 @@ std::string MemoryPlan::summary() const {
   const std::string weights =
       weight_bytes > 0 ? fmt::format("{:.0f} MiB", mib(weight_bytes)) : "read in place";
   return fmt::format(
-      "weights {} + KV {:.0f} MiB ({}, fp32) + workspace {:.0f} MiB + scratch {:.0f} MiB + "
+      "weights {} + KV {:.0f} MiB ({}, {}) + workspace {:.0f} MiB + scratch {:.0f} MiB + "
       "runtime reserve {:.0f} MiB = {:.0f} MiB",
-      weights, mib(kv_bytes), options_line(options), mib(workspace_bytes), mib(scratch_bytes),
-      mib(reserve_bytes), mib(total()));
+      weights, mib(kv_bytes), options_line(options), kv_type_name(options.kv_type),
+      mib(workspace_bytes), mib(scratch_bytes), mib(reserve_bytes), mib(total()));
 }
 
 MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
@@ -143,7 +143,7 @@ MemoryPlan plan_memory(const model::ModelConfig& config, int64_t weight_bytes,
   plan.kv_bytes = options.max_sequences * kv_bytes_per_sequence(config, plan.options);
   for (const LayerGeometry& g : config.layers) {
     if (g.owns_kv() && g.window == 0)
-      plan.kv_full_bytes_per_token += 2 * kFloat * g.kv_width() + kInt;
+      plan.kv_full_bytes_per_token += 2 * kv_element_bytes(options.kv_type) * g.kv_width() + kInt;
   }
   plan.workspace_bytes = workspace_bytes(config, plan.options);
   plan.scratch_bytes = on_device ? backend_scratch_bytes(config, plan.options) : 0;

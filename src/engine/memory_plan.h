@@ -48,7 +48,7 @@ struct MemoryPlan {
   int64_t total() const {
     return weight_bytes + kv_bytes + workspace_bytes + scratch_bytes + reserve_bytes;
   }
-  // "weights 3056 MiB + KV 329 MiB (1 x 26880 tokens, passes of 64, fp32) + workspace 15 MiB +
+  // "weights 3056 MiB + KV 329 MiB (1 x 26880 tokens, passes of 64, f32) + workspace 15 MiB +
   //  scratch 73 MiB + runtime reserve 256 MiB = 3729 MiB" ("read in place": nothing copied)
   std::string summary() const;
 };

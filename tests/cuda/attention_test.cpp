@@ -37,13 +37,20 @@ void run_case(const Case& c) {
   auto q = testing::random_floats(batch * c.q_heads * hd, -0.15f, 0.15f, 51);
   auto keys = testing::random_floats(batch * per_sequence, -0.15f, 0.15f, 52);
   auto values = testing::random_floats(batch * per_sequence, -1.0f, 1.0f, 53);
+  // The cache as stored: the reference below reads the rounded values.
   std::vector<uint16_t> keys_bf16(keys.size()), values_bf16(values.size());
+  std::vector<uint8_t> keys_fp8(keys.size()), values_fp8(values.size());
   for (size_t i = 0; i < keys.size(); ++i) {
     keys_bf16[i] = float_to_bf16(keys[i]);
     values_bf16[i] = float_to_bf16(values[i]);
+    keys_fp8[i] = float_to_e4m3(keys[i]);
+    values_fp8[i] = float_to_e4m3(values[i]);
     if (c.type == KvType::kBF16) {
       keys[i] = bf16_to_float(keys_bf16[i]);
       values[i] = bf16_to_float(values_bf16[i]);
+    } else if (c.type == KvType::kFP8) {
+      keys[i] = e4m3_to_float(keys_fp8[i]);
+      values[i] = e4m3_to_float(values_fp8[i]);
     }
   }
   // Slot s holds the latest position p <= P with p % slots == s (a ring for sliding layers, the
@@ -59,12 +66,16 @@ void run_case(const Case& c) {
 
   DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd);
   DeviceArray<uint16_t> dk16(keys_bf16), dv16(values_bf16);
+  DeviceArray<uint8_t> dk8(keys_fp8), dv8(values_fp8);
   DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
   DeviceArray<float> partials(attention_partials_floats(batch, c.q_heads, c.head_dim, c.splits));
-  const bool bf16 = c.type == KvType::kBF16;
   KvCacheView kv;
-  kv.keys = bf16 ? static_cast<const void*>(dk16.get()) : dk.get();
-  kv.values = bf16 ? static_cast<const void*>(dv16.get()) : dv.get();
+  kv.keys = c.type == KvType::kBF16  ? static_cast<const void*>(dk16.get())
+            : c.type == KvType::kFP8 ? static_cast<const void*>(dk8.get())
+                                     : dk.get();
+  kv.values = c.type == KvType::kBF16  ? static_cast<const void*>(dv16.get())
+              : c.type == KvType::kFP8 ? static_cast<const void*>(dv8.get())
+                                       : dv.get();
   kv.slot_positions = dslots.get();
   kv.type = c.type;
   kv.slots = c.slots;
@@ -135,6 +146,13 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
       // use one q head per kv head.
       {"group-of-5", 10, 2, 512, 700, 0, {650, 77}, 5, KvType::kF32},
       {"group-of-1", 4, 4, 256, 300, 0, {299}, 1, KvType::kBF16},
+      // e4m3 caches (8-byte lane pieces for rows of 256, 16 for 512; 32 / 16 keys per tile).
+      {"fp8-e2b-full", 8, 1, 512, 4096, 0, {3000}, 37, KvType::kFP8},
+      {"fp8-e2b-full-one-split", 8, 1, 512, 4096, 0, {3000}, 1, KvType::kFP8},
+      {"fp8-e2b-sliding", 8, 1, 256, 600, 512, {5000}, 9, KvType::kFP8},
+      {"fp8-26b-sliding", 16, 8, 256, 1100, 1024, {2000, 300}, 16, KvType::kFP8},
+      {"fp8-26b-full", 16, 2, 512, 2048, 0, {1500, 10}, 64, KvType::kFP8},
+      {"fp8-first-token", 8, 1, 256, 256, 0, {0}, 8, KvType::kFP8},
   };
   for (const Case& c : cases) run_case(c);
 }

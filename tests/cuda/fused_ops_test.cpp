@@ -342,6 +342,64 @@ TEST(FusedOps, AttentionRowsMatchesPerSequenceAttention) {
   }
 }
 
+// prepare_and_attend of a decode batch: CUDA's one launch (attention.h: DecodePrepare) against
+// the CPU's composition (prepare_attention, then attention_rows): the outputs and every cache.
+TEST(FusedOps, PrepareAndAttendMatchesTheComposition) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(2);
+  std::vector<int32_t> many_depths;
+  for (int i = 0; i < 70; ++i) many_depths.push_back(i * 41 % 700);
+  const PrepareCase cases[] = {
+      // The ring wrapped (the new key overwrites a slot mid-ring), a first token, a deep one.
+      {"sliding", kSliding, decode_pass({1000, 0, 5000, 40}), true, false, true, 0.0f},
+      // Most splits unused next to deep caches; V = the raw K projection.
+      {"full-k_eq_v", kFull, decode_pass({100, 4000, 2500}), true, true, true, 0.0f},
+      {"wide-sliding", kWideSliding, decode_pass({2000, 300}), true, false, false, 1.0f},
+      // A layer reading another layer's KV: q prepared, nothing stored.
+      {"kv-shared", kFull, decode_pass({900, 17}), false, false, true, 0.0f},
+      // Two launches.
+      {"70-sequences", kSliding, decode_pass(many_depths), true, false, true, 0.0f},
+      // Not taken by the decode kernel: the composition on the device.
+      {"small-heads", kSmallHeads, decode_pass({50, 95}), true, false, true, 0.0f},
+      {"prefill-mix", kSliding, {{700, 20}, {3, 1}}, true, false, true, 0.0f},
+  };
+  uint32_t seed = 500;
+  for (const PrepareCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const LayerShape& shape = c.shape;
+    const int hd = shape.head_dim;
+    const int64_t n = c.pass.total_rows();
+    MirroredQkv qkv(*gpu, shape, n, c.k_eq_v, seed++);
+    // A KV-shared layer attends a cache that already holds its own position.
+    Pass filled = c.pass;
+    if (!c.owns_kv) {
+      for (size_t i = 0; i < filled.depths.size(); ++i) filled.depths[i] += filled.rows[i];
+    }
+    MirroredSequences sequences(*gpu, filled, shape.slots, shape.kv_heads, hd, seed);
+    seed += 200;
+    Mirrored<int32_t> positions(*gpu, c.pass.positions());
+    Mirrored<float> q_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    Mirrored<float> out(*gpu, std::vector<float>(n * qkv.q_width, std::nanf("")));
+    const engine::NormParams norm = {c.weight_offset, 1e-6f};
+    const float scale = 1.0f / 16.0f;
+    float* const cpu_base = qkv.values.cpu();
+    float* const gpu_base = qkv.values.gpu();
+    cpu.prepare_and_attend(qkv.q(cpu_base), c.owns_kv ? qkv.k(cpu_base) : Rows{},
+                           c.owns_kv ? qkv.v(cpu_base) : Rows{}, q_norm.cpu(), k_norm.cpu(),
+                           c.norm_v, hd, positions.cpu(), shape.rope, sequences.cpu_rows, norm,
+                           shape.window, scale, Rows::dense(out.cpu(), n, qkv.q_width));
+    gpu->prepare_and_attend(qkv.q(gpu_base), c.owns_kv ? qkv.k(gpu_base) : Rows{},
+                            c.owns_kv ? qkv.v(gpu_base) : Rows{}, q_norm.gpu(), k_norm.gpu(),
+                            c.norm_v, hd, positions.gpu(), shape.rope, sequences.gpu_rows, norm,
+                            shape.window, scale, Rows::dense(out.gpu(), n, qkv.q_width));
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    expect_same(out, "out");
+    sequences.expect_same(c.name);
+  }
+}
+
 // prepare_attention + attention_rows of a decode batch recorded once (as the engine records a
 // decode step) and replayed at later positions: the sequence tables live in the recorded kernel
 // parameters, the positions in device memory.

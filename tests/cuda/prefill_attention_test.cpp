@@ -71,8 +71,9 @@ struct Cache {
       const int64_t slot = p % c.slots;
       positions[slot] = p;
       for (int64_t j = slot * width; j < (slot + 1) * width; ++j) {
-        keys[j] = round_bf16(k[j]);
-        values[j] = round_bf16(v[j]);
+        // Values the cache type holds exactly (every e4m3 value is a bf16 value too).
+        keys[j] = c.type == KvType::kFP8 ? e4m3_to_float(float_to_e4m3(k[j])) : round_bf16(k[j]);
+        values[j] = c.type == KvType::kFP8 ? e4m3_to_float(float_to_e4m3(v[j])) : round_bf16(v[j]);
       }
     }
     for (int32_t p : {last, last - 5, std::max(0, last - 40)}) {
@@ -89,6 +90,13 @@ struct Cache {
       bits[i] = std::isnan(host[i]) ? uint16_t{0x7FC0} : float_to_bf16(host[i]);
     }
     return std::make_unique<DeviceArray<uint16_t>>(bits);
+  }
+  std::unique_ptr<DeviceArray<uint8_t>> e4m3(const std::vector<float>& host) const {
+    std::vector<uint8_t> bits(host.size());
+    for (size_t i = 0; i < host.size(); ++i) {
+      bits[i] = std::isnan(host[i]) ? uint8_t{0x7F} : float_to_e4m3(host[i]);
+    }
+    return std::make_unique<DeviceArray<uint8_t>>(bits);
   }
 
   int64_t width;
@@ -127,6 +135,7 @@ class FlashAttention : public ::testing::TestWithParam<FlashCase> {
     DeviceArray<int32_t> device_positions(query_positions), device_slots(cache.positions);
     std::unique_ptr<DeviceArray<float>> f32_keys, f32_values;
     std::unique_ptr<DeviceArray<uint16_t>> bf16_keys, bf16_values;
+    std::unique_ptr<DeviceArray<uint8_t>> e4m3_keys, e4m3_values;
     KvCacheView kv;
     kv.type = c.type;
     kv.slot_positions = device_slots.get();
@@ -138,6 +147,11 @@ class FlashAttention : public ::testing::TestWithParam<FlashCase> {
       bf16_values = cache.bf16(cache.values);
       kv.keys = bf16_keys->get();
       kv.values = bf16_values->get();
+    } else if (c.type == KvType::kFP8) {
+      e4m3_keys = cache.e4m3(cache.keys);
+      e4m3_values = cache.e4m3(cache.values);
+      kv.keys = e4m3_keys->get();
+      kv.values = e4m3_values->get();
     } else {
       f32_keys = std::make_unique<DeviceArray<float>>(cache.keys);
       f32_values = std::make_unique<DeviceArray<float>>(cache.values);
@@ -217,6 +231,7 @@ TEST_P(FlashAttention, RandomQueriesWithinTheBf16Bound) {
 
 constexpr KvType kF32 = KvType::kF32;
 constexpr KvType kBF16 = KvType::kBF16;
+constexpr KvType kFP8 = KvType::kFP8;
 
 INSTANTIATE_TEST_SUITE_P(
     Chunks, FlashAttention,
@@ -226,6 +241,8 @@ INSTANTIATE_TEST_SUITE_P(
         FlashCase{"hd256_e2b_sliding_33_bf16", 256, 8, 1, 1023, 512, 700, 33, kBF16, 0},
         FlashCase{"hd256_e2b_sliding_65_f32_one_split", 256, 8, 1, 1023, 512, 2000, 65, kF32, 1},
         FlashCase{"hd256_26b_sliding_97_bf16_3_splits", 256, 16, 8, 1056, 1024, 1500, 97, kBF16, 3},
+        FlashCase{"hd256_e2b_sliding_97_fp8", 256, 8, 1, 1023, 512, 700, 97, kFP8, 0},
+        FlashCase{"hd512_e2b_full_33_fp8_3_splits", 512, 8, 1, 4096, 0, 900, 33, kFP8, 3},
         FlashCase{"hd256_mha_first_chunk_512_bf16", 256, 4, 4, 600, 0, 0, 512, kBF16, 0},
         FlashCase{"hd256_e2b_sliding_512_deep_f32", 256, 8, 1, 1023, 512, 3584, 512, kF32, 0},
         FlashCase{"hd512_one_query_full_f32", 512, 8, 1, 2048, 0, 1200, 1, kF32, 0},

@@ -112,6 +112,14 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
     Backend::prepare_attention(q, k, v, q_norm, k_norm, norm_v, head_dim, positions, rope,
                                sequences, norm);
   }
+  void prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
+                          bool norm_v, int head_dim, const int32_t* positions,
+                          const RopeParams& rope, std::span<const SequenceRows> sequences,
+                          const NormParams& norm, int window, float scale, Rows out) override {
+    Op op(*this, Op::kFused);
+    Backend::prepare_and_attend(q, k, v, q_norm, k_norm, norm_v, head_dim, positions, rope,
+                                sequences, norm, window, scale, out);
+  }
   void attention_rows(Rows q, const int32_t* positions, std::span<const SequenceRows> sequences,
                       int window, float scale, Rows out) override {
     Op op(*this, Op::kFused);

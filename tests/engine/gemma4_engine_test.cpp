@@ -136,5 +136,32 @@ INSTANTIATE_TEST_SUITE_P(Tiny, EngineTest, ::testing::Values("tiny", "tiny-moe")
                            return name;
                          });
 
+// The CPU reference keeps fp32 K/V only: asking it for another cache type is a clear error at
+// creation, not a wrong answer later.
+TEST(EngineKvType, CpuBackendRefusesNarrowCaches) {
+  const auto& m = tiny_model("tiny");
+  for (KvType type : {KvType::kBF16, KvType::kFP8}) {
+    EngineOptions options;
+    options.kv_type = type;
+    auto engine = Gemma4Engine::create(m.config, m.weights,
+                                       std::make_unique<backend::cpu::CpuBackend>(), options);
+    ASSERT_FALSE(engine.ok());
+    EXPECT_EQ(engine.error().code, ErrorCode::kUnsupported);
+    EXPECT_NE(engine.error().message.find(kv_type_name(type)), std::string::npos)
+        << engine.error().message;
+  }
+}
+
+TEST(EngineKvType, NamesRoundTrip) {
+  for (KvType type : {KvType::kF32, KvType::kBF16, KvType::kFP8}) {
+    auto parsed = parse_kv_type(kv_type_name(type));
+    ASSERT_TRUE(parsed.ok());
+    EXPECT_EQ(*parsed, type);
+  }
+  auto bad = parse_kv_type("fp16");
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("expected f32, bf16 or fp8"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace gemma4::engine

@@ -83,26 +83,97 @@ INSTANTIATE_TEST_SUITE_P(Tiny, PlanVersusEngine, ::testing::Values("tiny", "tiny
                            return name;
                          });
 
-TEST(MemoryPlan, E2bKvCacheByHand) {
+class E2bKvCache : public ::testing::TestWithParam<KvType> {};
+
+TEST_P(E2bKvCache, ByHand) {
   // E2B (gemma4-architecture.md 1.1): 35 layers, the last 20 KV-shared, so layers 0..14 own
   // K/V; full attention on layers 4, 9, 14 (1 KV head x 512), sliding on the other 12 (1 x 256,
-  // window 512). fp32 K and V plus one int32 slot position per slot.
+  // window 512). K and V of 4, 2 or 1 bytes per element plus one int32 slot position per slot.
   const model::ModelConfig config = preset_config("e2b");
   EngineOptions options;
   options.max_sequences = 1;
   options.max_context = 131072;
   options.ring_history = 32;
+  options.kv_type = GetParam();
+  const int64_t element = GetParam() == KvType::kF32 ? 4 : GetParam() == KvType::kBF16 ? 2 : 1;
+  EXPECT_EQ(kv_element_bytes(GetParam()), element);
   const MemoryPlan plan = plan_memory(config, 0, options, /*on_device=*/false);
-  const int64_t full_per_token = 3 * (2 * 4 * 512 + 4);
-  const int64_t sliding = 12 * (512 + 32) * (2 * 4 * 256 + 4);
+  const int64_t full_per_token = 3 * (2 * element * 512 + 4);
+  const int64_t sliding = 12 * (512 + 32) * (2 * element * 256 + 4);
   EXPECT_EQ(plan.kv_full_bytes_per_token, full_per_token);
   EXPECT_EQ(plan.kv_bytes, 131072 * full_per_token + sliding);
   EXPECT_EQ(plan.scratch_bytes, 0);
   EXPECT_EQ(plan.reserve_bytes, 0);
+  EXPECT_NE(plan.summary().find(std::string(", ") + kv_type_name(GetParam()) + ")"),
+            std::string::npos)
+      << plan.summary();
   // A context beyond the model's is clipped to it.
   options.max_context = 1 << 20;
   EXPECT_EQ(plan_memory(config, 0, options, false).options.max_context, 131072);
-  std::printf("[ plan     ] e2b, 1 x 131072, fp32 KV: %s\n", plan.summary().c_str());
+  std::printf("[ plan     ] e2b, 1 x 131072, %s KV: %s\n", kv_type_name(GetParam()),
+              plan.summary().c_str());
+}
+
+INSTANTIATE_TEST_SUITE_P(Types, E2bKvCache,
+                         ::testing::Values(KvType::kF32, KvType::kBF16, KvType::kFP8),
+                         [](const auto& info) { return std::string(kv_type_name(info.param)); });
+
+// The two budgets of the issues: E2B with a 131,072-token context in 3732 MiB, the 26B-A4B with
+// 65,536 tokens in 24 GiB. The weights are not in CI, so the plan is printed with everything but
+// them: what the weights may take at most (the acceptance runs log the real plan).
+TEST(MemoryPlan, WhatTheTargetContextsLeaveForWeights) {
+  struct Target {
+    const char* preset;
+    int64_t context;
+    int64_t budget;
+  };
+  for (const Target& target :
+       {Target{"e2b", 131072, int64_t{3732} << 20}, Target{"26b-a4b", 65536, int64_t{24} << 30}}) {
+    const model::ModelConfig config = preset_config(target.preset);
+    for (KvType type : {KvType::kF32, KvType::kBF16, KvType::kFP8}) {
+      EngineOptions options;
+      options.max_sequences = 1;
+      options.max_context = target.context;
+      options.max_pass_tokens = kMinPassTokens;
+      options.kv_type = type;
+      const MemoryPlan plan = plan_memory(config, 0, options, /*on_device=*/true);
+      EXPECT_EQ(plan.options.max_context, target.context);
+      std::printf(
+          "[ plan     ] %s, 1 x %lld, %s KV: %.0f MiB besides the weights (%s); "
+          "weights up to %.0f MiB fit in %.0f MiB\n",
+          target.preset, static_cast<long long>(target.context), kv_type_name(type),
+          static_cast<double>(plan.total()) / (1 << 20), plan.summary().c_str(),
+          static_cast<double>(target.budget - plan.total()) / (1 << 20),
+          static_cast<double>(target.budget) / (1 << 20));
+    }
+  }
+}
+
+// fit_memory_plan follows the element type: a budget that holds a bf16 context of C tokens holds
+// about twice that in fp8 and half in f32.
+TEST(FitMemoryPlan, ContextFollowsTheKvElementType) {
+  const model::ModelConfig config = preset_config("e2b");
+  const int64_t weights = int64_t{3000} << 20;
+  EngineOptions requested;
+  requested.max_sequences = 1;
+  requested.max_context = 131072;
+  requested.max_pass_tokens = kMinPassTokens;
+  requested.kv_type = KvType::kBF16;
+  EngineOptions at_32k = requested;
+  at_32k.max_context = 32768;
+  const int64_t budget = plan_memory(config, weights, at_32k, true).total();
+  auto contexts = [&](KvType type) {
+    EngineOptions options = requested;
+    options.kv_type = type;
+    auto fit = fit_memory_plan(config, weights, options, true, budget);
+    EXPECT_TRUE(fit.ok());
+    EXPECT_EQ(fit->options.kv_type, type);
+    EXPECT_LE(fit->total(), budget);
+    return fit->options.max_context;
+  };
+  EXPECT_EQ(contexts(KvType::kBF16), 32768);
+  EXPECT_GT(contexts(KvType::kFP8), 2 * 32768 - 2 * kContextGranularity);
+  EXPECT_LT(contexts(KvType::kF32), 32768 / 2 + 2 * kContextGranularity);
 }
 
 TEST(MemoryPlan, OnDeviceAddsScratchAndTheRuntimeReserve) {

@@ -36,6 +36,14 @@ def test_greedy_matches_transformers(tiny):
     assert ids(out.stdout) == FIXTURE["greedy"]
 
 
+def test_cpu_takes_an_explicit_f32_kv_cache(tiny):
+    prompt = ",".join(map(str, FIXTURE["prompt"]))
+    out = gemma4("run", "-m", tiny, "--prompt-ids", prompt, "-n", len(FIXTURE["greedy"]),
+                 "--temperature", 0, "--ignore-eos", "--device", "cpu", "--kv-cache", "f32")
+    assert ids(out.stdout) == FIXTURE["greedy"]
+    assert "f32) + workspace" in out.stderr  # the memory plan names the KV element type
+
+
 def test_seeded_sampling_is_reproducible(tiny):
     args = ["run", "-m", tiny, "--prompt-ids", "2,100,200", "-n", 12, "--temperature", 1.0,
             "--top-k", 50, "--ignore-eos"]
@@ -50,6 +58,8 @@ def test_seeded_sampling_is_reproducible(tiny):
     (["--prompt-ids", "2,abc"], "not a token id"),
     (["--prompt-ids", "2,999999999"], "outside the vocabulary"),
     (["--prompt-ids", "2", "--top-p", "0"], "top_p"),
+    (["--prompt-ids", "2", "--kv-cache", "fp16"], "expected f32, bf16 or fp8"),
+    (["--prompt-ids", "2", "--device", "cpu", "--kv-cache", "bf16"], "keeps an f32 KV cache only"),
 ])
 def test_bad_input_is_a_clear_error(tiny, args, message):
     out = gemma4("run", "-m", tiny, *args, check=False)

@@ -179,11 +179,12 @@ void CpuBackend::copy(Rows src, Rows dst) {
 }
 
 void CpuBackend::write_kv(const engine::KvView& kv, Rows k, Rows v, const int32_t* positions) {
+  // fp32 caches only (supports_kv_type: the engine never makes another kind here).
   const int64_t width = int64_t{kv.kv_heads} * kv.head_dim;
   for (int64_t t = 0; t < k.count; ++t) {
     const int64_t slot = positions[t] % kv.slots;
-    std::memcpy(kv.keys + slot * width, k.row(t), sizeof(float) * width);
-    std::memcpy(kv.values + slot * width, v.row(t), sizeof(float) * width);
+    std::memcpy(static_cast<float*>(kv.keys) + slot * width, k.row(t), sizeof(float) * width);
+    std::memcpy(static_cast<float*>(kv.values) + slot * width, v.row(t), sizeof(float) * width);
     kv.slot_positions[slot] = positions[t];
   }
 }
@@ -199,6 +200,8 @@ void CpuBackend::attention(Rows q, const int32_t* positions, const engine::KvVie
   const int64_t q_heads = q.width / head_dim;
   const int64_t group = q_heads / kv.kv_heads;
   const int64_t kv_width = int64_t{kv.kv_heads} * head_dim;
+  const auto* keys = static_cast<const float*>(kv.keys);  // fp32 caches only (supports_kv_type)
+  const auto* values = static_cast<const float*>(kv.values);
   pool_.parallel_for(q.count * q_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores(kv.slots);
     for (int64_t task = begin; task < end; ++task) {
@@ -214,7 +217,7 @@ void CpuBackend::attention(Rows q, const int32_t* positions, const engine::KvVie
           scores[slot] = -std::numeric_limits<float>::infinity();
           continue;
         }
-        scores[slot] = dot(query, kv.keys + slot * kv_width + g * head_dim, head_dim) * scale;
+        scores[slot] = dot(query, keys + slot * kv_width + g * head_dim, head_dim) * scale;
         max_score = std::max(max_score, scores[slot]);
       }
       float* o = out.row(t) + h * head_dim;
@@ -228,7 +231,7 @@ void CpuBackend::attention(Rows q, const int32_t* positions, const engine::KvVie
       for (int64_t slot = 0; slot < kv.slots; ++slot) {
         if (scores[slot] == 0.0f) continue;
         const float p = scores[slot] / sum;
-        const float* value = kv.values + slot * kv_width + g * head_dim;
+        const float* value = values + slot * kv_width + g * head_dim;
         for (int j = 0; j < head_dim; ++j) o[j] += p * value[j];
       }
     }

@@ -5,16 +5,22 @@
 // earlier register-batched kernel reached ~10 % of the read bandwidth).
 // Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the group (hg = w % HG) over
 // the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group more warps share the
-// keys. A row is read as 16-byte chunks, lane l taking chunks l, l + 32, ... so a warp's reads
-// of a row are contiguous in shared memory (no bank conflicts); lane l therefore owns the dims of
-// those chunks. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block
-// are merged in shared memory, and the splits by a small second kernel. The sequences come from
-// a table in the kernel parameters, so one launch serves a whole decode batch of separate caches.
+// keys. A row is read in pieces of 16 (or 8) bytes, lane l taking pieces l, l + 32, ... so a
+// warp's reads of a row are contiguous in shared memory (no bank conflicts); lane l therefore owns
+// the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as read. Each warp
+// keeps an online softmax (max, sum, acc) per head; the warps of a block are merged in shared
+// memory, and the splits by a small second kernel (which leaves at once when a shallow cache put
+// every key in one split: that block wrote the output). The sequences come from a table in the
+// kernel parameters, so one launch serves a whole decode batch of separate caches. With
+// AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
+// (attention.h: DecodePrepare), saving that kernel and its launch gap per layer.
 #include <cuda_bf16.h>
 
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/attention_kv.cuh"
+#include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/launch.cuh"
 
 namespace gemma4::cuda {
@@ -24,7 +30,7 @@ constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 // The merge keeps one weight per split in shared memory.
 constexpr int kMaxSplits = 4096;
-// One pipeline stage: K and V rows of a tile of keys (4 keys of fp32 × 512 ... 16 keys of bf16 ×
+// One pipeline stage: K and V rows of a tile of keys (4 keys of fp32 × 512 ... 32 keys of e4m3 ×
 // 256). Six stages keep 80 KB per block of reads in flight while one tile is computed, enough to
 // cover the DRAM latency even when a shallow cache gives fewer blocks than SMs; two blocks (192 KB)
 // fit an SM.
@@ -32,6 +38,8 @@ constexpr int kStageBytes = 16384;
 constexpr int kStages = 6;
 constexpr int kChunkBytes = 16;
 constexpr size_t kPipelineBytes = size_t{kStages} * kStageBytes;
+// The fused prologue's q heads live in one stage.
+static_assert(sizeof(float) * kMaxPreparedGroupFloats <= kStageBytes);
 
 struct AttentionArgs {
   const float* q;
@@ -46,7 +54,8 @@ struct AttentionArgs {
   int splits;
   float* out;  // splits == 1
   int64_t out_stride;
-  float* partials;  // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
+  float* partials;        // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
+  DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
 };
 
 // Slots [0, scanned) hold the positions a query at `query_position` may see.
@@ -92,57 +101,80 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
-// The floats of one 16-byte chunk: 4 fp32 or 8 bf16 values.
-template <typename KvT>
-__device__ __forceinline__ void unpack_chunk(const uint4& chunk, float* v) {
-  const uint32_t words[4] = {chunk.x, chunk.y, chunk.z, chunk.w};
+// The floats of N 32-bit words of K/V elements: 1, 2 or 4 per word (fp32, bf16, e4m3).
+template <typename KvT, int N>
+__device__ __forceinline__ void unpack_words(const uint32_t (&words)[N], float* v) {
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
+  for (int j = 0; j < N; ++j) {
     if constexpr (std::is_same_v<KvT, float>) {
       v[j] = __uint_as_float(words[j]);
-    } else {
+    } else if constexpr (std::is_same_v<KvT, __nv_bfloat16>) {
       v[2 * j] = __uint_as_float(words[j] << 16);
       v[2 * j + 1] = __uint_as_float(words[j] & 0xFFFF0000u);
+    } else {
+      const float2 lo = fp8_pair_to_float2(static_cast<uint16_t>(words[j]));
+      const float2 hi = fp8_pair_to_float2(static_cast<uint16_t>(words[j] >> 16));
+      v[4 * j] = lo.x;
+      v[4 * j + 1] = lo.y;
+      v[4 * j + 2] = hi.x;
+      v[4 * j + 3] = hi.y;
     }
   }
 }
 
 template <int HD, int HPW, typename KvT>
 struct Tiling {
-  static constexpr int kChunkElems = kChunkBytes / static_cast<int>(sizeof(KvT));
+  static constexpr int kElementBytes = static_cast<int>(sizeof(KvT));
+  // cp.async moves 16-byte chunks of a tile.
+  static constexpr int kChunkElems = kChunkBytes / kElementBytes;
   static constexpr int kRowChunks = HD / kChunkElems;
-  static constexpr int kLaneChunks = kRowChunks / 32;  // chunks l, l + 32, ... of a row
+  // A lane reads a row in pieces of 16 bytes, or 8 when a row is shorter than 32 of those (e4m3
+  // rows of 256): lane l takes pieces l, l + 32, ..., so a warp's reads of a row are contiguous
+  // in shared memory (no bank conflicts) and lane l owns the dims of those pieces.
+  static constexpr int kPieceBytes = HD * kElementBytes / 32 >= 16 ? 16 : 8;
+  static constexpr int kPieceElems = kPieceBytes / kElementBytes;
+  static constexpr int kLanePieces = HD / kPieceElems / 32;
   static constexpr int kLaneDims = HD / 32;
-  static constexpr int kTileKeys = kStageBytes / (2 * HD * static_cast<int>(sizeof(KvT)));
+  static constexpr int kTileKeys = kStageBytes / (2 * HD * kElementBytes);
   static constexpr int kTileChunks = 2 * kTileKeys * kRowChunks;  // K rows, then V rows
-  static_assert(kLaneChunks * kChunkElems == kLaneDims && kTileChunks % kThreads == 0);
+  static_assert(kLanePieces * kPieceElems == kLaneDims && kPieceElems % 4 == 0 &&
+                kTileChunks % kThreads == 0);
   static_assert(kTileKeys <= kThreads && kTileKeys <= kMinKeysPerSplit);
   // The block merge reuses the pipeline's shared memory.
   static_assert(sizeof(float) * kWarps * HPW * (HD + 2) <= kPipelineBytes);
 
-  // The head dim of element e of lane `lane`'s chunk i.
+  // The head dim of element e of lane `lane`'s piece i.
   static __device__ __forceinline__ int dim(int lane, int i, int e) {
-    return (lane + 32 * i) * kChunkElems + e;
+    return (lane + 32 * i) * kPieceElems + e;
   }
 
   // Lane `lane`'s dims of a row in shared memory.
   static __device__ __forceinline__ void load_lane(const KvT* row, int lane,
                                                    float (&v)[kLaneDims]) {
 #pragma unroll
-    for (int i = 0; i < kLaneChunks; ++i) {
-      const uint4 chunk = reinterpret_cast<const uint4*>(row)[lane + 32 * i];
-      unpack_chunk<KvT>(chunk, v + i * kChunkElems);
+    for (int i = 0; i < kLanePieces; ++i) {
+      if constexpr (kPieceBytes == 16) {
+        const uint4 piece = reinterpret_cast<const uint4*>(row)[lane + 32 * i];
+        const uint32_t words[4] = {piece.x, piece.y, piece.z, piece.w};
+        unpack_words<KvT>(words, v + i * kPieceElems);
+      } else {
+        const uint2 piece = reinterpret_cast<const uint2*>(row)[lane + 32 * i];
+        const uint32_t words[2] = {piece.x, piece.y};
+        unpack_words<KvT>(words, v + i * kPieceElems);
+      }
     }
   }
 };
 
-template <int HD, int HPW, typename KvT>
+template <int HD, int HPW, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(AttentionArgs a) {
   using T = Tiling<HD, HPW, KvT>;
   constexpr int D = T::kLaneDims;
+  constexpr int kPairQuads = HD / 256;  // attention_prepare.cuh: quads per half head per lane
   pdl_trigger_dependents();
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][T::kTileKeys];
+  __shared__ float head_max[kWarps * HPW], head_sum[kWarps * HPW];  // the block merge's
   pdl_wait_for_predecessors();
 
   const int split = blockIdx.x;
@@ -151,7 +183,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
   const int64_t scanned = scanned_slots(sequence.slots, query_position);
-  if (split >= used_splits(scanned, a.splits)) return;  // the merge skips this split
+  const int splits_used = used_splits(scanned, a.splits);
+  if (split >= splits_used) return;  // the merge skips this split
   const int64_t per_split = keys_per_split(scanned, a.splits);
   const int64_t begin = split * per_split;
   const int64_t end = min(scanned, begin + per_split);
@@ -160,6 +193,33 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const DecodePrepare& prepare = a.prepare;
+  if constexpr (kPrepare) {
+    // The query position's K/V, stored by the one block whose keys include its slot before that
+    // block reads any: warp 0 the key, warp 1 the value.
+    const int64_t new_slot = query_position % sequence.slots;
+    if (prepare.k != nullptr && new_slot >= begin && new_slot < end) {
+      if (warp < 2) {
+        const bool is_key = warp == 0;
+        const float* src =
+            (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
+            int64_t{kv} * HD;
+        const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
+            is_key ? prepare.k_norm : nullptr, prepare.weight_offset,
+            is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
+        const HeadQuads<kPairQuads> head =
+            transform_head<kPairQuads, true>(src, constants, is_key || prepare.norm_v, is_key,
+                                             prepare.eps, HD / 2, query_position, lane);
+        store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
+                             (new_slot * a.kv_heads + kv) * HD,
+                         head, HD / 2, lane);
+      }
+      if (threadIdx.x == 0) sequence.slot_positions[new_slot] = query_position;
+      __syncthreads();  // the stores are visible to the block's copies below
+    }
+  }
   // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past the
   // split's end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
@@ -194,8 +254,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   };
   for (int t = 0; t < kStages - 1; ++t) load_tile(t);
 
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  // The prologue's q heads, normed and rotated into the last stage, which no copy touches before
+  // the first tile is computed (every thread has read its q by then).
+  const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
+  if constexpr (kPrepare) {
+    const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
+        prepare.q_norm, prepare.weight_offset, prepare.inv_freq, HD / 2, lane);
+    for (int g = warp; g < a.group; g += kWarps) {
+      const float* src = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+      const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
+          src, constants, true, true, prepare.eps, HD / 2, query_position, lane);
+      store_head<true>(const_cast<float*>(prepared_q) + g * HD, head, HD / 2, lane);
+    }
+    __syncthreads();
+  }
+
   const int head_groups = (a.group + HPW - 1) / HPW;
   const int key_slices = kWarps / head_groups;
   const int hg = warp % head_groups;
@@ -210,14 +283,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   for (int h = 0; h < HPW; ++h) {
     const int g = hg * HPW + h;
     const bool used = active && g < a.group;
-    const float* q_head = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+    const float* q_head =
+        kPrepare ? prepared_q + g * HD
+                 : a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
 #pragma unroll
-    for (int i = 0; i < T::kLaneChunks; ++i) {
+    for (int i = 0; i < T::kLanePieces; ++i) {
 #pragma unroll
-      for (int e = 0; e < T::kChunkElems; e += 4) {
-        const float4 x = used ? __ldg(reinterpret_cast<const float4*>(q_head + T::dim(lane, i, e)))
+      for (int e = 0; e < T::kPieceElems; e += 4) {
+        const float4 x = used ? *reinterpret_cast<const float4*>(q_head + T::dim(lane, i, e))
                               : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        float* dst = q[h] + i * T::kChunkElems + e;
+        float* dst = q[h] + i * T::kPieceElems + e;
         dst[0] = x.x * a.scale;
         dst[1] = x.y * a.scale;
         dst[2] = x.z * a.scale;
@@ -286,10 +361,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 #pragma unroll
   for (int h = 0; h < HPW; ++h) {
 #pragma unroll
-    for (int i = 0; i < T::kLaneChunks; ++i) {
+    for (int i = 0; i < T::kLanePieces; ++i) {
 #pragma unroll
-      for (int e = 0; e < T::kChunkElems; ++e) {
-        merge[warp][h][2 + T::dim(lane, i, e)] = acc[h][i * T::kChunkElems + e];
+      for (int e = 0; e < T::kPieceElems; ++e) {
+        merge[warp][h][2 + T::dim(lane, i, e)] = acc[h][i * T::kPieceElems + e];
       }
     }
     if (lane == 0) {
@@ -298,25 +373,39 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     }
   }
   __syncthreads();
+  // Per q head once (not per dim): the block's max and sum, and each key slice's weight
+  // exp(max_s − max) in place of its max (0 for a slice that saw nothing).
+  if (threadIdx.x < a.group) {
+    const int g = threadIdx.x;
+    float block_max = -INFINITY;
+    for (int s = 0; s < key_slices; ++s)
+      block_max = fmaxf(block_max, merge[g / HPW + s * head_groups][g % HPW][0]);
+    float sum = 0.0f;
+    for (int s = 0; s < key_slices; ++s) {
+      float* m = merge[g / HPW + s * head_groups][g % HPW];
+      m[0] = block_max == -INFINITY ? 0.0f : expf(m[0] - block_max);
+      sum += m[1] * m[0];
+    }
+    head_max[g] = block_max;
+    head_sum[g] = sum;
+  }
+  __syncthreads();
   for (int idx = threadIdx.x; idx < a.group * HD; idx += blockDim.x) {
     const int g = idx / HD;
     const int d = idx % HD;
     const int group_warp = g / HPW;
     const int h = g % HPW;
-    float block_max = -INFINITY;
-    for (int s = 0; s < key_slices; ++s)
-      block_max = fmaxf(block_max, merge[group_warp + s * head_groups][h][0]);
-    float sum = 0.0f, value = 0.0f;
-    if (block_max != -INFINITY) {
-      for (int s = 0; s < key_slices; ++s) {
-        const float* m = merge[group_warp + s * head_groups][h];
-        const float w = expf(m[0] - block_max);
-        sum += m[1] * w;
-        value += m[2 + d] * w;
-      }
+    const float block_max = head_max[g];
+    const float sum = head_sum[g];
+    float value = 0.0f;
+    for (int s = 0; s < key_slices; ++s) {
+      const float* m = merge[group_warp + s * head_groups][h];
+      value += m[2 + d] * m[0];
     }
     const int head = kv * a.group + g;
-    if (a.splits == 1) {
+    // A query whose keys all fell in this split (a shallow cache) is final here: the merge
+    // kernel leaves it alone.
+    if (splits_used == 1) {
       a.out[row * a.out_stride + static_cast<int64_t>(head) * HD + d] =
           sum > 0.0f ? value / sum : 0.0f;
     } else {
@@ -345,7 +434,8 @@ struct MergeArgs {
 
 constexpr int kMergeWarps = 8;
 
-// Block (head, sequence) of 8 warps, over the splits the attention kernel used. The splits' weights
+// Block (head, sequence) of 8 warps, over the splits the attention kernel used (none when it used
+// one: it then wrote the output itself). The splits' weights
 // exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ... for
 // every dim (lane l owns dims l + 32i, independent loads per split), and the 8 partial vectors are
 // summed in shared memory.
@@ -359,6 +449,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
   const int splits = used_splits(scanned_slots(sequence.slots, a.positions[row]), a.splits);
+  if (splits == 1) return;  // the attention kernel wrote the output
   const int64_t record = a.head_dim + 2;
   const float* base =
       a.partials + (static_cast<int64_t>(blockIdx.y) * a.q_heads + head) * a.splits * record;
@@ -421,10 +512,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
 
 using AttentionKernel = void (*)(AttentionArgs);
 
-template <typename KvT>
+template <typename KvT, bool kPrepare>
 AttentionKernel select_kernel(int head_dim) {
-  if (head_dim == 256) return decode_attention_kernel<256, 4, KvT>;
-  if (head_dim == 512) return decode_attention_kernel<512, 2, KvT>;
+  if (head_dim == 256) return decode_attention_kernel<256, 4, KvT, kPrepare>;
+  if (head_dim == 512) return decode_attention_kernel<512, 2, KvT, kPrepare>;
   return nullptr;
 }
 
@@ -450,7 +541,8 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
       kv.slot_positions == nullptr) {
     return false;
   }
-  const int64_t element_bytes = kv.type == KvType::kBF16 ? 2 : 4;
+  const int64_t element_bytes =
+      with_kv_type(kv.type, [](auto element) { return int64_t{sizeof(element)}; });
   // The table's pointers are writable because prepare_attention stores through them; the
   // attention kernel only reads.
   auto* keys = static_cast<char*>(const_cast<void*>(kv.keys));
@@ -474,8 +566,11 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits,
                              const Launch& launch) {
-  AttentionKernel kernel = kv.type == KvType::kBF16 ? select_kernel<__nv_bfloat16>(kv.head_dim)
-                                                    : select_kernel<float>(kv.head_dim);
+  const DecodePrepare* prepare = query.prepare;
+  const AttentionKernel kernel = with_kv_type(kv.type, [&](auto element) {
+    return prepare != nullptr ? select_kernel<decltype(element), true>(kv.head_dim)
+                              : select_kernel<decltype(element), false>(kv.head_dim);
+  });
   if (kernel == nullptr || kv.kv_heads < 1 || query.q_heads % kv.kv_heads != 0 ||
       kv.kv_heads > 65535 || splits < 1 || splits > kMaxSplits || query.q == nullptr ||
       query.positions == nullptr || out == nullptr || !aligned16(query.q) ||
@@ -484,6 +579,16 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
     return cudaErrorInvalidValue;
   }
   const int group = query.q_heads / kv.kv_heads;
+  // The prologue reads 16-byte quads of q, k, v and the norm tables (attention_prepare.cuh).
+  if (prepare != nullptr &&
+      (prepare->inv_freq == nullptr || !aligned16(prepare->inv_freq) ||
+       !aligned16(prepare->q_norm) || !aligned16(prepare->k_norm) ||
+       int64_t{group} * kv.head_dim > kMaxPreparedGroupFloats ||
+       (prepare->k != nullptr &&
+        (prepare->v == nullptr || !aligned16(prepare->k) || !aligned16(prepare->v) ||
+         prepare->k_stride % 4 != 0 || prepare->v_stride % 4 != 0)))) {
+    return cudaErrorInvalidValue;
+  }
   const int head_groups = (group + heads_per_warp(kv.head_dim) - 1) / heads_per_warp(kv.head_dim);
   if (head_groups > kWarps) return cudaErrorInvalidValue;
   AttentionArgs args = {};
@@ -515,6 +620,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.out = out;
   args.out_stride = out_stride;
   args.partials = workspace.partials;
+  if (prepare != nullptr) args.prepare = *prepare;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(kv.kv_heads),
                   static_cast<unsigned>(batch));
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream

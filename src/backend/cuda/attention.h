@@ -10,7 +10,9 @@
 
 namespace gemma4::cuda {
 
-enum class KvType : uint8_t { kF32, kBF16 };
+// The element type of a KV cache (engine::KvType's values, static_asserted in cuda_backend.cpp):
+// fp32, bf16, or e4m3 without scales. Device conversions: attention_kv.cuh.
+enum class KvType : uint8_t { kF32, kBF16, kFP8 };
 
 // One sequence of a batched launch: its K/V arrays of the layer (engine::KvView layout, the
 // element type of the launch's KvType) and its rows [first_row, first_row + rows) of the pass.
@@ -59,13 +61,37 @@ struct AttentionWorkspace {
 
 size_t attention_partials_floats(int batch, int q_heads, int head_dim, int max_splits);
 
+// prepare_attention (fused_ops.h) of the decode rows as the attention launch's prologue: every
+// block norms and rotates the q heads of its kv head (into shared memory: q in memory stays as it
+// was), and the block whose keys include the slot of the query's position norms, rotates and
+// stores that kv head's k and (normed) v there, with the slot's position, before it reads any key
+// (no other block reads that slot). Rounded to the cache's type as attention_kv.cuh.
+struct DecodePrepare {
+  // Raw k and v rows (row r at k + r · k_stride), [kv_heads · head_dim] each; k == nullptr: the
+  // layer reads another layer's KV (q only).
+  const float* k = nullptr;
+  int64_t k_stride = 0;
+  const float* v = nullptr;
+  int64_t v_stride = 0;
+  const float* q_norm = nullptr;  // [head_dim]; null: weightless
+  const float* k_norm = nullptr;
+  bool norm_v = false;  // v normed without weight (else stored as it is)
+  float weight_offset = 0.0f;
+  float eps = 1e-6f;
+  const float* inv_freq = nullptr;  // [head_dim / 2]: engine::rope_inverse_frequencies
+};
+
 struct AttentionQuery {
   const float* q = nullptr;  // [rows][q_heads · head_dim], row r at q + r · stride
   int64_t stride = 0;
   int q_heads = 0;
   const int32_t* positions = nullptr;  // per query row (device memory)
   int batch = 1;                       // sequences (uniform KvCacheView)
+  // Set: q is raw and prepared in the launch (DecodePrepare); q_heads / kv_heads · head_dim
+  // floats must fit one pipeline stage (kMaxPreparedGroupFloats).
+  const DecodePrepare* prepare = nullptr;
 };
+constexpr int kMaxPreparedGroupFloats = 4096;
 
 // out[r][h] = Σ_j softmax_j(scale · q[r][h] · k_j) · v_j for each sequence's query row r, over
 // the slots j whose position p satisfies p <= P and (window == 0 or P − p < window),

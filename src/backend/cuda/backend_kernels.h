@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/attention.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/launch.h"
 
@@ -74,17 +75,20 @@ cudaError_t map_rows(RowMap map, const RowsView& acc, const RowsView& x, const f
                      float scalar, const Launch& launch);
 
 // One sequence's KV store for one layer (engine::KvView): `slots` entries of
-// [kv_heads · head_dim] floats for K and V, and the position each slot holds (-1 = empty).
+// [kv_heads · head_dim] elements of `type` for K and V, and the position each slot holds (-1 =
+// empty).
 struct KvSlots {
-  float* keys = nullptr;
-  float* values = nullptr;
+  void* keys = nullptr;
+  void* values = nullptr;
   int32_t* slot_positions = nullptr;
   int64_t slots = 0;
   int kv_heads = 0;
   int head_dim = 0;
+  KvType type = KvType::kF32;
 };
 
-// Stores k[t], v[t] at slot positions[t] % slots and records the position. The rows' positions
+// Stores k[t], v[t] (rounded to the cache's type) at slot positions[t] % slots and records the
+// position. The rows' positions
 // must fall in distinct slots (the engine never writes more than `slots` tokens in one pass).
 cudaError_t write_kv(const KvSlots& kv, const RowsView& k, const RowsView& v,
                      const int32_t* positions, const Launch& launch);

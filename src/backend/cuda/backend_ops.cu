@@ -1,8 +1,9 @@
 // RoPE, row maps, the KV store and generic attention (backend_kernels.h). fp32 math throughout, as
-// the CPU reference.
+// the CPU reference (K/V widened from the cache's element type).
 #include <algorithm>
 #include <cmath>
 
+#include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/backend_kernels.h"
 #include "backend/cuda/launch.cuh"
 
@@ -72,6 +73,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename KvT>
 __global__ void __launch_bounds__(kThreads)
     write_kv_kernel(KvSlots kv, RowsView k, RowsView v, const int32_t* positions) {
   pdl_trigger_dependents();
@@ -82,8 +84,8 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t slot = position % kv.slots;
     for (int64_t j = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; j < width;
          j += int64_t{gridDim.x} * blockDim.x) {
-      kv.keys[slot * width + j] = k.data[t * k.stride + j];
-      kv.values[slot * width + j] = v.data[t * v.stride + j];
+      static_cast<KvT*>(kv.keys)[slot * width + j] = to_kv<KvT>(k.data[t * k.stride + j]);
+      static_cast<KvT*>(kv.values)[slot * width + j] = to_kv<KvT>(v.data[t * v.stride + j]);
     }
     if (blockIdx.x == 0 && threadIdx.x == 0) kv.slot_positions[slot] = position;
   }
@@ -103,6 +105,7 @@ constexpr int kMaxDimsPerLane = 512 / 32;
 
 // Block (q head h, query t). Warp w scans slots w, w + 4, ... with an online softmax; lane l
 // holds dims l + 32·i of the head; the warps are merged through shared memory.
+template <typename KvT>
 __global__ void __launch_bounds__(kAttentionWarps * 32)
     attention_kernel(RowsView q, const int32_t* positions, KvSlots kv, int window, float scale,
                      RowsView out) {
@@ -135,11 +138,12 @@ __global__ void __launch_bounds__(kAttentionWarps * 32)
     const bool visible =
         p >= 0 && p <= query_position && (window == 0 || query_position - p < window);
     if (!visible) continue;  // uniform across the warp
-    const float* key = kv.keys + slot * kv_width + int64_t{kv_head} * head_dim;
+    const KvT* key =
+        static_cast<const KvT*>(kv.keys) + slot * kv_width + int64_t{kv_head} * head_dim;
     float dot = 0.0f;
 #pragma unroll
     for (int i = 0; i < kMaxDimsPerLane; ++i) {
-      if (i < dims) dot = fmaf(query[i], key[lane + 32 * i], dot);
+      if (i < dims) dot = fmaf(query[i], from_kv(key[lane + 32 * i]), dot);
     }
 #pragma unroll
     for (int offset = 16; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
@@ -147,10 +151,11 @@ __global__ void __launch_bounds__(kAttentionWarps * 32)
     const float new_max = fmaxf(running_max, score);
     const float rescale = expf(running_max - new_max);  // 0 for the first visible key
     const float weight = expf(score - new_max);
-    const float* value = kv.values + slot * kv_width + int64_t{kv_head} * head_dim;
+    const KvT* value =
+        static_cast<const KvT*>(kv.values) + slot * kv_width + int64_t{kv_head} * head_dim;
 #pragma unroll
     for (int i = 0; i < kMaxDimsPerLane; ++i) {
-      if (i < dims) acc[i] = fmaf(weight, value[lane + 32 * i], acc[i] * rescale);
+      if (i < dims) acc[i] = fmaf(weight, from_kv(value[lane + 32 * i]), acc[i] * rescale);
     }
     running_sum = running_sum * rescale + weight;
     running_max = new_max;
@@ -230,8 +235,10 @@ cudaError_t write_kv(const KvSlots& kv, const RowsView& k, const RowsView& v,
       positions == nullptr || k.rows > kv.slots) {
     return cudaErrorInvalidValue;
   }
-  return launch_kernel(write_kv_kernel, row_grid(k.rows, width), dim3(kThreads), 0, launch, kv, k,
-                       v, positions);
+  return with_kv_type(kv.type, [&](auto element) {
+    return launch_kernel(write_kv_kernel<decltype(element)>, row_grid(k.rows, width),
+                         dim3(kThreads), 0, launch, kv, k, v, positions);
+  });
 }
 
 cudaError_t forget_kv(const KvSlots& kv, int64_t from_position, const Launch& launch) {
@@ -250,8 +257,10 @@ cudaError_t attention_rows(const RowsView& q, const int32_t* positions, const Kv
     return cudaErrorInvalidValue;
   }
   const dim3 grid(static_cast<unsigned>(q.width / kv.head_dim), static_cast<unsigned>(q.rows));
-  return launch_kernel(attention_kernel, grid, dim3(kAttentionWarps * 32), 0, launch, q, positions,
-                       kv, window, scale, out);
+  return with_kv_type(kv.type, [&](auto element) {
+    return launch_kernel(attention_kernel<decltype(element)>, grid, dim3(kAttentionWarps * 32), 0,
+                         launch, q, positions, kv, window, scale, out);
+  });
 }
 
 }  // namespace gemma4::cuda

@@ -30,6 +30,9 @@ static_assert(static_cast<int>(WeightFormat::kF32) == static_cast<int>(MatrixFor
               static_cast<int>(WeightFormat::kW8) == static_cast<int>(MatrixFormat::kW8) &&
               static_cast<int>(WeightFormat::kF16) == static_cast<int>(MatrixFormat::kF16) &&
               static_cast<int>(WeightFormat::kW8A) == static_cast<int>(MatrixFormat::kW8A));
+static_assert(static_cast<int>(engine::KvType::kF32) == static_cast<int>(KvType::kF32) &&
+              static_cast<int>(engine::KvType::kBF16) == static_cast<int>(KvType::kBF16) &&
+              static_cast<int>(engine::KvType::kFP8) == static_cast<int>(KvType::kFP8));
 
 namespace {
 
@@ -62,8 +65,12 @@ RowsView view(const Rows& r) {
   return {r.data, r.count, r.width, r.stride};
 }
 
+KvType kv_type(const engine::KvView& kv) {
+  return static_cast<KvType>(kv.type);
+}
+
 KvSlots slots(const engine::KvView& kv) {
-  return {kv.keys, kv.values, kv.slot_positions, kv.slots, kv.kv_heads, kv.head_dim};
+  return {kv.keys, kv.values, kv.slot_positions, kv.slots, kv.kv_heads, kv.head_dim, kv_type(kv)};
 }
 
 bool aligned16(const void* p) {
@@ -388,7 +395,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     cache.keys = kv.keys;
     cache.values = kv.values;
     cache.slot_positions = kv.slot_positions;
-    cache.type = KvType::kF32;
+    cache.type = kv_type(kv);
     cache.slots = kv.slots;
     cache.kv_heads = kv.kv_heads;
     cache.head_dim = kv.head_dim;
@@ -425,7 +432,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     cache.keys = kv.keys;
     cache.values = kv.values;
     cache.slot_positions = kv.slot_positions;
-    cache.type = KvType::kF32;
+    cache.type = kv_type(kv);
     cache.slots = kv.slots;
     cache.kv_heads = kv.kv_heads;
     cache.head_dim = kv.head_dim;
@@ -495,10 +502,13 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
   if (k.data != nullptr) {
     stored.reserve(sequences.size());
     for (const engine::SequenceRows& s : sequences) {
-      if (s.kv.head_dim != head_dim || int64_t{s.kv.kv_heads} * s.kv.head_dim != k.width) {
+      if (s.kv.head_dim != head_dim || int64_t{s.kv.kv_heads} * s.kv.head_dim != k.width ||
+          s.kv.type != sequences[0].kv.type) {
         fail(ErrorCode::kInvalidArgument,
-             fmt::format("CUDA backend: prepare_attention: a KV cache of {} x {} for k rows of {}",
-                         s.kv.kv_heads, s.kv.head_dim, k.width));
+             fmt::format("CUDA backend: prepare_attention: a {} KV cache of {} x {} for k rows of "
+                         "{} (and {} caches)",
+                         engine::kv_type_name(s.kv.type), s.kv.kv_heads, s.kv.head_dim, k.width,
+                         engine::kv_type_name(sequences[0].kv.type)));
         return;
       }
       stored.push_back({s.kv.keys, s.kv.values, s.kv.slot_positions, s.kv.slots,
@@ -519,6 +529,7 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
   inputs.eps = norm.eps;
   inputs.positions = positions;
   inputs.inv_freq = inv_freq;
+  if (!stored.empty()) inputs.kv_type = kv_type(sequences[0].kv);
   launched(cuda::prepare_attention(inputs, stored, launch()), "prepare_attention",
            prepare_attention_launches(static_cast<int>(stored.size())));
 }
@@ -526,15 +537,66 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
 void CudaBackend::attention_rows(Rows q, const int32_t* positions,
                                  std::span<const engine::SequenceRows> sequences, int window,
                                  float scale, Rows out) {
+  decode_rows(q, positions, sequences, window, scale, out, nullptr, [&](size_t first) {
+    Backend::attention_rows(q, positions, sequences.subspan(first), window, scale, out);
+  });
+}
+
+void CudaBackend::prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm,
+                                     const float* k_norm, bool norm_v, int head_dim,
+                                     const int32_t* positions, const model::RopeParams& rope,
+                                     std::span<const engine::SequenceRows> sequences,
+                                     const engine::NormParams& norm, int window, float scale,
+                                     Rows out) {
+  // The sequences from `first` on as the two operations (q of earlier chunks, already attended,
+  // is prepared again in place: scratch by then).
+  auto composed = [&](size_t first) {
+    Backend::prepare_and_attend(q, k, v, q_norm, k_norm, norm_v, head_dim, positions, rope,
+                                sequences.subspan(first), norm, window, scale, out);
+  };
+  const bool stores_kv = k.data != nullptr;
+  if (q.count == 0 || (stores_kv && (k.count != q.count || v.count != q.count))) {
+    composed(0);  // the composition's own checks report what is wrong
+    return;
+  }
+  const float* inv_freq = rope_table(rope, head_dim);
+  if (inv_freq == nullptr) return;
+  DecodePrepare prepare;
+  if (stores_kv) {
+    prepare.k = k.data;
+    prepare.k_stride = k.stride;
+    prepare.v = v.data;
+    prepare.v_stride = v.stride;
+    for (const engine::SequenceRows& s : sequences) {
+      if (s.kv.head_dim != head_dim || int64_t{s.kv.kv_heads} * head_dim != k.width ||
+          v.width != k.width) {
+        composed(0);
+        return;
+      }
+    }
+  }
+  prepare.q_norm = q_norm;
+  prepare.k_norm = k_norm;
+  prepare.norm_v = norm_v;
+  prepare.weight_offset = norm.weight_offset;
+  prepare.eps = norm.eps;
+  prepare.inv_freq = inv_freq;
+  decode_rows(q, positions, sequences, window, scale, out, &prepare, composed);
+}
+
+void CudaBackend::decode_rows(Rows q, const int32_t* positions,
+                              std::span<const engine::SequenceRows> sequences, int window,
+                              float scale, Rows out, const DecodePrepare* prepare,
+                              const std::function<void(size_t)>& otherwise) {
   const bool decode =
       !sequences.empty() &&
       std::all_of(sequences.begin(), sequences.end(), [&](const engine::SequenceRows& s) {
         return s.count == 1 && s.kv.head_dim == sequences[0].kv.head_dim &&
-               s.kv.kv_heads == sequences[0].kv.kv_heads;
+               s.kv.kv_heads == sequences[0].kv.kv_heads && s.kv.type == sequences[0].kv.type;
       });
   const int head_dim = decode ? sequences[0].kv.head_dim : 0;
   if (!decode || head_dim <= 0 || q.width % head_dim != 0) {
-    Backend::attention_rows(q, positions, sequences, window, scale, out);
+    otherwise(0);
     return;
   }
   const int kv_heads = sequences[0].kv.kv_heads;
@@ -567,19 +629,20 @@ void CudaBackend::attention_rows(Rows q, const int32_t* positions,
                           1};
     }
     KvCacheView cache;
-    cache.type = KvType::kF32;
+    cache.type = kv_type(sequences[0].kv);
     cache.kv_heads = kv_heads;
     cache.head_dim = head_dim;
     cache.sequences = &table;
-    const AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
+    AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
+    query.prepare = prepare;
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
                                                 {partials, splits}, splits, launch());
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
-      Backend::attention_rows(q, positions, sequences.subspan(first), window, scale, out);
+      otherwise(first);
       return;
     }
-    launched(status, "attention_rows (decode)", splits > 1 ? 2 : 1);  // + the split merge
+    launched(status, "decode attention", splits > 1 ? 2 : 1);  // + the split merge
   }
 }
 

@@ -1,7 +1,7 @@
 // engine::Backend on one NVIDIA GPU: every operation enqueued on one stream over device memory,
-// the same math as the CPU reference (fp32 activations, fp32 KV). This first version is about
-// being correct; it keeps the way open for CUDA graphs (no host sync inside operations except
-// download(); per-step values are read from device memory).
+// the same math as the CPU reference (fp32 activations; KV caches of any engine::KvType). This
+// first version is about being correct; it keeps the way open for CUDA graphs (no host sync inside
+// operations except download(); per-step values are read from device memory).
 //
 // Which kernel serves what:
 //  * matmul: the packed GEMV (gemv.h) for every format but fp32 (w4g32, nvfp4, bf16 and the
@@ -35,7 +35,8 @@
 
 namespace gemma4::cuda {
 
-struct GemvOutput;  // gemv.h
+struct DecodePrepare;  // attention.h
+struct GemvOutput;     // gemv.h
 
 class CublasContext;  // prefill_matmul.h
 struct MatrixView;    // backend_kernels.h
@@ -53,6 +54,8 @@ class CudaBackend final : public engine::Backend {
   const char* name() const override { return "cuda"; }
   bool reads_host_memory() const override { return false; }
   Status status() const override { return status_; }
+  // Every KvType: fp32, bf16 and e4m3 caches (attention_kv.cuh).
+  bool supports_kv_type(engine::KvType) const override { return true; }
   std::optional<int64_t> kernels_launched() const override { return kernels_; }
 
   // Stream capture into a CUDA graph (thread-local mode: another thread's allocations stay
@@ -107,6 +110,16 @@ class CudaBackend final : public engine::Backend {
                       std::span<const engine::SequenceRows> sequences, int window, float scale,
                       engine::Rows out) override;
 
+  // A decode batch in one decode_attention launch per kMaxBatchedSequences sequences with the
+  // prologue that prepares q and stores k/v (attention.h: DecodePrepare), saving the
+  // prepare_attention kernel; anything else as the default (prepare_attention, attention_rows).
+  void prepare_and_attend(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
+                          const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
+                          const model::RopeParams& rope,
+                          std::span<const engine::SequenceRows> sequences,
+                          const engine::NormParams& norm, int window, float scale,
+                          engine::Rows out) override;
+
   // Where matmul takes the GEMV: the GEMV with GELU gating in its epilogue (gemv.h), one kernel
   // per 64 rows. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
   // gating (one more kernel).
@@ -140,6 +153,14 @@ class CudaBackend final : public engine::Backend {
   // check() for a kernel wrapper that enqueued `kernels` kernels when it succeeded.
   void launched(cudaError_t status, const char* what, int kernels = 1);
   void fail(ErrorCode code, std::string message);
+  // A decode batch (every sequence one row, one cache shape and type) through decode_attention,
+  // kMaxBatchedSequences sequences per launch (+ the split merge), with `prepare` as
+  // AttentionQuery::prepare. What it does not take goes, from sequence `first` on (nothing
+  // enqueued for those), to otherwise(first).
+  void decode_rows(engine::Rows q, const int32_t* positions,
+                   std::span<const engine::SequenceRows> sequences, int window, float scale,
+                   engine::Rows out, const DecodePrepare* prepare,
+                   const std::function<void(size_t)>& otherwise);
   // Whether a pass of `rows` rows takes the tensor-core paths (prefill_matmul.h).
   bool tensor_core_rows(int64_t rows) const;
   // y = x · Wᵀ on tensor cores (prefill_matmul.cpp); the operands as

@@ -27,14 +27,15 @@ struct AttentionInputs {
   float eps = 1e-6f;
   const int32_t* positions = nullptr;  // [rows]
   const float* inv_freq = nullptr;     // [head_dim / 2]: engine::rope_inverse_frequencies
+  KvType kv_type = KvType::kF32;       // of every cache stored into (rounded as attention_kv.cuh)
 };
 
 // Row r of q is normed and rotated by positions[r]; if k.data != nullptr, for every sequence s
-// (fp32 caches of kv_heads · head_dim = k.width per slot) and each of its rows r, the normed,
-// rotated k[r] and (normed) v[r] go to slot positions[r] % s.slots of s, whose recorded position
-// becomes positions[r]. A sequence's rows must fall in distinct slots (rows <= slots).
-// One launch per kMaxBatchedSequences sequences stored (none when k.data == nullptr), at least
-// one: prepare_attention_launches(sequences stored).
+// (caches of kv_type, kv_heads · head_dim = k.width elements per slot) and each of its rows r, the
+// normed, rotated k[r] and (normed) v[r] go to slot positions[r] % s.slots of s, whose recorded
+// position becomes positions[r]. A sequence's rows must fall in distinct slots (rows <= slots). One
+// launch per kMaxBatchedSequences sequences stored (none when k.data == nullptr), at least one:
+// prepare_attention_launches(sequences stored).
 cudaError_t prepare_attention(const AttentionInputs& inputs, std::span<const SequenceKv> sequences,
                               const Launch& launch);
 int prepare_attention_launches(int sequences);

@@ -1,12 +1,11 @@
 // prepare_attention (fused_ops.h). One warp per head: block (row, g) of kWarps warps takes heads
 // g · kWarps + w of the row's list (q heads, then k heads, then v heads), so a row's heads run on
 // as many SMs as it has head groups. A head is normed with a shuffle reduction (no block barrier)
-// and lane l owns the quads at 4c and half + 4c for c = l, l + 32, ...: the RoPE pairs
-// (i, i + head_dim/2) stay in one lane and the rotation needs no exchange. Every load of a lane
-// (norm weights and inv_freq before the PDL wait, the head after it) is issued before the sum.
+// and rotated as attention_prepare.cuh does. Every load of a lane (norm weights and inv_freq
+// before the PDL wait, the head after it) is issued before the sum.
 #include <algorithm>
 
-#include "backend/cuda/float_quads.cuh"
+#include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/fused_ops.h"
 #include "backend/cuda/launch.cuh"
 
@@ -26,15 +25,17 @@ struct PrepareArgs {
 };
 
 // What a head is: its source and destination and how it is transformed.
+template <typename KvT>
 struct HeadJob {
   const float* src = nullptr;
-  float* dst = nullptr;  // may be src
+  float* dst = nullptr;  // a q head, in place (src)
+  KvT* cache = nullptr;  // or a k / v head's row in its cache
   const float* weight = nullptr;
   bool norm = false;
   bool rotate = false;
 };
 
-template <int kPairQuads, bool kAligned>
+template <int kPairQuads, bool kAligned, typename KvT>
 __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareArgs a) {
   pdl_trigger_dependents();
   const AttentionInputs& in = a.in;
@@ -55,7 +56,7 @@ __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareA
   const int kv_heads = stores ? a.kv_heads : 0;
   const bool has_head = head < q_heads + 2 * kv_heads;
 
-  HeadJob job;
+  HeadJob<KvT> job;
   int64_t cache_offset = 0;  // of the head within its slot (k and v)
   if (head < q_heads) {
     job.src = job.dst = in.q.data + row * in.q.stride + int64_t{head} * hd;
@@ -74,16 +75,10 @@ __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareA
 
   // Norm weights and the RoPE frequencies are not written by a predecessor: loaded before the
   // wait, as every other load of the lane is issued before the first use.
-  auto pair_quad = [&](int k) { return 4 * (lane + 32 * k); };
-  auto in_head = [&](int k) { return pair_quad(k) < half; };
-  FloatQuad scale_first[kPairQuads], scale_second[kPairQuads], inv_freq[kPairQuads];
-#pragma unroll
-  for (int k = 0; k < kPairQuads; ++k) {
-    if (!has_head || !in_head(k)) continue;
-    scale_first[k] = load_norm_scale<kAligned>(job.weight, in.weight_offset, pair_quad(k), half);
-    scale_second[k] = load_norm_scale<kAligned>(job.weight ? job.weight + half : nullptr,
-                                                in.weight_offset, pair_quad(k), half);
-    if (job.rotate) inv_freq[k] = load_quad<kAligned>(in.inv_freq, pair_quad(k), half);
+  HeadConstants<kPairQuads> constants;
+  if (has_head) {
+    constants = load_head_constants<kPairQuads, kAligned>(
+        job.weight, in.weight_offset, job.rotate ? in.inv_freq : nullptr, half, lane);
   }
   pdl_wait_for_predecessors();
   if (!has_head) return;
@@ -93,50 +88,14 @@ __global__ void __launch_bounds__(kWarps * 32) prepare_attention_kernel(PrepareA
   if (job.dst == nullptr) {
     const int64_t slot_offset = slot * int64_t{a.kv_heads} * hd + cache_offset;
     const bool is_key = head < q_heads + kv_heads;
-    job.dst = static_cast<float*>(is_key ? sequence.keys : sequence.values) + slot_offset;
+    job.cache = static_cast<KvT*>(is_key ? sequence.keys : sequence.values) + slot_offset;
   }
-
-  FloatQuad first[kPairQuads], second[kPairQuads];
-  float sum = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kPairQuads; ++k) {
-    first[k] = second[k] = {{0.0f, 0.0f, 0.0f, 0.0f}};
-    if (!in_head(k)) continue;
-    first[k] = load_quad<kAligned>(job.src, pair_quad(k), half);
-    second[k] = load_quad<kAligned>(job.src + half, pair_quad(k), half);
-  }
-#pragma unroll
-  for (int k = 0; k < kPairQuads; ++k)
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      sum += first[k].v[e] * first[k].v[e] + second[k].v[e] * second[k].v[e];
-  // Every lane has read its elements before the shuffles complete: dst may alias src.
-  const float inv = job.norm ? 1.0f / sqrtf(warp_sum(sum) / static_cast<float>(hd) + in.eps) : 1.0f;
-  // The angle as the CPU reference rounds it: fp32(position) · inv_freq in fp32.
-  const float angle_position = static_cast<float>(position);
-#pragma unroll
-  for (int k = 0; k < kPairQuads; ++k) {
-    if (!in_head(k)) continue;
-    if (job.norm) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        first[k].v[e] = first[k].v[e] * inv * scale_first[k].v[e];
-        second[k].v[e] = second[k].v[e] * inv * scale_second[k].v[e];
-      }
-    }
-    if (job.rotate) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        if (inv_freq[k].v[e] == 0.0f) continue;
-        float sin_angle, cos_angle;
-        sincosf(angle_position * inv_freq[k].v[e], &sin_angle, &cos_angle);
-        const float x = first[k].v[e], y = second[k].v[e];
-        first[k].v[e] = x * cos_angle - y * sin_angle;
-        second[k].v[e] = y * cos_angle + x * sin_angle;
-      }
-    }
-    store_quad<kAligned>(job.dst, pair_quad(k), half, first[k]);
-    store_quad<kAligned>(job.dst + half, pair_quad(k), half, second[k]);
+  const HeadQuads<kPairQuads> quads = transform_head<kPairQuads, kAligned>(
+      job.src, constants, job.norm, job.rotate, in.eps, half, position, lane);
+  if (job.cache == nullptr) {
+    store_head<kAligned>(job.dst, quads, half, lane);
+  } else {
+    store_head<kAligned>(job.cache, quads, half, lane);
   }
 }
 
@@ -186,10 +145,13 @@ cudaError_t prepare_attention(const AttentionInputs& inputs, std::span<const Seq
       aligned_16(inputs.q_norm) && aligned_16(inputs.k_norm) && aligned_16(inputs.inv_freq) &&
       std::all_of(stored.begin(), stored.end(),
                   [](const SequenceKv& s) { return aligned_16(s.keys) && aligned_16(s.values); });
-  const auto kernel =
-      half <= 128
-          ? (aligned ? prepare_attention_kernel<1, true> : prepare_attention_kernel<1, false>)
-          : (aligned ? prepare_attention_kernel<2, true> : prepare_attention_kernel<2, false>);
+  const auto kernel = with_kv_type(inputs.kv_type, [&](auto element) {
+    using KvT = decltype(element);
+    return half <= 128 ? (aligned ? prepare_attention_kernel<1, true, KvT>
+                                  : prepare_attention_kernel<1, false, KvT>)
+                       : (aligned ? prepare_attention_kernel<2, true, KvT>
+                                  : prepare_attention_kernel<2, false, KvT>);
+  });
   const int launches = prepare_attention_launches(static_cast<int>(stored.size()));
   for (int c = 0; c < launches; ++c) {
     const auto chunk =

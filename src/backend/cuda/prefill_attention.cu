@@ -29,6 +29,7 @@
 #include <algorithm>
 #include <climits>
 
+#include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/prefill_kernels.h"
 
@@ -151,12 +152,15 @@ __device__ __forceinline__ float unpacked_sum(uint32_t pair) {
 
 // Starts loading tile `tile` (slots tile · kKeys ...) of kv head `kv_head` into K/V buffer
 // `buffer`, with its slot positions (-1 past the cache). bf16 caches: cp.async (the caller
-// commits and waits); float caches: converted through registers, complete on return.
+// commits and waits); fp32 and e4m3 caches: converted through registers, complete on return.
 template <int HD, typename Kv>
 __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int buffer,
                           unsigned char* shared) {
   using L = Layout<HD>;
-  constexpr int kElementsPerChunk = 16 / sizeof(Kv);
+  // bf16 caches go to shared memory as they are (cp.async, 8 elements per 16 bytes); float and
+  // e4m3 ones through registers, 4 elements per load (load_kv4), converted to bf16.
+  constexpr bool kAsync = std::is_same_v<Kv, bf16>;
+  constexpr int kElementsPerChunk = kAsync ? 8 : 4;
   constexpr int kChunksPerKey = HD / kElementsPerChunk;
   constexpr int kChunksPerThread = L::kKeys * kChunksPerKey / kThreads;
   static_assert(L::kKeys * kChunksPerKey % kThreads == 0);
@@ -173,7 +177,7 @@ __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int b
   const Kv* values = static_cast<const Kv*>(a.values) + int64_t{kv_head} * HD;
   // Each thread's chunks in batches: the positions of a batch first (they decide which
   // chunks are read), then its loads.
-  constexpr int kBatch = sizeof(Kv) == 2 ? 4 : 2;
+  constexpr int kBatch = kAsync ? 4 : 2;
   static_assert(kChunksPerThread % kBatch == 0);
 #pragma unroll
   for (int first = 0; first < kChunksPerThread; first += kBatch) {
@@ -184,7 +188,7 @@ __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int b
       const int64_t slot = first_slot + key;
       valid[j] = slot < a.slots && __ldg(a.slot_positions + slot) >= 0;
     }
-    if constexpr (sizeof(Kv) == 2) {
+    if constexpr (kAsync) {
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int i = threadIdx.x + (first + j) * kThreads;
@@ -203,8 +207,8 @@ __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int b
             (first_slot + i / kChunksPerKey) * row_elements + i % kChunksPerKey * 4;
         k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
         if (valid[j]) {
-          k[j] = __ldg(reinterpret_cast<const float4*>(keys + offset));
-          v[j] = __ldg(reinterpret_cast<const float4*>(values + offset));
+          k[j] = load_kv4(keys + offset);
+          v[j] = load_kv4(values + offset);
         }
       }
 #pragma unroll
@@ -585,9 +589,9 @@ cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const
   args.out = out.data;
   args.out_stride = out.stride;
   args.partials = partials;
-  const cudaError_t status = kv.type == KvType::kBF16
-                                 ? launch_for_head_dim<bf16>(args, head_dim, launch)
-                                 : launch_for_head_dim<float>(args, head_dim, launch);
+  const cudaError_t status = with_kv_type(kv.type, [&](auto element) {
+    return launch_for_head_dim<decltype(element)>(args, head_dim, launch);
+  });
   if (status != cudaSuccess || splits == 1) return status;
   const int64_t rows = q.rows * (q.width / head_dim);
   return launch_kernel(prefill_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,

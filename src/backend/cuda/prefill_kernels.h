@@ -1,7 +1,7 @@
 // Kernels of the prefill paths (passes of many rows), used by CudaBackend (prefill_backend.cpp):
 //  * the tensor-core matmul's operands: fp32 activation rows and tiles of a packed weight matrix
 //    converted to bf16 (cuBLAS then multiplies them, fp32 accumulation and output);
-//  * prefill attention: a chunk of queries of one sequence against its float or bf16 KV slots,
+//  * prefill attention: a chunk of queries of one sequence against its fp32, bf16 or e4m3 KV slots,
 //    flash style (online softmax over key tiles) on bf16 tensor cores (mma.sync, fp32
 //    accumulation), each K/V tile in shared memory serving every q head of its group and
 //    several queries, the cache split among blocks when the rows alone do not fill the GPU.
@@ -41,7 +41,7 @@ cudaError_t bf16_weight_tile(const MatrixView& w, int64_t first_row, int64_t row
 
 // engine::Backend::attention for any number of queries (q.rows) of one sequence: out[t] =
 // softmax(scale · q[t] · Kᵀ + mask) · V per q head over the slots of `kv` (a uniform view of one
-// sequence, float or bf16 K/V; same visibility rule: position p is visible to the query at
+// sequence, fp32, bf16 or e4m3 K/V; same visibility rule: position p is visible to the query at
 // P = positions[t] iff p <= P and (window == 0 or P − p < window); nothing visible gives
 // zeros). head_dim 256 or 512; keys/values 16-byte aligned. Q, K, V and the softmax weights
 // are rounded to bf16 for the tensor cores; scores, softmax and sums are fp32. With splits > 1
