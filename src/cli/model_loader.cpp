@@ -139,13 +139,13 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.backend = chosen.backend.get();
   loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
-  EngineLoadOptions sized = options;
+  EngineLoadOptions resolved = options;
   if (!chosen.backend->reads_host_memory() &&
-      sized.engine.max_pass_tokens == engine::EngineOptions{}.max_pass_tokens) {
-    sized.engine.max_pass_tokens = engine::kDevicePassTokens;
+      resolved.engine.max_pass_tokens == engine::EngineOptions{}.max_pass_tokens) {
+    resolved.engine.max_pass_tokens = engine::kDevicePassTokens;
   }
   GEMMA4_ASSIGN_OR_RETURN(loaded.memory_plan,
-                          plan_engine_memory(*loaded.model, *chosen.backend, sized));
+                          plan_engine_memory(*loaded.model, *chosen.backend, resolved));
   GEMMA4_ASSIGN_OR_RETURN(
       loaded.engine,
       engine::Gemma4Engine::create(loaded.model->config, loaded.model->weights,

@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/prefill_kernels.h"
@@ -154,13 +155,14 @@ __device__ __forceinline__ float unpacked_sum(uint32_t pair) {
 // Starts loading tile `tile` (slots tile · kKeys ...) of kv head `kv_head` into K/V buffer
 // `buffer`, with its slot positions (-1 past the cache). Keys whose bit in `loaded` is clear
 // (empty slots, slots no row can see) are zeros, not read. bf16 caches: cp.async throughout
-// (the caller commits and waits: nothing here waits for memory); float caches: K/V converted
-// through registers, complete on return.
+// (the caller commits and waits: nothing here waits for memory); other caches: K/V converted
+// through registers, 4 elements per load, complete on return.
 template <int HD, typename Kv>
 __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, uint32_t loaded,
                           int buffer, unsigned char* shared) {
   using L = Layout<HD>;
-  constexpr int kElementsPerChunk = 16 / sizeof(Kv);
+  constexpr bool kAsync = std::is_same_v<Kv, bf16>;
+  constexpr int kElementsPerChunk = kAsync ? 8 : 4;
   constexpr int kChunksPerKey = HD / kElementsPerChunk;
   constexpr int kChunksPerThread = L::kKeys * kChunksPerKey / kThreads;
   static_assert(L::kKeys * kChunksPerKey % kThreads == 0);
@@ -181,7 +183,7 @@ __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, uint3
   const int64_t row_elements = int64_t{a.kv_heads} * HD;
   const Kv* keys = static_cast<const Kv*>(a.keys) + int64_t{kv_head} * HD;
   const Kv* values = static_cast<const Kv*>(a.values) + int64_t{kv_head} * HD;
-  if constexpr (sizeof(Kv) == 2) {
+  if constexpr (kAsync) {
 #pragma unroll
     for (int j = 0; j < kChunksPerThread; ++j) {
       const int i = threadIdx.x + j * kThreads;
