@@ -27,6 +27,7 @@
 #include <cmath>
 #include <limits>
 #include <memory>
+#include <numbers>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
@@ -182,6 +183,63 @@ TEST(PrefillMatmul, EveryFormatWithinTheBf16Bound) {
   for (const MatmulCase& c : cases) {
     SCOPED_TRACE(c.name);
     expect_matmul_within_bf16_bound(cpu, *gpu, c, seed);
+    seed += 10;
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
+// matmul_gelu_pairs on tensor cores: y[t][i] = gelu_tanh(p[t][2i]) · p[t][2i + 1] of the
+// products p = x · Wᵀ, the pair epilogue applied after each weight tile's GEMM, against the
+// spec's formula in double. A product is within δ = the matmul bound above of exact, and
+// |gelu_tanh'| < 1.13, so an output is within 1.13 δ_a (|b| + δ_b) + (|gelu(a)| + 1.13 δ_a) δ_b,
+// plus the fp32 evaluation of gelu_tanh (a few 2^-24 of |a|, times |b| + δ_b).
+TEST(PrefillMatmul, GeluPairsPerWeightTileWithinTheBf16Bound) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  struct Case {
+    const char* name;
+    WeightFormat format;
+    int64_t rows, cols, tokens, x_stride, y_stride;
+  };
+  // 1024 tokens keep 6144 weight rows of products (kPairProductsBytes): 8320 rows are two
+  // tiles, the second partial.
+  const Case cases[] = {{"w4g32 two pair tiles", WeightFormat::kW4G32, 8320, 64, 1024, 64, 4163},
+                        {"bf16 one tile, strided", WeightFormat::kBF16, 96, 72, 20, 75, 50}};
+  uint32_t seed = 3000;
+  for (const Case& c : cases) {
+    SCOPED_TRACE(c.name);
+    const HostMatrix host = testing::random_matrix(c.format, c.rows, c.cols, seed);
+    const testing::DeviceMatrix device(host);
+    TwinRows x = random_rows(c.tokens, c.cols, c.x_stride, seed + 1);
+    TwinRows y = output_rows(c.tokens, c.rows / 2, c.y_stride);
+    gpu->matmul_gelu_pairs(device.view, x.gpu(), y.gpu());
+
+    const double relative = 2 * kBf16Roundoff + kBf16Roundoff * kBf16Roundoff +
+                            4.0 * static_cast<double>(c.cols) * kFp32Roundoff;
+    std::vector<double> expected(c.tokens * c.y_stride, kPadding), bound(expected.size(), 0.0);
+    testing::parallel_for(c.rows / 2, [&](int64_t i) {
+      std::vector<float> gate(c.cols), up(c.cols);
+      quant::dequantize_row(host.view(), 2 * i, gate.data());
+      quant::dequantize_row(host.view(), 2 * i + 1, up.data());
+      for (int64_t t = 0; t < c.tokens; ++t) {
+        double a = 0.0, b = 0.0, a_magnitude = 0.0, b_magnitude = 0.0;
+        for (int64_t k = 0; k < c.cols; ++k) {
+          a += double{gate[k]} * x.at(t, k);
+          b += double{up[k]} * x.at(t, k);
+          a_magnitude += std::fabs(double{gate[k]} * x.at(t, k));
+          b_magnitude += std::fabs(double{up[k]} * x.at(t, k));
+        }
+        const double gelu =
+            0.5 * a *
+            (1.0 + std::tanh(std::sqrt(2.0 / std::numbers::pi) * (a + 0.044715 * a * a * a)));
+        const double delta_a = relative * a_magnitude, delta_b = relative * b_magnitude;
+        expected[t * c.y_stride + i] = gelu * b;
+        bound[t * c.y_stride + i] = 1.13 * delta_a * (std::fabs(b) + delta_b) +
+                                    (std::fabs(gelu) + 1.13 * delta_a) * delta_b +
+                                    16 * kFp32Roundoff * std::fabs(a) * (std::fabs(b) + delta_b);
+      }
+    });
+    testing::expect_close(y.gpu_values(), expected, bound, 1.0, c.name);
     seed += 10;
   }
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();

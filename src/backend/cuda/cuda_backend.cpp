@@ -316,6 +316,13 @@ void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
       packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
     return;
   }
+  if (MatrixView weights;
+      tensor_core_rows(x.count) && w.rows % 2 == 0 && y.count == x.count && y.width == w.rows / 2 &&
+      matrix_view(w, weights) &&
+      tensor_core_matmul_accepts(weights, view(x), {y.data, x.count, w.rows, w.rows})) {
+    tensor_core_matmul(weights, view(x), view(y), /*gelu_pairs=*/true);
+    return;
+  }
   auto* products = static_cast<float*>(
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;

@@ -164,8 +164,11 @@ class CudaBackend final : public engine::Backend {
   // Whether a pass of `rows` rows takes the tensor-core paths (prefill_matmul.h).
   bool tensor_core_rows(int64_t rows) const;
   // y = x · Wᵀ on tensor cores (prefill_matmul.cpp); the operands as
-  // tensor_core_matmul_accepts takes them.
-  void tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y);
+  // tensor_core_matmul_accepts takes them. With gelu_pairs, y[t][i] = gelu_tanh(p[t][2i]) ·
+  // p[t][2i + 1] of those products p instead (W.rows / 2 columns, gemv.h kGeluPairs), applied
+  // to each weight tile's products while they are still in L2.
+  void tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y,
+                          bool gelu_pairs = false);
   // y = epilogue(x · Wᵀ) through the packed GEMV, 64 rows per launch (out: row 0's output).
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,

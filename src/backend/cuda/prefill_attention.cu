@@ -17,8 +17,9 @@
 // pass has few row tiles: E2B's one kv head). A block first lists the tiles some row of it can
 // see (positions read from slot_positions: ring slots and sliding windows make that set
 // irregular), then walks the list with the next tile's K/V loading (cp.async for bf16 caches)
-// while the current one is multiplied. Empty slots load as zeros (a stale or never-written slot
-// must not reach the sums even with weight 0: 0 · NaN = NaN).
+// while the current one is multiplied. Keys no row can see are not read but zeroed (a
+// never-written slot must not reach the sums even with weight 0: 0 · NaN = NaN), and the
+// list-building pass records which they are, so a tile load never waits for memory.
 //
 // Softmax per row: scores scaled by scale · log2(e) (exp2), masked by the recorded positions,
 // running max per row; weights rounded to bf16 for the tensor cores and the running sum adds
@@ -28,6 +29,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <type_traits>
 
 #include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/launch.cuh"
@@ -65,10 +67,11 @@ struct Layout {
   static constexpr size_t kKeyPosition =
       kExchange + (kDimParts > 1 ? sizeof(float) * kWarps * kScoreRegs * 32 : 0);  // [2][kKeys]
   static constexpr size_t kRowPosition = kKeyPosition + sizeof(int32_t) * 2 * kKeys;
-  static constexpr size_t kTileList = kRowPosition + sizeof(int32_t) * kRows;  // [kThreads]
-  static constexpr size_t kWarpCounts = kTileList + sizeof(int32_t) * kThreads;
+  static constexpr size_t kTileList = kRowPosition + sizeof(int32_t) * kRows;    // [kThreads]
+  static constexpr size_t kTileLoaded = kTileList + sizeof(int32_t) * kThreads;  // [kThreads]
+  static constexpr size_t kWarpCounts = kTileLoaded + sizeof(uint32_t) * kThreads;
   static constexpr size_t kBytes = kWarpCounts + sizeof(int32_t) * kWarps;
-  static_assert(kDimParts * kRowTiles == kWarps && kKeys % 16 == 0);
+  static_assert(kDimParts * kRowTiles == kWarps && kKeys % 16 == 0 && kKeys <= 32);
   static_assert(kK % 16 == 0 && kV % 16 == 0 && (kLd * sizeof(bf16)) % 16 == 0);
   static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
@@ -151,14 +154,14 @@ __device__ __forceinline__ float unpacked_sum(uint32_t pair) {
 }
 
 // Starts loading tile `tile` (slots tile · kKeys ...) of kv head `kv_head` into K/V buffer
-// `buffer`, with its slot positions (-1 past the cache). bf16 caches: cp.async (the caller
-// commits and waits); fp32 and e4m3 caches: converted through registers, complete on return.
+// `buffer`, with its slot positions (-1 past the cache). Keys whose bit in `loaded` is clear
+// (empty slots, slots no row can see) are zeros, not read. bf16 caches: cp.async throughout
+// (the caller commits and waits: nothing here waits for memory); other caches: K/V converted
+// through registers, 4 elements per load, complete on return.
 template <int HD, typename Kv>
-__device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int buffer,
-                          unsigned char* shared) {
+__device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, uint32_t loaded,
+                          int buffer, unsigned char* shared) {
   using L = Layout<HD>;
-  // bf16 caches go to shared memory as they are (cp.async, 8 elements per 16 bytes); float and
-  // e4m3 ones through registers, 4 elements per load (load_kv4), converted to bf16.
   constexpr bool kAsync = std::is_same_v<Kv, bf16>;
   constexpr int kElementsPerChunk = kAsync ? 8 : 4;
   constexpr int kChunksPerKey = HD / kElementsPerChunk;
@@ -170,43 +173,41 @@ __device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, int b
   bf16* v_tile = reinterpret_cast<bf16*>(shared + L::kV + buffer * L::kTileBytes);
   if (threadIdx.x < L::kKeys) {
     const int64_t slot = first_slot + threadIdx.x;
-    key_position[threadIdx.x] = slot < a.slots ? __ldg(a.slot_positions + slot) : -1;
+    if (slot < a.slots) {
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
+                       shared_address(key_position + threadIdx.x)),
+                   "l"(a.slot_positions + slot));
+    } else {
+      key_position[threadIdx.x] = -1;
+    }
   }
   const int64_t row_elements = int64_t{a.kv_heads} * HD;
   const Kv* keys = static_cast<const Kv*>(a.keys) + int64_t{kv_head} * HD;
   const Kv* values = static_cast<const Kv*>(a.values) + int64_t{kv_head} * HD;
-  // Each thread's chunks in batches: the positions of a batch first (they decide which
-  // chunks are read), then its loads.
-  constexpr int kBatch = kAsync ? 4 : 2;
-  static_assert(kChunksPerThread % kBatch == 0);
+  if constexpr (kAsync) {
 #pragma unroll
-  for (int first = 0; first < kChunksPerThread; first += kBatch) {
-    bool valid[kBatch];
-#pragma unroll
-    for (int j = 0; j < kBatch; ++j) {
-      const int key = (threadIdx.x + (first + j) * kThreads) / kChunksPerKey;
-      const int64_t slot = first_slot + key;
-      valid[j] = slot < a.slots && __ldg(a.slot_positions + slot) >= 0;
+    for (int j = 0; j < kChunksPerThread; ++j) {
+      const int i = threadIdx.x + j * kThreads;
+      const int key = i / kChunksPerKey;
+      const int column = i % kChunksPerKey * kElementsPerChunk;
+      const bool valid = (loaded >> key) & 1u;
+      const int64_t offset = valid ? (first_slot + key) * row_elements + column : 0;
+      cp_async16(k_tile + key * L::kLd + column, keys + offset, valid);
+      cp_async16(v_tile + key * L::kLd + column, values + offset, valid);
     }
-    if constexpr (kAsync) {
+  } else {
+    constexpr int kBatch = 4;  // float4s of K and of V in flight per thread
+    static_assert(kChunksPerThread % kBatch == 0);
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        const int i = threadIdx.x + (first + j) * kThreads;
-        const int key = i / kChunksPerKey;
-        const int column = i % kChunksPerKey * kElementsPerChunk;
-        const int64_t offset = valid[j] ? (first_slot + key) * row_elements + column : 0;
-        cp_async16(k_tile + key * L::kLd + column, keys + offset, valid[j]);
-        cp_async16(v_tile + key * L::kLd + column, values + offset, valid[j]);
-      }
-    } else {
+    for (int first = 0; first < kChunksPerThread; first += kBatch) {
       float4 k[kBatch], v[kBatch];
 #pragma unroll
       for (int j = 0; j < kBatch; ++j) {
         const int i = threadIdx.x + (first + j) * kThreads;
-        const int64_t offset =
-            (first_slot + i / kChunksPerKey) * row_elements + i % kChunksPerKey * 4;
+        const int key = i / kChunksPerKey;
+        const int64_t offset = (first_slot + key) * row_elements + i % kChunksPerKey * 4;
         k[j] = v[j] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-        if (valid[j]) {
+        if ((loaded >> key) & 1u) {
           k[j] = load_kv4(keys + offset);
           v[j] = load_kv4(values + offset);
         }
@@ -239,6 +240,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
   float* exchange = reinterpret_cast<float*>(shared + L::kExchange);
   int32_t* row_position = reinterpret_cast<int32_t*>(shared + L::kRowPosition);
   int32_t* tile_list = reinterpret_cast<int32_t*>(shared + L::kTileList);
+  uint32_t* tile_loaded = reinterpret_cast<uint32_t*>(shared + L::kTileLoaded);
   int32_t* warp_counts = reinterpret_cast<int32_t*>(shared + L::kWarpCounts);
   pdl_wait_for_predecessors();
 
@@ -290,8 +292,9 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
 
   for (int64_t chunk = tile_begin; chunk < tile_end; chunk += kThreads) {
     // The chunk's tiles that some row may see (a superset test; each row's own mask is
-    // applied to the scores), compacted in order into tile_list.
-    bool wanted = false;
+    // applied to the scores), compacted in order into tile_list, with the keys worth reading
+    // (holding a position, one some row may see) as a bit mask in tile_loaded.
+    uint32_t loaded = 0;
     const int64_t tile = chunk + threadIdx.x;
     if (tile < tile_end) {
       // Independent loads (no early exit): one memory round trip per tile, not kKeys.
@@ -299,9 +302,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
       for (int k = 0; k < kKeys; ++k) {
         const int64_t slot = tile * kKeys + k;
         const int32_t p = slot < scanned ? __ldg(a.slot_positions + slot) : -1;
-        wanted |= p >= 0 && p <= max_position && (a.window == 0 || min_position - p < a.window);
+        const bool seen =
+            p >= 0 && p <= max_position && (a.window == 0 || min_position - p < a.window);
+        loaded |= static_cast<uint32_t>(seen) << k;
       }
     }
+    const bool wanted = loaded != 0;
     const unsigned ballot = __ballot_sync(0xFFFFFFFFu, wanted);
     if (lane == 0) warp_counts[warp] = __popc(ballot);
     __syncthreads();
@@ -310,16 +316,19 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
       offset += w < warp ? warp_counts[w] : 0;
       count += warp_counts[w];
     }
-    if (wanted) tile_list[offset] = static_cast<int32_t>(tile);
+    if (wanted) {
+      tile_list[offset] = static_cast<int32_t>(tile);
+      tile_loaded[offset] = loaded;
+    }
     __syncthreads();
     if (count == 0) continue;
 
-    load_tile<HD, Kv>(a, kv_head, tile_list[0], 0, shared);
+    load_tile<HD, Kv>(a, kv_head, tile_list[0], tile_loaded[0], 0, shared);
     cp_async_commit();
     for (int i = 0; i < count; ++i) {
       const int buffer = i % 2;
       if (i + 1 < count) {
-        load_tile<HD, Kv>(a, kv_head, tile_list[i + 1], 1 - buffer, shared);
+        load_tile<HD, Kv>(a, kv_head, tile_list[i + 1], tile_loaded[i + 1], 1 - buffer, shared);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -334,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
       // S = Q · Kᵀ over this warp's dims (K's rows [key][d] are Kᵀ column-major).
       float s[kKeyTiles][4] = {};
       const int dim0 = dim_part * kWarpDims;
-#pragma unroll
+#pragma unroll 4  // (fully unrolled, the prefetched fragments spill the accumulators)
       for (int kk = 0; kk < kWarpDims; kk += 16) {
         uint32_t q_fragment[4];
         ldmatrix_x4<false>(q_fragment, q_tile + (row_tile * kWarpRows + lane % 16) * L::kLd + dim0 +

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gemv.h"
 #include "backend/cuda/prefill_kernels.h"
 
 namespace gemma4::cuda {
@@ -24,6 +25,13 @@ int64_t weight_tile_rows(int64_t rows, int64_t padded_cols) {
   const auto cap = static_cast<int64_t>(kWeightTileBytes / (sizeof(uint16_t) * padded_cols));
   const int64_t edges = cap / kGemmTileEdge * kGemmTileEdge;
   return std::clamp<int64_t>(edges > 0 ? edges : cap, 1, rows);
+}
+
+int64_t pair_tile_rows(int64_t tile_rows, int64_t tokens) {
+  const auto cap = static_cast<int64_t>(kPairProductsBytes / (sizeof(float) * tokens));
+  int64_t rows = std::min(tile_rows, std::max(kGemmTileEdge, cap / kGemmTileEdge * kGemmTileEdge));
+  rows -= rows % 2;
+  return std::max<int64_t>(rows, 2);
 }
 
 Expected<std::unique_ptr<CublasContext>> CublasContext::create(cudaStream_t stream) {
@@ -72,7 +80,8 @@ bool CudaBackend::tensor_core_rows(int64_t rows) const {
   return !fp32_activations_ && rows > kTensorCoreMaxGemvRows;
 }
 
-void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y) {
+void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y,
+                                     bool gelu_pairs) {
   if (cublas_ == nullptr) {
     launch();  // the device current
     auto created = CublasContext::create(stream_);
@@ -83,7 +92,14 @@ void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, con
     cublas_ = std::move(*created);
   }
   const int64_t padded_cols = bf16_padded_cols(w.cols);
-  const int64_t tile_rows = weight_tile_rows(w.rows, padded_cols);
+  int64_t tile_rows = weight_tile_rows(w.rows, padded_cols);
+  float* products = nullptr;  // gelu_pairs: one tile's products
+  if (gelu_pairs) {
+    tile_rows = pair_tile_rows(tile_rows, x.rows);
+    products = static_cast<float*>(
+        scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.rows * tile_rows)));
+    if (products == nullptr) return;
+  }
   void* activations =
       scratch(prefill_activations_, sizeof(uint16_t) * static_cast<size_t>(x.rows * padded_cols));
   void* weights =
@@ -95,13 +111,20 @@ void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, con
     launched(bf16_weight_tile(w, first, rows, padded_cols, weights, launch()),
              "matmul (bf16 weight tile)");
     if (!status_.ok()) return;
-    const Status gemm =
-        cublas_->gemm(weights, rows, activations, x.rows, padded_cols, y.data + first, y.stride);
+    const Status gemm = products != nullptr ? cublas_->gemm(weights, rows, activations, x.rows,
+                                                            padded_cols, products, rows)
+                                            : cublas_->gemm(weights, rows, activations, x.rows,
+                                                            padded_cols, y.data + first, y.stride);
     if (!gemm.ok()) {
       fail(gemm.error().code, gemm.error().message);
       return;
     }
     ++kernels_;
+    if (products != nullptr) {
+      const GemvOutput pairs = {y.data + first / 2, y.stride, GemvEpilogue::kGeluPairs};
+      launched(gemv_epilogue(products, x.rows, rows, rows, pairs, launch()),
+               "matmul_gelu_pairs (epilogue)");
+    }
   }
 }
 

@@ -33,6 +33,15 @@ inline constexpr size_t kWeightTileBytes = size_t{32} << 20;
 // tile edge) when the cap allows, never more than the matrix, at least one.
 int64_t weight_tile_rows(int64_t rows, int64_t padded_cols);
 
+// fp32 products of one weight tile that the GELU-pairs matmul keeps for its epilogue: small
+// enough to be read back from L2 (the products of a whole pass, x.rows · W.rows floats, are
+// 200 MB for E2B's gate/up at 2048 rows: written to and read back from HBM).
+inline constexpr size_t kPairProductsBytes = size_t{24} << 20;
+
+// Rows of a weight tile (tile_rows from weight_tile_rows) whose products for `tokens` rows fit
+// kPairProductsBytes: a multiple of 128 when possible, even (whole gate/up pairs), at least 2.
+int64_t pair_tile_rows(int64_t tile_rows, int64_t tokens);
+
 // A cuBLAS handle bound to one stream, with a workspace of its own: cuBLAS then never
 // allocates (legal inside a graph capture) and picks the same kernels every call
 // (deterministic results).
