@@ -211,7 +211,7 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 }
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows, every tiling option; "default" is
-// default_mma_gemv_tiling's choice, the tiling column reads warps·10 + splits.
+// default_mma_gemv_tiling's choice, the tiling column reads k_warps·100 + warps·10 + splits.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool quick,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -241,12 +241,12 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   r.mbytes = w.bytes / 1e6;
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
-  r.default_tiling = 10 * chosen.warps + chosen.splits;
+  r.default_tiling = 100 * chosen.k_warps + 10 * chosen.warps + chosen.splits;
   r.best_pdl_us = 1e30;
-  for (int warps : {4, 8}) {
+  for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
-      const gemma4::cuda::MmaGemvTiling tiling = {warps, splits};
-      const int id = 10 * warps + splits;
+      const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps};
+      const int id = 100 * layout.k_warps + 10 * layout.warps + splits;
       if (quick && id != r.default_tiling) continue;
       if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
           gemma4::cuda::kMmaGemvMaxSharedBytes) {

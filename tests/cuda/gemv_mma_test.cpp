@@ -55,7 +55,8 @@ std::string describe(const HostMatrix& w, const Case& c) {
           : c.x_type == ActType::kQ8 ? " x=q8"
                                      : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
-         " warps=" + std::to_string(c.tiling.warps) + " splits=" + std::to_string(c.tiling.splits);
+         " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
+         " splits=" + std::to_string(c.tiling.splits);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -157,7 +158,8 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     Case c;
     c.m = m;
     c.x_type = kActivationTypes[m % 3];
-    c.tiling = {m % 2 == 0 ? 8 : 4, 1 + m % 5};
+    const MmaGemvWarpLayout& layout = kMmaGemvWarpLayouts[(m / 3) % kNumMmaGemvWarpLayouts];
+    c.tiling = {layout.warps, 1 + m % 5, layout.k_warps};
     c.seed = 100 + m;
     check(host, device, c);
   }
@@ -167,15 +169,15 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1040, 1536, 12);
   const DeviceMatrix device(host);
   uint32_t seed = 300;
-  for (int warps : {4, 8}) {
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= kMmaGemvMaxSplits; ++splits) {
       for (GemvEpilogue e :
            {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
         Case c;
         c.m = splits % 2 ? 37 : 12;
-        c.x_type = kActivationTypes[(splits + warps) % 3];
+        c.x_type = kActivationTypes[(splits + layout.warps + layout.k_warps) % 3];
         c.epilogue = e;
-        c.tiling = {warps, splits};
+        c.tiling = {layout.warps, splits, layout.k_warps};
         c.seed = seed++;
         check(host, device, c);
       }
@@ -252,11 +254,11 @@ TEST(GemvMma, Nvfp4BothConventions) {
   }
   const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 300, 704, seed++);
   const DeviceMatrix device(host);
-  for (int warps : {4, 8}) {
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits : {1, 3, 8}) {
       Case c;
       c.m = 64;
-      c.tiling = {warps, splits};
+      c.tiling = {layout.warps, splits, layout.k_warps};
       c.seed = seed++;
       check(host, device, c);
     }
@@ -287,7 +289,7 @@ TEST(GemvMma, DefaultTilingsAreValid) {
         const MmaGemvTiling t = default_mma_gemv_tiling(shape[0], shape[1], m, x_type);
         SCOPED_TRACE(std::to_string(shape[0]) + "x" + std::to_string(shape[1]) +
                      " M=" + std::to_string(m));
-        EXPECT_TRUE(t.warps == 4 || t.warps == 8);
+        EXPECT_GE(mma_gemv_warp_layout(t), 0);
         EXPECT_GE(t.splits, 1);
         EXPECT_LE(t.splits, std::min<int64_t>(kMmaGemvMaxSplits, shape[1] / 32));
         EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32, x_type), kMmaGemvMaxSharedBytes);
@@ -321,7 +323,8 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);     // more than 64
   EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);     // exact fp32 products
   EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
-  EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // warps 4 or 8
+  EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // no such layout
+  EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
