@@ -298,6 +298,46 @@ TEST(GemvMma, DefaultTilingsAreValid) {
   }
 }
 
+// Captured in a CUDA graph with PDL (as the engine's decode graphs launch it: a cluster launch
+// inside a capture) the kernel gives the bits of a plain launch, after a GEMV it depends on.
+TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 2560, 1536, 17);
+  const DeviceMatrix device(host);
+  const int m = 40;
+  DeviceArray<float> x(testing::random_floats(m * 1536, -1.0f, 1.0f, 18));
+  DeviceArray<float> first(m * 2560), second(m * 2560);
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Two dependent GEMVs: the second reads the first's output (the first 1536 columns of each row).
+  auto enqueue = [&](bool pdl) {
+    const Launch launch = {stream, pdl};
+    const cudaError_t status =
+        gemv(device.view, {x.get(), ActType::kF32, m, 1536, true}, {first.get(), 2560}, launch);
+    if (status != cudaSuccess) return status;
+    return gemv(device.view, {first.get(), ActType::kF32, m, 2560, true}, {second.get(), 2560},
+                launch);
+  };
+  CUDA_ASSERT_OK(enqueue(false));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> plain = second.download();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CUDA_ASSERT_OK(enqueue(true));
+  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    first.poison();
+    second.poison();
+    CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(second.download(), plain) << "replay " << replay;
+  }
+  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+}
+
 // gemv() keeps on the CUDA-core GEMV what the tensor-core kernel cannot stage.
 TEST(GemvMma, TakesOnlyWhatFits) {
   quant::QMatrix w;
