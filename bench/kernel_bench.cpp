@@ -210,10 +210,11 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   return r;
 }
 
-// The tensor-core batched GEMV (gemv_mma.h) at M rows, every tiling option; "default" is
-// default_mma_gemv_tiling's choice, the tiling column reads warps·10 + splits.
+// The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
+// and 8 splits beside the default (default_mma_gemv_tiling's choice), else the default alone.
+// The tiling column reads k_warps·100 + warps·10 + splits.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
-                      const char* label, cudaStream_t stream, bool quick,
+                      const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
   Weights w;
   make_weights(Format(format), rows, cols, w);
@@ -241,13 +242,14 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   r.mbytes = w.bytes / 1e6;
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
-  r.default_tiling = 10 * chosen.warps + chosen.splits;
+  r.default_tiling = 100 * chosen.k_warps + 10 * chosen.warps + chosen.splits;
   r.best_pdl_us = 1e30;
-  for (int warps : {4, 8}) {
+  for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
-      const gemma4::cuda::MmaGemvTiling tiling = {warps, splits};
-      const int id = 10 * warps + splits;
-      if (quick && id != r.default_tiling) continue;
+      const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps};
+      const int id = 100 * layout.k_warps + 10 * layout.warps + splits;
+      const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
+      if (!swept && id != r.default_tiling) continue;
       if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
           gemma4::cuda::kMmaGemvMaxSharedBytes) {
         continue;
@@ -449,17 +451,17 @@ int main(int argc, char** argv) {
                                "lm_head bf16 262144x1536", stream, quick));
 
   // Batched decode on tensor cores beside the CUDA-core batched tilings above: the engine's
-  // fp32 rows rounded to bf16, bf16 rows and q8 rows (random bytes: the timing does not depend
-  // on the values), E2B shapes; the GELU pairs of gate+up.
+  // fp32 rows rounded to bf16 (every tiling), bf16 rows and q8 rows (random bytes: the timing
+  // does not depend on the values; default tiling), E2B shapes; the GELU pairs of gate+up.
   for (int m : {8, 32, 64}) {
     for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
       for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
         results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
-                                         stream, quick));
+                                         stream, !quick && x_type == ActType::kF32));
       }
     }
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
-                                     dense[1].label, stream, quick, GemvEpilogue::kGeluPairs));
+                                     dense[1].label, stream, false, GemvEpilogue::kGeluPairs));
   }
   // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
   const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
@@ -469,7 +471,7 @@ int main(int argc, char** argv) {
   for (int m : {8, 32}) {
     for (const Shape& s : nvfp4_dense) {
       results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32,
-                                       s.label, stream, quick));
+                                       s.label, stream, !quick));
       results.push_back(bench_gemv(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32, s.label,
                                    stream, quick, GemvEpilogue::kNone, true));
     }

@@ -55,7 +55,8 @@ std::string describe(const HostMatrix& w, const Case& c) {
           : c.x_type == ActType::kQ8 ? " x=q8"
                                      : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
-         " warps=" + std::to_string(c.tiling.warps) + " splits=" + std::to_string(c.tiling.splits);
+         " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
+         " splits=" + std::to_string(c.tiling.splits);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -157,7 +158,8 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     Case c;
     c.m = m;
     c.x_type = kActivationTypes[m % 3];
-    c.tiling = {m % 2 == 0 ? 8 : 4, 1 + m % 5};
+    const MmaGemvWarpLayout& layout = kMmaGemvWarpLayouts[(m / 3) % kNumMmaGemvWarpLayouts];
+    c.tiling = {layout.warps, 1 + m % 5, layout.k_warps};
     c.seed = 100 + m;
     check(host, device, c);
   }
@@ -167,15 +169,15 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1040, 1536, 12);
   const DeviceMatrix device(host);
   uint32_t seed = 300;
-  for (int warps : {4, 8}) {
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= kMmaGemvMaxSplits; ++splits) {
       for (GemvEpilogue e :
            {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
         Case c;
         c.m = splits % 2 ? 37 : 12;
-        c.x_type = kActivationTypes[(splits + warps) % 3];
+        c.x_type = kActivationTypes[(splits + layout.warps + layout.k_warps) % 3];
         c.epilogue = e;
-        c.tiling = {warps, splits};
+        c.tiling = {layout.warps, splits, layout.k_warps};
         c.seed = seed++;
         check(host, device, c);
       }
@@ -252,11 +254,11 @@ TEST(GemvMma, Nvfp4BothConventions) {
   }
   const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 300, 704, seed++);
   const DeviceMatrix device(host);
-  for (int warps : {4, 8}) {
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits : {1, 3, 8}) {
       Case c;
       c.m = 64;
-      c.tiling = {warps, splits};
+      c.tiling = {layout.warps, splits, layout.k_warps};
       c.seed = seed++;
       check(host, device, c);
     }
@@ -287,13 +289,53 @@ TEST(GemvMma, DefaultTilingsAreValid) {
         const MmaGemvTiling t = default_mma_gemv_tiling(shape[0], shape[1], m, x_type);
         SCOPED_TRACE(std::to_string(shape[0]) + "x" + std::to_string(shape[1]) +
                      " M=" + std::to_string(m));
-        EXPECT_TRUE(t.warps == 4 || t.warps == 8);
+        EXPECT_GE(mma_gemv_warp_layout(t), 0);
         EXPECT_GE(t.splits, 1);
         EXPECT_LE(t.splits, std::min<int64_t>(kMmaGemvMaxSplits, shape[1] / 32));
         EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32, x_type), kMmaGemvMaxSharedBytes);
       }
     }
   }
+}
+
+// Captured in a CUDA graph with PDL (as the engine's decode graphs launch it: a cluster launch
+// inside a capture) the kernel gives the bits of a plain launch, after a GEMV it depends on.
+TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 2560, 1536, 17);
+  const DeviceMatrix device(host);
+  const int m = 40;
+  DeviceArray<float> x(testing::random_floats(m * 1536, -1.0f, 1.0f, 18));
+  DeviceArray<float> first(m * 2560), second(m * 2560);
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  // Two dependent GEMVs: the second reads the first's output (the first 1536 columns of each row).
+  auto enqueue = [&](bool pdl) {
+    const Launch launch = {stream, pdl};
+    const cudaError_t status =
+        gemv(device.view, {x.get(), ActType::kF32, m, 1536, true}, {first.get(), 2560}, launch);
+    if (status != cudaSuccess) return status;
+    return gemv(device.view, {first.get(), ActType::kF32, m, 2560, true}, {second.get(), 2560},
+                launch);
+  };
+  CUDA_ASSERT_OK(enqueue(false));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> plain = second.download();
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CUDA_ASSERT_OK(enqueue(true));
+  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  for (int replay = 0; replay < 3; ++replay) {
+    first.poison();
+    second.poison();
+    CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(second.download(), plain) << "replay " << replay;
+  }
+  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
 // gemv() keeps on the CUDA-core GEMV what the tensor-core kernel cannot stage.
@@ -321,7 +363,8 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);     // more than 64
   EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);     // exact fp32 products
   EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
-  EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // warps 4 or 8
+  EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // no such layout
+  EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);

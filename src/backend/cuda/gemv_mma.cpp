@@ -15,7 +15,7 @@ constexpr int64_t kSms = 132;
 // would make the splits that stage less look emptier, not faster.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m) {
   const int64_t registers = m <= 16 ? 128 : m <= 32 ? 170 : 250;
-  return std::max<int64_t>(1, 65536 / (registers * 32 * tiling.warps));
+  return std::max<int64_t>(1, 65536 / (registers * 32 * tiling.warps * tiling.k_warps));
 }
 
 bool aligned16(const void* p) {
@@ -35,25 +35,27 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
   }
   // The most splits stage the least: a K whose slice does not fit even then stays on the GEMV.
   const int64_t groups = w.cols / 32;
-  const MmaGemvTiling most_split = {4,
-                                    static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups))};
+  const MmaGemvTiling most_split = {
+      4, static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups)), 2};
   return mma_gemv_shared_bytes(most_split, x.rows, groups, x.type) <= kMmaGemvMaxSharedBytes;
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
   // Wide blocks where there are rows enough: every block re-reads the activations of its K range,
-  // so 256 rows per block halve that traffic. Then the K splits that fill the GPU's block slots
+  // so 256 rows per block halve that traffic; else 128 rows with two warps each (few rows: more
+  // warps for the same activation traffic). Then the K splits that fill the GPU's block slots
   // most evenly (whole waves); a split more only for a clearly fuller GPU, since each adds a
   // share of partial sums to the cluster's reduction. Not yet measured (kernel_bench sweeps every
   // tiling).
   const int64_t groups = cols / 32;
   const int warps = rows >= 8192 ? 8 : 4;
+  const int k_warps = warps == 4 ? 2 : 1;
   const int64_t row_blocks = (rows + 32 * warps - 1) / (32 * warps);
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
-  MmaGemvTiling best = {warps, max_splits};
+  MmaGemvTiling best = {warps, max_splits, k_warps};
   double best_fill = 0.0;
   for (int splits = 1; splits <= max_splits; ++splits) {
-    const MmaGemvTiling tiling = {warps, splits};
+    const MmaGemvTiling tiling = {warps, splits, k_warps};
     if (mma_gemv_shared_bytes(tiling, m, groups, x_type) > kMmaGemvMaxSharedBytes) continue;
     const int64_t slots = kSms * blocks_per_sm(tiling, m);
     const int64_t blocks = row_blocks * splits;
@@ -84,8 +86,8 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
-  if ((tiling.warps != 4 && tiling.warps != 8) || tiling.splits < 1 ||
-      tiling.splits > kMmaGemvMaxSplits || tiling.splits > groups ||
+  if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
+      tiling.splits > groups ||
       mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
       (w.rows + 32 * tiling.warps - 1) / (32 * tiling.warps) > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;

@@ -6,7 +6,6 @@ namespace gemma4::cuda {
 namespace {
 
 using gemv_mma_detail::kNTileOptions;
-using gemv_mma_detail::kWarpOptions;
 using gemv_mma_detail::MmaKernel;
 using gemv_mma_detail::select_mma_kernel;
 
@@ -22,15 +21,15 @@ int option_index(const int* options, int count, int value) {
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch) {
   const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
-  const int warps = option_index(kWarpOptions, 2, tiling.warps);
-  if (n_tiles < 0 || warps < 0 ||
+  const int layout = mma_gemv_warp_layout(tiling);
+  if (n_tiles < 0 || layout < 0 ||
       (format != PackedFormat::kW4G32 && format != PackedFormat::kNVFP4)) {
     return cudaErrorInvalidValue;
   }
-  const MmaKernel kernel =
-      format == PackedFormat::kNVFP4
-          ? select_mma_kernel<PackedFormat::kNVFP4>(x_type, 2 * n_tiles + warps)
-          : select_mma_kernel<PackedFormat::kW4G32>(x_type, 2 * n_tiles + warps);
+  const int index = kNumMmaGemvWarpLayouts * n_tiles + layout;
+  const MmaKernel kernel = format == PackedFormat::kNVFP4
+                               ? select_mma_kernel<PackedFormat::kNVFP4>(x_type, index)
+                               : select_mma_kernel<PackedFormat::kW4G32>(x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
 
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
@@ -44,7 +43,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActTyp
   const int64_t rows_per_block = 32 * tiling.warps;
   config.gridDim = dim3(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block),
                         static_cast<unsigned>(tiling.splits));
-  config.blockDim = dim3(32 * tiling.warps);
+  config.blockDim = dim3(32 * tiling.warps * tiling.k_warps);
   config.dynamicSmemBytes =
       static_cast<size_t>(mma_gemv_shared_bytes(tiling, args.m, args.groups, x_type));
   config.stream = launch.stream;

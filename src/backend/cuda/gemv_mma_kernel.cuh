@@ -113,18 +113,20 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
   }
 }
 
-// F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows, W warps (32 · W weight rows per
-// block); gridDim.y blocks along K form one cluster.
-template <PackedFormat F, ActType XT, int NT, int W>
-__global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
+// F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
+// (32 · WR weight rows per block), WK along the block's K range (every WK-th group); gridDim.y
+// blocks along K form one cluster.
+template <PackedFormat F, ActType XT, int NT, int WR, int WK>
+__global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
-  constexpr int kRowsPerBlock = 32 * W;
+  constexpr int kRowsPerBlock = 32 * WR;
   constexpr int kPaddedRows = 8 * NT;
-  constexpr int kThreads = 32 * W;
+  constexpr int kThreads = 32 * WR * WK;
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int row_warp = (threadIdx.x >> 5) % WR;
+  const int k_warp = (threadIdx.x >> 5) / WR;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int splits = static_cast<int>(gridDim.y);
@@ -142,15 +144,18 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
   for (int i = 0; i < kTilesPerWarp; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      rows[2 * i + h] = min(block_row + 16 * (kTilesPerWarp * warp + i) + g + 8 * h, a.rows - 1);
+      rows[2 * i + h] =
+          min(block_row + 16 * (kTilesPerWarp * row_warp + i) + g + 8 * h, a.rows - 1);
     }
   }
   const uint32_t* words = static_cast<const uint32_t*>(a.weights);
   uint32_t packed[kPrefetchGroups][2 * kTilesPerWarp];
   uint32_t scale_bits[kPrefetchGroups][2 * kTilesPerWarp];
-  auto load_group = [&](int slot, int i) {
-    if (i >= group_count) return;
-    const int64_t group = group_begin + i;
+  // This warp's groups: block groups k_warp + WK · j for j < warp_groups.
+  const int warp_groups = group_count > k_warp ? (group_count - k_warp + WK - 1) / WK : 0;
+  auto load_group = [&](int slot, int j) {
+    if (j >= warp_groups) return;
+    const int64_t group = group_begin + k_warp + WK * j;
 #pragma unroll
     for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
       packed[slot][r] = __ldg(words + (rows[r] * a.groups + group) * 4 + t);
@@ -193,11 +198,12 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
   __syncthreads();
 
   float acc[kTilesPerWarp][NT][4] = {};
-  for (int i0 = 0; i0 < group_count; i0 += kPrefetchGroups) {
+  for (int j0 = 0; j0 < warp_groups; j0 += kPrefetchGroups) {
 #pragma unroll
     for (int s = 0; s < kPrefetchGroups; ++s) {
-      const int i = i0 + s;
-      if (i >= group_count) break;
+      const int j = j0 + s;
+      if (j >= warp_groups) break;
+      const int i = k_warp + WK * j;            // the group within the block's range
       uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
       float scales[2 * kTilesPerWarp];
 #pragma unroll
@@ -223,7 +229,7 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
           scales[2 * tile + 1] = scale_from_bits(a, scale_bits[s][2 * tile + 1]);
         }
       }
-      load_group(s, i + kPrefetchGroups);
+      load_group(s, j + kPrefetchGroups);
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
         const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
@@ -257,12 +263,14 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
     }
   }
 
-  // Partial sums [activation row][block row] over the staged activations (every warp is done
-  // reading them at the barrier). Lane (g, t) holds rows g, g + 8 of a tile for activation rows
-  // 2t, 2t + 1 of each n tile.
+  // Partial sums [k warp][activation row][block row] over the staged activations (every warp is
+  // done reading them at the barrier). Lane (g, t) holds rows g, g + 8 of a tile for activation
+  // rows 2t, 2t + 1 of each n tile.
   __syncthreads();
-  constexpr int64_t kStride = mma_gemv_partial_stride(W);
+  constexpr int64_t kStride = mma_gemv_partial_stride(WR);
+  constexpr int64_t kSlice = kPaddedRows * kStride;
   float* partial = reinterpret_cast<float*>(shared_words);
+  float* own_partial = partial + k_warp * kSlice;
   // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
   const float sum_scale =
       kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
@@ -276,20 +284,20 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
   }
 #pragma unroll
   for (int tile = 0; tile < kTilesPerWarp; ++tile) {
-    const int row = 16 * (kTilesPerWarp * warp + tile) + g;
+    const int row = 16 * (kTilesPerWarp * row_warp + tile) + g;
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
       const int m = 8 * nt + 2 * t;
-      partial[m * kStride + row] = acc[tile][nt][0];
-      partial[(m + 1) * kStride + row] = acc[tile][nt][1];
-      partial[m * kStride + row + 8] = acc[tile][nt][2];
-      partial[(m + 1) * kStride + row + 8] = acc[tile][nt][3];
+      own_partial[m * kStride + row] = acc[tile][nt][0];
+      own_partial[(m + 1) * kStride + row] = acc[tile][nt][1];
+      own_partial[m * kStride + row + 8] = acc[tile][nt][2];
+      own_partial[(m + 1) * kStride + row + 8] = acc[tile][nt][3];
     }
   }
 
-  // Every block of the cluster sums the K splits for its share of the outputs, in rank order
-  // (the same sums every run), and stores them through the epilogue: one thread per row pair,
-  // so the pairs epilogue sees both rows.
+  // Every block of the cluster sums the K splits for its share of the outputs, in (rank, k warp)
+  // order (the same sums every run), and stores them through the epilogue: one thread per row
+  // pair, so the pairs epilogue sees both rows.
   cg::cluster_group cluster = cg::this_cluster();
   if (splits > 1) {
     cluster.sync();
@@ -302,20 +310,27 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
     const int m = i / kPairs;
     const int row = 2 * (i % kPairs);
     // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
-    float2 parts[kMmaGemvMaxSplits];
+    float2 parts[kMmaGemvMaxSplits][WK];
 #pragma unroll
     for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
       if (rank < splits) {
         const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
-        parts[rank] = *reinterpret_cast<const float2*>(source + m * kStride + row);
+#pragma unroll
+        for (int k = 0; k < WK; ++k) {
+          parts[rank][k] =
+              *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
+        }
       }
     }
     float sums[2] = {0.0f, 0.0f};
 #pragma unroll
     for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
       if (rank < splits) {
-        sums[0] += parts[rank].x;
-        sums[1] += parts[rank].y;
+#pragma unroll
+        for (int k = 0; k < WK; ++k) {
+          sums[0] += parts[rank][k].x;
+          sums[1] += parts[rank][k].y;
+        }
       }
     }
     gemv_detail::store_rows<2>(a, m, block_row + row, sums);
@@ -327,27 +342,33 @@ __global__ void __launch_bounds__(W * 32) gemv_mma_kernel(MmaGemvArgs a) {
 using MmaKernel = void (*)(MmaGemvArgs);
 
 inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
-inline constexpr int kWarpOptions[] = {4, 8};
+inline constexpr int kNumKernels = 4 * kNumMmaGemvWarpLayouts;
 
 template <PackedFormat F, ActType XT, size_t... I>
-constexpr std::array<MmaKernel, 8> kernel_table(std::index_sequence<I...>) {
-  return {gemv_mma_kernel<F, XT, kNTileOptions[I / 2], kWarpOptions[I % 2]>...};
+constexpr std::array<MmaKernel, kNumKernels> kernel_table(std::index_sequence<I...>) {
+  return {gemv_mma_kernel<F, XT, kNTileOptions[I / kNumMmaGemvWarpLayouts],
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].warps,
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].k_warps>...};
 }
 
-// The kernel of format F for x_type and index = 2 · (index of the n tiles in kNTileOptions) +
-// (index of the warps in kWarpOptions); nullptr for NVFP4 with kQ8 activations (none compiled).
+// The kernel of format F for x_type and index = kNumMmaGemvWarpLayouts · (index of the n tiles
+// in kNTileOptions) + (index of the warp layout in kMmaGemvWarpLayouts); nullptr for NVFP4 with
+// kQ8 activations (none compiled).
 // Explicitly instantiated once per format in gemv_mma_<format>.cu.
 template <PackedFormat F>
 MmaKernel select_mma_kernel(ActType x_type, int index) {
   if (x_type == ActType::kQ8) {
     if constexpr (F == PackedFormat::kW4G32) {
-      static constexpr auto kQ8 = kernel_table<F, ActType::kQ8>(std::make_index_sequence<8>());
+      static constexpr auto kQ8 =
+          kernel_table<F, ActType::kQ8>(std::make_index_sequence<kNumKernels>());
       return kQ8[index];
     }
     return nullptr;
   }
-  static constexpr auto kBF16 = kernel_table<F, ActType::kBF16>(std::make_index_sequence<8>());
-  static constexpr auto kF32 = kernel_table<F, ActType::kF32>(std::make_index_sequence<8>());
+  static constexpr auto kBF16 =
+      kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumKernels>());
+  static constexpr auto kF32 =
+      kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumKernels>());
   return x_type == ActType::kBF16 ? kBF16[index] : kF32[index];
 }
 

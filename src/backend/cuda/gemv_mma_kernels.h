@@ -14,10 +14,11 @@
 // takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV. NVFP4 weights
 // enter as e2m1 value × e4m3 block scale (exact in bf16), the global factor applied to the sums.
 //
-// Work split: a block of `warps` warps owns 32 · warps consecutive weight rows (each warp two
-// 16-row tiles, so every activation fragment read from shared memory feeds two mma) and 1/splits
-// of K; the `splits` blocks of one row range form a thread-block cluster that adds its partial
-// sums through distributed shared memory in a fixed order (deterministic) before the epilogue.
+// Work split: a block owns 32 · warps consecutive weight rows (each warp two 16-row tiles, so
+// every activation fragment read from shared memory feeds two mma; k_warps warps per row range
+// take alternate groups) and 1/splits of K; the `splits` blocks of one row range form a
+// thread-block cluster that adds its partial sums through distributed shared memory in a fixed
+// order (deterministic) before the epilogue.
 #pragma once
 
 #include <cstdint>
@@ -35,9 +36,30 @@ inline constexpr int kMmaGemvMaxRows = 64;
 inline constexpr int kMmaGemvMaxSplits = 8;
 
 struct MmaGemvTiling {
-  int warps;   // 4 or 8: 128 or 256 weight rows per block
-  int splits;  // 1..kMmaGemvMaxSplits blocks along K, one cluster
+  int warps;        // warps along the rows: 32 · warps weight rows per block
+  int splits;       // 1..kMmaGemvMaxSplits blocks along K, one cluster
+  int k_warps = 1;  // warps along the block's K range (their partial sums added in the block)
 };
+
+// The compiled warp layouts {warps, k_warps}: 4 or 8 warps of 32 rows, or 4 of them twice along
+// K (twice the warps for the shapes with few rows: 1,536-row down / o_proj).
+struct MmaGemvWarpLayout {
+  int warps;
+  int k_warps;
+};
+inline constexpr MmaGemvWarpLayout kMmaGemvWarpLayouts[] = {{4, 1}, {8, 1}, {4, 2}};
+inline constexpr int kNumMmaGemvWarpLayouts = 3;
+
+// The index of the tiling's layout in kMmaGemvWarpLayouts, -1 if none.
+constexpr int mma_gemv_warp_layout(const MmaGemvTiling& tiling) {
+  for (int i = 0; i < kNumMmaGemvWarpLayouts; ++i) {
+    if (kMmaGemvWarpLayouts[i].warps == tiling.warps &&
+        kMmaGemvWarpLayouts[i].k_warps == tiling.k_warps) {
+      return i;
+    }
+  }
+  return -1;
+}
 
 // n tiles (8 activation rows each) a kernel covers for m rows: 1, 2, 4 or 8 (one instantiation
 // each; rows past m are zeros that are never stored).
@@ -71,7 +93,8 @@ constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int6
   const int64_t groups_per_split = mma_gemv_groups_per_split(groups, tiling.splits);
   const int64_t staged = padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
                          (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
-  const int64_t partial = padded_rows * mma_gemv_partial_stride(tiling.warps) * 4;
+  const int64_t partial =
+      int64_t{tiling.k_warps} * padded_rows * mma_gemv_partial_stride(tiling.warps) * 4;
   return staged > partial ? staged : partial;
 }
 
