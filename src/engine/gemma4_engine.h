@@ -28,7 +28,9 @@
 // older positions from the ring (a different attention operation).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "engine/backend.h"
@@ -37,6 +39,19 @@
 #include "model/weights.h"
 
 namespace gemma4::engine {
+
+// One MoE layer's routing in one forward pass (EngineOptions::router_trace): the router's logits
+// (router_proj's output, before the softmax) and the picks route_experts made from them, one row
+// per token of the pass.
+struct RouterTrace {
+  int layer = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  std::span<const int32_t> positions;   // [rows]
+  std::span<const float> logits;        // [rows, num_experts]
+  std::span<const int32_t> expert_ids;  // [rows, top_k], in pick order
+  std::span<const float> weights;       // [rows, top_k]
+};
 
 struct EngineOptions {
   int32_t max_sequences = 4;
@@ -50,6 +65,10 @@ struct EngineOptions {
   // and replay them: one recording per ordered list of sequences, made on the second step with
   // that list (the first runs unrecorded so every lazily made backend resource exists).
   bool record_decode = true;
+  // Debugging only (`gemma4 run --router-trace`): called after every MoE layer's routing with
+  // what the backend computed. Each call downloads (a device sync per layer), so decode steps are
+  // not recorded while it is set.
+  std::function<void(const RouterTrace&)> router_trace;
 };
 
 // options.ring_history, or when it is 0 the default for `config` (see above): max_pass_tokens - 1
