@@ -387,7 +387,7 @@ cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsV
   const int64_t rows = hidden.rows, width = hidden.width;
   if (rows < 1 || width < 1 || !fits_registers(width) || !valid_rows(hidden, rows, width) ||
       !valid_rows(dense, rows, width) || !valid_rows(router_in, rows, width) ||
-      !valid_rows(expert_in, rows, width) || spec.router_scale == nullptr || rows > 0x7FFFFFFF) {
+      !valid_rows(expert_in, rows, width) || rows > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
   }
   // [quads per thread − 1][16-byte accesses]

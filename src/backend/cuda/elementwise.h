@@ -59,7 +59,8 @@ cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const Rows
 //   dense[r] = rms_norm(dense[r]; dense_weight)                            (in place)
 //   router_in[r][j] = (rms_norm(hidden[r]) · router_scale[j]) · router_factor  (weightless norm)
 //   expert_in[r] = rms_norm(hidden[r]; expert_weight)
-// All rows of one width <= 8192; router_in and expert_in overlap nothing.
+// All rows of one width <= 8192; router_in and expert_in overlap nothing. A null weight or
+// router_scale is a factor of one.
 struct MoeNormSpec {
   const float* dense_weight = nullptr;
   const float* router_scale = nullptr;
