@@ -98,12 +98,15 @@ double seconds_since(Clock::time_point start) {
 // embedding tables (one row each per token), plus the logits matrix — in 4 bits when the backend
 // keeps a 4-bit copy of it (lm_head_packed: engine::pack_table_for_device) — and for MoE layers
 // only top_k / num_experts of the expert matrices (the share routing picks on average).
-double weight_bytes_per_token(const model::LoadedModel& model, bool lm_head_packed) {
+// with_lm_head false: the same without the logits matrix.
+double weight_bytes_per_token(const model::LoadedModel& model, bool lm_head_packed,
+                              bool with_lm_head = true) {
   const auto& config = model.config;
   const auto& weights = model.weights;
   const quant::QMatrix& lm_head = weights.lm_head;
   // w4g32 with bf16 scales: half a byte per weight and 2 bytes per group of 32.
-  double bytes = lm_head_packed
+  double bytes = !with_lm_head ? 0.0
+                 : lm_head_packed
                      ? static_cast<double>(lm_head.rows) * (lm_head.cols / 2 + lm_head.cols / 16)
                      : static_cast<double>(lm_head.bytes());
   model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
@@ -343,8 +346,18 @@ Status Bench::write_report() const {
               args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on",
               args_.fp32 ? "fp32 (--fp32)" : "bf16 where faster",
               engine::kv_type_name(memory_plan_.options.kv_type));
-  std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n\n",
+  std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
+  // The logits matrix alone (bf16 in NVFP4 checkpoints: embed_tokens is tied and unquantized)
+  // bounds a batch-1 step from below by its read time.
+  const double lm_head_bytes = weight_bytes_per_token(*model_, lm_head_packed_) -
+                               weight_bytes_per_token(*model_, lm_head_packed_, false);
+  std::printf(
+      "of which the logits matrix (%s): %.3f GB, %.0f%%: %.0f us per step at the "
+      "reference bandwidth\n\n",
+      lm_head_packed_ ? "4-bit copy" : quant::weight_format_name(model_->weights.lm_head.format),
+      lm_head_bytes / 1e9, 100 * lm_head_bytes / bytes_per_token,
+      lm_head_bytes / (args_.bandwidth_gbs * 1e3));
   std::printf("%-8s %6s %8s %12s %10s %12s %8s\n", "decode", "batch", "depth", "tok/s", "ms/step",
               "weights GB/s", "% bw");
   for (const auto& d : decode_) {

@@ -2,7 +2,9 @@
 // from one prompt (on --device auto|cpu|cuda) and prints the generated ids as one
 // comma-separated line. With a text prompt (-p TEXT [--think | --raw] or --messages FILE,
 // run_prompt.h) it prints the generated text instead. --dump-logits FILE writes the logits every
-// step returned (float32 .npy, one row per step) for comparison against a reference.
+// step returned (float32 .npy, one row per step) for comparison against a reference;
+// --router-trace FILE (MoE models, debugging) writes every layer's router logits and picks
+// (tools/reference/router_trace.py reads them).
 #include <algorithm>
 #include <climits>
 #include <cstdio>
@@ -44,27 +46,29 @@ Expected<std::vector<int32_t>> parse_ids(const std::string& text) {
 // is rewritten with the final row count by finish().
 class NpyRowWriter {
  public:
-  static Expected<NpyRowWriter> create(const std::string& path, int64_t width) {
+  // `flag` names the option the file was asked for, in error messages.
+  static Expected<NpyRowWriter> create(const std::string& flag, const std::string& path,
+                                       int64_t width) {
     std::FILE* file = std::fopen(path.c_str(), "wb");
-    if (!file) return make_error(ErrorCode::kIo, "--dump-logits: cannot create {}", path);
-    NpyRowWriter writer(file, path, width);
+    if (!file) return make_error(ErrorCode::kIo, "{}: cannot create {}", flag, path);
+    NpyRowWriter writer(file, flag, path, width);
     GEMMA4_RETURN_IF_ERROR(writer.write_header());
     return writer;
   }
 
   Status append(std::span<const float> row) {
     if (std::fwrite(row.data(), sizeof(float), row.size(), file_.get()) != row.size())
-      return make_error(ErrorCode::kIo, "--dump-logits: writing {} failed", path_);
+      return make_error(ErrorCode::kIo, "{}: writing {} failed", flag_, path_);
     ++rows_;
     return Status::ok_status();
   }
 
   Status finish() {
     if (std::fseek(file_.get(), 0, SEEK_SET) != 0)
-      return make_error(ErrorCode::kIo, "--dump-logits: cannot rewrite {}", path_);
+      return make_error(ErrorCode::kIo, "{}: cannot rewrite {}", flag_, path_);
     GEMMA4_RETURN_IF_ERROR(write_header());
     if (std::fclose(file_.release()) != 0)
-      return make_error(ErrorCode::kIo, "--dump-logits: closing {} failed", path_);
+      return make_error(ErrorCode::kIo, "{}: closing {} failed", flag_, path_);
     return Status::ok_status();
   }
 
@@ -72,8 +76,8 @@ class NpyRowWriter {
   // Magic, version 1.0, header length, header: 128 bytes in all keeps the data 64-byte aligned.
   static constexpr size_t kHeaderBytes = 128;
 
-  NpyRowWriter(std::FILE* file, std::string path, int64_t width)
-      : file_(file, &std::fclose), path_(std::move(path)), width_(width) {}
+  NpyRowWriter(std::FILE* file, std::string flag, std::string path, int64_t width)
+      : file_(file, &std::fclose), flag_(std::move(flag)), path_(std::move(path)), width_(width) {}
 
   Status write_header() {
     std::string dict = fmt::format(
@@ -88,11 +92,12 @@ class NpyRowWriter {
     header += static_cast<char>(dict_bytes >> 8);
     header += dict;
     if (std::fwrite(header.data(), 1, header.size(), file_.get()) != header.size())
-      return make_error(ErrorCode::kIo, "--dump-logits: writing {} failed", path_);
+      return make_error(ErrorCode::kIo, "{}: writing {} failed", flag_, path_);
     return Status::ok_status();
   }
 
   std::unique_ptr<std::FILE, int (*)(std::FILE*)> file_;
+  std::string flag_;
   std::string path_;
   int64_t width_ = 0;
   int64_t rows_ = 0;
@@ -114,7 +119,50 @@ struct RunArgs {
   int threads = 0;
   int prompt_chunk = 0;
   std::string dump_logits;
+  std::string router_trace;
   runtime::SamplingParams sampling;
+};
+
+// --router-trace: one float32 row per (forward pass, MoE layer, token) of [layer, position,
+// num_experts router logits, top_k expert ids, top_k routing weights] (ids and positions are
+// exact in float32), in the order the engine computed them.
+class RouterTraceFile {
+ public:
+  static Expected<std::unique_ptr<RouterTraceFile>> create(const std::string& path,
+                                                           const model::ModelConfig& config) {
+    if (!config.moe)
+      return make_error(ErrorCode::kInvalidArgument, "--router-trace: the model has no experts");
+    const auto& p = config.moe_params;
+    GEMMA4_ASSIGN_OR_RETURN(
+        auto writer,
+        NpyRowWriter::create("--router-trace", path, 2 + p.num_experts + 2 * int64_t{p.top_k}));
+    return std::unique_ptr<RouterTraceFile>(new RouterTraceFile(std::move(writer)));
+  }
+
+  void append(const engine::RouterTrace& trace) {
+    std::vector<float> row;
+    for (size_t r = 0; r < trace.positions.size() && status_.ok(); ++r) {
+      row.assign({static_cast<float>(trace.layer), static_cast<float>(trace.positions[r])});
+      const auto logits = trace.logits.subspan(r * trace.num_experts, trace.num_experts);
+      row.insert(row.end(), logits.begin(), logits.end());
+      for (const int32_t id : trace.expert_ids.subspan(r * trace.top_k, trace.top_k))
+        row.push_back(static_cast<float>(id));
+      const auto weights = trace.weights.subspan(r * trace.top_k, trace.top_k);
+      row.insert(row.end(), weights.begin(), weights.end());
+      status_ = writer_.append(row);
+    }
+  }
+
+  // The first write error, else the file completed.
+  Status finish() {
+    GEMMA4_RETURN_IF_ERROR(status_);
+    return writer_.finish();
+  }
+
+ private:
+  explicit RouterTraceFile(NpyRowWriter writer) : writer_(std::move(writer)) {}
+  NpyRowWriter writer_;
+  Status status_ = Status::ok_status();
 };
 
 Status run(const RunArgs& args) {
@@ -148,6 +196,13 @@ Status run(const RunArgs& args) {
   }
   GEMMA4_RETURN_IF_ERROR(args.sampling.validate(config.vocab_size));
 
+  std::unique_ptr<RouterTraceFile> router_trace;
+  if (!args.router_trace.empty()) {
+    GEMMA4_ASSIGN_OR_RETURN(router_trace, RouterTraceFile::create(args.router_trace, config));
+    load.engine.router_trace = [trace = router_trace.get()](const engine::RouterTrace& t) {
+      trace->append(t);
+    };
+  }
   load.engine.max_sequences = 1;
   load.engine.max_context = static_cast<int64_t>(prompt.size()) + args.max_tokens;
   GEMMA4_ASSIGN_OR_RETURN(auto loaded, create_engine(path, model, load));
@@ -158,7 +213,8 @@ Status run(const RunArgs& args) {
                       args.gpu_memory, load.engine.max_context, engine.max_context());
   std::optional<NpyRowWriter> dump;
   if (!args.dump_logits.empty()) {
-    GEMMA4_ASSIGN_OR_RETURN(dump, NpyRowWriter::create(args.dump_logits, engine.vocab_size()));
+    GEMMA4_ASSIGN_OR_RETURN(
+        dump, NpyRowWriter::create("--dump-logits", args.dump_logits, engine.vocab_size()));
   }
   GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
   runtime::Sampler sampler(args.sampling, prompt);
@@ -189,6 +245,7 @@ Status run(const RunArgs& args) {
     if (!args.ignore_eos && stop) break;
   }
   if (dump) GEMMA4_RETURN_IF_ERROR(dump->finish());
+  if (router_trace) GEMMA4_RETURN_IF_ERROR(router_trace->finish());
   if (!text_run) {
     std::printf("%s\n", line.c_str());
     return Status::ok_status();
@@ -232,6 +289,10 @@ void register_run(CLI::App& app, int& exit_code) {
                   "position with --dump-logits)");
   cmd->add_option("--dump-logits", args->dump_logits,
                   "write every step's last-token logits to FILE (float32 .npy, one row per step)");
+  cmd->add_option("--router-trace", args->router_trace,
+                  "MoE models, debugging: write every layer's router logits, expert ids and "
+                  "weights per token to FILE (float32 .npy rows [layer, position, logits, ids, "
+                  "weights]; decode runs without graphs)");
   auto& s = args->sampling;
   cmd->add_option("--temperature", s.temperature, "0 = greedy");
   cmd->add_option("--top-k", s.top_k, "0 = off");

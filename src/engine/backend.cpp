@@ -66,6 +66,15 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
+void Backend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
+                        const float* router_scale, float router_factor, const float* expert_weight,
+                        Rows router_in, Rows expert_in, const NormParams& norm) {
+  rms_norm(dense, dense_weight, norm.weight_offset, norm.eps, dense);
+  rms_norm(hidden, nullptr, norm.weight_offset, norm.eps, router_in);
+  scale(router_in, router_scale, router_factor);
+  rms_norm(hidden, expert_weight, norm.weight_offset, norm.eps, expert_in);
+}
+
 void Backend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
                                 bool norm_v, int head_dim, const int32_t* positions,
                                 const model::RopeParams& rope_params,

@@ -246,6 +246,17 @@ class Backend {
   virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                             const float* next_weight, Rows next, const NormParams& norm);
 
+  // The norms of a MoE block between the dense MLP and the experts (arch spec 3), row by row:
+  // dense = norm(dense; dense_weight) in place (post_feedforward_layernorm_1); router_in =
+  // norm(hidden) (weightless) · router_scale[j] · router_factor (the router's input);
+  // expert_in = norm(hidden; expert_weight) (pre_feedforward_layernorm_2). router_in and
+  // expert_in must not overlap hidden, dense or each other. Default: rms_norm(dense → dense),
+  // rms_norm(hidden → router_in), scale(router_in, router_scale, router_factor),
+  // rms_norm(hidden → expert_in).
+  virtual void moe_norms(Rows hidden, Rows dense, const float* dense_weight,
+                         const float* router_scale, float router_factor, const float* expert_weight,
+                         Rows router_in, Rows expert_in, const NormParams& norm);
+
   // Attention inputs of one layer, in place: q per head normed (q_norm) and rotated; if
   // k.data != nullptr (the layer owns its KV): k per head normed (k_norm) and rotated, v per
   // head normed without weight when norm_v, and rows [s.first_row, s.first_row + s.count) of k/v

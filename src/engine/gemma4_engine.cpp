@@ -109,6 +109,8 @@ struct Gemma4Engine::Impl {
   void decode_recorded(const std::vector<Segment>& segments);
   void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
   void feed_forward_block(int l, int64_t n, Rows hidden);
+  // Hands layer l's router logits and picks of the pass's n rows to options.router_trace.
+  void trace_routing(int l, int64_t n);
   void per_layer_inputs(int64_t n, Rows h0);
 };
 
@@ -217,22 +219,24 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
 
   if (config.moe) {
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
+    // The router's input goes to proj (free here: the attention block consumed it).
     const auto& p = config.moe_params;
-    norm(dense_out, lw.post_feedforward_layernorm_1, dense_out);
-    Rows r = rows(normed, n, H);
-    norm(hidden, nullptr, r);
-    backend->scale(r, lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)));
+    Rows router_in = rows(proj, n, H);
+    Rows expert_in = rows(normed, n, H);
+    backend->moe_norms(hidden, dense_out, lw.post_feedforward_layernorm_1, lw.router_scale,
+                       1.0f / std::sqrt(static_cast<float>(H)), lw.pre_feedforward_layernorm_2,
+                       router_in, expert_in, norm_params);
     Rows scores = rows(router_logits, n, p.num_experts);
-    backend->matmul(lw.router_proj, r, scores);
+    backend->matmul(lw.router_proj, router_in, scores);
     backend->route_experts(scores, {p.top_k, lw.per_expert_scale}, expert_ids.ints(),
                            expert_weights.floats());
-    Rows expert_in = rows(normed, n, H);
-    norm(hidden, lw.pre_feedforward_layernorm_2, expert_in);
+    if (options.router_trace) trace_routing(l, n);
     Rows expert_out = rows(moe, n, H);
     backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
                          expert_out);
-    norm(expert_out, lw.post_feedforward_layernorm_2, expert_out);
-    backend->add(dense_out, expert_out);
+    // dense_out += norm(expert_out; post_feedforward_layernorm_2).
+    backend->add_rms_norm(dense_out, expert_out, lw.post_feedforward_layernorm_2, 1.0f, nullptr,
+                          Rows{}, norm_params);
   }
 
   // The layer ends by norming its output for the next layer's attention (none after the last).
@@ -255,6 +259,17 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   backend->matmul(lw.per_layer_projection, gated, projected);
   backend->add_rms_norm(hidden, projected, lw.post_per_layer_input_norm, lw.layer_scalar, next_norm,
                         next, norm_params);
+}
+
+void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {
+  const auto& p = config.moe_params;
+  std::vector<int32_t> row_positions(n), ids(n * p.top_k);
+  std::vector<float> scores(n * p.num_experts), picked(n * p.top_k);
+  backend->download(row_positions.data(), positions.data(), sizeof(int32_t) * n);
+  backend->download(scores.data(), router_logits.data(), sizeof(float) * scores.size());
+  backend->download(ids.data(), expert_ids.data(), sizeof(int32_t) * ids.size());
+  backend->download(picked.data(), expert_weights.data(), sizeof(float) * picked.size());
+  options.router_trace({l, p.num_experts, p.top_k, row_positions, scores, ids, picked});
 }
 
 void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
@@ -549,7 +564,8 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
     const bool decode = std::all_of(segments.begin(), segments.end(), [](const Segment& s) {
       return s.count == 1 && s.last_of_input;
     });
-    if (decode && m.options.record_decode && m.backend->can_record()) {
+    const bool record = m.options.record_decode && !m.options.router_trace;
+    if (decode && record && m.backend->can_record()) {
       m.decode_recorded(segments);
     } else {
       m.forward_to_logits(segments, n);

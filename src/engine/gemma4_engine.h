@@ -28,7 +28,9 @@
 // older positions from the ring (a different attention operation).
 #pragma once
 
+#include <functional>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "engine/backend.h"
@@ -37,6 +39,19 @@
 #include "model/weights.h"
 
 namespace gemma4::engine {
+
+// One MoE layer's routing in one forward pass (EngineOptions::router_trace): the router's logits
+// (router_proj's output, before the softmax) and the picks route_experts made from them, one row
+// per token of the pass.
+struct RouterTrace {
+  int layer = 0;
+  int num_experts = 0;
+  int top_k = 0;
+  std::span<const int32_t> positions;   // [rows]
+  std::span<const float> logits;        // [rows, num_experts]
+  std::span<const int32_t> expert_ids;  // [rows, top_k], in pick order
+  std::span<const float> weights;       // [rows, top_k]
+};
 
 struct EngineOptions {
   int32_t max_sequences = 4;
@@ -53,6 +68,10 @@ struct EngineOptions {
   // The element type of every KV cache (the backend must support it: supports_kv_type). The CLI
   // picks bf16 on CUDA unless activations are exact fp32 (cli/model_loader.h).
   KvType kv_type = KvType::kF32;
+  // Debugging only (`gemma4 run --router-trace`): called after every MoE layer's routing with
+  // what the backend computed. Each call downloads (a device sync per layer), so decode steps are
+  // not recorded while it is set.
+  std::function<void(const RouterTrace&)> router_trace;
 };
 
 // The pass a GPU backend gets unless asked otherwise (cli::create_engine; a --gpu-memory budget

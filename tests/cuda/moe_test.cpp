@@ -2,7 +2,8 @@
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
 // expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
-// grouped tensor-core tiles from there on).
+// grouped tensor-core tiles from there on). Also CudaBackend::moe_norms against the CPU
+// backend's default composition.
 #include "backend/cuda/moe.h"
 
 #include <cuda_runtime_api.h>
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
+#include "backend/cuda/cuda_backend.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
 
@@ -310,6 +312,20 @@ TEST(MoeExperts, TinyAllFormats) {
   }
 }
 
+// The decode kernels stage one token's activations in shared memory: x (hidden floats) for
+// gate/up, top_k · inner floats for down. Rows beyond the default 48 KiB of dynamic shared memory
+// (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB) take the raised limit.
+TEST(MoeExperts, DecodeStagingBeyond48KiB) {
+  CpuBackend cpu(0);
+  uint32_t seed = 620;
+  const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
+  check_run(cpu, wide, 1, 4, seed++);
+  check_run(cpu, wide, 2, 4, seed++, {.strided = true});
+  const ExpertSet deep = make_experts(kW4G32Bf16, 16, 96, 1664, seed++);
+  check_run(cpu, deep, 1, 8, seed++);
+  check_run(cpu, deep, 3, 8, seed++, {.invalid_id = true});
+}
+
 // Each path at batch sizes run_experts gives the other one (moe_bench compares them there).
 TEST(MoeExperts, EitherPathAtAnyBatch) {
   CpuBackend cpu(0);
@@ -493,6 +509,59 @@ TEST(MoeExperts, CachedTableFollowsTheDescriptors) {
   experts[0].gate.format = WeightFormat::kF32;
   EXPECT_EQ(cached_expert_table(experts, &why), nullptr);
   EXPECT_NE(why.find("f32"), std::string::npos) << why;
+}
+
+// CudaBackend::moe_norms (one kernel) against the CPU backend's default composition of rms_norm
+// and scale: 26B-A4B's width, an unaligned odd width with strided rows, a Gemma 3 style offset.
+TEST(MoeNorms, CudaBackendMatchesTheComposition) {
+  auto made = make_cuda_backend();
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  engine::Backend& gpu = **made;
+  CpuBackend cpu(0);
+  struct Case {
+    int64_t rows, width, stride;
+    float weight_offset;
+  };
+  uint32_t seed = 900;
+  for (const Case& c : {Case{1, kHidden, kHidden, 0.0f}, Case{3, kHidden, kHidden + 4, 0.0f},
+                        Case{2, 1001, 1003, 1.0f}}) {
+    SCOPED_TRACE("width=" + std::to_string(c.width));
+    const int64_t elements = c.rows * c.stride;
+    const auto hidden = testing::random_floats(elements, -30.0f, 30.0f, seed++);
+    const auto dense = testing::random_floats(elements, -3.0f, 3.0f, seed++);
+    const auto dense_weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
+    const auto router_scale = testing::random_floats(c.width, 0.5f, 2.0f, seed++);
+    const auto expert_weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
+    const float factor = 1.0f / std::sqrt(static_cast<float>(c.width));
+    const engine::NormParams norm = {c.weight_offset, 1e-6f};
+    auto rows = [&](float* data) { return Rows{data, c.rows, c.width, c.stride}; };
+
+    std::vector<float> cpu_hidden = hidden, cpu_dense = dense, cpu_router(elements, 0.0f),
+                       cpu_expert(elements, 0.0f);
+    cpu.moe_norms(rows(cpu_hidden.data()), rows(cpu_dense.data()), dense_weight.data(),
+                  router_scale.data(), factor, expert_weight.data(), rows(cpu_router.data()),
+                  rows(cpu_expert.data()), norm);
+
+    DeviceArray<float> d_hidden(hidden), d_dense(dense), d_dense_weight(dense_weight),
+        d_router_scale(router_scale), d_expert_weight(expert_weight),
+        d_router(std::vector<float>(elements, 0.0f)), d_expert(std::vector<float>(elements, 0.0f));
+    gpu.moe_norms(rows(d_hidden.get()), rows(d_dense.get()), d_dense_weight.get(),
+                  d_router_scale.get(), factor, d_expert_weight.get(), rows(d_router.get()),
+                  rows(d_expert.get()), norm);
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+    auto expect_same = [&](const char* name, const std::vector<float>& got,
+                           const std::vector<float>& expected) {
+      for (int64_t i = 0; i < elements; ++i) {
+        ASSERT_NEAR(got[i], expected[i], 1e-5 * (1.0 + std::fabs(expected[i])))
+            << name << " element " << i;
+      }
+    };
+    expect_same("hidden", d_hidden.download(), cpu_hidden);
+    expect_same("dense", d_dense.download(), cpu_dense);
+    expect_same("router_in", d_router.download(), cpu_router);
+    expect_same("expert_in", d_expert.download(), cpu_expert);
+  }
 }
 
 }  // namespace

@@ -55,6 +55,36 @@ TEST(BackendDefaults, AddRmsNormAddsScalesAndNormsTheNextInput) {
   }
 }
 
+TEST(BackendDefaults, MoeNormsNormTheDenseOutputAndBothExpertInputs) {
+  backend::cpu::CpuBackend backend(2);
+  const int64_t rows = 3, width = 40;
+  const NormParams params{0.0f, 1e-6f};
+  const auto hidden = testing::random_normal(rows * width, 11);
+  const auto dense0 = testing::random_normal(rows * width, 12);
+  const auto dense_weight = testing::random_normal(width, 13),
+             router_scale = testing::random_normal(width, 14),
+             expert_weight = testing::random_normal(width, 15);
+  const float factor = 0.25f;
+  auto dense = dense0;
+  std::vector<float> router_in(rows * width), expert_in(rows * width);
+  auto input = hidden;  // must stay unchanged
+  backend.moe_norms(Rows::dense(input.data(), rows, width), Rows::dense(dense.data(), rows, width),
+                    dense_weight.data(), router_scale.data(), factor, expert_weight.data(),
+                    Rows::dense(router_in.data(), rows, width),
+                    Rows::dense(expert_in.data(), rows, width), params);
+  EXPECT_EQ(input, hidden);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto d = rms_normed(&dense0[r * width], width, dense_weight.data(), params);
+    const auto plain = rms_normed(&hidden[r * width], width, nullptr, params);
+    const auto e = rms_normed(&hidden[r * width], width, expert_weight.data(), params);
+    for (int64_t j = 0; j < width; ++j) {
+      EXPECT_NEAR(dense[r * width + j], d[j], 1e-5);
+      EXPECT_NEAR(router_in[r * width + j], plain[j] * router_scale[j] * factor, 1e-5);
+      EXPECT_NEAR(expert_in[r * width + j], e[j], 1e-5);
+    }
+  }
+}
+
 // q/k/v as column views of one [rows, q + k + v] matrix (a stacked QKV projection): per-head
 // norms, rotation and the K/V store reach exactly the same values as on dense matrices.
 TEST(BackendDefaults, PrepareAttentionOnColumnViewsEqualsDenseMatrices) {

@@ -10,16 +10,28 @@ disk. MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as quantize
 do) are copied into transformers' fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
 `experts.down_proj [E, H, I]` slice by slice; bf16 checkpoints already use the fused names.
 
-The prompt is BOS + fixed ids (the golden fixtures' LCG) longer than the sliding window.
-transformers gives 64 greedy tokens (full recompute each step) and the logits at every position
-of prompt + greedy[:-1]. gemma4 runs twice:
-  teacher-forced  the same ids fed one token per step (--prompt-chunk 1 --dump-logits): our
-                  logits at every position of the same sequence -> max |dlogit| per position,
-                  top-1 agreement;
-  free-running    the prompt prefilled in one step, then 64 greedy tokens -> continuation
-                  agreement (and the prefill path's last-position logits).
+The prompt is BOS + fixed ids (the golden fixtures' LCG) longer than the sliding window. gemma4
+runs first:
+  free-running    the prompt prefilled in one step, then 64 greedy tokens (logits of every step);
+  teacher-forced  prompt + those tokens[:-1] fed one token per step (--prompt-chunk 1
+                  --dump-logits): our logits at every position of that sequence.
+transformers then gives its logits at every position of the same sequence in one forward:
+max |dlogit| per position and top-1 agreement against the teacher-forced run; the greedy tokens
+must each be transformers' argmax at their step (greedy_identical_prefix counts how many are
+before the first that is not), and the free-running logits are compared at their positions.
 A top-1 or greedy disagreement is excused only where transformers' top-2 logits are within bf16
 rounding of each other (--tie-ulps bf16 ulps of the top logit); each is counted and reported.
+
+MoE checkpoints: both gemma4 runs also write --router-trace (and the teacher-forced run is
+repeated without it, with graphs: graphs_vs_traced must be ~0). A top-k router pick decided
+differently by a near-tie (router_trace.py: the margin in transformers' logits within --tie-ulps
+bf16 ulps) sends the two sides through different experts, and from there every later position
+differs, by much more than rounding: that is not a kernel error, and comparing past it tests
+nothing. So transformers runs once unforced (the first flips and their margins are printed, the
+unforced max |dlogit| reported) and once per gemma4 run FORCED to our picks at every near-tie
+flip (decided in its own logits, layer by layer, so forced flips' consequences are what it sees
+next); the logits checks above use the forced runs. A flip by more than a near-tie is never
+forced and fails the check.
 
   gemma4 synth --config e2b --format w4a16 --seed 1 -o /tmp/e2b-w4a16
   python tools/reference/device_check.py --checkpoint /tmp/e2b-w4a16 --gemma4 .devbin/gemma4
@@ -52,6 +64,7 @@ from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 # The golden fixtures' prompt (BOS + a fixed LCG over ordinary-text ids); golden.py sits beside
 # this script, so it is importable when the script runs.
 from golden import fixed_prompt  # noqa: E402
+import router_trace  # noqa: E402
 
 E2M1 = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]
 # Tensors that carry a packed matrix's side data; each is consumed with its matrix.
@@ -195,16 +208,6 @@ def build_model(checkpoint, device, dtype):
     return model, config
 
 
-@torch.no_grad()
-def reference(model, prompt, greedy_tokens, device):
-    tokens = list(prompt)
-    for _ in range(greedy_tokens):
-        logits = model(input_ids=torch.tensor([tokens], device=device), use_cache=False).logits
-        tokens.append(int(torch.argmax(logits[0, -1])))
-    logits = model(input_ids=torch.tensor([tokens[:-1]], device=device), use_cache=False).logits
-    return tokens[len(prompt):], logits[0].float().cpu().numpy()
-
-
 def run_gemma4(binary, checkpoint, ids, count, extra, dump, device):
     command = [binary, "run", "-m", checkpoint, "--device", device, "--prompt-ids",
                ",".join(map(str, ids)), "-n", str(count), "--temperature", "0", "--ignore-eos",
@@ -225,6 +228,26 @@ def bf16_tie(row, ulps):
     return high - second <= ulps * ulp, high - second
 
 
+def teacher_forced_check(hf_logits, ours, tie_ulps):
+    """Max |dlogit| per position and the top-1 disagreements (all, and those within bf16)."""
+    delta = np.abs(ours - hf_logits).max(axis=1)
+    hf_top, our_top = hf_logits.argmax(axis=1), ours.argmax(axis=1)
+    disagree = [p for p in range(len(delta)) if hf_top[p] != our_top[p]]
+    ties = [p for p in disagree if bf16_tie(hf_logits[p], tie_ulps)[0]]
+    return delta, disagree, ties
+
+
+def greedy_check(hf_logits, prompt_length, greedy, tie_ulps):
+    """How many of our greedy tokens transformers' argmax reproduces before the first that it
+    does not, and that step's (within bf16, top-2 gap), or None when all agree. hf_logits covers
+    prompt + greedy[:-1]: row prompt_length - 1 + i predicts greedy[i]."""
+    for i, token in enumerate(greedy):
+        row = hf_logits[prompt_length - 1 + i]
+        if int(row.argmax()) != token:
+            return i, bf16_tie(row, tie_ulps)
+    return len(greedy), None
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--checkpoint", required=True)
@@ -240,71 +263,133 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                         help="transformers twin's dtype (float32: a tight check that fits for e2b)")
     parser.add_argument("--tie-ulps", type=float, default=2.0)
+    parser.add_argument("--router-tie-ulps", type=float, default=2.0,
+                        help="MoE: a router flip is a near-tie within this many bf16 ulps of the "
+                             "row's largest |logit| (a bf16 twin's own rounding needs ~8)")
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     parser.add_argument("--save-logits", action="store_true",
                         help="also write transformers' and gemma4's logits (.npy, large)")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
     name = os.path.basename(os.path.normpath(args.checkpoint))
+    config = text_config(args.checkpoint)
+    moe = bool(getattr(config, "enable_moe_block", False))
+    prompt = fixed_prompt(args.prompt_length or config.sliding_window + 100)
+    assert len(prompt) > config.sliding_window, "the prompt must be longer than the sliding window"
+
+    # gemma4 first (free-running, then teacher-forced over its own continuation), so the
+    # transformers twin gets the GPU to itself afterwards.
+    dumps = args.out if args.save_logits else tempfile.mkdtemp(prefix="device_check-")
+    dump = lambda kind: os.path.join(dumps, f"{name}-gemma4-{kind}.npy")  # noqa: E731
+    trace_flags = lambda kind: (["--router-trace", dump(kind + "-router")]  # noqa: E731
+                                if moe else [])
+    our_greedy, free_logits, free_s = run_gemma4(
+        args.gemma4, args.checkpoint, prompt, args.greedy, [*args.gemma4_flag, *trace_flags("free")],
+        dump("free"), args.device)
+    sequence = prompt + our_greedy[:-1]
+    _, ours, forced_s = run_gemma4(args.gemma4, args.checkpoint, sequence, 1,
+                                   ["--prompt-chunk", "1", *args.gemma4_flag], dump("teacher"),
+                                   args.device)
+    graphs_vs_traced = None
+    if moe:
+        # The trace downloads after every layer, so those runs decode without graphs: the
+        # teacher-forced run above (graphs) must compute the same as its traced twin.
+        _, traced, traced_s = run_gemma4(
+            args.gemma4, args.checkpoint, sequence, 1,
+            ["--prompt-chunk", "1", *args.gemma4_flag, *trace_flags("teacher")],
+            dump("teacher-traced"), args.device)
+        forced_s += traced_s
+        graphs_vs_traced = float(np.abs(ours - traced).max())
 
     started = time.time()
     model, config = build_model(args.checkpoint, args.torch_device, getattr(torch, args.dtype))
     load_s = time.time() - started
-    prompt = fixed_prompt(args.prompt_length or config.sliding_window + 100)
-    assert len(prompt) > config.sliding_window, "the prompt must be longer than the sliding window"
     started = time.time()
-    hf_greedy, hf_logits = reference(model, prompt, args.greedy, args.torch_device)
+    hf_logits, plain = router_trace.reference_logits(model, sequence, args.torch_device)
+    assert ours.shape == hf_logits.shape, (ours.shape, hf_logits.shape)
+    router = {}
+    hf_free = hf_logits
+    if moe:
+        # Router picks that differ by a near-tie (router_trace.py) send the two sides through
+        # different experts from there on: every later position drifts, which says nothing about
+        # the kernels. So transformers is run again, forced to our picks at such flips (found in
+        # its own logits of that run, layer by layer), once per gemma4 run; a flip by more than a
+        # near-tie is left alone and fails the check.
+        layers, experts, top_k = config.num_hidden_layers, config.num_experts, config.top_k_experts
+        ours_teacher = router_trace.load(dump("teacher-router"), layers, len(sequence), experts,
+                                         top_k)
+        ours_free = router_trace.load(dump("free-router"), layers, len(sequence), experts, top_k)
+        flips, agree_delta = router_trace.compare(ours_teacher, plain.trace,
+                                                  args.router_tie_ulps)
+        for line in router_trace.report(flips, agree_delta, plain.trace,
+                                         "router, teacher-forced, transformers unforced"):
+            print(line)
+        hf_unforced = hf_logits
+        hf_logits, forced_teacher = router_trace.reference_logits(
+            model, sequence, args.torch_device, ours_teacher, args.router_tie_ulps)
+        hf_free, forced_free = router_trace.reference_logits(
+            model, sequence, args.torch_device, ours_free, args.router_tie_ulps)
+        unforced_delta, unforced_disagree, _ = teacher_forced_check(hf_unforced, ours,
+                                                                    args.tie_ulps)
+        first = router_trace.first_flips(flips)
+        router = {
+            "unforced_flips": len(flips),
+            "unforced_near_ties": sum(f.tie for f in flips),
+            "unforced_first_flip": (
+                {"layer": first[0].layer, "position": first[0].position, "gap": first[0].gap,
+                 "our_gap": first[0].our_gap, "row_max_abs_dlogit": first[0].delta,
+                 "near_tie": first[0].tie} if first else None),
+            "unforced_max_abs_dlogit": float(unforced_delta.max()),
+            "unforced_top1_disagreements": len(unforced_disagree),
+            "router_max_abs_dlogit_where_picks_agree": agree_delta,
+            "forced_near_ties_teacher": [(f.layer, f.position, f.gap) for f in
+                                         forced_teacher.forced],
+            "forced_near_ties_free": [(f.layer, f.position, f.gap) for f in forced_free.forced],
+            "real_flips_teacher": [(f.layer, f.position, f.gap) for f in forced_teacher.unforced],
+            "real_flips_free": [(f.layer, f.position, f.gap) for f in forced_free.unforced],
+            "graphs_vs_traced_max_abs_dlogit": graphs_vs_traced,
+        }
+        for kind, forcing in (("teacher-forced", forced_teacher), ("free-running", forced_free)):
+            print(f"router, {kind}: transformers forced to our picks at {len(forcing.forced)} "
+                  f"near-ties, {len(forcing.unforced)} real flips left")
+            for f in (forcing.unforced + forcing.forced)[:4]:
+                print("  " + f.describe(forcing.trace.logits[f.layer, f.position]))
     hf_s = time.time() - started
     del model
-    if args.torch_device.startswith("cuda"):
-        torch.cuda.empty_cache()
 
-    sequence = prompt + hf_greedy[:-1]
-    # The dumps are large (positions x vocabulary floats): kept in --out only with --save-logits.
-    dumps = args.out if args.save_logits else tempfile.mkdtemp(prefix="device_check-")
-    dump = os.path.join(dumps, f"{name}-gemma4-teacher.npy")
-    _, ours, forced_s = run_gemma4(args.gemma4, args.checkpoint, sequence, 1,
-                                   ["--prompt-chunk", "1", *args.gemma4_flag], dump,
-                                   args.device)
-    assert ours.shape == hf_logits.shape, (ours.shape, hf_logits.shape)
-    delta = np.abs(ours - hf_logits).max(axis=1)
-    hf_top, our_top = hf_logits.argmax(axis=1), ours.argmax(axis=1)
-    top1_disagree = [p for p in range(len(sequence)) if hf_top[p] != our_top[p]]
-    top1_ties = [p for p in top1_disagree if bf16_tie(hf_logits[p], args.tie_ulps)[0]]
-
-    dump_free = os.path.join(dumps, f"{name}-gemma4-free.npy")
-    our_greedy, free_logits, free_s = run_gemma4(args.gemma4, args.checkpoint, prompt,
-                                                 args.greedy, args.gemma4_flag, dump_free,
-                                                 args.device)
-    prefill_delta = float(np.abs(free_logits[0] - hf_logits[len(prompt) - 1]).max())
-    agree = next((i for i, (a, b) in enumerate(zip(hf_greedy, our_greedy)) if a != b),
-                 len(hf_greedy))
-    greedy_tie, greedy_gap = (True, 0.0)
-    if agree < len(hf_greedy):
-        greedy_tie, greedy_gap = bf16_tie(hf_logits[len(prompt) - 1 + agree], args.tie_ulps)
+    delta, top1_disagree, top1_ties = teacher_forced_check(hf_logits, ours, args.tie_ulps)
+    prefill_delta = float(np.abs(free_logits[0] - hf_free[len(prompt) - 1]).max())
+    free_delta = np.abs(free_logits - hf_free[len(prompt) - 1:]).max(axis=1)
+    agree, divergence = greedy_check(hf_free, len(prompt), our_greedy, args.tie_ulps)
+    greedy_tie, greedy_gap = divergence if divergence is not None else (True, 0.0)
     if not args.save_logits:
         shutil.rmtree(dumps)
     else:
         np.save(os.path.join(args.out, f"{name}-transformers.npy"), hf_logits)
 
-    passed = len(top1_disagree) == len(top1_ties) and greedy_tie
+    real_flips = len(router.get("real_flips_teacher", [])) + len(router.get("real_flips_free", []))
+    passed = len(top1_disagree) == len(top1_ties) and greedy_tie and real_flips == 0
     summary = {
         "checkpoint": args.checkpoint,
         "positions": len(sequence),
         "prompt_length": len(prompt),
         "sliding_window": config.sliding_window,
+        "sequence": "prompt + gemma4's greedy continuation[:-1]",
         "max_abs_dlogit": float(delta.max()),
         "max_abs_dlogit_position": int(delta.argmax()),
         "median_abs_dlogit": float(np.median(delta)),
         "max_abs_dlogit_per_position": [round(float(d), 5) for d in delta],
         "prefill_last_position_max_abs_dlogit": prefill_delta,
+        "free_running_max_abs_dlogit": float(free_delta.max()),
         "top1_disagreements": top1_disagree,
         "top1_disagreements_within_bf16": top1_ties,
-        "greedy_tokens": len(hf_greedy),
+        "greedy_tokens": len(our_greedy),
         "greedy_identical_prefix": agree,
-        "greedy_first_divergence_top2_gap": greedy_gap if agree < len(hf_greedy) else None,
-        "greedy_divergence_within_bf16": greedy_tie if agree < len(hf_greedy) else None,
+        "greedy_first_divergence_top2_gap": greedy_gap if divergence is not None else None,
+        "greedy_divergence_within_bf16": greedy_tie if divergence is not None else None,
+        "router": router or None,
         "tie_ulps": args.tie_ulps,
+        "router_tie_ulps": args.router_tie_ulps if moe else None,
         "transformers_dtype": args.dtype,
         "seconds": {"transformers_load": load_s, "transformers": hf_s,
                     "gemma4_teacher_forced": forced_s, "gemma4_free": free_s},
@@ -314,14 +399,22 @@ def main():
     }
     with open(os.path.join(args.out, f"{name}-device-check.json"), "w") as f:
         json.dump(summary, f, indent=1)
-    greedy_text = (f"greedy {agree}/{len(hf_greedy)} identical" if agree == len(hf_greedy) else
-                   f"greedy identical for {agree}/{len(hf_greedy)}, then a "
+    greedy_text = (f"greedy {agree}/{len(our_greedy)} reproduced" if divergence is None else
+                   f"greedy reproduced for {agree}/{len(our_greedy)}, then a "
                    f"{'bf16 near-tie (gap ' if greedy_tie else 'REAL divergence (gap '}"
                    f"{greedy_gap:.3g})")
+    router_text = ""
+    if router:
+        router_text = (f"router near-ties forced {len(router['forced_near_ties_teacher'])} + "
+                       f"{len(router['forced_near_ties_free'])} (unforced: max|dlogit| "
+                       f"{router['unforced_max_abs_dlogit']:.3g}), real flips {real_flips}, "
+                       f"graphs vs traced {graphs_vs_traced:.3g}; ")
     print(f"device_check {name} vs transformers {args.dtype}: {len(sequence)} positions, max|dlogit| {delta.max():.4g} "
-          f"(pos {int(delta.argmax())}, median {np.median(delta):.3g}, prefill {prefill_delta:.3g}), "
+          f"(pos {int(delta.argmax())}, median {np.median(delta):.3g}, prefill {prefill_delta:.3g}, "
+          f"free-running {free_delta.max():.3g}), "
           f"top-1 {len(sequence) - len(top1_disagree)}/{len(sequence)} "
           f"({len(top1_ties)} of {len(top1_disagree)} disagreements within bf16), {greedy_text}; "
+          f"{router_text}"
           f"load {load_s:.0f}s hf {hf_s:.0f}s ours {forced_s + free_s:.0f}s: "
           f"{'PASS' if passed else 'FAIL'}")
     return 0 if passed else 1

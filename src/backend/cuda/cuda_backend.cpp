@@ -497,6 +497,23 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
 }
 
+void CudaBackend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
+                            const float* router_scale, float router_factor,
+                            const float* expert_weight, Rows router_in, Rows expert_in,
+                            const engine::NormParams& norm) {
+  if (hidden.count == 0) return;
+  MoeNormSpec spec;
+  spec.dense_weight = dense_weight;
+  spec.router_scale = router_scale;
+  spec.router_factor = router_factor;
+  spec.expert_weight = expert_weight;
+  spec.weight_offset = norm.weight_offset;
+  spec.eps = norm.eps;
+  launched(
+      cuda::moe_norms(view(hidden), view(dense), view(router_in), view(expert_in), spec, launch()),
+      "moe_norms");
+}
+
 void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
                                     const float* k_norm, bool norm_v, int head_dim,
                                     const int32_t* positions, const model::RopeParams& rope,

@@ -99,6 +99,10 @@ class CudaBackend final : public engine::Backend {
   void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
                     const float* next_weight, engine::Rows next,
                     const engine::NormParams& norm) override;
+  void moe_norms(engine::Rows hidden, engine::Rows dense, const float* dense_weight,
+                 const float* router_scale, float router_factor, const float* expert_weight,
+                 engine::Rows router_in, engine::Rows expert_in,
+                 const engine::NormParams& norm) override;
   void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
                          const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
                          const model::RopeParams& rope,

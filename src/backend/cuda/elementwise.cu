@@ -234,6 +234,49 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   store_row<kQuads, kAligned>(a.next.data + r * a.next.stride, width, residual);
 }
 
+struct MoeNormArgs {
+  RowsView hidden;
+  RowsView dense;
+  RowsView router_in;
+  RowsView expert_in;
+  MoeNormSpec spec;
+};
+
+// Each product rounded in the order the unfused rms_norm and scale kernels round them.
+template <int kQuads, bool kAligned>
+__global__ void __launch_bounds__(kMaxRowThreads) moe_norms_kernel(MoeNormArgs a) {
+  pdl_trigger_dependents();
+  __shared__ float dense_sums[32], hidden_sums[32];
+  const int64_t width = a.hidden.width;
+  const MoeNormSpec& spec = a.spec;
+  // The weights are not written by a predecessor: loaded before the wait.
+  FloatQuad dense_scale[kQuads], router_scale[kQuads], expert_scale[kQuads];
+  load_row_scale<kQuads, kAligned>(spec.dense_weight, spec.weight_offset, width, dense_scale);
+  load_row_scale<kQuads, kAligned>(spec.router_scale, 0.0f, width, router_scale);
+  load_row_scale<kQuads, kAligned>(spec.expert_weight, spec.weight_offset, width, expert_scale);
+  pdl_wait_for_predecessors();
+  const int64_t r = blockIdx.x;
+  float* dense_row = a.dense.data + r * a.dense.stride;
+  FloatQuad dense[kQuads], hidden[kQuads], expert[kQuads];
+  load_row<kQuads, kAligned>(dense_row, width, dense);
+  load_row<kQuads, kAligned>(a.hidden.data + r * a.hidden.stride, width, hidden);
+  scale_row(dense, inverse_rms(sum_of_squares(dense), width, spec.eps, dense_sums), dense_scale);
+  store_row<kQuads, kAligned>(dense_row, width, dense);
+  const float inv = inverse_rms(sum_of_squares(hidden), width, spec.eps, hidden_sums);
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k) expert[k] = hidden[k];
+  scale_row(expert, inv, expert_scale);
+  store_row<kQuads, kAligned>(a.expert_in.data + r * a.expert_in.stride, width, expert);
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float normed = __fmul_rn(hidden[k].v[e], inv);
+      hidden[k].v[e] = __fmul_rn(__fmul_rn(normed, router_scale[k].v[e]), spec.router_factor);
+    }
+  store_row<kQuads, kAligned>(a.router_in.data + r * a.router_in.stride, width, hidden);
+}
+
 // How a register-resident row kernel takes rows of `width` (<= 4 · kMaxRowQuads ·
 // kMaxRowThreads): one quad per thread while the row fits kMaxRowThreads (E2B's 1536: 384
 // threads), else two.
@@ -337,6 +380,28 @@ cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const Rows
   const AddNormArgs args = {x, residual, next, spec};
   return launch_kernel(kKernels[shape.quads_per_thread - 1][aligned],
                        dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
+}
+
+cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsView& router_in,
+                      const RowsView& expert_in, const MoeNormSpec& spec, const Launch& launch) {
+  const int64_t rows = hidden.rows, width = hidden.width;
+  if (rows < 1 || width < 1 || !fits_registers(width) || !valid_rows(hidden, rows, width) ||
+      !valid_rows(dense, rows, width) || !valid_rows(router_in, rows, width) ||
+      !valid_rows(expert_in, rows, width) || rows > 0x7FFFFFFF) {
+    return cudaErrorInvalidValue;
+  }
+  // [quads per thread − 1][16-byte accesses]
+  constexpr decltype(&moe_norms_kernel<1, true>) kKernels[2][2] = {
+      {moe_norms_kernel<1, false>, moe_norms_kernel<1, true>},
+      {moe_norms_kernel<2, false>, moe_norms_kernel<2, true>}};
+  const bool aligned = width % 4 == 0 && aligned_rows(hidden) && aligned_rows(dense) &&
+                       aligned_rows(router_in) && aligned_rows(expert_in) &&
+                       aligned_16(spec.dense_weight) && aligned_16(spec.router_scale) &&
+                       aligned_16(spec.expert_weight);
+  const RowShape shape = row_shape(width);
+  const MoeNormArgs args = {hidden, dense, router_in, expert_in, spec};
+  return launch_kernel(kKernels[shape.quads_per_thread - 1][aligned],
+                       dim3(static_cast<unsigned>(rows)), dim3(shape.threads), 0, launch, args);
 }
 
 cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,

@@ -33,7 +33,8 @@ int64_t chunk_elements(WeightFormat format) {
   }
 }
 
-// The GEMV's layout of a weight format, false for one it has no kernel for (fp32, w8a).
+}  // namespace
+
 bool packed_format(WeightFormat format, PackedFormat& out) {
   switch (format) {
     case WeightFormat::kW4G32:
@@ -61,9 +62,7 @@ bool packed_format(WeightFormat format, PackedFormat& out) {
   return false;
 }
 
-// What each weight format needs of its scales: kW4G32A fp32 {scale, min} pairs, kW8 a group of
-// 16 or 32 with 16/32-bit scales (the kernels read bf16 too, quant::validate admits fp16/fp32).
-bool scales_ok(const quant::QMatrix& w) {
+bool packed_scales_ok(const quant::QMatrix& w) {
   switch (w.format) {
     case WeightFormat::kBF16:
     case WeightFormat::kF16:
@@ -76,6 +75,8 @@ bool scales_ok(const quant::QMatrix& w) {
       return w.scales != nullptr;
   }
 }
+
+namespace {
 
 // The output side: an epilogue's own requirements, and room for M rows of its outputs.
 bool output_ok(const GemvOutput& y, int64_t rows, int m) {
@@ -136,8 +137,8 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool shape_ok = w.rows > 0 && w.cols > 0 && w.cols % 32 == 0 && x.rows >= 1 &&
                         x.rows <= 64 && (x.rows == 1 || x.stride >= w.cols) &&
                         output_ok(y, w.rows, x.rows);
-  const bool pointers_ok =
-      aligned16(w.data) && aligned16(x.data) && (x.stride * x_elem) % 16 == 0 && scales_ok(w);
+  const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
+                           (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
   // Batched rows with bf16 products: tensor cores (gemv_mma.h).
   if (tiling < 0 && gemv_mma_takes(w, x)) return gemv_mma(w, x, y, launch);

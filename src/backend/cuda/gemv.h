@@ -46,6 +46,14 @@ struct GemvOutput {
   int64_t multiplier_stride = 0;
 };
 
+// The packed kernels' layout of a weight format (out), false for one they cannot read (fp32,
+// w8a). Shared by the GEMV and the MoE kernels (moe.cpp), which read a subset.
+bool packed_format(quant::WeightFormat format, PackedFormat& out);
+// Whether w's scales are what its format's kernels read: kW4G32A fp32 {scale, min} pairs, kW8 a
+// group of 16 or 32 with 16/32-bit scales (the kernels read bf16 too, quant::validate admits
+// fp16/fp32), present for every scaled format.
+bool packed_scales_ok(const quant::QMatrix& w);
+
 // Bytes of one kQ8 activation row of `stride` elements (stride a multiple of 32).
 inline int64_t q8_row_bytes(int64_t stride) {
   return stride + stride / 4;

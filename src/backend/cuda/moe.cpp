@@ -12,6 +12,8 @@
 #include <mutex>
 #include <utility>
 
+#include "backend/cuda/gemv.h"
+
 namespace gemma4::cuda {
 namespace {
 
@@ -22,31 +24,19 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-bool packed_format(WeightFormat format, PackedFormat& out) {
-  switch (format) {
-    case WeightFormat::kW4G32:
-      out = PackedFormat::kW4G32;
-      return true;
-    case WeightFormat::kNVFP4:
-      out = PackedFormat::kNVFP4;
-      return true;
-    case WeightFormat::kBF16:
-      out = PackedFormat::kBF16;
-      return true;
-    default:
-      return false;
-  }
-}
-
-int64_t chunk_elements(WeightFormat format) {
-  return format == WeightFormat::kBF16 ? 8 : 32;
+// The formats the MoE kernels are compiled for (moe.cu's for_format).
+bool moe_format(WeightFormat format, PackedFormat& out) {
+  return packed_format(format, out) &&
+         (out == PackedFormat::kW4G32 || out == PackedFormat::kNVFP4 || out == PackedFormat::kBF16);
 }
 
 MoeMatrix describe(const QMatrix& m) {
   MoeMatrix d;
   d.weights = m.data;
   d.scales = m.scales;
-  d.chunks_per_row = m.cols / chunk_elements(m.format);
+  PackedFormat format = PackedFormat::kBF16;
+  moe_format(m.format, format);
+  d.chunks_per_row = m.cols / packed_chunk_elements(format);
   d.scale_type = static_cast<int>(m.scale_type);
   d.nv_global = m.nv_global.value;
   d.nv_global_is_divisor = m.nv_global.is_divisor ? 1 : 0;
@@ -63,7 +53,7 @@ std::string check_matrix(const QMatrix& m, WeightFormat format, int64_t rows, in
     return fmt::format("shape [{}, {}], expected [{}, {}]", m.rows, m.cols, rows, cols);
   }
   if (m.data == nullptr || !aligned16(m.data)) return "data missing or not 16-byte aligned";
-  if (format != WeightFormat::kBF16 && m.scales == nullptr) return "scales missing";
+  if (!packed_scales_ok(m)) return "scales missing";
   return "";
 }
 
@@ -103,7 +93,7 @@ std::string check_experts(std::span<const model::ExpertMatrices> experts) {
   const QMatrix& gate0 = experts[0].gate;
   const QMatrix& down0 = experts[0].down;
   PackedFormat unused;
-  if (!packed_format(gate0.format, unused) || !packed_format(down0.format, unused)) {
+  if (!moe_format(gate0.format, unused) || !moe_format(down0.format, unused)) {
     return fmt::format("expert weights in {} / {} (the MoE kernels read w4g32, nvfp4, bf16)",
                        quant::weight_format_name(gate0.format),
                        quant::weight_format_name(down0.format));
@@ -149,8 +139,8 @@ cudaError_t MoeExpertTable::create(std::span<const model::ExpertMatrices> expert
                                    MoeExpertTable& out) {
   if (!check_experts(experts).empty()) return cudaErrorInvalidValue;
   MoeExpertTable table;
-  packed_format(experts[0].gate.format, table.shape_.gate_up_format);
-  packed_format(experts[0].down.format, table.shape_.down_format);
+  moe_format(experts[0].gate.format, table.shape_.gate_up_format);
+  moe_format(experts[0].down.format, table.shape_.down_format);
   table.shape_.num_experts = static_cast<int>(experts.size());
   table.shape_.hidden = experts[0].gate.cols;
   table.shape_.inner = experts[0].gate.rows;

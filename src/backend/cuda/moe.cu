@@ -6,7 +6,8 @@
 // (pairs p = t · top_k + k), two launches after the router:
 //   1. decode_gate_up_kernel: grid (pairs, inner-row tiles); a warp owns kDecodeRows rows of the
 //      pair's expert in both gate and up, its 32 lanes split K (one 16-byte chunk each, all of a
-//      lane's loads in flight at once), a butterfly reduces, gelu_tanh(gate) · up is stored
+//      lane's loads in flight at once; the token's x staged in shared memory meanwhile, see
+//      stage_activations), a butterfly reduces, gelu_tanh(gate) · up is stored
 //      (fp32) to activations[p]. Pairs vary fastest, so pairs that share an expert read its rows
 //      at the same time (the second read hits L2).
 //   2. decode_down_kernel: grid (tokens, hidden-row tiles); row n of a token is one GEMV over the
@@ -148,6 +149,45 @@ constexpr int kDecodeRowsPerBlock = kDecodeWarps * kDecodeRows;
 constexpr int kGateUpChunksPerLane = 3;
 constexpr int kDownChunksPerLane = 6;
 
+// The activations of a decode block (gate/up: the token's x row; down: the token's top_k
+// activation rows, contiguous) are `chunks` chunks of kElems floats, chunk c = elements
+// [c · kElems, (c + 1) · kElems). Lane l works on chunk base + l, so reading the chunks from global
+// memory makes every load touch 32 different 128-byte lines (~32 L1 wavefronts per instruction:
+// that, not the weight stream, bounded both decode kernels). They are staged in shared memory
+// once per block instead, piece-major: float4 piece i of chunk c at staged[i · chunks + c], so the
+// lanes of a warp read consecutive words. The values and their use are unchanged (bit-identical
+// results).
+template <int kElems>
+__device__ __forceinline__ void stage_activations(const float* source, int chunks, float4* staged) {
+  constexpr int P = kElems / 4;
+  const float4* pieces = reinterpret_cast<const float4*>(source);
+  for (int i = threadIdx.x; i < chunks * P; i += blockDim.x) {
+    staged[(i % P) * chunks + i / P] = __ldg(pieces + i);
+  }
+}
+
+template <int kElems>
+__device__ __forceinline__ void load_staged_chunk(const float4* staged, int chunks, int chunk,
+                                                  XChunk<kElems>& out) {
+#pragma unroll
+  for (int i = 0; i < kElems / 4; ++i) {
+    const float4 q = staged[i * chunks + chunk];
+    out.v[4 * i] = q.x;
+    out.v[4 * i + 1] = q.y;
+    out.v[4 * i + 2] = q.z;
+    out.v[4 * i + 3] = q.w;
+  }
+  finish_x_chunk(out);
+}
+
+// Dynamic shared memory of the decode kernels: one token's staged activations.
+size_t decode_gate_up_shared_bytes(const MoeShape& shape) {
+  return sizeof(float) * static_cast<size_t>(shape.hidden);
+}
+size_t decode_down_shared_bytes(const MoeShape& shape, int top_k) {
+  return sizeof(float) * static_cast<size_t>(shape.inner) * top_k;
+}
+
 struct DecodeGateUpArgs {
   const MoeExpert* experts;
   int num_experts;
@@ -179,6 +219,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
   const int warp = threadIdx.x >> 5;
   const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kDecodeWarps + warp) * R;
   const float* x = a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride;
+  extern __shared__ float4 staged_x[];
+  const int chunks = static_cast<int>(a.chunks_per_row);
 
   float acc[2][R] = {};
   for (int64_t base = 0; base < a.chunks_per_row; base += 32 * G) {
@@ -203,12 +245,17 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
         }
       }
     }
+    // Staged while the first pass's weight loads are in flight.
+    if (base == 0) {
+      stage_activations<kElems>(x, chunks, staged_x);
+      __syncthreads();
+    }
 #pragma unroll
     for (int j = 0; j < G; ++j) {
       const int64_t chunk = base + 32 * j + lane;
       if (chunk >= a.chunks_per_row) continue;
       XChunk<kElems> xc;
-      load_x_chunk<ActType::kF32>(x, chunk * kElems, xc);
+      load_staged_chunk<kElems>(staged_x, chunks, static_cast<int>(chunk), xc);
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
 #pragma unroll
@@ -269,6 +316,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
   const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kDecodeWarps + warp) * R;
   const int64_t total_chunks = a.top_k * a.chunks_per_row;
   const float* activations = a.activations + static_cast<int64_t>(token) * a.top_k * a.inner;
+  extern __shared__ float4 staged_activations[];
 
   float acc[R] = {};
   for (int64_t base = 0; base < total_chunks; base += 32 * G) {
@@ -298,13 +346,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
       }
     }
     // Every thread passes here on the first pass (total_chunks > 0), before any activation read.
-    if (base == 0) pdl_wait_for_predecessors();
+    if (base == 0) {
+      pdl_wait_for_predecessors();
+      stage_activations<kElems>(activations, static_cast<int>(total_chunks), staged_activations);
+      __syncthreads();
+    }
 #pragma unroll
     for (int j = 0; j < G; ++j) {
       const int64_t chunk = base + 32 * j + lane;
       if (chunk >= total_chunks || downs[pick[j]].weights == nullptr) continue;
       XChunk<kElems> xc;
-      load_x_chunk<ActType::kF32>(activations, pick[j] * a.inner + in_row[j] * kElems, xc);
+      // Chunk `chunk` of the token's activations is chunk in_row of pick's row (inner is a
+      // whole number of chunks).
+      load_staged_chunk<kElems>(staged_activations, static_cast<int>(total_chunks),
+                                static_cast<int>(chunk), xc);
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         acc[r] += pick_weights[pick[j]] *
@@ -817,6 +872,16 @@ unsigned blocks(int64_t n, int64_t per_block) {
   return static_cast<unsigned>((n + per_block - 1) / per_block);
 }
 
+// Lifts `kernel`'s dynamic shared memory limit when `bytes` exceeds the default 48 KiB (large
+// hidden or top_k; not at 26B-A4B shapes). Not a stream operation: allowed during graph capture.
+template <typename Kernel>
+cudaError_t allow_shared_bytes(Kernel kernel, size_t bytes) {
+  constexpr size_t kDefaultLimit = 48 * 1024;
+  if (bytes <= kDefaultLimit) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes));
+}
+
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
   const MoeShape& shape = args.shape;
   const int pairs = args.tokens * args.top_k;
@@ -826,9 +891,12 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
       args.x,       args.x_stride,     activations};
   const dim3 block(kDecodeWarps * 32);
   const dim3 gate_up_grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
+  const size_t gate_up_shared = decode_gate_up_shared_bytes(shape);
   cudaError_t status = for_format(shape.gate_up_format, [&](auto format) {
-    return launch_kernel(decode_gate_up_kernel<decltype(format)::value>, gate_up_grid, block, 0,
-                         launch, gate_up);
+    const auto kernel = decode_gate_up_kernel<decltype(format)::value>;
+    const cudaError_t allowed = allow_shared_bytes(kernel, gate_up_shared);
+    if (allowed != cudaSuccess) return allowed;
+    return launch_kernel(kernel, gate_up_grid, block, gate_up_shared, launch, gate_up);
   });
   if (status != cudaSuccess) return status;
   const DecodeDownArgs down = {args.experts,
@@ -844,9 +912,12 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                args.out_stride};
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
                        blocks(shape.hidden, kDecodeRowsPerBlock));
+  const size_t down_shared = decode_down_shared_bytes(shape, args.top_k);
   return for_format(shape.down_format, [&](auto format) {
-    return launch_kernel(decode_down_kernel<decltype(format)::value>, down_grid, block, 0, launch,
-                         down);
+    const auto kernel = decode_down_kernel<decltype(format)::value>;
+    const cudaError_t allowed = allow_shared_bytes(kernel, down_shared);
+    if (allowed != cudaSuccess) return allowed;
+    return launch_kernel(kernel, down_grid, block, down_shared, launch, down);
   });
 }
 
