@@ -25,6 +25,7 @@ struct ChosenBackend {
   std::unique_ptr<engine::Backend> backend;
   Device device = Device::kCpu;
   std::string description;
+  std::string activations = "f32";  // the CPU reference computes in fp32
 };
 
 Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
@@ -34,16 +35,37 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
                          "CPU reference engine"};
   }
 #if GEMMA4_HAS_CUDA
-  auto backend = cuda::make_cuda_backend(kGpu, {options.pdl, options.fp32});
+  cuda::CudaOptions cuda_options;
+  cuda_options.pdl = options.pdl;
+  if (options.activations == "f32") cuda_options.activations = cuda::ActivationMode::kF32;
+  if (options.activations == "bf16") cuda_options.activations = cuda::ActivationMode::kBF16;
+  if (options.activations == "q8") cuda_options.activations = cuda::ActivationMode::kQ8;
+  auto backend = cuda::make_cuda_backend(kGpu, cuda_options);
   if (!backend.ok()) return backend.error().with_context("--device cuda");
   return ChosenBackend{std::move(backend).value(), Device::kCuda,
-                       fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu)};
+                       fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu),
+                       cuda::activation_mode_name(cuda_options.activations)};
 #else
   return make_error(ErrorCode::kUnsupported,
                     "--device cuda: this gemma4 was built without the CUDA backend "
                     "(configure with -DGEMMA4_CUDA=ON)");
 #endif
 }
+
+}  // namespace
+
+Expected<std::string> resolve_activations(std::string_view name, bool fp32) {
+  if (!name.empty() && name != "f32" && name != "bf16" && name != "q8") {
+    return make_error(ErrorCode::kInvalidArgument, "--activations: '{}' is none of f32, bf16, q8",
+                      name);
+  }
+  if (fp32 && !name.empty() && name != "f32") {
+    return make_error(ErrorCode::kInvalidArgument, "--fp32 is --activations f32, not '{}'", name);
+  }
+  return fp32 ? std::string("f32") : std::string(name);
+}
+
+namespace {
 
 double mib(int64_t bytes) {
   return static_cast<double>(bytes) / (1 << 20);
@@ -139,6 +161,7 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.backend = chosen.backend.get();
   loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
+  loaded.activations = std::move(chosen.activations);
   GEMMA4_ASSIGN_OR_RETURN(loaded.memory_plan,
                           plan_engine_memory(*loaded.model, *chosen.backend, options));
   GEMMA4_ASSIGN_OR_RETURN(

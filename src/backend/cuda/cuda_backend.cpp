@@ -73,6 +73,10 @@ CudaBackend::~CudaBackend() {
   for (Scratch* s : {&attention_partials_, &expert_workspace_, &pair_products_}) {
     cudaFree(s->data);
   }
+  for (auto& [data, storage] : companion_storage_) {
+    cudaFree(storage.bf16.data);
+    cudaFree(storage.q8.data);
+  }
   for (const Scratch& s : retired_scratch_) cudaFree(s.data);
   cublas_.reset();  // before its stream goes
   for (Scratch* s : {&prefill_activations_, &prefill_weights_}) cudaFree(s->data);
@@ -139,12 +143,14 @@ engine::Buffer CudaBackend::allocate(size_t bytes) {
     return {};
   }
   check(cudaMemsetAsync(data, 0, bytes, stream_), "allocate (zero fill)");
+  wrote(data, bytes);  // memory freed before may have had companions
   return engine::Buffer(data, bytes, [](void* p) { cudaFree(p); });
 }
 
 void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
   // From pageable memory the copy returns once `src` is staged: the caller may reuse it.
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch().stream), "upload");
+  wrote(dst, bytes);
 }
 
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
@@ -240,19 +246,142 @@ void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float s
     return;
   }
   launched(embed_rows(view_of_table, ids, scale, view(out), launch()), "embed");
+  wrote(out);
+}
+
+namespace {
+
+// Bytes of rows `r`: from the first element to one past the last.
+size_t rows_bytes(const Rows& r) {
+  return r.count > 0 ? sizeof(float) * static_cast<size_t>((r.count - 1) * r.stride + r.width) : 0;
+}
+
+bool has_bf16_gemv(WeightFormat format) {
+  return format == WeightFormat::kW4G32 || format == WeightFormat::kNVFP4 ||
+         format == WeightFormat::kBF16;
+}
+
+}  // namespace
+
+const char* activation_mode_name(ActivationMode mode) {
+  switch (mode) {
+    case ActivationMode::kF32:
+      return "f32";
+    case ActivationMode::kBF16:
+      return "bf16";
+    case ActivationMode::kQ8:
+      return "q8";
+  }
+  return "?";
+}
+
+void CudaBackend::wrote(const void* data, size_t bytes) {
+  const auto* begin = static_cast<const char*>(data);
+  std::erase_if(live_companions_, [&](const LiveCompanions& live) {
+    const auto* live_begin = reinterpret_cast<const char*>(live.rows.data);
+    return live_begin < begin + bytes && begin < live_begin + rows_bytes(live.rows);
+  });
+}
+
+void CudaBackend::wrote(Rows rows) {
+  wrote(rows.data, rows_bytes(rows));
+}
+
+void CudaBackend::produced(Rows rows, const ActivationCompanions& c) {
+  wrote(rows);
+  if (status_.ok() && has_companions(c)) live_companions_.push_back({rows, c});
+}
+
+const ActivationCompanions* CudaBackend::live_companions(Rows x) const {
+  for (const LiveCompanions& live : live_companions_) {
+    if (live.rows.data == x.data && live.rows.width == x.width && live.rows.stride == x.stride &&
+        live.rows.count >= x.count) {
+      return &live.companions;
+    }
+  }
+  return nullptr;
+}
+
+ActivationCompanions CudaBackend::companion_storage(Rows out, bool bf16, bool q8) {
+  if (activation_mode_ == ActivationMode::kF32 || out.count == 0 || out.width % 32 != 0 ||
+      tensor_core_rows(out.count)) {
+    return {};
+  }
+  const int64_t stride = out.width;  // a multiple of 32
+  const auto elements = static_cast<size_t>(out.count * stride);
+  CompanionStorage& storage = companion_storage_[out.data];
+  // Growing storage moves it: companions still live in the old one are dropped.
+  if ((bf16 && storage.bf16.bytes < 2 * elements) ||
+      (q8 && storage.q8.bytes < static_cast<size_t>(out.count * q8_row_bytes(stride)))) {
+    std::erase_if(live_companions_,
+                  [&](const LiveCompanions& live) { return live.rows.data == out.data; });
+  }
+  ActivationCompanions c;
+  c.stride = stride;
+  if (bf16) c.bf16 = static_cast<uint16_t*>(scratch(storage.bf16, 2 * elements));
+  if (q8) {
+    c.q8 = scratch(storage.q8, static_cast<size_t>(out.count * q8_row_bytes(stride)));
+  }
+  if (!status_.ok()) return {};
+  return c;
+}
+
+ActivationCompanions CudaBackend::produced_companions(Rows out) {
+  // q8 mode writes both: q8 for the w4g32 GEMVs, bf16 for the formats without a q8 kernel.
+  return companion_storage(out, activation_mode_ != ActivationMode::kF32,
+                           activation_mode_ == ActivationMode::kQ8);
+}
+
+GemvInput CudaBackend::gemv_input(const quant::QMatrix& w, Rows x) {
+  const GemvInput fp32 = {x.data, ActType::kF32, static_cast<int>(x.count), x.stride,
+                          activation_mode_ != ActivationMode::kF32};
+  if (activation_mode_ == ActivationMode::kF32 || !has_bf16_gemv(w.format)) return fp32;
+  ActivationCompanions have;
+  if (const ActivationCompanions* live = live_companions(x)) have = *live;
+  // q8 where the weights have a dp4a kernel, unless the producer wrote bf16 only (the GELU
+  // epilogues but the 64-row gate+up one): then bf16 rather than one more kernel.
+  const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                  (have.q8 != nullptr || have.bf16 == nullptr);
+  if ((q8 ? have.q8 : have.bf16) == nullptr) {
+    // No producer wrote this input's type (the attention output, an embedding): one kernel
+    // converts it, and the result stays live for later readers of x.
+    ActivationCompanions made = companion_storage(x, !q8, q8);
+    if (!has_companions(made)) return fp32;
+    launched(write_activation_companions(x.data, static_cast<int>(x.count), x.width, x.stride, made,
+                                         launch()),
+             "activation companions");
+    if (!status_.ok()) return fp32;
+    // Keep the other type where it is still live (growing the storage drops it).
+    if (const ActivationCompanions* live = live_companions(x)) {
+      if (made.bf16 == nullptr) made.bf16 = live->bf16;
+      if (made.q8 == nullptr) made.q8 = live->q8;
+    }
+    produced(x, made);
+    have = made;
+  }
+  if (q8) return {have.q8, ActType::kQ8, static_cast<int>(x.count), have.stride};
+  return {have.bf16, ActType::kBF16, static_cast<int>(x.count), have.stride};
 }
 
 bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput& out,
                               const char* what) {
   // The GEMV rejects what it has no kernel for (fp32 weights, K % 32 != 0, unaligned rows)
   // before enqueuing anything; every slice has the first one's shape and alignment.
+  const GemvInput whole = gemv_input(w, x);
+  const int64_t x_row_bytes = whole.type == ActType::kQ8
+                                  ? q8_row_bytes(whole.stride)
+                                  : whole.stride * (whole.type == ActType::kBF16 ? 2 : 4);
   for (int64_t done = 0; done < x.count; done += kMaxGemvRows) {
     const int64_t rows = std::min(kMaxGemvRows, x.count - done);
-    const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride,
-                             !fp32_activations_};
+    GemvInput input = whole;
+    input.data = static_cast<const char*>(whole.data) + done * x_row_bytes;
+    input.rows = static_cast<int>(rows);
     GemvOutput slice = out;
     slice.data += done * out.stride;
     if (slice.multiplier != nullptr) slice.multiplier += done * out.multiplier_stride;
+    ActivationCompanions& c = slice.companions;
+    if (c.bf16 != nullptr) c.bf16 += done * c.stride;
+    if (c.q8 != nullptr) c.q8 = static_cast<char*>(c.q8) + done * q8_row_bytes(c.stride);
     const cudaError_t status = gemv(w, input, slice, launch());
     if (status == cudaErrorInvalidValue && done == 0) return false;
     launched(status, what);
@@ -263,6 +392,7 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
+  wrote(y);
   if (MatrixView weights; tensor_core_rows(x.count) && matrix_view(w, weights) &&
                           tensor_core_matmul_accepts(weights, view(x), view(y))) {
     tensor_core_matmul(weights, view(x), view(y));
@@ -279,33 +409,48 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
 }
 
 // Where matmul would take the GEMV (decode passes, fp32 prefill), the gating rides in its
-// epilogue. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
-// gating.
+// epilogue, which also writes y's bf16 companion. Tensor-core passes, and weights or rows the
+// GEMV does not take: matmul, then the gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
   if (x.count == 0) return;
-  const GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data,
-                            multiplier.stride};
+  GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data, multiplier.stride};
+  gated.companions = companion_storage(y, activation_mode_ != ActivationMode::kF32, false);
   if (tensor_core_rows(x.count) || !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
+    return;
   }
+  produced(y, gated.companions);
 }
 
+// The fused GEMV writes y's bf16 companion and, for w4g32 weights in q8 mode with one row, its
+// q8 companion (through the 64-row tiling that quantizes whole chunks).
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
   if (x.count == 0) return;
-  const GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
-  if (!tensor_core_rows(x.count) && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) return;
+  GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
+  const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                  x.count == 1 && w.rows % 64 == 0;
+  pairs.companions = companion_storage(y, activation_mode_ != ActivationMode::kF32, q8);
+  if (!tensor_core_rows(x.count) && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
+    produced(y, pairs.companions);
+    return;
+  }
   auto* products = static_cast<float*>(
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;
   matmul(w, x, {products, x.count, w.rows, w.rows});
+  pairs.companions.q8 = nullptr;  // the stand-alone epilogue writes bf16 only
   launched(gemv_epilogue(products, x.count, w.rows, w.rows, pairs, launch()),
            "matmul_gelu_pairs (epilogue)");
+  produced(y, pairs.companions);
 }
 
 void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
   if (x.count == 0) return;
-  launched(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch()),
+  // The register-resident kernel writes the companions (rows of at most 8192).
+  const ActivationCompanions c = y.width <= 8192 ? produced_companions(y) : ActivationCompanions{};
+  launched(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch(), c),
            "rms_norm");
+  produced(y, c);
 }
 
 const float* CudaBackend::rope_table(const model::RopeParams& rope, int head_dim) {
@@ -329,31 +474,37 @@ void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
   const float* inv_freq = rope_table(rope, head_dim);
   if (inv_freq == nullptr) return;
   launched(rope_rows(view(x), head_dim, positions, inv_freq, launch()), "rope");
+  wrote(x);
 }
 
 void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
   if (gate.count == 0) return;
   launched(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
+  wrote(out);
 }
 
 void CudaBackend::add(Rows acc, Rows x) {
   if (acc.count == 0) return;
   launched(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
+  wrote(acc);
 }
 
 void CudaBackend::scale(Rows x, const float* column_scale, float scalar) {
   if (x.count == 0) return;
   launched(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
+  wrote(x);
 }
 
 void CudaBackend::softcap(Rows x, float cap) {
   if (x.count == 0) return;
   launched(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
+  wrote(x);
 }
 
 void CudaBackend::copy(Rows src, Rows dst) {
   if (src.count == 0) return;
   launched(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
+  wrote(dst);
 }
 
 void CudaBackend::write_kv(const engine::KvView& kv, Rows k, Rows v, const int32_t* positions) {
@@ -368,6 +519,7 @@ void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
                             float scale, Rows out) {
   if (q.count == 0) return;
+  wrote(out);
   if (tensor_core_rows(q.count)) {
     const cudaError_t status =
         prefill_attention(view(q), positions, slots(kv), window, scale, view(out), launch());
@@ -411,6 +563,8 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
 void CudaBackend::route_experts(Rows logits, const engine::RouterParams& router,
                                 int32_t* expert_ids, float* weights) {
   if (logits.count == 0) return;
+  wrote(expert_ids, sizeof(int32_t) * static_cast<size_t>(logits.count * router.top_k));
+  wrote(weights, sizeof(float) * static_cast<size_t>(logits.count * router.top_k));
   launched(cuda::route_experts(logits.data, logits.stride, static_cast<int>(logits.count),
                                static_cast<int>(logits.width), router.top_k,
                                router.per_expert_scale, expert_ids, weights, launch()),
@@ -421,6 +575,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
                               const int32_t* expert_ids, const float* weights, int top_k,
                               Rows out) {
   if (out.count == 0) return;
+  wrote(out);
   const Launch on_stream = launch();  // the device is current before the table is made
   // The grouped MoE kernels (moe.h): no host round-trip; the layer's descriptor table is
   // uploaded on its first call and reused after.
@@ -448,7 +603,14 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   spec.weight_offset = norm.weight_offset;
   spec.eps = norm.eps;
   spec.scalar = scalar;
+  // The residual's companions serve a GEMV that reads it (the PLE gate), next's the layer's
+  // next GEMV.
+  spec.residual_companions = produced_companions(acc);
+  if (next.data != nullptr) spec.next_companions = produced_companions(next);
   launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
+  wrote(next);
+  produced(acc, spec.residual_companions);
+  if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
 void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
@@ -457,6 +619,7 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
                                     std::span<const engine::SequenceRows> sequences,
                                     const engine::NormParams& norm) {
   if (q.count == 0) return;
+  wrote(q);  // normed and rotated in place (the K/V caches never have companions)
   const float* inv_freq = rope_table(rope, head_dim);
   if (inv_freq == nullptr) return;
   std::vector<SequenceKv> stored;
@@ -494,6 +657,7 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
 void CudaBackend::attention_rows(Rows q, const int32_t* positions,
                                  std::span<const engine::SequenceRows> sequences, int window,
                                  float scale, Rows out) {
+  wrote(out);
   const bool decode =
       !sequences.empty() &&
       std::all_of(sequences.begin(), sequences.end(), [&](const engine::SequenceRows& s) {
@@ -565,7 +729,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
                       count);
   }
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
-  backend->set_fp32_activations(options.fp32);
+  backend->set_activation_mode(options.activations);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }
