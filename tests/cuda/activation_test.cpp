@@ -349,6 +349,25 @@ TEST_P(CompanionBookkeeping, AnyWriteDropsTheCompanions) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
+// add_rms_norm's companions: next's when there is a next norm, else the residual's (the PLE
+// gate reads the residual).
+TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
+  auto gpu = make_backend(GetParam());
+  ASSERT_TRUE(gpu);
+  const int64_t width = 128;
+  BackendRows acc(*gpu, 1, width), x(*gpu, 1, width), next(*gpu, 1, width);
+  acc.set(*gpu, activations(width, 50));
+  x.set(*gpu, activations(width, 51));
+  const engine::NormParams norm{1.0f, 1e-6f};
+  gpu->add_rms_norm(acc.rows, x.rows, nullptr, 1.0f, nullptr, next.rows, norm);
+  EXPECT_NE(gpu->live_companions(next.rows), nullptr);
+  EXPECT_EQ(gpu->live_companions(acc.rows), nullptr);
+  gpu->add_rms_norm(acc.rows, x.rows, nullptr, 1.0f, nullptr, engine::Rows{}, norm);
+  EXPECT_NE(gpu->live_companions(next.rows), nullptr);  // not written
+  EXPECT_NE(gpu->live_companions(acc.rows), nullptr);
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
 // The stale-companion test proper: a GEMV reading rows whose producer's companions went stale
 // multiplies the rows' new values (within the mode's bound of the CPU reference), not the old.
 TEST_P(CompanionBookkeeping, GemvAfterAWriteReadsTheNewValues) {

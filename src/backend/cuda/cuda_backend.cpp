@@ -603,10 +603,13 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   spec.weight_offset = norm.weight_offset;
   spec.eps = norm.eps;
   spec.scalar = scalar;
-  // The residual's companions serve a GEMV that reads it (the PLE gate), next's the layer's
-  // next GEMV.
-  spec.residual_companions = produced_companions(acc);
-  if (next.data != nullptr) spec.next_companions = produced_companions(next);
+  // With a next norm, the next GEMV reads `next`; without, a GEMV may read the residual itself
+  // (the PLE gate does): its companions then. (Any other reader converts the rows first.)
+  if (next.data != nullptr) {
+    spec.next_companions = produced_companions(next);
+  } else {
+    spec.residual_companions = produced_companions(acc);
+  }
   launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
   wrote(next);
   produced(acc, spec.residual_companions);
