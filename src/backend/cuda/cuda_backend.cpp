@@ -308,20 +308,21 @@ ActivationCompanions CudaBackend::companion_storage(Rows out, bool bf16, bool q8
     return {};
   }
   const int64_t stride = out.width;  // a multiple of 32
-  const auto elements = static_cast<size_t>(out.count * stride);
+  // Room for the most rows a GEMV pass has (kTensorCoreMaxGemvRows), so that decode batches of
+  // any size share one allocation per address (recorded graphs keep outgrown ones alive).
+  const int64_t rows = std::max(out.count, kTensorCoreMaxGemvRows);
+  const auto bf16_bytes = static_cast<size_t>(2 * rows * stride);
+  const auto q8_bytes = static_cast<size_t>(rows * q8_row_bytes(stride));
   CompanionStorage& storage = companion_storage_[out.data];
   // Growing storage moves it: companions still live in the old one are dropped.
-  if ((bf16 && storage.bf16.bytes < 2 * elements) ||
-      (q8 && storage.q8.bytes < static_cast<size_t>(out.count * q8_row_bytes(stride)))) {
+  if ((bf16 && storage.bf16.bytes < bf16_bytes) || (q8 && storage.q8.bytes < q8_bytes)) {
     std::erase_if(live_companions_,
                   [&](const LiveCompanions& live) { return live.rows.data == out.data; });
   }
   ActivationCompanions c;
   c.stride = stride;
-  if (bf16) c.bf16 = static_cast<uint16_t*>(scratch(storage.bf16, 2 * elements));
-  if (q8) {
-    c.q8 = scratch(storage.q8, static_cast<size_t>(out.count * q8_row_bytes(stride)));
-  }
+  if (bf16) c.bf16 = static_cast<uint16_t*>(scratch(storage.bf16, bf16_bytes));
+  if (q8) c.q8 = scratch(storage.q8, q8_bytes);
   if (!status_.ok()) return {};
   return c;
 }
