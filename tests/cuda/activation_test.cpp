@@ -313,7 +313,8 @@ namespace {
 class CompanionBookkeeping : public ::testing::TestWithParam<ActivationMode> {};
 
 // A producer's companions are live until anything writes an overlapping part of their rows:
-// another operation, an upload, a copy into one row; writes elsewhere leave them live.
+// another operation, an upload, a copy into one row; writes elsewhere leave them live. Work whose
+// writes are not reported drops them all.
 TEST_P(CompanionBookkeeping, AnyWriteDropsTheCompanions) {
   auto gpu = make_backend(GetParam());
   ASSERT_TRUE(gpu);
@@ -346,6 +347,14 @@ TEST_P(CompanionBookkeeping, AnyWriteDropsTheCompanions) {
   produce();
   gpu->scale(y.rows, nullptr, 2.0f);
   EXPECT_EQ(gpu->live_companions(y.rows), nullptr) << "scale";
+  // Work whose writes the backend does not track drops every companion: a recording, a replay.
+  produce();
+  const auto work = gpu->record([&] { gpu->add(other.rows, x.rows); });
+  ASSERT_NE(work, nullptr);
+  EXPECT_EQ(gpu->live_companions(y.rows), nullptr) << "record";
+  produce();
+  gpu->replay(*work);
+  EXPECT_EQ(gpu->live_companions(y.rows), nullptr) << "replay";
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 

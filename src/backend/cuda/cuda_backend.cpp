@@ -106,6 +106,8 @@ void CudaBackend::launched(cudaError_t status, const char* what, int kernels) {
 
 Launch CudaBackend::launch() {
   cudaSetDevice(device_);
+  // Work enqueued outside an operation that reports its writes may have written any rows.
+  if (reporting_writes_ == 0) live_companions_.clear();
   return {stream_, pdl_};
 }
 
@@ -132,6 +134,7 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes) {
 }
 
 engine::Buffer CudaBackend::allocate(size_t bytes) {
+  const ReportingWrites reporting(*this);
   launch();
   void* data = nullptr;
   const cudaError_t status = cudaMalloc(&data, std::max<size_t>(bytes, 1));
@@ -148,12 +151,14 @@ engine::Buffer CudaBackend::allocate(size_t bytes) {
 }
 
 void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
+  const ReportingWrites reporting(*this);
   // From pageable memory the copy returns once `src` is staged: the caller may reuse it.
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch().stream), "upload");
   wrote(dst, bytes);
 }
 
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
+  const ReportingWrites reporting(*this);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
   check(cudaStreamSynchronize(stream_), "download (synchronize)");
 }
@@ -238,6 +243,7 @@ bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
 }  // namespace
 
 void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) {
+  const ReportingWrites reporting(*this);
   if (out.count == 0) return;
   MatrixView view_of_table;
   if (!matrix_view(table, view_of_table)) {
@@ -344,6 +350,8 @@ GemvInput CudaBackend::gemv_input(const quant::QMatrix& w, Rows x) {
   const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
                   (have.q8 != nullptr || have.bf16 == nullptr);
   if ((q8 ? have.q8 : have.bf16) == nullptr) {
+    // Batched rows: the GEMV rounds fp32 rows itself (the tensor-core GEMV stages them anyway).
+    if (x.count > 1) return fp32;
     // No producer wrote this input's type (the attention output, an embedding): one kernel
     // converts it, and the result stays live for later readers of x.
     ActivationCompanions made = companion_storage(x, !q8, q8);
@@ -392,6 +400,7 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
 }
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   wrote(y);
   if (MatrixView weights; tensor_core_rows(x.count) && matrix_view(w, weights) &&
@@ -410,12 +419,13 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
 }
 
 // Where matmul would take the GEMV (decode passes, fp32 prefill), the gating rides in its
-// epilogue, which also writes y's bf16 companion. Tensor-core passes, and weights or rows the
-// GEMV does not take: matmul, then the gating.
+// epilogue, which for one row also writes y's bf16 companion (batched GEMVs take fp32 rows as they
+// are). Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data, multiplier.stride};
-  gated.companions = companion_storage(y, activation_mode_ != ActivationMode::kF32, false);
+  if (x.count == 1) gated.companions = companion_storage(y, true, false);
   if (tensor_core_rows(x.count) || !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
     return;
@@ -423,14 +433,18 @@ void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multipli
   produced(y, gated.companions);
 }
 
-// The fused GEMV writes y's bf16 companion and, for w4g32 weights in q8 mode with one row, its
-// q8 companion (through the 64-row tiling that quantizes whole chunks).
+// For one row, the fused GEMV writes y's bf16 companion and, for w4g32 weights in q8 mode, its q8
+// companion (through the 64-row tiling that quantizes whole chunks). Batched rows get none: the
+// batched GEMVs (the tensor-core one) take the fp32 rows as they are.
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
-  const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
-                  x.count == 1 && w.rows % 64 == 0;
-  pairs.companions = companion_storage(y, activation_mode_ != ActivationMode::kF32, q8);
+  if (x.count == 1) {
+    const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                    w.rows % 64 == 0;
+    pairs.companions = companion_storage(y, true, q8);
+  }
   if (!tensor_core_rows(x.count) && packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
     produced(y, pairs.companions);
     return;
@@ -446,6 +460,7 @@ void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
 }
 
 void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   // The register-resident kernel writes the companions (rows of at most 8192).
   const ActivationCompanions c = y.width <= 8192 ? produced_companions(y) : ActivationCompanions{};
@@ -471,6 +486,7 @@ const float* CudaBackend::rope_table(const model::RopeParams& rope, int head_dim
 
 void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
                        const model::RopeParams& rope) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   const float* inv_freq = rope_table(rope, head_dim);
   if (inv_freq == nullptr) return;
@@ -479,30 +495,35 @@ void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
 }
 
 void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
+  const ReportingWrites reporting(*this);
   if (gate.count == 0) return;
   launched(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
   wrote(out);
 }
 
 void CudaBackend::add(Rows acc, Rows x) {
+  const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   launched(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
   wrote(acc);
 }
 
 void CudaBackend::scale(Rows x, const float* column_scale, float scalar) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   launched(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
   wrote(x);
 }
 
 void CudaBackend::softcap(Rows x, float cap) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   launched(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
   wrote(x);
 }
 
 void CudaBackend::copy(Rows src, Rows dst) {
+  const ReportingWrites reporting(*this);
   if (src.count == 0) return;
   launched(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
   wrote(dst);
@@ -520,7 +541,6 @@ void CudaBackend::forget_kv(const engine::KvView& kv, int64_t from_position) {
 void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvView& kv, int window,
                             float scale, Rows out) {
   if (q.count == 0) return;
-  wrote(out);
   if (tensor_core_rows(q.count)) {
     const cudaError_t status =
         prefill_attention(view(q), positions, slots(kv), window, scale, view(out), launch());
@@ -564,8 +584,6 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
 void CudaBackend::route_experts(Rows logits, const engine::RouterParams& router,
                                 int32_t* expert_ids, float* weights) {
   if (logits.count == 0) return;
-  wrote(expert_ids, sizeof(int32_t) * static_cast<size_t>(logits.count * router.top_k));
-  wrote(weights, sizeof(float) * static_cast<size_t>(logits.count * router.top_k));
   launched(cuda::route_experts(logits.data, logits.stride, static_cast<int>(logits.count),
                                static_cast<int>(logits.width), router.top_k,
                                router.per_expert_scale, expert_ids, weights, launch()),
@@ -576,7 +594,6 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
                               const int32_t* expert_ids, const float* weights, int top_k,
                               Rows out) {
   if (out.count == 0) return;
-  wrote(out);
   const Launch on_stream = launch();  // the device is current before the table is made
   // The grouped MoE kernels (moe.h): no host round-trip; the layer's descriptor table is
   // uploaded on its first call and reused after.
@@ -597,6 +614,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
 void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                                const float* next_weight, Rows next,
                                const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   AddNormSpec spec;
   spec.weight = weight;
@@ -623,7 +641,6 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
                                     std::span<const engine::SequenceRows> sequences,
                                     const engine::NormParams& norm) {
   if (q.count == 0) return;
-  wrote(q);  // normed and rotated in place (the K/V caches never have companions)
   const float* inv_freq = rope_table(rope, head_dim);
   if (inv_freq == nullptr) return;
   std::vector<SequenceKv> stored;
@@ -661,7 +678,6 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
 void CudaBackend::attention_rows(Rows q, const int32_t* positions,
                                  std::span<const engine::SequenceRows> sequences, int window,
                                  float scale, Rows out) {
-  wrote(out);
   const bool decode =
       !sequences.empty() &&
       std::all_of(sequences.begin(), sequences.end(), [&](const engine::SequenceRows& s) {

@@ -23,9 +23,9 @@
 //    converted by one small kernel first. In q8 mode the GELU epilogues write bf16 only, except
 //    the one-row w4g32 gate+up (its 64-row tiling quantizes whole chunks); a w4g32 GEMV reading
 //    bf16-only rows takes them as bf16. The backend tracks which fp32 rows have live companions
-//    and drops a row's companions whenever any operation (or upload, or a new allocation) writes
-//    those rows, so a GEMV never reads a stale one. (The K/V caches are never GEMV inputs: cache
-//    writes drop nothing.)
+//    and drops a row's companions whenever an operation (or upload, or a new allocation) writes
+//    those rows; operations that do not report what they write (attention, the MoE kernels, graph
+//    replays) drop them all. So a GEMV never reads a stale one: at worst it converts again.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -174,6 +174,18 @@ class CudaBackend final : public engine::Backend {
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
                    const char* what);
+  // Held by the operations that report every row they write (wrote / produced): launch() outside
+  // them drops every live companion, since other work (a graph replay, an operation that does not
+  // report its writes) may have written any rows.
+  struct ReportingWrites {
+    explicit ReportingWrites(CudaBackend& backend) : backend(backend) {
+      ++backend.reporting_writes_;
+    }
+    ~ReportingWrites() { --backend.reporting_writes_; }
+    ReportingWrites(const ReportingWrites&) = delete;
+    ReportingWrites& operator=(const ReportingWrites&) = delete;
+    CudaBackend& backend;
+  };
   // Companion bookkeeping (see the top of this file). Storage for the companions of rows `out`
   // (bf16 and/or q8 as asked), kept per fp32 start address; nothing (null pointers) when `out`
   // gets none: kF32 mode, tensor-core rows, a width that is not a multiple of 32.
@@ -219,6 +231,7 @@ class CudaBackend final : public engine::Backend {
     ActivationCompanions companions;
   };
   std::vector<LiveCompanions> live_companions_;
+  int reporting_writes_ = 0;               // ReportingWrites held now
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
