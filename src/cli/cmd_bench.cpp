@@ -37,6 +37,7 @@ struct BenchArgs {
   bool no_pdl = false;
   bool fp32 = false;
   std::string kv_cache;
+  std::string activations;
   std::string gpu_memory;
   int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
@@ -154,6 +155,7 @@ class Bench {
     options.engine.max_context = context;
     GEMMA4_ASSIGN_OR_RETURN(LoadedEngine loaded, create_engine(path_, model_, options));
     backend_description_ = loaded.backend_description;
+    activations_ = loaded.activations;
     on_gpu_ = loaded.device == Device::kCuda;
     sample_memory();
     return loaded;
@@ -318,6 +320,7 @@ class Bench {
   std::shared_ptr<model::LoadedModel> model_;
   EngineLoadOptions load_;
   std::string backend_description_;
+  std::string activations_;  // what decode matmuls read (LoadedEngine::activations)
   bool on_gpu_ = false;
   int64_t context_ = 0;
   std::vector<DecodeResult> decode_;
@@ -343,8 +346,7 @@ Status Bench::write_report() const {
               backend_description_.c_str(), format.c_str(), gpu.c_str(), commit.c_str(),
               static_cast<long long>(context_));
   std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
-              args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on",
-              args_.fp32 ? "fp32 (--fp32)" : "bf16 where faster",
+              args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on", activations_.c_str(),
               engine::kv_type_name(memory_plan_.options.kv_type));
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
@@ -391,7 +393,7 @@ Status Bench::write_report() const {
   json["context"] = context_;
   json["graphs"] = !args_.no_graphs;
   json["pdl"] = !args_.no_pdl;
-  json["fp32"] = args_.fp32;
+  json["activations"] = activations_;
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
   json["decode"] = nlohmann::ordered_json::array();
   for (const auto& d : decode_) {
@@ -444,8 +446,8 @@ Status bench(const BenchArgs& args) {
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
-  load.fp32 = args.fp32;
   load.kv_cache = args.kv_cache;
+  GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
@@ -465,6 +467,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
+  cmd->add_option("--activations", args->activations, kActivationsHelp);
   cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,

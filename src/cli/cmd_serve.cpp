@@ -35,6 +35,7 @@ struct ServeArgs {
   bool no_pdl = false;
   bool fp32 = false;
   std::string kv_cache;
+  std::string activations;
   int threads = 0;
   int timeout_s = 600;
   size_t max_body_mib = 16;
@@ -99,8 +100,8 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
-  load.fp32 = args.fp32;
   load.kv_cache = args.kv_cache;
+  GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
   load.threads = args.threads;
   load.gpu_memory = args.gpu_memory_bytes;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
@@ -216,6 +217,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
+  cmd->add_option("--activations", args->activations, kActivationsHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();

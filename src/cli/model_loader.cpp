@@ -25,6 +25,7 @@ struct ChosenBackend {
   std::unique_ptr<engine::Backend> backend;
   Device device = Device::kCpu;
   std::string description;
+  std::string activations = "f32";  // the CPU reference computes in fp32
 };
 
 Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
@@ -34,10 +35,16 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
                          "CPU reference engine"};
   }
 #if GEMMA4_HAS_CUDA
-  auto backend = cuda::make_cuda_backend(kGpu, {options.pdl, options.fp32});
+  cuda::CudaOptions cuda_options;
+  cuda_options.pdl = options.pdl;
+  if (options.activations == "f32") cuda_options.activations = cuda::ActivationMode::kF32;
+  if (options.activations == "bf16") cuda_options.activations = cuda::ActivationMode::kBF16;
+  if (options.activations == "q8") cuda_options.activations = cuda::ActivationMode::kQ8;
+  auto backend = cuda::make_cuda_backend(kGpu, cuda_options);
   if (!backend.ok()) return backend.error().with_context("--device cuda");
   return ChosenBackend{std::move(backend).value(), Device::kCuda,
-                       fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu)};
+                       fmt::format("CUDA engine on {} (GPU {})", cuda_device_name(kGpu), kGpu),
+                       cuda::activation_mode_name(cuda_options.activations)};
 #else
   return make_error(ErrorCode::kUnsupported,
                     "--device cuda: this gemma4 was built without the CUDA backend "
@@ -48,8 +55,10 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
 // --kv-cache resolved for the chosen device: bf16 on CUDA (what a bf16 transformers model
 // caches) unless activations are exact fp32; the CPU reference keeps fp32 only.
 Expected<engine::KvType> resolve_kv_cache(const EngineLoadOptions& options, Device device) {
-  if (options.kv_cache.empty())
-    return device == Device::kCuda && !options.fp32 ? engine::KvType::kBF16 : engine::KvType::kF32;
+  if (options.kv_cache.empty()) {
+    return device == Device::kCuda && options.activations != "f32" ? engine::KvType::kBF16
+                                                                   : engine::KvType::kF32;
+  }
   auto type = engine::parse_kv_type(options.kv_cache);
   if (!type.ok()) return type.error().with_context("--kv-cache");
   if (device != Device::kCuda && *type != engine::KvType::kF32)
@@ -58,6 +67,21 @@ Expected<engine::KvType> resolve_kv_cache(const EngineLoadOptions& options, Devi
                       options.kv_cache);
   return type;
 }
+
+}  // namespace
+
+Expected<std::string> resolve_activations(std::string_view name, bool fp32) {
+  if (!name.empty() && name != "f32" && name != "bf16" && name != "q8") {
+    return make_error(ErrorCode::kInvalidArgument, "--activations: '{}' is none of f32, bf16, q8",
+                      name);
+  }
+  if (fp32 && !name.empty() && name != "f32") {
+    return make_error(ErrorCode::kInvalidArgument, "--fp32 is --activations f32, not '{}'", name);
+  }
+  return fp32 ? std::string("f32") : std::string(name);
+}
+
+namespace {
 
 double mib(int64_t bytes) {
   return static_cast<double>(bytes) / (1 << 20);
@@ -153,6 +177,7 @@ Expected<LoadedEngine> create_engine(const std::filesystem::path& path,
   loaded.backend = chosen.backend.get();
   loaded.device = chosen.device;
   loaded.backend_description = std::move(chosen.description);
+  loaded.activations = std::move(chosen.activations);
   EngineLoadOptions resolved = options;
   if (!chosen.backend->reads_host_memory() &&
       resolved.engine.max_pass_tokens == engine::EngineOptions{}.max_pass_tokens) {

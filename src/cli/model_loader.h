@@ -36,10 +36,20 @@ inline constexpr const char* kNoGraphsHelp =
 inline constexpr const char* kNoPdlHelp =
     "launch CUDA kernels without programmatic dependent launch (for A/B measurements)";
 
-// Help text for --fp32 (EngineLoadOptions::fp32), the same in every subcommand.
+// Help text for --fp32 (= --activations f32), the same in every subcommand.
 inline constexpr const char* kFp32Help =
     "CUDA: exact fp32 activations everywhere (no bf16 tensor-core prefill or bf16 GEMV inputs): "
-    "slower, for comparisons against a float32 reference";
+    "slower, for comparisons against a float32 reference (= --activations f32)";
+
+// Help text for --activations (EngineLoadOptions::activations), the same in every subcommand.
+inline constexpr const char* kActivationsHelp =
+    "CUDA: what decode matmuls read: f32 (exact, = --fp32), bf16 (activations rounded to bf16, "
+    "fp32 sums) or q8 (int8 per 32 values with dp4a for w4g32 weights, bf16 for other formats); "
+    "default: the engine's";
+
+// --activations NAME (empty: not given) and --fp32 as one EngineLoadOptions::activations value;
+// an error for an unknown name or for --fp32 with another mode.
+Expected<std::string> resolve_activations(std::string_view name, bool fp32);
 
 // Help text for --gpu-memory, the same in every subcommand.
 inline constexpr const char* kGpuMemoryHelp =
@@ -54,9 +64,10 @@ inline constexpr const char* kKvCacheHelp =
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;
-  int threads = 0;    // CPU backend threads (0 = all)
-  bool pdl = true;    // CUDA: programmatic dependent launch between kernels
-  bool fp32 = false;  // CUDA: exact fp32 kernels only (kFp32Help)
+  int threads = 0;  // CPU backend threads (0 = all)
+  bool pdl = true;  // CUDA: programmatic dependent launch between kernels
+  // CUDA: "f32", "bf16" or "q8" (kActivationsHelp); empty: the engine's default.
+  std::string activations;
   // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are
   // lowered to fit it (engine/memory_plan.h).
   int64_t gpu_memory = 0;
@@ -75,6 +86,7 @@ struct LoadedEngine {
   const engine::Backend* backend = nullptr;
   Device device = Device::kCpu;     // the backend --device resolved to (never kAuto)
   std::string backend_description;  // "CPU reference engine", "CUDA engine on NVIDIA H200"
+  std::string activations;          // what decode matmuls read: "f32", "bf16" or "q8"
   bool synthetic = false;           // a `gemma4 synth` checkpoint: random weights
   engine::MemoryPlan memory_plan;   // what the engine was sized to (logged at load)
   std::unique_ptr<engine::Gemma4Engine> engine;

@@ -35,7 +35,7 @@ using engine::KvType;
 using engine::Rows;
 
 std::unique_ptr<engine::Backend> make_gpu() {
-  auto made = make_cuda_backend(0, {.pdl = true, .fp32 = true});
+  auto made = make_cuda_backend(0, {.pdl = true, .activations = ActivationMode::kF32});
   EXPECT_TRUE(made.ok()) << made.error().to_string();
   return made.ok() ? std::move(*made) : nullptr;
 }

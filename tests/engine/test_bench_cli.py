@@ -41,6 +41,8 @@ def test_bench_json_on_cpu(tiny, tmp_path):
     figures = [d["tok_per_s"] for d in data["decode"]] + [p["tok_per_s"] for p in data["prefill"]]
     assert all(f > 0 for f in figures), figures
     assert data["weight_bytes_per_token"] > 0
+    # What decode matmuls read: the CPU reference computes in fp32 whatever --activations says.
+    assert data["activations"] == "f32"
     # The table names every measurement too.
     assert "decode" in out.stdout and "prefill" in out.stdout and "n/a" in out.stdout
 
@@ -68,6 +70,8 @@ def test_streams_are_clipped_to_parallel(tiny, tmp_path):
     (["--device", "cuda"], "--device cuda"),  # CI has no GPU (or no CUDA build)
     (["--decode-tokens", "0"], "--decode-tokens"),
     (["--batches", "0"], "--batches"),
+    (["--activations", "fp8"], "--activations"),
+    (["--fp32", "--activations", "q8"], "--fp32"),
 ])
 def test_bad_arguments_are_clear_errors(tiny, args, message):
     out = gemma4("bench", "-m", tiny, *args, check=False)

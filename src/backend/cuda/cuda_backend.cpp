@@ -90,6 +90,10 @@ CudaBackend::~CudaBackend() {
   for (Scratch* s : {&attention_partials_, &expert_workspace_, &pair_products_}) {
     cudaFree(s->data);
   }
+  for (auto& [data, storage] : companion_storage_) {
+    cudaFree(storage.bf16.data);
+    cudaFree(storage.q8.data);
+  }
   for (const Scratch& s : retired_scratch_) cudaFree(s.data);
   cublas_.reset();  // before its stream goes
   for (Scratch* s : {&prefill_activations_, &prefill_weights_}) cudaFree(s->data);
@@ -119,6 +123,8 @@ void CudaBackend::launched(cudaError_t status, const char* what, int kernels) {
 
 Launch CudaBackend::launch() {
   cudaSetDevice(device_);
+  // Work enqueued outside an operation that reports its writes may have written any rows.
+  if (reporting_writes_ == 0) live_companions_.clear();
   return {stream_, pdl_};
 }
 
@@ -145,6 +151,7 @@ void* CudaBackend::scratch(Scratch& s, size_t bytes) {
 }
 
 engine::Buffer CudaBackend::allocate(size_t bytes) {
+  const ReportingWrites reporting(*this);
   launch();
   void* data = nullptr;
   const cudaError_t status = cudaMalloc(&data, std::max<size_t>(bytes, 1));
@@ -156,15 +163,19 @@ engine::Buffer CudaBackend::allocate(size_t bytes) {
     return {};
   }
   check(cudaMemsetAsync(data, 0, bytes, stream_), "allocate (zero fill)");
+  wrote(data, bytes);  // memory freed before may have had companions
   return engine::Buffer(data, bytes, [](void* p) { cudaFree(p); });
 }
 
 void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
+  const ReportingWrites reporting(*this);
   // From pageable memory the copy returns once `src` is staged: the caller may reuse it.
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, launch().stream), "upload");
+  wrote(dst, bytes);
 }
 
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
+  const ReportingWrites reporting(*this);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
   check(cudaStreamSynchronize(stream_), "download (synchronize)");
 }
@@ -249,6 +260,7 @@ bool matrix_view(const quant::QMatrix& m, MatrixView& out) {
 }  // namespace
 
 void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float scale, Rows out) {
+  const ReportingWrites reporting(*this);
   if (out.count == 0) return;
   MatrixView view_of_table;
   if (!matrix_view(table, view_of_table)) {
@@ -257,19 +269,145 @@ void CudaBackend::embed(const quant::QMatrix& table, const int32_t* ids, float s
     return;
   }
   launched(embed_rows(view_of_table, ids, scale, view(out), launch()), "embed");
+  wrote(out);
+}
+
+namespace {
+
+// Bytes of rows `r`: from the first element to one past the last.
+size_t rows_bytes(const Rows& r) {
+  return r.count > 0 ? sizeof(float) * static_cast<size_t>((r.count - 1) * r.stride + r.width) : 0;
+}
+
+bool has_bf16_gemv(WeightFormat format) {
+  return format == WeightFormat::kW4G32 || format == WeightFormat::kNVFP4 ||
+         format == WeightFormat::kBF16;
+}
+
+}  // namespace
+
+const char* activation_mode_name(ActivationMode mode) {
+  switch (mode) {
+    case ActivationMode::kF32:
+      return "f32";
+    case ActivationMode::kBF16:
+      return "bf16";
+    case ActivationMode::kQ8:
+      return "q8";
+  }
+  return "?";
+}
+
+void CudaBackend::wrote(const void* data, size_t bytes) {
+  const auto* begin = static_cast<const char*>(data);
+  std::erase_if(live_companions_, [&](const LiveCompanions& live) {
+    const auto* live_begin = reinterpret_cast<const char*>(live.rows.data);
+    return live_begin < begin + bytes && begin < live_begin + rows_bytes(live.rows);
+  });
+}
+
+void CudaBackend::wrote(Rows rows) {
+  wrote(rows.data, rows_bytes(rows));
+}
+
+void CudaBackend::produced(Rows rows, const ActivationCompanions& c) {
+  wrote(rows);
+  if (status_.ok() && has_companions(c)) live_companions_.push_back({rows, c});
+}
+
+const ActivationCompanions* CudaBackend::live_companions(Rows x) const {
+  for (const LiveCompanions& live : live_companions_) {
+    if (live.rows.data == x.data && live.rows.width == x.width && live.rows.stride == x.stride &&
+        live.rows.count >= x.count) {
+      return &live.companions;
+    }
+  }
+  return nullptr;
+}
+
+ActivationCompanions CudaBackend::companion_storage(Rows out, bool bf16, bool q8) {
+  if (activation_mode_ == ActivationMode::kF32 || out.count == 0 || out.width % 32 != 0 ||
+      tensor_core_rows(out.count)) {
+    return {};
+  }
+  const int64_t stride = out.width;  // a multiple of 32
+  // Room for the most rows a GEMV pass has (kTensorCoreMaxGemvRows), so that decode batches of
+  // any size share one allocation per address (recorded graphs keep outgrown ones alive).
+  const int64_t rows = std::max(out.count, kTensorCoreMaxGemvRows);
+  const auto bf16_bytes = static_cast<size_t>(2 * rows * stride);
+  const auto q8_bytes = static_cast<size_t>(rows * q8_row_bytes(stride));
+  CompanionStorage& storage = companion_storage_[out.data];
+  // Growing storage moves it: companions still live in the old one are dropped.
+  if ((bf16 && storage.bf16.bytes < bf16_bytes) || (q8 && storage.q8.bytes < q8_bytes)) {
+    std::erase_if(live_companions_,
+                  [&](const LiveCompanions& live) { return live.rows.data == out.data; });
+  }
+  ActivationCompanions c;
+  c.stride = stride;
+  if (bf16) c.bf16 = static_cast<uint16_t*>(scratch(storage.bf16, bf16_bytes));
+  if (q8) c.q8 = scratch(storage.q8, q8_bytes);
+  if (!status_.ok()) return {};
+  return c;
+}
+
+ActivationCompanions CudaBackend::produced_companions(Rows out) {
+  // q8 mode writes both: q8 for the w4g32 GEMVs, bf16 for the formats without a q8 kernel.
+  return companion_storage(out, activation_mode_ != ActivationMode::kF32,
+                           activation_mode_ == ActivationMode::kQ8);
+}
+
+GemvInput CudaBackend::gemv_input(const quant::QMatrix& w, Rows x) {
+  const GemvInput fp32 = {x.data, ActType::kF32, static_cast<int>(x.count), x.stride,
+                          activation_mode_ != ActivationMode::kF32};
+  if (activation_mode_ == ActivationMode::kF32 || !has_bf16_gemv(w.format)) return fp32;
+  ActivationCompanions have;
+  if (const ActivationCompanions* live = live_companions(x)) have = *live;
+  // q8 where the weights have a dp4a kernel, unless the producer wrote bf16 only (the GELU
+  // epilogues but the 64-row gate+up one): then bf16 rather than one more kernel.
+  const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                  (have.q8 != nullptr || have.bf16 == nullptr);
+  if ((q8 ? have.q8 : have.bf16) == nullptr) {
+    // Batched rows: the GEMV rounds fp32 rows itself (the tensor-core GEMV stages them anyway).
+    if (x.count > 1) return fp32;
+    // No producer wrote this input's type (the attention output, an embedding): one kernel
+    // converts it, and the result stays live for later readers of x.
+    ActivationCompanions made = companion_storage(x, !q8, q8);
+    if (!has_companions(made)) return fp32;
+    launched(write_activation_companions(x.data, static_cast<int>(x.count), x.width, x.stride, made,
+                                         launch()),
+             "activation companions");
+    if (!status_.ok()) return fp32;
+    // Keep the other type where it is still live (growing the storage drops it).
+    if (const ActivationCompanions* live = live_companions(x)) {
+      if (made.bf16 == nullptr) made.bf16 = live->bf16;
+      if (made.q8 == nullptr) made.q8 = live->q8;
+    }
+    produced(x, made);
+    have = made;
+  }
+  if (q8) return {have.q8, ActType::kQ8, static_cast<int>(x.count), have.stride};
+  return {have.bf16, ActType::kBF16, static_cast<int>(x.count), have.stride};
 }
 
 bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput& out,
                               const char* what) {
   // The GEMV rejects what it has no kernel for (fp32 weights, K % 32 != 0, unaligned rows)
   // before enqueuing anything; every slice has the first one's shape and alignment.
+  const GemvInput whole = gemv_input(w, x);
+  const int64_t x_row_bytes = whole.type == ActType::kQ8
+                                  ? q8_row_bytes(whole.stride)
+                                  : whole.stride * (whole.type == ActType::kBF16 ? 2 : 4);
   for (int64_t done = 0; done < x.count; done += kMaxGemvRows) {
     const int64_t rows = std::min(kMaxGemvRows, x.count - done);
-    const GemvInput input = {x.row(done), ActType::kF32, static_cast<int>(rows), x.stride,
-                             !fp32_activations_};
+    GemvInput input = whole;
+    input.data = static_cast<const char*>(whole.data) + done * x_row_bytes;
+    input.rows = static_cast<int>(rows);
     GemvOutput slice = out;
     slice.data += done * out.stride;
     if (slice.multiplier != nullptr) slice.multiplier += done * out.multiplier_stride;
+    ActivationCompanions& c = slice.companions;
+    if (c.bf16 != nullptr) c.bf16 += done * c.stride;
+    if (c.q8 != nullptr) c.q8 = static_cast<char*>(c.q8) + done * q8_row_bytes(c.stride);
     const cudaError_t status = gemv(w, input, slice, launch());
     if (status == cudaErrorInvalidValue && done == 0) return false;
     launched(status, what);
@@ -279,7 +417,9 @@ bool CudaBackend::packed_gemv(const quant::QMatrix& w, Rows x, const GemvOutput&
 }
 
 void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
+  wrote(y);
   if (MatrixView weights; tensor_core_rows(x.count) && !tensor_core_gemv_rows(w, x.count) &&
                           matrix_view(w, weights) &&
                           tensor_core_matmul_accepts(weights, view(x), view(y))) {
@@ -297,29 +437,43 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
 }
 
 // Where matmul would take the GEMV (decode passes, fp32 prefill), the gating rides in its
-// epilogue. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
-// gating.
+// epilogue, which for one row also writes y's bf16 companion (batched GEMVs take fp32 rows as they
+// are). Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
-  const GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data,
-                            multiplier.stride};
+  GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data, multiplier.stride};
+  if (x.count == 1) gated.companions = companion_storage(y, true, false);
   if ((tensor_core_rows(x.count) && !tensor_core_gemv_rows(w, x.count)) ||
       !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
+    return;
   }
+  produced(y, gated.companions);
 }
 
+// For one row, the fused GEMV writes y's bf16 companion and, for w4g32 weights in q8 mode, its q8
+// companion (through the 64-row tiling that quantizes whole chunks). Batched rows get none: the
+// batched GEMVs (the tensor-core one) take the fp32 rows as they are.
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
-  const GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
+  GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
+  if (x.count == 1) {
+    const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                    w.rows % 64 == 0;
+    pairs.companions = companion_storage(y, true, q8);
+  }
   if ((!tensor_core_rows(x.count) || tensor_core_gemv_rows(w, x.count)) &&
       packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
+    produced(y, pairs.companions);
     return;
   }
   if (MatrixView weights;
       tensor_core_rows(x.count) && w.rows % 2 == 0 && y.count == x.count && y.width == w.rows / 2 &&
       matrix_view(w, weights) &&
       tensor_core_matmul_accepts(weights, view(x), {y.data, x.count, w.rows, w.rows})) {
+    wrote(y);
     tensor_core_matmul(weights, view(x), view(y), /*gelu_pairs=*/true);
     return;
   }
@@ -327,14 +481,20 @@ void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;
   matmul(w, x, {products, x.count, w.rows, w.rows});
+  pairs.companions.q8 = nullptr;  // the stand-alone epilogue writes bf16 only
   launched(gemv_epilogue(products, x.count, w.rows, w.rows, pairs, launch()),
            "matmul_gelu_pairs (epilogue)");
+  produced(y, pairs.companions);
 }
 
 void CudaBackend::rms_norm(Rows x, const float* weight, float weight_offset, float eps, Rows y) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
-  launched(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch()),
+  // The register-resident kernel writes the companions (rows of at most 8192).
+  const ActivationCompanions c = y.width <= 8192 ? produced_companions(y) : ActivationCompanions{};
+  launched(cuda::rms_norm(view(x), weight, weight_offset, eps, view(y), nullptr, launch(), c),
            "rms_norm");
+  produced(y, c);
 }
 
 const float* CudaBackend::rope_table(const model::RopeParams& rope, int head_dim) {
@@ -354,35 +514,47 @@ const float* CudaBackend::rope_table(const model::RopeParams& rope, int head_dim
 
 void CudaBackend::rope(Rows x, int head_dim, const int32_t* positions,
                        const model::RopeParams& rope) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   const float* inv_freq = rope_table(rope, head_dim);
   if (inv_freq == nullptr) return;
   launched(rope_rows(view(x), head_dim, positions, inv_freq, launch()), "rope");
+  wrote(x);
 }
 
 void CudaBackend::gelu_tanh_mul(Rows gate, Rows multiplier, Rows out) {
+  const ReportingWrites reporting(*this);
   if (gate.count == 0) return;
   launched(cuda::gelu_tanh_mul(view(gate), view(multiplier), view(out), launch()), "gelu_tanh_mul");
+  wrote(out);
 }
 
 void CudaBackend::add(Rows acc, Rows x) {
+  const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   launched(map_rows(RowMap::kAdd, view(acc), view(x), nullptr, 0.0f, launch()), "add");
+  wrote(acc);
 }
 
 void CudaBackend::scale(Rows x, const float* column_scale, float scalar) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   launched(map_rows(RowMap::kScale, view(x), view(x), column_scale, scalar, launch()), "scale");
+  wrote(x);
 }
 
 void CudaBackend::softcap(Rows x, float cap) {
+  const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   launched(map_rows(RowMap::kSoftcap, view(x), view(x), nullptr, cap, launch()), "softcap");
+  wrote(x);
 }
 
 void CudaBackend::copy(Rows src, Rows dst) {
+  const ReportingWrites reporting(*this);
   if (src.count == 0) return;
   launched(map_rows(RowMap::kCopy, view(dst), view(src), nullptr, 0.0f, launch()), "copy");
+  wrote(dst);
 }
 
 void CudaBackend::write_kv(const engine::KvView& kv, Rows k, Rows v, const int32_t* positions) {
@@ -487,6 +659,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
 void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                                const float* next_weight, Rows next,
                                const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   AddNormSpec spec;
   spec.weight = weight;
@@ -494,7 +667,17 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   spec.weight_offset = norm.weight_offset;
   spec.eps = norm.eps;
   spec.scalar = scalar;
+  // With a next norm, the next GEMV reads `next`; without, a GEMV may read the residual itself
+  // (the PLE gate does): its companions then. (Any other reader converts the rows first.)
+  if (next.data != nullptr) {
+    spec.next_companions = produced_companions(next);
+  } else {
+    spec.residual_companions = produced_companions(acc);
+  }
   launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
+  wrote(next);
+  produced(acc, spec.residual_companions);
+  if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
 void CudaBackend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
@@ -684,7 +867,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
                       count);
   }
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
-  backend->set_fp32_activations(options.fp32);
+  backend->set_activation_mode(options.activations);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

@@ -16,8 +16,18 @@
 //    tensor cores (prefill_matmul.h, prefill_kernels.h), unless set_fp32_activations(true);
 //    passes of up to 64 rows over w4g32 / NVFP4 weights (batched decode) keep the GEMV, which
 //    multiplies 2..64 rows on tensor cores from the packed weights (gemv_mma.h);
-//  * the decode GEMVs round activations to bf16 (fp32 sums), as the tensor-core passes and a
-//    bf16 model do, unless set_fp32_activations(true).
+//  * the decode GEMVs take their activations as the ActivationMode says: exact fp32, bf16
+//    (fp32 sums, as the tensor-core passes and a bf16 model) or q8 (int8 per 32 + dp4a for w4g32
+//    weights, bf16 for the other formats with a bf16 kernel). In bf16/q8 mode the kernels that
+//    produce GEMV inputs (rms_norm, add_rms_norm's next and residual, the GELU epilogues) also
+//    write bf16/q8 "companions" of their fp32 rows (gemv_kernels.h: ActivationCompanions), which
+//    the GEMV reading those rows loads directly; any other input (the attention output) is
+//    converted by one small kernel first. In q8 mode the GELU epilogues write bf16 only, except
+//    the one-row w4g32 gate+up (its 64-row tiling quantizes whole chunks); a w4g32 GEMV reading
+//    bf16-only rows takes them as bf16. The backend tracks which fp32 rows have live companions
+//    and drops a row's companions whenever an operation (or upload, or a new allocation) writes
+//    those rows; operations that do not report what they write (attention, the MoE kernels, graph
+//    replays) drop them all. So a GEMV never reads a stale one: at worst it converts again.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -29,6 +39,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
 #include "core/status.h"
 #include "engine/backend.h"
@@ -36,7 +47,13 @@
 namespace gemma4::cuda {
 
 struct DecodePrepare;  // attention.h
+struct GemvInput;      // gemv.h
 struct GemvOutput;     // gemv.h
+
+// How decode GEMVs take their activations (the CLI's --activations; see above).
+enum class ActivationMode : uint8_t { kF32, kBF16, kQ8 };
+// The mode of a backend made without one (and of the CLI without --activations).
+inline constexpr ActivationMode kDefaultActivationMode = ActivationMode::kBF16;
 
 class CublasContext;  // prefill_matmul.h
 struct MatrixView;    // backend_kernels.h
@@ -134,12 +151,22 @@ class CudaBackend final : public engine::Backend {
 
   cudaStream_t stream() const { return stream_; }
 
-  // By default activations enter matmuls as bf16 (fp32 sums): passes of more than
-  // kTensorCoreMaxGemvRows rows (prefill) run matmul and attention on bf16 tensor cores, and the
-  // GEMVs round their fp32 activations to bf16. fp32 = true multiplies the exact fp32 activations
-  // everywhere (fp32 kernels, much slower), for tests that compare whole passes with the fp32 CPU
-  // reference at fp32 tolerance and for the CLI's --fp32.
-  void set_fp32_activations(bool fp32) { fp32_activations_ = fp32; }
+  // Outside kF32 mode, passes of more than kTensorCoreMaxGemvRows rows (prefill) run matmul and
+  // attention on bf16 tensor cores, and the GEMVs take bf16 or q8 activations (above). kF32
+  // multiplies the exact fp32 activations everywhere (fp32 kernels, much slower), for tests that
+  // compare whole passes with the fp32 CPU reference at fp32 tolerance and for the CLI's --fp32.
+  void set_activation_mode(ActivationMode mode) {
+    activation_mode_ = mode;
+    fp32_activations_ = mode == ActivationMode::kF32;
+  }
+  ActivationMode activation_mode() const { return activation_mode_; }
+  // kF32, or back to kDefaultActivationMode.
+  void set_fp32_activations(bool fp32) {
+    set_activation_mode(fp32 ? ActivationMode::kF32 : kDefaultActivationMode);
+  }
+  // The companions the backend holds now for exactly these rows (same start, width and stride,
+  // at least as many rows), or null: what the next GEMV reading x would load (tests).
+  const ActivationCompanions* live_companions(engine::Rows x) const;
 
  private:
   // Device scratch that grows on demand (synchronizing first: kernels may still read it; and
@@ -177,6 +204,32 @@ class CudaBackend final : public engine::Backend {
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
                    const char* what);
+  // Held by the operations that report every row they write (wrote / produced): launch() outside
+  // them drops every live companion, since other work (a graph replay, an operation that does not
+  // report its writes) may have written any rows.
+  struct ReportingWrites {
+    explicit ReportingWrites(CudaBackend& backend) : backend(backend) {
+      ++backend.reporting_writes_;
+    }
+    ~ReportingWrites() { --backend.reporting_writes_; }
+    ReportingWrites(const ReportingWrites&) = delete;
+    ReportingWrites& operator=(const ReportingWrites&) = delete;
+    CudaBackend& backend;
+  };
+  // Companion bookkeeping (see the top of this file). Storage for the companions of rows `out`
+  // (bf16 and/or q8 as asked), kept per fp32 start address; nothing (null pointers) when `out`
+  // gets none: kF32 mode, tensor-core rows, a width that is not a multiple of 32.
+  ActivationCompanions companion_storage(engine::Rows out, bool bf16, bool q8);
+  // The companions the producers of rows `out` write in this mode (companion_storage).
+  ActivationCompanions produced_companions(engine::Rows out);
+  // An operation wrote [data, data + bytes) / the rows `rows`: their companions are stale.
+  void wrote(const void* data, size_t bytes);
+  void wrote(engine::Rows rows);
+  // A kernel that succeeded wrote `rows` and their companions `c` (wrote(rows) first).
+  void produced(engine::Rows rows, const ActivationCompanions& c);
+  // What a GEMV with weights w reads for x: a companion (made now by one kernel if x has none),
+  // or the fp32 rows (kF32 mode, formats without bf16/q8 kernels, widths not a multiple of 32).
+  GemvInput gemv_input(const quant::QMatrix& w, engine::Rows x);
   // The device inv_freq table of (rope, head_dim), uploaded on first use; null on failure.
   const float* rope_table(const model::RopeParams& rope, int head_dim);
 
@@ -194,18 +247,35 @@ class CudaBackend final : public engine::Backend {
   std::vector<Scratch> retired_scratch_;
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
-  bool fp32_activations_ = false;
+  ActivationMode activation_mode_ = kDefaultActivationMode;
+  bool fp32_activations_ = false;  // activation_mode_ == kF32
+  // Companion storage per fp32 start address (never freed while graphs may hold it: like
+  // scratch), and the companions live now (fp32 rows [data, data + count · stride)).
+  struct CompanionStorage {
+    Scratch bf16;
+    Scratch q8;
+  };
+  std::map<const float*, CompanionStorage> companion_storage_;
+  struct LiveCompanions {
+    engine::Rows rows;
+    ActivationCompanions companions;
+  };
+  std::vector<LiveCompanions> live_companions_;
+  int reporting_writes_ = 0;               // ReportingWrites held now
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.
-// How make_cuda_backend sets a backend up (the CLI's --no-pdl and --fp32).
+// How make_cuda_backend sets a backend up (the CLI's --no-pdl and --activations / --fp32).
 struct CudaOptions {
-  bool pdl = true;    // false: kernels launched plainly (for A/B measurements)
-  bool fp32 = false;  // true: the exact fp32 kernels for every pass (set_fp32_activations)
+  bool pdl = true;  // false: kernels launched plainly (for A/B measurements)
+  ActivationMode activations = kDefaultActivationMode;  // set_activation_mode
 };
+
+// "f32", "bf16", "q8".
+const char* activation_mode_name(ActivationMode mode);
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device = 0,
                                                              const CudaOptions& options = {});

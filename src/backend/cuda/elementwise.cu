@@ -44,6 +44,7 @@ struct NormArgs {
   RowsView y;
   RopeSpec rope;
   int has_rope;
+  ActivationCompanions y_companions;  // rms_norm_row_kernel only
 };
 
 // rms_norm with RoPE, or of rows too wide for rms_norm_row_kernel: strided loops over the row.
@@ -107,9 +108,9 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a)
   const int lane = threadIdx.x & 31;
   for (int64_t chunk = threadIdx.x / 32; chunk < a.x.width / 32; chunk += kNormThreads / 32) {
     const int64_t j = chunk * 32 + lane;
-    float v = x[j] * inv;
-    if (a.weight) v *= a.weight_offset + a.weight[j];
-    store_chunk_q8(v, lane, row, a.out_stride, chunk);
+    float v[1] = {x[j] * inv};
+    if (a.weight) v[0] *= a.weight_offset + a.weight[j];
+    store_chunk_q8<1>(v, lane, row, a.out_stride, chunk);
   }
 }
 
@@ -158,6 +159,18 @@ __device__ __forceinline__ void store_row(float* row, int64_t width,
     if (quad_in_row(k, width)) store_quad<kAligned>(row, quad_first(k), width, quads[k]);
 }
 
+// The companions of row r (gemv_kernels.h) from the thread's quads; every thread of the block
+// calls (warp shuffles), with the row width a multiple of 32.
+template <int kQuads>
+__device__ __forceinline__ void store_row_companions(const ActivationCompanions& c, int64_t r,
+                                                     int64_t width,
+                                                     const FloatQuad (&quads)[kQuads]) {
+  if (c.bf16 == nullptr && c.q8 == nullptr) return;
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+    store_companions<4>(c, r, quad_first(k), quads[k].v, quad_in_row(k, width));
+}
+
 template <int kQuads>
 __device__ __forceinline__ float sum_of_squares(const FloatQuad (&quads)[kQuads]) {
   float sum = 0.0f;
@@ -193,6 +206,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) rms_norm_row_kernel(NormArgs a
   load_row<kQuads, kAligned>(a.x.data + r * a.x.stride, width, x);
   scale_row(x, inverse_rms(sum_of_squares(x), width, a.eps, sums), scale);
   store_row<kQuads, kAligned>(a.y.data + r * a.y.stride, width, x);
+  store_row_companions(a.y_companions, r, width, x);
 }
 
 struct AddNormArgs {
@@ -228,10 +242,12 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
     for (int e = 0; e < 4; ++e)
       residual[k].v[e] = __fmul_rn(residual[k].v[e] + x[k].v[e], spec.scalar);
   store_row<kQuads, kAligned>(residual_row, width, residual);
+  store_row_companions(spec.residual_companions, r, width, residual);
   if (!has_next) return;
   scale_row(residual, inverse_rms(sum_of_squares(residual), width, spec.eps, residual_sums),
             next_scale);
   store_row<kQuads, kAligned>(a.next.data + r * a.next.stride, width, residual);
+  store_row_companions(spec.next_companions, r, width, residual);
 }
 
 struct MoeNormArgs {
@@ -322,12 +338,15 @@ bool valid_rows(const RowsView& v, int64_t rows, int64_t width) {
 }  // namespace
 
 cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset, float eps,
-                     const RowsView& y, const RopeSpec* rope, const Launch& launch) {
+                     const RowsView& y, const RopeSpec* rope, const Launch& launch,
+                     const ActivationCompanions& y_companions) {
   if (x.rows < 1 || x.width < 1 || !valid_rows(x, x.rows, x.width) ||
-      !valid_rows(y, x.rows, x.width) || x.rows > 0x7FFFFFFF) {
+      !valid_rows(y, x.rows, x.width) || x.rows > 0x7FFFFFFF ||
+      !companions_fit(y_companions, x.width) ||
+      (has_companions(y_companions) && (rope != nullptr || !fits_registers(x.width)))) {
     return cudaErrorInvalidValue;
   }
-  NormArgs args = {x, weight, weight_offset, eps, y, {}, 0};
+  NormArgs args = {x, weight, weight_offset, eps, y, {}, 0, y_companions};
   if (rope) {
     if (x.width % 2 != 0 || rope->positions == nullptr || rope->rows_per_position < 1 ||
         rope->rotated_pairs > x.width / 2 || rope->exponent_denominator <= 0) {
@@ -366,7 +385,10 @@ cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const Rows
                          const AddNormSpec& spec, const Launch& launch) {
   if (x.rows < 1 || x.width < 1 || !fits_registers(x.width) || !valid_rows(x, x.rows, x.width) ||
       !valid_rows(residual, x.rows, x.width) ||
-      (next.data != nullptr && !valid_rows(next, x.rows, x.width)) || x.rows > 0x7FFFFFFF) {
+      (next.data != nullptr && !valid_rows(next, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
+      !companions_fit(spec.residual_companions, x.width) ||
+      !companions_fit(spec.next_companions, x.width) ||
+      (next.data == nullptr && has_companions(spec.next_companions))) {
     return cudaErrorInvalidValue;
   }
   // [quads per thread − 1][16-byte accesses]

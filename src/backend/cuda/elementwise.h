@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
 
 namespace gemma4::cuda {
@@ -30,9 +31,11 @@ struct RopeSpec {
 
 // y[r] = x[r] · (mean_j x[r][j]² + eps)^-1/2 · (weight_offset + weight[j]) (no weight factor when
 // weight is null), then RoPE over the whole row when rope is non-null (row width = head_dim).
-// y may alias x.
+// y may alias x. y_companions (gemv_kernels.h): bf16 / kQ8 copies of y written by the same
+// kernel; only without RoPE, for a width that is a multiple of 32 and at most 8192.
 cudaError_t rms_norm(const RowsView& x, const float* weight, float weight_offset, float eps,
-                     const RowsView& y, const RopeSpec* rope, const Launch& launch);
+                     const RowsView& y, const RopeSpec* rope, const Launch& launch,
+                     const ActivationCompanions& y_companions = {});
 
 // rms_norm (no RoPE) whose output goes straight into the kQ8 activation layout of the dp4a GEMV
 // (gemv_kernels.h): row r at out + r · q8_row_bytes(out_stride). width a multiple of 32,
@@ -44,13 +47,17 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
 //   residual[r] = (residual[r] + rms_norm(x[r]; weight)) · scalar
 //   next[r] = rms_norm(residual[r]; next_weight)      (only when next.data != nullptr)
 // Both norms scale by (weight_offset + w), or not at all for a null weight. next may alias x.
-// One block per row holds the row in registers: width <= 8192.
+// One block per row holds the row in registers: width <= 8192. The companions (gemv_kernels.h;
+// a width that is a multiple of 32) are copies of the residual and of next written by the same
+// kernel.
 struct AddNormSpec {
   const float* weight = nullptr;
   const float* next_weight = nullptr;
   float weight_offset = 0.0f;
   float eps = 1e-6f;
   float scalar = 1.0f;
+  ActivationCompanions residual_companions = {};
+  ActivationCompanions next_companions = {};
 };
 cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
                          const AddNormSpec& spec, const Launch& launch);

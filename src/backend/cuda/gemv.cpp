@@ -81,6 +81,8 @@ namespace {
 // The output side: an epilogue's own requirements, and room for M rows of its outputs.
 bool output_ok(const GemvOutput& y, int64_t rows, int m) {
   if (y.data == nullptr) return false;
+  const int64_t outputs = y.epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
+  if (!companions_fit(y.companions, outputs)) return false;
   switch (y.epilogue) {
     case GemvEpilogue::kNone:
       return m == 1 || y.stride >= rows;
@@ -140,6 +142,13 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  if (y.companions.q8 != nullptr) {
+    if (tiling < 0) tiling = kGemvQ8PairsTiling;
+    if (y.epilogue != GemvEpilogue::kGeluPairs ||
+        !gemv_tiling_emits_q8_pairs(kGemvTilings[tiling])) {
+      return cudaErrorInvalidValue;
+    }
+  }
   // Batched rows with bf16 products: tensor cores (gemv_mma.h).
   if (tiling < 0 && gemv_mma_takes(w, x)) return gemv_mma(w, x, y, launch);
   if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
@@ -170,13 +179,15 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.epilogue = y.epilogue;
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
+  args.y_companions = y.companions;
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
 }
 
 cudaError_t gemv_epilogue(const float* products, int64_t rows, int64_t cols,
                           int64_t products_stride, const GemvOutput& y, const Launch& launch) {
   if (products == nullptr || rows < 1 || rows > 65535 || cols < 1 ||
-      (rows > 1 && products_stride < cols) || !output_ok(y, cols, rows)) {
+      (rows > 1 && products_stride < cols) || !output_ok(y, cols, rows) ||
+      y.companions.q8 != nullptr) {
     return cudaErrorInvalidValue;
   }
   EpilogueArgs args = {};
@@ -189,16 +200,23 @@ cudaError_t gemv_epilogue(const float* products, int64_t rows, int64_t cols,
   args.epilogue = y.epilogue;
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
+  args.y_companions = y.companions;
   return launch_gemv_epilogue(args, launch);
 }
 
 cudaError_t quantize_activations_q8(const float* x, int rows, int64_t cols, int64_t x_stride,
                                     void* out, int64_t out_stride, const Launch& launch) {
-  if (x == nullptr || out == nullptr || rows < 1 || rows > 65535 || cols <= 0 || cols % 32 != 0 ||
-      x_stride < cols || out_stride < cols || out_stride % 32 != 0 || !aligned16(out)) {
+  return write_activation_companions(x, rows, cols, x_stride, {nullptr, out, out_stride}, launch);
+}
+
+cudaError_t write_activation_companions(const float* x, int rows, int64_t cols, int64_t x_stride,
+                                        const ActivationCompanions& companions,
+                                        const Launch& launch) {
+  if (x == nullptr || rows < 1 || rows > 65535 || cols <= 0 || cols % 32 != 0 || x_stride < cols ||
+      !has_companions(companions) || !companions_fit(companions, cols)) {
     return cudaErrorInvalidValue;
   }
-  return launch_quantize_q8({x, x_stride, cols, out, out_stride}, rows, launch);
+  return launch_write_companions({x, x_stride, cols, companions}, rows, launch);
 }
 
 }  // namespace gemma4::cuda

@@ -7,17 +7,16 @@
 namespace gemma4::cuda {
 namespace {
 
-// One warp per 32-element chunk: lane l quantizes element l to round(x / (amax / 127)).
-__global__ void quantize_q8_kernel(QuantizeArgs a) {
+// One warp per 32-element chunk: lane l converts element l.
+__global__ void write_companions_kernel(CompanionArgs a) {
   pdl_trigger_dependents();
   pdl_wait_for_predecessors();
-  const int lane = threadIdx.x & 31;
   const int64_t chunks = a.cols / 32;
   const int64_t chunk = blockIdx.x * static_cast<int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   const int64_t row = blockIdx.y;
-  if (chunk >= chunks) return;
-  uint8_t* base = static_cast<uint8_t*>(a.out) + row * (a.out_stride + a.out_stride / 4);
-  store_chunk_q8(a.x[row * a.x_stride + chunk * 32 + lane], lane, base, a.out_stride, chunk);
+  if (chunk >= chunks) return;  // whole warps
+  const float value[1] = {a.x[row * a.x_stride + chunk * 32 + (threadIdx.x & 31)]};
+  store_companions<1>(a.out, row, chunk * 32 + (threadIdx.x & 31), value);
 }
 
 // One thread per pair of product rows (blockIdx.y = activation row): the GEMV's own store.
@@ -68,12 +67,12 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
   return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
 }
 
-cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch& launch) {
+cudaError_t launch_write_companions(const CompanionArgs& args, int rows, const Launch& launch) {
   constexpr int kWarpsPerBlock = 8;
   const int64_t chunks = args.cols / 32;
   const dim3 grid(static_cast<unsigned>((chunks + kWarpsPerBlock - 1) / kWarpsPerBlock),
                   static_cast<unsigned>(rows));
-  return launch_kernel(quantize_q8_kernel, grid, dim3(kWarpsPerBlock * 32), 0, launch, args);
+  return launch_kernel(write_companions_kernel, grid, dim3(kWarpsPerBlock * 32), 0, launch, args);
 }
 
 cudaError_t launch_gemv_epilogue(const EpilogueArgs& args, const Launch& launch) {

@@ -38,12 +38,17 @@ struct GemvInput {
 //               (multiplier may be data itself with the same stride, not a partial overlap)
 //   kGeluPairs: y[m][i] = gelu_tanh(acc[m][2i]) · acc[m][2i + 1]: W's rows alternate gate row i,
 //               up row i (N even)
+//
+// companions: bf16 and/or kQ8 copies of what is stored in y (gemv_kernels.h; stride >= the
+// output width). A kQ8 companion needs kGeluPairs, an output width (N / 2) that is a multiple
+// of 32 and a gemv_tiling_emits_q8_pairs tiling (tiling < 0 picks kGemvQ8PairsTiling).
 struct GemvOutput {
   float* data = nullptr;
   int64_t stride = 0;
   GemvEpilogue epilogue = GemvEpilogue::kNone;
   const float* multiplier = nullptr;
   int64_t multiplier_stride = 0;
+  ActivationCompanions companions = {};
 };
 
 // The packed kernels' layout of a weight format (out), false for one they cannot read (fp32,
@@ -65,6 +70,12 @@ inline int64_t q8_row_bytes(int64_t stride) {
 cudaError_t quantize_activations_q8(const float* x, int rows, int64_t cols, int64_t x_stride,
                                     void* out, int64_t out_stride, const Launch& launch);
 
+// Writes the companions of `rows` fp32 rows of `cols` (a multiple of 32; companions.stride >=
+// cols, a multiple of 32; at least one companion pointer, 16-byte aligned): one kernel.
+cudaError_t write_activation_companions(const float* x, int rows, int64_t cols, int64_t x_stride,
+                                        const ActivationCompanions& companions,
+                                        const Launch& launch);
+
 // Every tiling; an index into this list selects one explicitly (the benchmark does). Only those
 // with gemv_tiling_compiled(index) have kernels in this build (gemv_kernels.h).
 std::span<const GemvTiling> gemv_tilings();
@@ -82,7 +93,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
 
 // The epilogue of `y` alone, applied to products computed elsewhere (the generic matmul's, for
 // weights the GEMV does not take): products[m · products_stride + n] for m < rows, n < cols, as
-// acc[m][n] above. rows in 1..65535.
+// acc[m][n] above. rows in 1..65535. Companions: bf16 only.
 cudaError_t gemv_epilogue(const float* products, int64_t rows, int64_t cols,
                           int64_t products_stride, const GemvOutput& y, const Launch& launch);
 

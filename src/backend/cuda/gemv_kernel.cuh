@@ -19,19 +19,34 @@ namespace gemma4::cuda::gemv_detail {
 using WeightFormat = PackedFormat;
 using KernelFn = void (*)(GemvArgs);
 
+// gelu_tanh(gate) · up: the kGeluPairs output, one expression for y and its companions.
+__device__ __forceinline__ float gelu_pair(float gate, float up) {
+  return gelu_tanh(gate) * up;
+}
+
 // Stores the dot products acc[0..R) of rows first_row .. first_row + R − 1 (first_row even) for
-// activation row m through the epilogue. Rows at or past a.rows are skipped; a.rows is even for
-// kGeluPairs, so a pair is stored whole or not at all. Params: GemvArgs or EpilogueArgs.
+// activation row m through the epilogue, and the bf16 companion of what it stores when
+// a.y_companions.bf16 is set (kQ8 companions: the reduction path of gemv_kernel). Rows at or past
+// a.rows are skipped; a.rows is even for kGeluPairs, so a pair is stored whole or not at all.
+// Params: GemvArgs or EpilogueArgs.
 template <int R, typename Params>
 __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first_row,
                                            const float (&acc)[R]) {
   static_assert(R % 2 == 0, "a thread stores whole gate/up pairs");
   float* y = a.y + m * a.y_stride;
+  __nv_bfloat16* y_bf16 =
+      a.y_companions.bf16 != nullptr
+          ? reinterpret_cast<__nv_bfloat16*>(a.y_companions.bf16) + m * a.y_companions.stride
+          : nullptr;
+  auto store = [&](int64_t index, float value) {
+    y[index] = value;
+    if (y_bf16 != nullptr) y_bf16[index] = __float2bfloat16_rn(value);
+  };
   switch (a.epilogue) {
     case GemvEpilogue::kNone:
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (first_row + r < a.rows) y[first_row + r] = acc[r];
+        if (first_row + r < a.rows) store(first_row + r, acc[r]);
       }
       break;
     case GemvEpilogue::kGeluMul: {
@@ -39,7 +54,7 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (first_row + r < a.rows) {
-          y[first_row + r] = gelu_tanh(acc[r]) * multiplier[first_row + r];
+          store(first_row + r, gelu_tanh(acc[r]) * multiplier[first_row + r]);
         }
       }
       break;
@@ -47,7 +62,7 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
     case GemvEpilogue::kGeluPairs:
 #pragma unroll
       for (int r = 0; r < R; r += 2) {
-        if (first_row + r < a.rows) y[(first_row + r) / 2] = gelu_tanh(acc[r]) * acc[r + 1];
+        if (first_row + r < a.rows) store((first_row + r) / 2, gelu_pair(acc[r], acc[r + 1]));
       }
       break;
   }
@@ -202,9 +217,15 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
             sums[h] += partial[(w * MT + mi) * kRowsPerBlock + row_in_block + h];
           }
         }
-        if (m0 + mi < a.m) {
-          store_rows<2>(a, m0 + mi, static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + row_in_block,
-                        sums);
+        const int64_t pair_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + row_in_block;
+        if (m0 + mi < a.m) store_rows<2>(a, m0 + mi, pair_row, sums);
+        if constexpr (gemv_tiling_emits_q8_pairs({R, T, W, G, MT})) {
+          // Warp 0 holds the block's 32 outputs (one kQ8 chunk), lane l output l.
+          if (a.y_companions.q8 != nullptr) {
+            const float out[1] = {gelu_pair(sums[0], sums[1])};
+            store_companions<1>({nullptr, a.y_companions.q8, a.y_companions.stride}, m0 + mi,
+                                pair_row / 2, out, pair_row < a.rows);
+          }
         }
       }
       __syncthreads();

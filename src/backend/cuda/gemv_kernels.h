@@ -15,6 +15,30 @@ namespace gemma4::cuda {
 // order of a packed word), then stride/32 fp32 scales, then stride/32 int32 sums of the values.
 enum class ActType : uint8_t { kF32, kBF16, kQ8 };
 
+// Low-precision copies of fp32 activation rows that a producing kernel writes next to them, so
+// that the GEMV reading those rows loads its own input type instead of converting fp32 per block:
+// bf16 (round to nearest even) at bf16 + r · stride elements, and/or the kQ8 layout at
+// q8 + r · stride · 5/4 bytes. Either pointer may be null (not written). stride is a multiple of
+// 32 and at least the row width; both arrays are 16-byte aligned.
+struct ActivationCompanions {
+  uint16_t* bf16 = nullptr;
+  void* q8 = nullptr;
+  int64_t stride = 0;
+};
+
+inline bool has_companions(const ActivationCompanions& c) {
+  return c.bf16 != nullptr || c.q8 != nullptr;
+}
+
+// Whether a kernel can write companions `c` of rows of `width` values: none asked, or a width
+// that is a multiple of 32 (whole kQ8 chunks, the GEMV's K), a stride that holds it, aligned
+// arrays.
+inline bool companions_fit(const ActivationCompanions& c, int64_t width) {
+  const auto aligned = [](const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15) == 0; };
+  return !has_companions(c) || (width % 32 == 0 && c.stride >= width && c.stride % 32 == 0 &&
+                                aligned(c.bf16) && aligned(c.q8));
+}
+
 // The packed layouts the kernels read (quant::WeightFormat minus fp32).
 enum class PackedFormat : uint8_t { kW4G32, kNVFP4, kBF16, kW4G32A, kW8, kF16 };
 
@@ -65,6 +89,7 @@ inline constexpr GemvTiling kGemvTilings[] = {
     {4, 8, 4, 3, 8},   // 11: coverage 96, batched
     {4, 16, 4, 3, 8},  // 12: coverage 192, batched
     {4, 8, 1, 3, 8},   // 13: coverage 24, batched
+    {4, 2, 8, 3, 1},   // 14: coverage 48, 64 rows per block: kGeluPairs can emit kQ8 companions
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 
@@ -81,7 +106,7 @@ static_assert(gemv_tilings_keep_pairs(), "every GEMV tiling must give a thread w
 // The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
 // with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
 // so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
-inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 7, 8, 11, 12};
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 7, 8, 11, 12, 14};
 
 constexpr bool gemv_tiling_compiled(int tiling) {
 #ifdef GEMMA4_GEMV_ALL_TILINGS
@@ -93,6 +118,21 @@ constexpr bool gemv_tiling_compiled(int tiling) {
   return false;
 #endif
 }
+
+// Rows of a block's tiling.
+constexpr int gemv_rows_per_block(const GemvTiling& t) {
+  return (32 / t.lanes_per_row) * t.rows_per_thread;
+}
+
+// The kGeluPairs epilogue can write a kQ8 companion (one 32-output chunk per block, quantized by
+// warp 0 after the split-K reduction) when a block owns 64 consecutive rows of one activation
+// row, through the shared-memory reduction.
+constexpr bool gemv_tiling_emits_q8_pairs(const GemvTiling& t) {
+  return gemv_rows_per_block(t) == 64 && t.warps > 1 && t.m_tile == 1;
+}
+// The tiling that does (used for kGeluPairs with a kQ8 companion).
+inline constexpr int kGemvQ8PairsTiling = 14;
+static_assert(gemv_tiling_emits_q8_pairs(kGemvTilings[kGemvQ8PairsTiling]));
 
 // How kF32 activations enter the products: exactly, or rounded to bf16 (ties to even) as a bf16
 // model multiplies them. Rounded activations are staged once per block into shared memory
@@ -136,17 +176,19 @@ struct GemvArgs {
   GemvEpilogue epilogue;
   const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride
   int64_t multiplier_stride;
+  // Companions of y (what the epilogue stored); q8 only with a gemv_tiling_emits_q8_pairs tiling
+  // and kGeluPairs.
+  ActivationCompanions y_companions;
 };
 
-// x[r] (fp32, K = `cols`) → the kQ8 layout at out + r · out_stride · 5/4 bytes.
-struct QuantizeArgs {
+// x[r] (fp32, K = `cols`) → its companions (bf16 and/or kQ8).
+struct CompanionArgs {
   const float* x;
   int64_t x_stride;
   int64_t cols;
-  void* out;
-  int64_t out_stride;
+  ActivationCompanions out;
 };
-cudaError_t launch_quantize_q8(const QuantizeArgs& args, int rows, const Launch& launch);
+cudaError_t launch_write_companions(const CompanionArgs& args, int rows, const Launch& launch);
 
 // Enqueues the kernel of (format, x type, tiling); arguments already validated. Returns
 // cudaErrorInvalidValue for a combination with no kernel (kQ8 with other than w4g32; the GGUF
@@ -166,6 +208,7 @@ struct EpilogueArgs {
   GemvEpilogue epilogue;
   const float* multiplier;
   int64_t multiplier_stride;
+  ActivationCompanions y_companions;  // bf16 only
 };
 cudaError_t launch_gemv_epilogue(const EpilogueArgs& args, const Launch& launch);
 
