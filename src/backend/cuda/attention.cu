@@ -183,6 +183,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][T::kTileKeys];
   __shared__ float head_max[kWarps * HPW], head_sum[kWarps * HPW];  // the block merge's
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const DecodePrepare& prepare = a.prepare;
+  // The prologue's norm scales and RoPE frequencies (weights no kernel writes) before the wait:
+  // q's for every warp, k's (warp 0) or v's (warp 1) for a block that stores the new K/V.
+  HeadConstants<kPairQuads> q_constants, kv_constants;
+  if constexpr (kPrepare) {
+    q_constants = load_head_constants<kPairQuads, true>(prepare.q_norm, prepare.weight_offset,
+                                                        prepare.inv_freq, HD / 2, lane);
+    if (warp < 2 && prepare.k != nullptr) {
+      kv_constants = load_head_constants<kPairQuads, true>(
+          warp == 0 ? prepare.k_norm : nullptr, prepare.weight_offset,
+          warp == 0 ? prepare.inv_freq : nullptr, HD / 2, lane);
+    }
+  }
   pdl_wait_for_predecessors();
 
   const int split = blockIdx.x;
@@ -202,9 +217,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const DecodePrepare& prepare = a.prepare;
   if constexpr (kPrepare) {
     // The query position's K/V, stored by the one block whose keys include its slot before that
     // block reads any: warp 0 the key, warp 1 the value.
@@ -215,11 +227,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
         const float* src =
             (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
             int64_t{kv} * HD;
-        const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
-            is_key ? prepare.k_norm : nullptr, prepare.weight_offset,
-            is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
         const HeadQuads<kPairQuads> head =
-            transform_head<kPairQuads, true>(src, constants, is_key || prepare.norm_v, is_key,
+            transform_head<kPairQuads, true>(src, kv_constants, is_key || prepare.norm_v, is_key,
                                              prepare.eps, HD / 2, query_position, lane);
         store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
                              (new_slot * a.kv_heads + kv) * HD,
@@ -272,12 +281,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
-        prepare.q_norm, prepare.weight_offset, prepare.inv_freq, HD / 2, lane);
     for (int g = warp; g < a.group; g += kWarps) {
       const float* src = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
       const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
-          src, constants, true, true, prepare.eps, HD / 2, query_position, lane);
+          src, q_constants, true, true, prepare.eps, HD / 2, query_position, lane);
       store_head<true>(const_cast<float*>(prepared_q) + g * HD, head, HD / 2, lane);
     }
     __syncthreads();
