@@ -1,10 +1,11 @@
-// CudaBackend's fused decode operations (add_rms_norm, prepare_attention, attention_rows) against
-// the CPU backend, whose versions are engine::Backend's default compositions of the primitives
-// (the reference the engine's results are defined by). Fresh random inputs: several sequences at
-// positions past the sliding window, head_dim 256 and 512, q/k/v as column views of one fused QKV
-// buffer, k_eq_v-style V (the raw K projection), more sequences than one launch takes, and a
-// recorded decode step replayed at later positions. Tolerances are float32-level (relative to
-// 1 + |reference|): the kernels reduce in another order than the CPU, nothing is rounded to bf16.
+// CudaBackend's fused decode operations (add_rms_norm, prepare_attention, attention_rows,
+// prepare_and_attend) against the CPU backend, whose versions are engine::Backend's default
+// compositions of the primitives (the reference the engine's results are defined by). Fresh
+// random inputs: several sequences at positions past the sliding window, head_dim 256 and 512,
+// q/k/v as column views of one fused QKV buffer, k_eq_v-style V (the raw K projection), more
+// sequences than one launch takes, and a recorded decode step replayed at later positions.
+// Tolerances are float32-level (relative to 1 + |reference|): the kernels reduce in another order
+// than the CPU, nothing is rounded to bf16.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -400,10 +401,11 @@ TEST(FusedOps, PrepareAndAttendMatchesTheComposition) {
   }
 }
 
-// prepare_attention + attention_rows of a decode batch recorded once (as the engine records a
-// decode step) and replayed at later positions: the sequence tables live in the recorded kernel
-// parameters, the positions in device memory.
-TEST(FusedOps, RecordedDecodeStepReplaysAtLaterPositions) {
+// One layer's attention of a decode batch recorded once (as the engine records a decode step) and
+// replayed at later positions: the sequence tables live in the recorded kernel parameters, the
+// positions in device memory. fused: the step as prepare_and_attend (what the engine records),
+// else as prepare_attention + attention_rows.
+void recorded_decode_steps(bool fused) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
   ASSERT_TRUE(gpu->can_record());
@@ -430,6 +432,12 @@ TEST(FusedOps, RecordedDecodeStepReplaysAtLaterPositions) {
     float* out;
   };
   auto step = [&](engine::Backend& backend, const Operands& o) {
+    if (fused) {
+      backend.prepare_and_attend(qkv.q(o.qkv), qkv.k(o.qkv), qkv.v(o.qkv), o.q_norm, o.k_norm, true,
+                                 hd, o.positions, shape.rope, o.rows, norm, shape.window, scale,
+                                 Rows::dense(o.out, n, qkv.q_width));
+      return;
+    }
     backend.prepare_attention(qkv.q(o.qkv), qkv.k(o.qkv), qkv.v(o.qkv), o.q_norm, o.k_norm, true,
                               hd, o.positions, shape.rope, o.rows, norm);
     backend.attention_rows(qkv.q(o.qkv), o.positions, o.rows, shape.window, scale,
@@ -464,6 +472,14 @@ TEST(FusedOps, RecordedDecodeStepReplaysAtLaterPositions) {
     expect_same(out, "out");
     sequences.expect_same("caches");
   }
+}
+
+TEST(FusedOps, RecordedDecodeStepReplaysAtLaterPositions) {
+  recorded_decode_steps(false);
+}
+
+TEST(FusedOps, RecordedPrepareAndAttendReplaysAtLaterPositions) {
+  recorded_decode_steps(true);
 }
 
 }  // namespace

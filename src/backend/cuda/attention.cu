@@ -58,9 +58,17 @@ struct AttentionArgs {
   DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
 };
 
-// Slots [0, scanned) hold the positions a query at `query_position` may see.
-__device__ __forceinline__ int64_t scanned_slots(int64_t slots, int32_t query_position) {
-  return min(slots, static_cast<int64_t>(query_position) + 1);
+// How many keys a query at `query_position` scans: the slots of positions (P − n, P], n = P + 1
+// capped by the slots and the window. Key j is slot (scan_start + j) % slots, so key n − 1 holds
+// P itself; the recorded positions still decide what is visible (a slot may be empty or stale).
+__device__ __forceinline__ int64_t scanned_keys(int64_t slots, int32_t query_position, int window) {
+  const int64_t keys = min(slots, static_cast<int64_t>(query_position) + 1);
+  return window > 0 ? min(keys, static_cast<int64_t>(window)) : keys;
+}
+
+__device__ __forceinline__ int64_t scan_start(int64_t slots, int32_t query_position,
+                                              int64_t scanned) {
+  return (query_position + 1 - scanned) % slots;
 }
 
 // Keys per split block: at least kMinKeysPerSplit, so a shallow cache uses few of the splits.
@@ -175,6 +183,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][T::kTileKeys];
   __shared__ float head_max[kWarps * HPW], head_sum[kWarps * HPW];  // the block merge's
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const DecodePrepare& prepare = a.prepare;
+  // The prologue's norm scales and RoPE frequencies (weights no kernel writes) before the wait:
+  // q's for every warp, k's (warp 0) or v's (warp 1) for a block that stores the new K/V.
+  HeadConstants<kPairQuads> q_constants, kv_constants;
+  if constexpr (kPrepare) {
+    q_constants = load_head_constants<kPairQuads, true>(prepare.q_norm, prepare.weight_offset,
+                                                        prepare.inv_freq, HD / 2, lane);
+    if (warp < 2 && prepare.k != nullptr) {
+      kv_constants = load_head_constants<kPairQuads, true>(
+          warp == 0 ? prepare.k_norm : nullptr, prepare.weight_offset,
+          warp == 0 ? prepare.inv_freq : nullptr, HD / 2, lane);
+    }
+  }
   pdl_wait_for_predecessors();
 
   const int split = blockIdx.x;
@@ -182,7 +205,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
-  const int64_t scanned = scanned_slots(sequence.slots, query_position);
+  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
+  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
   const int splits_used = used_splits(scanned, a.splits);
   if (split >= splits_used) return;  // the merge skips this split
   const int64_t per_split = keys_per_split(scanned, a.splits);
@@ -193,24 +217,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const DecodePrepare& prepare = a.prepare;
   if constexpr (kPrepare) {
     // The query position's K/V, stored by the one block whose keys include its slot before that
     // block reads any: warp 0 the key, warp 1 the value.
-    const int64_t new_slot = query_position % sequence.slots;
-    if (prepare.k != nullptr && new_slot >= begin && new_slot < end) {
+    const int64_t new_slot = query_position % sequence.slots;  // key scanned − 1
+    if (prepare.k != nullptr && scanned - 1 >= begin && scanned - 1 < end) {
       if (warp < 2) {
         const bool is_key = warp == 0;
         const float* src =
             (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
             int64_t{kv} * HD;
-        const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
-            is_key ? prepare.k_norm : nullptr, prepare.weight_offset,
-            is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
         const HeadQuads<kPairQuads> head =
-            transform_head<kPairQuads, true>(src, constants, is_key || prepare.norm_v, is_key,
+            transform_head<kPairQuads, true>(src, kv_constants, is_key || prepare.norm_v, is_key,
                                              prepare.eps, HD / 2, query_position, lane);
         store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
                              (new_slot * a.kv_heads + kv) * HD,
@@ -220,6 +238,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
       __syncthreads();  // the stores are visible to the block's copies below
     }
   }
+  // The slot of key j (< scanned <= slots).
+  auto slot_of = [&](int64_t j) {
+    const int64_t slot = first_slot + j;
+    return slot < sequence.slots ? slot : slot - sequence.slots;
+  };
   // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past the
   // split's end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
@@ -236,15 +259,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
         const int chunk = c % T::kRowChunks;
         const int64_t j = first_key + key;
         if (j < end) {
-          const KvT* source =
-              (is_value ? values : keys) + (j * a.kv_heads + kv) * HD + chunk * T::kChunkElems;
+          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
+                              chunk * T::kChunkElems;
           copy_async16(base + c * kChunkBytes, source);
         }
       }
       if (threadIdx.x < T::kTileKeys) {
         const int64_t j = first_key + threadIdx.x;
         if (j < end) {
-          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + j);
+          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
         }
@@ -258,12 +281,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    const HeadConstants<kPairQuads> constants = load_head_constants<kPairQuads, true>(
-        prepare.q_norm, prepare.weight_offset, prepare.inv_freq, HD / 2, lane);
     for (int g = warp; g < a.group; g += kWarps) {
       const float* src = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
       const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
-          src, constants, true, true, prepare.eps, HD / 2, query_position, lane);
+          src, q_constants, true, true, prepare.eps, HD / 2, query_position, lane);
       store_head<true>(const_cast<float*>(prepared_q) + g * HD, head, HD / 2, lane);
     }
     __syncthreads();
@@ -424,6 +445,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 struct MergeArgs {
   const float* partials;
   const int32_t* positions;
+  int window;
   SequenceKvTable sequences;
   int q_heads;
   int head_dim;
@@ -448,7 +470,8 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   const int head = blockIdx.x;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
-  const int splits = used_splits(scanned_slots(sequence.slots, a.positions[row]), a.splits);
+  const int splits =
+      used_splits(scanned_keys(sequence.slots, a.positions[row], a.window), a.splits);
   if (splits == 1) return;  // the attention kernel wrote the output
   const int64_t record = a.head_dim + 2;
   const float* base =
@@ -630,9 +653,9 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (status != cudaSuccess) return status;
   status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
   if (status != cudaSuccess || splits == 1) return status;
-  const MergeArgs merge = {
-      workspace.partials, query.positions, args.sequences, query.q_heads, kv.head_dim, splits, out,
-      out_stride};
+  const MergeArgs merge = {workspace.partials, query.positions, window, args.sequences,
+                           query.q_heads,      kv.head_dim,     splits, out,
+                           out_stride};
   return launch_kernel(merge_splits_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch)),
                        dim3(kMergeWarps * 32), 0, launch, merge);

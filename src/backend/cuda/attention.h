@@ -95,8 +95,9 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 
 // out[r][h] = Σ_j softmax_j(scale · q[r][h] · k_j) · v_j for each sequence's query row r, over
 // the slots j whose position p satisfies p <= P and (window == 0 or P − p < window),
-// P = positions[r]; q head h reads kv head h / (q_heads / kv_heads). Only slots
-// [0, min(slots, P + 1)) are scanned (position p lives in slot p % slots).
+// P = positions[r]; q head h reads kv head h / (q_heads / kv_heads). Only the slots of positions
+// (P − n, P] are scanned, n = min(slots, P + 1, window or unbounded) (position p lives in slot
+// p % slots): a sliding ring larger than its window costs no more than the window.
 // Up to `splits` (1..4096) blocks share each (sequence, kv head), each taking at least
 // kMinKeysPerSplit of the scanned slots: a graph captured with the splits of the deepest cache
 // replays cheaply at shallow depths (the unused split blocks exit after reading the position and

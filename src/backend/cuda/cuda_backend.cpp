@@ -55,7 +55,9 @@ constexpr int64_t kMaxAttentionBlocks = 2 * 132;
 // Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
 // capacity, since one recording replays at every depth (the kernel leaves the splits a shallow
 // cache does not need after reading the query position).
-int attention_splits(int64_t slots, int64_t sequences, int kv_heads) {
+int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads) {
+  // decode_attention scans at most `window` keys of a sliding ring.
+  if (window > 0) slots = std::min<int64_t>(slots, window);
   const int64_t budget = std::max<int64_t>(1, kMaxAttentionBlocks / (sequences * kv_heads));
   return static_cast<int>(
       std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
@@ -598,7 +600,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
   // other shapes before enqueuing anything; those, and prefill chunks, take the generic kernel.
   if (q.count == 1 && aligned16(q.data) && kv.head_dim > 0 && q.width % kv.head_dim == 0) {
     const int q_heads = static_cast<int>(q.width / kv.head_dim);
-    const int splits = attention_splits(kv.slots, 1, kv.kv_heads);
+    const int splits = attention_splits(kv.slots, window, 1, kv.kv_heads);
     float* partials = nullptr;
     if (splits > 1) {
       partials = static_cast<float*>(
@@ -812,7 +814,7 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
       std::min<int64_t>(std::ssize(sequences), int64_t{kMaxBatchedSequences});  // per launch
   int64_t max_slots = 1;
   for (const engine::SequenceRows& s : sequences) max_slots = std::max(max_slots, s.kv.slots);
-  const int splits = attention_splits(max_slots, batch, kv_heads);
+  const int splits = attention_splits(max_slots, window, batch, kv_heads);
   float* partials = nullptr;
   if (splits > 1) {
     partials = static_cast<float*>(scratch(
