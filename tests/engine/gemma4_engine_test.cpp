@@ -130,11 +130,7 @@ TEST_P(EngineTest, BadRequestsFailWithoutSideEffects) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, EngineTest, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 }  // namespace
 }  // namespace gemma4::engine
