@@ -41,10 +41,12 @@ endfunction()
 
 # One gtest binary per folder under tests/ (tests/<m>/*.cpp -> test_<m>), linked against every
 # library: a test folder names its subject by what it includes. tests/cuda is built only with
-# CUDA and is not registered with ctest (it needs a GPU: scripts/gpu-check runs it).
+# CUDA and is not registered with ctest (it needs a GPU: scripts/gpu-check runs it). The target
+# ctest_binaries builds just what ctest runs (scripts/test's sanitizer build needs no CLI).
 function(gemma4_tests)
   set(all_libs gemma4_server gemma4_runtime gemma4_model gemma4_text ${GEMMA4_BACKENDS}
       gemma4_engine gemma4_quant gemma4_io gemma4_core)
+  add_custom_target(ctest_binaries)
   file(GLOB dirs LIST_DIRECTORIES true ${PROJECT_SOURCE_DIR}/tests/*)
   foreach(dir ${dirs})
     get_filename_component(name ${dir} NAME)
@@ -70,6 +72,7 @@ function(gemma4_tests)
       GEMMA4_SOURCE_DIR="${PROJECT_SOURCE_DIR}" GEMMA4_BINARY_DIR="${PROJECT_BINARY_DIR}")
     if(NOT name STREQUAL "cuda")
       add_test(NAME ${name} COMMAND test_${name} WORKING_DIRECTORY ${PROJECT_BINARY_DIR})
+      add_dependencies(ctest_binaries test_${name})
     endif()
   endforeach()
 endfunction()

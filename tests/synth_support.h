@@ -1,7 +1,10 @@
 // Synthetic checkpoints for the C++ tests: synthesized into a scratch folder and mapped.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <unistd.h>
+
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <map>
@@ -64,6 +67,14 @@ inline const model::LoadedModel& cached_synth_model(const std::string& config,
   entry.folder.path = synth.output;
   entry.model = std::move(*loaded);
   return entry.model;
+}
+
+// The test name of a preset parameter ("tiny-moe" -> "tiny_moe": gtest names allow no '-'), for
+// INSTANTIATE_TEST_SUITE_P(Tiny, Suite, ::testing::Values("tiny", "tiny-moe"), preset_test_name).
+inline std::string preset_test_name(const ::testing::TestParamInfo<std::string>& info) {
+  std::string name = info.param;
+  std::replace(name.begin(), name.end(), '-', '_');
+  return name;
 }
 
 }  // namespace gemma4::testing

@@ -104,11 +104,7 @@ TEST_P(GraphDecode, ReplayedStepsMatchPlainLaunchesBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, GraphDecode, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         gemma4::testing::preset_test_name);
 
 }  // namespace
 }  // namespace gemma4::cuda

@@ -7,7 +7,6 @@
 // as one kernel).
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
@@ -280,11 +279,7 @@ TEST(PrefillPasses, ALongPromptTakesOnePassUnlessSharedLayersNeedTheRing) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, FusedDecode, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 }  // namespace
 }  // namespace gemma4::engine

@@ -130,11 +130,7 @@ TEST_P(EngineTest, BadRequestsFailWithoutSideEffects) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, EngineTest, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 // The CPU reference keeps fp32 K/V only: asking it for another cache type is a clear error at
 // creation, not a wrong answer later.

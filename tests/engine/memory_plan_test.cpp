@@ -77,11 +77,7 @@ TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, PlanVersusEngine, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 class E2bKvCache : public ::testing::TestWithParam<KvType> {};
 

@@ -5,7 +5,6 @@
 // for one sequence and for batches whose membership changes, past the sliding window.
 #include <gtest/gtest.h>
 
-#include <algorithm>
 #include <cstring>
 #include <functional>
 #include <memory>
@@ -98,11 +97,7 @@ TEST_P(RecordedDecode, ReplayedClosuresMatchThePlainPath) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, RecordedDecode, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 }  // namespace
 }  // namespace gemma4::engine

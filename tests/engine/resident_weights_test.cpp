@@ -150,11 +150,7 @@ TEST(ResidentWeights, TablesOnTheInt4GridArePackedOnceOnADevice) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),
-                         [](const auto& info) {
-                           std::string name = info.param;
-                           std::replace(name.begin(), name.end(), '-', '_');
-                           return name;
-                         });
+                         testing::preset_test_name);
 
 }  // namespace
 }  // namespace gemma4::engine
