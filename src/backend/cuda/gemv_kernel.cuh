@@ -28,16 +28,19 @@ __device__ __forceinline__ float gelu_pair(float gate, float up) {
 // activation row m through the epilogue, and the bf16 companion of what it stores when
 // a.y_companions.bf16 is set (kQ8 companions: the reduction path of gemv_kernel). Rows at or past
 // a.rows are skipped; a.rows is even for kGeluPairs, so a pair is stored whole or not at all.
-// Params: GemvArgs or EpilogueArgs.
+// Params: GemvArgs, EpilogueArgs or another block with the same output fields (y_companions
+// optional).
 template <int R, typename Params>
 __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first_row,
                                            const float (&acc)[R]) {
   static_assert(R % 2 == 0, "a thread stores whole gate/up pairs");
   float* y = a.y + m * a.y_stride;
-  __nv_bfloat16* y_bf16 =
-      a.y_companions.bf16 != nullptr
-          ? reinterpret_cast<__nv_bfloat16*>(a.y_companions.bf16) + m * a.y_companions.stride
-          : nullptr;
+  __nv_bfloat16* y_bf16 = nullptr;
+  if constexpr (requires { a.y_companions; }) {  // parameter blocks without companions: none
+    if (a.y_companions.bf16 != nullptr) {
+      y_bf16 = reinterpret_cast<__nv_bfloat16*>(a.y_companions.bf16) + m * a.y_companions.stride;
+    }
+  }
   auto store = [&](int64_t index, float value) {
     y[index] = value;
     if (y_bf16 != nullptr) y_bf16[index] = __float2bfloat16_rn(value);
