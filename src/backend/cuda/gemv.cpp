@@ -149,8 +149,10 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
       return cudaErrorInvalidValue;
     }
   }
-  // Batched rows with bf16 products: tensor cores (gemv_mma.h).
-  if (tiling < 0 && gemv_mma_takes(w, x)) return gemv_mma(w, x, y, launch);
+  // Batched rows with bf16 products: tensor cores (gemv_mma.h), which write no companions.
+  if (tiling < 0 && !has_companions(y.companions) && gemv_mma_takes(w, x)) {
+    return gemv_mma(w, x, y, launch);
+  }
   if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
 
   GemvArgs args = {};
