@@ -69,6 +69,15 @@ inline const model::LoadedModel& cached_synth_model(const std::string& config,
   return entry.model;
 }
 
+// The tiny presets' checkpoints ("tiny", "tiny-moe") the engine tests share: plain bf16 values,
+// and w4a16 (w4g32 weights; its bf16 tables on the int4 grid, as a device packs them).
+inline const model::LoadedModel& tiny_bf16_model(const std::string& config) {
+  return cached_synth_model(config, model::SynthFormat::kBF16, model::SynthGrid::kNone, 7);
+}
+inline const model::LoadedModel& tiny_w4a16_model(const std::string& config) {
+  return cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, 11);
+}
+
 // The test name of a preset parameter ("tiny-moe" -> "tiny_moe": gtest names allow no '-'), for
 // INSTANTIATE_TEST_SUITE_P(Tiny, Suite, ::testing::Values("tiny", "tiny-moe"), preset_test_name).
 inline std::string preset_test_name(const ::testing::TestParamInfo<std::string>& info) {

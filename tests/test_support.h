@@ -1,12 +1,18 @@
 // Helpers shared by the C++ tests.
 #pragma once
 
+#include <gtest/gtest.h>
+
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
+#include <initializer_list>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
+
+#include "core/status.h"
 
 namespace gemma4::testing {
 
@@ -33,6 +39,18 @@ inline std::vector<float> random_normal(size_t count, uint32_t seed, float stdde
   std::vector<float> values(count);
   for (float& v : values) v = normal(rng);
   return values;
+}
+
+// `result` failed with `code`, and its message names every fragment.
+template <typename T>
+void expect_error(const Expected<T>& result, ErrorCode code,
+                  std::initializer_list<std::string_view> fragments) {
+  ASSERT_FALSE(result.ok()) << "expected an error";
+  EXPECT_EQ(result.error().code, code) << result.error().to_string();
+  for (std::string_view fragment : fragments) {
+    EXPECT_NE(result.error().message.find(fragment), std::string::npos)
+        << "'" << fragment << "' not in: " << result.error().message;
+  }
 }
 
 }  // namespace gemma4::testing

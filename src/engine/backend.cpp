@@ -66,6 +66,13 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
+void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
+                                   const RouterParams& router, int32_t* expert_ids,
+                                   float* weights) {
+  matmul(router_proj, x, logits);
+  route_experts(logits, router, expert_ids, weights);
+}
+
 void Backend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
                         const float* router_scale, float router_factor, const float* expert_weight,
                         Rows router_in, Rows expert_in, const NormParams& norm) {

@@ -246,6 +246,12 @@ class Backend {
   virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                             const float* next_weight, Rows next, const NormParams& norm);
 
+  // The router of a MoE layer: logits = x · router_projᵀ (kept: the engine's router trace reads
+  // them), then route_experts(logits, router, expert_ids, weights). Default: those two calls.
+  virtual void matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
+                                    const RouterParams& router, int32_t* expert_ids,
+                                    float* weights);
+
   // The norms of a MoE block between the dense MLP and the experts (arch spec 3), row by row:
   // dense = norm(dense; dense_weight) in place (post_feedforward_layernorm_1); router_in =
   // norm(hidden) (weightless) · router_scale[j] · router_factor (the router's input);

@@ -227,9 +227,8 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
                        1.0f / std::sqrt(static_cast<float>(H)), lw.pre_feedforward_layernorm_2,
                        router_in, expert_in, norm_params);
     Rows scores = rows(router_logits, n, p.num_experts);
-    backend->matmul(lw.router_proj, router_in, scores);
-    backend->route_experts(scores, {p.top_k, lw.per_expert_scale}, expert_ids.ints(),
-                           expert_weights.floats());
+    backend->matmul_route_experts(lw.router_proj, router_in, scores, {p.top_k, lw.per_expert_scale},
+                                  expert_ids.ints(), expert_weights.floats());
     if (options.router_trace) trace_routing(l, n);
     Rows expert_out = rows(moe, n, H);
     backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,

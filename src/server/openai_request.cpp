@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <cmath>
+#include <initializer_list>
 #include <limits>
 #include <random>
 #include <set>
@@ -106,68 +107,28 @@ class Fields {
 
 // Top-level fields we understand: OpenAI's own plus the common server extensions (vLLM,
 // llama-server). Anything else is refused like OpenAI does, so typos do not pass silently.
+// Both endpoints take the model, streaming, sampling and output fields, plus `own`.
+std::set<std::string> known_fields(std::initializer_list<std::string> own) {
+  std::set<std::string> fields = {
+      "model", "stream", "stream_options",   "temperature",       "top_p",
+      "top_k", "min_p",  "presence_penalty", "frequency_penalty", "repetition_penalty",
+      "seed",  "stop",   "max_tokens",       "logit_bias",        "logprobs",
+      "n",     "user",   "cache_prompt"};
+  fields.insert(own);
+  return fields;
+}
+
 const std::set<std::string>& chat_fields() {
-  static const std::set<std::string> fields = {"model",
-                                               "messages",
-                                               "tools",
-                                               "tool_choice",
-                                               "parallel_tool_calls",
-                                               "stream",
-                                               "stream_options",
-                                               "temperature",
-                                               "top_p",
-                                               "top_k",
-                                               "min_p",
-                                               "presence_penalty",
-                                               "frequency_penalty",
-                                               "repetition_penalty",
-                                               "seed",
-                                               "stop",
-                                               "max_tokens",
-                                               "max_completion_tokens",
-                                               "logit_bias",
-                                               "logprobs",
-                                               "top_logprobs",
-                                               "n",
-                                               "user",
-                                               "metadata",
-                                               "store",
-                                               "service_tier",
-                                               "modalities",
-                                               "response_format",
-                                               "reasoning_effort",
-                                               "chat_template_kwargs",
-                                               "enable_thinking",
-                                               "cache_prompt",
-                                               "prompt_cache_key",
-                                               "safety_identifier",
-                                               "verbosity"};
+  static const std::set<std::string> fields =
+      known_fields({"messages", "tools", "tool_choice", "parallel_tool_calls",
+                    "max_completion_tokens", "top_logprobs", "metadata", "store", "service_tier",
+                    "modalities", "response_format", "reasoning_effort", "chat_template_kwargs",
+                    "enable_thinking", "prompt_cache_key", "safety_identifier", "verbosity"});
   return fields;
 }
 
 const std::set<std::string>& completion_fields() {
-  static const std::set<std::string> fields = {"model",
-                                               "prompt",
-                                               "stream",
-                                               "stream_options",
-                                               "temperature",
-                                               "top_p",
-                                               "top_k",
-                                               "min_p",
-                                               "presence_penalty",
-                                               "frequency_penalty",
-                                               "repetition_penalty",
-                                               "seed",
-                                               "stop",
-                                               "max_tokens",
-                                               "logit_bias",
-                                               "logprobs",
-                                               "n",
-                                               "best_of",
-                                               "echo",
-                                               "suffix",
-                                               "user",
-                                               "cache_prompt"};
+  static const std::set<std::string> fields = known_fields({"prompt", "best_of", "echo", "suffix"});
   return fields;
 }
 

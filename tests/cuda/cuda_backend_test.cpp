@@ -6,12 +6,10 @@
 #include "backend/cuda/cuda_backend.h"
 
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <cmath>
 #include <deque>
-#include <fstream>
 #include <limits>
 #include <memory>
 #include <numeric>
@@ -22,6 +20,7 @@
 #include "backend/cpu/cpu_backend.h"
 #include "cuda_test_util.h"
 #include "engine/gemma4_engine.h"
+#include "golden_support.h"
 #include "model/synth.h"
 #include "model/weights.h"
 #include "packed_matrix.h"
@@ -636,8 +635,7 @@ model::LoadedModel synthesize(const std::string& config, uint64_t seed, model::S
   synth.format = format;
   synth.grid = grid;
   synth.output = output;
-  EXPECT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto loaded = model::LoadedModel::open(synth.output);
+  auto loaded = gemma4::testing::synthesize_and_open(synth);
   EXPECT_TRUE(loaded.ok()) << loaded.error().to_string();
   if (!loaded.ok()) return {};
   return std::move(*loaded);
@@ -652,16 +650,7 @@ std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m,
   return engine.ok() ? std::move(*engine) : nullptr;
 }
 
-int32_t argmax(const std::vector<float>& logits) {
-  return static_cast<int32_t>(std::max_element(logits.begin(), logits.end()) - logits.begin());
-}
-
-double logsumexp(const std::vector<float>& logits) {
-  const double max = *std::max_element(logits.begin(), logits.end());
-  double sum = 0.0;
-  for (float l : logits) sum += std::exp(l - max);
-  return max + std::log(sum);
-}
+using gemma4::testing::argmax;
 
 struct GoldenCase {
   std::string fixture;  // tests/data/golden/<fixture>.json (config, seed, grid)
@@ -679,11 +668,8 @@ class CudaGolden : public ::testing::TestWithParam<GoldenCase> {};
 TEST_P(CudaGolden, MatchesTransformers) {
   constexpr double kTolerance = 1e-3;
   const GoldenCase& c = GetParam();
-  std::ifstream file(source_dir() / "tests/data/golden" / (c.fixture + ".json"));
-  ASSERT_TRUE(file.good()) << c.fixture;
-  const auto fixture = nlohmann::json::parse(file);
-  const auto prompt = fixture["prompt"].get<std::vector<int32_t>>();
-  const auto greedy = fixture["greedy"].get<std::vector<int32_t>>();
+  const auto fixture = gemma4::testing::load_golden_fixture(source_dir(), c.fixture);
+  ASSERT_TRUE(fixture.is_object());
   const auto grid = model::parse_synth_grid(fixture.value("grid", "none"));
   ASSERT_TRUE(grid.ok());
   const auto dir = scratch_dir("cuda_golden_" + c.fixture);
@@ -696,51 +682,7 @@ TEST_P(CudaGolden, MatchesTransformers) {
   options.ring_history = 4;
   auto engine = cuda_engine(m, options);
   ASSERT_TRUE(engine);
-  std::vector<float> logits(engine->vocab_size());
-
-  // Token by token over prompt + greedy[:-1]: logits at every position.
-  std::vector<int32_t> tokens = prompt;
-  tokens.insert(tokens.end(), greedy.begin(), greedy.end() - 1);
-  auto sequence = engine->open_sequence();
-  ASSERT_TRUE(sequence.ok());
-  const auto stride = fixture["vocab_stride"].get<int64_t>();
-  double max_delta = 0.0;
-  for (size_t pos = 0; pos < tokens.size(); ++pos) {
-    const engine::StepInput input{*sequence, std::span<const int32_t>(&tokens[pos], 1)};
-    ASSERT_TRUE(engine->step({&input, 1}, logits).ok());
-    const auto& expected = fixture["positions"][pos];
-    const auto ids = expected["ids"].get<std::vector<int32_t>>();
-    const auto values = expected["logits"].get<std::vector<double>>();
-    for (size_t i = 0; i < ids.size(); ++i) {
-      max_delta = std::max(max_delta, std::abs(logits[ids[i]] - values[i]));
-      EXPECT_NEAR(logits[ids[i]], values[i], kTolerance) << "position " << pos;
-    }
-    EXPECT_NEAR(logsumexp(logits), expected["logsumexp"].get<double>(), kTolerance) << pos;
-    for (const auto& sampled : fixture["sampled"]) {
-      if (sampled["position"].get<size_t>() != pos) continue;
-      const auto row = sampled["logits"].get<std::vector<double>>();
-      for (size_t i = 0; i < row.size(); ++i) {
-        max_delta = std::max(max_delta, std::abs(logits[i * stride] - row[i]));
-        EXPECT_NEAR(logits[i * stride], row[i], kTolerance) << "position " << pos;
-      }
-    }
-  }
-  engine->close_sequence(*sequence);
-  std::printf("[ cuda golden ] %s: max |delta logit| %.3g over %zu positions\n", c.fixture.c_str(),
-              max_delta, tokens.size());
-
-  // The prompt in one step (chunked prefill), then greedy decode on our own argmax.
-  sequence = engine->open_sequence();
-  ASSERT_TRUE(sequence.ok());
-  std::vector<int32_t> generated;
-  std::vector<int32_t> next = prompt;
-  while (generated.size() < greedy.size()) {
-    const engine::StepInput input{*sequence, next};
-    ASSERT_TRUE(engine->step({&input, 1}, logits).ok());
-    generated.push_back(argmax(logits));
-    next.assign(1, generated.back());
-  }
-  EXPECT_EQ(generated, greedy);
+  gemma4::testing::expect_matches_golden(*engine, fixture, kTolerance, "cuda " + c.fixture);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,

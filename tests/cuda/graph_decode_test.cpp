@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <filesystem>
 #include <memory>
 #include <string>
 #include <vector>
@@ -18,8 +17,6 @@
 
 namespace gemma4::cuda {
 namespace {
-
-using gemma4::testing::RemoveOnExit;
 
 std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m, bool record) {
   engine::EngineOptions options;
@@ -38,19 +35,9 @@ std::unique_ptr<engine::Gemma4Engine> cuda_engine(const model::LoadedModel& m, b
 class GraphDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(GraphDecode, ReplayedStepsMatchPlainLaunchesBitForBit) {
-  const auto dir = testing::scratch_dir("graph_decode_" + GetParam());
-  const RemoveOnExit cleanup{dir};
-  model::SynthOptions synth;
-  synth.config = GetParam();
-  synth.seed = 11;
-  synth.format = model::SynthFormat::kW4A16;
-  synth.grid = model::SynthGrid::kW4G32;
-  synth.output = dir;
-  ASSERT_TRUE(model::synthesize_checkpoint(synth).ok());
-  auto loaded = model::LoadedModel::open(dir);
-  ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
-  auto plain = cuda_engine(*loaded, false);
-  auto recorded = cuda_engine(*loaded, true);
+  const model::LoadedModel& loaded = gemma4::testing::tiny_w4a16_model(GetParam());
+  auto plain = cuda_engine(loaded, false);
+  auto recorded = cuda_engine(loaded, true);
   ASSERT_TRUE(plain && recorded);
   const int32_t vocab = plain->vocab_size();
 

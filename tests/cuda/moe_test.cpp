@@ -21,6 +21,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
 
@@ -561,6 +562,65 @@ TEST(MoeNorms, CudaBackendMatchesTheComposition) {
     expect_same("dense", d_dense.download(), cpu_dense);
     expect_same("router_in", d_router.download(), cpu_router);
     expect_same("expert_in", d_expert.download(), cpu_expert);
+  }
+}
+
+// CudaBackend::matmul_route_experts for one token (the fused router kernel: a cluster of blocks,
+// then the routing in block 0) against the CPU backend's matmul + route_experts, in both
+// activation modes (fp32 x, and x rounded to bf16 as the GEMV's bf16 mode; the CPU reference
+// gets the rounded x then), at 26B-A4B's router shape and at odd expert counts, with a top-k
+// that reaches the cluster's last rows. Two tokens take the two-operation path.
+TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
+  CpuBackend cpu(0);
+  struct Case {
+    int experts;
+    int64_t hidden;
+    int top_k;
+    int tokens;
+  };
+  uint32_t seed = 950;
+  for (const bool fp32 : {true, false}) {
+    auto made = make_cuda_backend(0, {.fp32 = fp32});
+    ASSERT_TRUE(made.ok()) << made.error().to_string();
+    engine::Backend& gpu = **made;
+    for (const Case& c : {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1},
+                          Case{13, 64, 5, 1}, Case{kExperts, kHidden, kTopK, 2}}) {
+      SCOPED_TRACE("experts=" + std::to_string(c.experts) + " hidden=" + std::to_string(c.hidden) +
+                   " tokens=" + std::to_string(c.tokens) + (fp32 ? " fp32" : " bf16 x"));
+      const HostMatrix w = random_matrix(WeightFormat::kBF16, c.experts, c.hidden, seed++);
+      const DeviceMatrix w_device(w);
+      std::vector<float> x = testing::random_floats(c.tokens * c.hidden, -2.0f, 2.0f, seed++);
+      const auto scale = testing::random_floats(c.experts, 0.5f, 1.5f, seed++);
+      std::vector<float> x_cpu = x;
+      if (!fp32) {
+        for (float& v : x_cpu) v = round_bf16(v);
+      }
+      std::vector<float> logits(c.tokens * c.experts), weights(c.tokens * c.top_k);
+      std::vector<int32_t> ids(c.tokens * c.top_k);
+      cpu.matmul_route_experts(w.view(), Rows::dense(x_cpu.data(), c.tokens, c.hidden),
+                               Rows::dense(logits.data(), c.tokens, c.experts),
+                               {c.top_k, scale.data()}, ids.data(), weights.data());
+
+      DeviceArray<float> x_device(x), scale_device(scale), logits_device(c.tokens * c.experts),
+          weights_device(c.tokens * c.top_k);
+      DeviceArray<int32_t> ids_device(c.tokens * c.top_k);
+      gpu.matmul_route_experts(w_device.view, Rows::dense(x_device.get(), c.tokens, c.hidden),
+                               Rows::dense(logits_device.get(), c.tokens, c.experts),
+                               {c.top_k, scale_device.get()}, ids_device.get(),
+                               weights_device.get());
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+      const auto got_logits = logits_device.download();
+      for (size_t i = 0; i < logits.size(); ++i) {
+        ASSERT_NEAR(got_logits[i], logits[i], 1e-4 * (1.0 + std::fabs(logits[i]))) << "logit " << i;
+      }
+      EXPECT_EQ(ids_device.download(), ids);
+      const auto got_weights = weights_device.download();
+      for (size_t i = 0; i < weights.size(); ++i) {
+        EXPECT_NEAR(got_weights[i], weights[i], 1e-5 * (1.0 + std::fabs(weights[i])))
+            << "pick " << i;
+      }
+    }
   }
 }
 

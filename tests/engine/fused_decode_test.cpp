@@ -158,8 +158,7 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
 
 // w4g32 weights, so the stacked matrices carry packed data and scales.
 const model::LoadedModel& tiny_model(const std::string& config) {
-  return testing::cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32,
-                                     23);
+  return testing::tiny_w4a16_model(config);
 }
 
 std::unique_ptr<Gemma4Engine> make_engine(const std::string& config,

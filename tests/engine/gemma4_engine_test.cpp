@@ -17,7 +17,7 @@ namespace gemma4::engine {
 namespace {
 
 const model::LoadedModel& tiny_model(const std::string& config) {
-  return testing::cached_synth_model(config, model::SynthFormat::kBF16, model::SynthGrid::kNone, 7);
+  return testing::tiny_bf16_model(config);
 }
 
 std::unique_ptr<Gemma4Engine> make_engine(const std::string& config, int ring_history = 4) {

@@ -44,8 +44,7 @@ model::ModelConfig preset_config(const std::string& name) {
 class PlanVersusEngine : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
-  const model::LoadedModel& loaded = testing::cached_synth_model(
-      GetParam(), model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, 5);
+  const model::LoadedModel& loaded = testing::tiny_w4a16_model(GetParam());
 
   EngineOptions options;
   options.max_sequences = 3;

@@ -46,8 +46,7 @@ class ClosureRecordingBackend final : public testing::CpuForwardingBackend {
 class RecordedDecode : public ::testing::TestWithParam<std::string> {};
 
 TEST_P(RecordedDecode, ReplayedClosuresMatchThePlainPath) {
-  const model::LoadedModel& m = testing::cached_synth_model(GetParam(), model::SynthFormat::kBF16,
-                                                            model::SynthGrid::kNone, 5);
+  const model::LoadedModel& m = testing::tiny_bf16_model(GetParam());
   EngineOptions options;
   options.max_sequences = 3;
   options.max_context = 48;

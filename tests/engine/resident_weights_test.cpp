@@ -91,10 +91,7 @@ class DeviceLikeBackend final : public testing::CpuForwardingBackend {
   std::set<std::string> foreign_;
 };
 
-const model::LoadedModel& tiny_w4a16_model(const std::string& config) {
-  return testing::cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32,
-                                     11);
-}
+using testing::tiny_w4a16_model;
 
 class ResidentWeightsTest : public ::testing::TestWithParam<std::string> {};
 

@@ -2,7 +2,6 @@
 
 #include <cstring>
 #include <fstream>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -17,16 +16,7 @@ std::filesystem::path reference_gguf() {
   return std::filesystem::path(GEMMA4_SOURCE_DIR) / "tests" / "io" / "data" / "reference.gguf";
 }
 
-template <typename T>
-void expect_error(const Expected<T>& result, ErrorCode code,
-                  std::initializer_list<std::string_view> fragments) {
-  ASSERT_FALSE(result.ok()) << "expected an error";
-  EXPECT_EQ(result.error().code, code) << result.error().to_string();
-  for (std::string_view fragment : fragments) {
-    EXPECT_NE(result.error().message.find(fragment), std::string::npos)
-        << "'" << fragment << "' not in: " << result.error().message;
-  }
-}
+using testing::expect_error;
 
 std::vector<std::byte> read_all(const std::filesystem::path& path) {
   std::ifstream in(path, std::ios::binary);

@@ -2,7 +2,6 @@
 
 #include <cstring>
 #include <fstream>
-#include <initializer_list>
 #include <limits>
 #include <string>
 #include <vector>
@@ -32,16 +31,7 @@ void write_file(const std::filesystem::path& path, std::span<const std::byte> by
             static_cast<std::streamsize>(bytes.size()));
 }
 
-template <typename T>
-void expect_error(const Expected<T>& result, ErrorCode code,
-                  std::initializer_list<std::string_view> fragments) {
-  ASSERT_FALSE(result.ok()) << "expected an error";
-  EXPECT_EQ(result.error().code, code) << result.error().to_string();
-  for (std::string_view fragment : fragments) {
-    EXPECT_NE(result.error().message.find(fragment), std::string::npos)
-        << "'" << fragment << "' not in: " << result.error().message;
-  }
-}
+using testing::expect_error;
 
 void expect_parse_error(const std::vector<std::byte>& bytes, ErrorCode code,
                         std::initializer_list<std::string_view> fragments) {

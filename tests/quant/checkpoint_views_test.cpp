@@ -3,7 +3,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <initializer_list>
 #include <string>
 #include <vector>
 
@@ -56,16 +55,7 @@ std::vector<float> row_values(const QMatrix& m, int64_t row) {
   return out;
 }
 
-template <typename T>
-void expect_error(const Expected<T>& result, ErrorCode code,
-                  std::initializer_list<std::string_view> fragments) {
-  ASSERT_FALSE(result.ok());
-  EXPECT_EQ(result.error().code, code) << result.error().to_string();
-  for (std::string_view fragment : fragments) {
-    EXPECT_NE(result.error().message.find(fragment), std::string::npos)
-        << "'" << fragment << "' not in: " << result.error().message;
-  }
-}
+using testing::expect_error;
 
 const std::vector<uint16_t> kBf16Scales = {float_to_bf16(0.5f), float_to_bf16(2.0f)};
 

@@ -22,7 +22,6 @@ error too.
 import json
 import os
 import random
-import subprocess
 from datetime import datetime
 from pathlib import Path
 
@@ -30,6 +29,7 @@ import jinja2
 import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from template_cli import render_with_gemma4
 
 SEED = 20260709
 CONVERSATIONS = 2_000
@@ -320,16 +320,7 @@ def render_reference(template, request):
 
 
 def render_ours(variant, requests):
-    binary = os.environ.get("GEMMA4_BIN")
-    if not binary:
-        pytest.skip("GEMMA4_BIN is not set")
-    done = subprocess.run([binary, "template", "--template", str(TEMPLATES[variant]), "--jsonl"],
-                          input="".join(json.dumps(r) + "\n" for r in requests), text=True,
-                          capture_output=True, check=False)
-    # split on "\n" only: prompts may hold U+2028/U+2029, which str.splitlines() also breaks at
-    responses = [json.loads(line) for line in done.stdout.split("\n") if line]
-    assert len(responses) == len(requests), done.stderr
-    return responses
+    return render_with_gemma4(TEMPLATES[variant], requests)
 
 
 def conversations():

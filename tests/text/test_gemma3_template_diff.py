@@ -15,16 +15,14 @@ user / assistant, parts that are not objects, non-string texts); the generator a
 test_client_mistakes_are_refused checks them.
 """
 
-import json
-import os
 import random
-import subprocess
 from pathlib import Path
 
 import jinja2
 import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from template_cli import render_with_gemma4
 
 SEED = 20261130
 CONVERSATIONS = 1_500
@@ -123,16 +121,7 @@ def render_reference(template, request):
 
 
 def render_ours(requests):
-    binary = os.environ.get("GEMMA4_BIN")
-    if not binary or not Path(binary).exists():
-        pytest.skip("GEMMA4_BIN is not set to a built gemma4 binary")
-    done = subprocess.run([binary, "template", "--template", str(TEMPLATE), "--jsonl"],
-                          input="".join(json.dumps(r) + "\n" for r in requests), text=True,
-                          capture_output=True, check=False)
-    # split on "\n" only: prompts may hold U+2028/U+2029, which str.splitlines() also breaks at
-    responses = [json.loads(line) for line in done.stdout.split("\n") if line]
-    assert len(responses) == len(requests), done.stderr
-    return responses
+    return render_with_gemma4(TEMPLATE, requests)
 
 
 def test_random_conversations_match_jinja():

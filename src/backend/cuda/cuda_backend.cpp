@@ -682,6 +682,22 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
+void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
+                                       const engine::RouterParams& router, int32_t* expert_ids,
+                                       float* weights) {
+  // One token (decode): the GEMV and the routing in one launch (moe.h); else the two operations.
+  if (x.count == 1) {
+    const cudaError_t status =
+        route_token(router_proj, x.data, !fp32_activations_, router.top_k, router.per_expert_scale,
+                    logits.data, expert_ids, weights, launch());
+    if (status != cudaErrorInvalidValue) {
+      launched(status, "matmul_route_experts");
+      return;
+    }
+  }
+  Backend::matmul_route_experts(router_proj, x, logits, router, expert_ids, weights);
+}
+
 void CudaBackend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
                             const float* router_scale, float router_factor,
                             const float* expert_weight, Rows router_in, Rows expert_in,

@@ -116,6 +116,9 @@ class CudaBackend final : public engine::Backend {
   void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
                     const float* next_weight, engine::Rows next,
                     const engine::NormParams& norm) override;
+  void matmul_route_experts(const quant::QMatrix& router_proj, engine::Rows x, engine::Rows logits,
+                            const engine::RouterParams& router, int32_t* expert_ids,
+                            float* weights) override;
   void moe_norms(engine::Rows hidden, engine::Rows dense, const float* dense_weight,
                  const float* router_scale, float router_factor, const float* expert_weight,
                  engine::Rows router_in, engine::Rows expert_in,

@@ -22,8 +22,7 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
 // follow gemv()'s contract (gemv.h). Returns cudaErrorInvalidValue, before enqueuing anything,
 // for operands gemv_mma_takes refuses, a shape or pointer gemv() would refuse, or a tiling
 // outside the kernel's options (a layout of kMmaGemvWarpLayouts, splits 1..kMmaGemvMaxSplits and
-// at most K / 32,
-// shared memory within kMmaGemvMaxSharedBytes); else the launch status.
+// at most K / 32, shared memory within kMmaGemvMaxSharedBytes); else the launch status.
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling = {0, 0});
 

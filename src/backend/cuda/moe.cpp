@@ -169,6 +169,30 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
   return launch_router(args, launch);
 }
 
+cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x_to_bf16, int top_k,
+                        const float* per_expert_scale, float* logits, int32_t* expert_ids,
+                        float* weights, const Launch& launch) {
+  const int64_t num_experts = router_proj.rows;
+  if (router_proj.format != WeightFormat::kBF16 || router_proj.cols <= 0 ||
+      router_proj.cols % 8 != 0 || !aligned16(router_proj.data) || x == nullptr || !aligned16(x) ||
+      num_experts < 1 || num_experts > kMaxRouterExperts || top_k < 1 || top_k > num_experts ||
+      top_k > kMaxTopK || per_expert_scale == nullptr || logits == nullptr ||
+      expert_ids == nullptr || weights == nullptr) {
+    return cudaErrorInvalidValue;
+  }
+  const FusedRouterArgs args = {router_proj.data,
+                                x,
+                                router_proj.cols,
+                                round_x_to_bf16 ? 1 : 0,
+                                static_cast<int>(num_experts),
+                                top_k,
+                                per_expert_scale,
+                                logits,
+                                expert_ids,
+                                weights};
+  return launch_fused_router(args, launch);
+}
+
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k) {
   // A pass of fewer tokens (the last) needs less, whichever path it takes.
   const int pass = std::min(tokens, kMoeTokensPerPass);

@@ -1,6 +1,7 @@
-// Mixture-of-experts kernels (see moe.h): the router, the decode path (few tokens: one GEMV-like
-// launch per projection over every (token, expert) pair) and the grouped path (prefill: tokens
-// grouped by expert, tensor-core tiles). Accumulation is fp32 throughout.
+// Mixture-of-experts kernels (see moe.h): the router (and for one token the router GEMV fused with
+// it: fused_router_kernel), the decode path (few tokens: one GEMV-like launch per projection over
+// every (token, expert) pair) and the grouped path (prefill: tokens grouped by expert, tensor-core
+// tiles). Accumulation is fp32 throughout.
 //
 // Decode path (run_experts: T < kMoeGroupedMinTokens tokens) for T tokens with top_k experts each
 // (pairs p = t · top_k + k), two launches after the router:
@@ -34,6 +35,7 @@
 // global scale applied to the fp32 sums), so the grouped path agrees with the CPU reference to
 // bf16 precision, the decode path to fp32 rounding. Both are deterministic: no atomics in any
 // sum, every launch's work split fixed.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 #include <mma.h>
@@ -49,18 +51,23 @@
 namespace gemma4::cuda {
 namespace {
 
+template <int N>
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
 constexpr int kRouterWarps = 4;
 constexpr int kExpertsPerLane = kMaxRouterExperts / 32;
 
-// One warp per token: softmax over the logits (fp32, as transformers), the top_k largest
-// probabilities (ties: lower expert id first), renormalised, times per_expert_scale.
-__global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a) {
-  pdl_trigger_dependents();
-  pdl_wait_for_predecessors();
+// One warp routes one token (`logits`: its num_experts logits, global or shared memory): softmax
+// over the logits (fp32, as transformers), the top_k largest probabilities (ties: lower expert id
+// first), renormalised, times per_expert_scale; picks and weights to expert_ids / weights (top_k
+// each).
+__device__ void route_token(const float* logits, int num_experts, int top_k,
+                            const float* per_expert_scale, int32_t* expert_ids, float* weights) {
   const int lane = threadIdx.x & 31;
-  const int token = blockIdx.x * kRouterWarps + static_cast<int>(threadIdx.x >> 5);
-  if (token >= a.tokens) return;
-  const float* logits = a.logits + token * a.logits_stride;
 
   // Lane l holds experts l, l + 32, ...: ascending id with the slot index i.
   float p[kExpertsPerLane];
@@ -68,7 +75,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
 #pragma unroll
   for (int i = 0; i < kExpertsPerLane; ++i) {
     const int e = lane + 32 * i;
-    p[i] = e < a.num_experts ? logits[e] : -INFINITY;
+    p[i] = e < num_experts ? logits[e] : -INFINITY;
     max_logit = fmaxf(max_logit, p[i]);
   }
   // Butterfly reductions: every lane ends with the same bits (a + b == b + a).
@@ -79,7 +86,7 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
   float sum = 0.0f;
 #pragma unroll
   for (int i = 0; i < kExpertsPerLane; ++i) {
-    p[i] = lane + 32 * i < a.num_experts ? expf(p[i] - max_logit) : 0.0f;
+    p[i] = lane + 32 * i < num_experts ? expf(p[i] - max_logit) : 0.0f;
     sum += p[i];
   }
 #pragma unroll
@@ -87,13 +94,13 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
     // Probabilities are >= 0; taken or absent experts get -1 so they never win again.
 #pragma unroll
   for (int i = 0; i < kExpertsPerLane; ++i) {
-    p[i] = lane + 32 * i < a.num_experts ? p[i] / sum : -1.0f;
+    p[i] = lane + 32 * i < num_experts ? p[i] / sum : -1.0f;
   }
 
   float kept = 0.0f;
   int my_expert = -1;
   float my_probability = 0.0f;
-  for (int k = 0; k < a.top_k; ++k) {
+  for (int k = 0; k < top_k; ++k) {
     // The lane's best (strict > keeps the lowest id among equals), then the warp's.
     float best = -1.0f;
     int best_expert = INT_MAX;
@@ -118,25 +125,104 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
       if (lane + 32 * i == best_expert) p[i] = -1.0f;
     }
     // NaN logits leave no winner: that pick is marked invalid (it then contributes nothing).
-    const bool valid = best_expert < a.num_experts;
+    const bool valid = best_expert < num_experts;
     kept += valid ? best : 0.0f;
     if (lane == k) {
       my_expert = valid ? best_expert : -1;
       my_probability = best;
     }
   }
-  if (lane < a.top_k) {
-    const int64_t i = static_cast<int64_t>(token) * a.top_k + lane;
-    a.expert_ids[i] = my_expert;
-    a.weights[i] = my_expert >= 0 ? my_probability / kept * a.per_expert_scale[my_expert] : 0.0f;
+  if (lane < top_k) {
+    expert_ids[lane] = my_expert;
+    weights[lane] = my_expert >= 0 ? my_probability / kept * per_expert_scale[my_expert] : 0.0f;
   }
 }
 
-template <int N>
-__device__ __forceinline__ float butterfly_sum(float v) {
+__global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a) {
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int token = blockIdx.x * kRouterWarps + static_cast<int>(threadIdx.x >> 5);
+  if (token >= a.tokens) return;
+  const int64_t pick = static_cast<int64_t>(token) * a.top_k;
+  route_token(a.logits + token * a.logits_stride, a.num_experts, a.top_k, a.per_expert_scale,
+              a.expert_ids + pick, a.weights + pick);
+}
+
+// ---- Fused decode router (one token): the bf16 router GEMV and route_token in one launch ----
+
+// One cluster of blocks splits the experts' rows (a single block would read the 0.7 MB of
+// 26B-A4B's router alone, bandwidth-bound on one SM); each block puts its logits into block 0's
+// shared memory, and after the cluster barrier block 0 routes. No atomics, no host round-trip.
+constexpr int kRouterClusterBlocks = 8;
+constexpr int kRouterGemvWarps = 8;
+// 16-byte chunks (8 bf16) per lane per pass: 12 cover hidden 3072 in one pass.
+constexpr int kRouterChunksPerLane = 12;
+// Rows of one warp: kMaxRouterExperts over the cluster's warps.
+constexpr int kRouterRowsPerWarp = kMaxRouterExperts / (kRouterClusterBlocks * kRouterGemvWarps);
+
+__global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
+    __launch_bounds__(kRouterGemvWarps * 32) fused_router_kernel(FusedRouterArgs a) {
+  namespace cg = cooperative_groups;
+  __shared__ float cluster_logits[kMaxRouterExperts];
+  pdl_trigger_dependents();
+  const cg::cluster_group cluster = cg::this_cluster();
+  // Every block of the cluster must have started before another writes its shared memory: the
+  // arrival now, the wait only before those writes.
+  cluster.barrier_arrive();
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int rows_per_block = (a.num_experts + kRouterClusterBlocks - 1) / kRouterClusterBlocks;
+  const int first_row = static_cast<int>(cluster.block_rank()) * rows_per_block + warp;
+  const int end_row = min(first_row - warp + rows_per_block, a.num_experts);
+  const int64_t chunks = a.hidden / 8;
+  float row_logits[kRouterRowsPerWarp];
+  bool waited = false;
 #pragma unroll
-  for (int offset = N / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  return v;
+  for (int i = 0; i < kRouterRowsPerWarp; ++i) {
+    const int row = first_row + i * kRouterGemvWarps;
+    row_logits[i] = 0.0f;
+    if (row >= end_row) continue;
+    const uint4* w = static_cast<const uint4*>(a.w) + row * chunks;
+    float acc = 0.0f;
+    for (int64_t base = 0; base < chunks; base += 32 * kRouterChunksPerLane) {
+      uint4 q[kRouterChunksPerLane];
+#pragma unroll
+      for (int j = 0; j < kRouterChunksPerLane; ++j) {
+        const int64_t chunk = base + 32 * j + lane;
+        q[j] = chunk < chunks ? load_weights_nc(w + chunk) : make_uint4(0, 0, 0, 0);
+      }
+      // The weights are constant: their first loads go out before the wait for x.
+      if (!waited) {
+        pdl_wait_for_predecessors();
+        waited = true;
+      }
+#pragma unroll
+      for (int j = 0; j < kRouterChunksPerLane; ++j) {
+        const int64_t chunk = base + 32 * j + lane;
+        if (chunk >= chunks) continue;
+        XChunk<8> xc;
+        load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
+        acc += dot_bf16(q[j], xc);
+      }
+    }
+    row_logits[i] = butterfly_sum<32>(acc);
+  }
+  if (!waited) pdl_wait_for_predecessors();
+  cluster.barrier_wait();
+  float* logits_of_block0 = cluster.map_shared_rank(cluster_logits, 0);
+#pragma unroll
+  for (int i = 0; i < kRouterRowsPerWarp; ++i) {
+    const int row = first_row + i * kRouterGemvWarps;
+    if (lane == 0 && row < end_row) {
+      a.logits[row] = row_logits[i];
+      logits_of_block0[row] = row_logits[i];
+    }
+  }
+  cluster.sync();
+  if (cluster.block_rank() == 0 && warp == 0) {
+    route_token(cluster_logits, a.num_experts, a.top_k, a.per_expert_scale, a.expert_ids,
+                a.weights);
+  }
 }
 
 // ---- Decode path ----
@@ -980,6 +1066,11 @@ cudaError_t launch_grouped(const MoeRunArgs& args, const MoeWorkspaceLayout& lay
 cudaError_t launch_router(const RouterArgs& args, const Launch& launch) {
   const dim3 grid(blocks(args.tokens, kRouterWarps));
   return launch_kernel(router_kernel, grid, dim3(kRouterWarps * 32), 0, launch, args);
+}
+
+cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launch) {
+  return launch_kernel(fused_router_kernel, dim3(kRouterClusterBlocks), dim3(kRouterGemvWarps * 32),
+                       0, launch, args);
 }
 
 MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k,

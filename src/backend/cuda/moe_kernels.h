@@ -55,6 +55,21 @@ struct RouterArgs {
 };
 cudaError_t launch_router(const RouterArgs& args, const Launch& launch);
 
+// One token's router logits from bf16 router weights, then launch_router's picks, in one launch.
+struct FusedRouterArgs {
+  const void* w;        // bf16 [num_experts, hidden], 16-byte aligned rows
+  const float* x;       // [hidden], 16-byte aligned
+  int64_t hidden;       // a multiple of 8
+  int round_x_to_bf16;  // x rounded to bf16 before the products (as the GEMV's bf16 mode)
+  int num_experts;
+  int top_k;
+  const float* per_expert_scale;
+  float* logits;        // [num_experts]
+  int32_t* expert_ids;  // [top_k]
+  float* weights;       // [top_k]
+};
+cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launch);
+
 // The two ways launch_moe runs the experts (moe.cu describes both).
 enum class MoePath : uint8_t {
   kDecode,   // every (token, expert) pair as a GEMV, fp32 throughout: two kernels
