@@ -66,6 +66,13 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
+void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
+                                  const float* weight, float scalar, const float* next_weight,
+                                  Rows next, const NormParams& norm) {
+  add_rms_norm(branch, x, branch_weight, 1.0f, nullptr, Rows{}, norm);
+  add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm);
+}
+
 void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                    const RouterParams& router, int32_t* expert_ids,
                                    float* weights) {

@@ -263,6 +263,14 @@ class Backend {
                          const float* router_scale, float router_factor, const float* expert_weight,
                          Rows router_in, Rows expert_in, const NormParams& norm);
 
+  // A MoE block's end: branch = branch + norm(x; branch_weight) (the expert output joining the
+  // dense one), then add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm). x and
+  // branch may be overwritten. Default: add_rms_norm(branch, x, branch_weight, 1, none), then that
+  // add_rms_norm.
+  virtual void add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
+                                   const float* weight, float scalar, const float* next_weight,
+                                   Rows next, const NormParams& norm);
+
   // Attention inputs of one layer, in place: q per head normed (q_norm) and rotated; if
   // k.data != nullptr (the layer owns its KV): k per head normed (k_norm) and rotated, v per
   // head normed without weight when norm_v, and rows [s.first_row, s.first_row + s.count) of k/v

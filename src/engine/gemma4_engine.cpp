@@ -217,6 +217,7 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   Rows dense_out = rows(branch, n, H);
   backend->matmul(lw.down_proj, gates, dense_out);
 
+  Rows expert_out = rows(moe, n, H);
   if (config.moe) {
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
     // The router's input goes to proj (free here: the attention block consumed it).
@@ -230,25 +231,32 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->matmul_route_experts(lw.router_proj, router_in, scores, {p.top_k, lw.per_expert_scale},
                                   expert_ids.ints(), expert_weights.floats());
     if (options.router_trace) trace_routing(l, n);
-    Rows expert_out = rows(moe, n, H);
     backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
                          expert_out);
-    // dense_out += norm(expert_out; post_feedforward_layernorm_2).
-    backend->add_rms_norm(dense_out, expert_out, lw.post_feedforward_layernorm_2, 1.0f, nullptr,
-                          Rows{}, norm_params);
   }
+  // The feed-forward residual step; a MoE layer's expert output joins the dense one in it
+  // (dense_out + norm(expert_out; post_feedforward_layernorm_2) is what post_feedforward_layernorm
+  // norms).
+  const auto residual_step = [&](float scalar, const float* next_weight, Rows next_rows) {
+    if (config.moe) {
+      backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
+                                   lw.post_feedforward_layernorm, scalar, next_weight, next_rows,
+                                   norm_params);
+    } else {
+      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, scalar, next_weight,
+                            next_rows, norm_params);
+    }
+  };
 
   // The layer ends by norming its output for the next layer's attention (none after the last).
   const bool last = l + 1 == config.num_layers;
   const float* next_norm = last ? nullptr : weights.layers[l + 1].input_layernorm;
   const Rows next = last ? Rows{} : rows(normed, n, H);
   if (config.ple_dim == 0) {
-    backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
-                          next_norm, next, norm_params);
+    residual_step(lw.layer_scalar, next_norm, next);
     return;
   }
-  backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, 1.0f, nullptr, Rows{},
-                        norm_params);
+  residual_step(1.0f, nullptr, Rows{});
   // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
   Rows gated = rows(ple_gate, n, config.ple_dim);
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)

@@ -565,6 +565,44 @@ TEST(MoeNorms, CudaBackendMatchesTheComposition) {
   }
 }
 
+// CudaBackend::add_rms_norm_branch (one kernel: the MoE block's end) against the CPU backend's
+// two add_rms_norm calls, with and without the next norm, strided rows.
+TEST(MoeNorms, AddRmsNormBranchMatchesTheComposition) {
+  auto made = make_cuda_backend();
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  engine::Backend& gpu = **made;
+  CpuBackend cpu(0);
+  uint32_t seed = 980;
+  for (const bool with_next : {true, false}) {
+    const int64_t rows = 3, width = kHidden, stride = kHidden + 4;
+    const int64_t elements = rows * stride;
+    const auto acc = testing::random_floats(elements, -40.0f, 40.0f, seed++);
+    const auto branch = testing::random_floats(elements, -3.0f, 3.0f, seed++);
+    const auto x = testing::random_floats(elements, -3.0f, 3.0f, seed++);
+    const auto branch_weight = testing::random_floats(width, -1.0f, 1.5f, seed++);
+    const auto weight = testing::random_floats(width, -1.0f, 1.5f, seed++);
+    const auto next_weight = testing::random_floats(width, -1.0f, 1.5f, seed++);
+    const engine::NormParams norm = {0.0f, 1e-6f};
+    auto view = [&](float* data) { return Rows{data, rows, width, stride}; };
+    std::vector<float> cpu_acc = acc, cpu_branch = branch, cpu_x = x, cpu_next(elements, 0.0f);
+    cpu.add_rms_norm_branch(view(cpu_acc.data()), view(cpu_branch.data()), view(cpu_x.data()),
+                            branch_weight.data(), weight.data(), 0.75f, next_weight.data(),
+                            with_next ? view(cpu_next.data()) : Rows{}, norm);
+    DeviceArray<float> d_acc(acc), d_branch(branch), d_x(x), d_branch_weight(branch_weight),
+        d_weight(weight), d_next_weight(next_weight), d_next(std::vector<float>(elements, 0.0f));
+    gpu.add_rms_norm_branch(view(d_acc.get()), view(d_branch.get()), view(d_x.get()),
+                            d_branch_weight.get(), d_weight.get(), 0.75f, d_next_weight.get(),
+                            with_next ? view(d_next.get()) : Rows{}, norm);
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+    const auto got_acc = d_acc.download(), got_next = d_next.download();
+    for (int64_t i = 0; i < elements; ++i) {
+      ASSERT_NEAR(got_acc[i], cpu_acc[i], 1e-5 * (1.0 + std::fabs(cpu_acc[i]))) << "acc " << i;
+      ASSERT_NEAR(got_next[i], cpu_next[i], 1e-5 * (1.0 + std::fabs(cpu_next[i]))) << "next " << i;
+    }
+  }
+}
+
 // CudaBackend::matmul_route_experts for one token (the fused router kernel: a cluster of blocks,
 // then the routing in block 0) against the CPU backend's matmul + route_experts, in both
 // activation modes (fp32 x, and x rounded to bf16 as the GEMV's bf16 mode; the CPU reference

@@ -55,6 +55,38 @@ TEST(BackendDefaults, AddRmsNormAddsScalesAndNormsTheNextInput) {
   }
 }
 
+TEST(BackendDefaults, AddRmsNormBranchJoinsTheBranchFirst) {
+  backend::cpu::CpuBackend backend(2);
+  const int64_t rows = 2, width = 40;
+  const NormParams params{0.0f, 1e-6f};
+  const auto x0 = testing::random_normal(rows * width, 21),
+             branch0 = testing::random_normal(rows * width, 22),
+             acc0 = testing::random_normal(rows * width, 23);
+  const auto branch_weight = testing::random_normal(width, 24),
+             weight = testing::random_normal(width, 25),
+             next_weight = testing::random_normal(width, 26);
+  auto x = x0, branch = branch0, acc = acc0;
+  std::vector<float> next(rows * width);
+  backend.add_rms_norm_branch(
+      Rows::dense(acc.data(), rows, width), Rows::dense(branch.data(), rows, width),
+      Rows::dense(x.data(), rows, width), branch_weight.data(), weight.data(), 0.5f,
+      next_weight.data(), Rows::dense(next.data(), rows, width), params);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto normed_x = rms_normed(&x0[r * width], width, branch_weight.data(), params);
+    std::vector<float> joined(width);
+    for (int64_t j = 0; j < width; ++j)
+      joined[j] = static_cast<float>(branch0[r * width + j] + normed_x[j]);
+    const auto normed = rms_normed(joined.data(), width, weight.data(), params);
+    std::vector<float> expected_acc(width);
+    for (int64_t j = 0; j < width; ++j) {
+      expected_acc[j] = static_cast<float>((acc0[r * width + j] + normed[j]) * 0.5);
+      EXPECT_NEAR(acc[r * width + j], expected_acc[j], 1e-5);
+    }
+    const auto expected_next = rms_normed(expected_acc.data(), width, next_weight.data(), params);
+    for (int64_t j = 0; j < width; ++j) EXPECT_NEAR(next[r * width + j], expected_next[j], 1e-4);
+  }
+}
+
 TEST(BackendDefaults, MoeNormsNormTheDenseOutputAndBothExpertInputs) {
   backend::cpu::CpuBackend backend(2);
   const int64_t rows = 3, width = 40;

@@ -682,6 +682,21 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
+void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
+                                      const float* weight, float scalar, const float* next_weight,
+                                      Rows next, const engine::NormParams& norm) {
+  if (acc.count == 0) return;
+  AddNormSpec spec;
+  spec.weight = weight;
+  spec.next_weight = next_weight;
+  spec.weight_offset = norm.weight_offset;
+  spec.eps = norm.eps;
+  spec.scalar = scalar;
+  launched(cuda::add_rms_norm_branch(view(x), view(branch), branch_weight, view(acc), view(next),
+                                     spec, launch()),
+           "add_rms_norm_branch");
+}
+
 void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                        const engine::RouterParams& router, int32_t* expert_ids,
                                        float* weights) {

@@ -116,6 +116,10 @@ class CudaBackend final : public engine::Backend {
   void add_rms_norm(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
                     const float* next_weight, engine::Rows next,
                     const engine::NormParams& norm) override;
+  void add_rms_norm_branch(engine::Rows acc, engine::Rows branch, engine::Rows x,
+                           const float* branch_weight, const float* weight, float scalar,
+                           const float* next_weight, engine::Rows next,
+                           const engine::NormParams& norm) override;
   void matmul_route_experts(const quant::QMatrix& router_proj, engine::Rows x, engine::Rows logits,
                             const engine::RouterParams& router, int32_t* expert_ids,
                             float* weights) override;

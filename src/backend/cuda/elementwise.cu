@@ -214,18 +214,23 @@ struct AddNormArgs {
   RowsView residual;
   RowsView next;
   AddNormSpec spec;
+  RowsView branch;  // kBranch only (add_rms_norm_branch)
+  const float* branch_weight;
 };
 
-template <int kQuads, bool kAligned>
+// kBranch: x = branch + rms_norm(x; branch_weight) first (add_rms_norm_branch).
+template <int kQuads, bool kAligned, bool kBranch>
 __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float x_sums[32], residual_sums[32];
+  __shared__ float x_sums[32], residual_sums[32], branch_sums[32];
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
   const bool has_next = a.next.data != nullptr;
   // The norm weights are not written by a predecessor: loaded before the wait.
-  FloatQuad scale[kQuads], next_scale[kQuads];
+  FloatQuad scale[kQuads], next_scale[kQuads], branch_scale[kQuads];
   load_row_scale<kQuads, kAligned>(spec.weight, spec.weight_offset, width, scale);
+  if constexpr (kBranch)
+    load_row_scale<kQuads, kAligned>(a.branch_weight, spec.weight_offset, width, branch_scale);
   if (has_next)
     load_row_scale<kQuads, kAligned>(spec.next_weight, spec.weight_offset, width, next_scale);
   pdl_wait_for_predecessors();
@@ -234,6 +239,15 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   FloatQuad x[kQuads], residual[kQuads];
   load_row<kQuads, kAligned>(a.x.data + r * a.x.stride, width, x);
   load_row<kQuads, kAligned>(residual_row, width, residual);
+  if constexpr (kBranch) {
+    FloatQuad branch[kQuads];
+    load_row<kQuads, kAligned>(a.branch.data + r * a.branch.stride, width, branch);
+    scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, branch_sums), branch_scale);
+#pragma unroll
+    for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) x[k].v[e] = branch[k].v[e] + x[k].v[e];
+  }
 
   scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, x_sums), scale);
 #pragma unroll
@@ -381,27 +395,51 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
                        0, launch, args);
 }
 
-cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
-                         const AddNormSpec& spec, const Launch& launch) {
+namespace {
+
+// add_rms_norm with or without the branch step (branch.data == nullptr: without).
+cudaError_t launch_add_rms_norm(const RowsView& x, const RowsView& branch,
+                                const float* branch_weight, const RowsView& residual,
+                                const RowsView& next, const AddNormSpec& spec,
+                                const Launch& launch) {
+  const bool has_branch = branch.data != nullptr;
   if (x.rows < 1 || x.width < 1 || !fits_registers(x.width) || !valid_rows(x, x.rows, x.width) ||
       !valid_rows(residual, x.rows, x.width) ||
-      (next.data != nullptr && !valid_rows(next, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
+      (next.data != nullptr && !valid_rows(next, x.rows, x.width)) ||
+      (has_branch && !valid_rows(branch, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
       !companions_fit(spec.residual_companions, x.width) ||
       !companions_fit(spec.next_companions, x.width) ||
       (next.data == nullptr && has_companions(spec.next_companions))) {
     return cudaErrorInvalidValue;
   }
-  // [quads per thread − 1][16-byte accesses]
-  constexpr decltype(&add_rms_norm_kernel<1, true>) kKernels[2][2] = {
-      {add_rms_norm_kernel<1, false>, add_rms_norm_kernel<1, true>},
-      {add_rms_norm_kernel<2, false>, add_rms_norm_kernel<2, true>}};
+  // [with branch][quads per thread − 1][16-byte accesses]
+  constexpr decltype(&add_rms_norm_kernel<1, true, false>) kKernels[2][2][2] = {
+      {{add_rms_norm_kernel<1, false, false>, add_rms_norm_kernel<1, true, false>},
+       {add_rms_norm_kernel<2, false, false>, add_rms_norm_kernel<2, true, false>}},
+      {{add_rms_norm_kernel<1, false, true>, add_rms_norm_kernel<1, true, true>},
+       {add_rms_norm_kernel<2, false, true>, add_rms_norm_kernel<2, true, true>}}};
   const bool aligned = x.width % 4 == 0 && aligned_rows(x) && aligned_rows(residual) &&
-                       aligned_rows(next) && aligned_16(spec.weight) &&
-                       aligned_16(spec.next_weight);
+                       aligned_rows(next) && aligned_rows(branch) && aligned_16(spec.weight) &&
+                       aligned_16(spec.next_weight) && aligned_16(branch_weight);
   const RowShape shape = row_shape(x.width);
-  const AddNormArgs args = {x, residual, next, spec};
-  return launch_kernel(kKernels[shape.quads_per_thread - 1][aligned],
+  const AddNormArgs args = {x, residual, next, spec, branch, branch_weight};
+  return launch_kernel(kKernels[has_branch][shape.quads_per_thread - 1][aligned],
                        dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
+}
+
+}  // namespace
+
+cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
+                         const AddNormSpec& spec, const Launch& launch) {
+  return launch_add_rms_norm(x, RowsView{}, nullptr, residual, next, spec, launch);
+}
+
+cudaError_t add_rms_norm_branch(const RowsView& x, const RowsView& branch,
+                                const float* branch_weight, const RowsView& residual,
+                                const RowsView& next, const AddNormSpec& spec,
+                                const Launch& launch) {
+  if (branch.data == nullptr) return cudaErrorInvalidValue;
+  return launch_add_rms_norm(x, branch, branch_weight, residual, next, spec, launch);
 }
 
 cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsView& router_in,

@@ -62,6 +62,14 @@ struct AddNormSpec {
 cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
                          const AddNormSpec& spec, const Launch& launch);
 
+// add_rms_norm after a branch step (engine::Backend::add_rms_norm_branch: a MoE block's end):
+//   branch[r] + rms_norm(x[r]; branch_weight) takes x[r]'s place (neither is written back), then
+//   add_rms_norm as above. branch has x's shape; branch_weight as spec's weights.
+cudaError_t add_rms_norm_branch(const RowsView& x, const RowsView& branch,
+                                const float* branch_weight, const RowsView& residual,
+                                const RowsView& next, const AddNormSpec& spec,
+                                const Launch& launch);
+
 // The norms of a MoE block (engine::Backend::moe_norms) in one launch, one block per row:
 //   dense[r] = rms_norm(dense[r]; dense_weight)                            (in place)
 //   router_in[r][j] = (rms_norm(hidden[r]) · router_scale[j]) · router_factor  (weightless norm)
