@@ -694,11 +694,7 @@ INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,
                                                       model::SynthFormat::kW4A16}),
                          [](const auto& info) { return info.param.fixture; });
 
-std::vector<int32_t> prompt_ids(int n, int salt) {
-  std::vector<int32_t> ids{2};
-  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
-  return ids;
-}
+using gemma4::testing::prompt_ids;
 
 // Re-encodes a model's matrices in the formats a GGUF file loads as (the values rounded to what
 // the new format holds: the CPU and CUDA engines then run the same weights). Owns the bytes.
