@@ -46,11 +46,9 @@ constexpr float kPadding = 7.25f;
 // activations (set_fp32_activations); prefill_test.cpp checks the bf16 tensor-core prefill paths,
 // gemv_test.cpp the GEMVs' bf16-rounded activations.
 std::unique_ptr<engine::Backend> make_gpu() {
-  auto made = make_cuda_backend();
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  if (!made.ok()) return nullptr;
-  static_cast<CudaBackend&>(**made).set_fp32_activations(true);
-  return std::move(*made);
+  auto gpu = testing::make_gpu();
+  if (gpu) static_cast<CudaBackend&>(*gpu).set_fp32_activations(true);
+  return gpu;
 }
 
 // `count` rows of `width` floats, `stride` apart, on both sides.
