@@ -41,6 +41,13 @@ inline std::vector<float> random_normal(size_t count, uint32_t seed, float stdde
   return values;
 }
 
+// `n` token ids for a test prompt: the BOS id 2, then ids in [1000, 201000) that `salt` varies.
+inline std::vector<int32_t> prompt_ids(int n, int salt) {
+  std::vector<int32_t> ids{2};
+  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
+  return ids;
+}
+
 // `result` failed with `code`, and its message names every fragment.
 template <typename T>
 void expect_error(const Expected<T>& result, ErrorCode code,

@@ -46,11 +46,9 @@ constexpr float kPadding = 7.25f;
 // activations (set_fp32_activations); prefill_test.cpp checks the bf16 tensor-core prefill paths,
 // gemv_test.cpp the GEMVs' bf16-rounded activations.
 std::unique_ptr<engine::Backend> make_gpu() {
-  auto made = make_cuda_backend();
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  if (!made.ok()) return nullptr;
-  static_cast<CudaBackend&>(**made).set_fp32_activations(true);
-  return std::move(*made);
+  auto gpu = testing::make_gpu();
+  if (gpu) static_cast<CudaBackend&>(*gpu).set_fp32_activations(true);
+  return gpu;
 }
 
 // `count` rows of `width` floats, `stride` apart, on both sides.
@@ -694,11 +692,7 @@ INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,
                                                       model::SynthFormat::kW4A16}),
                          [](const auto& info) { return info.param.fixture; });
 
-std::vector<int32_t> prompt_ids(int n, int salt) {
-  std::vector<int32_t> ids{2};
-  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
-  return ids;
-}
+using gemma4::testing::prompt_ids;
 
 // Re-encodes a model's matrices in the formats a GGUF file loads as (the values rounded to what
 // the new format holds: the CPU and CUDA engines then run the same weights). Owns the bytes.

@@ -10,10 +10,12 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <random>
 #include <thread>
 #include <vector>
 
+#include "backend/cuda/cuda_backend.h"
 #include "engine/backend.h"
 
 namespace gemma4::cuda::testing {
@@ -55,6 +57,13 @@ class DeviceArray {
   T* data_ = nullptr;
   size_t count_ = 0;
 };
+
+// A CUDA backend on device 0, or null after a failed expectation (no usable GPU).
+inline std::unique_ptr<engine::Backend> make_gpu() {
+  auto made = make_cuda_backend();
+  EXPECT_TRUE(made.ok()) << made.error().to_string();
+  return made.ok() ? std::move(*made) : nullptr;
+}
 
 // A host array (the CPU backend's operand) and its copy in a CUDA backend buffer.
 template <typename T>

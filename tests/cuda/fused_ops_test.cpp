@@ -30,11 +30,7 @@ using engine::SequenceRows;
 
 constexpr double kTolerance = 1e-5;
 
-std::unique_ptr<engine::Backend> make_gpu() {
-  auto made = make_cuda_backend();
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  return made.ok() ? std::move(*made) : nullptr;
-}
+using testing::make_gpu;
 
 using testing::Mirrored;
 

@@ -52,11 +52,7 @@ constexpr float kPadding = 7.25f;  // between strided rows: an operation must le
 constexpr double kBf16Roundoff = 1.0 / 512;
 constexpr double kFp32Roundoff = 1.0 / 16777216;
 
-std::unique_ptr<engine::Backend> make_gpu() {
-  auto made = make_cuda_backend();
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  return made.ok() ? std::move(*made) : nullptr;
-}
+using testing::make_gpu;
 
 // `count` rows of `width` floats, `stride` apart, on the host and on the device.
 class TwinRows {

@@ -32,11 +32,7 @@ std::unique_ptr<Gemma4Engine> make_engine(const std::string& config, int ring_hi
   return std::move(*engine);
 }
 
-std::vector<int32_t> prompt_ids(int n, int salt) {
-  std::vector<int32_t> ids{2};
-  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
-  return ids;
-}
+using testing::prompt_ids;
 
 double max_abs_diff(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0;

@@ -46,11 +46,16 @@ class Hub:
             def log_message(self, *args):
                 pass
 
+            def empty_response(self, status, headers=()):
+                self.send_response(status)
+                for name, value in headers:
+                    self.send_header(name, value)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
             def authorized(self):
                 if hub.token and self.headers.get("Authorization") != f"Bearer {hub.token}":
-                    self.send_response(401)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self.empty_response(401)
                     return False
                 return True
 
@@ -66,9 +71,7 @@ class Hub:
                     return
                 data = self.resolve()
                 if data is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self.empty_response(404)
                     return
                 self.send_response(200)
                 self.send_header("ETag", '"%s"' % hashlib.sha256(data).hexdigest())
@@ -89,16 +92,11 @@ class Hub:
                     return
                 if self.path.startswith(f"/{hub.repo_id}/resolve/main/"):
                     # Like the hub for LFS files: redirect the branch name to the commit.
-                    self.send_response(302)
-                    self.send_header("Location", self.path.replace("/main/", f"/{SHA}/"))
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self.empty_response(302, [("Location", self.path.replace("/main/", f"/{SHA}/"))])
                     return
                 data = self.resolve()
                 if data is None:
-                    self.send_response(404)
-                    self.send_header("Content-Length", "0")
-                    self.end_headers()
+                    self.empty_response(404)
                     return
                 start = 0
                 if "Range" in self.headers:
