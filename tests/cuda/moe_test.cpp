@@ -618,7 +618,8 @@ TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
   };
   uint32_t seed = 950;
   for (const bool fp32 : {true, false}) {
-    auto made = make_cuda_backend(0, {.fp32 = fp32});
+    auto made =
+        make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
     ASSERT_TRUE(made.ok()) << made.error().to_string();
     engine::Backend& gpu = **made;
     for (const Case& c : {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1},
