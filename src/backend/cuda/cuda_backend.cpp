@@ -838,6 +838,17 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
                                                                        q_heads, head_dim, splits)));
     if (partials == nullptr) return;
   }
+  // The launches write the companions of out (o_proj's input) when their sequences' rows cover
+  // every row of out exactly once: then no row's companions are left stale.
+  std::vector<bool> covered(static_cast<size_t>(out.count), false);
+  bool covers_out = std::ssize(sequences) == out.count;
+  for (const engine::SequenceRows& s : sequences) {
+    covers_out = covers_out && s.first_row >= 0 && s.first_row < out.count &&
+                 !covered[static_cast<size_t>(s.first_row)];
+    if (covers_out) covered[static_cast<size_t>(s.first_row)] = true;
+  }
+  const ActivationCompanions companions =
+      covers_out ? produced_companions(out) : ActivationCompanions{};
   // Chunks run in stream order, so they share the partials.
   for (size_t first = 0; first < sequences.size(); first += kMaxBatchedSequences) {
     const auto chunk =
@@ -860,15 +871,23 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     cache.sequences = &table;
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
-    const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                                {partials, splits}, splits, launch());
+    cudaError_t status;
+    {
+      // The launch writes out and its companions (reported below), the KV cache and the partials
+      // (never GEMV inputs): other rows' companions stay live.
+      const ReportingWrites reporting(*this);
+      status = decode_attention(query, cache, window, scale, out.data, out.stride,
+                                {partials, splits}, splits, launch(), companions);
+    }
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
+      wrote(out);  // earlier chunks wrote rows of out
       otherwise(first);
       return;
     }
     launched(status, "decode attention", splits > 1 ? 2 : 1);  // + the split merge
   }
+  produced(out, companions);
 }
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
