@@ -66,6 +66,13 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
+void Backend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                  const float* weight, float scalar, const float* next_weight,
+                                  Rows next, const NormParams& norm) {
+  matmul(w, x, y);
+  add_rms_norm(acc, y, weight, scalar, next_weight, next, norm);
+}
+
 void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                    const RouterParams& router, int32_t* expert_ids,
                                    float* weights) {

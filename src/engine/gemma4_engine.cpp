@@ -192,10 +192,9 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   }
 
   Rows projected = rows(proj, n, config.hidden_size);
-  backend->matmul(lw.o_proj, out, projected);
-  backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
-                        lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
-                        norm_params);
+  backend->matmul_add_rms_norm(lw.o_proj, out, projected, hidden, lw.post_attention_layernorm, 1.0f,
+                               lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
+                               norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
@@ -214,10 +213,11 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->matmul(lw.up_proj, m, ups);
     backend->gelu_tanh_mul(gates, ups, gates);
   }
+  // down's product: here for MoE (its norms read it), else in the residual step (add_dense).
   Rows dense_out = rows(branch, n, H);
-  backend->matmul(lw.down_proj, gates, dense_out);
 
   if (config.moe) {
+    backend->matmul(lw.down_proj, gates, dense_out);
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
     // The router's input goes to proj (free here: the attention block consumed it).
     const auto& p = config.moe_params;
@@ -242,22 +242,31 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const bool last = l + 1 == config.num_layers;
   const float* next_norm = last ? nullptr : weights.layers[l + 1].input_layernorm;
   const Rows next = last ? Rows{} : rows(normed, n, H);
+  // hidden = (hidden + norm(dense_out)) · scalar, then the next norm if any; without MoE fused
+  // with down's product.
+  auto add_dense = [&](float scalar, const float* next_weight, Rows next_rows) {
+    if (config.moe) {
+      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, scalar, next_weight,
+                            next_rows, norm_params);
+    } else {
+      backend->matmul_add_rms_norm(lw.down_proj, gates, dense_out, hidden,
+                                   lw.post_feedforward_layernorm, scalar, next_weight, next_rows,
+                                   norm_params);
+    }
+  };
   if (config.ple_dim == 0) {
-    backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
-                          next_norm, next, norm_params);
+    add_dense(lw.layer_scalar, next_norm, next);
     return;
   }
-  backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, 1.0f, nullptr, Rows{},
-                        norm_params);
+  add_dense(1.0f, nullptr, Rows{});
   // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
   Rows gated = rows(ple_gate, n, config.ple_dim);
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
                              .columns(int64_t{l} * config.ple_dim, config.ple_dim);
   backend->matmul_gelu_mul(lw.per_layer_input_gate, hidden, layer_ple, gated);
-  Rows projected = rows(proj, n, H);
-  backend->matmul(lw.per_layer_projection, gated, projected);
-  backend->add_rms_norm(hidden, projected, lw.post_per_layer_input_norm, lw.layer_scalar, next_norm,
-                        next, norm_params);
+  backend->matmul_add_rms_norm(lw.per_layer_projection, gated, rows(proj, n, H), hidden,
+                               lw.post_per_layer_input_norm, lw.layer_scalar, next_norm, next,
+                               norm_params);
 }
 
 void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {

@@ -682,6 +682,51 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
+unsigned int* CudaBackend::blocks_done_counter(const float* y) {
+  auto counter = blocks_done_counters_.find(y);
+  if (counter == blocks_done_counters_.end()) {
+    engine::Buffer buffer = allocate(sizeof(unsigned int));  // zero-filled
+    if (buffer.data() == nullptr) return nullptr;
+    counter = blocks_done_counters_.emplace(y, std::move(buffer)).first;
+  }
+  return static_cast<unsigned int*>(counter->second.data());
+}
+
+void CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                      const float* weight, float scalar, const float* next_weight,
+                                      Rows next, const engine::NormParams& norm) {
+  const bool one_row = x.count == 1 && y.count == 1 && acc.count == 1 && y.width == w.rows &&
+                       acc.width == w.rows &&
+                       (next.data == nullptr || (next.count == 1 && next.width == w.rows));
+  if (one_row) {
+    const ReportingWrites reporting(*this);
+    GemvOutput out = {y.data, y.stride};
+    GemvResidualNorm& step = out.residual_norm;
+    step.residual = acc.data;
+    step.next = next.data;
+    step.weight = weight;
+    step.next_weight = next_weight;
+    step.weight_offset = norm.weight_offset;
+    step.eps = norm.eps;
+    step.scalar = scalar;
+    // As add_rms_norm: the companions of whichever row the next GEMV reads.
+    if (next.data != nullptr) {
+      step.next_companions = produced_companions(next);
+    } else {
+      step.residual_companions = produced_companions(acc);
+    }
+    step.blocks_done = blocks_done_counter(y.data);
+    if (step.blocks_done == nullptr) return;
+    wrote(y);
+    if (packed_gemv(w, x, out, "matmul_add_rms_norm (gemv)")) {
+      produced(acc, step.residual_companions);
+      if (next.data != nullptr) produced(next, step.next_companions);
+      return;
+    }
+  }
+  Backend::matmul_add_rms_norm(w, x, y, acc, weight, scalar, next_weight, next, norm);
+}
+
 void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                        const engine::RouterParams& router, int32_t* expert_ids,
                                        float* weights) {
