@@ -2,7 +2,7 @@
 // engine throughput as a serving loop sees it (Engine::step, logits returned to the host every
 // step). Measures
 //  * decode tok/s of one stream at several context depths (each depth reached by prefill),
-//  * prefill tok/s of one prompt of several lengths,
+//  * prefill tok/s of one prompt of several lengths (each after an untimed one of its length),
 //  * aggregate decode tok/s of several concurrent streams (one batched step per token),
 // and reports the weights read per decoded token, the effective GB/s that implies and its share
 // of --bandwidth-gbs, peak GPU memory and kernels per token. Prints a table; --json FILE writes
@@ -268,13 +268,19 @@ class Bench {
     return static_cast<double>(batch) * args_.decode_tokens / elapsed;
   }
 
-  // One prompt of `count` tokens in one step, after an untimed short prefill (warm-up).
+  // One prompt of `count` tokens in one step, timed after an untimed prefill of the same length
+  // on a sequence of its own (warm-up). The first pass of a row count the engine has not run yet
+  // pays one-time costs that are not prefill throughput: cuBLAS picks and loads kernels for the
+  // new GEMM shapes, and scratch sized by the rows (split attention partials) grows with a device
+  // synchronisation. The decode depths before this reach their depth in full passes, so a
+  // prompt shorter than a pass is such a first (a warm-up of a few rows takes the GEMV path and
+  // warms none of it).
   Expected<double> prefill_rate(engine::Engine& engine, int64_t count) {
     TokenStream tokens(engine.vocab_size());
     std::vector<float> logits(engine.vocab_size());
-    for (const int64_t length : {std::min<int64_t>(count, 16), count}) {
+    for (const bool timed : {false, true}) {
       GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
-      const auto prompt = tokens.take(length);
+      const auto prompt = tokens.take(count);
       const engine::StepInput input{sequence, prompt};
       const auto start = Clock::now();
       const Status status = engine.step({&input, 1}, logits);
@@ -282,7 +288,7 @@ class Bench {
       engine.close_sequence(sequence);
       GEMMA4_RETURN_IF_ERROR(status);
       sample_memory();
-      if (length == count) return static_cast<double>(count) / elapsed;
+      if (timed) return static_cast<double>(count) / elapsed;
     }
     return make_error(ErrorCode::kInternal, "prefill of {} tokens was not measured", count);
   }
