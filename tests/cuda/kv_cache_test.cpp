@@ -281,7 +281,8 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheType, ::testing::Values(KvType::kBF16, Kv
                            return std::string(engine::kv_type_name(info.param));
                          });
 
-// The CPU reference with a cache of `type` emulated: K and V rounded as stored, kept in fp32.
+// The CPU reference with a cache of `type` emulated: K and V rounded as stored, kept in fp32
+// (kF32: not rounded).
 class RoundingKvBackend final : public gemma4::testing::CpuForwardingBackend {
  public:
   explicit RoundingKvBackend(KvType type) : type_(type) {}
@@ -313,6 +314,13 @@ std::vector<int32_t> prompt_ids(int n, int salt) {
   return ids;
 }
 
+// The middle value (the upper one of an even count).
+float median(std::vector<float> values) {
+  const auto middle = values.begin() + std::ssize(values) / 2;
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
 class KvCacheEngine : public ::testing::TestWithParam<std::tuple<std::string, KvType>> {};
 
 // Prefill past the sliding window (two sequences), then batched decode, graphs on: the CUDA
@@ -324,9 +332,10 @@ class KvCacheEngine : public ::testing::TestWithParam<std::tuple<std::string, Kv
 // K/V by a relative ±1e-5 before the rounding moves the logits by up to 0.1 (bf16) and 7.4
 // (e4m3, tiny-moe): the deltas the H200 showed. What is checked instead: over the whole run the
 // CUDA engine's logits are much closer to the rounding reference than the unrounded reference
-// is (mean |delta| below half the rounding's own effect; that perturbation gives 0.002 to
-// 0.27). A cache that did not round gives 1 by construction; one that rounded at another point
-// (before RoPE or the norm) about as much (errors as large, independent).
+// is: the median |delta| (rare routing changes move whole rows, so not the mean) below half the
+// rounding's own. Measured on the CPU: perturbations of ±1e-5 / ±3e-5 give 0 to 0.26 / 0.15 to
+// 0.33; rounding K/V before the norm and RoPE instead of after gives 0.80 to 1.38; not rounding
+// gives 1 by construction.
 TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
   const auto& [config, type] = GetParam();
   const auto dir = gemma4::testing::scratch_dir("kv_cache_engine_" + config);
@@ -366,8 +375,7 @@ TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
     ASSERT_TRUE(a.ok() && b.ok() && c.ok());
     sequences.push_back(*a);
   }
-  double gpu_delta_sum = 0.0, rounding_delta_sum = 0.0;
-  int64_t compared = 0;
+  std::vector<float> gpu_deltas, rounding_deltas;  // |delta logit| of every step and logit
   auto step_all = [&](const std::vector<std::vector<int32_t>>& tokens, const std::string& what) {
     std::vector<engine::StepInput> inputs;
     for (size_t i = 0; i < tokens.size(); ++i) inputs.push_back({sequences[i], tokens[i]});
@@ -381,11 +389,10 @@ TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
     int64_t not_finite = 0;
     for (size_t i = 0; i < got.size(); ++i) {
       if (!std::isfinite(got[i])) ++not_finite;
-      const double delta = std::fabs(double{got[i]} - expected[i]);
-      max_delta = std::max(max_delta, delta);
-      gpu_delta_sum += delta;
-      rounding_delta_sum += std::fabs(double{without_rounding[i]} - expected[i]);
-      ++compared;
+      const float delta = std::fabs(got[i] - expected[i]);
+      max_delta = std::max(max_delta, double{delta});
+      gpu_deltas.push_back(delta);
+      rounding_deltas.push_back(std::fabs(without_rounding[i] - expected[i]));
     }
     EXPECT_EQ(not_finite, 0) << what;
     std::printf("[ kv %s ] %s: max |delta logit| %.3g\n", engine::kv_type_name(type), what.c_str(),
@@ -402,11 +409,11 @@ TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
   for (int i = 0; i < 6; ++i) {
     next = step_all({{next[0]}, {next[1]}, {next[2]}}, "batched decode " + std::to_string(i));
   }
-  const double gpu_mean = gpu_delta_sum / compared, rounding_mean = rounding_delta_sum / compared;
-  std::printf("[ kv %s ] mean |delta logit|: cuda %.3g, the rounding's own effect %.3g\n",
-              engine::kv_type_name(type), gpu_mean, rounding_mean);
-  EXPECT_GT(rounding_mean, 0.0);
-  EXPECT_LT(gpu_mean, 0.5 * rounding_mean);
+  const double gpu_median = median(gpu_deltas), rounding_median = median(rounding_deltas);
+  std::printf("[ kv %s ] median |delta logit|: cuda %.3g, the rounding's own %.3g\n",
+              engine::kv_type_name(type), gpu_median, rounding_median);
+  EXPECT_GT(rounding_median, 0.0);
+  EXPECT_LT(gpu_median, 0.5 * rounding_median);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, KvCacheEngine,
