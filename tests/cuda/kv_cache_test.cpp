@@ -6,7 +6,8 @@
 //  * every reader (the generic kernel of a prefill chunk, the decode kernel) attends over the
 //    stored values: against a double-precision softmax over the widened cache;
 //  * whole engines: a CUDA engine with a bf16 / e4m3 cache (fp32 activations, so the cache is the
-//    only rounding) against the CPU reference engine whose write_kv rounds K and V the same way.
+//    only rounding) against the CPU reference engine whose write_kv rounds K and V the same way
+//    (KvCacheEngine says why that comparison is statistical).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -280,7 +281,8 @@ INSTANTIATE_TEST_SUITE_P(Types, KvCacheType, ::testing::Values(KvType::kBF16, Kv
                            return std::string(engine::kv_type_name(info.param));
                          });
 
-// The CPU reference with a cache of `type` emulated: K and V rounded as stored, kept in fp32.
+// The CPU reference with a cache of `type` emulated: K and V rounded as stored, kept in fp32
+// (kF32: not rounded).
 class RoundingKvBackend final : public gemma4::testing::CpuForwardingBackend {
  public:
   explicit RoundingKvBackend(KvType type) : type_(type) {}
@@ -312,11 +314,29 @@ std::vector<int32_t> prompt_ids(int n, int salt) {
   return ids;
 }
 
+// The middle value (the upper one of an even count).
+float median(std::vector<float> values) {
+  const auto middle = values.begin() + std::ssize(values) / 2;
+  std::nth_element(values.begin(), middle, values.end());
+  return *middle;
+}
+
 class KvCacheEngine : public ::testing::TestWithParam<std::tuple<std::string, KvType>> {};
 
 // Prefill past the sliding window (two sequences), then batched decode, graphs on: the CUDA
-// engine's logits within fp32 tolerance of the reference's with the same K/V rounding.
-TEST_P(KvCacheEngine, MatchesTheReferenceWithRoundedKv) {
+// engine with a bf16 / e4m3 cache against the CPU reference whose write_kv rounds K and V the same
+// way. The two cannot agree to fp32 tolerance: K/V reach the cache with fp32-level differences
+// (the CPU's and the GPU's sums), so an element near a rounding midpoint rounds to neighbouring
+// cache values on the two sides, one bf16 / e4m3 step apart (a relative 2^-8 / 2^-4), and a MoE
+// layer may then route a token to other experts. Measured on the CPU, perturbing the reference's
+// K/V by a relative ±1e-5 before the rounding moves the logits by up to 0.1 (bf16) and 7.4
+// (e4m3, tiny-moe): the deltas the H200 showed. What is checked instead: over the whole run the
+// CUDA engine's logits are much closer to the rounding reference than the unrounded reference
+// is: the median |delta| (rare routing changes move whole rows, so not the mean) below half the
+// rounding's own. Measured on the CPU: perturbations of ±1e-5 / ±3e-5 give 0 to 0.26 / 0.15 to
+// 0.33; rounding K/V before the norm and RoPE instead of after gives 0.80 to 1.38; not rounding
+// gives 1 by construction.
+TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
   const auto& [config, type] = GetParam();
   const auto dir = gemma4::testing::scratch_dir("kv_cache_engine_" + config);
   const RemoveOnExit cleanup{dir};
@@ -337,34 +357,44 @@ TEST_P(KvCacheEngine, MatchesTheReferenceWithRoundedKv) {
   auto gpu_made = engine::Gemma4Engine::create(m->config, m->weights, make_gpu(), options);
   ASSERT_TRUE(gpu_made.ok()) << gpu_made.error().to_string();
   options.kv_type = KvType::kF32;
-  auto cpu_made = engine::Gemma4Engine::create(m->config, m->weights,
-                                               std::make_unique<RoundingKvBackend>(type), options);
-  ASSERT_TRUE(cpu_made.ok()) << cpu_made.error().to_string();
+  auto rounding_made = engine::Gemma4Engine::create(
+      m->config, m->weights, std::make_unique<RoundingKvBackend>(type), options);
+  ASSERT_TRUE(rounding_made.ok()) << rounding_made.error().to_string();
+  auto unrounded_made = engine::Gemma4Engine::create(
+      m->config, m->weights, std::make_unique<RoundingKvBackend>(KvType::kF32), options);
+  ASSERT_TRUE(unrounded_made.ok()) << unrounded_made.error().to_string();
   auto& gpu = **gpu_made;
-  auto& cpu = **cpu_made;
-  const int32_t vocab = cpu.vocab_size();
+  auto& reference = **rounding_made;
+  auto& unrounded = **unrounded_made;
+  const int32_t vocab = reference.vocab_size();
   std::vector<engine::SequenceId> sequences;
   for (int i = 0; i < 3; ++i) {
-    auto a = cpu.open_sequence();
+    auto a = reference.open_sequence();
     auto b = gpu.open_sequence();
-    ASSERT_TRUE(a.ok() && b.ok());
+    auto c = unrounded.open_sequence();
+    ASSERT_TRUE(a.ok() && b.ok() && c.ok());
     sequences.push_back(*a);
   }
-  auto step_both = [&](const std::vector<std::vector<int32_t>>& tokens, const std::string& what) {
+  std::vector<float> gpu_deltas, rounding_deltas;  // |delta logit| of every step and logit
+  auto step_all = [&](const std::vector<std::vector<int32_t>>& tokens, const std::string& what) {
     std::vector<engine::StepInput> inputs;
     for (size_t i = 0; i < tokens.size(); ++i) inputs.push_back({sequences[i], tokens[i]});
-    std::vector<float> expected(inputs.size() * vocab), got(inputs.size() * vocab);
-    EXPECT_TRUE(cpu.step(inputs, expected).ok());
+    std::vector<float> expected(inputs.size() * vocab), got(inputs.size() * vocab),
+        without_rounding(inputs.size() * vocab);
+    EXPECT_TRUE(reference.step(inputs, expected).ok());
+    EXPECT_TRUE(unrounded.step(inputs, without_rounding).ok());
     const Status status = gpu.step(inputs, got);
     EXPECT_TRUE(status.ok()) << status.error().to_string();
     double max_delta = 0.0;
     int64_t not_finite = 0;
     for (size_t i = 0; i < got.size(); ++i) {
       if (!std::isfinite(got[i])) ++not_finite;
-      max_delta = std::max(max_delta, double{std::fabs(got[i] - expected[i])});
+      const float delta = std::fabs(got[i] - expected[i]);
+      max_delta = std::max(max_delta, double{delta});
+      gpu_deltas.push_back(delta);
+      rounding_deltas.push_back(std::fabs(without_rounding[i] - expected[i]));
     }
     EXPECT_EQ(not_finite, 0) << what;
-    EXPECT_LT(max_delta, 2e-3) << what;
     std::printf("[ kv %s ] %s: max |delta logit| %.3g\n", engine::kv_type_name(type), what.c_str(),
                 max_delta);
     std::vector<int32_t> next;
@@ -374,11 +404,16 @@ TEST_P(KvCacheEngine, MatchesTheReferenceWithRoundedKv) {
     }
     return next;
   };
-  step_both({prompt_ids(50, 1), prompt_ids(23, 2)}, "prefill 50 + 23");
-  auto next = step_both({prompt_ids(9, 3), prompt_ids(3, 4), prompt_ids(11, 5)}, "append");
+  step_all({prompt_ids(50, 1), prompt_ids(23, 2)}, "prefill 50 + 23");
+  auto next = step_all({prompt_ids(9, 3), prompt_ids(3, 4), prompt_ids(11, 5)}, "append");
   for (int i = 0; i < 6; ++i) {
-    next = step_both({{next[0]}, {next[1]}, {next[2]}}, "batched decode " + std::to_string(i));
+    next = step_all({{next[0]}, {next[1]}, {next[2]}}, "batched decode " + std::to_string(i));
   }
+  const double gpu_median = median(gpu_deltas), rounding_median = median(rounding_deltas);
+  std::printf("[ kv %s ] median |delta logit|: cuda %.3g, the rounding's own %.3g\n",
+              engine::kv_type_name(type), gpu_median, rounding_median);
+  EXPECT_GT(rounding_median, 0.0);
+  EXPECT_LT(gpu_median, 0.5 * rounding_median);
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, KvCacheEngine,
