@@ -292,7 +292,8 @@ TEST(ActivationCompanions, DecodeAttentionWritesTheCompanionsOfItsOutput) {
 }
 
 // The GEMV epilogues' companions: bf16 from every tiling, q8 from kGeluPairs through the 64-row
-// tiling (the real gate+up shape and a small one).
+// tiling (one row) and the tensor-core batched GEMV (3 and 40 rows; gemv_mma.h), the real
+// gate+up shape and a small one.
 TEST(ActivationCompanions, GemvEpiloguesWriteTheCompanionsOfWhatTheyStore) {
   struct Shape {
     int64_t rows, cols;
@@ -303,13 +304,13 @@ TEST(ActivationCompanions, GemvEpiloguesWriteTheCompanionsOfWhatTheyStore) {
     const testing::HostMatrix host =
         testing::random_matrix(quant::WeightFormat::kW4G32, shape.rows, shape.cols, seed++);
     const testing::DeviceMatrix w(host);
-    for (const int m : {1, 3}) {
+    for (const int m : {1, 3, 40}) {
       DeviceArray<float> x(activations(m * shape.cols, seed++));
       DeviceArray<float> multiplier(random_floats(m * shape.rows, -2.0f, 2.0f, seed++));
       for (const GemvEpilogue epilogue :
            {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
         const int64_t outputs = epilogue == GemvEpilogue::kGeluPairs ? shape.rows / 2 : shape.rows;
-        const bool q8 = epilogue == GemvEpilogue::kGeluPairs && m == 1;
+        const bool q8 = epilogue == GemvEpilogue::kGeluPairs;
         DeviceArray<float> y(m * outputs);
         DeviceCompanions c(m, outputs);
         GemvOutput out;

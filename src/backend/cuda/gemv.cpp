@@ -153,17 +153,17 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included; the
+  // folded residual step is the one-row GEMV's only.
+  if (tiling < 0 && y.residual_norm.blocks_done == nullptr && gemv_mma_takes(w, x)) {
+    return gemv_mma(w, x, y, launch);
+  }
   if (y.companions.q8 != nullptr) {
     if (tiling < 0) tiling = kGemvQ8PairsTiling;
     if (y.epilogue != GemvEpilogue::kGeluPairs ||
         !gemv_tiling_emits_q8_pairs(kGemvTilings[tiling])) {
       return cudaErrorInvalidValue;
     }
-  }
-  // Batched rows with bf16 products: tensor cores (gemv_mma.h), which write no companions.
-  if (tiling < 0 && !has_companions(y.companions) && y.residual_norm.blocks_done == nullptr &&
-      gemv_mma_takes(w, x)) {
-    return gemv_mma(w, x, y, launch);
   }
   if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
 

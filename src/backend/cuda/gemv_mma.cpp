@@ -82,7 +82,9 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
       y.data != nullptr && y.stride >= width &&
       (y.epilogue != GemvEpilogue::kGeluPairs || w.rows % 2 == 0) &&
       (y.epilogue != GemvEpilogue::kGeluMul ||
-       (y.multiplier != nullptr && y.multiplier_stride >= w.rows));
+       (y.multiplier != nullptr && y.multiplier_stride >= w.rows)) &&
+      companions_fit(y.companions, width) &&
+      (y.companions.q8 == nullptr || y.epilogue == GemvEpilogue::kGeluPairs);
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
@@ -106,6 +108,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   args.m = x.rows;
   args.y = y.data;
   args.y_stride = y.stride;
+  args.y_companions = y.companions;
   args.epilogue = y.epilogue;
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;

@@ -19,10 +19,11 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type);
 
 // Enqueues y = epilogue(W x) on tensor cores with `tiling` (warps 0: the default). The operands
-// follow gemv()'s contract (gemv.h). Returns cudaErrorInvalidValue, before enqueuing anything,
-// for operands gemv_mma_takes refuses, a shape or pointer gemv() would refuse, or a tiling
-// outside the kernel's options (a layout of kMmaGemvWarpLayouts, splits 1..kMmaGemvMaxSplits and
-// at most K / 32, shared memory within kMmaGemvMaxSharedBytes); else the launch status.
+// follow gemv()'s contract (gemv.h), companions included (kQ8 ones with kGeluPairs, from any
+// tiling: a block's outputs are whole chunks). Returns cudaErrorInvalidValue, before enqueuing
+// anything, for operands gemv_mma_takes refuses, a shape or pointer gemv() would refuse, or a
+// tiling outside the kernel's options (a layout of kMmaGemvWarpLayouts, splits 1..kMmaGemvMaxSplits
+// and at most K / 32, shared memory within kMmaGemvMaxSharedBytes); else the launch status.
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling = {0, 0});
 

@@ -333,7 +333,18 @@ __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
         }
       }
     }
-    gemv_detail::store_rows<2>(a, m, block_row + row, sums);
+    gemv_detail::store_rows<2>(a, m, block_row + row, sums);  // y and its bf16 companion
+    if (a.y_companions.q8 != nullptr) {
+      // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are whole
+      // chunks of 32, so the lanes of a warp hold one chunk (lane l its element l): quantized
+      // together, or skipped together past the matrix.
+      const int64_t output = (block_row + row) / 2;
+      if (output - lane < a.rows / 2) {
+        const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
+        store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
+                          output / 32);
+      }
+    }
   }
   // No block may leave while another still reads its shared memory.
   if (splits > 1) cluster.sync();

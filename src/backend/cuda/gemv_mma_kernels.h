@@ -116,6 +116,8 @@ struct MmaGemvArgs {
   int m;
   float* y;  // kGeluPairs: rows / 2 outputs per activation row
   int64_t y_stride;
+  // bf16 and/or (kGeluPairs only) kQ8 copies of what is stored in y (gemv.h).
+  ActivationCompanions y_companions;
   GemvEpilogue epilogue;
   const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride
   int64_t multiplier_stride;
