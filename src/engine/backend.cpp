@@ -73,13 +73,6 @@ void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* br
   add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm);
 }
 
-void Backend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                  const float* weight, float scalar, const float* next_weight,
-                                  Rows next, const NormParams& norm) {
-  matmul(w, x, y);
-  add_rms_norm(acc, y, weight, scalar, next_weight, next, norm);
-}
-
 void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                    const RouterParams& router, int32_t* expert_ids,
                                    float* weights) {

@@ -246,13 +246,6 @@ class Backend {
   virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                             const float* next_weight, Rows next, const NormParams& norm);
 
-  // y = x · Wᵀ (matmul), then add_rms_norm(acc, y, weight, scalar, next_weight, next, norm): the
-  // projection that ends a residual branch (o_proj, down, the PLE projection) with the residual
-  // step after it. y may be overwritten (it is add_rms_norm's x). Default: those two calls.
-  virtual void matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                   const float* weight, float scalar, const float* next_weight,
-                                   Rows next, const NormParams& norm);
-
   // The router of a MoE layer: logits = x · router_projᵀ (kept: the engine's router trace reads
   // them), then route_experts(logits, router, expert_ids, weights). Default: those two calls.
   virtual void matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,

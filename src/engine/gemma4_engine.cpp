@@ -192,9 +192,10 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   }
 
   Rows projected = rows(proj, n, config.hidden_size);
-  backend->matmul_add_rms_norm(lw.o_proj, out, projected, hidden, lw.post_attention_layernorm, 1.0f,
-                               lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
-                               norm_params);
+  backend->matmul(lw.o_proj, out, projected);
+  backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                        lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
+                        norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
@@ -213,12 +214,11 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->matmul(lw.up_proj, m, ups);
     backend->gelu_tanh_mul(gates, ups, gates);
   }
-  // down's product: here for MoE (its norms read it), else in the residual step below.
   Rows dense_out = rows(branch, n, H);
+  backend->matmul(lw.down_proj, gates, dense_out);
 
   Rows expert_out = rows(moe, n, H);
   if (config.moe) {
-    backend->matmul(lw.down_proj, gates, dense_out);
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
     // The router's input goes to proj (free here: the attention block consumed it).
     const auto& p = config.moe_params;
@@ -242,10 +242,9 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
       backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
                                    lw.post_feedforward_layernorm, scalar, next_weight, next_rows,
                                    norm_params);
-    } else {  // down's product and the residual step in one (matmul_add_rms_norm)
-      backend->matmul_add_rms_norm(lw.down_proj, gates, dense_out, hidden,
-                                   lw.post_feedforward_layernorm, scalar, next_weight, next_rows,
-                                   norm_params);
+    } else {
+      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, scalar, next_weight,
+                            next_rows, norm_params);
     }
   };
 
@@ -263,9 +262,10 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
                              .columns(int64_t{l} * config.ple_dim, config.ple_dim);
   backend->matmul_gelu_mul(lw.per_layer_input_gate, hidden, layer_ple, gated);
-  backend->matmul_add_rms_norm(lw.per_layer_projection, gated, rows(proj, n, H), hidden,
-                               lw.post_per_layer_input_norm, lw.layer_scalar, next_norm, next,
-                               norm_params);
+  Rows projected = rows(proj, n, H);
+  backend->matmul(lw.per_layer_projection, gated, projected);
+  backend->add_rms_norm(hidden, projected, lw.post_per_layer_input_norm, lw.layer_scalar, next_norm,
+                        next, norm_params);
 }
 
 void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {

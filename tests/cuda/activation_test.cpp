@@ -16,12 +16,10 @@
 #include <filesystem>
 #include <memory>
 #include <ostream>
-#include <span>
 #include <string>
 #include <vector>
 
 #include "backend/cpu/cpu_backend.h"
-#include "backend/cuda/attention.h"
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
@@ -223,74 +221,6 @@ TEST(ActivationCompanions, ConverterWritesTheCompanionsOfStridedRows) {
             cudaErrorInvalidValue);  // nothing to write
 }
 
-// Decode attention's companions of its output, from whichever kernel stores it: the attention
-// kernel (one split used: a shallow cache, or splits 1) or the split merge. E2B's full (8 q heads
-// of 512 on one kv head) and sliding (8 of 256) shapes, two sequences at different depths, output
-// rows at a stride wider than the row.
-TEST(ActivationCompanions, DecodeAttentionWritesTheCompanionsOfItsOutput) {
-  struct Shape {
-    int head_dim;
-    int64_t slots;
-    int splits;
-  };
-  for (const Shape shape : {Shape{512, 300, 1}, Shape{512, 300, 7}, Shape{256, 1100, 16}}) {
-    SCOPED_TRACE(std::to_string(shape.head_dim) + " splits " + std::to_string(shape.splits));
-    const int q_heads = 8, batch = 2;
-    const int64_t width = int64_t{q_heads} * shape.head_dim, out_stride = width + 64;
-    const int64_t per_sequence = shape.slots * shape.head_dim;
-    std::vector<uint16_t> keys(batch * per_sequence), values(batch * per_sequence);
-    const std::vector<float> key_values = random_floats(keys.size(), -0.3f, 0.3f, 60);
-    const std::vector<float> value_values = random_floats(values.size(), -2.0f, 2.0f, 61);
-    for (size_t i = 0; i < keys.size(); ++i) {
-      keys[i] = float_to_bf16(key_values[i]);
-      values[i] = float_to_bf16(value_values[i]);
-    }
-    // Every slot holds its own position; the first sequence at the last slot (every split
-    // used), the second at position 20 (one split: the attention kernel stores the output).
-    std::vector<int32_t> slot_positions(batch * shape.slots);
-    for (int64_t s = 0; s < batch * shape.slots; ++s) {
-      slot_positions[s] = static_cast<int32_t>(s % shape.slots);
-    }
-    const std::vector<int32_t> positions = {static_cast<int32_t>(shape.slots - 1), 20};
-    DeviceArray<float> q(activations(batch * width, 62)), out(batch * out_stride);
-    DeviceArray<uint16_t> device_keys(keys), device_values(values);
-    DeviceArray<int32_t> device_slots(slot_positions), device_positions(positions);
-    DeviceArray<float> partials(
-        attention_partials_floats(batch, q_heads, shape.head_dim, shape.splits));
-    KvCacheView kv;
-    kv.keys = device_keys.get();
-    kv.values = device_values.get();
-    kv.slot_positions = device_slots.get();
-    kv.type = KvType::kBF16;
-    kv.slots = shape.slots;
-    kv.kv_heads = 1;
-    kv.head_dim = shape.head_dim;
-    kv.sequence_stride = per_sequence;
-    const AttentionQuery query = {q.get(), width, q_heads, device_positions.get(), batch};
-    for (const bool with_q8 : {true, false}) {
-      DeviceCompanions c(batch, width);
-      ASSERT_EQ(decode_attention(query, kv, 0, 0.05f, out.get(), out_stride,
-                                 {partials.get(), shape.splits}, shape.splits, Launch{},
-                                 c.view(true, with_q8)),
-                cudaSuccess);
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      expect_companions_of(out.download(), batch, width, out_stride, c, true, with_q8,
-                           "decode attention");
-      if (!with_q8) {
-        const std::vector<uint8_t> untouched = c.q8.download();
-        EXPECT_TRUE(
-            std::all_of(untouched.begin(), untouched.end(), [](uint8_t b) { return b == 0xFF; }));
-      }
-    }
-    const DeviceCompanions narrow_storage(batch, width);
-    ActivationCompanions narrow = narrow_storage.view();
-    narrow.stride = width - 32;
-    EXPECT_EQ(decode_attention(query, kv, 0, 0.05f, out.get(), out_stride,
-                               {partials.get(), shape.splits}, shape.splits, Launch{}, narrow),
-              cudaErrorInvalidValue);  // a companion stride below the row width
-  }
-}
-
 // The GEMV epilogues' companions: bf16 from every tiling, q8 from kGeluPairs through the 64-row
 // tiling (one row) and the tensor-core batched GEMV (3 and 40 rows; gemv_mma.h), the real
 // gate+up shape and a small one.
@@ -445,59 +375,6 @@ TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
   gpu->add_rms_norm(acc.rows, x.rows, nullptr, 1.0f, nullptr, engine::Rows{}, norm);
   EXPECT_NE(gpu->live_companions(next.rows), nullptr);  // not written
   EXPECT_NE(gpu->live_companions(acc.rows), nullptr);
-  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
-}
-
-// The decode attention's output keeps the companions its launch wrote (bit-exact to what it
-// stored), for a decode batch whose sequences cover every output row; o_proj then reads them.
-TEST_P(CompanionBookkeeping, DecodeAttentionOutputHasLiveCompanions) {
-  auto gpu = make_backend(GetParam());
-  ASSERT_TRUE(gpu);
-  const int64_t head_dim = 256, q_heads = 8, width = q_heads * head_dim, slots = 40;
-  BackendRows q(*gpu, 2, width), out(*gpu, 2, width);
-  BackendRows keys(*gpu, 2 * slots, head_dim), values(*gpu, 2 * slots, head_dim);
-  q.set(*gpu, activations(2 * width, 70));
-  keys.set(*gpu, random_floats(2 * slots * head_dim, -0.3f, 0.3f, 71));
-  values.set(*gpu, random_floats(2 * slots * head_dim, -2.0f, 2.0f, 72));
-  std::vector<int32_t> slot_positions(2 * slots), positions = {39, 17};
-  for (int64_t s = 0; s < 2 * slots; ++s) slot_positions[s] = static_cast<int32_t>(s % slots);
-  engine::Buffer device_slots = gpu->allocate(sizeof(int32_t) * slot_positions.size());
-  engine::Buffer device_positions = gpu->allocate(sizeof(int32_t) * positions.size());
-  gpu->upload(device_slots.data(), slot_positions.data(), sizeof(int32_t) * slot_positions.size());
-  gpu->upload(device_positions.data(), positions.data(), sizeof(int32_t) * positions.size());
-  std::vector<engine::SequenceRows> sequences;
-  for (int64_t b = 0; b < 2; ++b) {
-    engine::KvView kv;
-    kv.keys = keys.rows.row(b * slots);
-    kv.values = values.rows.row(b * slots);
-    kv.slot_positions = device_slots.ints() + b * slots;
-    kv.slots = slots;
-    kv.kv_heads = 1;
-    kv.head_dim = static_cast<int>(head_dim);
-    kv.type = engine::KvType::kF32;
-    // Rows in reverse order: the table, not the launch order, places each output.
-    sequences.push_back({kv, 1 - b, 1});
-  }
-  gpu->attention_rows(q.rows, device_positions.ints(), sequences, 0, 0.05f, out.rows);
-  const ActivationCompanions* live = gpu->live_companions(out.rows);
-  ASSERT_NE(live, nullptr);
-  const bool with_q8 = GetParam() == ActivationMode::kQ8;
-  EXPECT_NE(live->bf16, nullptr);
-  EXPECT_EQ(live->q8 != nullptr, with_q8);
-  std::vector<uint16_t> bf16(2 * live->stride);
-  std::vector<uint8_t> q8(2 * q8_row_bytes(live->stride));
-  const std::vector<float> stored = out.get(*gpu);
-  ASSERT_EQ(cudaMemcpy(bf16.data(), live->bf16, 2 * bf16.size(), cudaMemcpyDeviceToHost),
-            cudaSuccess);
-  if (with_q8) {
-    ASSERT_EQ(cudaMemcpy(q8.data(), live->q8, q8.size(), cudaMemcpyDeviceToHost), cudaSuccess);
-  }
-  expect_companions_of(stored, 2, width, width, &bf16, with_q8 ? &q8 : nullptr, live->stride,
-                       "attention_rows");
-  // One sequence for two output rows: the second row is not written, so no companions.
-  gpu->attention_rows(q.rows, device_positions.ints(), std::span(sequences).first(1), 0, 0.05f,
-                      out.rows);
-  EXPECT_EQ(gpu->live_companions(out.rows), nullptr);
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 

@@ -87,45 +87,6 @@ TEST(BackendDefaults, AddRmsNormBranchJoinsTheBranchFirst) {
   }
 }
 
-// The projection that ends a residual branch: y = x · Wᵀ, then the residual step on y (o_proj,
-// down, the PLE projection), against the formulas in double.
-TEST(BackendDefaults, MatmulAddRmsNormProjectsThenAddsTheNormedProduct) {
-  backend::cpu::CpuBackend backend(2);
-  const int64_t rows = 2, k = 24, width = 40;
-  const NormParams params{0.0f, 1e-6f};
-  const auto x = testing::random_normal(rows * k, 21), w = testing::random_normal(width * k, 22),
-             acc0 = testing::random_normal(rows * width, 23);
-  const auto weight = testing::random_normal(width, 24),
-             next_weight = testing::random_normal(width, 25);
-  quant::QMatrix matrix;
-  matrix.rows = width;
-  matrix.cols = k;
-  matrix.data = w.data();
-  auto input = x, acc = acc0;
-  std::vector<float> y(rows * width), next(rows * width);
-  backend.matmul_add_rms_norm(matrix, Rows::dense(input.data(), rows, k),
-                              Rows::dense(y.data(), rows, width),
-                              Rows::dense(acc.data(), rows, width), weight.data(), 0.75f,
-                              next_weight.data(), Rows::dense(next.data(), rows, width), params);
-  for (int64_t r = 0; r < rows; ++r) {
-    std::vector<float> product(width);
-    for (int64_t n = 0; n < width; ++n) {
-      double dot = 0;
-      for (int64_t j = 0; j < k; ++j) dot += double{x[r * k + j]} * w[n * k + j];
-      product[n] = static_cast<float>(dot);
-    }
-    const auto normed = rms_normed(product.data(), width, weight.data(), params);
-    std::vector<float> expected_acc(width);
-    for (int64_t j = 0; j < width; ++j) {
-      const double expected = (acc0[r * width + j] + normed[j]) * 0.75;
-      EXPECT_NEAR(acc[r * width + j], expected, 1e-4);
-      expected_acc[j] = static_cast<float>(expected);
-    }
-    const auto expected_next = rms_normed(expected_acc.data(), width, next_weight.data(), params);
-    for (int64_t j = 0; j < width; ++j) EXPECT_NEAR(next[r * width + j], expected_next[j], 1e-4);
-  }
-}
-
 TEST(BackendDefaults, MoeNormsNormTheDenseOutputAndBothExpertInputs) {
   backend::cpu::CpuBackend backend(2);
   const int64_t rows = 3, width = 40;

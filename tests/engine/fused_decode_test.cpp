@@ -103,12 +103,6 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
     Op op(*this, Op::kFused);
     Backend::add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
   }
-  void matmul_add_rms_norm(const QMatrix& w, Rows x, Rows y, Rows acc, const float* weight,
-                           float scalar, const float* next_weight, Rows next,
-                           const NormParams& norm) override {
-    Op op(*this, Op::kFused);
-    Backend::matmul_add_rms_norm(w, x, y, acc, weight, scalar, next_weight, next, norm);
-  }
   void prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
                          bool norm_v, int head_dim, const int32_t* positions,
                          const RopeParams& rope, std::span<const SequenceRows> sequences,

@@ -22,7 +22,6 @@
 #include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -55,7 +54,6 @@ struct AttentionArgs {
   int splits;
   float* out;  // splits == 1
   int64_t out_stride;
-  ActivationCompanions out_companions;  // of out, written with it (row r of out: row r)
   float* partials;        // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
   DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
 };
@@ -427,13 +425,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     }
     const int head = kv * a.group + g;
     // A query whose keys all fell in this split (a shallow cache) is final here: the merge
-    // kernel leaves it alone. A warp stores 32 consecutive outputs of a head (HD and the block
-    // are multiples of 32): one kQ8 chunk of the companions.
+    // kernel leaves it alone.
     if (splits_used == 1) {
-      const int64_t column = static_cast<int64_t>(head) * HD + d;
-      const float output[1] = {sum > 0.0f ? value / sum : 0.0f};
-      a.out[row * a.out_stride + column] = output[0];
-      store_companions<1>(a.out_companions, row, column, output);
+      a.out[row * a.out_stride + static_cast<int64_t>(head) * HD + d] =
+          sum > 0.0f ? value / sum : 0.0f;
     } else {
       float* record =
           a.partials +
@@ -457,7 +452,6 @@ struct MergeArgs {
   int splits;
   float* out;
   int64_t out_stride;
-  ActivationCompanions out_companions;
 };
 
 constexpr int kMergeWarps = 8;
@@ -531,14 +525,11 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
     if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
   }
   __syncthreads();
-  // As in the attention kernel, a warp stores 32 consecutive outputs: one kQ8 chunk.
   for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < kMergeWarps; ++w) value += warp_partial[w][d];
-    const int64_t column = static_cast<int64_t>(head) * a.head_dim + d;
-    const float output[1] = {total > 0.0f ? value / total : 0.0f};
-    a.out[row * a.out_stride + column] = output[0];
-    store_companions<1>(a.out_companions, row, column, output);
+    a.out[row * a.out_stride + static_cast<int64_t>(head) * a.head_dim + d] =
+        total > 0.0f ? value / total : 0.0f;
   }
 }
 
@@ -596,8 +587,8 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
 
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
-                             const AttentionWorkspace& workspace, int splits, const Launch& launch,
-                             const ActivationCompanions& out_companions) {
+                             const AttentionWorkspace& workspace, int splits,
+                             const Launch& launch) {
   const DecodePrepare* prepare = query.prepare;
   const AttentionKernel kernel = with_kv_type(kv.type, [&](auto element) {
     return prepare != nullptr ? select_kernel<decltype(element), true>(kv.head_dim)
@@ -607,8 +598,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
       kv.kv_heads > 65535 || splits < 1 || splits > kMaxSplits || query.q == nullptr ||
       query.positions == nullptr || out == nullptr || !aligned16(query.q) ||
       query.stride % 4 != 0 ||
-      (splits > 1 && (workspace.partials == nullptr || splits > workspace.max_splits)) ||
-      !companions_fit(out_companions, int64_t{query.q_heads} * kv.head_dim)) {
+      (splits > 1 && (workspace.partials == nullptr || splits > workspace.max_splits))) {
     return cudaErrorInvalidValue;
   }
   const int group = query.q_heads / kv.kv_heads;
@@ -652,7 +642,6 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.splits = splits;
   args.out = out;
   args.out_stride = out_stride;
-  args.out_companions = out_companions;
   args.partials = workspace.partials;
   if (prepare != nullptr) args.prepare = *prepare;
   const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(kv.kv_heads),
@@ -666,7 +655,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (status != cudaSuccess || splits == 1) return status;
   const MergeArgs merge = {workspace.partials, query.positions, window, args.sequences,
                            query.q_heads,      kv.head_dim,     splits, out,
-                           out_stride,         out_companions};
+                           out_stride};
   return launch_kernel(merge_splits_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch)),
                        dim3(kMergeWarps * 32), 0, launch, merge);

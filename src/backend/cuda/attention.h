@@ -6,7 +6,6 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
 
 namespace gemma4::cuda {
@@ -103,14 +102,9 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 // kMinKeysPerSplit of the scanned slots: a graph captured with the splits of the deepest cache
 // replays cheaply at shallow depths (the unused split blocks exit after reading the position and
 // the merge skips them). splits must not exceed workspace.max_splits.
-// out_companions (optional): the bf16 / kQ8 companions of the out rows (gemv_kernels.h), written
-// by whichever kernel stores the final values (a warp stores 32 consecutive outputs of a head
-// row: one kQ8 chunk), so that o_proj's GEMV needs no conversion kernel; row r of out is
-// companion row r.
 constexpr int64_t kMinKeysPerSplit = 32;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
-                             const AttentionWorkspace& workspace, int splits, const Launch& launch,
-                             const ActivationCompanions& out_companions = {});
+                             const AttentionWorkspace& workspace, int splits, const Launch& launch);
 
 }  // namespace gemma4::cuda

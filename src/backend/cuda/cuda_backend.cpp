@@ -697,51 +697,6 @@ void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float
            "add_rms_norm_branch");
 }
 
-unsigned int* CudaBackend::blocks_done_counter(const float* y) {
-  auto counter = blocks_done_counters_.find(y);
-  if (counter == blocks_done_counters_.end()) {
-    engine::Buffer buffer = allocate(sizeof(unsigned int));  // zero-filled
-    if (buffer.data() == nullptr) return nullptr;
-    counter = blocks_done_counters_.emplace(y, std::move(buffer)).first;
-  }
-  return static_cast<unsigned int*>(counter->second.data());
-}
-
-void CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                      const float* weight, float scalar, const float* next_weight,
-                                      Rows next, const engine::NormParams& norm) {
-  const bool one_row = x.count == 1 && y.count == 1 && acc.count == 1 && y.width == w.rows &&
-                       acc.width == w.rows &&
-                       (next.data == nullptr || (next.count == 1 && next.width == w.rows));
-  if (one_row) {
-    const ReportingWrites reporting(*this);
-    GemvOutput out = {y.data, y.stride};
-    GemvResidualNorm& step = out.residual_norm;
-    step.residual = acc.data;
-    step.next = next.data;
-    step.weight = weight;
-    step.next_weight = next_weight;
-    step.weight_offset = norm.weight_offset;
-    step.eps = norm.eps;
-    step.scalar = scalar;
-    // As add_rms_norm: the companions of whichever row the next GEMV reads.
-    if (next.data != nullptr) {
-      step.next_companions = produced_companions(next);
-    } else {
-      step.residual_companions = produced_companions(acc);
-    }
-    step.blocks_done = blocks_done_counter(y.data);
-    if (step.blocks_done == nullptr) return;
-    wrote(y);
-    if (packed_gemv(w, x, out, "matmul_add_rms_norm (gemv)")) {
-      produced(acc, step.residual_companions);
-      if (next.data != nullptr) produced(next, step.next_companions);
-      return;
-    }
-  }
-  Backend::matmul_add_rms_norm(w, x, y, acc, weight, scalar, next_weight, next, norm);
-}
-
 void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                        const engine::RouterParams& router, int32_t* expert_ids,
                                        float* weights) {
@@ -898,17 +853,6 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
                                                                        q_heads, head_dim, splits)));
     if (partials == nullptr) return;
   }
-  // The launches write the companions of out (o_proj's input) when their sequences' rows cover
-  // every row of out exactly once: then no row's companions are left stale.
-  std::vector<bool> covered(static_cast<size_t>(out.count), false);
-  bool covers_out = std::ssize(sequences) == out.count;
-  for (const engine::SequenceRows& s : sequences) {
-    covers_out = covers_out && s.first_row >= 0 && s.first_row < out.count &&
-                 !covered[static_cast<size_t>(s.first_row)];
-    if (covers_out) covered[static_cast<size_t>(s.first_row)] = true;
-  }
-  const ActivationCompanions companions =
-      covers_out ? produced_companions(out) : ActivationCompanions{};
   // Chunks run in stream order, so they share the partials.
   for (size_t first = 0; first < sequences.size(); first += kMaxBatchedSequences) {
     const auto chunk =
@@ -931,23 +875,15 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     cache.sequences = &table;
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
-    cudaError_t status;
-    {
-      // The launch writes out and its companions (reported below), the KV cache and the partials
-      // (never GEMV inputs): other rows' companions stay live.
-      const ReportingWrites reporting(*this);
-      status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                {partials, splits}, splits, launch(), companions);
-    }
+    const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
+                                                {partials, splits}, splits, launch());
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
-      wrote(out);  // earlier chunks wrote rows of out
       otherwise(first);
       return;
     }
     launched(status, "decode attention", splits > 1 ? 2 : 1);  // + the split merge
   }
-  produced(out, companions);
 }
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,

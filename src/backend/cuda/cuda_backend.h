@@ -9,8 +9,6 @@
 //    tensor-core GEMM comes later); anything else (fp32 weights, K % 32 != 0, unaligned rows) a
 //    generic element-wise kernel. matmul_gelu_mul / matmul_gelu_pairs: the same GEMV with the
 //    GELU gating in its epilogue (interleaved gate/up rows: fuses_gate_up);
-//  * matmul_add_rms_norm: for one row, the GEMV whose last block runs add_rms_norm on the
-//    finished row (gemv.h: GemvResidualNorm);
 //  * rms_norm, gelu_tanh_mul: elementwise.h; attention: decode_attention (attention.h) for one
 //    query of head_dim 256/512, else a generic kernel (prefill chunks, other head dims);
 //  * route_experts / run_experts: the MoE kernels (moe.h), expert ids never leave the device.
@@ -21,17 +19,15 @@
 //  * the decode GEMVs take their activations as the ActivationMode says: exact fp32, bf16
 //    (fp32 sums, as the tensor-core passes and a bf16 model) or q8 (int8 per 32 + dp4a for w4g32
 //    weights, bf16 for the other formats with a bf16 kernel). In bf16/q8 mode the kernels that
-//    produce GEMV inputs (rms_norm, add_rms_norm's next and residual, the GELU epilogues, the
-//    decode attention's output, matmul_add_rms_norm's folded residual step) also write bf16/q8
-//    "companions" of their fp32 rows (gemv_kernels.h: ActivationCompanions), which the GEMV
-//    reading those rows loads directly; any other input (an embedding, a prefill attention
-//    output) is converted by one small kernel first. In q8 mode the GELU epilogues write bf16 only,
-//    except the one-row w4g32 gate+up (its 64-row tiling quantizes whole chunks); a w4g32 GEMV
-//    reading bf16-only rows takes them as bf16. The backend tracks which fp32 rows have live
-//    companions and drops a row's companions whenever an operation (or upload, or a new allocation)
-//    writes those rows; operations that do not report what they write (prefill attention, the MoE
-//    kernels, graph replays) drop them all. So a GEMV never reads a stale one: at worst it converts
-//    again.
+//    produce GEMV inputs (rms_norm, add_rms_norm's next and residual, the GELU epilogues) also
+//    write bf16/q8 "companions" of their fp32 rows (gemv_kernels.h: ActivationCompanions), which
+//    the GEMV reading those rows loads directly; any other input (the attention output) is
+//    converted by one small kernel first. In q8 mode the GELU epilogues write bf16 only, except
+//    the one-row w4g32 gate+up (its 64-row tiling quantizes whole chunks); a w4g32 GEMV reading
+//    bf16-only rows takes them as bf16. The backend tracks which fp32 rows have live companions
+//    and drops a row's companions whenever an operation (or upload, or a new allocation) writes
+//    those rows; operations that do not report what they write (attention, the MoE kernels, graph
+//    replays) drop them all. So a GEMV never reads a stale one: at worst it converts again.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -122,13 +118,6 @@ class CudaBackend final : public engine::Backend {
                     const engine::NormParams& norm) override;
   void add_rms_norm_branch(engine::Rows acc, engine::Rows branch, engine::Rows x,
                            const float* branch_weight, const float* weight, float scalar,
-                           const float* next_weight, engine::Rows next,
-                           const engine::NormParams& norm) override;
-  // One decode row: the GEMV with the residual step folded into its last block (gemv.h:
-  // GemvResidualNorm), one kernel; anything else (batches, prefill, weights or shapes the GEMV
-  // does not take) the two operations.
-  void matmul_add_rms_norm(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
-                           engine::Rows acc, const float* weight, float scalar,
                            const float* next_weight, engine::Rows next,
                            const engine::NormParams& norm) override;
   void matmul_route_experts(const quant::QMatrix& router_proj, engine::Rows x, engine::Rows logits,
@@ -248,10 +237,6 @@ class CudaBackend final : public engine::Backend {
   // What a GEMV with weights w reads for x: a companion (made now by one kernel if x has none),
   // or the fp32 rows (kF32 mode, formats without bf16/q8 kernels, widths not a multiple of 32).
   GemvInput gemv_input(const quant::QMatrix& w, engine::Rows x);
-  // The folded residual step's device counter for GEMVs writing y (0 between launches; launches
-  // on the stream run one after another, so one per output buffer serves every call site that
-  // writes it), allocated on first use; null on failure.
-  unsigned int* blocks_done_counter(const float* y);
   // The device inv_freq table of (rope, head_dim), uploaded on first use; null on failure.
   const float* rope_table(const model::RopeParams& rope, int head_dim);
 
@@ -269,7 +254,6 @@ class CudaBackend final : public engine::Backend {
   std::vector<Scratch> retired_scratch_;
   // inv_freq tables by (theta, rotated_pairs, exponent_denominator, head_dim).
   std::map<std::tuple<double, int, int, int>, engine::Buffer> rope_tables_;
-  std::map<const float*, engine::Buffer> blocks_done_counters_;  // blocks_done_counter
   ActivationMode activation_mode_ = kDefaultActivationMode;
   bool fp32_activations_ = false;  // activation_mode_ == kF32
   // Companion storage per fp32 start address (never freed while graphs may hold it: like

@@ -3,7 +3,6 @@
 #include <cmath>
 
 #include "backend/cuda/device_math.cuh"
-#include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/launch.cuh"
@@ -14,8 +13,24 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
-// inverse_rms (elementwise.cuh) of a row in global memory, strided over the block.
-__device__ float row_inverse_rms(const float* row, int64_t width, float eps, float* scratch) {
+// Sum of `value` over the block (a multiple of 32 threads); every thread gets the result. One
+// barrier: each warp reduces the per-warp sums itself. `scratch` holds 32 floats and serves one
+// call only (a second sum in the same kernel takes its own).
+__device__ float block_sum(float value, float* scratch) {
+  value = warp_sum(value);
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) scratch[threadIdx.x / 32] = value;
+  __syncthreads();
+  return warp_sum(lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f);
+}
+
+// (mean(x²) + eps)^-1/2 as transformers evaluates it (eps inside; a correctly rounded sqrt and
+// division rather than the approximate rsqrt).
+__device__ float inverse_rms(float sum_of_squares, int64_t width, float eps, float* scratch) {
+  return 1.0f / sqrtf(block_sum(sum_of_squares, scratch) / static_cast<float>(width) + eps);
+}
+
+__device__ float inverse_rms(const float* row, int64_t width, float eps, float* scratch) {
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) sum += row[j] * row[j];
   return inverse_rms(sum, width, eps, scratch);
@@ -40,7 +55,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(NormArgs a) {
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
   float* y = a.y.data + r * a.y.stride;
-  const float inv = row_inverse_rms(x, a.x.width, a.eps, scratch);
+  const float inv = inverse_rms(x, a.x.width, a.eps, scratch);
   auto normed = [&](int64_t j) {
     const float v = x[j] * inv;
     return a.weight ? v * (a.weight_offset + a.weight[j]) : v;
@@ -88,7 +103,7 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a)
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
-  const float inv = row_inverse_rms(x, a.x.width, a.eps, scratch);
+  const float inv = inverse_rms(x, a.x.width, a.eps, scratch);
   uint8_t* row = static_cast<uint8_t*>(a.out) + r * (a.out_stride + a.out_stride / 4);
   const int lane = threadIdx.x & 31;
   for (int64_t chunk = threadIdx.x / 32; chunk < a.x.width / 32; chunk += kNormThreads / 32) {
@@ -166,14 +181,15 @@ __device__ __forceinline__ float sum_of_squares(const FloatQuad (&quads)[kQuads]
   return sum;
 }
 
-// quads[k] · inv · scale[k] (normed_product).
+// quads[k] · inv · scale[k], each product rounded (no fma), as the CPU reference rounds them.
 template <int kQuads>
 __device__ __forceinline__ void scale_row(FloatQuad (&quads)[kQuads], float inv,
                                           const FloatQuad (&scale)[kQuads]) {
 #pragma unroll
   for (int k = 0; k < kQuads; ++k)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) quads[k].v[e] = normed_product(quads[k].v[e], inv, scale[k].v[e]);
+    for (int e = 0; e < 4; ++e)
+      quads[k].v[e] = __fmul_rn(__fmul_rn(quads[k].v[e], inv), scale[k].v[e]);
 }
 
 // rms_norm without RoPE (y may alias x: the row is in registers before the first store).
@@ -238,7 +254,7 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   for (int k = 0; k < kQuads; ++k)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      residual[k].v[e] = residual_update(residual[k].v[e], x[k].v[e], spec.scalar);
+      residual[k].v[e] = __fmul_rn(residual[k].v[e] + x[k].v[e], spec.scalar);
   store_row<kQuads, kAligned>(residual_row, width, residual);
   store_row_companions(spec.residual_companions, r, width, residual);
   if (!has_next) return;

@@ -81,17 +81,6 @@ namespace {
 // The output side: an epilogue's own requirements, and room for M rows of its outputs.
 bool output_ok(const GemvOutput& y, int64_t rows, int m) {
   if (y.data == nullptr) return false;
-  if (const GemvResidualNorm& s = y.residual_norm; s.blocks_done != nullptr) {
-    const bool next_ok = s.next != nullptr
-                             ? aligned16(s.next) && companions_fit(s.next_companions, rows)
-                             : !has_companions(s.next_companions);
-    if (m != 1 || y.epilogue != GemvEpilogue::kNone || has_companions(y.companions) ||
-        rows % 4 != 0 || !aligned16(y.data) || s.residual == nullptr || !aligned16(s.residual) ||
-        !aligned16(s.weight) || !aligned16(s.next_weight) ||
-        !companions_fit(s.residual_companions, rows) || !next_ok) {
-      return false;
-    }
-  }
   const int64_t outputs = y.epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
   if (!companions_fit(y.companions, outputs)) return false;
   switch (y.epilogue) {
@@ -153,9 +142,8 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
-  // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included; the
-  // folded residual step is the one-row GEMV's only.
-  if (tiling < 0 && y.residual_norm.blocks_done == nullptr && gemv_mma_takes(w, x)) {
+  // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included.
+  if (tiling < 0 && gemv_mma_takes(w, x)) {
     return gemv_mma(w, x, y, launch);
   }
   if (y.companions.q8 != nullptr) {
@@ -194,7 +182,6 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
-  args.residual_norm = y.residual_norm;
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
 }
 

@@ -2,8 +2,6 @@
 // gemv_kernel.cuh: one template covers every weight format, activation type and tiling; a format
 // only defines how a 16-byte chunk of weights and its scale turn into a dot product with 32 (or 8)
 // activations (device_math.cuh). Design and measurements: spec/h200-decode-notes.md.
-#include <algorithm>
-
 #include "backend/cuda/gemv_kernel.cuh"
 
 namespace gemma4::cuda {
@@ -64,11 +62,9 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
   const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block));
   const bool staged = x_type == ActType::kF32 && args.f32_products == F32Products::kBF16Staged;
   const int64_t cols = args.chunks_per_row * packed_chunk_elements(format);
-  int64_t shared = gemv_shared_bytes(t, staged ? args.staged_rows : 0, cols);
-  if (args.residual_norm.blocks_done != nullptr) {
-    shared = std::max(shared, kGemvResidualNormSharedBytes);
-  }
-  return launch_kernel(kernel, grid, dim3(t.warps * 32), static_cast<size_t>(shared), launch, args);
+  const auto shared =
+      static_cast<size_t>(gemv_shared_bytes(t, staged ? args.staged_rows : 0, cols));
+  return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
 }
 
 cudaError_t launch_write_companions(const CompanionArgs& args, int rows, const Launch& launch) {

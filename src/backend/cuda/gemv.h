@@ -42,10 +42,6 @@ struct GemvInput {
 // companions: bf16 and/or kQ8 copies of what is stored in y (gemv_kernels.h; stride >= the
 // output width). A kQ8 companion needs kGeluPairs, an output width (N / 2) that is a multiple
 // of 32 and a gemv_tiling_emits_q8_pairs tiling (tiling < 0 picks kGemvQ8PairsTiling).
-//
-// residual_norm (gemv_kernels.h: GemvResidualNorm, active with blocks_done set): the residual
-// step after the product, in the same launch; one activation row, kNone, no companions of y,
-// 16-byte aligned rows of N (a multiple of 4; of 32 with companions).
 struct GemvOutput {
   float* data = nullptr;
   int64_t stride = 0;
@@ -53,7 +49,6 @@ struct GemvOutput {
   const float* multiplier = nullptr;
   int64_t multiplier_stride = 0;
   ActivationCompanions companions = {};
-  GemvResidualNorm residual_norm = {};
 };
 
 // The packed kernels' layout of a weight format (out), false for one they cannot read (fp32,

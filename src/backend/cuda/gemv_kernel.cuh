@@ -10,7 +10,6 @@
 #include <utility>
 
 #include "backend/cuda/device_math.cuh"
-#include "backend/cuda/elementwise.cuh"
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
@@ -70,24 +69,6 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
       }
       break;
   }
-}
-
-// GemvResidualNorm, at the end of every block (all threads): the last block to count itself done
-// runs the residual step on the finished row y. `shared`: kGemvResidualNormSharedBytes of the
-// block's dynamic shared memory, free once its outputs are stored.
-__device__ __forceinline__ void fold_residual_norm(const GemvArgs& a, float* shared) {
-  const GemvResidualNorm& s = a.residual_norm;
-  int* last = reinterpret_cast<int*>(shared + 64);
-  __threadfence();  // this thread's stores of y reach the device before the block counts itself
-  __syncthreads();  // every thread's have, and the block's shared memory is free
-  if (threadIdx.x == 0) {
-    *last = atomicAdd(s.blocks_done, 1u) == gridDim.x - 1;
-    if (*last) *s.blocks_done = 0;  // every block has counted: ready for the next launch
-  }
-  __syncthreads();
-  if (!*last) return;
-  __threadfence();  // the other blocks' stores, fenced before their counts, are read after ours
-  add_rms_norm_streamed(a.y, a.rows, s, shared);
 }
 
 // Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
@@ -253,7 +234,6 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       __syncthreads();
     }
   }
-  if (a.residual_norm.blocks_done != nullptr) fold_residual_norm(a, partial);
 }
 
 template <WeightFormat F, ActType XT, int I>

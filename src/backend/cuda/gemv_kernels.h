@@ -157,30 +157,6 @@ constexpr int64_t gemv_shared_bytes(const GemvTiling& t, int64_t staged_rows, in
   return 4 * gemv_partial_floats(t) + 2 * staged_rows * cols;
 }
 
-// The residual step that follows a one-row projection (engine::Backend::matmul_add_rms_norm),
-// folded into its GEMV: once every block has stored its outputs y, the last block to finish (a
-// device counter, back at 0 when the launch ends, so graph replays reuse it) computes
-// elementwise.h's add_rms_norm of y with the same math (elementwise.cuh):
-//   residual = (residual + rms_norm(y; weight)) · scalar
-//   next = rms_norm(residual; next_weight)          (only when next != nullptr)
-// with the companions of each (gemv_kernels.h, row 0). Active when blocks_done != nullptr.
-struct GemvResidualNorm {
-  float* residual = nullptr;
-  float* next = nullptr;
-  const float* weight = nullptr;
-  const float* next_weight = nullptr;
-  float weight_offset = 0.0f;
-  float eps = 1e-6f;
-  float scalar = 1.0f;
-  ActivationCompanions residual_companions = {};
-  ActivationCompanions next_companions = {};
-  unsigned int* blocks_done = nullptr;  // 0 before the launch
-};
-
-// Dynamic shared memory the folded residual step needs (two block sums and the last-block flag),
-// reusing the GEMV's own once its outputs are stored.
-inline constexpr int64_t kGemvResidualNormSharedBytes = 2 * 32 * 4 + 16;
-
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
   const void* scales;   // kW4G32A: fp32 {scale, min} pairs
@@ -203,7 +179,6 @@ struct GemvArgs {
   // Companions of y (what the epilogue stored); q8 only with a gemv_tiling_emits_q8_pairs tiling
   // and kGeluPairs.
   ActivationCompanions y_companions;
-  GemvResidualNorm residual_norm;  // m == 1, kNone only
 };
 
 // x[r] (fp32, K = `cols`) → its companions (bf16 and/or kQ8).
