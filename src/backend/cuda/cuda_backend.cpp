@@ -75,6 +75,19 @@ KvSlots slots(const engine::KvView& kv) {
   return {kv.keys, kv.values, kv.slot_positions, kv.slots, kv.kv_heads, kv.head_dim, kv_type(kv)};
 }
 
+// One sequence's cache as the attention kernels take it (uniform, batch of one).
+KvCacheView cache_view(const engine::KvView& kv) {
+  KvCacheView cache;
+  cache.keys = kv.keys;
+  cache.values = kv.values;
+  cache.slot_positions = kv.slot_positions;
+  cache.type = kv_type(kv);
+  cache.slots = kv.slots;
+  cache.kv_heads = kv.kv_heads;
+  cache.head_dim = kv.head_dim;
+  return cache;
+}
+
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
@@ -572,14 +585,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
                             float scale, Rows out) {
   if (q.count == 0) return;
   if (tensor_core_rows(q.count) && kv.head_dim > 0) {
-    KvCacheView cache;
-    cache.keys = kv.keys;
-    cache.values = kv.values;
-    cache.slot_positions = kv.slot_positions;
-    cache.type = kv_type(kv);
-    cache.slots = kv.slots;
-    cache.kv_heads = kv.kv_heads;
-    cache.head_dim = kv.head_dim;
+    const KvCacheView cache = cache_view(kv);
     const int q_heads = static_cast<int>(q.width / kv.head_dim);
     const int splits = prefill_attention_splits(q.count, q_heads, cache);
     float* partials = nullptr;
@@ -609,14 +615,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
       if (partials == nullptr) return;
     }
     const AttentionQuery query = {q.data, q.stride, q_heads, positions, 1};
-    KvCacheView cache;
-    cache.keys = kv.keys;
-    cache.values = kv.values;
-    cache.slot_positions = kv.slot_positions;
-    cache.type = kv_type(kv);
-    cache.slots = kv.slots;
-    cache.kv_heads = kv.kv_heads;
-    cache.head_dim = kv.head_dim;
+    const KvCacheView cache = cache_view(kv);
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
                                                 {partials, splits}, splits, launch());
     if (status != cudaErrorInvalidValue) {
