@@ -75,6 +75,18 @@ KvSlots slots(const engine::KvView& kv) {
   return {kv.keys, kv.values, kv.slot_positions, kv.slots, kv.kv_heads, kv.head_dim, kv_type(kv)};
 }
 
+// The residual step's norm parameters (add_rms_norm, add_rms_norm_branch), no companions.
+AddNormSpec add_norm_spec(const float* weight, float scalar, const float* next_weight,
+                          const engine::NormParams& norm) {
+  AddNormSpec spec;
+  spec.weight = weight;
+  spec.next_weight = next_weight;
+  spec.weight_offset = norm.weight_offset;
+  spec.eps = norm.eps;
+  spec.scalar = scalar;
+  return spec;
+}
+
 // One sequence's cache as the attention kernels take it (uniform, batch of one).
 KvCacheView cache_view(const engine::KvView& kv) {
   KvCacheView cache;
@@ -662,12 +674,7 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
                                const engine::NormParams& norm) {
   const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
-  AddNormSpec spec;
-  spec.weight = weight;
-  spec.next_weight = next_weight;
-  spec.weight_offset = norm.weight_offset;
-  spec.eps = norm.eps;
-  spec.scalar = scalar;
+  AddNormSpec spec = add_norm_spec(weight, scalar, next_weight, norm);
   // With a next norm, the next GEMV reads `next`; without, a GEMV may read the residual itself
   // (the PLE gate does): its companions then. (Any other reader converts the rows first.)
   if (next.data != nullptr) {
@@ -685,12 +692,7 @@ void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float
                                       const float* weight, float scalar, const float* next_weight,
                                       Rows next, const engine::NormParams& norm) {
   if (acc.count == 0) return;
-  AddNormSpec spec;
-  spec.weight = weight;
-  spec.next_weight = next_weight;
-  spec.weight_offset = norm.weight_offset;
-  spec.eps = norm.eps;
-  spec.scalar = scalar;
+  AddNormSpec spec = add_norm_spec(weight, scalar, next_weight, norm);
   launched(cuda::add_rms_norm_branch(view(x), view(branch), branch_weight, view(acc), view(next),
                                      spec, launch()),
            "add_rms_norm_branch");
