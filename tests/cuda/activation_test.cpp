@@ -29,6 +29,7 @@
 #include "model/synth.h"
 #include "model/weights.h"
 #include "packed_matrix.h"
+#include "synth_support.h"
 #include "test_support.h"
 
 namespace gemma4::cuda {
@@ -434,11 +435,6 @@ INSTANTIATE_TEST_SUITE_P(Modes, CompanionBookkeeping,
 // ---------------------------------------------------------------------------------------------
 // Whole decode steps.
 
-struct RemoveOnExit {
-  std::filesystem::path path;
-  ~RemoveOnExit() { std::filesystem::remove_all(path); }
-};
-
 std::unique_ptr<engine::Gemma4Engine> make_engine(const model::LoadedModel& m,
                                                   std::unique_ptr<engine::Backend> backend,
                                                   bool record) {
@@ -466,7 +462,7 @@ TEST_P(DecodeInMode, StepsMatchTheCpuEngineAndGraphReplaysMatchPlainLaunches) {
   const ActivationMode mode = GetParam();
   const auto dir =
       gemma4::testing::scratch_dir(std::string("decode_in_mode_") + activation_mode_name(mode));
-  const RemoveOnExit cleanup{dir};
+  const gemma4::testing::RemoveOnExit cleanup{dir};
   model::SynthOptions synth;
   synth.config = "tiny";
   synth.seed = 5;

@@ -27,6 +27,7 @@
 #include "engine/gemma4_engine.h"
 #include "model/synth.h"
 #include "model/weights.h"
+#include "synth_support.h"
 #include "test_support.h"
 
 namespace gemma4::cuda {
@@ -303,17 +304,6 @@ class RoundingKvBackend final : public gemma4::testing::CpuForwardingBackend {
   KvType type_;
 };
 
-struct RemoveOnExit {
-  std::filesystem::path path;
-  ~RemoveOnExit() { std::filesystem::remove_all(path); }
-};
-
-std::vector<int32_t> prompt_ids(int n, int salt) {
-  std::vector<int32_t> ids{2};
-  for (int i = 1; i < n; ++i) ids.push_back(1000 + (i * 7919 + salt * 104729) % 200000);
-  return ids;
-}
-
 // The middle value (the upper one of an even count).
 float median(std::vector<float> values) {
   const auto middle = values.begin() + std::ssize(values) / 2;
@@ -339,7 +329,7 @@ class KvCacheEngine : public ::testing::TestWithParam<std::tuple<std::string, Kv
 TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
   const auto& [config, type] = GetParam();
   const auto dir = gemma4::testing::scratch_dir("kv_cache_engine_" + config);
-  const RemoveOnExit cleanup{dir};
+  const gemma4::testing::RemoveOnExit cleanup{dir};
   model::SynthOptions synth;
   synth.config = config;
   synth.seed = 13;
@@ -404,8 +394,11 @@ TEST_P(KvCacheEngine, CloserToTheRoundingReferenceThanRoundingMovesIt) {
     }
     return next;
   };
-  step_all({prompt_ids(50, 1), prompt_ids(23, 2)}, "prefill 50 + 23");
-  auto next = step_all({prompt_ids(9, 3), prompt_ids(3, 4), prompt_ids(11, 5)}, "append");
+  step_all({gemma4::testing::prompt_ids(50, 1), gemma4::testing::prompt_ids(23, 2)},
+           "prefill 50 + 23");
+  auto next = step_all({gemma4::testing::prompt_ids(9, 3), gemma4::testing::prompt_ids(3, 4),
+                        gemma4::testing::prompt_ids(11, 5)},
+                       "append");
   for (int i = 0; i < 6; ++i) {
     next = step_all({{next[0]}, {next[1]}, {next[2]}}, "batched decode " + std::to_string(i));
   }
