@@ -9,6 +9,11 @@ check; eager attention) — no bf16 file is written, so the 31B and the 26B-A4B 
 disk. MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as quantized checkpoints
 do) are copied into transformers' fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
 `experts.down_proj [E, H, I]` slice by slice; bf16 checkpoints already use the fused names.
+A twin that would take more than 3/4 of the free GPU memory (the 31B in float32: 122.8 GB of
+weights; the 26B-A4B's 100.9 GB still fits) is streamed instead (--stream-layers, LayerStreamer):
+built on the meta device with only embeddings, norms, RoPE and the tied lm_head resident, each
+decoder layer is dequantized onto the GPU by a forward pre-hook and sent back to the meta device
+by a forward hook, so a forward holds one layer at a time (and reads the packed file again).
 
 The prompt is BOS + fixed ids (the golden fixtures' LCG) longer than the sliding window. gemma4
 runs first:
@@ -37,8 +42,12 @@ forced and fails the check.
   python tools/reference/device_check.py --checkpoint /tmp/e2b-w4a16 --gemma4 .devbin/gemma4
   gemma4 synth --config 26b-a4b --format nvfp4 --seed 1 -o /tmp/26b-nvfp4   # bf16 twin ~52 GB
   python tools/reference/device_check.py --checkpoint /tmp/26b-nvfp4 --gemma4 .devbin/gemma4
+  gemma4 synth --config 31b --format w4a16 --seed 1 -o /tmp/31b   # float32 twin streamed
+  python tools/reference/device_check.py --checkpoint /tmp/31b --gemma4 .devbin/gemma4 \
+      --dtype float32 --gemma4-flag=--fp32
 On the CPU (--device cpu --torch-device cpu --dtype float32) a tiny model checks the script
-itself: tiny-moe nvfp4 / w4a16 / bf16 and tiny w4a16 each pass with max |dlogit| <= 4.9e-5.
+itself: tiny-moe nvfp4 / w4a16 / bf16 and tiny w4a16 each pass with max |dlogit| <= 4.9e-5, and
+the streamed twin's logits equal the resident one's bit for bit (tests/reference).
 
 Prints one summary line (last) and writes summary.json (and with --save-logits the logits) to
 --out. Exit status 0 = PASS, 1 = a mismatch, 2 = the check could not run.
@@ -517,6 +526,8 @@ def main():
     }
     with open(os.path.join(args.out, f"{name}-device-check.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    peak = summary["transformers_peak_gpu_bytes"]
+    peak_text = f", twin peak {peak / 2**30:.1f} GiB" if peak is not None else ""
     greedy_text = (f"greedy {agree}/{len(our_greedy)} reproduced" if divergence is None else
                    f"greedy reproduced for {agree}/{len(our_greedy)}, then a "
                    f"{'bf16 near-tie (gap ' if greedy_tie else 'REAL divergence (gap '}"
@@ -534,7 +545,8 @@ def main():
           f"top-1 {len(sequence) - len(top1_disagree)}/{len(sequence)} "
           f"({len(top1_ties)} of {len(top1_disagree)} disagreements within bf16), {greedy_text}; "
           f"{router_text}"
-          f"load {load_s:.0f}s hf {hf_s:.0f}s ours {forced_s + free_s:.0f}s: "
+          f"load {load_s:.0f}s hf {hf_s:.0f}s ours {forced_s + free_s:.0f}s"
+          f"{peak_text}: "
           f"{'PASS' if passed else 'FAIL'}")
     return 0 if passed else 1
 
