@@ -9,6 +9,11 @@ check; eager attention) — no bf16 file is written, so the 31B and the 26B-A4B 
 disk. MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as quantized checkpoints
 do) are copied into transformers' fused `experts.gate_up_proj [E, 2I, H]` (gate rows first) and
 `experts.down_proj [E, H, I]` slice by slice; bf16 checkpoints already use the fused names.
+A twin that would take more than 3/4 of the free GPU memory (the 31B in float32: 122.8 GB of
+weights; the 26B-A4B's 100.9 GB still fits) is streamed instead (--stream-layers, LayerStreamer):
+built on the meta device with only embeddings, norms, RoPE and the tied lm_head resident, each
+decoder layer is dequantized onto the GPU by a forward pre-hook and sent back to the meta device
+by a forward hook, so a forward holds one layer at a time (and reads the packed file again).
 
 The prompt is BOS + fixed ids (the golden fixtures' LCG) longer than the sliding window. gemma4
 runs first:
@@ -37,15 +42,19 @@ forced and fails the check.
   python tools/reference/device_check.py --checkpoint /tmp/e2b-w4a16 --gemma4 .devbin/gemma4
   gemma4 synth --config 26b-a4b --format nvfp4 --seed 1 -o /tmp/26b-nvfp4   # bf16 twin ~52 GB
   python tools/reference/device_check.py --checkpoint /tmp/26b-nvfp4 --gemma4 .devbin/gemma4
+  gemma4 synth --config 31b --format w4a16 --seed 1 -o /tmp/31b   # float32 twin streamed
+  python tools/reference/device_check.py --checkpoint /tmp/31b --gemma4 .devbin/gemma4 \
+      --dtype float32 --gemma4-flag=--fp32
 On the CPU (--device cpu --torch-device cpu --dtype float32) a tiny model checks the script
-itself: tiny-moe nvfp4 / w4a16 / bf16 and tiny w4a16 each pass with max |dlogit| <= 4.9e-5.
+itself: tiny-moe nvfp4 / w4a16 / bf16 and tiny w4a16 each pass with max |dlogit| <= 4.9e-5, and
+the streamed twin's logits equal the resident one's bit for bit (tests/reference).
 
 Prints one summary line (last) and writes summary.json (and with --save-logits the logits) to
 --out. Exit status 0 = PASS, 1 = a mismatch, 2 = the check could not run.
 """
 
 import argparse
-import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -55,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 
 import numpy as np
 import torch
@@ -95,52 +105,44 @@ def nibbles(packed_bytes):
     return torch.stack((low, high), dim=-1).flatten(-2)
 
 
-def dequantize(get, module, names, device):
-    """The bf16 weight of `module` from its packed tensors, or None if it is not packed."""
+def packed_format(module, names):
+    """How `module`'s matrix is packed in a checkpoint holding `names`, or None if it is not."""
     def has(suffix):
         return f"{module}.{suffix}" in names
 
-    if has("weight_packed") and has("weight_global_scale"):  # compressed-tensors NVFP4
+    if has("weight_packed"):  # compressed-tensors: NVFP4 has a global scale, int4 has not
+        return "nvfp4" if has("weight_global_scale") else "int4"
+    if has("weight_scale_2") and has("weight"):
+        return "modelopt-nvfp4"
+    return None
+
+
+def dequantize(get, module, packing, device):
+    """The bf16 weight of `module` from its packed tensors (`packing`: packed_format's)."""
+    if packing == "nvfp4":
         codes = nibbles(get(f"{module}.weight_packed").to(device)).long()
         scale = get(f"{module}.weight_scale").to(device).float()
         block = scale / get(f"{module}.weight_global_scale").to(device).float()
         values = torch.tensor(E2M1, device=device)[codes]
         return (values * block.repeat_interleave(16, dim=1)).to(torch.bfloat16)
-    if has("weight_packed"):  # compressed-tensors pack-quantized int4, symmetric
+    if packing == "int4":  # pack-quantized, symmetric
         packed = get(f"{module}.weight_packed").to(device)
-        if has("weight_zero_point"):
-            fail(f"{module}: asymmetric int4 is not supported here")
         rows, cols = (int(x) for x in get(f"{module}.weight_shape"))
         codes = nibbles(packed.contiguous().view(torch.uint8))[:, :cols].float() - 8
         scale = get(f"{module}.weight_scale").to(device).float()
         group = cols // scale.shape[1]
         return (codes * scale.repeat_interleave(group, dim=1)).to(torch.bfloat16)[:rows]
-    if has("weight_scale_2") and has("weight"):  # ModelOpt NVFP4
-        codes = nibbles(get(f"{module}.weight").to(device)).long()
-        scale = get(f"{module}.weight_scale").to(device).float()
-        values = torch.tensor(E2M1, device=device)[codes]
-        block = scale * get(f"{module}.weight_scale_2").to(device).float()
-        return (values * block.repeat_interleave(16, dim=1)).to(torch.bfloat16)
-    return None
+    codes = nibbles(get(f"{module}.weight").to(device)).long()  # ModelOpt NVFP4
+    scale = get(f"{module}.weight_scale").to(device).float()
+    values = torch.tensor(E2M1, device=device)[codes]
+    block = scale * get(f"{module}.weight_scale_2").to(device).float()
+    return (values * block.repeat_interleave(16, dim=1)).to(torch.bfloat16)
 
 
 # A per-expert matrix of a quantized checkpoint (transformers' name, after hf_name).
 EXPERT_SLICE = re.compile(r"^(?P<prefix>.*\.experts)\.(?P<expert>\d+)\.(?P<which>gate_proj|up_proj|down_proj)\.weight$")
-
-
-def expert_slice(target, targets):
-    """(fused parameter name, view of its slice) for a per-expert matrix, else None."""
-    match = EXPERT_SLICE.match(target)
-    if match is None:
-        return None
-    prefix, expert, which = match["prefix"], int(match["expert"]), match["which"]
-    if which == "down_proj":
-        name = f"{prefix}.down_proj"
-        return name, targets[name][expert]
-    name = f"{prefix}.gate_up_proj"
-    fused = targets[name][expert]
-    inner = fused.shape[0] // 2
-    return name, fused[:inner] if which == "gate_proj" else fused[inner:]
+# A decoder layer's tensor (transformers' name): the layer's index and the name inside the layer.
+LAYER_TENSOR = re.compile(r"^model\.layers\.(?P<index>\d+)\.(?P<inner>.+)$")
 
 
 def hf_name(name):
@@ -150,60 +152,172 @@ def hf_name(name):
     return name
 
 
-@torch.no_grad()
-def build_model(checkpoint, device, dtype):
-    config = text_config(checkpoint)
-    torch.set_default_dtype(dtype)
-    with torch.device(device):
-        model = Gemma4ForCausalLM(config).eval()
-    torch.set_default_dtype(torch.float32)
-    targets = model.state_dict(keep_vars=True)
-    loaded = set()
-    # Fused expert parameters filled slice by slice: how many slices each received.
-    expert_slices = {}
-    files = sorted(f for f in os.listdir(checkpoint) if f.endswith(".safetensors"))
-    # A module's tensors may straddle shards (packed codes in one file, its global scale in the
-    # next): every name is looked up in the shard that holds it.
-    with contextlib.ExitStack() as stack:
-        shards = [stack.enter_context(safe_open(os.path.join(checkpoint, file), framework="pt",
-                                                device="cpu")) for file in files]
-        owner = {name: shard for shard in shards for name in shard.keys()}
-        names = set(owner)
+@dataclasses.dataclass(frozen=True)
+class Source:
+    """One checkpoint tensor and the transformers tensor it fills."""
+    name: str             # in the checkpoint: a plain tensor, or a packed matrix's codes
+    packing: str | None   # packed_format of its module (None: copied as it is)
+    target: str           # transformers' parameter or buffer
+    expert: int | None = None  # a per-expert matrix: its expert's slice of the fused target
+    which: str | None = None   # and which of gate_proj / up_proj / down_proj it is
 
-        def get(name):
-            return owner[name].get_tensor(name)
 
-        for name in sorted(names):
+class Checkpoint:
+    """A checkpoint's safetensors shards, read on demand. A module's tensors may straddle shards
+    (packed codes in one file, its global scale in the next): every name is read from the shard
+    that holds it."""
+
+    def __init__(self, directory):
+        files = sorted(f for f in os.listdir(directory) if f.endswith(".safetensors"))
+        shards = [safe_open(os.path.join(directory, file), framework="pt", device="cpu")
+                  for file in files]
+        self._owner = {name: shard for shard in shards for name in shard.keys()}
+        self.names = set(self._owner)
+
+    def get(self, name):
+        return self._owner[name].get_tensor(name)
+
+    def plan(self, targets):
+        """The Source of every tensor transformers takes from the checkpoint (`targets`: its
+        state-dict names). MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as
+        quantized checkpoints do) fill slices of transformers' fused `experts.gate_up_proj
+        [E, 2I, H]` (gate rows first) and `experts.down_proj [E, H, I]`; tensors transformers has
+        no place for (the K/V of KV-shared layers) are left out."""
+        sources = []
+        for name in sorted(self.names):
             module, _, suffix = name.rpartition(".")
             if suffix in SIDE_SUFFIXES:
                 continue
-            if suffix in ("weight_packed", "weight"):
-                tensor = dequantize(get, module, names, device)
-                if tensor is not None:
-                    name = module + ".weight"
-                else:
-                    tensor = get(name)
-            else:
-                tensor = get(name)
-            target = hf_name(name)
-            if target not in targets:
-                sliced = expert_slice(target, targets)
-                if sliced is None:
-                    continue  # e.g. K/V of KV-shared layers, which transformers does not have
-                target, destination = sliced
-                expert_slices[target] = expert_slices.get(target, 0) + 1
-            else:
-                destination = targets[target]
-            with torch.no_grad():
-                destination.copy_(tensor.to(device).to(destination.dtype).view_as(destination))
-            loaded.add(target)
-    missing = [k for k in targets if k not in loaded and k != "lm_head.weight"
+            packing = (packed_format(module, self.names)
+                       if suffix in ("weight_packed", "weight") else None)
+            if packing == "int4" and f"{module}.weight_zero_point" in self.names:
+                fail(f"{module}: asymmetric int4 is not supported here")
+            target = hf_name(module + ".weight" if packing else name)
+            if target in targets:
+                sources.append(Source(name, packing, target))
+                continue
+            match = EXPERT_SLICE.match(target)
+            if match is not None:
+                fused = "down_proj" if match["which"] == "down_proj" else "gate_up_proj"
+                sources.append(Source(name, packing, f"{match['prefix']}.{fused}",
+                                      int(match["expert"]), match["which"]))
+        return sources
+
+    def tensor(self, source, device):
+        if source.packing is None:
+            return self.get(source.name)
+        return dequantize(self.get, source.name.rpartition(".")[0], source.packing, device)
+
+
+def unfilled(sources, targets):
+    """transformers' tensors that `sources` leave empty or, for fused experts, partly filled."""
+    counts = Counter(source.target for source in sources)
+    missing = [k for k in targets if k not in counts and k != "lm_head.weight"
                and not k.endswith("inv_freq")]
     # gate_up_proj takes two slices per expert (gate, up), down_proj one.
-    missing += [k for k, n in expert_slices.items()
-                if n != targets[k].shape[0] * (2 if k.endswith("gate_up_proj") else 1)]
+    fused = {source.target for source in sources if source.expert is not None}
+    missing += [k for k in fused
+                if counts[k] != targets[k].shape[0] * (2 if k.endswith("gate_up_proj") else 1)]
+    return missing
+
+
+@torch.no_grad()
+def fill(checkpoint, sources, tensors, device):
+    """Copies every source into its tensor among `tensors` (name -> parameter or buffer)."""
+    for source in sources:
+        destination = tensors[source.target]
+        if source.expert is not None:
+            destination = destination[source.expert]
+            if source.which != "down_proj":
+                inner = destination.shape[0] // 2
+                destination = destination[:inner] if source.which == "gate_proj" else destination[inner:]
+        tensor = checkpoint.tensor(source, device)
+        destination.copy_(tensor.to(device).to(destination.dtype).view_as(destination))
+
+
+def new_model(config, device, dtype):
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Gemma4ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+def twin_bytes(config, dtype):
+    """What the transformers twin's weights take (a tied lm_head counted once)."""
+    skeleton = new_model(config, "meta", dtype)
+    return sum(p.numel() * p.element_size() for p in skeleton.parameters())
+
+
+def materialize(model, modules, device):
+    """Gives `modules` (of `model`, on the meta device) uninitialised storage on `device`, and
+    their non-persistent buffers (RoPE inverse frequencies, embedding scales: not in the
+    checkpoint) their values from transformers' own initialisation, as its meta-device loading
+    does."""
+    for module in modules:
+        module.to_empty(device=device, recurse=False)
+        if module._non_persistent_buffers_set:
+            model._init_weights(module)
+
+
+class LayerStreamer:
+    """Decoder layers that hold weights on the device only while they run. The model is built on
+    the meta device; everything but the decoder layers (embeddings, final norm, RoPE, a tied
+    lm_head) is made resident, and each decoder layer gets a forward pre-hook that materializes
+    it from the checkpoint (dequantized on the device, as the resident build does) and a forward
+    hook that sends it back to the meta device, freeing its memory. A forward then holds one
+    layer at a time, and every forward reads the layers again."""
+
+    def __init__(self, model, checkpoint, sources, device):
+        self.model, self.checkpoint, self.device = model, checkpoint, device
+        self.layer_sources = [[] for _ in model.model.layers]
+        resident = []
+        for source in sources:
+            match = LAYER_TENSOR.match(source.target)
+            if match is None:
+                resident.append(source)
+            else:
+                self.layer_sources[int(match["index"])].append(
+                    dataclasses.replace(source, target=match["inner"]))
+        in_layers = {id(m) for m in model.model.layers.modules()}
+        materialize(model, [m for m in model.modules() if id(m) not in in_layers], device)
+        fill(checkpoint, resident, model.state_dict(keep_vars=True), device)
+        for index, layer in enumerate(model.model.layers):
+            layer.register_forward_pre_hook(self._loader(index))
+            layer.register_forward_hook(self._release)
+
+    def _loader(self, index):
+        def load(layer, args):
+            materialize(self.model, layer.modules(), self.device)
+            fill(self.checkpoint, self.layer_sources[index], layer.state_dict(keep_vars=True),
+                 self.device)
+        return load
+
+    @staticmethod
+    def _release(layer, args, output):
+        layer.to("meta")
+
+
+@torch.no_grad()
+def build_model(directory, device, dtype, stream_layers=False):
+    """transformers' twin of the checkpoint in `dtype` on `device`: resident, or with
+    `stream_layers` its decoder layers streamed from the checkpoint (LayerStreamer)."""
+    config = text_config(directory)
+    checkpoint = Checkpoint(directory)
+    skeleton = new_model(config, "meta", dtype)
+    targets = skeleton.state_dict(keep_vars=True)
+    sources = checkpoint.plan(targets)
+    missing = unfilled(sources, targets)
     if missing:
         fail(f"checkpoint does not fill Gemma4ForCausalLM: missing {missing[:8]}...")
+    if stream_layers:
+        model = skeleton
+        LayerStreamer(model, checkpoint, sources, device)
+    else:
+        del skeleton, targets
+        model = new_model(config, device, dtype)
+        fill(checkpoint, sources, model.state_dict(keep_vars=True), device)
     model.tie_weights()
     return model, config
 
@@ -261,7 +375,11 @@ def main():
                         help="default: sliding window + 100")
     parser.add_argument("--greedy", type=int, default=64)
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                        help="transformers twin's dtype (float32: a tight check that fits for e2b)")
+                        help="transformers twin's dtype (float32: the tight check)")
+    parser.add_argument("--stream-layers", default="auto", choices=("auto", "always", "never"),
+                        help="build the twin's decoder layers one at a time during each forward "
+                             "(LayerStreamer) instead of all at once; auto: when the whole twin "
+                             "would take more than 3/4 of the free GPU memory (the 31B in float32)")
     parser.add_argument("--tie-ulps", type=float, default=2.0)
     parser.add_argument("--router-tie-ulps", type=float, default=2.0,
                         help="MoE: a router flip is a near-tie within this many bf16 ulps of the "
@@ -301,8 +419,13 @@ def main():
         forced_s += traced_s
         graphs_vs_traced = float(np.abs(ours - traced).max())
 
+    dtype = getattr(torch, args.dtype)
+    weight_bytes = twin_bytes(config, dtype)
+    streamed = args.stream_layers == "always" or (
+        args.stream_layers == "auto" and args.torch_device.startswith("cuda") and
+        weight_bytes > 0.75 * torch.cuda.mem_get_info(torch.device(args.torch_device))[0])
     started = time.time()
-    model, config = build_model(args.checkpoint, args.torch_device, getattr(torch, args.dtype))
+    model, config = build_model(args.checkpoint, args.torch_device, dtype, streamed)
     load_s = time.time() - started
     started = time.time()
     hf_logits, plain = router_trace.reference_logits(model, sequence, args.torch_device)
@@ -391,6 +514,10 @@ def main():
         "tie_ulps": args.tie_ulps,
         "router_tie_ulps": args.router_tie_ulps if moe else None,
         "transformers_dtype": args.dtype,
+        "transformers_weight_bytes": weight_bytes,
+        "transformers_layers_streamed": streamed,
+        "transformers_peak_gpu_bytes": (torch.cuda.max_memory_allocated(args.torch_device)
+                                        if args.torch_device.startswith("cuda") else None),
         "seconds": {"transformers_load": load_s, "transformers": hf_s,
                     "gemma4_teacher_forced": forced_s, "gemma4_free": free_s},
         "torch": torch.__version__,
@@ -399,6 +526,8 @@ def main():
     }
     with open(os.path.join(args.out, f"{name}-device-check.json"), "w") as f:
         json.dump(summary, f, indent=1)
+    peak = summary["transformers_peak_gpu_bytes"]
+    peak_text = f", twin peak {peak / 2**30:.1f} GiB" if peak is not None else ""
     greedy_text = (f"greedy {agree}/{len(our_greedy)} reproduced" if divergence is None else
                    f"greedy reproduced for {agree}/{len(our_greedy)}, then a "
                    f"{'bf16 near-tie (gap ' if greedy_tie else 'REAL divergence (gap '}"
@@ -409,13 +538,15 @@ def main():
                        f"{len(router['forced_near_ties_free'])} (unforced: max|dlogit| "
                        f"{router['unforced_max_abs_dlogit']:.3g}), real flips {real_flips}, "
                        f"graphs vs traced {graphs_vs_traced:.3g}; ")
-    print(f"device_check {name} vs transformers {args.dtype}: {len(sequence)} positions, max|dlogit| {delta.max():.4g} "
+    print(f"device_check {name} vs transformers {args.dtype}"
+          f"{' (layers streamed)' if streamed else ''}: {len(sequence)} positions, max|dlogit| {delta.max():.4g} "
           f"(pos {int(delta.argmax())}, median {np.median(delta):.3g}, prefill {prefill_delta:.3g}, "
           f"free-running {free_delta.max():.3g}), "
           f"top-1 {len(sequence) - len(top1_disagree)}/{len(sequence)} "
           f"({len(top1_ties)} of {len(top1_disagree)} disagreements within bf16), {greedy_text}; "
           f"{router_text}"
-          f"load {load_s:.0f}s hf {hf_s:.0f}s ours {forced_s + free_s:.0f}s: "
+          f"load {load_s:.0f}s hf {hf_s:.0f}s ours {forced_s + free_s:.0f}s"
+          f"{peak_text}: "
           f"{'PASS' if passed else 'FAIL'}")
     return 0 if passed else 1
 
