@@ -2,8 +2,8 @@
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
 // expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
-// grouped tensor-core tiles from there on). Also CudaBackend::moe_norms against the CPU
-// backend's default composition.
+// grouped tensor-core tiles from there on; decode at every count under MoePrecision::kExactF32).
+// Also CudaBackend::moe_norms against the CPU backend's default composition.
 #include "backend/cuda/moe.h"
 
 #include <cuda_runtime_api.h>
@@ -130,6 +130,8 @@ struct RunOptions {
   bool same_experts = false;  // every token picks experts 0 .. top_k-1 (one long slot each)
   // A path forced through launch_moe (at most kMoeTokensPerPass tokens), else run_experts' own.
   std::optional<MoePath> path = std::nullopt;
+  // run_experts' precision (when no path is forced).
+  MoePrecision precision = MoePrecision::kBf16TensorCores;
 };
 
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
@@ -143,7 +145,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
       " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
       (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
       (options.same_experts ? " same experts" : "") +
-      (options.path ? options.path == MoePath::kDecode ? " decode path" : " grouped path" : ""));
+      (options.path ? options.path == MoePath::kDecode ? " decode path" : " grouped path" : "") +
+      (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
@@ -165,10 +168,10 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
   DeviceArray<int32_t> ids(routing.ids);
   DeviceArray<float> weights(routing.weights);
   DeviceArray<float> out(tokens * out_stride);
-  const MoePath path = options.path.value_or(moe_path_for(tokens));
+  const MoePath path = options.path.value_or(moe_path_for(tokens, options.precision));
   DeviceArray<uint8_t> workspace(
       options.path ? moe_workspace_layout(table.shape(), tokens, top_k, path).bytes
-                   : moe_workspace_bytes(table, tokens, top_k));
+                   : moe_workspace_bytes(table, tokens, top_k, options.precision));
   ASSERT_TRUE(x_device.ok() && ids.ok() && weights.ok() && out.ok() && workspace.ok());
   if (options.path) {
     const MoeRunArgs args = {table.device(), table.shape(), x_device.get(),  x_stride,
@@ -177,7 +180,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
     CUDA_ASSERT_OK(launch_moe(args, Launch{}));
   } else {
     CUDA_ASSERT_OK(run_experts(table, x_device.get(), x_stride, tokens, top_k, ids.get(),
-                               weights.get(), out.get(), out_stride, workspace.get(), Launch{}));
+                               weights.get(), out.get(), out_stride, workspace.get(), Launch{},
+                               options.precision));
   }
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<float> got_strided = out.download();
@@ -340,6 +344,60 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
   }
 }
 
+// MoePrecision::kExactF32 (the backend's --fp32 mode): prefill-sized passes stay on the fp32
+// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not),
+// in both quantized formats at real shapes and over more tokens than one pass takes.
+TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
+  CpuBackend cpu(0);
+  uint32_t seed = 640;
+  const RunOptions exact = {.precision = MoePrecision::kExactF32};
+  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
+    check_run(cpu, set, kMoeGroupedMinTokens + 72, kTopK, seed++, exact);
+  }
+  const ExpertSet tiny = make_experts(kNvfp4Multiplier, 16, 96, 64, seed++);
+  check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
+            {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
+}
+
+// CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over a prefill-sized
+// chunk at real shapes: fp32 rounding only (1e-4 of the row's largest magnitude). The default
+// mode on the same inputs stays within the grouped path's bf16 budget.
+TEST(MoeExperts, CudaBackendFp32ModePrefillIsExact) {
+  CpuBackend cpu(0);
+  const int tokens = kMoeGroupedMinTokens + 40;
+  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, 660);
+  const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, 661);
+  const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, 662);
+  std::vector<float> x_cpu = x, expected(tokens * kHidden);
+  cpu.run_experts(set.host_views, Rows::dense(x_cpu.data(), tokens, kHidden), routing.ids.data(),
+                  routing.weights.data(), kTopK, Rows::dense(expected.data(), tokens, kHidden));
+  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+  for (int t = 0; t < tokens; ++t) {
+    double row_max = 0.0;
+    for (int64_t j = 0; j < kHidden; ++j) {
+      row_max = std::max(row_max, std::fabs(reference[t * kHidden + j]));
+    }
+    std::fill_n(magnitude.begin() + t * kHidden, kHidden, row_max);
+  }
+  for (const bool fp32 : {true, false}) {
+    SCOPED_TRACE(fp32 ? "fp32 mode" : "default mode");
+    auto made =
+        make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
+    ASSERT_TRUE(made.ok()) << made.error().to_string();
+    engine::Backend& gpu = **made;
+    DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * kHidden);
+    DeviceArray<int32_t> ids(routing.ids);
+    gpu.run_experts(set.device_views, Rows::dense(x_device.get(), tokens, kHidden), ids.get(),
+                    weights.get(), kTopK, Rows::dense(out.get(), tokens, kHidden));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+    testing::expect_close(out.download(), reference, magnitude, fp32 ? 1e-4 : kGroupedTolerance,
+                          "CudaBackend::run_experts");
+  }
+}
+
 // More tokens than one pass takes (kMoeTokensPerPass): the passes share the workspace.
 TEST(MoeExperts, LongPrefillInPasses) {
   CpuBackend cpu(0);
@@ -450,6 +508,8 @@ TEST(MoeExperts, KernelCount) {
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
   EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 10);
+  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);
+  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5, MoePrecision::kExactF32), 6);
 }
 
 TEST(MoeExperts, RejectsUnusableExperts) {

@@ -80,8 +80,16 @@ enum class MoePath : uint8_t {
 // rounding and reads each expert once per token that picked it (L2 absorbs the repeats).
 inline constexpr int kMoeGroupedMinTokens = 128;
 
-constexpr MoePath moe_path_for(int tokens) {
-  return tokens < kMoeGroupedMinTokens ? MoePath::kDecode : MoePath::kGrouped;
+// What run_experts may trade for speed: kBf16TensorCores lets passes of kMoeGroupedMinTokens
+// tokens or more take the grouped path (bf16 products); kExactF32 keeps every product in fp32
+// (the decode path at any token count, as the backend's --fp32 mode needs), at the cost of
+// reading each expert once per pair that picked it.
+enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
+
+constexpr MoePath moe_path_for(int tokens,
+                               MoePrecision precision = MoePrecision::kBf16TensorCores) {
+  return tokens < kMoeGroupedMinTokens || precision == MoePrecision::kExactF32 ? MoePath::kDecode
+                                                                               : MoePath::kGrouped;
 }
 
 struct MoeRunArgs {
