@@ -17,7 +17,8 @@
 //      (lane order, then a butterfly), so the result is deterministic with no atomics. Its weights
 //      depend only on the router, not on step 1: they are loaded before the PDL wait, overlapping
 //      step 1 (safe because step 1 triggers its dependents only after its own wait, see there).
-// Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV.
+// Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV
+// (NVFP4's global scale applied once per output, not per group: dot_chunk_unscaled).
 //
 // Grouped path (run_experts: T >= kMoeGroupedMinTokens), four launches:
 //   1. plan_kernel: a device-side stable counting sort of the pairs by expert (ascending id =
@@ -153,8 +154,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
 // One cluster of blocks splits the experts' rows (a single block would read the 0.7 MB of
 // 26B-A4B's router alone, bandwidth-bound on one SM); each block puts its logits into block 0's
 // shared memory, and after the cluster barrier block 0 routes. No atomics, no host round-trip.
+// 16 warps per block give 128 experts one row per warp; every row's loads of a pass go out before
+// any product (one memory round trip per pass, not one per row).
 constexpr int kRouterClusterBlocks = 8;
-constexpr int kRouterGemvWarps = 8;
+constexpr int kRouterGemvWarps = 16;
 // 16-byte chunks (8 bf16) per lane per pass: 12 cover hidden 3072 in one pass.
 constexpr int kRouterChunksPerLane = 12;
 // Rows of one warp: kMaxRouterExperts over the cluster's warps.
@@ -175,38 +178,39 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
   const int first_row = static_cast<int>(cluster.block_rank()) * rows_per_block + warp;
   const int end_row = min(first_row - warp + rows_per_block, a.num_experts);
   const int64_t chunks = a.hidden / 8;
-  float row_logits[kRouterRowsPerWarp];
+  float acc[kRouterRowsPerWarp] = {};
   bool waited = false;
+  for (int64_t base = 0; base < chunks; base += 32 * kRouterChunksPerLane) {
+    uint4 q[kRouterRowsPerWarp][kRouterChunksPerLane];
 #pragma unroll
-  for (int i = 0; i < kRouterRowsPerWarp; ++i) {
-    const int row = first_row + i * kRouterGemvWarps;
-    row_logits[i] = 0.0f;
-    if (row >= end_row) continue;
-    const uint4* w = static_cast<const uint4*>(a.w) + row * chunks;
-    float acc = 0.0f;
-    for (int64_t base = 0; base < chunks; base += 32 * kRouterChunksPerLane) {
-      uint4 q[kRouterChunksPerLane];
+    for (int i = 0; i < kRouterRowsPerWarp; ++i) {
+      const int row = first_row + i * kRouterGemvWarps;
+      const uint4* w = static_cast<const uint4*>(a.w) + row * chunks;
 #pragma unroll
       for (int j = 0; j < kRouterChunksPerLane; ++j) {
         const int64_t chunk = base + 32 * j + lane;
-        q[j] = chunk < chunks ? load_weights_nc(w + chunk) : make_uint4(0, 0, 0, 0);
-      }
-      // The weights are constant: their first loads go out before the wait for x.
-      if (!waited) {
-        pdl_wait_for_predecessors();
-        waited = true;
-      }
-#pragma unroll
-      for (int j = 0; j < kRouterChunksPerLane; ++j) {
-        const int64_t chunk = base + 32 * j + lane;
-        if (chunk >= chunks) continue;
-        XChunk<8> xc;
-        load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
-        acc += dot_bf16(q[j], xc);
+        q[i][j] =
+            row < end_row && chunk < chunks ? load_weights_nc(w + chunk) : make_uint4(0, 0, 0, 0);
       }
     }
-    row_logits[i] = butterfly_sum<32>(acc);
+    // The weights are constant: their first loads go out before the wait for x.
+    if (!waited) {
+      pdl_wait_for_predecessors();
+      waited = true;
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterChunksPerLane; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+      if (chunk >= chunks) continue;
+      XChunk<8> xc;
+      load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
+#pragma unroll
+      for (int i = 0; i < kRouterRowsPerWarp; ++i) acc[i] += dot_bf16(q[i][j], xc);
+    }
   }
+  float row_logits[kRouterRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRouterRowsPerWarp; ++i) row_logits[i] = butterfly_sum<32>(acc[i]);
   if (!waited) pdl_wait_for_predecessors();
   cluster.barrier_wait();
   float* logits_of_block0 = cluster.map_shared_rank(cluster_logits, 0);
@@ -226,6 +230,37 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
 }
 
 // ---- Decode path ----
+
+// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
+// as nvfp4_factor yields it: a multiplier of 1.
+struct NoGlobalScale {
+  float nv_global = 1.0f;
+  int nv_global_is_divisor = 0;
+};
+
+// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
+template <PackedFormat F>
+__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
+  } else {
+    return sum;
+  }
+}
+
+// dot_chunk without NVFP4's global scale: the decode kernels apply it once per output (its
+// division per group was ~10 % of their instructions). The sums then differ from the per-group
+// convention by fp32 rounding only.
+template <PackedFormat F>
+__device__ __forceinline__ float dot_chunk_unscaled(const uint4& q, uint32_t scale_bits,
+                                                    const MoeMatrix& m,
+                                                    const XChunk<kChunkElems<F>>& x) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return dot_nvfp4(q, scale_bits, NoGlobalScale{}, x);
+  } else {
+    return dot_chunk<F>(q, scale_bits, m, x);
+  }
+}
 
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeRows = 2;  // output rows per warp (gate/up: that many rows of each)
@@ -346,15 +381,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
       for (int mat = 0; mat < 2; ++mat) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          acc[mat][r] += dot_chunk<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
+          acc[mat][r] +=
+              dot_chunk_unscaled<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
         }
       }
     }
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float gate = butterfly_sum<32>(acc[0][r]);
-    const float up = butterfly_sum<32>(acc[1][r]);
+    const float gate = apply_global_scale<F>(mats[0], butterfly_sum<32>(acc[0][r]));
+    const float up = apply_global_scale<F>(mats[1], butterfly_sum<32>(acc[1][r]));
     const int64_t row = first_row + r;
     if (lane == r && row < a.inner) {
       a.activations[static_cast<int64_t>(pair) * a.inner + row] = gelu_tanh(gate) * up;
@@ -381,7 +417,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
   constexpr int R = kDecodeRows;
   constexpr int G = kDownChunksPerLane;
   constexpr int kElems = kChunkElems<F>;
-  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights.
+  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights, NVFP4's
+  // global scale of the pick's expert folded in (dot_chunk_unscaled's sums lack it).
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   pdl_trigger_dependents();
@@ -393,7 +430,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
     const int e = a.expert_ids[pick];
     const bool valid = e >= 0 && e < a.num_experts;
     downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] = valid ? a.weights[pick] : 0.0f;
+    pick_weights[k] = valid ? apply_global_scale<F>(downs[k], a.weights[pick]) : 0.0f;
   }
   __syncthreads();
 
@@ -449,7 +486,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         acc[r] += pick_weights[pick[j]] *
-                  dot_chunk<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
+                  dot_chunk_unscaled<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
       }
     }
   }
@@ -628,13 +665,6 @@ struct GroupedArgs {
   int64_t y_stride;
 };
 
-// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
-// as nvfp4_factor yields it: a multiplier of 1.
-struct NoGlobalScale {
-  float nv_global = 1.0f;
-  int nv_global_is_divisor = 0;
-};
-
 // One chunk of weights as bf16, in element order. NVFP4 and bf16 values are exact (e2m1 · e4m3
 // has at most 6 significant bits); w4g32's (u − 8) · scale is rounded.
 template <PackedFormat F>
@@ -678,16 +708,6 @@ __device__ __forceinline__ void dequantize_chunk(const uint4& q, uint32_t scale_
       }
       out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-  }
-}
-
-// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
-template <PackedFormat F>
-__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
-  if constexpr (F == PackedFormat::kNVFP4) {
-    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
-  } else {
-    return sum;
   }
 }
 
