@@ -40,6 +40,12 @@ using testing::random_matrix;
 // Decode path: both sides multiply exactly and accumulate in fp32 (the CPU in double per dot
 // product), so they differ by fp32 rounding only; bf16 rounding (2^-8) is the engine's budget.
 constexpr double kTolerance = 1e-3;
+// Decode path on tensor cores (NVFP4): the products are exact, but x and the activations enter
+// them rounded to fp16 (relative 2^-11 each, under a power-of-two scale): independent rounding
+// errors over K terms put the output's error near 2^-12 of a typical output, twice (gate/up, then
+// down), below the bf16 budget; 2e-3 of the row's largest magnitude leaves room while any
+// indexing mistake is O(100 %).
+constexpr double kDecodeTensorCoreTolerance = 2e-3;
 // Grouped path: tokens, activations and w4g32 weights enter the tensor cores as bf16 (relative
 // rounding 2^-9 each). A float64 model of exactly that rounding at 26B-A4B shapes (random
 // w4g32 / NVFP4 experts, x uniform in [-1, 1]) puts the largest error at 0.55-0.62 % of the row's
@@ -134,19 +140,38 @@ struct RunOptions {
   MoePrecision precision = MoePrecision::kBf16TensorCores;
 };
 
+const char* path_name(MoePath path) {
+  switch (path) {
+    case MoePath::kDecode:
+      return "decode path";
+    case MoePath::kDecodeTensorCores:
+      return "decode path on tensor cores";
+    case MoePath::kGrouped:
+      return "grouped path";
+  }
+  return "?";
+}
+
+// What the path's arithmetic allows (the tolerances above) for these experts.
+double tolerance_for(MoePath path, const model::ExpertMatrices& experts) {
+  if (path == MoePath::kGrouped) return kGroupedTolerance;
+  const bool nvfp4 =
+      experts.gate.format == WeightFormat::kNVFP4 || experts.down.format == WeightFormat::kNVFP4;
+  return path == MoePath::kDecodeTensorCores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
+}
+
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
 // output element (finite, within kTolerance of its row's largest magnitude).
 void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uint32_t seed,
                RunOptions options = {}) {
   const auto num_experts = static_cast<int>(set.host_views.size());
   const int64_t hidden = set.host_views[0].gate.cols;
-  SCOPED_TRACE(
-      "tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
-      " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
-      (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
-      (options.same_experts ? " same experts" : "") +
-      (options.path ? options.path == MoePath::kDecode ? " decode path" : " grouped path" : "") +
-      (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
+  SCOPED_TRACE("tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
+               " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
+               (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
+               (options.same_experts ? " same experts" : "") +
+               (options.path ? std::string(" ") + path_name(*options.path) : std::string()) +
+               (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
@@ -199,8 +224,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
       magnitude[t * hidden + j] = row_max;
     }
   }
-  testing::expect_close(got, reference, magnitude,
-                        path == MoePath::kGrouped ? kGroupedTolerance : kTolerance, "run_experts");
+  testing::expect_close(got, reference, magnitude, tolerance_for(path, set.host_views[0]),
+                        "run_experts");
 }
 
 void check_router(CpuBackend& cpu, const std::vector<float>& logits, int tokens, int num_experts,
@@ -269,7 +294,8 @@ TEST(MoeRouter, RejectsBadArguments) {
             cudaErrorInvalidValue);
 }
 
-// Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes.
+// Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes,
+// and the exact-fp32 decode kernels (the --fp32 mode's) on one token and a batch.
 TEST(MoeExperts, RealShapesNvfp4) {
   CpuBackend cpu(0);
   uint32_t seed = 100;
@@ -278,6 +304,8 @@ TEST(MoeExperts, RealShapesNvfp4) {
     const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed);
     for (int tokens : {1, 8, 32, kMoeGroupedMinTokens, 200})
       check_run(cpu, set, tokens, kTopK, seed++);
+    for (int tokens : {1, 8})
+      check_run(cpu, set, tokens, kTopK, seed++, {.precision = MoePrecision::kExactF32});
   }
 }
 
@@ -318,14 +346,18 @@ TEST(MoeExperts, TinyAllFormats) {
 }
 
 // The decode kernels stage one token's activations in shared memory: x (hidden floats) for
-// gate/up, top_k · inner floats for down. Rows beyond the default 48 KiB of dynamic shared memory
-// (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB) take the raised limit.
+// gate/up, top_k · inner floats for down (half that as fp16 on tensor cores). Rows beyond the
+// default 48 KiB of dynamic shared memory (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB)
+// take the raised limit.
 TEST(MoeExperts, DecodeStagingBeyond48KiB) {
   CpuBackend cpu(0);
   uint32_t seed = 620;
   const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
   check_run(cpu, wide, 1, 4, seed++);
-  check_run(cpu, wide, 2, 4, seed++, {.strided = true});
+  check_run(cpu, wide, 1, 4, seed++, {.precision = MoePrecision::kExactF32});
+  check_run(cpu, wide, 2, 4, seed++, {.strided = true, .precision = MoePrecision::kExactF32});
+  const ExpertSet wide_down = make_experts(kNvfp4Multiplier, 8, 64, 6656, seed++);
+  check_run(cpu, wide_down, 1, 4, seed++);  // tensor cores: 4 · 6656 fp16 = 52 KiB staged
   const ExpertSet deep = make_experts(kW4G32Bf16, 16, 96, 1664, seed++);
   check_run(cpu, deep, 1, 8, seed++);
   check_run(cpu, deep, 3, 8, seed++, {.invalid_id = true});
@@ -338,7 +370,7 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
   for (const ExpertFormat& f : {kW4G32Bf16, kNvfp4Multiplier}) {
     SCOPED_TRACE(f.name);
     const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
-    for (MoePath path : {MoePath::kDecode, MoePath::kGrouped}) {
+    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
       for (int tokens : {1, 8, 130}) check_run(cpu, set, tokens, 4, seed++, {.path = path});
     }
   }

@@ -230,7 +230,7 @@ int run_experts_kernel_count(int tokens, MoePrecision precision) {
   int kernels = 0;
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
     const int pass = std::min(kMoeTokensPerPass, tokens - first);
-    kernels += moe_path_for(pass, precision) == MoePath::kDecode ? 2 : 4;
+    kernels += moe_path_for(pass, precision) == MoePath::kGrouped ? 4 : 2;
   }
   return kernels;
 }
