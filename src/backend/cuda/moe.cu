@@ -1,6 +1,7 @@
 // Mixture-of-experts kernels (see moe.h): the router (and for one token the router GEMV fused with
 // it: fused_router_kernel), the decode path (few tokens: one GEMV-like launch per projection over
-// every (token, expert) pair) and the grouped path (prefill: tokens grouped by expert, tensor-core
+// every (token, expert) pair; for NVFP4 outside exact-fp32 mode on tensor cores, see "Decode path
+// on tensor cores" below) and the grouped path (prefill: tokens grouped by expert, tensor-core
 // tiles). Accumulation is fp32 throughout.
 //
 // Decode path (run_experts: T < kMoeGroupedMinTokens tokens) for T tokens with top_k experts each
@@ -1330,8 +1331,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
       args.experts, shape.num_experts, args.expert_ids,
       args.top_k,   shape.inner,       shape.hidden / chunk_elements(shape.gate_up_format),
       args.x,       args.x_stride,     activations};
-  const dim3 block(kDecodeWarps * 32);
-  cudaError_t status = cudaSuccess;
+  cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
     status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
@@ -1341,17 +1341,16 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                         dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpRows)),
                         dim3(kMmaGateUpWarps * 32), shared, launch, gate_up);
     }
-    if (status != cudaSuccess) return status;
-  }
-  const dim3 gate_up_grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
-  const size_t gate_up_shared = decode_gate_up_shared_bytes(shape);
-  if (!mma_gate_up)
+  } else {
+    const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
+    const size_t shared = decode_gate_up_shared_bytes(shape);
     status = for_format(shape.gate_up_format, [&](auto format) {
       const auto kernel = decode_gate_up_kernel<decltype(format)::value>;
-      const cudaError_t allowed = allow_shared_bytes(kernel, gate_up_shared);
+      const cudaError_t allowed = allow_shared_bytes(kernel, shared);
       if (allowed != cudaSuccess) return allowed;
-      return launch_kernel(kernel, gate_up_grid, block, gate_up_shared, launch, gate_up);
+      return launch_kernel(kernel, grid, dim3(kDecodeWarps * 32), shared, launch, gate_up);
     });
+  }
   if (status != cudaSuccess) return status;
   const DecodeDownArgs down = {args.experts,
                                shape.num_experts,
@@ -1380,7 +1379,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
     const auto kernel = decode_down_kernel<decltype(format)::value>;
     const cudaError_t allowed = allow_shared_bytes(kernel, down_shared);
     if (allowed != cudaSuccess) return allowed;
-    return launch_kernel(kernel, down_grid, block, down_shared, launch, down);
+    return launch_kernel(kernel, down_grid, dim3(kDecodeWarps * 32), down_shared, launch, down);
   });
 }
 
