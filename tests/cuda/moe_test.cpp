@@ -755,5 +755,44 @@ TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
   }
 }
 
+// The fused decode router with exact ties: router rows repeat with period 5, so the logits take
+// five values, each shared by ~25 experts, and the top 8 all tie; the CPU reference keeps the
+// lowest ids (and the GPU computes identical rows to identical bits).
+TEST(MoeRouter, FusedDecodeRouterTiesGoToLowerIds) {
+  CpuBackend cpu(0);
+  auto made = make_cuda_backend();
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  engine::Backend& gpu = **made;
+  HostMatrix w = random_matrix(WeightFormat::kBF16, kExperts, kHidden, 970);
+  const size_t row_bytes = w.data.size() / kExperts;
+  for (int e = 5; e < kExperts; ++e) {
+    std::memcpy(w.data.data() + e * row_bytes, w.data.data() + (e % 5) * row_bytes, row_bytes);
+  }
+  const DeviceMatrix w_device(w);
+  const std::vector<float> x = testing::random_floats(kHidden, -2.0f, 2.0f, 971);
+  const auto scale = testing::random_floats(kExperts, 0.5f, 1.5f, 972);
+  std::vector<float> x_cpu(x.size()), logits(kExperts), weights(kTopK);
+  for (size_t i = 0; i < x.size(); ++i) x_cpu[i] = round_bf16(x[i]);  // the default mode's x
+  std::vector<int32_t> ids(kTopK);
+  cpu.matmul_route_experts(w.view(), Rows::dense(x_cpu.data(), 1, kHidden),
+                           Rows::dense(logits.data(), 1, kExperts), {kTopK, scale.data()},
+                           ids.data(), weights.data());
+  DeviceArray<float> x_device(x), scale_device(scale), logits_device(kExperts),
+      weights_device(kTopK);
+  DeviceArray<int32_t> ids_device(kTopK);
+  gpu.matmul_route_experts(w_device.view, Rows::dense(x_device.get(), 1, kHidden),
+                           Rows::dense(logits_device.get(), 1, kExperts),
+                           {kTopK, scale_device.get()}, ids_device.get(), weights_device.get());
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+  const std::vector<float> got_logits = logits_device.download();
+  for (int e = 5; e < kExperts; ++e) ASSERT_EQ(got_logits[e], got_logits[e % 5]) << "expert " << e;
+  EXPECT_EQ(ids_device.download(), ids);
+  const auto got_weights = weights_device.download();
+  for (int k = 0; k < kTopK; ++k) {
+    EXPECT_NEAR(got_weights[k], weights[k], 1e-5 * (1.0 + std::fabs(weights[k]))) << "pick " << k;
+  }
+}
+
 }  // namespace
 }  // namespace gemma4::cuda

@@ -93,45 +93,46 @@ __device__ void route_token(const float* logits, int num_experts, int top_k,
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
-    // Probabilities are >= 0; taken or absent experts get -1 so they never win again.
+  // Selection keys: a probability's bits + 1 (ordered as the probabilities, which are >= 0), 0
+  // for absent or taken experts and NaN probabilities (never ranked). Equal keys are equal
+  // probabilities, so the lowest id among the holders of the largest key is the CPU reference's
+  // pick; each pick is two warp reductions (REDUX), not a shuffle butterfly.
+  uint32_t key[kExpertsPerLane];
 #pragma unroll
   for (int i = 0; i < kExpertsPerLane; ++i) {
-    p[i] = lane + 32 * i < num_experts ? p[i] / sum : -1.0f;
+    const float probability = p[i] / sum;
+    key[i] = lane + 32 * i < num_experts && probability >= 0.0f
+                 ? __float_as_uint(fabsf(probability)) + 1u
+                 : 0u;
   }
 
   float kept = 0.0f;
   int my_expert = -1;
   float my_probability = 0.0f;
   for (int k = 0; k < top_k; ++k) {
-    // The lane's best (strict > keeps the lowest id among equals), then the warp's.
-    float best = -1.0f;
-    int best_expert = INT_MAX;
+    uint32_t lane_best = 0;
+#pragma unroll
+    for (int i = 0; i < kExpertsPerLane; ++i) lane_best = max(lane_best, key[i]);
+    const uint32_t best = __reduce_max_sync(0xFFFFFFFFu, lane_best);
+    // The lane's lowest id holding it (slot i is expert lane + 32 i), then the warp's.
+    uint32_t lane_expert = UINT_MAX;
+#pragma unroll
+    for (int i = kExpertsPerLane - 1; i >= 0; --i) {
+      if (key[i] == best) lane_expert = lane + 32 * i;
+    }
+    // NaN logits leave no winner (best == 0): that pick is marked invalid (it then contributes
+    // nothing).
+    const bool valid = best != 0;
+    const uint32_t winner = __reduce_min_sync(0xFFFFFFFFu, valid ? lane_expert : UINT_MAX);
 #pragma unroll
     for (int i = 0; i < kExpertsPerLane; ++i) {
-      if (p[i] > best) {
-        best = p[i];
-        best_expert = lane + 32 * i;
-      }
+      if (lane + 32 * i == winner) key[i] = 0;
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
-      const int other_expert = __shfl_xor_sync(0xFFFFFFFFu, best_expert, offset);
-      if (other > best || (other == best && other_expert < best_expert)) {
-        best = other;
-        best_expert = other_expert;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kExpertsPerLane; ++i) {
-      if (lane + 32 * i == best_expert) p[i] = -1.0f;
-    }
-    // NaN logits leave no winner: that pick is marked invalid (it then contributes nothing).
-    const bool valid = best_expert < num_experts;
-    kept += valid ? best : 0.0f;
+    const float probability = __uint_as_float(best - 1u);
+    kept += valid ? probability : 0.0f;
     if (lane == k) {
-      my_expert = valid ? best_expert : -1;
-      my_probability = best;
+      my_expert = valid ? static_cast<int>(winner) : -1;
+      my_probability = probability;
     }
   }
   if (lane < top_k) {
