@@ -1,7 +1,8 @@
 // MoE layer benchmark (26B-A4B shapes: hidden 2816, moe_intermediate 704, 128 experts, top-8):
 // router + experts per layer for 1, 8, 32, 128 and 512 tokens (batch-1 decode, 8 and 32
 // streams, prefill chunks), NVFP4 and w4g32, on each MoE path that may serve that batch
-// (decode below 512 tokens, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
+// (decode below 512 tokens — NVFP4 also on tensor cores, "decode-tc", the default below
+// kMoeGroupedMinTokens —, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
 // these lines show where the crossover really is), chained over distinct expert tables (so the
 // selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
 // replayed, plain launches and PDL. Reports µs per layer, tokens/s of the experts alone and the
@@ -124,8 +125,11 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   }
   const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
 
-  for (MoePath path : {MoePath::kDecode, MoePath::kGrouped}) {
-    if ((path == MoePath::kDecode && tokens >= 512) || (path == MoePath::kGrouped && tokens < 8)) {
+  for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
+    const bool decode = path != MoePath::kGrouped;
+    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice.
+    if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
+        (path == MoePath::kDecodeTensorCores && format != WeightFormat::kNVFP4)) {
       continue;
     }
     for (int with_router = 0; with_router < 2; ++with_router) {
@@ -151,10 +155,12 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
             stream);
       }
       std::printf(
-          "moe %-6s T=%-4d %-7s %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
+          "moe %-6s T=%-4d %-9s %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
           "GB/s  %9.0f tok/s/layer\n",
           format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
-          path == MoePath::kDecode ? "decode" : "grouped",
+          path == MoePath::kDecode ? "decode"
+          : decode                 ? "decode-tc"
+                                   : "grouped",
           with_router ? "router+experts" : "experts", expert_mb, us[0], us[1],
           expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
       std::fflush(stdout);

@@ -2,8 +2,8 @@
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
 // expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
-// grouped tensor-core tiles from there on). Also CudaBackend::moe_norms against the CPU
-// backend's default composition.
+// grouped tensor-core tiles from there on; decode at every count under MoePrecision::kExactF32).
+// Also CudaBackend::moe_norms against the CPU backend's default composition.
 #include "backend/cuda/moe.h"
 
 #include <cuda_runtime_api.h>
@@ -40,6 +40,12 @@ using testing::random_matrix;
 // Decode path: both sides multiply exactly and accumulate in fp32 (the CPU in double per dot
 // product), so they differ by fp32 rounding only; bf16 rounding (2^-8) is the engine's budget.
 constexpr double kTolerance = 1e-3;
+// Decode path on tensor cores (NVFP4): the products are exact, but x and the activations enter
+// them rounded to fp16 (relative 2^-11 each, under a power-of-two scale): independent rounding
+// errors over K terms put the output's error near 2^-12 of a typical output, twice (gate/up, then
+// down), below the bf16 budget; 2e-3 of the row's largest magnitude leaves room while any
+// indexing mistake is O(100 %).
+constexpr double kDecodeTensorCoreTolerance = 2e-3;
 // Grouped path: tokens, activations and w4g32 weights enter the tensor cores as bf16 (relative
 // rounding 2^-9 each). A float64 model of exactly that rounding at 26B-A4B shapes (random
 // w4g32 / NVFP4 experts, x uniform in [-1, 1]) puts the largest error at 0.55-0.62 % of the row's
@@ -130,7 +136,29 @@ struct RunOptions {
   bool same_experts = false;  // every token picks experts 0 .. top_k-1 (one long slot each)
   // A path forced through launch_moe (at most kMoeTokensPerPass tokens), else run_experts' own.
   std::optional<MoePath> path = std::nullopt;
+  // run_experts' precision (when no path is forced).
+  MoePrecision precision = MoePrecision::kBf16TensorCores;
 };
+
+const char* path_name(MoePath path) {
+  switch (path) {
+    case MoePath::kDecode:
+      return "decode path";
+    case MoePath::kDecodeTensorCores:
+      return "decode path on tensor cores";
+    case MoePath::kGrouped:
+      return "grouped path";
+  }
+  return "?";
+}
+
+// What the path's arithmetic allows (the tolerances above) for these experts.
+double tolerance_for(MoePath path, const model::ExpertMatrices& experts) {
+  if (path == MoePath::kGrouped) return kGroupedTolerance;
+  const bool nvfp4 =
+      experts.gate.format == WeightFormat::kNVFP4 || experts.down.format == WeightFormat::kNVFP4;
+  return path == MoePath::kDecodeTensorCores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
+}
 
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
 // output element (finite, within kTolerance of its row's largest magnitude).
@@ -138,12 +166,12 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
                RunOptions options = {}) {
   const auto num_experts = static_cast<int>(set.host_views.size());
   const int64_t hidden = set.host_views[0].gate.cols;
-  SCOPED_TRACE(
-      "tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
-      " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
-      (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
-      (options.same_experts ? " same experts" : "") +
-      (options.path ? options.path == MoePath::kDecode ? " decode path" : " grouped path" : ""));
+  SCOPED_TRACE("tokens=" + std::to_string(tokens) + " top_k=" + std::to_string(top_k) +
+               " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
+               (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
+               (options.same_experts ? " same experts" : "") +
+               (options.path ? std::string(" ") + path_name(*options.path) : std::string()) +
+               (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
@@ -165,10 +193,10 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
   DeviceArray<int32_t> ids(routing.ids);
   DeviceArray<float> weights(routing.weights);
   DeviceArray<float> out(tokens * out_stride);
-  const MoePath path = options.path.value_or(moe_path_for(tokens));
+  const MoePath path = options.path.value_or(moe_path_for(tokens, options.precision));
   DeviceArray<uint8_t> workspace(
       options.path ? moe_workspace_layout(table.shape(), tokens, top_k, path).bytes
-                   : moe_workspace_bytes(table, tokens, top_k));
+                   : moe_workspace_bytes(table, tokens, top_k, options.precision));
   ASSERT_TRUE(x_device.ok() && ids.ok() && weights.ok() && out.ok() && workspace.ok());
   if (options.path) {
     const MoeRunArgs args = {table.device(), table.shape(), x_device.get(),  x_stride,
@@ -177,7 +205,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
     CUDA_ASSERT_OK(launch_moe(args, Launch{}));
   } else {
     CUDA_ASSERT_OK(run_experts(table, x_device.get(), x_stride, tokens, top_k, ids.get(),
-                               weights.get(), out.get(), out_stride, workspace.get(), Launch{}));
+                               weights.get(), out.get(), out_stride, workspace.get(), Launch{},
+                               options.precision));
   }
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
   const std::vector<float> got_strided = out.download();
@@ -195,8 +224,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
       magnitude[t * hidden + j] = row_max;
     }
   }
-  testing::expect_close(got, reference, magnitude,
-                        path == MoePath::kGrouped ? kGroupedTolerance : kTolerance, "run_experts");
+  testing::expect_close(got, reference, magnitude, tolerance_for(path, set.host_views[0]),
+                        "run_experts");
 }
 
 void check_router(CpuBackend& cpu, const std::vector<float>& logits, int tokens, int num_experts,
@@ -265,7 +294,8 @@ TEST(MoeRouter, RejectsBadArguments) {
             cudaErrorInvalidValue);
 }
 
-// Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes.
+// Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes,
+// and the exact-fp32 decode kernels (the --fp32 mode's) on one token and a batch.
 TEST(MoeExperts, RealShapesNvfp4) {
   CpuBackend cpu(0);
   uint32_t seed = 100;
@@ -274,6 +304,8 @@ TEST(MoeExperts, RealShapesNvfp4) {
     const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed);
     for (int tokens : {1, 8, 32, kMoeGroupedMinTokens, 200})
       check_run(cpu, set, tokens, kTopK, seed++);
+    for (int tokens : {1, 8})
+      check_run(cpu, set, tokens, kTopK, seed++, {.precision = MoePrecision::kExactF32});
   }
 }
 
@@ -314,14 +346,18 @@ TEST(MoeExperts, TinyAllFormats) {
 }
 
 // The decode kernels stage one token's activations in shared memory: x (hidden floats) for
-// gate/up, top_k · inner floats for down. Rows beyond the default 48 KiB of dynamic shared memory
-// (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB) take the raised limit.
+// gate/up, top_k · inner floats for down (half that as fp16 on tensor cores). Rows beyond the
+// default 48 KiB of dynamic shared memory (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB)
+// take the raised limit.
 TEST(MoeExperts, DecodeStagingBeyond48KiB) {
   CpuBackend cpu(0);
   uint32_t seed = 620;
   const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
   check_run(cpu, wide, 1, 4, seed++);
-  check_run(cpu, wide, 2, 4, seed++, {.strided = true});
+  check_run(cpu, wide, 1, 4, seed++, {.precision = MoePrecision::kExactF32});
+  check_run(cpu, wide, 2, 4, seed++, {.strided = true, .precision = MoePrecision::kExactF32});
+  const ExpertSet wide_down = make_experts(kNvfp4Multiplier, 8, 64, 6656, seed++);
+  check_run(cpu, wide_down, 1, 4, seed++);  // tensor cores: 4 · 6656 fp16 = 52 KiB staged
   const ExpertSet deep = make_experts(kW4G32Bf16, 16, 96, 1664, seed++);
   check_run(cpu, deep, 1, 8, seed++);
   check_run(cpu, deep, 3, 8, seed++, {.invalid_id = true});
@@ -334,9 +370,63 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
   for (const ExpertFormat& f : {kW4G32Bf16, kNvfp4Multiplier}) {
     SCOPED_TRACE(f.name);
     const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
-    for (MoePath path : {MoePath::kDecode, MoePath::kGrouped}) {
+    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
       for (int tokens : {1, 8, 130}) check_run(cpu, set, tokens, 4, seed++, {.path = path});
     }
+  }
+}
+
+// MoePrecision::kExactF32 (the backend's --fp32 mode): prefill-sized passes stay on the fp32
+// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not),
+// in both quantized formats at real shapes and over more tokens than one pass takes.
+TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
+  CpuBackend cpu(0);
+  uint32_t seed = 640;
+  const RunOptions exact = {.precision = MoePrecision::kExactF32};
+  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
+    check_run(cpu, set, kMoeGroupedMinTokens + 72, kTopK, seed++, exact);
+  }
+  const ExpertSet tiny = make_experts(kNvfp4Multiplier, 16, 96, 64, seed++);
+  check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
+            {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
+}
+
+// CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over a prefill-sized
+// chunk at real shapes: fp32 rounding only (1e-4 of the row's largest magnitude). The default
+// mode on the same inputs stays within the grouped path's bf16 budget.
+TEST(MoeExperts, CudaBackendFp32ModePrefillIsExact) {
+  CpuBackend cpu(0);
+  const int tokens = kMoeGroupedMinTokens + 40;
+  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, 660);
+  const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, 661);
+  const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, 662);
+  std::vector<float> x_cpu = x, expected(tokens * kHidden);
+  cpu.run_experts(set.host_views, Rows::dense(x_cpu.data(), tokens, kHidden), routing.ids.data(),
+                  routing.weights.data(), kTopK, Rows::dense(expected.data(), tokens, kHidden));
+  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+  for (int t = 0; t < tokens; ++t) {
+    double row_max = 0.0;
+    for (int64_t j = 0; j < kHidden; ++j) {
+      row_max = std::max(row_max, std::fabs(reference[t * kHidden + j]));
+    }
+    std::fill_n(magnitude.begin() + t * kHidden, kHidden, row_max);
+  }
+  for (const bool fp32 : {true, false}) {
+    SCOPED_TRACE(fp32 ? "fp32 mode" : "default mode");
+    auto made =
+        make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
+    ASSERT_TRUE(made.ok()) << made.error().to_string();
+    engine::Backend& gpu = **made;
+    DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * kHidden);
+    DeviceArray<int32_t> ids(routing.ids);
+    gpu.run_experts(set.device_views, Rows::dense(x_device.get(), tokens, kHidden), ids.get(),
+                    weights.get(), kTopK, Rows::dense(out.get(), tokens, kHidden));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+    testing::expect_close(out.download(), reference, magnitude, fp32 ? 1e-4 : kGroupedTolerance,
+                          "CudaBackend::run_experts");
   }
 }
 
@@ -450,6 +540,8 @@ TEST(MoeExperts, KernelCount) {
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
   EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 10);
+  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);
+  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5, MoePrecision::kExactF32), 6);
 }
 
 TEST(MoeExperts, RejectsUnusableExperts) {
@@ -660,6 +752,45 @@ TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
             << "pick " << i;
       }
     }
+  }
+}
+
+// The fused decode router with exact ties: router rows repeat with period 5, so the logits take
+// five values, each shared by ~25 experts, and the top 8 all tie; the CPU reference keeps the
+// lowest ids (and the GPU computes identical rows to identical bits).
+TEST(MoeRouter, FusedDecodeRouterTiesGoToLowerIds) {
+  CpuBackend cpu(0);
+  auto made = make_cuda_backend();
+  ASSERT_TRUE(made.ok()) << made.error().to_string();
+  engine::Backend& gpu = **made;
+  HostMatrix w = random_matrix(WeightFormat::kBF16, kExperts, kHidden, 970);
+  const size_t row_bytes = w.data.size() / kExperts;
+  for (int e = 5; e < kExperts; ++e) {
+    std::memcpy(w.data.data() + e * row_bytes, w.data.data() + (e % 5) * row_bytes, row_bytes);
+  }
+  const DeviceMatrix w_device(w);
+  const std::vector<float> x = testing::random_floats(kHidden, -2.0f, 2.0f, 971);
+  const auto scale = testing::random_floats(kExperts, 0.5f, 1.5f, 972);
+  std::vector<float> x_cpu(x.size()), logits(kExperts), weights(kTopK);
+  for (size_t i = 0; i < x.size(); ++i) x_cpu[i] = round_bf16(x[i]);  // the default mode's x
+  std::vector<int32_t> ids(kTopK);
+  cpu.matmul_route_experts(w.view(), Rows::dense(x_cpu.data(), 1, kHidden),
+                           Rows::dense(logits.data(), 1, kExperts), {kTopK, scale.data()},
+                           ids.data(), weights.data());
+  DeviceArray<float> x_device(x), scale_device(scale), logits_device(kExperts),
+      weights_device(kTopK);
+  DeviceArray<int32_t> ids_device(kTopK);
+  gpu.matmul_route_experts(w_device.view, Rows::dense(x_device.get(), 1, kHidden),
+                           Rows::dense(logits_device.get(), 1, kExperts),
+                           {kTopK, scale_device.get()}, ids_device.get(), weights_device.get());
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+  const std::vector<float> got_logits = logits_device.download();
+  for (int e = 5; e < kExperts; ++e) ASSERT_EQ(got_logits[e], got_logits[e % 5]) << "expert " << e;
+  EXPECT_EQ(ids_device.download(), ids);
+  const auto got_weights = weights_device.download();
+  for (int k = 0; k < kTopK; ++k) {
+    EXPECT_NEAR(got_weights[k], weights[k], 1e-5 * (1.0 + std::fabs(weights[k]))) << "pick " << k;
   }
 }
 

@@ -662,11 +662,15 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
     return;
   }
   const auto tokens = static_cast<int>(out.count);
-  void* workspace = scratch(expert_workspace_, moe_workspace_bytes(*table, tokens, top_k));
+  // kF32 mode: the prefill passes too multiply in fp32 (no bf16 tensor-core tiles).
+  const MoePrecision precision =
+      fp32_activations_ ? MoePrecision::kExactF32 : MoePrecision::kBf16TensorCores;
+  void* workspace =
+      scratch(expert_workspace_, moe_workspace_bytes(*table, tokens, top_k, precision));
   if (!status_.ok()) return;
   launched(cuda::run_experts(*table, x.data, x.stride, tokens, top_k, expert_ids, weights, out.data,
-                             out.stride, workspace, on_stream),
-           "run_experts", run_experts_kernel_count(tokens));
+                             out.stride, workspace, on_stream, precision),
+           "run_experts", run_experts_kernel_count(tokens, precision));
 }
 
 void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,

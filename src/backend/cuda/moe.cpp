@@ -193,15 +193,17 @@ cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x
   return launch_fused_router(args, launch);
 }
 
-size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k) {
+size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,
+                           MoePrecision precision) {
   // A pass of fewer tokens (the last) needs less, whichever path it takes.
   const int pass = std::min(tokens, kMoeTokensPerPass);
-  return moe_workspace_layout(table.shape(), pass, top_k, moe_path_for(pass)).bytes;
+  return moe_workspace_layout(table.shape(), pass, top_k, moe_path_for(pass, precision)).bytes;
 }
 
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
-                        int64_t out_stride, void* workspace, const Launch& launch) {
+                        int64_t out_stride, void* workspace, const Launch& launch,
+                        MoePrecision precision) {
   const MoeShape& shape = table.shape();
   const bool shape_ok = table.device() != nullptr && tokens >= 1 && top_k >= 1 &&
                         top_k <= shape.num_experts && top_k <= kMaxTopK &&
@@ -216,19 +218,19 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
     const MoeRunArgs args = {table.device(),    shape,          x + first * x_stride,
                              x_stride,          count,          top_k,
                              expert_ids + pair, weights + pair, out + first * out_stride,
-                             out_stride,        workspace,      moe_path_for(count)};
+                             out_stride,        workspace,      moe_path_for(count, precision)};
     const cudaError_t status = launch_moe(args, launch);
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
 }
 
-int run_experts_kernel_count(int tokens) {
+int run_experts_kernel_count(int tokens, MoePrecision precision) {
   // Per pass: decode path gate/up and down; grouped path plan, gate/up, down, combine.
   int kernels = 0;
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
-    kernels +=
-        moe_path_for(std::min(kMoeTokensPerPass, tokens - first)) == MoePath::kDecode ? 2 : 4;
+    const int pass = std::min(kMoeTokensPerPass, tokens - first);
+    kernels += moe_path_for(pass, precision) == MoePath::kGrouped ? 4 : 2;
   }
   return kernels;
 }

@@ -1,6 +1,7 @@
 // Mixture-of-experts kernels (see moe.h): the router (and for one token the router GEMV fused with
 // it: fused_router_kernel), the decode path (few tokens: one GEMV-like launch per projection over
-// every (token, expert) pair) and the grouped path (prefill: tokens grouped by expert, tensor-core
+// every (token, expert) pair; for NVFP4 outside exact-fp32 mode on tensor cores, see "Decode path
+// on tensor cores" below) and the grouped path (prefill: tokens grouped by expert, tensor-core
 // tiles). Accumulation is fp32 throughout.
 //
 // Decode path (run_experts: T < kMoeGroupedMinTokens tokens) for T tokens with top_k experts each
@@ -17,7 +18,8 @@
 //      (lane order, then a butterfly), so the result is deterministic with no atomics. Its weights
 //      depend only on the router, not on step 1: they are loaded before the PDL wait, overlapping
 //      step 1 (safe because step 1 triggers its dependents only after its own wait, see there).
-// Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV.
+// Weights are dequantized in registers by device_math.cuh's chunk dot products, as the dense GEMV
+// (NVFP4's global scale applied once per output, not per group: dot_chunk_unscaled).
 //
 // Grouped path (run_experts: T >= kMoeGroupedMinTokens), four launches:
 //   1. plan_kernel: a device-side stable counting sort of the pairs by expert (ascending id =
@@ -91,45 +93,46 @@ __device__ void route_token(const float* logits, int num_experts, int top_k,
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) sum += __shfl_xor_sync(0xFFFFFFFFu, sum, offset);
-    // Probabilities are >= 0; taken or absent experts get -1 so they never win again.
+  // Selection keys: a probability's bits + 1 (ordered as the probabilities, which are >= 0), 0
+  // for absent or taken experts and NaN probabilities (never ranked). Equal keys are equal
+  // probabilities, so the lowest id among the holders of the largest key is the CPU reference's
+  // pick; each pick is two warp reductions (REDUX), not a shuffle butterfly.
+  uint32_t key[kExpertsPerLane];
 #pragma unroll
   for (int i = 0; i < kExpertsPerLane; ++i) {
-    p[i] = lane + 32 * i < num_experts ? p[i] / sum : -1.0f;
+    const float probability = p[i] / sum;
+    key[i] = lane + 32 * i < num_experts && probability >= 0.0f
+                 ? __float_as_uint(fabsf(probability)) + 1u
+                 : 0u;
   }
 
   float kept = 0.0f;
   int my_expert = -1;
   float my_probability = 0.0f;
   for (int k = 0; k < top_k; ++k) {
-    // The lane's best (strict > keeps the lowest id among equals), then the warp's.
-    float best = -1.0f;
-    int best_expert = INT_MAX;
+    uint32_t lane_best = 0;
+#pragma unroll
+    for (int i = 0; i < kExpertsPerLane; ++i) lane_best = max(lane_best, key[i]);
+    const uint32_t best = __reduce_max_sync(0xFFFFFFFFu, lane_best);
+    // The lane's lowest id holding it (slot i is expert lane + 32 i), then the warp's.
+    uint32_t lane_expert = UINT_MAX;
+#pragma unroll
+    for (int i = kExpertsPerLane - 1; i >= 0; --i) {
+      if (key[i] == best) lane_expert = lane + 32 * i;
+    }
+    // NaN logits leave no winner (best == 0): that pick is marked invalid (it then contributes
+    // nothing).
+    const bool valid = best != 0;
+    const uint32_t winner = __reduce_min_sync(0xFFFFFFFFu, valid ? lane_expert : UINT_MAX);
 #pragma unroll
     for (int i = 0; i < kExpertsPerLane; ++i) {
-      if (p[i] > best) {
-        best = p[i];
-        best_expert = lane + 32 * i;
-      }
+      if (lane + 32 * i == winner) key[i] = 0;
     }
-#pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      const float other = __shfl_xor_sync(0xFFFFFFFFu, best, offset);
-      const int other_expert = __shfl_xor_sync(0xFFFFFFFFu, best_expert, offset);
-      if (other > best || (other == best && other_expert < best_expert)) {
-        best = other;
-        best_expert = other_expert;
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kExpertsPerLane; ++i) {
-      if (lane + 32 * i == best_expert) p[i] = -1.0f;
-    }
-    // NaN logits leave no winner: that pick is marked invalid (it then contributes nothing).
-    const bool valid = best_expert < num_experts;
-    kept += valid ? best : 0.0f;
+    const float probability = __uint_as_float(best - 1u);
+    kept += valid ? probability : 0.0f;
     if (lane == k) {
-      my_expert = valid ? best_expert : -1;
-      my_probability = best;
+      my_expert = valid ? static_cast<int>(winner) : -1;
+      my_probability = probability;
     }
   }
   if (lane < top_k) {
@@ -153,8 +156,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
 // One cluster of blocks splits the experts' rows (a single block would read the 0.7 MB of
 // 26B-A4B's router alone, bandwidth-bound on one SM); each block puts its logits into block 0's
 // shared memory, and after the cluster barrier block 0 routes. No atomics, no host round-trip.
+// 16 warps per block give 128 experts one row per warp; every row's loads of a pass go out before
+// any product (one memory round trip per pass, not one per row).
 constexpr int kRouterClusterBlocks = 8;
-constexpr int kRouterGemvWarps = 8;
+constexpr int kRouterGemvWarps = 16;
 // 16-byte chunks (8 bf16) per lane per pass: 12 cover hidden 3072 in one pass.
 constexpr int kRouterChunksPerLane = 12;
 // Rows of one warp: kMaxRouterExperts over the cluster's warps.
@@ -175,38 +180,39 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
   const int first_row = static_cast<int>(cluster.block_rank()) * rows_per_block + warp;
   const int end_row = min(first_row - warp + rows_per_block, a.num_experts);
   const int64_t chunks = a.hidden / 8;
-  float row_logits[kRouterRowsPerWarp];
+  float acc[kRouterRowsPerWarp] = {};
   bool waited = false;
+  for (int64_t base = 0; base < chunks; base += 32 * kRouterChunksPerLane) {
+    uint4 q[kRouterRowsPerWarp][kRouterChunksPerLane];
 #pragma unroll
-  for (int i = 0; i < kRouterRowsPerWarp; ++i) {
-    const int row = first_row + i * kRouterGemvWarps;
-    row_logits[i] = 0.0f;
-    if (row >= end_row) continue;
-    const uint4* w = static_cast<const uint4*>(a.w) + row * chunks;
-    float acc = 0.0f;
-    for (int64_t base = 0; base < chunks; base += 32 * kRouterChunksPerLane) {
-      uint4 q[kRouterChunksPerLane];
+    for (int i = 0; i < kRouterRowsPerWarp; ++i) {
+      const int row = first_row + i * kRouterGemvWarps;
+      const uint4* w = static_cast<const uint4*>(a.w) + row * chunks;
 #pragma unroll
       for (int j = 0; j < kRouterChunksPerLane; ++j) {
         const int64_t chunk = base + 32 * j + lane;
-        q[j] = chunk < chunks ? load_weights_nc(w + chunk) : make_uint4(0, 0, 0, 0);
-      }
-      // The weights are constant: their first loads go out before the wait for x.
-      if (!waited) {
-        pdl_wait_for_predecessors();
-        waited = true;
-      }
-#pragma unroll
-      for (int j = 0; j < kRouterChunksPerLane; ++j) {
-        const int64_t chunk = base + 32 * j + lane;
-        if (chunk >= chunks) continue;
-        XChunk<8> xc;
-        load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
-        acc += dot_bf16(q[j], xc);
+        q[i][j] =
+            row < end_row && chunk < chunks ? load_weights_nc(w + chunk) : make_uint4(0, 0, 0, 0);
       }
     }
-    row_logits[i] = butterfly_sum<32>(acc);
+    // The weights are constant: their first loads go out before the wait for x.
+    if (!waited) {
+      pdl_wait_for_predecessors();
+      waited = true;
+    }
+#pragma unroll
+    for (int j = 0; j < kRouterChunksPerLane; ++j) {
+      const int64_t chunk = base + 32 * j + lane;
+      if (chunk >= chunks) continue;
+      XChunk<8> xc;
+      load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
+#pragma unroll
+      for (int i = 0; i < kRouterRowsPerWarp; ++i) acc[i] += dot_bf16(q[i][j], xc);
+    }
   }
+  float row_logits[kRouterRowsPerWarp];
+#pragma unroll
+  for (int i = 0; i < kRouterRowsPerWarp; ++i) row_logits[i] = butterfly_sum<32>(acc[i]);
   if (!waited) pdl_wait_for_predecessors();
   cluster.barrier_wait();
   float* logits_of_block0 = cluster.map_shared_rank(cluster_logits, 0);
@@ -226,6 +232,37 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
 }
 
 // ---- Decode path ----
+
+// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
+// as nvfp4_factor yields it: a multiplier of 1.
+struct NoGlobalScale {
+  float nv_global = 1.0f;
+  int nv_global_is_divisor = 0;
+};
+
+// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
+template <PackedFormat F>
+__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
+  } else {
+    return sum;
+  }
+}
+
+// dot_chunk without NVFP4's global scale: the decode kernels apply it once per output (its
+// division per group was ~10 % of their instructions). The sums then differ from the per-group
+// convention by fp32 rounding only.
+template <PackedFormat F>
+__device__ __forceinline__ float dot_chunk_unscaled(const uint4& q, uint32_t scale_bits,
+                                                    const MoeMatrix& m,
+                                                    const XChunk<kChunkElems<F>>& x) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return dot_nvfp4(q, scale_bits, NoGlobalScale{}, x);
+  } else {
+    return dot_chunk<F>(q, scale_bits, m, x);
+  }
+}
 
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeRows = 2;  // output rows per warp (gate/up: that many rows of each)
@@ -346,15 +383,16 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
       for (int mat = 0; mat < 2; ++mat) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          acc[mat][r] += dot_chunk<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
+          acc[mat][r] +=
+              dot_chunk_unscaled<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
         }
       }
     }
   }
 #pragma unroll
   for (int r = 0; r < R; ++r) {
-    const float gate = butterfly_sum<32>(acc[0][r]);
-    const float up = butterfly_sum<32>(acc[1][r]);
+    const float gate = apply_global_scale<F>(mats[0], butterfly_sum<32>(acc[0][r]));
+    const float up = apply_global_scale<F>(mats[1], butterfly_sum<32>(acc[1][r]));
     const int64_t row = first_row + r;
     if (lane == r && row < a.inner) {
       a.activations[static_cast<int64_t>(pair) * a.inner + row] = gelu_tanh(gate) * up;
@@ -381,7 +419,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
   constexpr int R = kDecodeRows;
   constexpr int G = kDownChunksPerLane;
   constexpr int kElems = kChunkElems<F>;
-  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights.
+  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights, NVFP4's
+  // global scale of the pick's expert folded in (dot_chunk_unscaled's sums lack it).
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   pdl_trigger_dependents();
@@ -393,7 +432,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
     const int e = a.expert_ids[pick];
     const bool valid = e >= 0 && e < a.num_experts;
     downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] = valid ? a.weights[pick] : 0.0f;
+    pick_weights[k] = valid ? apply_global_scale<F>(downs[k], a.weights[pick]) : 0.0f;
   }
   __syncthreads();
 
@@ -449,7 +488,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         acc[r] += pick_weights[pick[j]] *
-                  dot_chunk<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
+                  dot_chunk_unscaled<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
       }
     }
   }
@@ -458,6 +497,336 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
     const float sum = butterfly_sum<32>(acc[r]);
     const int64_t row = first_row + r;
     if (lane == r && row < a.hidden) a.out[token * a.out_stride + row] = sum;
+  }
+}
+
+// ---- Decode path on tensor cores (NVFP4, MoePath::kDecodeTensorCores) ----
+//
+// The same two launches as above, for NVFP4 experts outside exact-fp32 mode: the CUDA-core
+// kernels spend ~4 instructions per weight (decode, fp16 → fp32, FMA); here a weight costs its
+// decode and one fp16 multiply by its block scale, and mma.sync m16n8k16 (fp16 inputs, fp32
+// accumulation) does the products, 16 weight rows against the activations in column 0.
+// Fragment order (PTX ISA, m16n8k16): lane (g = lane / 4, t = lane % 4) holds the A elements of
+// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, and the B elements of column g
+// at the same slots. The sum over k does not care which K element sits in which slot as long as
+// A and B agree, so in round r lane t takes whole chunk 4r + t of its two rows (one 16-byte load
+// each): step j of the chunk's eight feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of
+// word j / 2, s = 2 (j % 2), and slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of
+// word >> 4s extracts, device_math.cuh's dot_nvfp4). Every pair lies in one 16-element block.
+// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds) times the e4m3 block scale · 2^7 (at
+// most 448 · 2^7, in fp16 range), i.e. e2m1 · scale · 2^-7: exact in fp16 (at most 6 significant
+// bits, a multiple of 2^-17) and a normal number unless the block scale is an e4m3 subnormal.
+// Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
+// rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
+// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
+// NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
+
+constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
+constexpr int kMmaDownWarps = 8;
+constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
+constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
+constexpr int kMmaDownRows = 16;       // down rows per block
+constexpr int kStagedWordsPerChunk = 16;  // fp16 pairs of one 32-element chunk
+
+// The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
+// lanes of g != 0 and for chunks past the row).
+size_t mma_staged_bytes(int64_t chunks) {
+  return sizeof(uint32_t) * static_cast<size_t>(chunks + 1) * kStagedWordsPerChunk;
+}
+
+// c += A · B over one m16n8k16 step, fp16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
+constexpr int kMmaWeightShift = 7;
+
+// An e4m3 block scale times 2^(14 − kMmaWeightShift) as an fp16 pair (exact: e4m3 is a subset of
+// fp16, and 448 · 2^7 < 65504).
+__device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
+  return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
+}
+
+// Nibbles (s, s + 4) of `word` as e2m1 · 2^-14 times `scale` (e4m3_half2), an exact fp16 pair.
+__device__ __forceinline__ uint32_t scaled_e2m1_pair(uint32_t word, int s, __half2 scale) {
+  const uint32_t shifted = word >> (4 * s);
+  const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
+  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale);
+  return *reinterpret_cast<const uint32_t*>(&scaled);
+}
+
+// acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
+// scale bits alongside) against the staged activation chunk at `staged` (16 words).
+__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
+                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
+  const __half2 scale[2][2] = {{e4m3_half2(scale_bits[0]), e4m3_half2(scale_bits[0] >> 8)},
+                               {e4m3_half2(scale_bits[1]), e4m3_half2(scale_bits[1] >> 8)}};
+  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
+                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
+    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * half;
+      mma_f16(acc, scaled_e2m1_pair(words[0][i], s, scale[0][i / 2]),
+              scaled_e2m1_pair(words[1][i], s, scale[1][i / 2]),
+              scaled_e2m1_pair(words[0][i], s + 1, scale[0][i / 2]),
+              scaled_e2m1_pair(words[1][i], s + 1, scale[1][i / 2]), b[s], b[s + 1]);
+    }
+  }
+}
+
+// The exponent p that brings the largest of the staged magnitudes (`largest`, this thread's
+// share) just below 2^15, agreed by the whole block (`scratch`: one float per warp); 2^p is
+// returned. Zero, inf or NaN rows give p = 0 (NaN and inf then propagate as on the CPU).
+__device__ __forceinline__ float block_staging_scale(float largest, float* scratch, int& p) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+  }
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = largest;
+  __syncthreads();
+  largest = scratch[0];
+  for (int w = 1; w < warps; ++w) largest = fmaxf(largest, scratch[w]);
+  int exponent = 0;
+  p = 0;
+  if (largest > 0.0f && largest <= 3.0e38f) {
+    frexpf(largest, &exponent);  // largest = m · 2^exponent, m in [0.5, 1)
+    // At most 2^100 (and 2^-86 back): no overflow for rows of tiny values.
+    p = min(15 - exponent, 100);
+  }
+  return ldexpf(1.0f, p);
+}
+
+// Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
+// fp16 pairs in mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
+// A chunk of factor 0 (an invalid pick: its activations were never written) stages zeros.
+template <typename Factor>
+__device__ __forceinline__ void stage_mma_activations(const float* source, int chunks,
+                                                      Factor factor, uint32_t* staged,
+                                                      float* scratch, int& p) {
+  // Pieces of 8 elements: piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3.
+  const int pieces = 4 * chunks;
+  float largest = 0.0f;
+  for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {
+    const float f = factor(piece / 4);
+    if (f == 0.0f) continue;
+    const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
+    const float4 lo = __ldg(src), hi = __ldg(src + 1);
+    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(lo.x * f), fabsf(lo.y * f)),
+                                   fmaxf(fabsf(lo.z * f), fabsf(lo.w * f))));
+    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(hi.x * f), fabsf(hi.y * f)),
+                                   fmaxf(fabsf(hi.z * f), fabsf(hi.w * f))));
+  }
+  const float scale = block_staging_scale(largest, scratch, p);
+  auto pair = [](float a, float b) {
+    const __half2 h = __floats2half2_rn(a, b);
+    return *reinterpret_cast<const uint32_t*>(&h);
+  };
+  for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {
+    const float f = factor(piece / 4) * scale;
+    const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
+    const float4 lo = f != 0.0f ? __ldg(src) : make_float4(0, 0, 0, 0);
+    const float4 hi = f != 0.0f ? __ldg(src + 1) : make_float4(0, 0, 0, 0);
+    // Pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): nibble pairs (s, s + 4) of the word.
+    reinterpret_cast<uint4*>(staged)[piece] =
+        make_uint4(pair(lo.x * f, hi.x * f), pair(lo.y * f, hi.y * f), pair(lo.z * f, hi.z * f),
+                   pair(lo.w * f, hi.w * f));
+  }
+  if (threadIdx.x < kStagedWordsPerChunk) staged[kStagedWordsPerChunk * chunks + threadIdx.x] = 0;
+}
+
+// A lane's share of one tile's K: rounds [begin, end) of ⌈chunks / 4⌉, split evenly by warp.
+struct RoundRange {
+  int begin;
+  int end;
+};
+__device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
+  const int rounds = static_cast<int>((chunks + 3) / 4);
+  const int per_warp = (rounds + warps - 1) / warps;
+  const int begin = min(static_cast<int>(threadIdx.x >> 5) * per_warp, rounds);
+  return {begin, min(begin + per_warp, rounds)};
+}
+
+// Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
+// (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
+__global__ void __launch_bounds__(kMmaGateUpWarps * 32)
+    decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
+  __shared__ float partial[kMmaGateUpWarps][kMmaGateUpRows][2];
+  __shared__ float scratch[kMmaGateUpWarps];
+  extern __shared__ uint4 staged_x_words[];
+  uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
+  // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
+  // output before its own wait).
+  pdl_wait_for_predecessors();
+  pdl_trigger_dependents();
+  const int pair = blockIdx.x;
+  const int expert = a.expert_ids[pair];
+  if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
+  const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + g;
+  const bool row_live = row < a.inner;
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps);
+
+  uint4 weights[R][2];
+  uint32_t scale_bits[R][2];
+  auto load_rounds = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int chunk = 4 * (first + i) + t;
+      const bool live = first + i < rounds.end && chunk < chunks && row_live;
+#pragma unroll
+      for (int mat = 0; mat < 2; ++mat) {
+        weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
+                                                 row * a.chunks_per_row + chunk)
+                               : make_uint4(0, 0, 0, 0);
+        scale_bits[i][mat] =
+            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
+      }
+    }
+  };
+  load_rounds(rounds.begin);
+  int p = 0;
+  stage_mma_activations(
+      a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
+      staged_x, scratch, p);
+  __syncthreads();
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int first = rounds.begin; first < rounds.end; first += R) {
+    if (first != rounds.begin) load_rounds(first);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (first + i >= rounds.end) break;  // warp-uniform
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* staged =
+          staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], staged);
+    }
+  }
+  // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
+  const int warp = threadIdx.x >> 5;
+  if (t == 0) {
+    partial[warp][g][0] = acc[0];
+    partial[warp][g][1] = acc[2];
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaGateUpRows) {
+    const int64_t out_row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + threadIdx.x;
+    float gate = 0.0f, up = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaGateUpWarps; ++w) {
+      gate += partial[w][threadIdx.x][0];
+      up += partial[w][threadIdx.x][1];
+    }
+    const float back = ldexpf(1.0f, kMmaWeightShift - p);
+    gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
+    up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
+    if (out_row < a.inner) {
+      a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = gelu_tanh(gate) * up;
+    }
+  }
+}
+
+// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
+// of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
+// each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
+__global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(DecodeDownArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
+  __shared__ MoeMatrix downs[kMaxTopK];
+  __shared__ float pick_weights[kMaxTopK];
+  __shared__ float partial[kMmaDownWarps][kMmaDownRows];
+  __shared__ float scratch[kMmaDownWarps];
+  extern __shared__ uint4 staged_words[];
+  uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
+  pdl_trigger_dependents();
+  const int token = blockIdx.x;
+  // The router's output before the wait, as decode_down_kernel (see there).
+  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
+    const int e = a.expert_ids[pick];
+    const bool valid = e >= 0 && e < a.num_experts;
+    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
+    pick_weights[k] =
+        valid ? apply_global_scale<PackedFormat::kNVFP4>(a.experts[e].down, a.weights[pick]) : 0.0f;
+  }
+  __syncthreads();
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + g;
+  const int per_pick = static_cast<int>(a.chunks_per_row);
+  const int chunks = a.top_k * per_pick;
+  const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps);
+
+  uint4 weights[R][2];
+  uint32_t scale_bits[R][2];
+  auto load_rounds = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int chunk = 4 * (first + i) + t;
+      const bool in_k = first + i < rounds.end && chunk < chunks;
+      const int pick = in_k ? chunk / per_pick : 0;
+      const int in_row = chunk - pick * per_pick;
+      const bool live = in_k && downs[pick].weights != nullptr;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t row = row0 + 8 * half;
+        const bool load = live && row < a.hidden;
+        weights[i][half] = load ? load_weights_nc(static_cast<const uint4*>(downs[pick].weights) +
+                                                  row * a.chunks_per_row + in_row)
+                                : make_uint4(0, 0, 0, 0);
+        scale_bits[i][half] =
+            load ? load_scale_bits<PackedFormat::kNVFP4>(downs[pick], row, in_row) : 0u;
+      }
+    }
+  };
+  // The weights depend on the router only: in flight before the wait for the activations.
+  load_rounds(rounds.begin);
+  pdl_wait_for_predecessors();
+  int p = 0;
+  stage_mma_activations(
+      a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
+      [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
+  __syncthreads();
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  for (int first = rounds.begin; first < rounds.end; first += R) {
+    if (first != rounds.begin) load_rounds(first);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (first + i >= rounds.end) break;  // warp-uniform
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* x =
+          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], x);
+    }
+  }
+  const int warp = threadIdx.x >> 5;
+  if (t == 0) {
+    partial[warp][g] = acc[0];
+    partial[warp][g + 8] = acc[2];
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaDownRows) {
+    const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kMmaWeightShift - p);
   }
 }
 
@@ -628,13 +997,6 @@ struct GroupedArgs {
   int64_t y_stride;
 };
 
-// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
-// as nvfp4_factor yields it: a multiplier of 1.
-struct NoGlobalScale {
-  float nv_global = 1.0f;
-  int nv_global_is_divisor = 0;
-};
-
 // One chunk of weights as bf16, in element order. NVFP4 and bf16 values are exact (e2m1 · e4m3
 // has at most 6 significant bits); w4g32's (u − 8) · scale is rounded.
 template <PackedFormat F>
@@ -678,16 +1040,6 @@ __device__ __forceinline__ void dequantize_chunk(const uint4& q, uint32_t scale_
       }
       out[i] = make_uint4(packed[0], packed[1], packed[2], packed[3]);
     }
-  }
-}
-
-// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
-template <PackedFormat F>
-__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
-  if constexpr (F == PackedFormat::kNVFP4) {
-    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
-  } else {
-    return sum;
   }
 }
 
@@ -970,20 +1322,36 @@ cudaError_t allow_shared_bytes(Kernel kernel, size_t bytes) {
 
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
   const MoeShape& shape = args.shape;
+  // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones.
+  const bool mma_gate_up =
+      args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
+  const bool mma_down =
+      args.path == MoePath::kDecodeTensorCores && shape.down_format == PackedFormat::kNVFP4;
   const int pairs = args.tokens * args.top_k;
   const DecodeGateUpArgs gate_up = {
       args.experts, shape.num_experts, args.expert_ids,
       args.top_k,   shape.inner,       shape.hidden / chunk_elements(shape.gate_up_format),
       args.x,       args.x_stride,     activations};
-  const dim3 block(kDecodeWarps * 32);
-  const dim3 gate_up_grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
-  const size_t gate_up_shared = decode_gate_up_shared_bytes(shape);
-  cudaError_t status = for_format(shape.gate_up_format, [&](auto format) {
-    const auto kernel = decode_gate_up_kernel<decltype(format)::value>;
-    const cudaError_t allowed = allow_shared_bytes(kernel, gate_up_shared);
-    if (allowed != cudaSuccess) return allowed;
-    return launch_kernel(kernel, gate_up_grid, block, gate_up_shared, launch, gate_up);
-  });
+  cudaError_t status;
+  if (mma_gate_up) {
+    const size_t shared = mma_staged_bytes(shape.hidden / 32);
+    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
+    if (status == cudaSuccess) {
+      status =
+          launch_kernel(decode_gate_up_mma_kernel,
+                        dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpRows)),
+                        dim3(kMmaGateUpWarps * 32), shared, launch, gate_up);
+    }
+  } else {
+    const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
+    const size_t shared = decode_gate_up_shared_bytes(shape);
+    status = for_format(shape.gate_up_format, [&](auto format) {
+      const auto kernel = decode_gate_up_kernel<decltype(format)::value>;
+      const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+      if (allowed != cudaSuccess) return allowed;
+      return launch_kernel(kernel, grid, dim3(kDecodeWarps * 32), shared, launch, gate_up);
+    });
+  }
   if (status != cudaSuccess) return status;
   const DecodeDownArgs down = {args.experts,
                                shape.num_experts,
@@ -996,6 +1364,15 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                shape.inner,
                                args.out,
                                args.out_stride};
+  if (mma_down) {
+    const size_t shared = mma_staged_bytes(args.top_k * (shape.inner / 32));
+    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
+    if (allowed != cudaSuccess) return allowed;
+    return launch_kernel(
+        decode_down_mma_kernel,
+        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
+        dim3(kMmaDownWarps * 32), shared, launch, down);
+  }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
                        blocks(shape.hidden, kDecodeRowsPerBlock));
   const size_t down_shared = decode_down_shared_bytes(shape, args.top_k);
@@ -1003,7 +1380,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
     const auto kernel = decode_down_kernel<decltype(format)::value>;
     const cudaError_t allowed = allow_shared_bytes(kernel, down_shared);
     if (allowed != cudaSuccess) return allowed;
-    return launch_kernel(kernel, down_grid, block, down_shared, launch, down);
+    return launch_kernel(kernel, down_grid, dim3(kDecodeWarps * 32), down_shared, launch, down);
   });
 }
 
@@ -1091,7 +1468,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
   const MoeWorkspaceLayout layout =
       moe_workspace_layout(args.shape, args.tokens, args.top_k, args.path);
-  if (args.path == MoePath::kDecode) {
+  if (args.path != MoePath::kGrouped) {
     return launch_decode(
         args, reinterpret_cast<float*>(static_cast<char*>(args.workspace) + layout.activations),
         launch);

@@ -4,9 +4,11 @@
 //     first), renormalised, times per_expert_scale; ids and weights stay in device memory.
 //   run_experts: out[t] = Σ_k w[t][k] · down_e(gelu_tanh(gate_e x[t]) ⊙ up_e x[t]) for the
 //     routed experts only, for any number of tokens. Below kMoeGroupedMinTokens tokens (decode,
-//     small batches) every (token, expert) pair runs as a GEMV, in fp32; from there on (prefill)
-//     the pairs are grouped by expert on the device and run as tensor-core tiles with bf16
-//     inputs, each selected expert's weights read once per 32 of its pairs. Deterministic.
+//     small batches) every (token, expert) pair runs as a GEMV (NVFP4 products on fp16 tensor
+//     cores, other formats in fp32); from there on (prefill) the pairs are grouped by expert on
+//     the device and run as tensor-core tiles with bf16 inputs, each selected expert's weights
+//     read once per 32 of its pairs; MoePrecision::kExactF32 runs fp32 GEMVs at every token
+//     count instead. Deterministic.
 // Expert weights: kW4G32 (bf16/f16/f32 scales), kNVFP4 (divisor or multiplier global scale) or
 // kBF16, dequantized in registers; fp32 accumulation. No host round-trip: every launch is
 // graph-capturable once the layer's MoeExpertTable exists.
@@ -76,18 +78,21 @@ cudaError_t route_token(const quant::QMatrix& router_proj, const float* x, bool 
 inline constexpr int kMoeTokensPerPass = 512;
 
 // Device scratch run_experts needs (16-byte aligned), for `tokens` tokens.
-size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k);
+size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,
+                           MoePrecision precision = MoePrecision::kBf16TensorCores);
 
 // out[t] (hidden floats, row t at out + t · out_stride) = Σ_k weights[t][k] ·
 // expert_{expert_ids[t][k]}(x[t]), 1 <= top_k <= min(num_experts, kMaxTopK). x rows 16-byte
 // aligned (x_stride a multiple of 4); an expert id outside the table contributes nothing. Every
-// out row is written; out must not overlap x. cudaErrorInvalidValue for bad arguments.
+// out row is written; out must not overlap x. cudaErrorInvalidValue for bad arguments. `precision`
+// picks each pass's path (moe_path_for); size the workspace for the same precision.
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
-                        int64_t out_stride, void* workspace, const Launch& launch);
+                        int64_t out_stride, void* workspace, const Launch& launch,
+                        MoePrecision precision = MoePrecision::kBf16TensorCores);
 
 // How many kernels run_experts enqueues for `tokens` tokens (launch accounting).
-int run_experts_kernel_count(int tokens);
+int run_experts_kernel_count(int tokens, MoePrecision precision = MoePrecision::kBf16TensorCores);
 
 // The table of `experts` for a caller with nowhere to keep one per layer: built on first use
 // and kept for the process, rebuilt when the experts' descriptors change (a new model at the

@@ -70,18 +70,29 @@ struct FusedRouterArgs {
 };
 cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launch);
 
-// The two ways launch_moe runs the experts (moe.cu describes both).
+// The ways launch_moe runs the experts (moe.cu describes them).
 enum class MoePath : uint8_t {
-  kDecode,   // every (token, expert) pair as a GEMV, fp32 throughout: two kernels
+  kDecode,  // every (token, expert) pair as a GEMV, fp32 throughout: two kernels
+  // kDecode's GEMVs with NVFP4 products on tensor cores (fp16 inputs, the activations rounded to
+  // fp16 under a power-of-two scale; fp32 sums); other formats as kDecode. Two kernels.
+  kDecodeTensorCores,
   kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
 };
 
-// Tokens from which run_experts takes the grouped path: below, the decode path is exact to fp32
-// rounding and reads each expert once per token that picked it (L2 absorbs the repeats).
+// Tokens from which run_experts takes the grouped path: below, the decode paths read each expert
+// once per token that picked it (L2 absorbs the repeats).
 inline constexpr int kMoeGroupedMinTokens = 128;
 
-constexpr MoePath moe_path_for(int tokens) {
-  return tokens < kMoeGroupedMinTokens ? MoePath::kDecode : MoePath::kGrouped;
+// What run_experts may trade for speed: kBf16TensorCores lets small batches take
+// kDecodeTensorCores and passes of kMoeGroupedMinTokens tokens or more the grouped path (bf16
+// products); kExactF32 keeps every product in fp32 (kDecode at any token count, as the backend's
+// --fp32 mode needs), at the cost of reading each expert once per pair that picked it.
+enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
+
+constexpr MoePath moe_path_for(int tokens,
+                               MoePrecision precision = MoePrecision::kBf16TensorCores) {
+  if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
+  return tokens < kMoeGroupedMinTokens ? MoePath::kDecodeTensorCores : MoePath::kGrouped;
 }
 
 struct MoeRunArgs {
