@@ -526,6 +526,15 @@ int main(int argc, char** argv) {
                                       "e2b full depth 128K", stream));
     results.push_back(bench_attention(type, 16, 2, 512, 32768, 0, {128, 66, 132, 264},
                                       "26b full depth 32K", stream));
+    // Short contexts, where the fixed cost is all: the splits the engine records for a 32K
+    // context (most of them idle, their blocks taking q heads instead).
+    results.push_back(
+        bench_attention(type, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
+    results.push_back(bench_attention(type, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
+    results.push_back(
+        bench_attention(type, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
+    results.push_back(
+        bench_attention(type, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
   }
   const int sms = prop.multiProcessorCount;
 

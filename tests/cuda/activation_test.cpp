@@ -379,6 +379,65 @@ TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
+// The decode attention writes the companions of its output (o_proj's input) with it, for both
+// sequences of one launch: a shallow one from the attention kernel (one key range) and a deep one
+// from the split merge. They stay live for the output rows, and a later write drops them.
+TEST_P(CompanionBookkeeping, PrepareAndAttendWritesTheCompanionsOfItsOutput) {
+  auto gpu = make_backend(GetParam());
+  ASSERT_TRUE(gpu);
+  const int q_heads = 8, head_dim = 512;
+  const int64_t slots = 4096, q_width = q_heads * head_dim, kv_width = head_dim;
+  const std::vector<int32_t> positions = {5, 3000};
+  const auto n = static_cast<int64_t>(positions.size());
+  BackendRows q(*gpu, n, q_width), k(*gpu, n, kv_width), v(*gpu, n, kv_width),
+      out(*gpu, n, q_width);
+  q.set(*gpu, random_floats(n * q_width, -2.0f, 2.0f, 60));
+  k.set(*gpu, random_floats(n * kv_width, -2.0f, 2.0f, 61));
+  v.set(*gpu, random_floats(n * kv_width, -2.0f, 2.0f, 62));
+  engine::Buffer device_positions = gpu->allocate(sizeof(int32_t) * n);
+  gpu->upload(device_positions.data(), positions.data(), sizeof(int32_t) * n);
+  // Per sequence an fp32 cache holding every position before the query's.
+  std::vector<std::unique_ptr<BackendRows>> caches;
+  std::vector<engine::Buffer> slot_positions;
+  std::vector<engine::SequenceRows> sequences;
+  for (int64_t s = 0; s < n; ++s) {
+    for (uint32_t seed : {63u, 64u}) {
+      caches.push_back(std::make_unique<BackendRows>(*gpu, slots, kv_width));
+      caches.back()->set(*gpu, random_floats(slots * kv_width, -1.0f, 1.0f, seed + 2 * s));
+    }
+    std::vector<int32_t> held(slots, -1);
+    for (int32_t p = 0; p < positions[s]; ++p) held[p] = p;
+    slot_positions.push_back(gpu->allocate(sizeof(int32_t) * slots));
+    gpu->upload(slot_positions.back().data(), held.data(), sizeof(int32_t) * slots);
+    const engine::KvView kv = {caches[2 * s]->buffer.data(),
+                               caches[2 * s + 1]->buffer.data(),
+                               static_cast<int32_t*>(slot_positions.back().data()),
+                               slots,
+                               1,
+                               head_dim};
+    sequences.push_back({kv, s, 1});
+  }
+  const model::RopeParams rope = {1000000.0, 64, 512};
+  gpu->prepare_and_attend(q.rows, k.rows, v.rows, nullptr, nullptr, true, head_dim,
+                          static_cast<const int32_t*>(device_positions.data()), rope, sequences,
+                          {0.0f, 1e-6f}, 0, 1.0f / 16.0f, out.rows);
+  ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+  const ActivationCompanions* live = gpu->live_companions(out.rows);
+  ASSERT_NE(live, nullptr);
+  ASSERT_NE(live->bf16, nullptr);
+  EXPECT_EQ(live->q8 != nullptr, GetParam() == ActivationMode::kQ8);
+  std::vector<uint16_t> bf16(n * live->stride);
+  gpu->download(bf16.data(), live->bf16, sizeof(uint16_t) * bf16.size());
+  std::vector<uint8_t> q8(live->q8 != nullptr ? n * q8_row_bytes(live->stride) : 0);
+  if (live->q8 != nullptr) gpu->download(q8.data(), live->q8, q8.size());
+  const std::vector<float> values = out.get(*gpu);
+  for (float x : values) ASSERT_TRUE(std::isfinite(x));
+  expect_companions_of(values, n, q_width, q_width, &bf16, live->q8 != nullptr ? &q8 : nullptr,
+                       live->stride, "attention output");
+  gpu->add(out.rows, q.rows);
+  EXPECT_EQ(gpu->live_companions(out.rows), nullptr);
+}
+
 // The stale-companion test proper: a GEMV reading rows whose producer's companions went stale
 // multiplies the rows' new values (within the mode's bound of the CPU reference), not the old.
 TEST_P(CompanionBookkeeping, GemvAfterAWriteReadsTheNewValues) {

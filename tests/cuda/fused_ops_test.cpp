@@ -17,6 +17,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "engine/backend.h"
 
@@ -192,6 +193,10 @@ const LayerShape kWideSliding = {16, 8, 256, {10000.0, 128, 256}, 1100, 1024};
 const LayerShape kSmallHeads = {4, 2, 64, {10000.0, 32, 64}, 96, 0};
 // Half a head of 10: not whole 16-byte quads, the kernel's scalar path.
 const LayerShape kOddHeads = {3, 1, 20, {10000.0, 10, 20}, 40, 0};
+// A full layer holding 5000 positions, and a 31B-like one (8 q heads per kv head of 512, 4 of
+// them).
+const LayerShape kDeepFull = {8, 1, 512, {1000000.0, 64, 512}, 5120, 0};
+const LayerShape kWideFull = {32, 4, 512, {1000000.0, 64, 512}, 5120, 0};
 
 // q, k, v of a pass as column views of one [rows, q + k + v] buffer, as the fused QKV matmul
 // writes them.
@@ -467,6 +472,126 @@ void recorded_decode_steps(bool fused) {
     ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
     expect_same(out, "out");
     sequences.expect_same("caches");
+  }
+}
+
+// The bytes of a cache of `type` holding `values` (rounded as core/numeric.h rounds them, which the
+// device writers match: attention_kv.cuh).
+std::vector<uint8_t> cache_bytes(const std::vector<float>& values, engine::KvType type) {
+  std::vector<uint8_t> bytes(values.size() * engine::kv_element_bytes(type));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (type == engine::KvType::kBF16) {
+      const uint16_t b = float_to_bf16(values[i]);
+      std::memcpy(&bytes[2 * i], &b, 2);
+    } else if (type == engine::KvType::kFP8) {
+      bytes[i] = float_to_e4m3(values[i]);
+    } else {
+      std::memcpy(&bytes[4 * i], &values[i], 4);
+    }
+  }
+  return bytes;
+}
+
+// prepare_and_attend in one launch (the new K/V made in the kernel, shared by every block of its
+// key range through shared memory, stored by one) against the same step as prepare_attention then
+// attention_rows on the device (the attention reading the new K/V back from the cache), for
+// every cache type (the CPU backend holds fp32 caches only: PrepareAndAttendMatchesTheComposition
+// checks the fp32 composition against it) and sequences at depths 1, 7, 33, 1025 and 5000 in one
+// launch: the outputs agree to float32 rounding, the caches bit for bit.
+TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  const Pass pass = decode_pass({0, 6, 32, 1024, 4999});
+  struct Case {
+    const char* name;
+    LayerShape shape;
+    bool owns_kv, k_eq_v, norm_v;
+  };
+  const Case cases[] = {
+      {"sliding", kSliding, true, false, true},
+      {"wide-sliding", kWideSliding, true, false, false},
+      {"full-k_eq_v", kDeepFull, true, true, true},
+      {"wide-full", kWideFull, true, false, true},
+      {"kv-shared", kDeepFull, false, false, true},
+  };
+  uint32_t seed = 900;
+  for (const engine::KvType type :
+       {engine::KvType::kF32, engine::KvType::kBF16, engine::KvType::kFP8}) {
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(c.name) + " " + engine::kv_type_name(type));
+      const LayerShape& shape = c.shape;
+      const int hd = shape.head_dim;
+      const int64_t n = pass.total_rows();
+      const int64_t q_width = int64_t{shape.q_heads} * hd;
+      const int64_t kv_width = int64_t{shape.kv_heads} * hd;
+      const std::vector<float> inputs =
+          MirroredQkv::make_values(n, q_width, kv_width, c.k_eq_v, seed++);
+      Mirrored<float> fused_qkv(*gpu, inputs), composed_qkv(*gpu, inputs);
+      const int64_t stride = q_width + 2 * kv_width;
+      auto q = [&](float* base) { return Rows{base, n, q_width, stride}; };
+      auto k = [&](float* base) {
+        return c.owns_kv ? Rows{base + q_width, n, kv_width, stride} : Rows{};
+      };
+      auto v = [&](float* base) {
+        return c.owns_kv ? Rows{base + q_width + kv_width, n, kv_width, stride} : Rows{};
+      };
+      // Per sequence and path: keys, values, slot positions (a KV-shared layer's cache already
+      // holds the query's position).
+      std::vector<std::unique_ptr<Mirrored<uint8_t>>> arrays;
+      std::vector<std::unique_ptr<Mirrored<int32_t>>> positions_of_slots;
+      std::vector<SequenceRows> fused_rows, composed_rows;
+      for (size_t i = 0; i < pass.depths.size(); ++i) {
+        const int64_t elements = shape.slots * kv_width;
+        const std::vector<uint8_t> keys =
+            cache_bytes(testing::random_floats(elements, -0.5f, 0.5f, seed++), type);
+        const std::vector<uint8_t> values =
+            cache_bytes(testing::random_floats(elements, -1.0f, 1.0f, seed++), type);
+        const std::vector<int32_t> slot_positions =
+            MirroredCache::ring_positions(shape.slots, pass.depths[i] + (c.owns_kv ? 0 : 1));
+        for (std::vector<SequenceRows>* rows : {&fused_rows, &composed_rows}) {
+          arrays.push_back(std::make_unique<Mirrored<uint8_t>>(*gpu, keys));
+          arrays.push_back(std::make_unique<Mirrored<uint8_t>>(*gpu, values));
+          positions_of_slots.push_back(std::make_unique<Mirrored<int32_t>>(*gpu, slot_positions));
+          const KvView kv = {arrays[arrays.size() - 2]->gpu(),
+                             arrays.back()->gpu(),
+                             positions_of_slots.back()->gpu(),
+                             shape.slots,
+                             shape.kv_heads,
+                             hd,
+                             type};
+          rows->push_back({kv, static_cast<int64_t>(i), 1});
+        }
+      }
+      Mirrored<int32_t> positions(*gpu, pass.positions());
+      Mirrored<float> q_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+      Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+      Mirrored<float> fused_out(*gpu, std::vector<float>(n * q_width, std::nanf("")));
+      Mirrored<float> composed_out(*gpu, std::vector<float>(n * q_width, std::nanf("")));
+      const engine::NormParams norm = {0.0f, 1e-6f};
+      const float scale = 1.0f / 16.0f;
+      gpu->prepare_and_attend(q(fused_qkv.gpu()), k(fused_qkv.gpu()), v(fused_qkv.gpu()),
+                              q_norm.gpu(), k_norm.gpu(), c.norm_v, hd, positions.gpu(), shape.rope,
+                              fused_rows, norm, shape.window, scale,
+                              Rows::dense(fused_out.gpu(), n, q_width));
+      gpu->prepare_attention(q(composed_qkv.gpu()), k(composed_qkv.gpu()), v(composed_qkv.gpu()),
+                             q_norm.gpu(), k_norm.gpu(), c.norm_v, hd, positions.gpu(), shape.rope,
+                             composed_rows, norm);
+      gpu->attention_rows(q(composed_qkv.gpu()), positions.gpu(), composed_rows, shape.window,
+                          scale, Rows::dense(composed_out.gpu(), n, q_width));
+      ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+      const std::vector<float> composed = composed_out.gpu_values();
+      std::vector<double> reference(composed.begin(), composed.end()), magnitude(composed.size());
+      for (size_t i = 0; i < composed.size(); ++i) magnitude[i] = 1.0 + std::fabs(reference[i]);
+      testing::expect_close(fused_out.gpu_values(), reference, magnitude, kTolerance, "out");
+      // arrays: per sequence fused keys, fused values, composed keys, composed values.
+      for (size_t a = 0; a < arrays.size(); a += 4) {
+        EXPECT_EQ(arrays[a]->gpu_values(), arrays[a + 2]->gpu_values()) << "keys " << a / 4;
+        EXPECT_EQ(arrays[a + 1]->gpu_values(), arrays[a + 3]->gpu_values()) << "values " << a / 4;
+        EXPECT_EQ(positions_of_slots[a / 2]->gpu_values(),
+                  positions_of_slots[a / 2 + 1]->gpu_values())
+            << "slot positions " << a / 4;
+      }
+    }
   }
 }
 

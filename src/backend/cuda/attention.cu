@@ -1,5 +1,8 @@
-// Decode attention (see attention.h). Block (split, kv head, sequence) of 8 warps, two blocks per
-// SM. The block streams its keys' K/V rows and slot positions through shared memory in tiles of
+// Decode attention (see attention.h). Block (x, kv head, sequence) of 8 warps, two blocks per
+// SM; x is a (key split, q-head part) pair chosen at run time from the query's depth (block_work):
+// a deep cache splits its keys, a shallow one gives each block a few of the group's q heads, so
+// the short chain of dependent loads of one head is the whole cost. The block streams its keys'
+// K/V rows and slot positions through shared memory in tiles of
 // kStageBytes with cp.async, kStages tiles deep: while one tile is computed the next
 // kStages − 1 are in flight, so the DRAM latency is hidden instead of waited for per key (the
 // earlier register-batched kernel reached ~10 % of the read bandwidth).
@@ -13,15 +16,21 @@
 // every key in one split: that block wrote the output). The sequences come from a table in the
 // kernel parameters, so one launch serves a whole decode batch of separate caches. With
 // AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
-// (attention.h: DecodePrepare), saving that kernel and its launch gap per layer.
+// (attention.h: DecodePrepare), saving that kernel and its launch gap per layer: each block
+// prepares its own q heads, and every block of the last key split makes the new K/V in shared
+// memory (the part-0 one also stores it), while its first tiles are in flight. Whichever kernel
+// writes an output row (the attention kernel for one split, else the merge) also writes its
+// bf16 / kQ8 companions for o_proj's GEMV.
 #include <cuda_bf16.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -54,6 +63,7 @@ struct AttentionArgs {
   int splits;
   float* out;  // splits == 1
   int64_t out_stride;
+  ActivationCompanions out_companions;  // written with out
   float* partials;        // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
   DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
 };
@@ -174,77 +184,84 @@ struct Tiling {
   }
 };
 
+// How the blocks of one (sequence, kv head) share its work: `splits` key ranges (used_splits) ×
+// `parts` subsets of `heads_per_part` q heads of the group. A shallow cache uses few key ranges,
+// so the launch's other blocks take q heads instead: every head's chain of loads then runs on its
+// own SM rather than all of them one after another through one block.
+struct BlockWork {
+  int splits, parts, heads_per_part;
+};
+
+__device__ __forceinline__ BlockWork block_work(int64_t scanned, int max_splits, int blocks,
+                                                int group) {
+  const int splits = used_splits(scanned, max_splits);
+  const int parts = max(1, min(group, blocks / splits));
+  const int heads_per_part = (group + parts - 1) / parts;
+  return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
+}
+
 template <int HD, int HPW, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(AttentionArgs a) {
   using T = Tiling<HD, HPW, KvT>;
   constexpr int D = T::kLaneDims;
   constexpr int kPairQuads = HD / 256;  // attention_prepare.cuh: quads per half head per lane
+  // The fused prologue's new K and V (warps kKeyWarp, kValueWarp), as the cache holds them.
+  constexpr int kKeyWarp = kWarps - 1, kValueWarp = kWarps - 2;
   pdl_trigger_dependents();
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][T::kTileKeys];
   __shared__ float head_max[kWarps * HPW], head_sum[kWarps * HPW];  // the block merge's
+  __shared__ __align__(16) KvT new_kv[2][HD];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const DecodePrepare& prepare = a.prepare;
   // The prologue's norm scales and RoPE frequencies (weights no kernel writes) before the wait:
-  // q's for every warp, k's (warp 0) or v's (warp 1) for a block that stores the new K/V.
+  // q's for every warp, k's and v's for the warps that transform them.
   HeadConstants<kPairQuads> q_constants, kv_constants;
   if constexpr (kPrepare) {
     q_constants = load_head_constants<kPairQuads, true>(prepare.q_norm, prepare.weight_offset,
                                                         prepare.inv_freq, HD / 2, lane);
-    if (warp < 2 && prepare.k != nullptr) {
+    if ((warp == kKeyWarp || warp == kValueWarp) && prepare.k != nullptr) {
+      const bool is_key = warp == kKeyWarp;
       kv_constants = load_head_constants<kPairQuads, true>(
-          warp == 0 ? prepare.k_norm : nullptr, prepare.weight_offset,
-          warp == 0 ? prepare.inv_freq : nullptr, HD / 2, lane);
+          is_key ? prepare.k_norm : nullptr, prepare.weight_offset,
+          is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
     }
   }
   pdl_wait_for_predecessors();
 
-  const int split = blockIdx.x;
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
   const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
   const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
-  const int splits_used = used_splits(scanned, a.splits);
-  if (split >= splits_used) return;  // the merge skips this split
+  const BlockWork work = block_work(scanned, a.splits, gridDim.x, a.group);
+  if (static_cast<int>(blockIdx.x) >= work.splits * work.parts) return;  // the merge skips it
+  const int split = blockIdx.x / work.parts;
+  const int part = blockIdx.x % work.parts;
+  const int first_head = part * work.heads_per_part;  // of the group
+  const int heads = min(work.heads_per_part, a.group - first_head);
   const int64_t per_split = keys_per_split(scanned, a.splits);
   const int64_t begin = split * per_split;
   const int64_t end = min(scanned, begin + per_split);
-  const int64_t tiles = max(int64_t{0}, (end - begin + T::kTileKeys - 1) / T::kTileKeys);
+  // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
+  // every block of its split takes it from shared memory, never from the cache, which the part-0
+  // block writes meanwhile. The tiles stop before it.
+  const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
+  const int64_t loaded_end = makes_new_key ? end - 1 : end;
+  const int64_t tiles = max(int64_t{0}, (loaded_end - begin + T::kTileKeys - 1) / T::kTileKeys);
 
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
-  if constexpr (kPrepare) {
-    // The query position's K/V, stored by the one block whose keys include its slot before that
-    // block reads any: warp 0 the key, warp 1 the value.
-    const int64_t new_slot = query_position % sequence.slots;  // key scanned − 1
-    if (prepare.k != nullptr && scanned - 1 >= begin && scanned - 1 < end) {
-      if (warp < 2) {
-        const bool is_key = warp == 0;
-        const float* src =
-            (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
-            int64_t{kv} * HD;
-        const HeadQuads<kPairQuads> head =
-            transform_head<kPairQuads, true>(src, kv_constants, is_key || prepare.norm_v, is_key,
-                                             prepare.eps, HD / 2, query_position, lane);
-        store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
-                             (new_slot * a.kv_heads + kv) * HD,
-                         head, HD / 2, lane);
-      }
-      if (threadIdx.x == 0) sequence.slot_positions[new_slot] = query_position;
-      __syncthreads();  // the stores are visible to the block's copies below
-    }
-  }
   // The slot of key j (< scanned <= slots).
   auto slot_of = [&](int64_t j) {
     const int64_t slot = first_slot + j;
     return slot < sequence.slots ? slot : slot - sequence.slots;
   };
-  // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past the
-  // split's end are not read and get position -1 (never visible). Every thread commits one group
+  // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past
+  // loaded_end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
@@ -258,7 +275,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
         const int key = c / T::kRowChunks % T::kTileKeys;
         const int chunk = c % T::kRowChunks;
         const int64_t j = first_key + key;
-        if (j < end) {
+        if (j < loaded_end) {
           const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
                               chunk * T::kChunkElems;
           copy_async16(base + c * kChunkBytes, source);
@@ -266,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
       }
       if (threadIdx.x < T::kTileKeys) {
         const int64_t j = first_key + threadIdx.x;
-        if (j < end) {
+        if (j < loaded_end) {
           copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
@@ -277,20 +294,40 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   };
   for (int t = 0; t < kStages - 1; ++t) load_tile(t);
 
-  // The prologue's q heads, normed and rotated into the last stage, which no copy touches before
-  // the first tile is computed (every thread has read its q by then).
+  // The prologue, while the first tiles are in flight: the block's q heads, normed and rotated
+  // into the last stage, which no copy touches before the first tile is computed (every thread
+  // has read its q by then); the new K and V into new_kv, and by the part-0 block into the cache
+  // with the slot's position.
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    for (int g = warp; g < a.group; g += kWarps) {
-      const float* src = a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+    for (int g = warp; g < heads; g += kWarps) {
+      const float* src =
+          a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
       const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
           src, q_constants, true, true, prepare.eps, HD / 2, query_position, lane);
       store_head<true>(const_cast<float*>(prepared_q) + g * HD, head, HD / 2, lane);
     }
+    if (makes_new_key && (warp == kKeyWarp || warp == kValueWarp)) {
+      const bool is_key = warp == kKeyWarp;
+      const float* src =
+          (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
+          int64_t{kv} * HD;
+      const HeadQuads<kPairQuads> head =
+          transform_head<kPairQuads, true>(src, kv_constants, is_key || prepare.norm_v, is_key,
+                                           prepare.eps, HD / 2, query_position, lane);
+      store_head<true>(new_kv[is_key ? 0 : 1], head, HD / 2, lane);
+      if (part == 0) {
+        const int64_t new_slot = slot_of(scanned - 1);
+        store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
+                             (new_slot * a.kv_heads + kv) * HD,
+                         head, HD / 2, lane);
+        if (is_key && lane == 0) sequence.slot_positions[new_slot] = query_position;
+      }
+    }
     __syncthreads();
   }
 
-  const int head_groups = (a.group + HPW - 1) / HPW;
+  const int head_groups = (heads + HPW - 1) / HPW;
   const int key_slices = kWarps / head_groups;
   const int hg = warp % head_groups;
   const int ks = warp / head_groups;
@@ -303,10 +340,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 #pragma unroll
   for (int h = 0; h < HPW; ++h) {
     const int g = hg * HPW + h;
-    const bool used = active && g < a.group;
-    const float* q_head =
-        kPrepare ? prepared_q + g * HD
-                 : a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+    const bool used = active && g < heads;
+    const float* q_head = kPrepare ? prepared_q + g * HD
+                                   : a.q + row * a.q_stride +
+                                         static_cast<int64_t>(kv * a.group + first_head + g) * HD;
 #pragma unroll
     for (int i = 0; i < T::kLanePieces; ++i) {
 #pragma unroll
@@ -326,6 +363,43 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     running_sum[h] = 0.0f;
   }
 
+  // One visible key (its K and V rows in shared memory) into the warp's online softmax.
+  auto attend = [&](const KvT* key_row, const KvT* value_row) {
+    float k[D];
+    T::load_lane(key_row, lane, k);
+    float score[HPW];
+#pragma unroll
+    for (int h = 0; h < HPW; ++h) {
+      float s = 0.0f;
+#pragma unroll
+      for (int d = 0; d < D; ++d) s = fmaf(q[h][d], k[d], s);
+      score[h] = s;
+    }
+    // A butterfly: every lane ends with the same bits, so the branches below stay uniform.
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+#pragma unroll
+      for (int h = 0; h < HPW; ++h) score[h] += __shfl_xor_sync(0xFFFFFFFFu, score[h], offset);
+    }
+    float v[D];
+    T::load_lane(value_row, lane, v);
+#pragma unroll
+    for (int h = 0; h < HPW; ++h) {
+      // Rescale only when the maximum grows (rarely after the first keys).
+      if (score[h] > running_max[h]) {
+        const float rescale = expf(running_max[h] - score[h]);
+        running_sum[h] *= rescale;
+#pragma unroll
+        for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
+        running_max[h] = score[h];
+      }
+      const float weight = expf(score[h] - running_max[h]);
+      running_sum[h] += weight;
+#pragma unroll
+      for (int d = 0; d < D; ++d) acc[h][d] = fmaf(weight, v[d], acc[h][d]);
+    }
+  };
+
   for (int64_t tile = 0; tile < tiles; ++tile) {
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     __syncthreads();             // everyone's have, and the stage loaded next is free again
@@ -339,40 +413,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
       if (p < 0 || p > query_position || (a.window > 0 && query_position - p >= a.window)) {
         continue;
       }
-      float k[D];
-      T::load_lane(tile_keys + t * HD, lane, k);
-      float score[HPW];
-#pragma unroll
-      for (int h = 0; h < HPW; ++h) {
-        float s = 0.0f;
-#pragma unroll
-        for (int d = 0; d < D; ++d) s = fmaf(q[h][d], k[d], s);
-        score[h] = s;
-      }
-      // A butterfly: every lane ends with the same bits, so the branches below stay uniform.
-#pragma unroll
-      for (int offset = 16; offset > 0; offset /= 2) {
-#pragma unroll
-        for (int h = 0; h < HPW; ++h) score[h] += __shfl_xor_sync(0xFFFFFFFFu, score[h], offset);
-      }
-      float v[D];
-      T::load_lane(tile_values + t * HD, lane, v);
-#pragma unroll
-      for (int h = 0; h < HPW; ++h) {
-        // Rescale only when the maximum grows (rarely after the first keys).
-        if (score[h] > running_max[h]) {
-          const float rescale = expf(running_max[h] - score[h]);
-          running_sum[h] *= rescale;
-#pragma unroll
-          for (int d = 0; d < D; ++d) acc[h][d] *= rescale;
-          running_max[h] = score[h];
-        }
-        const float weight = expf(score[h] - running_max[h]);
-        running_sum[h] += weight;
-#pragma unroll
-        for (int d = 0; d < D; ++d) acc[h][d] = fmaf(weight, v[d], acc[h][d]);
-      }
+      attend(tile_keys + t * HD, tile_values + t * HD);
     }
+  }
+  // The query's own position is always visible: one key slice takes it.
+  if constexpr (kPrepare) {
+    if (makes_new_key && active && ks == 0) attend(new_kv[0], new_kv[1]);
   }
   wait_copies<0>();  // only empty groups remain, but the stages are reused below
   __syncthreads();
@@ -396,7 +442,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   __syncthreads();
   // Per q head once (not per dim): the block's max and sum, and each key slice's weight
   // exp(max_s − max) in place of its max (0 for a slice that saw nothing).
-  if (threadIdx.x < a.group) {
+  if (threadIdx.x < heads) {
     const int g = threadIdx.x;
     float block_max = -INFINITY;
     for (int s = 0; s < key_slices; ++s)
@@ -411,7 +457,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     head_sum[g] = sum;
   }
   __syncthreads();
-  for (int idx = threadIdx.x; idx < a.group * HD; idx += blockDim.x) {
+  // heads · HD is a multiple of the block's threads: every warp runs every iteration (the q8
+  // companion's chunk reductions are warp-wide) over 32 consecutive dims, one kQ8 chunk.
+  static_assert(HD % kThreads == 0);
+  for (int idx = threadIdx.x; idx < heads * HD; idx += kThreads) {
     const int g = idx / HD;
     const int d = idx % HD;
     const int group_warp = g / HPW;
@@ -423,12 +472,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
       const float* m = merge[group_warp + s * head_groups][h];
       value += m[2 + d] * m[0];
     }
-    const int head = kv * a.group + g;
-    // A query whose keys all fell in this split (a shallow cache) is final here: the merge
+    const int head = kv * a.group + first_head + g;
+    // A query whose keys all fell in one split (a shallow cache) is final here: the merge
     // kernel leaves it alone.
-    if (splits_used == 1) {
-      a.out[row * a.out_stride + static_cast<int64_t>(head) * HD + d] =
-          sum > 0.0f ? value / sum : 0.0f;
+    if (work.splits == 1) {
+      const float result[1] = {sum > 0.0f ? value / sum : 0.0f};
+      const int64_t column = static_cast<int64_t>(head) * HD + d;
+      a.out[row * a.out_stride + column] = result[0];
+      store_companions<1>(a.out_companions, row, column, result);
     } else {
       float* record =
           a.partials +
@@ -452,6 +503,7 @@ struct MergeArgs {
   int splits;
   float* out;
   int64_t out_stride;
+  ActivationCompanions out_companions;
 };
 
 constexpr int kMergeWarps = 8;
@@ -525,11 +577,15 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
     if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
   }
   __syncthreads();
+  // head_dim is a multiple of the block's threads: every warp runs every iteration (the q8
+  // companion's chunk reductions are warp-wide) over 32 consecutive dims, one kQ8 chunk.
   for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < kMergeWarps; ++w) value += warp_partial[w][d];
-    a.out[row * a.out_stride + static_cast<int64_t>(head) * a.head_dim + d] =
-        total > 0.0f ? value / total : 0.0f;
+    const float result[1] = {total > 0.0f ? value / total : 0.0f};
+    const int64_t column = static_cast<int64_t>(head) * a.head_dim + d;
+    a.out[row * a.out_stride + column] = result[0];
+    store_companions<1>(a.out_companions, row, column, result);
   }
 }
 
@@ -587,8 +643,8 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
 
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
-                             const AttentionWorkspace& workspace, int splits,
-                             const Launch& launch) {
+                             const AttentionWorkspace& workspace, int splits, const Launch& launch,
+                             const ActivationCompanions& out_companions) {
   const DecodePrepare* prepare = query.prepare;
   const AttentionKernel kernel = with_kv_type(kv.type, [&](auto element) {
     return prepare != nullptr ? select_kernel<decltype(element), true>(kv.head_dim)
@@ -598,7 +654,8 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
       kv.kv_heads > 65535 || splits < 1 || splits > kMaxSplits || query.q == nullptr ||
       query.positions == nullptr || out == nullptr || !aligned16(query.q) ||
       query.stride % 4 != 0 ||
-      (splits > 1 && (workspace.partials == nullptr || splits > workspace.max_splits))) {
+      (splits > 1 && (workspace.partials == nullptr || splits > workspace.max_splits)) ||
+      !companions_fit(out_companions, int64_t{query.q_heads} * kv.head_dim)) {
     return cudaErrorInvalidValue;
   }
   const int group = query.q_heads / kv.kv_heads;
@@ -642,10 +699,17 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.splits = splits;
   args.out = out;
   args.out_stride = out_stride;
+  args.out_companions = out_companions;
   args.partials = workspace.partials;
   if (prepare != nullptr) args.prepare = *prepare;
-  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(kv.kv_heads),
-                  static_cast<unsigned>(batch));
+  // Blocks per (sequence, kv head): the splits, and up to one per (split, q head) within the
+  // blocks the GPU runs at once (block_work: a cache shallower than the splits gives the unused
+  // ones q heads).
+  const int64_t head_blocks = std::min<int64_t>(
+      int64_t{splits} * group,
+      std::max<int64_t>(1, kDecodeAttentionBlocks / (int64_t{kv.kv_heads} * batch)));
+  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
+                  static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
@@ -655,7 +719,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (status != cudaSuccess || splits == 1) return status;
   const MergeArgs merge = {workspace.partials, query.positions, window, args.sequences,
                            query.q_heads,      kv.head_dim,     splits, out,
-                           out_stride};
+                           out_stride,         out_companions};
   return launch_kernel(merge_splits_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch)),
                        dim3(kMergeWarps * 32), 0, launch, merge);

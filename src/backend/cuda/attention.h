@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
 
 namespace gemma4::cuda {
@@ -98,13 +99,22 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 // P = positions[r]; q head h reads kv head h / (q_heads / kv_heads). Only the slots of positions
 // (P − n, P] are scanned, n = min(slots, P + 1, window or unbounded) (position p lives in slot
 // p % slots): a sliding ring larger than its window costs no more than the window.
-// Up to `splits` (1..4096) blocks share each (sequence, kv head), each taking at least
+// Up to `splits` (1..4096) key ranges share each (sequence, kv head), each taking at least
 // kMinKeysPerSplit of the scanned slots: a graph captured with the splits of the deepest cache
 // replays cheaply at shallow depths (the unused split blocks exit after reading the position and
-// the merge skips them). splits must not exceed workspace.max_splits.
+// the merge skips them). splits must not exceed workspace.max_splits. A cache using fewer key
+// ranges than that spreads the q heads of a group over the idle blocks instead (within
+// kDecodeAttentionBlocks per launch), so a short context costs about one head's work.
+// out_companions (gemv_kernels.h; none by default): the output's bf16 and/or kQ8 rows for the
+// GEMV that reads it, written with each output row (row r of the companions for row r of out).
 constexpr int64_t kMinKeysPerSplit = 32;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
-                             const AttentionWorkspace& workspace, int splits, const Launch& launch);
+                             const AttentionWorkspace& workspace, int splits, const Launch& launch,
+                             const ActivationCompanions& out_companions = {});
+
+// The blocks of a decode attention launch that the GPU runs at once (two per SM of the H200's
+// 132): callers size their splits to it and the kernel fills it with q heads at shallow depths.
+constexpr int64_t kDecodeAttentionBlocks = 2 * 132;
 
 }  // namespace gemma4::cuda

@@ -47,18 +47,15 @@ bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
          gemv_mma_takes(w, {nullptr, ActType::kF32, static_cast<int>(rows), 0, true});
 }
 
-// decode_attention runs two blocks per SM: a launch's (sequence, kv head, split) blocks stop at
-// about two per SM of the H200's 132, one wave, so a batch takes fewer splits each and the
-// partials stay small.
-constexpr int64_t kMaxAttentionBlocks = 2 * 132;
-
 // Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
 // capacity, since one recording replays at every depth (the kernel leaves the splits a shallow
 // cache does not need after reading the query position).
 int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads) {
   // decode_attention scans at most `window` keys of a sliding ring.
   if (window > 0) slots = std::min<int64_t>(slots, window);
-  const int64_t budget = std::max<int64_t>(1, kMaxAttentionBlocks / (sequences * kv_heads));
+  // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
+  // batch takes fewer splits each and the partials stay small.
+  const int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
   return static_cast<int>(
       std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
@@ -858,6 +855,11 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
                                                                        q_heads, head_dim, splits)));
     if (partials == nullptr) return;
   }
+  // The kernels write the companions o_proj's GEMV reads with the output (one row per sequence:
+  // all of out when the sequences cover its rows). Taken before anything is launched: a
+  // fallback's launches then drop them again (this is no ReportingWrites operation).
+  const ActivationCompanions companions =
+      std::ssize(sequences) == out.count ? produced_companions(out) : ActivationCompanions{};
   // Chunks run in stream order, so they share the partials.
   for (size_t first = 0; first < sequences.size(); first += kMaxBatchedSequences) {
     const auto chunk =
@@ -881,7 +883,7 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                                {partials, splits}, splits, launch());
+                                                {partials, splits}, splits, launch(), companions);
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
       otherwise(first);
@@ -889,6 +891,7 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     }
     launched(status, "decode attention", splits > 1 ? 2 : 1);  // + the split merge
   }
+  produced(out, companions);
 }
 
 Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,

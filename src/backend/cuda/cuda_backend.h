@@ -19,15 +19,16 @@
 //  * the decode GEMVs take their activations as the ActivationMode says: exact fp32, bf16
 //    (fp32 sums, as the tensor-core passes and a bf16 model) or q8 (int8 per 32 + dp4a for w4g32
 //    weights, bf16 for the other formats with a bf16 kernel). In bf16/q8 mode the kernels that
-//    produce GEMV inputs (rms_norm, add_rms_norm's next and residual, the GELU epilogues) also
-//    write bf16/q8 "companions" of their fp32 rows (gemv_kernels.h: ActivationCompanions), which
-//    the GEMV reading those rows loads directly; any other input (the attention output) is
-//    converted by one small kernel first. In q8 mode the GELU epilogues write bf16 only, except
-//    the one-row w4g32 gate+up (its 64-row tiling quantizes whole chunks); a w4g32 GEMV reading
-//    bf16-only rows takes them as bf16. The backend tracks which fp32 rows have live companions
-//    and drops a row's companions whenever an operation (or upload, or a new allocation) writes
-//    those rows; operations that do not report what they write (attention, the MoE kernels, graph
-//    replays) drop them all. So a GEMV never reads a stale one: at worst it converts again.
+//    produce GEMV inputs (rms_norm, add_rms_norm's next and residual, the GELU epilogues, the
+//    decode attention) also write bf16/q8 "companions" of their fp32 rows (gemv_kernels.h:
+//    ActivationCompanions), which the GEMV reading those rows loads directly; any other input (an
+//    embedding, a prefill chunk's attention output) is converted by one small kernel first. In q8
+//    mode the GELU epilogues write bf16 only, except the one-row w4g32 gate+up (its 64-row tiling
+//    quantizes whole chunks); a w4g32 GEMV reading bf16-only rows takes them as bf16. The backend
+//    tracks which fp32 rows have live companions and drops a row's companions whenever an operation
+//    (or upload, or a new allocation) writes those rows; operations that do not report what they
+//    write (attention, the MoE kernels, graph replays) drop them all (the decode attention then
+//    adds its output's own). So a GEMV never reads a stale one: at worst it converts again.
 #pragma once
 
 #include <cuda_runtime_api.h>
