@@ -4,7 +4,10 @@
 // GGUF repacks with the engine's fp32 activations) and the GELU epilogues. Also decode attention.
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
-// Usage: kernel_bench [--json PATH] [--quick]
+// Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]]
+//   --filter  run only the measurements whose "kernel shape M=m" line contains one of the
+//             |-separated alternatives; an alternative A&B needs both texts (e.g.
+//             --filter '31b|26b&M=1' for the 31B shapes and the 26B ones at one row)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -13,6 +16,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "backend/cuda/attention.h"
@@ -33,6 +37,34 @@ using gemma4::quant::ScaleType;
 using gemma4::quant::WeightFormat;
 
 constexpr double kReadCeilingGBs = 4250.0;  // measured H200 read bandwidth (h200-decode-notes.md)
+
+// --filter's alternatives, each a list of texts that must all occur; empty: every measurement.
+std::vector<std::vector<std::string>> g_filters;
+
+// `text` split at `separator`, empty parts dropped.
+std::vector<std::string> split(std::string_view text, char separator) {
+  std::vector<std::string> parts;
+  for (size_t begin = 0; begin <= text.size();) {
+    const size_t end = std::min(text.find(separator, begin), text.size());
+    if (end > begin) parts.emplace_back(text.substr(begin, end - begin));
+    begin = end + 1;
+  }
+  return parts;
+}
+
+// Whether the measurement named `kernel`, `shape`, m is selected by --filter.
+bool selected(const std::string& kernel, const char* shape, int m) {
+  if (g_filters.empty()) return true;
+  const std::string line = kernel + " " + shape + " M=" + std::to_string(m);
+  for (const std::vector<std::string>& texts : g_filters) {
+    if (std::all_of(texts.begin(), texts.end(), [&](const std::string& text) {
+          return line.find(text) != std::string::npos;
+        })) {
+      return true;
+    }
+  }
+  return false;
+}
 
 void fill(void* p, size_t bytes, uint32_t seed, uint32_t mask = 0xFFFFFFFFu, uint32_t bits = 0) {
   CHECK(fill_random_words(p, bytes / 4, seed, mask, bits));
@@ -116,6 +148,7 @@ void make_weights(const Format& f, int64_t rows, int64_t cols, Weights& w) {
 }
 
 struct Result {
+  bool skipped = false;  // not selected by --filter: neither measured nor reported
   std::string kernel;
   std::string shape;
   int m = 1;
@@ -148,6 +181,17 @@ std::string format_name(const Format& f) {
 Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActType x_type,
                   const char* label, cudaStream_t stream, bool quick,
                   GemvEpilogue epilogue = GemvEpilogue::kNone, bool round_to_bf16 = false) {
+  Result r;
+  r.kernel = format_name(format) + (x_type == ActType::kBF16 ? "/x-bf16"
+                                    : x_type == ActType::kQ8 ? "/x-q8"
+                                    : round_to_bf16          ? "/x-f32-as-bf16"
+                                                             : "/x-f32");
+  if (epilogue == GemvEpilogue::kGeluMul) r.kernel += "/gelu-mul";
+  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
+  r.shape = label;
+  r.m = m;
+  r.skipped = !selected(r.kernel, label, m);
+  if (r.skipped) return r;
   Weights w;
   make_weights(format, rows, cols, w);
   const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
@@ -163,15 +207,6 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
   const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
-  Result r;
-  r.kernel = format_name(format) + (x_type == ActType::kBF16 ? "/x-bf16"
-                                    : x_type == ActType::kQ8 ? "/x-q8"
-                                    : round_to_bf16          ? "/x-f32-as-bf16"
-                                                             : "/x-f32");
-  if (epilogue == GemvEpilogue::kGeluMul) r.kernel += "/gelu-mul";
-  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
-  r.shape = label;
-  r.m = m;
   r.mbytes = w.bytes / 1e6;
   r.default_tiling = gemma4::cuda::default_gemv_tiling(w.copies[0], m, x_type);
   const auto tilings = gemma4::cuda::gemv_tilings();
@@ -216,6 +251,16 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
+  Result r;
+  r.kernel = std::string(format == WeightFormat::kNVFP4 ? "mma-nvfp4/" : "mma/") +
+             (x_type == ActType::kBF16 ? "x-bf16"
+              : x_type == ActType::kQ8 ? "x-q8"
+                                       : "x-f32-as-bf16");
+  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
+  r.shape = label;
+  r.m = m;
+  r.skipped = !selected(r.kernel, label, m);
+  if (r.skipped) return r;
   Weights w;
   make_weights(Format(format), rows, cols, w);
   const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
@@ -231,14 +276,6 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
   const GemvOutput output = {y, width, epilogue, multiplier, rows};
 
-  Result r;
-  r.kernel = std::string(format == WeightFormat::kNVFP4 ? "mma-nvfp4/" : "mma/") +
-             (x_type == ActType::kBF16 ? "x-bf16"
-              : x_type == ActType::kQ8 ? "x-q8"
-                                       : "x-f32-as-bf16");
-  if (epilogue == GemvEpilogue::kGeluPairs) r.kernel += "/gelu-pairs";
-  r.shape = label;
-  r.m = m;
   r.mbytes = w.bytes / 1e6;
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
@@ -292,6 +329,11 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
 Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int head_dim,
                        int64_t depth, int window, const std::vector<int>& split_options,
                        const char* label, cudaStream_t stream) {
+  Result r;
+  r.kernel = type == gemma4::cuda::KvType::kBF16 ? "attention/bf16" : "attention/fp32";
+  r.shape = label;
+  r.skipped = !selected(r.kernel, label, 1);
+  if (r.skipped) return r;
   const int splits = *std::max_element(split_options.begin(), split_options.end());
   const int64_t slots = window > 0 ? window : depth;
   const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
@@ -331,9 +373,6 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   kv.head_dim = head_dim;
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
   const gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
-  Result r;
-  r.kernel = bf16 ? "attention/bf16" : "attention/fp32";
-  r.shape = label;
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
   r.best_pdl_us = 1e30;
   for (int option : split_options) {
@@ -382,6 +421,11 @@ int main(int argc, char** argv) {
       json_path = argv[++i];
     else if (!std::strcmp(argv[i], "--quick"))
       quick = true;
+    else if (!std::strcmp(argv[i], "--filter") && i + 1 < argc) {
+      for (const std::string& alternative : split(argv[++i], '|')) {
+        g_filters.push_back(split(alternative, '&'));
+      }
+    }
   }
   cudaDeviceProp prop;
   CHECK(cudaGetDeviceProperties(&prop, 0));
@@ -477,6 +521,35 @@ int main(int argc, char** argv) {
     }
   }
 
+  // Single-row decode of the 31B (w4g32, hidden 5376) and 26B-A4B dense layers (NVFP4, hidden
+  // 2816) with the engine's bf16 activation companions: every CUDA-core tiling, the tensor-core
+  // kernel at one row (every layout and split) beside it, and the other 4-bit format at the same
+  // shapes (NVFP4's decode costs more instructions than w4g32's: is it the limit?).
+  const Shape big_dense[] = {
+      {16384, 5376, "31b qkv 16384x5376"},       {43008, 5376, "31b gate+up 43008x5376"},
+      {5376, 8192, "31b o_proj 5376x8192"},      {5376, 21504, "31b down 5376x21504"},
+      {262144, 5376, "31b lm_head 262144x5376"},
+  };
+  for (const Shape& s : big_dense) {
+    results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16, s.label,
+                                 stream, quick));
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16,
+                                     s.label, stream, !quick));
+  }
+  results.push_back(bench_gemv(WeightFormat::kNVFP4, 43008, 5376, 1, ActType::kBF16,
+                               big_dense[1].label, stream, quick));
+  for (const Shape& s : nvfp4_dense) {
+    for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
+      results.push_back(
+          bench_gemv(format, s.rows, s.cols, 1, ActType::kBF16, s.label, stream, quick));
+    }
+    results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, 1, ActType::kBF16,
+                                     s.label, stream, !quick));
+  }
+  // E2B's double-wide gate+up at one row on tensor cores (the CUDA-core tilings are above).
+  results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 24576, 1536, 1, ActType::kBF16,
+                                   dense[2].label, stream, !quick));
+
   // The fused GELU epilogues against the plain GEMV of the same weights: E2B's interleaved
   // gate+up and PLE gate.
   for (GemvEpilogue e : {GemvEpilogue::kNone, GemvEpilogue::kGeluPairs}) {
@@ -537,6 +610,7 @@ int main(int argc, char** argv) {
         bench_attention(type, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
   }
   const int sms = prop.multiProcessorCount;
+  std::erase_if(results, [](const Result& r) { return r.skipped; });
 
   if (json_path) {
     FILE* f = std::fopen(json_path, "w");

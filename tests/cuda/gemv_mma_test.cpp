@@ -1,5 +1,5 @@
 // The tensor-core batched GEMV (gemv_mma.h) against quant's CPU oracle (quant::dequantize_row,
-// weight-formats.md 2.3, 3.1-3.3) on fresh random w4g32 and NVFP4 weights: every row count 2..64,
+// weight-formats.md 2.3, 3.1-3.3) on fresh random w4g32 and NVFP4 weights: every row count 1..64,
 // real E2B and 26B-A4B shapes through gemv()'s dispatch, every epilogue, every tiling option,
 // partial row tiles and K splits, every activation type (fp32 rounded to bf16, bf16, q8); outputs
 // poisoned first (NaN), so an unwritten element fails. The epilogues against PyTorch's
@@ -256,11 +256,13 @@ TEST(GemvMma, Nvfp4BothConventions) {
   const DeviceMatrix device(host);
   for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits : {1, 3, 8}) {
-      Case c;
-      c.m = 64;
-      c.tiling = {layout.warps, splits, layout.k_warps};
-      c.seed = seed++;
-      check(host, device, c);
+      for (int m : {1, 64}) {  // one row: only when called directly (kernel_bench)
+        Case c;
+        c.m = m;
+        c.tiling = {layout.warps, splits, layout.k_warps};
+        c.seed = seed++;
+        check(host, device, c);
+      }
     }
   }
 }
@@ -349,6 +351,8 @@ TEST(GemvMma, TakesOnlyWhatFits) {
   w.cols = 32768;  // 128 groups per split at 64 rows: over the shared memory
   EXPECT_FALSE(gemv_mma_takes(w, x));
   EXPECT_TRUE(gemv_mma_takes(w, {nullptr, ActType::kF32, 8, 0, true}));
+  // A single row runs on the tensor cores only when called directly (kernel_bench).
+  EXPECT_FALSE(gemv_mma_takes(w, {nullptr, ActType::kF32, 1, 0, true}));
 }
 
 TEST(GemvMma, RefusesWhatItDoesNotTake) {
@@ -359,7 +363,7 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   auto run = [&](int m, ActType type, bool rounded, MmaGemvTiling tiling, int64_t stride = 64) {
     return gemv_mma(device.view, {x.get(), type, m, stride, rounded}, output, Launch{}, tiling);
   };
-  EXPECT_EQ(run(1, ActType::kF32, true, {}), cudaErrorInvalidValue);      // one row: the GEMV's
+  EXPECT_EQ(run(0, ActType::kF32, true, {}), cudaErrorInvalidValue);      // no rows
   EXPECT_EQ(run(65, ActType::kF32, true, {}), cudaErrorInvalidValue);     // more than 64
   EXPECT_EQ(run(8, ActType::kF32, false, {}), cudaErrorInvalidValue);     // exact fp32 products
   EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s

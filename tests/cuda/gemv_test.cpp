@@ -286,12 +286,40 @@ TEST(Gemv, F32RoundedToBF16EveryTiling) {
   const auto tilings = gemv_tilings();
   uint32_t seed = 1600;
   for (const Shape& s : {Shape{2560, 1536}, Shape{2816, 704}}) {
-    for (WeightFormat format : {WeightFormat::kW4G32, WeightFormat::kW8, WeightFormat::kBF16}) {
+    for (WeightFormat format :
+         {WeightFormat::kW4G32, WeightFormat::kW8, WeightFormat::kBF16, WeightFormat::kNVFP4}) {
       const HostMatrix host = random_matrix(format, s.rows, s.cols, seed++, ScaleType::kF16);
       const DeviceMatrix device(host);
       for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
         if (!gemv_tiling_compiled(t)) continue;
         const int m = tilings[t].m_tile == 1 ? 1 : 11;
+        check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
+      }
+    }
+  }
+}
+
+// Every compiled tiling at the 31B (K 5376, 8192, 21504) and 26B-A4B dense (K 2816, 2112, 4096)
+// row lengths, which the wide tilings cover in one pass exactly, in several passes, or with idle
+// lanes; row counts that leave every block height a partial last block. The checkpoint formats
+// with the engine's activations (bf16 companions, fp32 rounded to bf16 and staged), NVFP4 in both
+// global-factor conventions.
+TEST(Gemv, EveryTilingLongRows) {
+  const Shape shapes[] = {{72, 5376},  {40, 21504}, {40, 8192},
+                          {264, 2816}, {264, 2112}, {136, 4096}};
+  const auto tilings = gemv_tilings();
+  uint32_t seed = 1700;
+  bool divisor = false;
+  for (const Shape& s : shapes) {
+    for (WeightFormat format : {WeightFormat::kW4G32, WeightFormat::kNVFP4}) {
+      divisor = !divisor;
+      const HostMatrix host =
+          random_matrix(format, s.rows, s.cols, seed++, ScaleType::kBF16, divisor);
+      const DeviceMatrix device(host);
+      for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+        if (!gemv_tiling_compiled(t)) continue;
+        const int m = tilings[t].m_tile == 1 ? 1 : 3;
+        check_gemv(host, device, m, ActType::kBF16, t, seed++);
         check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
       }
     }

@@ -289,9 +289,9 @@ __device__ __forceinline__ float dot_f16(const uint4& q, const XChunk<8>& x) {
 // NVFP4: code c (sign bit 3, magnitude e1 e0 m) placed as fp16 bits (c&8)<<12 | (c&7)<<9 is
 // exactly e2m1(c) · 2^-14 (code 1 becomes the subnormal 2^-15). Elements s and s+4 of a word
 // decode together as one half2.
-template <typename Params>
-__device__ __forceinline__ float dot_nvfp4(const uint4& q, uint32_t scale_bits, const Params& a,
-                                           const XChunk<32>& x) {
+// factor0 / factor1: nvfp4_factor of the chunk's two group scales.
+__device__ __forceinline__ float dot_nvfp4_factors(const uint4& q, float factor0, float factor1,
+                                                   const XChunk<32>& x) {
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
   float group[2] = {0.0f, 0.0f};
 #pragma unroll
@@ -307,7 +307,13 @@ __device__ __forceinline__ float dot_nvfp4(const uint4& q, uint32_t scale_bits, 
     }
     group[i / 2] += acc;
   }
-  return nvfp4_factor(a, scale_bits) * group[0] + nvfp4_factor(a, scale_bits >> 8) * group[1];
+  return factor0 * group[0] + factor1 * group[1];
+}
+
+template <typename Params>
+__device__ __forceinline__ float dot_nvfp4(const uint4& q, uint32_t scale_bits, const Params& a,
+                                           const XChunk<32>& x) {
+  return dot_nvfp4_factors(q, nvfp4_factor(a, scale_bits), nvfp4_factor(a, scale_bits >> 8), x);
 }
 
 __device__ __forceinline__ float dot_bf16(const uint4& q, const XChunk<8>& x) {

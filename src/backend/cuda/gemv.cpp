@@ -172,7 +172,8 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
     // Stage a block's m tile of activations in shared memory when it fits.
     const GemvTiling& t = kGemvTilings[tiling];
     args.staged_rows = std::min(t.m_tile, x.rows);
-    args.f32_products = gemv_shared_bytes(t, args.staged_rows, w.cols) <= kGemvMaxSharedBytes
+    args.f32_products = gemv_shared_bytes(t, args.staged_rows, w.cols) <=
+                                kGemvMaxSharedBytes - gemv_static_shared_bytes(format)
                             ? F32Products::kBF16Staged
                             : F32Products::kBF16InRegisters;
   }

@@ -114,6 +114,17 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
 
   // Weights never depend on the previous kernel: their loads go out before the wait.
   load_pass(0);
+  // NVFP4: the factor of every e4m3 group-scale code, once per block (in the divisor convention a
+  // division each) instead of twice per chunk and activation row; also before the wait.
+  const float* nv_factors = nullptr;
+  if constexpr (F == WeightFormat::kNVFP4) {
+    __shared__ float factor_table[kNvfp4FactorCodes];
+    for (int code = threadIdx.x; code < kNvfp4FactorCodes; code += W * 32) {
+      factor_table[code] = nvfp4_factor(a, static_cast<uint32_t>(code));
+    }
+    nv_factors = factor_table;
+    __syncthreads();
+  }
   pdl_wait_for_predecessors();
 
   // Dynamic shared memory (gemv_shared_bytes): the split-K partial sums [W][MT][kRowsPerBlock]
@@ -160,6 +171,14 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       for (int j = 0; j < G; ++j) {
         const int64_t chunk = chunk_of(pass, j);
         if (chunk >= a.chunks_per_row) continue;
+        [[maybe_unused]] float factors[R][2];  // NVFP4: the chunk's two group factors per row
+        if constexpr (F == WeightFormat::kNVFP4) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            factors[r][0] = nv_factors[scale_bits[j][r] & 0xFF];
+            factors[r][1] = nv_factors[(scale_bits[j][r] >> 8) & 0xFF];
+          }
+        }
 #pragma unroll
         for (int mi = 0; mi < MT; ++mi) {
           if (m0 + mi >= a.m) break;
@@ -174,7 +193,11 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
           }
 #pragma unroll
           for (int r = 0; r < R; ++r) {
-            acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
+            if constexpr (F == WeightFormat::kNVFP4 && XT != ActType::kQ8) {
+              acc[mi][r] += dot_nvfp4_factors(weights[j][r], factors[r][0], factors[r][1], x);
+            } else {
+              acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
+            }
           }
         }
       }

@@ -90,6 +90,24 @@ inline constexpr GemvTiling kGemvTilings[] = {
     {4, 16, 4, 3, 8},  // 12: coverage 192, batched
     {4, 8, 1, 3, 8},   // 13: coverage 24, batched
     {4, 2, 8, 3, 1},   // 14: coverage 48, 64 rows per block: kGeluPairs can emit kQ8 companions
+    // Wider blocks whose coverage matches the 31B / 26B rows exactly (K / 32 chunks: 31B 168,
+    // 256, 672; 26B 88, 66, 128) or nearly, and taller blocks for tall matrices: more warps per
+    // block split K over shared memory instead of leaving a third of the lanes without a chunk.
+    {2, 8, 7, 3, 1},   // 15: coverage 168 (31B K 5376; K 21504 in 4 passes), 8 rows
+    {4, 8, 7, 3, 1},   // 16: coverage 168, 16 rows
+    {2, 4, 14, 3, 1},  // 17: coverage 168, 16 rows, 448 threads
+    {2, 32, 7, 3, 1},  // 18: coverage 672 (31B K 21504 in one pass), 2 rows
+    {2, 16, 7, 3, 1},  // 19: coverage 336 (K 21504 in 2 passes), 4 rows
+    {2, 8, 8, 4, 1},   // 20: coverage 256 (31B K 8192), 8 rows
+    {4, 16, 8, 2, 1},  // 21: coverage 256, 8 rows
+    {2, 8, 11, 1, 1},  // 22: coverage 88 (26B K 2816), 8 rows, 352 threads
+    {4, 4, 11, 2, 1},  // 23: coverage 88, 32 rows
+    {2, 8, 4, 3, 1},   // 24: coverage 96 (K 2816 at 92 %), 8 rows
+    {2, 2, 11, 3, 1},  // 25: coverage 66 (26B K 2112), 32 rows
+    {2, 8, 3, 3, 1},   // 26: coverage 72 (K 2112 at 92 %), 8 rows
+    {2, 8, 8, 2, 1},   // 27: coverage 128 (26B K 4096), 8 rows
+    {4, 4, 4, 3, 1},   // 28: coverage 48 (E2B K 1536), 32 rows
+    {4, 8, 3, 2, 1},   // 29: coverage 48, 16 rows
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 
@@ -140,8 +158,15 @@ static_assert(gemv_tiling_emits_q8_pairs(kGemvTilings[kGemvQ8PairsTiling]));
 // block's m tile fits gemv_shared_bytes, else rounded in registers per chunk: the same values.
 enum class F32Products : uint8_t { kExact, kBF16Staged, kBF16InRegisters };
 
-// Dynamic shared memory a block may use without the opt-in attribute.
+// Shared memory a block may use without the opt-in attribute.
 inline constexpr int64_t kGemvMaxSharedBytes = 48 * 1024;
+
+// The NVFP4 kernels' static table of group factors, one per e4m3 code: what their dynamic shared
+// memory must leave of kGemvMaxSharedBytes.
+inline constexpr int kNvfp4FactorCodes = 256;
+constexpr int64_t gemv_static_shared_bytes(PackedFormat format) {
+  return format == PackedFormat::kNVFP4 ? 4 * kNvfp4FactorCodes : 0;
+}
 
 // Floats of a block's split-K partial sums ([warps][m_tile][rows per block], warps > 1), rounded
 // up to 16 bytes: the staged activations follow them.

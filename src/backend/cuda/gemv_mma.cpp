@@ -22,9 +22,8 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-}  // namespace
-
-bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
+// Whether the kernel can multiply these operands (gemv_mma_takes, any row count of the kernel).
+bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   const bool mma_activations = x.type == ActType::kBF16 || x.type == ActType::kQ8 ||
                                (x.type == ActType::kF32 && x.round_to_bf16);
   const bool format_ok = w.format == quant::WeightFormat::kW4G32 ||
@@ -38,6 +37,12 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
   const MmaGemvTiling most_split = {
       4, static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups)), 2};
   return mma_gemv_shared_bytes(most_split, x.rows, groups, x.type) <= kMmaGemvMaxSharedBytes;
+}
+
+}  // namespace
+
+bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
+  return x.rows >= kMmaGemvRoutedMinRows && mma_operands_ok(w, x);
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
@@ -71,7 +76,7 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
 
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling) {
-  if (!gemv_mma_takes(w, x)) return cudaErrorInvalidValue;
+  if (!mma_operands_ok(w, x)) return cudaErrorInvalidValue;
   // kQ8 rows are stride · 5/4 bytes: 8-byte aligned (the kernel's loads) for a stride of 32s.
   const int64_t x_elem = x.type == ActType::kBF16 ? 2 : x.type == ActType::kQ8 ? 1 : 4;
   const int64_t width = y.epilogue == GemvEpilogue::kGeluPairs ? w.rows / 2 : w.rows;

@@ -2,7 +2,7 @@
 // checkpoint types (nvcc cannot parse fmt, which quant/qmatrix.h pulls in). gemv_mma.h is the API
 // the engine uses; gemv_mma.cpp validates and translates to this.
 //
-// The kernel: y[m][n] = epilogue(Σ_k W[n][k] · x[m][k]) for 2..64 activation rows over packed
+// The kernel: y[m][n] = epilogue(Σ_k W[n][k] · x[m][k]) for 1..64 activation rows over packed
 // w4g32 or NVFP4 weights, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation). Weights are
 // the A operand (16 weight rows per fragment), activations the B operand (8 rows per n tile). A
 // packed word is turned into bf16 pairs of the exact integers u − 8 in registers; every mma covers
@@ -28,9 +28,12 @@
 
 namespace gemma4::cuda {
 
-// Activation rows (2..64) the tensor-core GEMV takes.
-inline constexpr int kMmaGemvMinRows = 2;
+// Activation rows (1..64) the tensor-core GEMV multiplies when called directly (gemv_mma), and the
+// fewest that gemv() sends to it: single rows stay on the CUDA-core GEMV (kernel_bench measures
+// both at one row).
+inline constexpr int kMmaGemvMinRows = 1;
 inline constexpr int kMmaGemvMaxRows = 64;
+inline constexpr int kMmaGemvRoutedMinRows = 2;
 
 // Largest thread-block cluster (the portable size).
 inline constexpr int kMmaGemvMaxSplits = 8;
@@ -123,7 +126,7 @@ struct MmaGemvArgs {
   int64_t multiplier_stride;
 };
 
-// Enqueues the kernel; arguments already validated (rows, groups > 0, m in 2..64, x type kF32,
+// Enqueues the kernel; arguments already validated (rows, groups > 0, m in 1..64, x type kF32,
 // kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes). Returns
 // cudaErrorInvalidValue for a format other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
