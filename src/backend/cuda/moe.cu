@@ -608,6 +608,10 @@ __device__ __forceinline__ float block_staging_scale(float largest, float* scrat
   return ldexpf(1.0f, p);
 }
 
+// Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
+// read again): 4 cover hidden 4096 over 128 threads and 8 · 704 over 256.
+constexpr int kCachedPieces = 4;
+
 // Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
 // fp16 pairs in mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
 // A chunk of factor 0 (an invalid pick: its activations were never written) stages zeros.
@@ -617,31 +621,53 @@ __device__ __forceinline__ void stage_mma_activations(const float* source, int c
                                                       float* scratch, int& p) {
   // Pieces of 8 elements: piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3.
   const int pieces = 4 * chunks;
-  float largest = 0.0f;
-  for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {
+  auto load_piece = [&](int piece, float4& lo, float4& hi) {
     const float f = factor(piece / 4);
-    if (f == 0.0f) continue;
     const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
-    const float4 lo = __ldg(src), hi = __ldg(src + 1);
-    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(lo.x * f), fabsf(lo.y * f)),
-                                   fmaxf(fabsf(lo.z * f), fabsf(lo.w * f))));
-    largest = fmaxf(largest, fmaxf(fmaxf(fabsf(hi.x * f), fabsf(hi.y * f)),
-                                   fmaxf(fabsf(hi.z * f), fabsf(hi.w * f))));
+    lo = f != 0.0f ? __ldg(src) : make_float4(0, 0, 0, 0);
+    hi = f != 0.0f ? __ldg(src + 1) : make_float4(0, 0, 0, 0);
+    return f;
+  };
+  auto largest_of = [](float4 v, float f) {
+    return fmaxf(fmaxf(fabsf(v.x * f), fabsf(v.y * f)), fmaxf(fabsf(v.z * f), fabsf(v.w * f)));
+  };
+  float4 cached[kCachedPieces][2];
+  float largest = 0.0f;
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) {
+      const float f = load_piece(piece, cached[j][0], cached[j][1]);
+      largest = fmaxf(largest, fmaxf(largest_of(cached[j][0], f), largest_of(cached[j][1], f)));
+    }
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    const float f = load_piece(piece, lo, hi);
+    largest = fmaxf(largest, fmaxf(largest_of(lo, f), largest_of(hi, f)));
   }
   const float scale = block_staging_scale(largest, scratch, p);
-  auto pair = [](float a, float b) {
-    const __half2 h = __floats2half2_rn(a, b);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  };
-  for (int piece = threadIdx.x; piece < pieces; piece += blockDim.x) {
+  // Pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): nibble pairs (s, s + 4) of the word.
+  auto store_piece = [&](int piece, float4 lo, float4 hi) {
     const float f = factor(piece / 4) * scale;
-    const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
-    const float4 lo = f != 0.0f ? __ldg(src) : make_float4(0, 0, 0, 0);
-    const float4 hi = f != 0.0f ? __ldg(src + 1) : make_float4(0, 0, 0, 0);
-    // Pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): nibble pairs (s, s + 4) of the word.
+    auto pair = [f](float a, float b) {
+      const __half2 h = __floats2half2_rn(a * f, b * f);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    };
     reinterpret_cast<uint4*>(staged)[piece] =
-        make_uint4(pair(lo.x * f, hi.x * f), pair(lo.y * f, hi.y * f), pair(lo.z * f, hi.z * f),
-                   pair(lo.w * f, hi.w * f));
+        make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
+  };
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) store_piece(piece, cached[j][0], cached[j][1]);
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    load_piece(piece, lo, hi);
+    store_piece(piece, lo, hi);
   }
   if (threadIdx.x < kStagedWordsPerChunk) staged[kStagedWordsPerChunk * chunks + threadIdx.x] = 0;
 }
