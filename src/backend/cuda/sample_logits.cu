@@ -161,8 +161,8 @@ __global__ void __launch_bounds__(kRankThreads)
   for (int c = threadIdx.x; c < chunks; c += kRankThreads) {
     const float chunk_max = chunks_in.maxima[int64_t{row} * chunks + c];
     if (chunk_max != -INFINITY) {
-      sum += chunks_in.sums[int64_t{row} * chunks + c] *
-             exp(static_cast<double>(chunk_max) - row_max);
+      sum +=
+          chunks_in.sums[int64_t{row} * chunks + c] * exp(static_cast<double>(chunk_max) - row_max);
     }
   }
   sum = block_sum(sum, warp_sums);
