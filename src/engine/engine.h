@@ -1,6 +1,7 @@
 // What the runtime (scheduler, server, CLI) drives: a model with per-sequence KV state that
 // appends tokens and returns next-token logits. Implemented over a Backend by engine/, and by a
-// scripted engine in tests. No HTTP, no strings: token ids in, logits out.
+// scripted engine in tests. No HTTP, no strings: token ids in, logits out (whole rows, or just
+// the few candidates a sampler needs: step_sampled).
 #pragma once
 
 #include <cstdint>
