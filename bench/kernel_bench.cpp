@@ -22,6 +22,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/sample_logits.h"
 #include "bench_util.h"
 #include "fill.h"
 
@@ -411,6 +412,55 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   return r;
 }
 
+// Ranking `rows` rows of Gemma 4's 262,144 logits to their top `candidates` (sample_logits.h:
+// two launches, no edits), as summarize_logits runs it after a decode step.
+Result bench_rank(int rows, int candidates, cudaStream_t stream) {
+  constexpr int kVocab = 262144;
+  float* logits;
+  int64_t* row_index;
+  void* scratch;
+  uint64_t* keys;
+  double* normalisers;
+  CHECK(cudaMalloc(&logits, size_t(rows) * kVocab * 4));
+  CHECK(cudaMalloc(&row_index, size_t(rows) * 8));
+  CHECK(cudaMalloc(&scratch, gemma4::cuda::rank_scratch_bytes(rows, kVocab, candidates)));
+  CHECK(cudaMalloc(&keys, size_t(rows) * candidates * 8));
+  CHECK(cudaMalloc(&normalisers, size_t(rows) * 8));
+  fill(logits, size_t(rows) * kVocab * 4, 5, 0x41FFFFFF);  // finite, |x| < 32
+  std::vector<int64_t> host_rows(rows);
+  for (int r = 0; r < rows; ++r) host_rows[r] = r;
+  CHECK(cudaMemcpy(row_index, host_rows.data(), size_t(rows) * 8, cudaMemcpyHostToDevice));
+  gemma4::cuda::RankRows ranked;
+  ranked.logits = logits;
+  ranked.rows = row_index;
+  ranked.count = rows;
+  ranked.stride = kVocab;
+  ranked.vocab = kVocab;
+  ranked.candidates = candidates;
+  Result r;
+  r.kernel = "rank_logits";
+  r.shape = "vocab 262144 top-" + std::to_string(candidates);
+  r.m = rows;
+  r.mbytes = rows * kVocab * 4.0 / 1e6;
+  r.default_tiling = 0;
+  r.best_tiling = 0;
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    const Launch launch = {stream, pdl == 1};
+    (pdl ? r.default_pdl_us : r.default_plain_us) = time_chain(
+        8,
+        [&](int) {
+          return gemma4::cuda::rank_logits(ranked, nullptr, 0, scratch, keys, normalisers, launch);
+        },
+        stream);
+  }
+  r.best_pdl_us = r.default_pdl_us;
+  for (void* p : {static_cast<void*>(logits), static_cast<void*>(row_index), scratch,
+                  static_cast<void*>(keys), static_cast<void*>(normalisers)}) {
+    CHECK(cudaFree(p));
+  }
+  return r;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -608,6 +658,9 @@ int main(int argc, char** argv) {
         bench_attention(type, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
     results.push_back(
         bench_attention(type, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
+  }
+  for (int rows : {1, 8, 64}) {
+    for (int candidates : {1, 64}) results.push_back(bench_rank(rows, candidates, stream));
   }
   const int sms = prop.multiProcessorCount;
   std::erase_if(results, [](const Result& r) { return r.skipped; });

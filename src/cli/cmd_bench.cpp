@@ -1,13 +1,15 @@
 // gemma4 bench -m MODEL [--device D] [--depths ...] [--prefill ...] [--batches ...] [--json FILE]:
-// engine throughput as a serving loop sees it (Engine::step, logits returned to the host every
-// step). Measures
+// engine throughput as a serving loop sees it (Engine::step_sampled asking for the greedy
+// candidate of every row, as the server does for greedy requests: only token ids and the
+// log-normaliser come back, not rows of logits). Measures
 //  * decode tok/s of one stream at several context depths (each depth reached by prefill),
 //  * prefill tok/s of one prompt of several lengths (each after an untimed one of its length),
 //  * aggregate decode tok/s of several concurrent streams (one batched step per token),
 // and reports the weights read per decoded token, the effective GB/s that implies and its share
 // of --bandwidth-gbs, peak GPU memory and kernels per token. Prints a table; --json FILE writes
 // the same figures (model, format, gpu, commit, decode[], prefill[], peak_gpu_mib,
-// kernels_per_token, ...). Token ids are a fixed pseudo-random sequence: no sampling is timed.
+// kernels_per_token, sampling, ...). Token ids fed back are a fixed pseudo-random sequence, not
+// the sampled ones (the same work per step).
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -29,6 +31,9 @@ namespace gemma4::cli {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+
+// What every timed step returns (report and JSON "sampling").
+constexpr const char* kGreedySampling = "greedy candidates (1 per row; no logits rows copied)";
 
 struct BenchArgs {
   std::string model;
@@ -236,6 +241,13 @@ class Bench {
     return Status::ok_status();
   }
 
+  // One step that returns each input's greedy candidate (kGreedySampling).
+  static Status greedy_step(engine::Engine& engine, std::span<const engine::StepInput> inputs) {
+    const std::vector<engine::LogitRequest> requests(inputs.size(), engine::LogitRequest{1, {}});
+    std::vector<engine::LogitSummary> summaries(inputs.size());
+    return engine.step_sampled(inputs, requests, summaries, {});
+  }
+
   // Opens `batch` sequences, prefills each to `depth` (at least 1 token), decodes two untimed
   // steps, then times decode_tokens steps of one token per stream.
   Expected<double> decode_rate(engine::Engine& engine, int batch, int64_t depth) {
@@ -245,19 +257,17 @@ class Bench {
       GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
       sequences.push_back(sequence);
     }
-    std::vector<float> logits(static_cast<size_t>(batch) * engine.vocab_size());
     for (auto sequence : sequences) {
       const auto prompt = tokens.take(std::max<int64_t>(depth, 1));
       const engine::StepInput input{sequence, prompt};
-      GEMMA4_RETURN_IF_ERROR(
-          engine.step({&input, 1}, std::span(logits).first(engine.vocab_size())));
+      GEMMA4_RETURN_IF_ERROR(greedy_step(engine, {&input, 1}));
     }
     const auto step = [&] {
       const auto next = tokens.take(batch);
       std::vector<engine::StepInput> inputs;
       for (int b = 0; b < batch; ++b)
         inputs.push_back({sequences[b], std::span(next).subspan(b, 1)});
-      return engine.step(inputs, logits);
+      return greedy_step(engine, inputs);
     };
     for (int warmup = 0; warmup < 2; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
     const auto start = Clock::now();
@@ -277,13 +287,12 @@ class Bench {
   // warms none of it).
   Expected<double> prefill_rate(engine::Engine& engine, int64_t count) {
     TokenStream tokens(engine.vocab_size());
-    std::vector<float> logits(engine.vocab_size());
     for (const bool timed : {false, true}) {
       GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
       const auto prompt = tokens.take(count);
       const engine::StepInput input{sequence, prompt};
       const auto start = Clock::now();
-      const Status status = engine.step({&input, 1}, logits);
+      const Status status = greedy_step(engine, {&input, 1});
       const double elapsed = seconds_since(start);
       engine.close_sequence(sequence);
       GEMMA4_RETURN_IF_ERROR(status);
@@ -301,16 +310,15 @@ class Bench {
     TokenStream tokens(engine.vocab_size());
     auto sequence = engine.open_sequence();
     if (!sequence.ok()) return std::nullopt;
-    std::vector<float> logits(engine.vocab_size());
     constexpr int kSteps = 4;
     const auto first = tokens.take(1);
     engine::StepInput input{*sequence, first};
-    bool ok = engine.step({&input, 1}, logits).ok();
+    bool ok = greedy_step(engine, {&input, 1}).ok();
     const auto counted_from = backend.kernels_launched();
     for (int i = 0; ok && i < kSteps; ++i) {
       const auto next = tokens.take(1);
       input.tokens = next;
-      ok = engine.step({&input, 1}, logits).ok();
+      ok = greedy_step(engine, {&input, 1}).ok();
     }
     const auto after = backend.kernels_launched();
     engine.close_sequence(*sequence);
@@ -354,6 +362,7 @@ Status Bench::write_report() const {
   std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
               args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on", activations_.c_str(),
               engine::kv_type_name(memory_plan_.options.kv_type));
+  std::printf("sampling: %s\n", kGreedySampling);
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
   // The logits matrix alone (bf16 in NVFP4 checkpoints: embed_tokens is tied and unquantized)
@@ -430,6 +439,7 @@ Status Bench::write_report() const {
   json["weight_bytes_per_token"] = bytes_per_token;
   json["bandwidth_gbs"] = args_.bandwidth_gbs;
   json["decode_tokens"] = args_.decode_tokens;
+  json["sampling"] = kGreedySampling;
   std::ofstream out(args_.json_file);
   out << json.dump(2) << '\n';
   if (!out) return make_error(ErrorCode::kIo, "--json: cannot write {}", args_.json_file);

@@ -220,23 +220,31 @@ Status run(const RunArgs& args) {
   GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
   runtime::Sampler sampler(args.sampling, prompt);
   std::vector<float> logits(engine.vocab_size());
-  const auto step = [&](std::span<const int32_t> tokens) -> Status {
+  engine::LogitSummary summary;
+  // Only the dump, or a sampler that needs the whole row, copies the row of logits to the host;
+  // otherwise the engine returns the sampler's candidates (engine.h: step_sampled).
+  const auto step = [&](std::span<const int32_t> tokens, engine::LogitRequest request) -> Status {
     const engine::StepInput input{sequence, tokens};
-    GEMMA4_RETURN_IF_ERROR(engine.step({&input, 1}, logits));
+    if (dump) request = {};
+    GEMMA4_RETURN_IF_ERROR(engine.step_sampled({&input, 1}, {&request, 1}, {&summary, 1}, logits));
     return dump ? dump->append(logits) : Status::ok_status();
   };
   // Every prompt chunk but the last only fills the cache (and the dump).
+  const engine::LogitRequest fill_only{1, {}};
   const size_t chunk = args.prompt_chunk > 0 ? args.prompt_chunk : prompt.size();
   std::span<const int32_t> rest = prompt;
   while (rest.size() > chunk) {
-    GEMMA4_RETURN_IF_ERROR(step(rest.first(chunk)));
+    GEMMA4_RETURN_IF_ERROR(step(rest.first(chunk), fill_only));
     rest = rest.subspan(chunk);
   }
   std::vector<int32_t> next(rest.begin(), rest.end());
   std::string line;
   for (int i = 0; i < args.max_tokens; ++i) {
-    GEMMA4_RETURN_IF_ERROR(step(next));
-    const int32_t token = sampler.sample(logits).id;
+    const engine::LogitRequest request =
+        dump ? engine::LogitRequest{} : sampler.logit_request(engine.vocab_size());
+    GEMMA4_RETURN_IF_ERROR(step(next, request));
+    const int32_t token =
+        request.candidates == 0 ? sampler.sample(logits).id : sampler.sample(summary).id;
     line += (line.empty() ? "" : ",") + std::to_string(token);
     next.assign(1, token);
     if (text_run) text_run->print_token(token);

@@ -128,4 +128,13 @@ void Backend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, 
   gelu_tanh_mul(y, multiplier, y);
 }
 
+void Backend::summarize_logits(Rows logits, std::span<const LogitRowRequest> rows,
+                               std::span<LogitSummary> summaries) {
+  std::vector<float> row(static_cast<size_t>(logits.width));
+  for (size_t r = 0; r < rows.size(); ++r) {
+    download(row.data(), logits.row(rows[r].row), sizeof(float) * row.size());
+    engine::summarize_logits(row, rows[r].request.edits, rows[r].request.candidates, summaries[r]);
+  }
+}
+
 }  // namespace gemma4::engine

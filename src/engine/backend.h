@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "core/status.h"
+#include "engine/engine.h"
 #include "model/config.h"
 #include "model/weights.h"
 #include "quant/qmatrix.h"
@@ -144,6 +145,13 @@ struct NormParams {
 class RecordedWork {
  public:
   virtual ~RecordedWork() = default;
+};
+
+// One row of Backend::summarize_logits: row `row` of the logits, summarised as `request` asks
+// (request.candidates > 0).
+struct LogitRowRequest {
+  int64_t row = 0;
+  LogitRequest request;
 };
 
 class Backend {
@@ -307,6 +315,14 @@ class Backend {
   // (so the interleaved path is tested in CI through a test backend that reports
   // fuses_gate_up()).
   virtual void matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) = 0;
+
+  // summaries[r] = summarize_logits (engine.h) of row rows[r].row of `logits` with that row's
+  // edits and candidates (the device rows may be left edited). Results are on the host when it
+  // returns (it synchronizes like download). Default: download each row and summarise it on the
+  // host; a device backend ranks on the device and copies only the summaries (its log_normaliser
+  // may differ from the host's in the last bits: the sum runs in another order).
+  virtual void summarize_logits(Rows logits, std::span<const LogitRowRequest> rows,
+                                std::span<LogitSummary> summaries);
 };
 
 }  // namespace gemma4::engine

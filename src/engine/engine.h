@@ -1,10 +1,13 @@
 // What the runtime (scheduler, server, CLI) drives: a model with per-sequence KV state that
 // appends tokens and returns next-token logits. Implemented over a Backend by engine/, and by a
-// scripted engine in tests. No HTTP, no strings: token ids in, logits out.
+// scripted engine in tests. No HTTP, no strings: token ids in, logits out (whole rows, or just
+// the few candidates a sampler needs: step_sampled).
 #pragma once
 
 #include <cstdint>
 #include <span>
+#include <utility>
+#include <vector>
 
 #include "core/status.h"
 
@@ -18,6 +21,47 @@ struct StepInput {
   // k+1 tokens for a speculative verify). Positions continue from sequence_length().
   std::span<const int32_t> tokens;
 };
+
+// One token's adjustment before ranking (runtime::Sampler's logit bias and penalties), in this
+// order: logit += bias; logit = logit > 0 ? logit / repetition_penalty : logit ·
+// repetition_penalty; logit -= subtract. Each at its neutral value changes nothing a sampler can
+// observe. At most one edit per token of a row.
+struct LogitEdit {
+  int32_t token = 0;
+  float bias = 0.0f;
+  float repetition_penalty = 1.0f;
+  float subtract = 0.0f;
+};
+
+// What step_sampled returns for one input.
+struct LogitRequest {
+  // 0: the input's whole row of logits, unadjusted. k > 0: a LogitSummary with the k most
+  // likely tokens of the row after `edits` (at most kMaxLogitCandidates).
+  int32_t candidates = 0;
+  std::span<const LogitEdit> edits;
+};
+
+// Most candidates a LogitRequest may ask for (the CUDA top-k kernels' limit).
+inline constexpr int32_t kMaxLogitCandidates = 64;
+
+// A row of logits (after its edits) as far as greedy, top-k and log-prob sampling need it.
+struct LogitSummary {
+  float max_logit = 0.0f;
+  // max_logit + log Σ exp(logit - max_logit) over the row: log-probability = logit - this.
+  double log_normaliser = 0.0;
+  // The `candidates` most likely (token, logit), higher logit first, equal logits: lower id
+  // first (fewer when the vocabulary is smaller).
+  std::vector<std::pair<int32_t, float>> top;
+};
+
+// Applies `edits` to `row` in place (every edit's token must be inside the row).
+void apply_logit_edits(std::span<float> row, std::span<const LogitEdit> edits);
+
+// The host definition of a LogitSummary (the CPU engine's, and the reference of device ones):
+// applies `edits` to `row` in place, then summarises it with `candidates` candidates. The
+// normaliser's sum runs in id order in double precision, as runtime::Sampler's does.
+void summarize_logits(std::span<float> row, std::span<const LogitEdit> edits, int32_t candidates,
+                      LogitSummary& summary);
 
 class Engine {
  public:
@@ -42,6 +86,20 @@ class Engine {
   // the final-softcapped logits of each input's LAST token to
   // logits[i * vocab_size() .. (i+1) * vocab_size()).
   virtual Status step(std::span<const StepInput> inputs, std::span<float> logits) = 0;
+
+  // step(), returning per input only what requests[i] asks for: inputs asking for the full row
+  // get it in `full_rows` (packed: the j-th such input's row at j · vocab_size()); the others
+  // get summaries[i] (entries of full-row inputs are left alone). An engine whose logits live on
+  // a device copies only the summaries to the host for those. Default: step() into a host
+  // buffer, then summarize_logits() per summarised row.
+  virtual Status step_sampled(std::span<const StepInput> inputs,
+                              std::span<const LogitRequest> requests,
+                              std::span<LogitSummary> summaries, std::span<float> full_rows);
 };
+
+// Checks step_sampled's arguments against the inputs and the vocabulary (shared by engines).
+Status check_logit_requests(size_t inputs, std::span<const LogitRequest> requests,
+                            std::span<const LogitSummary> summaries,
+                            std::span<const float> full_rows, int32_t vocab_size);
 
 }  // namespace gemma4::engine

@@ -501,11 +501,28 @@ Status Gemma4Engine::truncate_sequence(SequenceId sequence, int64_t length) {
 }
 
 Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> logits) {
-  Impl& m = *impl_;
-  const int64_t vocab = m.config.vocab_size;
+  const int64_t vocab = impl_->config.vocab_size;
   if (logits.size() < inputs.size() * static_cast<size_t>(vocab))
     return make_error(ErrorCode::kInvalidArgument, "logits buffer holds {} floats, need {}",
                       logits.size(), inputs.size() * vocab);
+  // Every input's full row: packed in input order, as step() returns them.
+  const std::vector<LogitRequest> requests(inputs.size());
+  std::vector<LogitSummary> unused(inputs.size());
+  return step_sampled(inputs, requests, unused, logits);
+}
+
+Status Gemma4Engine::step_sampled(std::span<const StepInput> inputs,
+                                  std::span<const LogitRequest> requests,
+                                  std::span<LogitSummary> summaries, std::span<float> full_rows) {
+  Impl& m = *impl_;
+  const int64_t vocab = m.config.vocab_size;
+  GEMMA4_RETURN_IF_ERROR(
+      check_logit_requests(inputs.size(), requests, summaries, full_rows, m.config.vocab_size));
+  // Where each full-row input's row goes in full_rows.
+  std::vector<int64_t> full_row(inputs.size(), 0);
+  for (size_t i = 0, full = 0; i < inputs.size(); ++i) {
+    if (requests[i].candidates == 0) full_row[i] = static_cast<int64_t>(full++);
+  }
   if (inputs.size() > m.sequences.size())
     return make_error(ErrorCode::kInvalidArgument, "{} inputs in one step, at most {}",
                       inputs.size(), m.sequences.size());
@@ -578,15 +595,28 @@ Status Gemma4Engine::step(std::span<const StepInput> inputs, std::span<float> lo
       m.forward_to_logits(segments, n);
     }
 
-    // Logits of the last token of every input that finished in this pass.
-    std::vector<size_t> finished;
+    // Logits of the last token of every input that finished in this pass (row r of m.logits
+    // for the r-th such input): full rows copied, the others summarised where they are.
+    std::vector<size_t> summarised;
+    std::vector<LogitRowRequest> summary_rows;
+    int64_t r = 0;
     for (const Segment& s : segments) {
-      if (s.last_of_input) finished.push_back(s.input_index);
+      if (!s.last_of_input) continue;
+      const LogitRequest& request = requests[s.input_index];
+      if (request.candidates == 0) {
+        m.backend->download(full_rows.data() + full_row[s.input_index] * vocab,
+                            m.logits.floats() + r * vocab, sizeof(float) * vocab);
+      } else {
+        summarised.push_back(s.input_index);
+        summary_rows.push_back({r, request});
+      }
+      ++r;
     }
-    for (size_t r = 0; r < finished.size(); ++r) {
-      m.backend->download(logits.data() + finished[r] * vocab,
-                          m.logits.floats() + static_cast<int64_t>(r) * vocab,
-                          sizeof(float) * vocab);
+    if (!summary_rows.empty()) {
+      std::vector<LogitSummary> pass_summaries(summary_rows.size());
+      m.backend->summarize_logits(m.rows(m.logits, r, vocab), summary_rows, pass_summaries);
+      for (size_t k = 0; k < summarised.size(); ++k)
+        summaries[summarised[k]] = std::move(pass_summaries[k]);
     }
   }
   // Operations report failures only here (asynchronously on a device); downloads synchronize.

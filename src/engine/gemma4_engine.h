@@ -106,6 +106,9 @@ class Gemma4Engine final : public Engine {
   int64_t sequence_length(SequenceId sequence) const override;
   Status truncate_sequence(SequenceId sequence, int64_t length) override;
   Status step(std::span<const StepInput> inputs, std::span<float> logits) override;
+  // Summaries are ranked by the backend (Backend::summarize_logits) where the logits are.
+  Status step_sampled(std::span<const StepInput> inputs, std::span<const LogitRequest> requests,
+                      std::span<LogitSummary> summaries, std::span<float> full_rows) override;
 
  private:
   struct Impl;

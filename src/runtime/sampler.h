@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <span>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -26,7 +27,8 @@ struct SamplingParams {
   // OpenAI-style, over generated tokens only: logit -= presence·[count > 0] + frequency·count.
   float presence_penalty = 0.0f;
   float frequency_penalty = 0.0f;
-  // Added to the logits of the given token ids before anything else.
+  // Added to the logits of the given token ids before anything else (a token listed twice gets
+  // the sum of its biases).
   std::vector<std::pair<int32_t, float>> logit_bias;
   uint64_t seed = 0;
   // Number of most likely alternatives to report with each token (0 = none). Reported
@@ -60,16 +62,35 @@ class Sampler final : public TokenSampler {
   // Picks the next token from `logits` (one row, vocab_size values; adjusted in place) and
   // records it as generated.
   SampledToken sample(std::span<float> logits) override;
+  // Greedy and top-k draws (top_k < vocabulary, any top_p / min_p) and the top_logprobs need
+  // only the max(top_k or 1, top_logprobs) best tokens after the bias and penalties (as edits):
+  // up to engine::kMaxLogitCandidates of them are asked for; anything else takes the full row.
+  engine::LogitRequest logit_request(int32_t vocab_size) override;
+  // The same token, log-prob and alternatives (and the same random draw) that sample() picks
+  // from the full row whose summary this is.
+  SampledToken sample(const engine::LogitSummary& summary) override;
 
   const SamplingParams& params() const { return params_; }
 
  private:
-  void apply_penalties(std::span<float> logits) const;
+  // How many candidates decide the next pick exactly (0: the full row is needed).
+  int32_t candidates_needed(int32_t vocab_size) const;
+  // The edit of `token`, made (neutral) on first use.
+  engine::LogitEdit& edit_of(int32_t token);
+  // Updates the penalties after `token` was generated.
+  void record(int32_t token);
+  // edits_ without tokens at or past vocab_size (edits_ holds no negative tokens).
+  std::span<const engine::LogitEdit> edits_for(int32_t vocab_size);
 
   SamplingParams params_;
   Rng rng_;
-  std::vector<int32_t> prompt_tokens_;
-  std::vector<int32_t> generated_tokens_;
+  // The logit bias and the penalties of the next pick as edits, one per token (kept up to date
+  // token by token, so a pick costs nothing per prompt token).
+  std::vector<engine::LogitEdit> edits_;
+  std::unordered_map<int32_t, size_t> edit_index_;  // token -> its edit in edits_
+  std::unordered_map<int32_t, int> generated_counts_;
+  int32_t max_edit_token_ = -1;
+  std::vector<engine::LogitEdit> in_vocabulary_edits_;  // edits_for's storage when it filters
 };
 
 }  // namespace gemma4::runtime

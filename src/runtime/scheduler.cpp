@@ -323,9 +323,20 @@ void Scheduler::step_once() {
   }
   if (inputs.empty()) return;
 
+  // Each sampler says what it needs of its row; a prompt chunk that samples nothing asks for
+  // the cheapest summary.
   const size_t vocab = static_cast<size_t>(engine_.vocab_size());
-  logits_.resize(inputs.size() * vocab);
-  const Status status = engine_.step(inputs, logits_);
+  std::vector<engine::LogitRequest> requests(inputs.size(), engine::LogitRequest{1, {}});
+  std::vector<size_t> full_row(inputs.size(), 0);  // index into full_logits_ of input i's row
+  size_t full_rows = 0;
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!samples[i]) continue;
+    requests[i] = owners[i]->pending.request.sampler->logit_request(engine_.vocab_size());
+    if (requests[i].candidates == 0) full_row[i] = full_rows++;
+  }
+  summaries_.resize(inputs.size());
+  full_logits_.resize(full_rows * vocab);
+  const Status status = engine_.step_sampled(inputs, requests, summaries_, full_logits_);
   {
     std::lock_guard lock(stats_mutex_);
     ++stats_.steps;
@@ -348,8 +359,11 @@ void Scheduler::step_once() {
     if (!active.decoding()) active.prompt_done += inputs[i].tokens.size();
     if (!samples[i]) continue;
 
+    TokenSampler& sampler = *active.pending.request.sampler;
     SampledToken token =
-        active.pending.request.sampler->sample(std::span<float>(logits_).subspan(i * vocab, vocab));
+        requests[i].candidates == 0
+            ? sampler.sample(std::span<float>(full_logits_).subspan(full_row[i] * vocab, vocab))
+            : sampler.sample(summaries_[i]);
     const auto now = Clock::now();
     if (active.metrics.completion_tokens == 0) active.first_token = now;
     const auto& stops = active.pending.request.stop_tokens;

@@ -169,8 +169,9 @@ class Scheduler {
 
   // Engine thread only.
   std::vector<std::unique_ptr<Active>> running_;
-  std::deque<CachedSequence> prefix_cache_;  // most recently finished at the back
-  std::vector<float> logits_;
+  std::deque<CachedSequence> prefix_cache_;      // most recently finished at the back
+  std::vector<engine::LogitSummary> summaries_;  // per input of a step
+  std::vector<float> full_logits_;               // the rows of inputs whose sampler needs them
   std::vector<std::pair<std::shared_ptr<RequestStream>, GenerationEvent>> finished_;
 
   mutable std::mutex stats_mutex_;

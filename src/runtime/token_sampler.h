@@ -1,12 +1,15 @@
 // The scheduler's view of sampling: one TokenSampler per request turns that request's logits
 // into the next token (with its log-probability and, when asked, the top alternatives). The
-// sampler keeps the per-request state (seeded RNG, penalty history) itself.
+// sampler keeps the per-request state (seeded RNG, penalty history) itself. A sampler that can
+// decide from a few candidates says so (logit_request), so the engine copies only those.
 #pragma once
 
 #include <cstdint>
 #include <span>
 #include <utility>
 #include <vector>
+
+#include "engine/engine.h"
 
 namespace gemma4::runtime {
 
@@ -23,6 +26,11 @@ class TokenSampler {
   virtual ~TokenSampler() = default;
   // Picks the next token from `logits` (vocab_size floats). May modify `logits` in place.
   virtual SampledToken sample(std::span<float> logits) = 0;
+  // What the next pick needs of the engine: the full row (candidates 0: sample(logits)), or a
+  // summary after edits (sample(summary)). The edits stay valid until the next sample call.
+  virtual engine::LogitRequest logit_request(int32_t vocab_size) = 0;
+  // Picks the next token from the summary that logit_request asked for.
+  virtual SampledToken sample(const engine::LogitSummary& summary) = 0;
 };
 
 }  // namespace gemma4::runtime

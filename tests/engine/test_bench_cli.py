@@ -43,6 +43,9 @@ def test_bench_json_on_cpu(tiny, tmp_path):
     assert data["weight_bytes_per_token"] > 0
     # What decode matmuls read: the CPU reference computes in fp32 whatever --activations says.
     assert data["activations"] == "f32"
+    # Timed steps return greedy candidates, as a server's greedy requests do; both outputs say so.
+    assert data["sampling"].startswith("greedy candidates")
+    assert "sampling: greedy candidates" in out.stdout
     # The table names every measurement too.
     assert "decode" in out.stdout and "prefill" in out.stdout and "n/a" in out.stdout
 

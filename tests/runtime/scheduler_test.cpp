@@ -15,12 +15,17 @@ using namespace std::chrono_literals;
 constexpr int32_t kVocab = 64;
 constexpr int32_t kEnd = 1;
 
-// Greedy choice, so the scripted engine's replies come back exactly.
+// Greedy choice, so the scripted engine's replies come back exactly. It asks the engine for
+// its one best candidate, as runtime::Sampler does for greedy requests.
 class GreedySampler final : public TokenSampler {
  public:
   SampledToken sample(std::span<float> logits) override {
     auto best = std::max_element(logits.begin(), logits.end());
     return {static_cast<int32_t>(best - logits.begin()), 0.0f, {}};
+  }
+  engine::LogitRequest logit_request(int32_t) override { return {1, {}}; }
+  SampledToken sample(const engine::LogitSummary& summary) override {
+    return {summary.top.front().first, 0.0f, {}};
   }
 };
 

@@ -120,7 +120,7 @@ CudaBackend::~CudaBackend() {
   }
   for (const Scratch& s : retired_scratch_) cudaFree(s.data);
   cublas_.reset();  // before its stream goes
-  for (Scratch* s : {&prefill_activations_, &prefill_weights_}) cudaFree(s->data);
+  for (Scratch* s : {&prefill_activations_, &prefill_weights_, &ranking_}) cudaFree(s->data);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 

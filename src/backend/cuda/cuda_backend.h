@@ -42,6 +42,7 @@
 
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/sample_logits.h"
 #include "core/status.h"
 #include "engine/backend.h"
 
@@ -156,6 +157,11 @@ class CudaBackend final : public engine::Backend {
                        engine::Rows y) override;
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
+
+  // Edits and top-C ranking on the device (sample_logits.h, three launches), then one copy of
+  // the candidates into pinned memory. Vocabularies past the kernels' limit: the default.
+  void summarize_logits(engine::Rows logits, std::span<const engine::LogitRowRequest> rows,
+                        std::span<engine::LogitSummary> summaries) override;
 
   cudaStream_t stream() const { return stream_; }
 
@@ -273,6 +279,8 @@ class CudaBackend final : public engine::Backend {
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
+  Scratch ranking_;                        // summarize_logits: inputs, scratch and results
+  PinnedStaging ranking_host_;             // summarize_logits: staged inputs and results
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.
