@@ -73,6 +73,16 @@ void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* br
   add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm);
 }
 
+void Backend::add_rms_norm_ple(Rows acc, Rows x, const float* weight, const quant::QMatrix& gate,
+                               Rows multiplier, Rows gated, const quant::QMatrix& projection,
+                               Rows projected, const float* projected_weight, float scalar,
+                               const float* next_weight, Rows next, const NormParams& norm) {
+  add_rms_norm(acc, x, weight, 1.0f, nullptr, Rows{}, norm);
+  matmul_gelu_mul(gate, acc, multiplier, gated);
+  matmul(projection, gated, projected);
+  add_rms_norm(acc, projected, projected_weight, scalar, next_weight, next, norm);
+}
+
 void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                    const RouterParams& router, int32_t* expert_ids,
                                    float* weights) {

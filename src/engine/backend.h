@@ -307,6 +307,20 @@ class Backend {
   // gelu_tanh_mul(y, multiplier, y).
   virtual void matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y);
 
+  // The end of a layer with per-layer inputs (arch spec 2.4 steps 6–7), row by row:
+  //   acc = acc + norm(x; weight)                            (the feed-forward residual step)
+  //   gated = gelu_tanh(acc · gateᵀ) ⊙ multiplier             (the PLE gate)
+  //   projected = gated · projectionᵀ
+  //   acc = (acc + norm(projected; projected_weight)) · scalar; next = norm(acc; next_weight)
+  //   when next.data != nullptr.
+  // x, gated and projected may be overwritten. Default: add_rms_norm(acc, x, weight, 1, none),
+  // matmul_gelu_mul(gate, acc, multiplier, gated), matmul(projection, gated, projected),
+  // add_rms_norm(acc, projected, projected_weight, scalar, next_weight, next).
+  virtual void add_rms_norm_ple(Rows acc, Rows x, const float* weight, const quant::QMatrix& gate,
+                                Rows multiplier, Rows gated, const quant::QMatrix& projection,
+                                Rows projected, const float* projected_weight, float scalar,
+                                const float* next_weight, Rows next, const NormParams& norm);
+
   // Whether this backend wants row-interleaved gate/up matrices (see matmul_gelu_pairs):
   // ResidentWeights builds them (instead of separate gate_proj/up_proj copies) only then.
   virtual bool fuses_gate_up() const { return false; }

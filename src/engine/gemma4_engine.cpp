@@ -234,38 +234,37 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
                          expert_out);
   }
-  // The feed-forward residual step; a MoE layer's expert output joins the dense one in it
-  // (dense_out + norm(expert_out; post_feedforward_layernorm_2) is what post_feedforward_layernorm
-  // norms).
-  const auto residual_step = [&](float scalar, const float* next_weight, Rows next_rows) {
-    if (config.moe) {
-      backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
-                                   lw.post_feedforward_layernorm, scalar, next_weight, next_rows,
-                                   norm_params);
-    } else {
-      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, scalar, next_weight,
-                            next_rows, norm_params);
-    }
-  };
-
   // The layer ends by norming its output for the next layer's attention (none after the last).
   const bool last = l + 1 == config.num_layers;
   const float* next_norm = last ? nullptr : weights.layers[l + 1].input_layernorm;
   const Rows next = last ? Rows{} : rows(normed, n, H);
+  // The feed-forward residual step; a MoE layer's expert output joins the dense one in it
+  // (dense_out + norm(expert_out; post_feedforward_layernorm_2) is what post_feedforward_layernorm
+  // norms).
   if (config.ple_dim == 0) {
-    residual_step(lw.layer_scalar, next_norm, next);
+    if (config.moe) {
+      backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
+                                   lw.post_feedforward_layernorm, lw.layer_scalar, next_norm, next,
+                                   norm_params);
+    } else {
+      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
+                            next_norm, next, norm_params);
+    }
     return;
   }
-  residual_step(1.0f, nullptr, Rows{});
+  // With per-layer inputs the step comes first, then the PLE one (a MoE layer's two branches
+  // joined as add_rms_norm_branch joins them).
+  if (config.moe) {
+    backend->add_rms_norm(dense_out, expert_out, lw.post_feedforward_layernorm_2, 1.0f, nullptr,
+                          Rows{}, norm_params);
+  }
   // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
-  Rows gated = rows(ple_gate, n, config.ple_dim);
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
                              .columns(int64_t{l} * config.ple_dim, config.ple_dim);
-  backend->matmul_gelu_mul(lw.per_layer_input_gate, hidden, layer_ple, gated);
-  Rows projected = rows(proj, n, H);
-  backend->matmul(lw.per_layer_projection, gated, projected);
-  backend->add_rms_norm(hidden, projected, lw.post_per_layer_input_norm, lw.layer_scalar, next_norm,
-                        next, norm_params);
+  backend->add_rms_norm_ple(hidden, dense_out, lw.post_feedforward_layernorm,
+                            lw.per_layer_input_gate, layer_ple, rows(ple_gate, n, config.ple_dim),
+                            lw.per_layer_projection, rows(proj, n, H), lw.post_per_layer_input_norm,
+                            lw.layer_scalar, next_norm, next, norm_params);
 }
 
 void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {

@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -159,6 +160,60 @@ TEST(RmsNorm, ResidualAddAndNextNorm) {
     expect_near_all(dy.download(), reference_norm(updated_f, rows, width, &w2, 0.0), 1e-5,
                     "next norm");
   }
+}
+
+// add_rms_norm_deferred is the two residual steps it stands for, bit for bit: the deferred step's
+// norm reduced as add_rms_norm reduces it, the products rounded in the same order. Registers with
+// one and two quads per thread, 16-byte and scalar accesses, with and without a next norm.
+TEST(RmsNorm, DeferredResidualStepEqualsTwoResidualSteps) {
+  struct Case {
+    int64_t width;
+    float weight_offset, scalar;
+    bool next;
+  };
+  uint32_t seed = 40;
+  for (const Case c : {Case{1536, 0.0f, 0.625f, true}, Case{1536, 0.0f, 0.625f, false},
+                       Case{5376, 0.0f, 1.0f, true}, Case{1001, 1.0f, 0.75f, true},
+                       Case{8191, 0.0f, 0.5f, true}}) {
+    SCOPED_TRACE(c.width);
+    const int64_t rows = 3, width = c.width;
+    const auto deferred = testing::random_floats(rows * width, -3.0f, 3.0f, seed++);
+    const auto x = testing::random_floats(rows * width, -2.0f, 2.0f, seed++);
+    const auto residual = testing::random_floats(rows * width, -50.0f, 50.0f, seed++);
+    const auto w_deferred = testing::random_floats(width, -1.0f, 1.0f, seed++);
+    const auto w = testing::random_floats(width, -1.0f, 1.0f, seed++);
+    const auto w_next = testing::random_floats(width, -1.0f, 1.0f, seed++);
+    DeviceArray<float> d_deferred(deferred), dx(x), d_wd(w_deferred), dw(w), d_wn(w_next);
+    DeviceArray<float> two_steps(residual), one_kernel(residual);
+    DeviceArray<float> next_two(rows * width), next_one(rows * width);
+    AddNormSpec first;
+    first.weight = d_wd.get();
+    first.weight_offset = c.weight_offset;
+    AddNormSpec second = first;
+    second.weight = dw.get();
+    second.next_weight = d_wn.get();
+    second.scalar = c.scalar;
+    const RowsView no_next{};
+    CUDA_ASSERT_OK(add_rms_norm(view(d_deferred, rows, width), view(two_steps, rows, width),
+                                no_next, first, Launch{}));
+    CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), view(two_steps, rows, width),
+                                c.next ? view(next_two, rows, width) : no_next, second, Launch{}));
+    CUDA_ASSERT_OK(add_rms_norm_deferred(view(dx, rows, width), view(d_deferred, rows, width),
+                                         d_wd.get(), view(one_kernel, rows, width),
+                                         c.next ? view(next_one, rows, width) : no_next, second,
+                                         Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    const auto a = two_steps.download(), b = one_kernel.download();
+    EXPECT_EQ(0, std::memcmp(a.data(), b.data(), sizeof(float) * a.size())) << "residual";
+    if (c.next) {
+      const auto na = next_two.download(), nb = next_one.download();
+      EXPECT_EQ(0, std::memcmp(na.data(), nb.data(), sizeof(float) * na.size())) << "next";
+    }
+  }
+  DeviceArray<float> dx(64), dr(64);
+  EXPECT_EQ(add_rms_norm_deferred(view(dx, 1, 64), RowsView{}, nullptr, view(dr, 1, 64), RowsView{},
+                                  AddNormSpec{}, Launch{}),
+            cudaErrorInvalidValue);
 }
 
 // The row lives in registers: wider rows are refused before anything is launched.

@@ -670,23 +670,78 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
            "run_experts", run_experts_kernel_count(tokens, precision));
 }
 
-void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
-                               const float* next_weight, Rows next,
-                               const engine::NormParams& norm) {
-  const ReportingWrites reporting(*this);
-  if (acc.count == 0) return;
+AddNormSpec CudaBackend::residual_step_spec(Rows acc, const float* weight, float scalar,
+                                            const float* next_weight, Rows next,
+                                            const engine::NormParams& norm) {
   AddNormSpec spec = add_norm_spec(weight, scalar, next_weight, norm);
   // With a next norm, the next GEMV reads `next`; without, a GEMV may read the residual itself
-  // (the PLE gate does): its companions then. (Any other reader converts the rows first.)
+  // (the PLE gate of the unfused order does): its companions then. (Any other reader converts the
+  // rows first.)
   if (next.data != nullptr) {
     spec.next_companions = produced_companions(next);
   } else {
     spec.residual_companions = produced_companions(acc);
   }
-  launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
+  return spec;
+}
+
+void CudaBackend::residual_step_wrote(Rows acc, Rows next, const AddNormSpec& spec) {
   wrote(next);
   produced(acc, spec.residual_companions);
   if (next.data != nullptr) produced(next, spec.next_companions);
+}
+
+void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
+                               const float* next_weight, Rows next,
+                               const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (acc.count == 0) return;
+  const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
+  launched(cuda::add_rms_norm(view(x), view(acc), view(next), spec, launch()), "add_rms_norm");
+  residual_step_wrote(acc, next, spec);
+}
+
+// One decode row outside kF32 mode: the PLE gate GEMV stages acc + norm(x) itself
+// (GemvResidualNorm) and the closing add_rms_norm_deferred performs that step before its own, so
+// the step's stand-alone kernel goes. Batched rows keep the default order: their gate runs on
+// tensor cores (gemv_mma.h), which stage no residual step. Anything the fused GEMV does not take:
+// the default order too.
+void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
+                                   const quant::QMatrix& gate, Rows multiplier, Rows gated,
+                                   const quant::QMatrix& projection, Rows projected,
+                                   const float* projected_weight, float scalar,
+                                   const float* next_weight, Rows next,
+                                   const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (acc.count == 0) return;
+  const auto unfused = [&] {
+    Backend::add_rms_norm_ple(acc, x, weight, gate, multiplier, gated, projection, projected,
+                              projected_weight, scalar, next_weight, next, norm);
+  };
+  // add_rms_norm_deferred holds a row of at most 8192 in registers: checked before the GEMV goes.
+  if (activation_mode_ == ActivationMode::kF32 || acc.count != 1 || acc.width > 8192) {
+    unfused();
+    return;
+  }
+  GemvInput input = {x.data, ActType::kF32, static_cast<int>(x.count), x.stride, true};
+  input.residual_norm = {acc.data, acc.stride, weight, norm.weight_offset, norm.eps};
+  GemvOutput out = {gated.data, gated.stride, GemvEpilogue::kGeluMul, multiplier.data,
+                    multiplier.stride};
+  out.companions = companion_storage(gated, true, false);
+  const cudaError_t status = gemv(gate, input, out, launch());
+  if (status == cudaErrorInvalidValue) {  // nothing enqueued
+    unfused();
+    return;
+  }
+  launched(status, "add_rms_norm_ple (gate gemv)");
+  produced(gated, out.companions);
+  matmul(projection, gated, projected);
+  const AddNormSpec spec =
+      residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm);
+  launched(add_rms_norm_deferred(view(projected), view(x), weight, view(acc), view(next), spec,
+                                 launch()),
+           "add_rms_norm_ple (norms)");
+  residual_step_wrote(acc, next, spec);
 }
 
 void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,

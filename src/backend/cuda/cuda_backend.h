@@ -40,6 +40,7 @@
 #include <tuple>
 #include <vector>
 
+#include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
 #include "backend/cuda/sample_logits.h"
@@ -155,6 +156,14 @@ class CudaBackend final : public engine::Backend {
   // gating (one more kernel).
   void matmul_gelu_mul(const quant::QMatrix& w, engine::Rows x, engine::Rows multiplier,
                        engine::Rows y) override;
+  // One decode row: the feed-forward residual step rides in the PLE gate GEMV (each block stages
+  // acc + norm(x) itself, writing nothing) and in the closing norm kernel (add_rms_norm_deferred),
+  // one kernel fewer than the default.
+  void add_rms_norm_ple(engine::Rows acc, engine::Rows x, const float* weight,
+                        const quant::QMatrix& gate, engine::Rows multiplier, engine::Rows gated,
+                        const quant::QMatrix& projection, engine::Rows projected,
+                        const float* projected_weight, float scalar, const float* next_weight,
+                        engine::Rows next, const engine::NormParams& norm) override;
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
@@ -218,6 +227,12 @@ class CudaBackend final : public engine::Backend {
   // False, with nothing enqueued, when the GEMV does not take these weights or rows.
   bool packed_gemv(const quant::QMatrix& w, engine::Rows x, const GemvOutput& out,
                    const char* what);
+  // The residual step kernels' parameters with the companions they write (next's, else acc's),
+  // and the bookkeeping of what they wrote.
+  AddNormSpec residual_step_spec(engine::Rows acc, const float* weight, float scalar,
+                                 const float* next_weight, engine::Rows next,
+                                 const engine::NormParams& norm);
+  void residual_step_wrote(engine::Rows acc, engine::Rows next, const AddNormSpec& spec);
   // Held by the operations that report every row they write (wrote / produced): launch() outside
   // them drops every live companion, since other work (a graph replay, an operation that does not
   // report its writes) may have written any rows.

@@ -24,10 +24,25 @@ __device__ float block_sum(float value, float* scratch) {
   return warp_sum(lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f);
 }
 
+// Two block sums in one barrier, each component reduced exactly as block_sum reduces it (so either
+// equals what block_sum would return). `scratch` holds 32 float2.
+__device__ float2 block_sum2(float2 value, float2* scratch) {
+  value = {warp_sum(value.x), warp_sum(value.y)};
+  const int lane = threadIdx.x & 31;
+  if (lane == 0) scratch[threadIdx.x / 32] = value;
+  __syncthreads();
+  const bool has_warp = lane < static_cast<int>(blockDim.x / 32);
+  return {warp_sum(has_warp ? scratch[lane].x : 0.0f), warp_sum(has_warp ? scratch[lane].y : 0.0f)};
+}
+
 // (mean(x²) + eps)^-1/2 as transformers evaluates it (eps inside; a correctly rounded sqrt and
 // division rather than the approximate rsqrt).
+__device__ float inverse_rms_of_sum(float block_sum_of_squares, int64_t width, float eps) {
+  return 1.0f / sqrtf(block_sum_of_squares / static_cast<float>(width) + eps);
+}
+
 __device__ float inverse_rms(float sum_of_squares, int64_t width, float eps, float* scratch) {
-  return 1.0f / sqrtf(block_sum(sum_of_squares, scratch) / static_cast<float>(width) + eps);
+  return inverse_rms_of_sum(block_sum(sum_of_squares, scratch), width, eps);
 }
 
 __device__ float inverse_rms(const float* row, int64_t width, float eps, float* scratch) {
@@ -209,47 +224,69 @@ __global__ void __launch_bounds__(kMaxRowThreads) rms_norm_row_kernel(NormArgs a
   store_row_companions(a.y_companions, r, width, x);
 }
 
+// What add_rms_norm_kernel does before the residual step proper.
+enum class AddNormStep : uint8_t {
+  kPlain,
+  kBranch,    // x = branch + rms_norm(x; extra_weight) first (add_rms_norm_branch)
+  kDeferred,  // residual += rms_norm(extra; extra_weight) first (add_rms_norm_deferred)
+};
+
 struct AddNormArgs {
   RowsView x;
   RowsView residual;
   RowsView next;
   AddNormSpec spec;
-  RowsView branch;  // kBranch only (add_rms_norm_branch)
-  const float* branch_weight;
+  RowsView extra;  // kBranch: the branch; kDeferred: the deferred step's input
+  const float* extra_weight;
 };
 
-// kBranch: x = branch + rms_norm(x; branch_weight) first (add_rms_norm_branch).
-template <int kQuads, bool kAligned, bool kBranch>
+template <int kQuads, bool kAligned, AddNormStep kStep>
 __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
   __shared__ float x_sums[32], residual_sums[32], branch_sums[32];
+  __shared__ float2 deferred_sums[32];
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
   const bool has_next = a.next.data != nullptr;
   // The norm weights are not written by a predecessor: loaded before the wait.
-  FloatQuad scale[kQuads], next_scale[kQuads], branch_scale[kQuads];
+  FloatQuad scale[kQuads], next_scale[kQuads], extra_scale[kQuads];
   load_row_scale<kQuads, kAligned>(spec.weight, spec.weight_offset, width, scale);
-  if constexpr (kBranch)
-    load_row_scale<kQuads, kAligned>(a.branch_weight, spec.weight_offset, width, branch_scale);
+  if constexpr (kStep != AddNormStep::kPlain)
+    load_row_scale<kQuads, kAligned>(a.extra_weight, spec.weight_offset, width, extra_scale);
   if (has_next)
     load_row_scale<kQuads, kAligned>(spec.next_weight, spec.weight_offset, width, next_scale);
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   float* residual_row = a.residual.data + r * a.residual.stride;
-  FloatQuad x[kQuads], residual[kQuads];
+  FloatQuad x[kQuads], residual[kQuads], extra[kQuads];
   load_row<kQuads, kAligned>(a.x.data + r * a.x.stride, width, x);
   load_row<kQuads, kAligned>(residual_row, width, residual);
-  if constexpr (kBranch) {
-    FloatQuad branch[kQuads];
-    load_row<kQuads, kAligned>(a.branch.data + r * a.branch.stride, width, branch);
-    scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, branch_sums), branch_scale);
+  if constexpr (kStep != AddNormStep::kPlain)
+    load_row<kQuads, kAligned>(a.extra.data + r * a.extra.stride, width, extra);
+  if constexpr (kStep == AddNormStep::kBranch) {
+    scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, branch_sums), extra_scale);
 #pragma unroll
     for (int k = 0; k < kQuads; ++k)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) x[k].v[e] = branch[k].v[e] + x[k].v[e];
+      for (int e = 0; e < 4; ++e) x[k].v[e] = extra[k].v[e] + x[k].v[e];
   }
 
-  scale_row(x, inverse_rms(sum_of_squares(x), width, spec.eps, x_sums), scale);
+  float x_inv;
+  if constexpr (kStep == AddNormStep::kDeferred) {
+    // Neither norm depends on the other: one reduction for both. The deferred step rounds as the
+    // add_rms_norm that would have run it (scalar 1).
+    const float2 sums =
+        block_sum2(make_float2(sum_of_squares(extra), sum_of_squares(x)), deferred_sums);
+    scale_row(extra, inverse_rms_of_sum(sums.x, width, spec.eps), extra_scale);
+#pragma unroll
+    for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) residual[k].v[e] = residual[k].v[e] + extra[k].v[e];
+    x_inv = inverse_rms_of_sum(sums.y, width, spec.eps);
+  } else {
+    x_inv = inverse_rms(sum_of_squares(x), width, spec.eps, x_sums);
+  }
+  scale_row(x, x_inv, scale);
 #pragma unroll
   for (int k = 0; k < kQuads; ++k)
 #pragma unroll
@@ -397,33 +434,45 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
 
 namespace {
 
-// add_rms_norm with or without the branch step (branch.data == nullptr: without).
-cudaError_t launch_add_rms_norm(const RowsView& x, const RowsView& branch,
-                                const float* branch_weight, const RowsView& residual,
+// add_rms_norm after `step` (kBranch, kDeferred: extra and extra_weight are that step's).
+cudaError_t launch_add_rms_norm(AddNormStep step, const RowsView& x, const RowsView& extra,
+                                const float* extra_weight, const RowsView& residual,
                                 const RowsView& next, const AddNormSpec& spec,
                                 const Launch& launch) {
-  const bool has_branch = branch.data != nullptr;
+  const bool has_extra = step != AddNormStep::kPlain;
   if (x.rows < 1 || x.width < 1 || !fits_registers(x.width) || !valid_rows(x, x.rows, x.width) ||
       !valid_rows(residual, x.rows, x.width) ||
       (next.data != nullptr && !valid_rows(next, x.rows, x.width)) ||
-      (has_branch && !valid_rows(branch, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
+      (has_extra && !valid_rows(extra, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
       !companions_fit(spec.residual_companions, x.width) ||
       !companions_fit(spec.next_companions, x.width) ||
       (next.data == nullptr && has_companions(spec.next_companions))) {
     return cudaErrorInvalidValue;
   }
-  // [with branch][quads per thread − 1][16-byte accesses]
-  constexpr decltype(&add_rms_norm_kernel<1, true, false>) kKernels[2][2][2] = {
-      {{add_rms_norm_kernel<1, false, false>, add_rms_norm_kernel<1, true, false>},
-       {add_rms_norm_kernel<2, false, false>, add_rms_norm_kernel<2, true, false>}},
-      {{add_rms_norm_kernel<1, false, true>, add_rms_norm_kernel<1, true, true>},
-       {add_rms_norm_kernel<2, false, true>, add_rms_norm_kernel<2, true, true>}}};
+  using Kernel = decltype(&add_rms_norm_kernel<1, true, AddNormStep::kPlain>);
+  // [quads per thread − 1][16-byte accesses]
+  constexpr Kernel kPlainKernels[2][2] = {{add_rms_norm_kernel<1, false, AddNormStep::kPlain>,
+                                           add_rms_norm_kernel<1, true, AddNormStep::kPlain>},
+                                          {add_rms_norm_kernel<2, false, AddNormStep::kPlain>,
+                                           add_rms_norm_kernel<2, true, AddNormStep::kPlain>}};
+  constexpr Kernel kBranchKernels[2][2] = {{add_rms_norm_kernel<1, false, AddNormStep::kBranch>,
+                                            add_rms_norm_kernel<1, true, AddNormStep::kBranch>},
+                                           {add_rms_norm_kernel<2, false, AddNormStep::kBranch>,
+                                            add_rms_norm_kernel<2, true, AddNormStep::kBranch>}};
+  constexpr Kernel kDeferredKernels[2][2] = {
+      {add_rms_norm_kernel<1, false, AddNormStep::kDeferred>,
+       add_rms_norm_kernel<1, true, AddNormStep::kDeferred>},
+      {add_rms_norm_kernel<2, false, AddNormStep::kDeferred>,
+       add_rms_norm_kernel<2, true, AddNormStep::kDeferred>}};
+  const auto& kernels = step == AddNormStep::kPlain    ? kPlainKernels
+                        : step == AddNormStep::kBranch ? kBranchKernels
+                                                       : kDeferredKernels;
   const bool aligned = x.width % 4 == 0 && aligned_rows(x) && aligned_rows(residual) &&
-                       aligned_rows(next) && aligned_rows(branch) && aligned_16(spec.weight) &&
-                       aligned_16(spec.next_weight) && aligned_16(branch_weight);
+                       aligned_rows(next) && aligned_rows(extra) && aligned_16(spec.weight) &&
+                       aligned_16(spec.next_weight) && aligned_16(extra_weight);
   const RowShape shape = row_shape(x.width);
-  const AddNormArgs args = {x, residual, next, spec, branch, branch_weight};
-  return launch_kernel(kKernels[has_branch][shape.quads_per_thread - 1][aligned],
+  const AddNormArgs args = {x, residual, next, spec, extra, extra_weight};
+  return launch_kernel(kernels[shape.quads_per_thread - 1][aligned],
                        dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
 }
 
@@ -431,7 +480,8 @@ cudaError_t launch_add_rms_norm(const RowsView& x, const RowsView& branch,
 
 cudaError_t add_rms_norm(const RowsView& x, const RowsView& residual, const RowsView& next,
                          const AddNormSpec& spec, const Launch& launch) {
-  return launch_add_rms_norm(x, RowsView{}, nullptr, residual, next, spec, launch);
+  return launch_add_rms_norm(AddNormStep::kPlain, x, RowsView{}, nullptr, residual, next, spec,
+                             launch);
 }
 
 cudaError_t add_rms_norm_branch(const RowsView& x, const RowsView& branch,
@@ -439,7 +489,17 @@ cudaError_t add_rms_norm_branch(const RowsView& x, const RowsView& branch,
                                 const RowsView& next, const AddNormSpec& spec,
                                 const Launch& launch) {
   if (branch.data == nullptr) return cudaErrorInvalidValue;
-  return launch_add_rms_norm(x, branch, branch_weight, residual, next, spec, launch);
+  return launch_add_rms_norm(AddNormStep::kBranch, x, branch, branch_weight, residual, next, spec,
+                             launch);
+}
+
+cudaError_t add_rms_norm_deferred(const RowsView& x, const RowsView& deferred,
+                                  const float* deferred_weight, const RowsView& residual,
+                                  const RowsView& next, const AddNormSpec& spec,
+                                  const Launch& launch) {
+  if (deferred.data == nullptr) return cudaErrorInvalidValue;
+  return launch_add_rms_norm(AddNormStep::kDeferred, x, deferred, deferred_weight, residual, next,
+                             spec, launch);
 }
 
 cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsView& router_in,

@@ -70,6 +70,18 @@ cudaError_t add_rms_norm_branch(const RowsView& x, const RowsView& branch,
                                 const RowsView& next, const AddNormSpec& spec,
                                 const Launch& launch);
 
+// add_rms_norm after a residual step that a GEMV folded into its input and did not write (the PLE
+// gate, GemvResidualNorm in gemv_kernels.h):
+//   residual[r] += rms_norm(deferred[r]; deferred_weight)   (rounded as add_rms_norm, scalar 1)
+//   then add_rms_norm as above.
+// Both norms are reduced together, each exactly as add_rms_norm reduces its own, so the residual
+// equals what add_rms_norm(deferred → residual) followed by add_rms_norm(x → residual) store.
+// deferred has x's shape; deferred_weight as spec's weights.
+cudaError_t add_rms_norm_deferred(const RowsView& x, const RowsView& deferred,
+                                  const float* deferred_weight, const RowsView& residual,
+                                  const RowsView& next, const AddNormSpec& spec,
+                                  const Launch& launch);
+
 // The norms of a MoE block (engine::Backend::moe_norms) in one launch, one block per row:
 //   dense[r] = rms_norm(dense[r]; dense_weight)                            (in place)
 //   router_in[r][j] = (rms_norm(hidden[r]) · router_scale[j]) · router_factor  (weightless norm)

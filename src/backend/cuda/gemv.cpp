@@ -142,8 +142,15 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  const GemvResidualNorm& step = x.residual_norm;
+  const bool residual_step = step.residual != nullptr;
+  if (residual_step &&
+      (!x.round_to_bf16 || !aligned16(step.residual) || step.residual_stride % 4 != 0 ||
+       (x.rows > 1 && step.residual_stride < w.cols) || !aligned16(step.weight))) {
+    return cudaErrorInvalidValue;
+  }
   // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included.
-  if (tiling < 0 && gemv_mma_takes(w, x)) {
+  if (tiling < 0 && !residual_step && gemv_mma_takes(w, x)) {
     return gemv_mma(w, x, y, launch);
   }
   if (y.companions.q8 != nullptr) {
@@ -177,6 +184,9 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                             ? F32Products::kBF16Staged
                             : F32Products::kBF16InRegisters;
   }
+  // The folded residual step exists only as staged rows.
+  if (residual_step && args.f32_products != F32Products::kBF16Staged) return cudaErrorInvalidValue;
+  args.residual_norm = step;
   args.y = y.data;
   args.y_stride = y.stride;
   args.epilogue = y.epilogue;

@@ -29,6 +29,9 @@ struct GemvInput {
   int rows = 1;
   int64_t stride = 0;
   bool round_to_bf16 = false;
+  // A residual step folded in (gemv_kernels.h): the GEMV multiplies residual + rms_norm(x) (kF32
+  // rows rounded to bf16, staged; residual rows and the weight 16-byte aligned), writing neither.
+  GemvResidualNorm residual_norm = {};
 };
 
 // y: M rows at data + m · stride, of N floats (kGeluPairs: N / 2). The epilogue maps the dot

@@ -11,6 +11,7 @@
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/gemv_residual_norm.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
 
@@ -125,6 +126,8 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
     nv_factors = factor_table;
     __syncthreads();
   }
+  if constexpr (XT == ActType::kF32)
+    prefetch_residual_norm_weight(a.residual_norm, kElems * a.chunks_per_row);
   pdl_wait_for_predecessors();
 
   // Dynamic shared memory (gemv_shared_bytes): the split-K partial sums [W][MT][kRowsPerBlock]
@@ -143,11 +146,15 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       // the staged rows end at the first barrier.
       if (m0 > 0) __syncthreads();
       const int rows_here = min(a.staged_rows, a.m - m0);
+      // A folded residual step stages its own rows (gemv_residual_norm.cuh); else x's.
+      const bool residual_step = a.residual_norm.residual != nullptr;
+      if (residual_step) stage_residual_norm_rows<kPieces>(a, m0, rows_here, staged);
+      const int x_rows = residual_step ? 0 : rows_here;
       // Unrolled so that several L2 round trips overlap (a one-warp block stages K = 1536 in
       // six steps). Indices fit int: at most 8 rows of K / 8 words reach shared memory.
       const int row_words = static_cast<int>(staged_row_words);
 #pragma unroll 4
-      for (int i = threadIdx.x; i < rows_here * row_words; i += W * 32) {
+      for (int i = threadIdx.x; i < x_rows * row_words; i += W * 32) {
         const int row = i / row_words;
         const int piece = i % row_words;  // elements 8·piece .. 8·piece + 7
         const float4* source = reinterpret_cast<const float4*>(static_cast<const float*>(a.x) +

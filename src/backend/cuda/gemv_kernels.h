@@ -182,6 +182,19 @@ constexpr int64_t gemv_shared_bytes(const GemvTiling& t, int64_t staged_rows, in
   return 4 * gemv_partial_floats(t) + 2 * staged_rows * cols;
 }
 
+// A residual step folded into the GEMV's input (the PLE gate reads the residual right after the
+// feed-forward step adds to it): every block stages, for its activation rows m,
+//   residual[m] + rms_norm(x[m]; weight)      (weight_offset + weight; no factor for a null weight)
+// rounded to bf16, instead of x[m] itself, and writes nothing back: add_rms_norm_deferred
+// (elementwise.h) performs the step later. Products kBF16Staged only.
+struct GemvResidualNorm {
+  const float* residual = nullptr;  // null: no step, the GEMV multiplies x
+  int64_t residual_stride = 0;
+  const float* weight = nullptr;
+  float weight_offset = 0.0f;
+  float eps = 1e-6f;
+};
+
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
   const void* scales;   // kW4G32A: fp32 {scale, min} pairs
@@ -204,6 +217,7 @@ struct GemvArgs {
   // Companions of y (what the epilogue stored); q8 only with a gemv_tiling_emits_q8_pairs tiling
   // and kGeluPairs.
   ActivationCompanions y_companions;
+  GemvResidualNorm residual_norm;  // x is the step's input (fp32)
 };
 
 // x[r] (fp32, K = `cols`) → its companions (bf16 and/or kQ8).
