@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 #include <vector>
@@ -318,9 +319,37 @@ TEST(Gemv, EveryTilingLongRows) {
       const DeviceMatrix device(host);
       for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
         if (!gemv_tiling_compiled(t)) continue;
-        const int m = tilings[t].m_tile == 1 ? 1 : 3;
+        // Two rows for a prefetching tiling: the second reloads the first passes.
+        const int m = tilings[t].m_tile > 1 ? 3 : tilings[t].prefetch_next_pass ? 2 : 1;
         check_gemv(host, device, m, ActType::kBF16, t, seed++);
         check_gemv(host, device, m, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
+      }
+    }
+  }
+}
+
+// default_gemv_tiling picks only tilings of kDefaultGemvTilings, the ones a normal build compiles
+// (gemv_kernels.h), at every model shape and row count.
+TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
+  for (WeightFormat format : {WeightFormat::kW4G32, WeightFormat::kNVFP4, WeightFormat::kBF16,
+                              WeightFormat::kW4G32A, WeightFormat::kW8, WeightFormat::kF16}) {
+    for (int64_t rows :
+         {256, 1536, 2560, 2816, 4224, 5376, 8192, 12288, 16384, 24576, 43008, 262144}) {
+      for (int64_t cols :
+           {256, 640, 704, 1536, 2048, 2112, 2816, 4096, 5376, 6144, 8192, 12288, 21504}) {
+        QMatrix w;
+        w.format = format;
+        w.rows = rows;
+        w.cols = cols;
+        for (int m : {1, 2, 8, 64}) {
+          for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
+            const int tiling = default_gemv_tiling(w, m, x_type);
+            EXPECT_TRUE(std::find(std::begin(kDefaultGemvTilings), std::end(kDefaultGemvTilings),
+                                  tiling) != std::end(kDefaultGemvTilings))
+                << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m
+                << ": tiling " << tiling;
+          }
+        }
       }
     }
   }

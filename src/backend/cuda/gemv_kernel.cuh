@@ -74,9 +74,11 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
 
 // Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
 // block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
-// consecutive lanes read T consecutive 16-byte chunks of a row (coalesced).
-template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT>
+// consecutive lanes read T consecutive 16-byte chunks of a row (coalesced). P: the loads of pass
+// p + 1 go out before the products of pass p (GemvTiling::prefetch_next_pass; MT 1).
+template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P>
 __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
+  static_assert(!P || MT == 1, "prefetching tilings are single-row");
   pdl_trigger_dependents();
   constexpr int kTeams = 32 / T;
   constexpr int kRowsPerBlock = kTeams * R;
@@ -91,10 +93,13 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
 
   uint4 weights[G][R];
   ScaleBits<F> scale_bits[G][R];
+  // P: the next pass's, moved into weights / scale_bits when its products start.
+  [[maybe_unused]] uint4 next_weights[P ? G : 1][R];
+  [[maybe_unused]] ScaleBits<F> next_scale_bits[P ? G : 1][R];
   auto chunk_of = [&](int pass, int j) {
     return pass * pass_chunks + (j * W + warp) * T + lane_in_team;
   };
-  auto load_pass = [&](int pass) {
+  auto load_pass_into = [&](int pass, auto& to_weights, auto& to_scale_bits) {
 #pragma unroll
     for (int j = 0; j < G; ++j) {
       const int64_t chunk = chunk_of(pass, j);
@@ -102,19 +107,23 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       for (int r = 0; r < R; ++r) {
         const int64_t row = first_row + r;
         if (row < a.rows && chunk < a.chunks_per_row) {
-          weights[j][r] = load_weights_nc(static_cast<const uint4*>(a.weights) +
-                                          row * a.chunks_per_row + chunk);
-          scale_bits[j][r] = load_scale_bits<F>(a, row, chunk);
+          to_weights[j][r] = load_weights_nc(static_cast<const uint4*>(a.weights) +
+                                             row * a.chunks_per_row + chunk);
+          to_scale_bits[j][r] = load_scale_bits<F>(a, row, chunk);
         } else {
-          weights[j][r] = make_uint4(0, 0, 0, 0);
-          scale_bits[j][r] = {};
+          to_weights[j][r] = make_uint4(0, 0, 0, 0);
+          to_scale_bits[j][r] = {};
         }
       }
     }
   };
+  auto load_pass = [&](int pass) { load_pass_into(pass, weights, scale_bits); };
 
   // Weights never depend on the previous kernel: their loads go out before the wait.
   load_pass(0);
+  if constexpr (P) {
+    if (passes > 1) load_pass_into(1, next_weights, next_scale_bits);
+  }
   // NVFP4: the factor of every e4m3 group-scale code, once per block (in the divisor convention a
   // division each) instead of twice per chunk and activation row; also before the wait.
   const float* nv_factors = nullptr;
@@ -173,7 +182,27 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       for (int r = 0; r < R; ++r) acc[mi][r] = 0.0f;
     }
     for (int pass = 0; pass < passes; ++pass) {
-      if (pass > 0 || (m0 > 0 && passes > 1)) load_pass(pass);
+      if constexpr (P) {
+        if (pass == 0) {
+          // Another activation row over the same weights: passes 0 and 1 again.
+          if (m0 > 0 && passes > 1) {
+            load_pass(0);
+            load_pass_into(1, next_weights, next_scale_bits);
+          }
+        } else {
+#pragma unroll
+          for (int j = 0; j < G; ++j) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              weights[j][r] = next_weights[j][r];
+              scale_bits[j][r] = next_scale_bits[j][r];
+            }
+          }
+          if (pass + 1 < passes) load_pass_into(pass + 1, next_weights, next_scale_bits);
+        }
+      } else if (pass > 0 || (m0 > 0 && passes > 1)) {
+        load_pass(pass);
+      }
 #pragma unroll
       for (int j = 0; j < G; ++j) {
         const int64_t chunk = chunk_of(pass, j);
@@ -271,7 +300,7 @@ constexpr KernelFn kernel_for() {
   if constexpr (gemv_tiling_compiled(I)) {
     constexpr GemvTiling t = kGemvTilings[I];
     return gemv_kernel<F, XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
-                       t.m_tile>;
+                       t.m_tile, t.prefetch_next_pass>;
   } else {
     return nullptr;
   }

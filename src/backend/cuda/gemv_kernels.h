@@ -54,7 +54,9 @@ enum class GemvEpilogue : uint8_t {
 // lanes_per_row lanes shares rows_per_thread rows; `warps` warps split K further (shared-memory
 // reduction, no atomics); each thread issues rows_per_thread · chunks_per_thread weight loads
 // before it needs the activations; m_tile activation rows are accumulated per pass over the
-// weights.
+// weights. With prefetch_next_pass (single-row tilings of rows longer than one pass), a thread
+// issues the loads of its next pass before it multiplies the current one (twice the weight
+// registers), so that a block keeps weights in flight through its compute.
 // K elements per 16-byte chunk of a packed format.
 constexpr int packed_chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 || format == PackedFormat::kF16 ? 8
@@ -68,6 +70,7 @@ struct GemvTiling {
   int warps;
   int chunks_per_thread;
   int m_tile;
+  bool prefetch_next_pass = false;
 };
 
 // The compiled tilings. Single-row tilings (m_tile 1) first, then batched ones (m_tile 8): a
@@ -108,6 +111,14 @@ inline constexpr GemvTiling kGemvTilings[] = {
     {2, 8, 8, 2, 1},   // 27: coverage 128 (26B K 4096), 8 rows
     {4, 4, 4, 3, 1},   // 28: coverage 48 (E2B K 1536), 32 rows
     {4, 8, 3, 2, 1},   // 29: coverage 48, 16 rows
+    // Long rows in several passes, the next pass's weights loaded during the current one's
+    // products: 31B K 5376 (2 passes of 96), 8192 (3), 21504 (7).
+    {2, 8, 4, 3, 1, true},   // 30: coverage 96, 8 rows
+    {4, 32, 2, 3, 1, true},  // 31: tiling 8 with prefetch: coverage 192, 4 rows
+    {2, 32, 2, 3, 1, true},  // 32: coverage 192, 2 rows, 64 threads
+    {2, 8, 7, 3, 1, true},   // 33: tiling 15 with prefetch: coverage 168, 8 rows
+    {4, 8, 2, 3, 1, true},   // 34: coverage 48, 16 rows
+    {2, 16, 4, 2, 1, true},  // 35: coverage 128, 4 rows
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 
@@ -120,6 +131,16 @@ constexpr bool gemv_tilings_keep_pairs() {
   return true;
 }
 static_assert(gemv_tilings_keep_pairs(), "every GEMV tiling must give a thread whole row pairs");
+
+// Prefetching the next pass is for single-row tilings (a batched tiling revisits pass 0 per m
+// tile).
+constexpr bool gemv_prefetch_single_row() {
+  for (const GemvTiling& t : kGemvTilings) {
+    if (t.prefetch_next_pass && t.m_tile != 1) return false;
+  }
+  return true;
+}
+static_assert(gemv_prefetch_single_row(), "only single-row GEMV tilings prefetch the next pass");
 
 // The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
 // with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
