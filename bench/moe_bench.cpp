@@ -6,7 +6,9 @@
 // these lines show where the crossover really is), chained over distinct expert tables (so the
 // selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
 // replayed, plain launches and PDL. Reports µs per layer, tokens/s of the experts alone and the
-// GB/s of expert bytes the layer reads (each distinct selected expert once).
+// GB/s of expert bytes the layer reads (each distinct selected expert once). At one token also
+// the fused decode router (route_token: bf16 router GEMV + routing, distinct weights per layer)
+// before the experts and alone (its GB/s column then still counts the experts' bytes).
 //
 // Usage: moe_bench [--quick]   (--quick: 1 and 512 tokens, experts only)
 #include <cuda_runtime.h>
@@ -85,7 +87,26 @@ struct Layer {
   float* logits = nullptr;  // [tokens, kExperts]
   int32_t* ids = nullptr;
   float* weights = nullptr;
+  void* router = nullptr;  // bf16 [kExperts, kHidden]: the fused decode router's weights
 };
+
+// What one timed layer runs: the experts alone, route_experts on given logits then the experts,
+// and (one token) the fused decode router (router GEMV + routing) then the experts, or alone.
+enum class Work { kExperts, kRouterExperts, kFusedRouterExperts, kFusedRouter };
+
+const char* work_name(Work w) {
+  switch (w) {
+    case Work::kExperts:
+      return "experts";
+    case Work::kRouterExperts:
+      return "router+experts";
+    case Work::kFusedRouterExperts:
+      return "fused-router+experts";
+    case Work::kFusedRouter:
+      return "fused-router";
+  }
+  return "?";
+}
 
 void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   std::vector<ExpertTable> tables(kTables);
@@ -113,6 +134,10 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
     CHECK(cudaMalloc(&layer.logits, size_t(tokens) * kExperts * sizeof(float)));
     CHECK(cudaMalloc(&layer.ids, size_t(tokens) * kTopK * sizeof(int32_t)));
     CHECK(cudaMalloc(&layer.weights, size_t(tokens) * kTopK * sizeof(float)));
+    CHECK(cudaMalloc(&layer.router, size_t(kExperts) * kHidden * 2));
+    // bf16 pairs of magnitude around 2^-7 (finite).
+    CHECK(fill_random_words(layer.router, size_t(kExperts) * kHidden / 2, 2000 + l, 0x807F807Fu,
+                            0x3C003C00u));
     CHECK(fill_random_words(layer.logits, size_t(tokens) * kExperts, 1000 + l, 0x007FFFFFu,
                             0x3F800000u));  // logits in [1, 2)
     CHECK(gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK, scale,
@@ -132,7 +157,13 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
         (path == MoePath::kDecodeTensorCores && format != WeightFormat::kNVFP4)) {
       continue;
     }
-    for (int with_router = 0; with_router < 2; ++with_router) {
+    for (Work work :
+         {Work::kExperts, Work::kRouterExperts, Work::kFusedRouterExperts, Work::kFusedRouter}) {
+      const bool fused = work == Work::kFusedRouterExperts || work == Work::kFusedRouter;
+      // The fused router takes one token; alone, it is timed once (on the first path).
+      if (fused && (tokens != 1 || (work == Work::kFusedRouter && path != MoePath::kDecode))) {
+        continue;
+      }
       double us[2];
       for (int pdl = 0; pdl < 2; ++pdl) {
         const Launch launch = {stream, pdl == 1};
@@ -140,7 +171,16 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
             kLayers,
             [&](int l) {
               const Layer& layer = layers[l];
-              if (with_router) {
+              if (fused) {
+                QMatrix router;
+                router.format = WeightFormat::kBF16;
+                router.rows = kExperts;
+                router.cols = kHidden;
+                router.data = layer.router;
+                const cudaError_t status = gemma4::cuda::route_token(
+                    router, x, true, kTopK, scale, layer.logits, layer.ids, layer.weights, launch);
+                if (status != cudaSuccess || work == Work::kFusedRouter) return status;
+              } else if (work == Work::kRouterExperts) {
                 const cudaError_t status =
                     gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
                                                 scale, layer.ids, layer.weights, launch);
@@ -155,14 +195,13 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
             stream);
       }
       std::printf(
-          "moe %-6s T=%-4d %-9s %-15s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
+          "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
           "GB/s  %9.0f tok/s/layer\n",
           format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
           path == MoePath::kDecode ? "decode"
           : decode                 ? "decode-tc"
                                    : "grouped",
-          with_router ? "router+experts" : "experts", expert_mb, us[0], us[1],
-          expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
+          work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
       std::fflush(stdout);
       if (quick) break;
     }
@@ -172,6 +211,7 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
     CHECK(cudaFree(layer.logits));
     CHECK(cudaFree(layer.ids));
     CHECK(cudaFree(layer.weights));
+    CHECK(cudaFree(layer.router));
   }
   CHECK(cudaFree(scale));
   CHECK(cudaFree(x));
