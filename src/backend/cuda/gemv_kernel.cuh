@@ -157,7 +157,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       const int rows_here = min(a.staged_rows, a.m - m0);
       // A folded residual step stages its own rows (gemv_residual_norm.cuh); else x's.
       const bool residual_step = a.residual_norm.residual != nullptr;
-      if (residual_step) stage_residual_norm_rows<kPieces>(a, m0, rows_here, staged);
+      if (residual_step) stage_residual_norm_rows<kPieces, W>(a, m0, rows_here, staged, partial);
       const int x_rows = residual_step ? 0 : rows_here;
       // Unrolled so that several L2 round trips overlap (a one-warp block stages K = 1536 in
       // six steps). Indices fit int: at most 8 rows of K / 8 words reach shared memory.

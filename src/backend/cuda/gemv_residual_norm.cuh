@@ -35,16 +35,15 @@ __device__ __forceinline__ float warp_total(float value) {
 
 // Rows m0 .. m0 + rows_here − 1 of residual + rms_norm(x; weight), rounded to bf16, into `staged`
 // in load_x_chunk_staged's piece-major layout (kPieces 8-element pieces per chunk), as the plain
-// staging stores x. Each product rounded as add_rms_norm_kernel rounds it (scalar 1).
-template <int kPieces>
+// staging stores x. Each product rounded as add_rms_norm_kernel rounds it (scalar 1). A block of
+// kWarps > 1 warps sums across them in `warp_sums` (kWarps floats of shared memory that nothing
+// else uses while the rows are staged: the kernel's split-K partials).
+template <int kPieces, int kWarps>
 __device__ __forceinline__ void stage_residual_norm_rows(const GemvArgs& a, int m0, int rows_here,
-                                                         uint4* staged) {
-  __shared__ float warp_sums[32];
+                                                         uint4* staged, float* warp_sums) {
   const GemvResidualNorm& n = a.residual_norm;
   const int row_words = static_cast<int>(a.chunks_per_row * kPieces);  // pieces of 8 per row
   const float cols = 8.0f * static_cast<float>(row_words);
-  const int lane = threadIdx.x & 31;
-  const int warps = static_cast<int>(blockDim.x / 32);
   for (int row = 0; row < rows_here; ++row) {
     const auto* x =
         reinterpret_cast<const float4*>(static_cast<const float*>(a.x) + (m0 + row) * a.x_stride);
@@ -58,11 +57,14 @@ __device__ __forceinline__ void stage_residual_norm_rows(const GemvArgs& a, int 
       sum += hi.x * hi.x + hi.y * hi.y + hi.z * hi.z + hi.w * hi.w;
       prefetch_l1(residual + 2 * piece);  // read after the reduction
     }
-    sum = warp_total(sum);
-    if (lane == 0) warp_sums[threadIdx.x / 32] = sum;
-    __syncthreads();
-    float total = 0.0f;
-    for (int w = 0; w < warps; ++w) total += warp_sums[w];
+    float total = warp_total(sum);
+    if constexpr (kWarps > 1) {
+      if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = total;
+      __syncthreads();
+      total = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+    }
     const float inv = 1.0f / sqrtf(total / cols + n.eps);
     for (int piece = threadIdx.x; piece < row_words; piece += blockDim.x) {
       float v[8], r[8], s[8] = {1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f, 1.0f};
@@ -83,7 +85,7 @@ __device__ __forceinline__ void stage_residual_norm_rows(const GemvArgs& a, int 
           make_uint4(pack_bf16x2(v[0], v[1]), pack_bf16x2(v[2], v[3]), pack_bf16x2(v[4], v[5]),
                      pack_bf16x2(v[6], v[7]));
     }
-    if (row + 1 < rows_here) __syncthreads();  // warp_sums serves the next row
+    if (kWarps > 1 && row + 1 < rows_here) __syncthreads();  // warp_sums serves the next row
   }
 }
 

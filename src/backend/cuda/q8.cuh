@@ -49,12 +49,21 @@ __device__ __forceinline__ void store_chunk_q8(const float (&values)[N], int lan
   sum = chunk_reduce<kLanes>(sum, [](int a, int b) { return a + b; });
   if (!store) return;
   const int first = (lane % kLanes) * N;
+  if constexpr (N == 4) {
+    // Elements first .. first + 3 (half a group of 8) land at bytes b, b + 4 (the even ones) and
+    // b + 1, b + 5 (the odd ones), b = first % 8 / 2 of their group: two 2-byte stores.
+    uint8_t* group = row_base + chunk * 32 + (first / 8) * 8 + first % 8 / 2;
+    const auto byte = [](int v) { return static_cast<uint32_t>(static_cast<uint8_t>(v)); };
+    *reinterpret_cast<uint16_t*>(group) = static_cast<uint16_t>(byte(q[0]) | byte(q[2]) << 8);
+    *reinterpret_cast<uint16_t*>(group + 4) = static_cast<uint16_t>(byte(q[1]) | byte(q[3]) << 8);
+  } else {
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    const int element = first + i;
-    const int e = element % 8;
-    row_base[chunk * 32 + (element / 8) * 8 + (e % 2 ? 4 : 0) + e / 2] =
-        static_cast<uint8_t>(static_cast<int8_t>(q[i]));
+    for (int i = 0; i < N; ++i) {
+      const int element = first + i;
+      const int e = element % 8;
+      row_base[chunk * 32 + (element / 8) * 8 + (e % 2 ? 4 : 0) + e / 2] =
+          static_cast<uint8_t>(static_cast<int8_t>(q[i]));
+    }
   }
   if (lane % kLanes == 0) {
     reinterpret_cast<float*>(row_base + stride)[chunk] = scale;
@@ -75,8 +84,16 @@ __device__ __forceinline__ void store_companions(const ActivationCompanions& c, 
                                                  bool store = true) {
   if (c.bf16 != nullptr && store) {
     __nv_bfloat16* row = reinterpret_cast<__nv_bfloat16*>(c.bf16) + r * c.stride + first;
+    if constexpr (N == 4) {
+      // first is a multiple of 4 in a 64-byte aligned row (stride a multiple of 32): 8 bytes.
+      const __nv_bfloat162 lo = __floats2bfloat162_rn(values[0], values[1]);
+      const __nv_bfloat162 hi = __floats2bfloat162_rn(values[2], values[3]);
+      *reinterpret_cast<uint2*>(row) = make_uint2(*reinterpret_cast<const uint32_t*>(&lo),
+                                                  *reinterpret_cast<const uint32_t*>(&hi));
+    } else {
 #pragma unroll
-    for (int i = 0; i < N; ++i) row[i] = __float2bfloat16_rn(values[i]);
+      for (int i = 0; i < N; ++i) row[i] = __float2bfloat16_rn(values[i]);
+    }
   }
   if (c.q8 != nullptr) {
     store_chunk_q8<N>(values, static_cast<int>(threadIdx.x & 31), q8_row(c, r), c.stride,
