@@ -65,3 +65,17 @@ def test_bad_input_is_a_clear_error(tiny, args, message):
     out = gemma4("run", "-m", tiny, *args, check=False)
     assert out.returncode != 0
     assert message in out.stderr
+
+
+def test_candidates_and_full_rows_sample_the_same_tokens(tiny, tmp_path):
+    # --dump-logits makes every step return its full row; otherwise a top-k sampler gets only the
+    # engine's top-k candidates after the penalties (engine.h: step_sampled). Same seed, same ids.
+    prompt = ",".join(map(str, FIXTURE["prompt"]))
+    sampling = ["--temperature", 0.9, "--top-k", 6, "--seed", 11, "--repetition-penalty", 1.3,
+                "--presence-penalty", 0.4, "--frequency-penalty", 0.2]
+    candidates = gemma4("run", "-m", tiny, "--prompt-ids", prompt, "-n", 12, "--ignore-eos",
+                        *sampling)
+    full = gemma4("run", "-m", tiny, "--prompt-ids", prompt, "-n", 12, "--ignore-eos", *sampling,
+                  "--dump-logits", tmp_path / "logits.npy")
+    assert ids(candidates.stdout) == ids(full.stdout)
+    assert len(set(ids(candidates.stdout))) > 1  # it sampled, not a constant stream
