@@ -250,15 +250,26 @@ def twin_bytes(config, dtype):
     return sum(p.numel() * p.element_size() for p in skeleton.parameters())
 
 
+@torch.no_grad()
 def materialize(model, modules, device):
     """Gives `modules` (of `model`, on the meta device) uninitialised storage on `device`, and
     their non-persistent buffers (RoPE inverse frequencies, embedding scales: not in the
     checkpoint) their values from transformers' own initialisation, as its meta-device loading
-    does."""
+    does. Those buffers are NaN before it: one it leaves unset stops the check."""
     for module in modules:
         module.to_empty(device=device, recurse=False)
-        if module._non_persistent_buffers_set:
-            model._init_weights(module)
+        computed = [(name, module.get_buffer(name)) for name in module._non_persistent_buffers_set
+                    if module.get_buffer(name) is not None]
+        if not computed:
+            continue
+        for _, buffer in computed:
+            if buffer.is_floating_point():
+                buffer.fill_(math.nan)
+        model._init_weights(module)
+        unset = [name for name, buffer in computed if buffer.isnan().any()]
+        if unset:
+            fail(f"transformers' _init_weights left {type(module).__name__}.{unset} unset: "
+                 "this transformers cannot build the streamed twin (try --stream-layers never)")
 
 
 class LayerStreamer:
