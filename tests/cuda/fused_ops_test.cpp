@@ -193,10 +193,10 @@ const LayerShape kWideSliding = {16, 8, 256, {10000.0, 128, 256}, 1100, 1024};
 const LayerShape kSmallHeads = {4, 2, 64, {10000.0, 32, 64}, 96, 0};
 // Half a head of 10: not whole 16-byte quads, the kernel's scalar path.
 const LayerShape kOddHeads = {3, 1, 20, {10000.0, 10, 20}, 40, 0};
-// A full layer holding 5000 positions, and a 31B-like one (8 q heads per kv head of 512, 4 of
-// them).
-const LayerShape kDeepFull = {8, 1, 512, {1000000.0, 64, 512}, 5120, 0};
-const LayerShape kWideFull = {32, 4, 512, {1000000.0, 64, 512}, 5120, 0};
+// Full layers whose caches hold 1100 positions (deeper queries wrap them as rings), one 31B-like
+// (8 q heads per kv head of 512, 4 of them).
+const LayerShape kFullRing = {8, 1, 512, {1000000.0, 64, 512}, 1100, 0};
+const LayerShape kWideFullRing = {32, 4, 512, {1000000.0, 64, 512}, 1100, 0};
 
 // q, k, v of a pass as column views of one [rows, q + k + v] buffer, as the fused QKV matmul
 // writes them.
@@ -510,9 +510,9 @@ TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
   const Case cases[] = {
       {"sliding", kSliding, true, false, true},
       {"wide-sliding", kWideSliding, true, false, false},
-      {"full-k_eq_v", kDeepFull, true, true, true},
-      {"wide-full", kWideFull, true, false, true},
-      {"kv-shared", kDeepFull, false, false, true},
+      {"full-k_eq_v", kFullRing, true, true, true},
+      {"wide-full", kWideFullRing, true, false, true},
+      {"kv-shared", kFullRing, false, false, true},
   };
   uint32_t seed = 900;
   for (const engine::KvType type :
