@@ -475,16 +475,19 @@ void recorded_decode_steps(bool fused) {
   }
 }
 
-// The bytes of a cache of `type` holding `values` (rounded as core/numeric.h rounds them, which the
-// device writers match: attention_kv.cuh).
-std::vector<uint8_t> cache_bytes(const std::vector<float>& values, engine::KvType type) {
+// The bytes of a cache of `type` with `elements` random elements below 2^bound_exponent in
+// magnitude: fp32 or bf16 (rounded as the device writers round: attention_kv.cuh) from uniform
+// floats, e4m3 drawn as codes (testing::random_e4m3).
+std::vector<uint8_t> random_cache(int64_t elements, engine::KvType type, int bound_exponent,
+                                  uint32_t seed) {
+  if (type == engine::KvType::kFP8) return testing::random_e4m3(elements, bound_exponent + 6, seed);
+  const float bound = std::ldexp(1.0f, bound_exponent);
+  const std::vector<float> values = testing::random_floats(elements, -bound, bound, seed);
   std::vector<uint8_t> bytes(values.size() * engine::kv_element_bytes(type));
   for (size_t i = 0; i < values.size(); ++i) {
     if (type == engine::KvType::kBF16) {
       const uint16_t b = float_to_bf16(values[i]);
       std::memcpy(&bytes[2 * i], &b, 2);
-    } else if (type == engine::KvType::kFP8) {
-      bytes[i] = float_to_e4m3(values[i]);
     } else {
       std::memcpy(&bytes[4 * i], &values[i], 4);
     }
@@ -542,10 +545,8 @@ TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
       std::vector<SequenceRows> fused_rows, composed_rows;
       for (size_t i = 0; i < pass.depths.size(); ++i) {
         const int64_t elements = shape.slots * kv_width;
-        const std::vector<uint8_t> keys =
-            cache_bytes(testing::random_floats(elements, -0.5f, 0.5f, seed++), type);
-        const std::vector<uint8_t> values =
-            cache_bytes(testing::random_floats(elements, -1.0f, 1.0f, seed++), type);
+        const std::vector<uint8_t> keys = random_cache(elements, type, -1, seed++);
+        const std::vector<uint8_t> values = random_cache(elements, type, 0, seed++);
         const std::vector<int32_t> slot_positions =
             MirroredCache::ring_positions(shape.slots, pass.depths[i] + (c.owns_kv ? 0 : 1));
         for (std::vector<SequenceRows>* rows : {&fused_rows, &composed_rows}) {
