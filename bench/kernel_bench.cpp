@@ -635,19 +635,20 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv(f, 12288, 1536, 8, ActType::kF32, dense[1].label, stream, quick));
   }
 
-  // Split counts: the first (what CudaBackend picks for a single sequence: about 256 keys per
-  // split) is the "default" column. The engine's cache is fp32; bf16 halves the bytes.
+  // Split counts: the first (what CudaBackend picks for a single sequence of a context at least
+  // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
+  // The engine's cache is fp32; bf16 halves the bytes.
   for (const gemma4::cuda::KvType type :
        {gemma4::cuda::KvType::kF32, gemma4::cuda::KvType::kBF16}) {
     results.push_back(
-        bench_attention(type, 8, 1, 256, 4096, 512, {2, 4, 8, 16}, "e2b sliding w512", stream));
+        bench_attention(type, 8, 1, 256, 4096, 512, {16, 2, 4, 8}, "e2b sliding w512", stream));
     results.push_back(
-        bench_attention(type, 8, 1, 512, 4096, 0, {16, 32, 64, 128}, "e2b full depth 4K", stream));
-    results.push_back(bench_attention(type, 8, 1, 512, 32768, 0, {128, 66, 132, 264, 528},
+        bench_attention(type, 8, 1, 512, 4096, 0, {128, 16, 32, 64}, "e2b full depth 4K", stream));
+    results.push_back(bench_attention(type, 8, 1, 512, 32768, 0, {264, 66, 128, 132, 528},
                                       "e2b full depth 32K", stream));
-    results.push_back(bench_attention(type, 8, 1, 512, 131072, 0, {512, 132, 264, 528, 1056},
+    results.push_back(bench_attention(type, 8, 1, 512, 131072, 0, {264, 132, 512, 528, 1056},
                                       "e2b full depth 128K", stream));
-    results.push_back(bench_attention(type, 16, 2, 512, 32768, 0, {128, 66, 132, 264},
+    results.push_back(bench_attention(type, 16, 2, 512, 32768, 0, {132, 66, 128, 264},
                                       "26b full depth 32K", stream));
     // Short contexts, where the fixed cost is all: the splits the engine records for a 32K
     // context (most of them idle, their blocks taking q heads instead).

@@ -110,6 +110,19 @@ inline std::vector<float> random_floats(size_t n, float lo, float hi, uint32_t s
   return v;
 }
 
+// n random e4m3 codes: random sign and mantissa, exponent field at most max_exponent (magnitudes
+// below 2^(max_exponent − 6)). Drawn as codes because float_to_e4m3 searches every code per
+// value, far too slow for the millions of a test's KV cache.
+inline std::vector<uint8_t> random_e4m3(size_t n, int max_exponent, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::vector<uint8_t> v(n);
+  for (auto& x : v) {
+    const uint32_t w = rng();
+    x = static_cast<uint8_t>((w & 0x80) | ((w >> 8) % (max_exponent + 1)) << 3 | (w & 7));
+  }
+  return v;
+}
+
 inline std::vector<uint32_t> random_words(size_t n, uint32_t seed) {
   std::mt19937 rng(seed);
   std::vector<uint32_t> v(n);

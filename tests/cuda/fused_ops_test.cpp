@@ -193,10 +193,10 @@ const LayerShape kWideSliding = {16, 8, 256, {10000.0, 128, 256}, 1100, 1024};
 const LayerShape kSmallHeads = {4, 2, 64, {10000.0, 32, 64}, 96, 0};
 // Half a head of 10: not whole 16-byte quads, the kernel's scalar path.
 const LayerShape kOddHeads = {3, 1, 20, {10000.0, 10, 20}, 40, 0};
-// A full layer holding 5000 positions, and a 31B-like one (8 q heads per kv head of 512, 4 of
-// them).
-const LayerShape kDeepFull = {8, 1, 512, {1000000.0, 64, 512}, 5120, 0};
-const LayerShape kWideFull = {32, 4, 512, {1000000.0, 64, 512}, 5120, 0};
+// Full layers whose caches hold 1100 positions (deeper queries wrap them as rings), one 31B-like
+// (8 q heads per kv head of 512, 4 of them).
+const LayerShape kFullRing = {8, 1, 512, {1000000.0, 64, 512}, 1100, 0};
+const LayerShape kWideFullRing = {32, 4, 512, {1000000.0, 64, 512}, 1100, 0};
 
 // q, k, v of a pass as column views of one [rows, q + k + v] buffer, as the fused QKV matmul
 // writes them.
@@ -475,16 +475,19 @@ void recorded_decode_steps(bool fused) {
   }
 }
 
-// The bytes of a cache of `type` holding `values` (rounded as core/numeric.h rounds them, which the
-// device writers match: attention_kv.cuh).
-std::vector<uint8_t> cache_bytes(const std::vector<float>& values, engine::KvType type) {
+// The bytes of a cache of `type` with `elements` random elements below 2^bound_exponent in
+// magnitude: fp32 or bf16 (rounded as the device writers round: attention_kv.cuh) from uniform
+// floats, e4m3 drawn as codes (testing::random_e4m3).
+std::vector<uint8_t> random_cache(int64_t elements, engine::KvType type, int bound_exponent,
+                                  uint32_t seed) {
+  if (type == engine::KvType::kFP8) return testing::random_e4m3(elements, bound_exponent + 6, seed);
+  const float bound = std::ldexp(1.0f, bound_exponent);
+  const std::vector<float> values = testing::random_floats(elements, -bound, bound, seed);
   std::vector<uint8_t> bytes(values.size() * engine::kv_element_bytes(type));
   for (size_t i = 0; i < values.size(); ++i) {
     if (type == engine::KvType::kBF16) {
       const uint16_t b = float_to_bf16(values[i]);
       std::memcpy(&bytes[2 * i], &b, 2);
-    } else if (type == engine::KvType::kFP8) {
-      bytes[i] = float_to_e4m3(values[i]);
     } else {
       std::memcpy(&bytes[4 * i], &values[i], 4);
     }
@@ -510,9 +513,9 @@ TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
   const Case cases[] = {
       {"sliding", kSliding, true, false, true},
       {"wide-sliding", kWideSliding, true, false, false},
-      {"full-k_eq_v", kDeepFull, true, true, true},
-      {"wide-full", kWideFull, true, false, true},
-      {"kv-shared", kDeepFull, false, false, true},
+      {"full-k_eq_v", kFullRing, true, true, true},
+      {"wide-full", kWideFullRing, true, false, true},
+      {"kv-shared", kFullRing, false, false, true},
   };
   uint32_t seed = 900;
   for (const engine::KvType type :
@@ -542,10 +545,8 @@ TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
       std::vector<SequenceRows> fused_rows, composed_rows;
       for (size_t i = 0; i < pass.depths.size(); ++i) {
         const int64_t elements = shape.slots * kv_width;
-        const std::vector<uint8_t> keys =
-            cache_bytes(testing::random_floats(elements, -0.5f, 0.5f, seed++), type);
-        const std::vector<uint8_t> values =
-            cache_bytes(testing::random_floats(elements, -1.0f, 1.0f, seed++), type);
+        const std::vector<uint8_t> keys = random_cache(elements, type, -1, seed++);
+        const std::vector<uint8_t> values = random_cache(elements, type, 0, seed++);
         const std::vector<int32_t> slot_positions =
             MirroredCache::ring_positions(shape.slots, pass.depths[i] + (c.owns_kv ? 0 : 1));
         for (std::vector<SequenceRows>* rows : {&fused_rows, &composed_rows}) {
