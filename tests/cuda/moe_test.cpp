@@ -377,31 +377,32 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
 }
 
 // MoePrecision::kExactF32 (the backend's --fp32 mode): prefill-sized passes stay on the fp32
-// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not),
-// in both quantized formats at real shapes and over more tokens than one pass takes.
+// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not):
+// NVFP4 at real widths (16 experts: the test stays short), both quantized formats at a tiny
+// shape, over more tokens than one pass takes.
 TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
   CpuBackend cpu(0);
   uint32_t seed = 640;
-  const RunOptions exact = {.precision = MoePrecision::kExactF32};
-  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+  const ExpertSet real = make_experts(kNvfp4Divisor, 16, kHidden, kInner, seed++);
+  check_run(cpu, real, kMoeGroupedMinTokens, kTopK, seed++, {.precision = MoePrecision::kExactF32});
+  for (const ExpertFormat& f : {kNvfp4Multiplier, kW4G32Bf16}) {
     SCOPED_TRACE(f.name);
-    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
-    check_run(cpu, set, kMoeGroupedMinTokens + 72, kTopK, seed++, exact);
+    const ExpertSet tiny = make_experts(f, 16, 96, 64, seed++);
+    check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
+              {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
   }
-  const ExpertSet tiny = make_experts(kNvfp4Multiplier, 16, 96, 64, seed++);
-  check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
-            {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
 }
 
 // CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over a prefill-sized
-// chunk at real shapes: fp32 rounding only (1e-4 of the row's largest magnitude). The default
-// mode on the same inputs stays within the grouped path's bf16 budget.
+// chunk at real widths (16 experts): fp32 rounding only (1e-4 of the row's largest magnitude).
+// The default mode on the same inputs stays within the grouped path's bf16 budget.
 TEST(MoeExperts, CudaBackendFp32ModePrefillIsExact) {
   CpuBackend cpu(0);
-  const int tokens = kMoeGroupedMinTokens + 40;
-  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, 660);
+  const int tokens = kMoeGroupedMinTokens;
+  constexpr int kFewExperts = 16;
+  const ExpertSet set = make_experts(kNvfp4Divisor, kFewExperts, kHidden, kInner, 660);
   const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, 661);
-  const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, 662);
+  const Routing routing = cpu_route(cpu, tokens, kFewExperts, kTopK, 662);
   std::vector<float> x_cpu = x, expected(tokens * kHidden);
   cpu.run_experts(set.host_views, Rows::dense(x_cpu.data(), tokens, kHidden), routing.ids.data(),
                   routing.weights.data(), kTopK, Rows::dense(expected.data(), tokens, kHidden));
