@@ -395,8 +395,9 @@ TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
 
 // CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over prefill-sized
 // chunks: fp32 rounding only (1e-4 of the row's largest magnitude); the default mode on the same
-// inputs stays within the grouped path's bf16 budget. Real widths (16 experts) at 128 tokens, and
-// device_check's 1,156-token prompt length (three passes) at a tiny shape.
+// inputs stays within the grouped path's bf16 budget. Real widths (16 experts) at
+// kMoeGroupedMinTokens, and device_check's 1,156-token prompt length (three passes) at a tiny
+// shape.
 TEST(MoeExperts, CudaBackendFp32ModePrefillIsExact) {
   CpuBackend cpu(0);
   constexpr int kFewExperts = 16;
