@@ -377,56 +377,67 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
 }
 
 // MoePrecision::kExactF32 (the backend's --fp32 mode): prefill-sized passes stay on the fp32
-// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not),
-// in both quantized formats at real shapes and over more tokens than one pass takes.
+// GEMVs, so they meet the decode path's tolerance (the grouped path's bf16 products would not):
+// NVFP4 at real widths (16 experts: the test stays short), both quantized formats at a tiny
+// shape, over more tokens than one pass takes.
 TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
   CpuBackend cpu(0);
   uint32_t seed = 640;
-  const RunOptions exact = {.precision = MoePrecision::kExactF32};
-  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+  const ExpertSet real = make_experts(kNvfp4Divisor, 16, kHidden, kInner, seed++);
+  check_run(cpu, real, kMoeGroupedMinTokens, kTopK, seed++, {.precision = MoePrecision::kExactF32});
+  for (const ExpertFormat& f : {kNvfp4Multiplier, kW4G32Bf16}) {
     SCOPED_TRACE(f.name);
-    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
-    check_run(cpu, set, kMoeGroupedMinTokens + 72, kTopK, seed++, exact);
+    const ExpertSet tiny = make_experts(f, 16, 96, 64, seed++);
+    check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
+              {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
   }
-  const ExpertSet tiny = make_experts(kNvfp4Multiplier, 16, 96, 64, seed++);
-  check_run(cpu, tiny, kMoeTokensPerPass + 130, 4, seed++,
-            {.strided = true, .invalid_id = true, .precision = MoePrecision::kExactF32});
 }
 
-// CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over a prefill-sized
-// chunk at real shapes: fp32 rounding only (1e-4 of the row's largest magnitude). The default
-// mode on the same inputs stays within the grouped path's bf16 budget.
+// CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over prefill-sized
+// chunks: fp32 rounding only (1e-4 of the row's largest magnitude); the default mode on the same
+// inputs stays within the grouped path's bf16 budget. Real widths (16 experts) at
+// kMoeGroupedMinTokens, and device_check's 1,156-token prompt length (three passes) at a tiny
+// shape.
 TEST(MoeExperts, CudaBackendFp32ModePrefillIsExact) {
   CpuBackend cpu(0);
-  const int tokens = kMoeGroupedMinTokens + 40;
-  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, 660);
-  const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, 661);
-  const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, 662);
-  std::vector<float> x_cpu = x, expected(tokens * kHidden);
-  cpu.run_experts(set.host_views, Rows::dense(x_cpu.data(), tokens, kHidden), routing.ids.data(),
-                  routing.weights.data(), kTopK, Rows::dense(expected.data(), tokens, kHidden));
-  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
-  for (int t = 0; t < tokens; ++t) {
-    double row_max = 0.0;
-    for (int64_t j = 0; j < kHidden; ++j) {
-      row_max = std::max(row_max, std::fabs(reference[t * kHidden + j]));
+  constexpr int kFewExperts = 16;
+  struct Case {
+    int64_t hidden, inner;
+    int tokens;
+  };
+  uint32_t seed = 660;
+  for (const Case& c : {Case{kHidden, kInner, kMoeGroupedMinTokens}, Case{96, 64, 1156}}) {
+    SCOPED_TRACE("hidden=" + std::to_string(c.hidden) + " tokens=" + std::to_string(c.tokens));
+    const ExpertSet set = make_experts(kNvfp4Divisor, kFewExperts, c.hidden, c.inner, seed++);
+    const std::vector<float> x = testing::random_floats(c.tokens * c.hidden, -1.0f, 1.0f, seed++);
+    const Routing routing = cpu_route(cpu, c.tokens, kFewExperts, kTopK, seed++);
+    std::vector<float> x_cpu = x, expected(c.tokens * c.hidden);
+    cpu.run_experts(set.host_views, Rows::dense(x_cpu.data(), c.tokens, c.hidden),
+                    routing.ids.data(), routing.weights.data(), kTopK,
+                    Rows::dense(expected.data(), c.tokens, c.hidden));
+    std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+    for (int t = 0; t < c.tokens; ++t) {
+      double row_max = 0.0;
+      for (int64_t j = 0; j < c.hidden; ++j) {
+        row_max = std::max(row_max, std::fabs(reference[t * c.hidden + j]));
+      }
+      std::fill_n(magnitude.begin() + t * c.hidden, c.hidden, row_max);
     }
-    std::fill_n(magnitude.begin() + t * kHidden, kHidden, row_max);
-  }
-  for (const bool fp32 : {true, false}) {
-    SCOPED_TRACE(fp32 ? "fp32 mode" : "default mode");
-    auto made =
-        make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
-    ASSERT_TRUE(made.ok()) << made.error().to_string();
-    engine::Backend& gpu = **made;
-    DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * kHidden);
-    DeviceArray<int32_t> ids(routing.ids);
-    gpu.run_experts(set.device_views, Rows::dense(x_device.get(), tokens, kHidden), ids.get(),
-                    weights.get(), kTopK, Rows::dense(out.get(), tokens, kHidden));
-    CUDA_ASSERT_OK(cudaDeviceSynchronize());
-    ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
-    testing::expect_close(out.download(), reference, magnitude, fp32 ? 1e-4 : kGroupedTolerance,
-                          "CudaBackend::run_experts");
+    for (const bool fp32 : {true, false}) {
+      SCOPED_TRACE(fp32 ? "fp32 mode" : "default mode");
+      auto made = make_cuda_backend(
+          0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
+      ASSERT_TRUE(made.ok()) << made.error().to_string();
+      engine::Backend& gpu = **made;
+      DeviceArray<float> x_device(x), weights(routing.weights), out(c.tokens * c.hidden);
+      DeviceArray<int32_t> ids(routing.ids);
+      gpu.run_experts(set.device_views, Rows::dense(x_device.get(), c.tokens, c.hidden), ids.get(),
+                      weights.get(), kTopK, Rows::dense(out.get(), c.tokens, c.hidden));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
+      testing::expect_close(out.download(), reference, magnitude, fp32 ? 1e-4 : kGroupedTolerance,
+                            "CudaBackend::run_experts");
+    }
   }
 }
 
