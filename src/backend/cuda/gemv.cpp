@@ -101,9 +101,10 @@ std::span<const GemvTiling> gemv_tilings() {
   return kGemvTilings;
 }
 
-// Per shape, from the H200 measurements (bench/RESULTS.md, run 4, graph replays with PDL): the
-// fastest bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner
-// loop from shared memory); except, by reasoning not yet measured, where staging changes the
+// Per shape, from the H200 measurements (bench/RESULTS.md, run 4, graph replays with PDL; the
+// 31B and 26B dense shapes: session 5, kernel_bench --filter '31b|26b&M=1'): the fastest
+// bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner loop
+// from shared memory); except, by reasoning not yet measured, where staging changes the
 // trade-off (marked).
 int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
@@ -122,6 +123,27 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
     return 3;  // QKV
   }
   if (chunks <= 64) return 8;  // o_proj
+  // 4-bit formats (32 elements a chunk) at the 26B and 31B shapes; the 8- and 16-element formats
+  // (bf16 lm_head, GGUF f16 / w8) keep the E2B-era choices below, unmeasured at these shapes.
+  if (chunk_elements(w.format) == 32) {
+    if (chunks <= 96) {
+      // 26B QKV 8192x2816 and gate+up 4224x2816: 16 rows per block of 4 warps (NVFP4 11.0 ->
+      // 6.7 and 6.2 -> 4.5 µs).
+      if (w.rows >= 4096) return 6;
+      if (chunks <= 72) return 27;  // 26B down 2816x2112: 8 warps (5.1 -> 3.2 µs)
+    } else if (chunks <= 128) {
+      return 27;  // 26B o_proj 2816x4096 (5.0 -> 4.2 µs)
+    } else if (chunks <= 192 && w.rows >= 8192) {
+      // 31B (K 5376): lm_head 262144 rows 320 -> 275 µs, gate+up 43008 rows 51.1 -> 49.5 µs,
+      // QKV 16384 rows 21.6 -> 20.3 µs.
+      if (w.rows >= 131072) return 4;
+      return w.rows >= 32768 ? 6 : 1;
+    } else if (chunks > 192 && w.rows >= 4096 && w.rows < 131072) {
+      // 31B o_proj 5376x8192 and down 5376x21504: 2 rows per block of 4 warps, two chunks per
+      // lane (13.2 -> 11.8 and 31.9 -> 27.0 µs). Fewer rows (E2B down, 1536) keep 8.
+      return 9;
+    }
+  }
   if (chunks <= 96) return 7;  // 26B expert gate+up (K 2816)
   return 8;                    // down projections
 }

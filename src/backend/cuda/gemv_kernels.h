@@ -145,7 +145,7 @@ static_assert(gemv_prefetch_single_row(), "only single-row GEMV tilings prefetch
 // The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
 // with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
 // so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
-inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 7, 8, 11, 12, 14};
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 27};
 
 constexpr bool gemv_tiling_compiled(int tiling) {
 #ifdef GEMMA4_GEMV_ALL_TILINGS
