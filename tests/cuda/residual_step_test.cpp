@@ -31,10 +31,10 @@ using testing::random_floats;
 constexpr double kTolerance = 1e-4;
 
 void expect_near(const std::vector<float>& got, const std::vector<float>& expected,
-                 const std::string& what) {
+                 const std::string& what, double tolerance = kTolerance) {
   std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
   for (size_t i = 0; i < expected.size(); ++i) magnitude[i] = 1.0 + std::fabs(reference[i]);
-  testing::expect_close(got, reference, magnitude, kTolerance, what.c_str());
+  testing::expect_close(got, reference, magnitude, tolerance, what.c_str());
 }
 
 // E2B's PLE gate (256 x 1536, GELU-gated by the layer's per-layer input) and a wider plain GEMV,
@@ -134,6 +134,14 @@ class PleStepInMode : public ::testing::TestWithParam<ActivationMode> {};
 TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
   auto gpu = make_backend(GetParam());
   ASSERT_TRUE(gpu);
+  // In q8 mode the fused step feeds the PLE gate bf16 (made in its prologue), where the default
+  // order feeds it q8: the gate's exact twin is then the default order of a bf16-mode backend,
+  // and everything after the gate differs from the q8 default order by q8's input rounding
+  // (scale = max|chunk| / 127: ~1 % of the gate's outputs), hence the wider bound there.
+  const bool q8 = GetParam() == ActivationMode::kQ8;
+  auto bf16_gpu = q8 ? make_backend(ActivationMode::kBF16) : nullptr;
+  ASSERT_TRUE(!q8 || bf16_gpu);
+  const double after_gate_tolerance = q8 ? 3e-2 : kTolerance;
   const int64_t hidden = 1536, ple = 256, layers = 3;
   const testing::HostMatrix gate_host =
       testing::random_matrix(quant::WeightFormat::kW4G32, ple, hidden, 320);
@@ -156,7 +164,7 @@ TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
         std::vector<float> acc, next, gated, projected;
         int64_t kernels;
       };
-      auto run = [&](bool fused) {
+      auto run_on = [&](CudaBackend* gpu, bool fused) {
         BackendRows acc(*gpu, n, hidden, hidden, acc_values), x(*gpu, n, hidden, hidden, x_values);
         BackendRows all_ple(*gpu, n, layers * ple, layers * ple, ple_values);
         BackendRows gated(*gpu, n, ple, ple, zeros), projected(*gpu, n, hidden, hidden, zeros);
@@ -179,12 +187,16 @@ TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
         const int64_t kernels = *gpu->kernels_launched() - before;
         return Run{acc.get(*gpu), next.get(*gpu), gated.get(*gpu), projected.get(*gpu), kernels};
       };
-      const Run unfused = run(false), fused = run(true);
+      const Run unfused = run_on(gpu.get(), false), fused = run_on(gpu.get(), true);
       ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
-      expect_near(fused.gated, unfused.gated, "gated");
-      expect_near(fused.projected, unfused.projected, "projected");
-      expect_near(fused.acc, unfused.acc, "acc");
-      expect_near(fused.next, unfused.next, "next");
+      // Only one row takes the fused path (batched rows keep the default order).
+      const bool gate_reads_bf16 = q8 && n == 1;
+      const Run gate_twin = gate_reads_bf16 ? run_on(bf16_gpu.get(), false) : unfused;
+      expect_near(fused.gated, gate_twin.gated, "gated");
+      const double tolerance = gate_reads_bf16 ? after_gate_tolerance : kTolerance;
+      expect_near(fused.projected, unfused.projected, "projected", tolerance);
+      expect_near(fused.acc, unfused.acc, "acc", tolerance);
+      expect_near(fused.next, unfused.next, "next", tolerance);
       const bool fuses = GetParam() != ActivationMode::kF32 && n == 1;
       EXPECT_EQ(fused.kernels, unfused.kernels - (fuses ? 1 : 0));
     }
