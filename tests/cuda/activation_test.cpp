@@ -279,29 +279,7 @@ TEST(ActivationCompanions, GemvEpiloguesWriteTheCompanionsOfWhatTheyStore) {
 // ---------------------------------------------------------------------------------------------
 // The backend's bookkeeping.
 
-std::unique_ptr<CudaBackend> make_backend(ActivationMode mode) {
-  auto made = make_cuda_backend(0, {true, mode});
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  if (!made.ok()) return nullptr;
-  return std::unique_ptr<CudaBackend>(static_cast<CudaBackend*>(made->release()));
-}
-
-// Rows in a backend buffer, uploaded from the host.
-struct BackendRows {
-  BackendRows(engine::Backend& gpu, int64_t count, int64_t width)
-      : buffer(gpu.allocate(sizeof(float) * count * width)),
-        rows(engine::Rows::dense(buffer.floats(), count, width)) {}
-  void set(engine::Backend& gpu, const std::vector<float>& values) {
-    gpu.upload(buffer.data(), values.data(), sizeof(float) * values.size());
-  }
-  std::vector<float> get(engine::Backend& gpu) const {
-    std::vector<float> out(rows.count * rows.width);
-    gpu.download(out.data(), buffer.data(), sizeof(float) * out.size());
-    return out;
-  }
-  engine::Buffer buffer;
-  engine::Rows rows;
-};
+using testing::BackendRows;
 
 }  // namespace
 
@@ -318,7 +296,7 @@ class CompanionBookkeeping : public ::testing::TestWithParam<ActivationMode> {};
 // another operation, an upload, a copy into one row; writes elsewhere leave them live. Work whose
 // writes are not reported drops them all.
 TEST_P(CompanionBookkeeping, AnyWriteDropsTheCompanions) {
-  auto gpu = make_backend(GetParam());
+  auto gpu = testing::make_gpu_in_mode(GetParam());
   ASSERT_TRUE(gpu);
   const int64_t n = 2, width = 256;
   BackendRows x(*gpu, n, width), y(*gpu, n, width), other(*gpu, n, width);
@@ -363,7 +341,7 @@ TEST_P(CompanionBookkeeping, AnyWriteDropsTheCompanions) {
 // add_rms_norm's companions: next's when there is a next norm, else the residual's (the PLE
 // gate reads the residual).
 TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
-  auto gpu = make_backend(GetParam());
+  auto gpu = testing::make_gpu_in_mode(GetParam());
   ASSERT_TRUE(gpu);
   const int64_t width = 128;
   BackendRows acc(*gpu, 1, width), x(*gpu, 1, width), next(*gpu, 1, width);
@@ -383,7 +361,7 @@ TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
 // sequences of one launch: a shallow one from the attention kernel (one key range) and a deep one
 // from the split merge. They stay live for the output rows, and a later write drops them.
 TEST_P(CompanionBookkeeping, PrepareAndAttendWritesTheCompanionsOfItsOutput) {
-  auto gpu = make_backend(GetParam());
+  auto gpu = testing::make_gpu_in_mode(GetParam());
   ASSERT_TRUE(gpu);
   const int q_heads = 8, head_dim = 512;
   const int64_t slots = 4096, q_width = q_heads * head_dim, kv_width = head_dim;
@@ -441,7 +419,7 @@ TEST_P(CompanionBookkeeping, PrepareAndAttendWritesTheCompanionsOfItsOutput) {
 // The stale-companion test proper: a GEMV reading rows whose producer's companions went stale
 // multiplies the rows' new values (within the mode's bound of the CPU reference), not the old.
 TEST_P(CompanionBookkeeping, GemvAfterAWriteReadsTheNewValues) {
-  auto gpu = make_backend(GetParam());
+  auto gpu = testing::make_gpu_in_mode(GetParam());
   ASSERT_TRUE(gpu);
   backend::cpu::CpuBackend cpu(1);
   const int64_t width = 256, outputs = 96;
@@ -532,8 +510,8 @@ TEST_P(DecodeInMode, StepsMatchTheCpuEngineAndGraphReplaysMatchPlainLaunches) {
   auto loaded = model::LoadedModel::open(dir);
   ASSERT_TRUE(loaded.ok()) << loaded.error().to_string();
   auto cpu = make_engine(*loaded, std::make_unique<backend::cpu::CpuBackend>(1), false);
-  auto plain = make_engine(*loaded, make_backend(mode), false);
-  auto recorded = make_engine(*loaded, make_backend(mode), true);
+  auto plain = make_engine(*loaded, testing::make_gpu_in_mode(mode), false);
+  auto recorded = make_engine(*loaded, testing::make_gpu_in_mode(mode), true);
   ASSERT_TRUE(cpu && plain && recorded);
   const int32_t vocab = cpu->vocab_size();
   std::vector<engine::SequenceId> sequences;

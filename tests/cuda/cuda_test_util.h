@@ -65,6 +65,34 @@ inline std::unique_ptr<engine::Backend> make_gpu() {
   return made.ok() ? std::move(*made) : nullptr;
 }
 
+// A CUDA backend whose decode matmuls read `mode`, as its concrete type (companion bookkeeping).
+inline std::unique_ptr<CudaBackend> make_gpu_in_mode(ActivationMode mode) {
+  auto made = make_cuda_backend(0, {true, mode});
+  EXPECT_TRUE(made.ok()) << made.error().to_string();
+  if (!made.ok()) return nullptr;
+  return std::unique_ptr<CudaBackend>(static_cast<CudaBackend*>(made->release()));
+}
+
+// `count` rows of `width` floats at `stride` in a backend buffer, filled from the host.
+struct BackendRows {
+  BackendRows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride = 0)
+      : buffer(gpu.allocate(sizeof(float) * count * (stride > 0 ? stride : width))),
+        rows{buffer.floats(), count, width, stride > 0 ? stride : width} {}
+  // `values` holds count · stride floats.
+  void set(engine::Backend& gpu, const std::vector<float>& values) {
+    const auto floats = static_cast<size_t>(rows.count * rows.stride);
+    EXPECT_EQ(values.size(), floats);
+    gpu.upload(buffer.data(), values.data(), sizeof(float) * std::min(values.size(), floats));
+  }
+  std::vector<float> get(engine::Backend& gpu) const {
+    std::vector<float> out(rows.count * rows.stride);
+    gpu.download(out.data(), buffer.data(), sizeof(float) * out.size());
+    return out;
+  }
+  engine::Buffer buffer;
+  engine::Rows rows;
+};
+
 // A host array (the CPU backend's operand) and its copy in a CUDA backend buffer.
 template <typename T>
 class Mirrored {

@@ -103,43 +103,21 @@ TEST(GemvResidualStep, RefusesWhatItCannotStage) {
 // ---------------------------------------------------------------------------------------------
 // CudaBackend::add_rms_norm_ple against the default order on the same backend.
 
-std::unique_ptr<CudaBackend> make_backend(ActivationMode mode) {
-  auto made = make_cuda_backend(0, {true, mode});
-  EXPECT_TRUE(made.ok()) << made.error().to_string();
-  if (!made.ok()) return nullptr;
-  return std::unique_ptr<CudaBackend>(static_cast<CudaBackend*>(made->release()));
-}
-
-// Backend rows uploaded from the host, at a stride.
-struct BackendRows {
-  BackendRows(engine::Backend& gpu, int64_t count, int64_t width, int64_t stride,
-              const std::vector<float>& values)
-      : buffer(gpu.allocate(sizeof(float) * count * stride)),
-        rows{buffer.floats(), count, width, stride} {
-    gpu.upload(buffer.data(), values.data(), sizeof(float) * count * stride);
-  }
-  std::vector<float> get(engine::Backend& gpu) const {
-    std::vector<float> out(rows.count * rows.stride);
-    gpu.download(out.data(), buffer.data(), sizeof(float) * out.size());
-    return out;
-  }
-  engine::Buffer buffer;
-  engine::Rows rows;
-};
+using testing::BackendRows;
 
 class PleStepInMode : public ::testing::TestWithParam<ActivationMode> {};
 
 // E2B's widths (hidden 1536, per-layer inputs 256 as a column view of all layers' inputs), with
 // and without the next layer's input norm.
 TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
-  auto gpu = make_backend(GetParam());
+  auto gpu = testing::make_gpu_in_mode(GetParam());
   ASSERT_TRUE(gpu);
   // In q8 mode the fused step feeds the PLE gate bf16 (made in its prologue), where the default
   // order feeds it q8: the gate's exact twin is then the default order of a bf16-mode backend,
   // and everything after the gate differs from the q8 default order by q8's input rounding
   // (scale = max|chunk| / 127: ~1 % of the gate's outputs), hence the wider bound there.
   const bool q8 = GetParam() == ActivationMode::kQ8;
-  auto bf16_gpu = q8 ? make_backend(ActivationMode::kBF16) : nullptr;
+  auto bf16_gpu = q8 ? testing::make_gpu_in_mode(ActivationMode::kBF16) : nullptr;
   ASSERT_TRUE(!q8 || bf16_gpu);
   const double after_gate_tolerance = q8 ? 3e-2 : kTolerance;
   const int64_t hidden = 1536, ple = 256, layers = 3;
@@ -165,10 +143,14 @@ TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
         int64_t kernels;
       };
       auto run_on = [&](CudaBackend* gpu, bool fused) {
-        BackendRows acc(*gpu, n, hidden, hidden, acc_values), x(*gpu, n, hidden, hidden, x_values);
-        BackendRows all_ple(*gpu, n, layers * ple, layers * ple, ple_values);
-        BackendRows gated(*gpu, n, ple, ple, zeros), projected(*gpu, n, hidden, hidden, zeros);
-        BackendRows next(*gpu, n, hidden, hidden, zeros);
+        BackendRows acc(*gpu, n, hidden), x(*gpu, n, hidden), all_ple(*gpu, n, layers * ple);
+        BackendRows gated(*gpu, n, ple), projected(*gpu, n, hidden), next(*gpu, n, hidden);
+        acc.set(*gpu, acc_values);
+        x.set(*gpu, x_values);
+        all_ple.set(*gpu, ple_values);
+        gated.set(*gpu, std::vector<float>(n * ple, 0.0f));
+        projected.set(*gpu, zeros);
+        next.set(*gpu, zeros);
         const engine::Rows multiplier = all_ple.rows.columns(ple, ple);  // layer 1's inputs
         const engine::Rows next_rows = with_next ? next.rows : engine::Rows{};
         const int64_t before = *gpu->kernels_launched();
