@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/build_info.h"
 #include "cli/command.h"
 #include "cli/gpu_info.h"
 #include "cli/model_loader.h"
@@ -127,16 +128,11 @@ double weight_bytes_per_token(const model::LoadedModel& model, bool lm_head_pack
   return bytes;
 }
 
+// The commit the binary was built from; GEMMA4_COMMIT overrides it (a binary copied elsewhere and
+// rebuilt from a tree git does not see, say).
 std::string current_commit() {
   if (const char* env = std::getenv("GEMMA4_COMMIT"); env && *env) return env;
-  std::string commit;
-  if (std::FILE* pipe = popen("git rev-parse --short HEAD 2>/dev/null", "r")) {
-    char buffer[64] = {};
-    if (std::fgets(buffer, sizeof buffer, pipe)) commit = buffer;
-    pclose(pipe);
-  }
-  while (!commit.empty() && (commit.back() == '\n' || commit.back() == '\r')) commit.pop_back();
-  return commit.empty() ? "unknown" : commit;
+  return build_commit();
 }
 
 // Runs the measurements on engines of one opened model and tracks peak GPU memory between them.
