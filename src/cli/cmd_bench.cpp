@@ -55,6 +55,7 @@ struct BenchArgs {
   double bandwidth_gbs = 4250;
   std::string json_file;
   bool quick = false;
+  std::vector<std::string> profile_last;  // measurement kinds (kProfiledKinds) to profile
 };
 
 // --quick: a short run that still touches every measurement. Options given explicitly win.
@@ -64,6 +65,36 @@ void apply_quick(BenchArgs& args, const CLI::App& cmd) {
   if (cmd.count("--batches") == 0) args.batches = {1, 8};
   if (cmd.count("--decode-tokens") == 0) args.decode_tokens = 16;
 }
+
+// What --profile-last can name: the batch-1 decode series, the prefill series, the batched
+// decode series. Each kind's last measurement (deepest, longest, most streams) is profiled.
+const std::vector<std::string> kProfiledKinds = {"decode", "prefill", "batched"};
+
+constexpr const char* kProfileLastHelp =
+    "run the timed steps of the last measurement of each KIND (decode: the deepest batch-1 "
+    "decode, prefill: the last --prefill length run, batched: the most streams) in a CUDA "
+    "profiler range, so profilers that wait for it record only those steps. One 64-stream "
+    "decode step: gemma4 bench -m M --depths 0 --prefill 8 --batches 64 --decode-tokens 1 "
+    "--profile-last batched, run under `ncu --profile-from-start off` or `nsys profile "
+    "--capture-range=cudaProfilerApi` (several kinds: nsys needs --capture-range-end=repeat). "
+    "No effect on the CPU";
+
+// The timed steps of one measurement, bracketed by the backend's profiler range when `backend`
+// is given (ends on every path out, errors included).
+class ProfilerRange {
+ public:
+  explicit ProfilerRange(const engine::Backend* backend) : backend_(backend) {
+    if (backend_) backend_->begin_profiler_range();
+  }
+  ~ProfilerRange() {
+    if (backend_) backend_->end_profiler_range();
+  }
+  ProfilerRange(const ProfilerRange&) = delete;
+  ProfilerRange& operator=(const ProfilerRange&) = delete;
+
+ private:
+  const engine::Backend* backend_;
+};
 
 struct DecodeResult {
   int batch = 0;
@@ -198,17 +229,24 @@ class Bench {
     depths.erase(std::unique(depths.begin(), depths.end()), depths.end());
     for (int64_t depth : depths) {
       progress(fmt::format("decode at depth {} (prefill first)", depth));
-      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(engine, 1, depth));
+      const auto* profiled = profiled_backend("decode", depth == depths.back(), loaded);
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(engine, 1, depth, profiled));
       decode_.push_back({1, depth, rate});
       sample_memory();  // backend scratch grows with the depth
     }
+    std::vector<int64_t> lengths;
     for (int64_t tokens : args_.prefill) {
       if (tokens > context_) {
         progress(fmt::format("prefill {} skipped: beyond the context {}", tokens, context_));
         continue;
       }
+      lengths.push_back(tokens);
+    }
+    for (size_t i = 0; i < lengths.size(); ++i) {
+      const int64_t tokens = lengths[i];
       progress(fmt::format("prefill {}", tokens));
-      GEMMA4_ASSIGN_OR_RETURN(double rate, prefill_rate(engine, tokens));
+      const auto* profiled = profiled_backend("prefill", i + 1 == lengths.size(), loaded);
+      GEMMA4_ASSIGN_OR_RETURN(double rate, prefill_rate(engine, tokens, profiled));
       prefill_.push_back({tokens, rate});
       sample_memory();
     }
@@ -231,10 +269,20 @@ class Bench {
     for (int batch : batches) {
       if (batch < 2) continue;
       progress(fmt::format("decode of {} streams", batch));
-      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, depth));
+      const auto* profiled = profiled_backend("batched", batch == batches.back(), loaded);
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, depth, profiled));
       decode_.push_back({batch, depth, rate});
     }
     return Status::ok_status();
+  }
+
+  // The backend whose profiler range brackets a measurement of `kind`: only the last one, and
+  // only when --profile-last names the kind.
+  const engine::Backend* profiled_backend(const std::string& kind, bool last,
+                                          const LoadedEngine& loaded) const {
+    const auto& kinds = args_.profile_last;
+    const bool wanted = std::find(kinds.begin(), kinds.end(), kind) != kinds.end();
+    return wanted && last ? loaded.backend : nullptr;
   }
 
   // One step that returns each input's greedy candidate (kGreedySampling).
@@ -245,8 +293,10 @@ class Bench {
   }
 
   // Opens `batch` sequences, prefills each to `depth` (at least 1 token), decodes two untimed
-  // steps, then times decode_tokens steps of one token per stream.
-  Expected<double> decode_rate(engine::Engine& engine, int batch, int64_t depth) {
+  // steps, then times decode_tokens steps of one token per stream (in `profiled`'s profiler range
+  // when given).
+  Expected<double> decode_rate(engine::Engine& engine, int batch, int64_t depth,
+                               const engine::Backend* profiled) {
     TokenStream tokens(engine.vocab_size());
     std::vector<engine::SequenceId> sequences;
     for (int b = 0; b < batch; ++b) {
@@ -266,9 +316,13 @@ class Bench {
       return greedy_step(engine, inputs);
     };
     for (int warmup = 0; warmup < 2; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
-    const auto start = Clock::now();
-    for (int i = 0; i < args_.decode_tokens; ++i) GEMMA4_RETURN_IF_ERROR(step());
-    const double elapsed = seconds_since(start);
+    double elapsed = 0;
+    {
+      const ProfilerRange range(profiled);
+      const auto start = Clock::now();
+      for (int i = 0; i < args_.decode_tokens; ++i) GEMMA4_RETURN_IF_ERROR(step());
+      elapsed = seconds_since(start);
+    }
     sample_memory();
     for (auto sequence : sequences) engine.close_sequence(sequence);
     return static_cast<double>(batch) * args_.decode_tokens / elapsed;
@@ -281,12 +335,15 @@ class Bench {
   // synchronisation. The decode depths before this reach their depth in full passes, so a
   // prompt shorter than a pass is such a first (a warm-up of a few rows takes the GEMV path and
   // warms none of it).
-  Expected<double> prefill_rate(engine::Engine& engine, int64_t count) {
+  // `profiled`: the backend whose profiler range brackets the timed pass, if any.
+  Expected<double> prefill_rate(engine::Engine& engine, int64_t count,
+                                const engine::Backend* profiled) {
     TokenStream tokens(engine.vocab_size());
     for (const bool timed : {false, true}) {
       GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
       const auto prompt = tokens.take(count);
       const engine::StepInput input{sequence, prompt};
+      const ProfilerRange range(timed ? profiled : nullptr);
       const auto start = Clock::now();
       const Status status = greedy_step(engine, {&input, 1});
       const double elapsed = seconds_since(start);
@@ -504,6 +561,10 @@ void register_bench(CLI::App& app, int& exit_code) {
                   "memory read bandwidth the GB/s figures are compared with")
       ->capture_default_str();
   cmd->add_option("--json", args->json_file, "also write the results as JSON to FILE");
+  cmd->add_option("--profile-last", args->profile_last, kProfileLastHelp)
+      ->type_name("KIND,...")
+      ->delimiter(',')
+      ->check(CLI::IsMember(kProfiledKinds));
   cmd->add_flag("--quick", args->quick,
                 "short run: depths 0,4096, prefill 512, batches 1,8, 16 decode tokens (unless "
                 "given)");

@@ -178,6 +178,14 @@ class Backend {
   // kernels per token; nullopt when the backend does not count them.
   virtual std::optional<int64_t> kernels_launched() const { return std::nullopt; }
 
+  // A profiler range around work worth profiling alone (`gemma4 bench --profile-last`): profilers
+  // told to wait for it (ncu --profile-from-start off, nsys --capture-range=cudaProfilerApi)
+  // record only what is enqueued between begin and end. Both wait for the work enqueued before
+  // them, so the range holds exactly the work in between. Const like kernels_launched: a
+  // diagnostic that leaves the computation alone. No-op on backends no such profiler sees.
+  virtual void begin_profiler_range() const {}
+  virtual void end_profiler_range() const {}
+
   // Recording, for decode steps whose launches would otherwise cost more than their kernels.
   // record() captures the operations `enqueue` issues WITHOUT running them; replay() runs them,
   // with the same arguments (pointers and host scalars are fixed at record time: per-step values

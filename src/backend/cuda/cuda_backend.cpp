@@ -1,5 +1,6 @@
 #include "backend/cuda/cuda_backend.h"
 
+#include <cuda_profiler_api.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -251,6 +252,21 @@ void CudaBackend::replay(engine::RecordedWork& work) {
   auto& graph = static_cast<CudaGraph&>(work);
   launched(cudaGraphLaunch(graph.exec(), launch().stream), "graph replay",
            static_cast<int>(graph.kernels()));
+}
+
+// The synchronisation keeps work enqueued before the range out of it (and work enqueued inside
+// it in). Results are not checked: a failed synchronisation is sticky and fails the next
+// operation, where status() reports it; a profiler call failing only leaves a profile empty.
+void CudaBackend::begin_profiler_range() const {
+  cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(stream_);
+  (void)cudaProfilerStart();
+}
+
+void CudaBackend::end_profiler_range() const {
+  cudaSetDevice(device_);
+  (void)cudaStreamSynchronize(stream_);
+  (void)cudaProfilerStop();
 }
 
 namespace {

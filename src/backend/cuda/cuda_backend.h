@@ -77,6 +77,9 @@ class CudaBackend final : public engine::Backend {
   // Every KvType: fp32, bf16 and e4m3 caches (attention_kv.cuh).
   bool supports_kv_type(engine::KvType) const override { return true; }
   std::optional<int64_t> kernels_launched() const override { return kernels_; }
+  // cudaProfilerStart / cudaProfilerStop, each after a stream synchronisation.
+  void begin_profiler_range() const override;
+  void end_profiler_range() const override;
 
   // Stream capture into a CUDA graph (thread-local mode: another thread's allocations stay
   // legal while this one captures), replayed with one cudaGraphLaunch.
