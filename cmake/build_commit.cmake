@@ -12,8 +12,10 @@ if(GIT_FOUND)
     set(commit "${hash}")
     # Porcelain status of tracked files only: untracked files (build outputs, notes) are not in
     # the binary's sources, and unlike `diff-index` it is not fooled by stale file timestamps.
-    execute_process(COMMAND ${GIT_EXECUTABLE} -C ${SOURCE_DIR} status --porcelain
-                            --untracked-files=no
+    # --no-optional-locks: no index refresh written back, so a concurrent git command never
+    # meets our lock.
+    execute_process(COMMAND ${GIT_EXECUTABLE} --no-optional-locks -C ${SOURCE_DIR} status
+                            --porcelain --untracked-files=no
                     OUTPUT_VARIABLE changes RESULT_VARIABLE status_result ERROR_QUIET)
     if(NOT status_result EQUAL 0 OR changes)
       string(APPEND commit "-dirty")
