@@ -22,7 +22,9 @@ if(GIT_FOUND)
     endif()
   endif()
 endif()
-set(content "namespace gemma4::cli {\nconst char* build_commit() { return \"${commit}\"; }\n}  // namespace gemma4::cli\n")
+string(CONCAT content "namespace gemma4::cli {\n"
+       "const char* build_commit() { return \"${commit}\"; }\n"
+       "}  // namespace gemma4::cli\n")
 set(previous "")
 if(EXISTS ${OUTPUT})
   file(READ ${OUTPUT} previous)
