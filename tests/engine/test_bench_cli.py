@@ -80,3 +80,29 @@ def test_bad_arguments_are_clear_errors(tiny, args, message):
     out = gemma4("bench", "-m", tiny, *args, check=False)
     assert out.returncode != 0
     assert message in out.stderr
+
+
+# `--profile-last`: accepted and harmless where no profiler range exists (the CPU backend's
+# no-op), refused with a clear error for a kind it does not know.
+def test_profile_last_runs_every_kind_on_cpu(tiny, tmp_path):
+    report = tmp_path / "bench.json"
+    gemma4("bench", "-m", tiny, "--device", "cpu", "--threads", 1, "--depths", "0,8", "--prefill",
+           "4,6", "--batches", "1,2", "--decode-tokens", 1, "--profile-last",
+           "decode,prefill,batched", "--json", report)
+    data = json.loads(report.read_text())
+    # The batched depth is clipped to the single-stream context: 8 + 1 decode token + 2 - 3.
+    assert [(d["batch"], d["depth"]) for d in data["decode"]] == [(1, 0), (1, 8), (2, 8)]
+    assert [p["tokens"] for p in data["prefill"]] == [4, 6]
+    assert all(d["tok_per_s"] > 0 for d in data["decode"] + data["prefill"])
+
+
+def test_unknown_profile_kind_is_a_clear_error(tiny):
+    out = gemma4("bench", "-m", tiny, "--device", "cpu", "--profile-last", "decode,everything",
+                 check=False)
+    assert out.returncode != 0
+    assert "--profile-last" in out.stderr and "everything" in out.stderr, out.stderr
+
+
+def test_help_says_how_to_profile_with_ncu():
+    out = gemma4("bench", "--help")
+    assert "--profile-last" in out.stdout and "ncu --profile-from-start off" in out.stdout
