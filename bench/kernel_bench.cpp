@@ -157,8 +157,25 @@ struct Result {
   int default_tiling = -1;
   double default_plain_us = 0, default_pdl_us = 0;
   int best_tiling = -1;
-  double best_pdl_us = 0;
+  double best_pdl_us = 1e30;
   std::string all;  // "tiling:plain/pdl" pairs
+
+  // One variant's plain and PDL times: appended to `all`, kept as the default's when it is the
+  // default variant, and as the best when its PDL time is the lowest so far.
+  void add_measurement(int variant, double plain_us, double pdl_us) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", all.empty() ? "" : " ", variant, plain_us,
+                  pdl_us);
+    all += buf;
+    if (variant == default_tiling) {
+      default_plain_us = plain_us;
+      default_pdl_us = pdl_us;
+    }
+    if (pdl_us < best_pdl_us) {
+      best_pdl_us = pdl_us;
+      best_tiling = variant;
+    }
+  }
 };
 
 std::string format_name(const Format& f) {
@@ -211,7 +228,6 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   r.mbytes = w.bytes / 1e6;
   r.default_tiling = gemma4::cuda::default_gemv_tiling(w.copies[0], m, x_type);
   const auto tilings = gemma4::cuda::gemv_tilings();
-  r.best_pdl_us = 1e30;
   for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
     if ((tilings[t].m_tile == 1) != (m == 1) || !gemma4::cuda::gemv_tiling_compiled(t)) continue;
     if (quick && t != r.default_tiling) continue;
@@ -225,17 +241,7 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
           },
           stream);
     }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", t, us[0], us[1]);
-    r.all += buf;
-    if (t == r.default_tiling) {
-      r.default_plain_us = us[0];
-      r.default_pdl_us = us[1];
-    }
-    if (us[1] < r.best_pdl_us) {
-      r.best_pdl_us = us[1];
-      r.best_tiling = t;
-    }
+    r.add_measurement(t, us[0], us[1]);
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
               m, r.mbytes, r.all.c_str());
@@ -281,7 +287,6 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   r.default_tiling = 100 * chosen.k_warps + 10 * chosen.warps + chosen.splits;
-  r.best_pdl_us = 1e30;
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps};
@@ -303,17 +308,7 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
             },
             stream);
       }
-      char buf[64];
-      std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", id, us[0], us[1]);
-      r.all += buf;
-      if (id == r.default_tiling) {
-        r.default_plain_us = us[0];
-        r.default_pdl_us = us[1];
-      }
-      if (us[1] < r.best_pdl_us) {
-        r.best_pdl_us = us[1];
-        r.best_tiling = id;
-      }
+      r.add_measurement(id, us[0], us[1]);
     }
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
@@ -375,7 +370,7 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
   const gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
-  r.best_pdl_us = 1e30;
+  r.default_tiling = split_options.front();
   for (int option : split_options) {
     double us[2];
     for (int pdl = 0; pdl < 2; ++pdl) {
@@ -388,19 +383,7 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
           },
           stream);
     }
-    char buf[64];
-    std::snprintf(buf, sizeof buf, "%s%d:%.2f/%.2f", r.all.empty() ? "" : " ", option, us[0],
-                  us[1]);
-    r.all += buf;
-    if (option == split_options.front()) {
-      r.default_tiling = option;
-      r.default_plain_us = us[0];
-      r.default_pdl_us = us[1];
-    }
-    if (us[1] < r.best_pdl_us) {
-      r.best_pdl_us = us[1];
-      r.best_tiling = option;
-    }
+    r.add_measurement(option, us[0], us[1]);
   }
   std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
               r.mbytes, r.all.c_str());
