@@ -176,6 +176,18 @@ struct Result {
       best_tiling = variant;
     }
   }
+
+  // Times `links` launches of enqueue(i, launch) plain and with PDL, and records them as `variant`.
+  template <typename Enqueue>
+  void measure(int variant, int links, cudaStream_t stream, Enqueue enqueue) {
+    double us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      us[pdl] = time_chain(
+          links, [&](int i) { return enqueue(i, launch); }, stream);
+    }
+    add_measurement(variant, us[0], us[1]);
+  }
 };
 
 std::string format_name(const Format& f) {
@@ -231,17 +243,9 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
     if ((tilings[t].m_tile == 1) != (m == 1) || !gemma4::cuda::gemv_tiling_compiled(t)) continue;
     if (quick && t != r.default_tiling) continue;
-    double us[2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
-      const Launch launch = {stream, pdl == 1};
-      us[pdl] = time_chain(
-          links,
-          [&](int i) {
-            return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, output, launch, t);
-          },
-          stream);
-    }
-    r.add_measurement(t, us[0], us[1]);
+    r.measure(t, links, stream, [&](int i, const Launch& launch) {
+      return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, output, launch, t);
+    });
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
               m, r.mbytes, r.all.c_str());
@@ -297,18 +301,9 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
           gemma4::cuda::kMmaGemvMaxSharedBytes) {
         continue;
       }
-      double us[2];
-      for (int pdl = 0; pdl < 2; ++pdl) {
-        const Launch launch = {stream, pdl == 1};
-        us[pdl] = time_chain(
-            links,
-            [&](int i) {
-              return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
-                                            tiling);
-            },
-            stream);
-      }
-      r.add_measurement(id, us[0], us[1]);
+      r.measure(id, links, stream, [&](int i, const Launch& launch) {
+        return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch, tiling);
+      });
     }
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
@@ -372,18 +367,10 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
   r.default_tiling = split_options.front();
   for (int option : split_options) {
-    double us[2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
-      const Launch launch = {stream, pdl == 1};
-      us[pdl] = time_chain(
-          16,
-          [&](int) {
-            return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
-                                                  {partials, splits}, option, launch);
-          },
-          stream);
-    }
-    r.add_measurement(option, us[0], us[1]);
+    r.measure(option, 16, stream, [&](int, const Launch& launch) {
+      return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
+                                            {partials, splits}, option, launch);
+    });
   }
   std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
               r.mbytes, r.all.c_str());
