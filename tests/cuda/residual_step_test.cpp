@@ -142,32 +142,35 @@ TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
         std::vector<float> acc, next, gated, projected;
         int64_t kernels;
       };
-      auto run_on = [&](CudaBackend* gpu, bool fused) {
-        BackendRows acc(*gpu, n, hidden), x(*gpu, n, hidden), all_ple(*gpu, n, layers * ple);
-        BackendRows gated(*gpu, n, ple), projected(*gpu, n, hidden), next(*gpu, n, hidden);
-        acc.set(*gpu, acc_values);
-        x.set(*gpu, x_values);
-        all_ple.set(*gpu, ple_values);
-        gated.set(*gpu, std::vector<float>(n * ple, 0.0f));
-        projected.set(*gpu, zeros);
-        next.set(*gpu, zeros);
+      auto run_on = [&](CudaBackend* backend, bool fused) {
+        BackendRows acc(*backend, n, hidden), x(*backend, n, hidden),
+            all_ple(*backend, n, layers * ple);
+        BackendRows gated(*backend, n, ple), projected(*backend, n, hidden),
+            next(*backend, n, hidden);
+        acc.set(*backend, acc_values);
+        x.set(*backend, x_values);
+        all_ple.set(*backend, ple_values);
+        gated.set(*backend, std::vector<float>(n * ple, 0.0f));
+        projected.set(*backend, zeros);
+        next.set(*backend, zeros);
         const engine::Rows multiplier = all_ple.rows.columns(ple, ple);  // layer 1's inputs
         const engine::Rows next_rows = with_next ? next.rows : engine::Rows{};
-        const int64_t before = *gpu->kernels_launched();
+        const int64_t before = *backend->kernels_launched();
         if (fused) {
-          gpu->add_rms_norm_ple(acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows,
-                                projection.view, projected.rows, projected_weight.get(), 0.625f,
-                                next_weight.get(), next_rows, norm);
+          backend->add_rms_norm_ple(
+              acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows, projection.view,
+              projected.rows, projected_weight.get(), 0.625f, next_weight.get(), next_rows, norm);
         } else {
-          gpu->engine::Backend::add_rms_norm_ple(
+          backend->engine::Backend::add_rms_norm_ple(
               acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows, projection.view,
               projected.rows, projected_weight.get(), 0.625f, next_weight.get(), next_rows, norm);
         }
         if (with_next && n == 1 && GetParam() != ActivationMode::kF32) {
-          EXPECT_NE(gpu->live_companions(next.rows), nullptr) << "the next GEMV's input";
+          EXPECT_NE(backend->live_companions(next.rows), nullptr) << "the next GEMV's input";
         }
-        const int64_t kernels = *gpu->kernels_launched() - before;
-        return Run{acc.get(*gpu), next.get(*gpu), gated.get(*gpu), projected.get(*gpu), kernels};
+        const int64_t kernels = *backend->kernels_launched() - before;
+        return Run{acc.get(*backend), next.get(*backend), gated.get(*backend),
+                   projected.get(*backend), kernels};
       };
       const Run unfused = run_on(gpu.get(), false), fused = run_on(gpu.get(), true);
       ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
