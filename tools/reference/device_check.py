@@ -3,7 +3,7 @@
 
 Runs ON THE GPU MACHINE with a torch + transformers that have CUDA. The transformers twin is built
 in GPU memory from the checkpoint itself: packed matrices (compressed-tensors w4g32 or NVFP4,
-ModelOpt NVFP4) are dequantized to bf16 in torch, one tensor at a time, and copied into a
+ModelOpt NVFP4) are dequantized exactly (float32) in torch, one tensor at a time, and copied into a
 Gemma4ForCausalLM built from config.json (bf16, or float32 with --dtype float32 for a tight
 check; eager attention) — no bf16 file is written, so the 31B and the 26B-A4B fit the machine's
 disk. MoE experts saved per expert (`experts.E.{gate,up,down}_proj`, as quantized checkpoints
@@ -118,25 +118,29 @@ def packed_format(module, names):
 
 
 def dequantize(get, module, packing, device):
-    """The bf16 weight of `module` from its packed tensors (`packing`: packed_format's)."""
+    """The float32 weight of `module` from its packed tensors (`packing`: packed_format's).
+
+    Exact: a 4-bit code times its bf16/e4m3 scale has at most 12 significant bits. Rounding it to
+    bf16 here (as this did before) made the float32 twin of a W4A16 checkpoint differ from the
+    checkpoint's own math by up to a bf16 ulp per weight; the bf16 twin rounds once, at the copy."""
     if packing == "nvfp4":
         codes = nibbles(get(f"{module}.weight_packed").to(device)).long()
         scale = get(f"{module}.weight_scale").to(device).float()
         block = scale / get(f"{module}.weight_global_scale").to(device).float()
         values = torch.tensor(E2M1, device=device)[codes]
-        return (values * block.repeat_interleave(16, dim=1)).to(torch.bfloat16)
+        return values * block.repeat_interleave(16, dim=1)
     if packing == "int4":  # pack-quantized, symmetric
         packed = get(f"{module}.weight_packed").to(device)
         rows, cols = (int(x) for x in get(f"{module}.weight_shape"))
         codes = nibbles(packed.contiguous().view(torch.uint8))[:, :cols].float() - 8
         scale = get(f"{module}.weight_scale").to(device).float()
         group = cols // scale.shape[1]
-        return (codes * scale.repeat_interleave(group, dim=1)).to(torch.bfloat16)[:rows]
+        return (codes * scale.repeat_interleave(group, dim=1))[:rows]
     codes = nibbles(get(f"{module}.weight").to(device)).long()  # ModelOpt NVFP4
     scale = get(f"{module}.weight_scale").to(device).float()
     values = torch.tensor(E2M1, device=device)[codes]
     block = scale * get(f"{module}.weight_scale_2").to(device).float()
-    return (values * block.repeat_interleave(16, dim=1)).to(torch.bfloat16)
+    return values * block.repeat_interleave(16, dim=1)
 
 
 # A per-expert matrix of a quantized checkpoint (transformers' name, after hf_name).
