@@ -11,13 +11,14 @@
 // fixed order (both warps then hold bit-identical scores and softmax statistics).
 //
 // Keys. The slots a block may need are [0, scanned) (position p lives in slot p % slots, so
-// slots past the block's largest query position hold none it can see); they are cut into tiles
-// of kKeys, and with splits > 1 each split block takes a contiguous share of the tiles and
-// writes unnormalised partials that prefill_merge_kernel combines (what fills the GPU when a
-// pass has few row tiles: E2B's one kv head). A block first lists the tiles some row of it can
-// see (positions read from slot_positions: ring slots and sliding windows make that set
-// irregular), then walks the list with the next tile's K/V loading (cp.async for bf16 caches)
-// while the current one is multiplied. Keys no row can see are not read but zeroed (a
+// slots past the block's largest query position hold none it can see) of the cache and, for
+// prefill_chunk_attention, of the staged chunk (a second source numbered after the cache's
+// tiles); they are cut into tiles of kKeys, and with splits > 1 each split block takes a contiguous
+// share of the tiles and writes unnormalised partials that prefill_merge_kernel combines (what
+// fills the GPU when a pass has few row tiles: E2B's one kv head). A block first lists the tiles
+// some row of it can see (positions read from slot_positions: ring slots and sliding windows make
+// that set irregular), then walks the list with the next tile's K/V loading (cp.async for bf16
+// caches) while the current one is multiplied. Keys no row can see are not read but zeroed (a
 // never-written slot must not reach the sums even with weight 0: 0 · NaN = NaN), and the
 // list-building pass records which they are, so a tile load never waits for memory.
 //
