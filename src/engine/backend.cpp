@@ -3,6 +3,8 @@
 // defaults computes bit for bit what it did then.
 #include "engine/backend.h"
 
+#include <algorithm>
+
 namespace gemma4::engine {
 
 int64_t kv_element_bytes(KvType type) {
@@ -122,6 +124,27 @@ void Backend::prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm, co
                                  int window, float scale, Rows out) {
   prepare_attention(q, k, v, q_norm, k_norm, norm_v, head_dim, positions, rope, sequences, norm);
   attention_rows(q, positions, sequences, window, scale, out);
+}
+
+void Backend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float* q_norm,
+                                        const float* k_norm, bool norm_v, int head_dim,
+                                        const int32_t* positions, const model::RopeParams& rope,
+                                        std::span<const SequenceRows> sequences,
+                                        const NormParams& norm, int window, float scale, Rows out,
+                                        int64_t chunk_limit) {
+  for (const SequenceRows& s : sequences) {
+    for (int64_t done = 0; done < s.count; done += chunk_limit) {
+      const int64_t row = s.first_row + done;
+      const SequenceRows piece{s.kv, 0, std::min(chunk_limit, s.count - done)};
+      const std::span<const SequenceRows> pieces(&piece, 1);
+      const int32_t* piece_positions = positions + row;
+      prepare_attention(q.slice(row, piece.count), k.slice(row, piece.count),
+                        v.slice(row, piece.count), q_norm, k_norm, norm_v, head_dim,
+                        piece_positions, rope, pieces, norm);
+      attention_rows(q.slice(row, piece.count), piece_positions, pieces, window, scale,
+                     out.slice(row, piece.count));
+    }
+  }
 }
 
 void Backend::attention_rows(Rows q, const int32_t* positions,

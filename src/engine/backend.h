@@ -311,6 +311,17 @@ class Backend {
                                   std::span<const SequenceRows> sequences, const NormParams& norm,
                                   int window, float scale, Rows out);
 
+  // prepare_and_attend for sequences with more rows than a sliding ring lets one write and then
+  // attend (window - 1 + C live slots for a chunk of C): the result, outputs and caches, of every
+  // sequence's rows written and attended in pieces of at most chunk_limit rows, one after the
+  // other. Default: exactly those pieces (prepare_attention, then attention_rows, per piece).
+  virtual void prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float* q_norm,
+                                         const float* k_norm, bool norm_v, int head_dim,
+                                         const int32_t* positions, const model::RopeParams& rope,
+                                         std::span<const SequenceRows> sequences,
+                                         const NormParams& norm, int window, float scale, Rows out,
+                                         int64_t chunk_limit);
+
   // y = gelu_tanh(x · Wᵀ) ⊙ multiplier (the PLE gate). Default: matmul(w, x, y);
   // gelu_tanh_mul(y, multiplier, y).
   virtual void matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y);

@@ -173,22 +173,11 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
                                 positions.ints(), g.rope, sequence_rows, norm_params, g.window,
                                 config.attention_scale, out);
   } else {
-    // A sequence's rows are longer than the ring can hold: write and attend them piece by piece
-    // (only a layer that owns its ring: a KV-shared one gets passes that fit, see step()).
-    for (const SequenceRows& s : sequence_rows) {
-      for (int64_t done = 0; done < s.count; done += chunk_limit) {
-        const int64_t row = s.first_row + done;
-        const SequenceRows piece{s.kv, 0, std::min(chunk_limit, s.count - done)};
-        const std::span<const SequenceRows> pieces(&piece, 1);
-        const int32_t* piece_positions = positions.ints() + row;
-        backend->prepare_attention(queries.slice(row, piece.count), keys.slice(row, piece.count),
-                                   values.slice(row, piece.count), lw.q_norm, lw.k_norm,
-                                   config.has_v_norm, hd, piece_positions, g.rope, pieces,
-                                   norm_params);
-        backend->attention_rows(queries.slice(row, piece.count), piece_positions, pieces, g.window,
-                                config.attention_scale, out.slice(row, piece.count));
-      }
-    }
+    // A sequence's rows are longer than the ring can hold (only a layer that owns its ring: a
+    // KV-shared one gets passes that fit, see step()).
+    backend->prepare_and_attend_pieces(
+        queries, keys, values, lw.q_norm, lw.k_norm, config.has_v_norm, hd, positions.ints(),
+        g.rope, sequence_rows, norm_params, g.window, config.attention_scale, out, chunk_limit);
   }
 
   Rows projected = rows(proj, n, config.hidden_size);

@@ -9,7 +9,9 @@
 //    and each slot records the position it holds.
 // The ring_history extra slots serve two purposes. A forward pass writes a chunk's K/V before
 // attending, so attending a chunk of C tokens needs window - 1 + C live slots: a sliding layer
-// attends a longer chunk in pieces of ring_history + 1 tokens (each piece written, then read).
+// attends a longer chunk as if in pieces of ring_history + 1 tokens (each piece written, then
+// read: Backend::prepare_and_attend_pieces; the CUDA backend stages the chunk's K/V instead and
+// attends it in one go).
 // And truncate_sequence can roll a sequence back as long as the ring still holds the window
 // before the new end (up to ring_history tokens behind the furthest point written).
 //

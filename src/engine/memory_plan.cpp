@@ -87,10 +87,19 @@ int64_t workspace_bytes(const model::ModelConfig& config, const EngineOptions& o
 int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOptions& options) {
   const int64_t history = ring_history_for(config, options);
   const int64_t batch = std::min<int64_t>(options.max_sequences, kMaxBatchedSequences);
-  int64_t attention = 0, rope = 0;
+  int64_t attention = 0, rope = 0, staged_kv = 0;
   for (const LayerGeometry& g : config.layers) {
     const int64_t slots =
         g.window > 0 ? std::min(g.window + history, options.max_context) : options.max_context;
+    // A ring too short for a pass stages the pass's K/V and positions (CudaBackend::
+    // prepare_and_attend_pieces), each area 256-byte aligned.
+    if (g.owns_kv() && g.window > 0 && slots < options.max_context &&
+        slots - g.window + 1 < options.max_pass_tokens) {
+      const int64_t area =
+          (options.max_pass_tokens * g.kv_width() * kv_element_bytes(options.kv_type) + 255) / 256 *
+          256;
+      staged_kv = std::max(staged_kv, 2 * area + kInt * options.max_pass_tokens);
+    }
     const int64_t splits = std::clamp<int64_t>(
         (slots + kKeysPerSplit - 1) / kKeysPerSplit, 1,
         std::min(kMaxAttentionSplits,
@@ -114,7 +123,7 @@ int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOpti
     moe = kFloat * pairs * (p.intermediate_size + config.hidden_size) +
           kInt * (2 + 2 * p.num_experts + pairs);
   }
-  return attention + pair_products + prefill + moe + rope;
+  return attention + staged_kv + pair_products + prefill + moe + rope;
 }
 
 std::string options_line(const EngineOptions& o) {

@@ -42,17 +42,26 @@ void expect_same(const Mirrored<float>& values, const std::string& what) {
   testing::expect_close(values.gpu_values(), reference, magnitude, kTolerance, what.c_str());
 }
 
+// Random floats in [lo, hi), rounded to bf16 values when `bf16_exact`.
+std::vector<float> random_values(int64_t n, float lo, float hi, uint32_t seed, bool bf16_exact) {
+  std::vector<float> values = testing::random_floats(n, lo, hi, seed);
+  if (bf16_exact) {
+    for (float& x : values) x = round_bf16(x);
+  }
+  return values;
+}
+
 // One sequence's KV cache of a layer, filled up to position `depth` (exclusive) with random K/V:
 // slot s holds the latest position p < depth with p % slots == s (a ring once depth > slots),
-// slots never written hold -1.
+// slots never written hold -1. bf16_values: V holds bf16 values (tensor cores read them exactly).
 struct MirroredCache {
   MirroredCache(engine::Backend& gpu, int64_t slots, int kv_heads, int head_dim, int32_t depth,
-                uint32_t seed)
+                uint32_t seed, bool bf16_values = false)
       : slots(slots),
         kv_heads(kv_heads),
         head_dim(head_dim),
         keys(gpu, testing::random_floats(slots * kv_heads * head_dim, -0.5f, 0.5f, seed)),
-        values(gpu, testing::random_floats(slots * kv_heads * head_dim, -1.0f, 1.0f, seed + 1)),
+        values(gpu, random_values(slots * kv_heads * head_dim, -1.0f, 1.0f, seed + 1, bf16_values)),
         slot_positions(gpu, ring_positions(slots, depth)) {}
 
   static std::vector<int32_t> ring_positions(int64_t slots, int32_t depth) {
@@ -109,11 +118,11 @@ Pass decode_pass(std::vector<int32_t> depths) {
 // The caches of a pass's sequences and their SequenceRows on each backend.
 struct MirroredSequences {
   MirroredSequences(engine::Backend& gpu, const Pass& pass, int64_t slots, int kv_heads,
-                    int head_dim, uint32_t seed) {
+                    int head_dim, uint32_t seed, bool bf16_values = false) {
     int64_t first_row = 0;
     for (size_t i = 0; i < pass.rows.size(); ++i) {
       caches.push_back(std::make_unique<MirroredCache>(gpu, slots, kv_heads, head_dim,
-                                                       pass.depths[i], seed + 2 * i));
+                                                       pass.depths[i], seed + 2 * i, bf16_values));
       cpu_rows.push_back({caches.back()->cpu(), first_row, pass.rows[i]});
       gpu_rows.push_back({caches.back()->gpu(), first_row, pass.rows[i]});
       first_row += pass.rows[i];
@@ -202,17 +211,18 @@ const LayerShape kWideFullRing = {32, 4, 512, {1000000.0, 64, 512}, 1100, 0};
 // writes them.
 struct MirroredQkv {
   MirroredQkv(engine::Backend& gpu, const LayerShape& shape, int64_t rows, bool k_eq_v,
-              uint32_t seed)
+              uint32_t seed, bool bf16_values = false)
       : q_width(int64_t{shape.q_heads} * shape.head_dim),
         kv_width(int64_t{shape.kv_heads} * shape.head_dim),
         rows(rows),
         stride(q_width + 2 * kv_width),
-        values(gpu, make_values(rows, q_width, kv_width, k_eq_v, seed)) {}
+        values(gpu, make_values(rows, q_width, kv_width, k_eq_v, seed, bf16_values)) {}
 
+  // bf16_values: every value a bf16 value.
   static std::vector<float> make_values(int64_t rows, int64_t q_width, int64_t kv_width,
-                                        bool k_eq_v, uint32_t seed) {
+                                        bool k_eq_v, uint32_t seed, bool bf16_values = false) {
     const int64_t stride = q_width + 2 * kv_width;
-    auto values = testing::random_floats(rows * stride, -2.0f, 2.0f, seed);
+    auto values = random_values(rows * stride, -2.0f, 2.0f, seed, bf16_values);
     if (k_eq_v) {
       for (int64_t r = 0; r < rows; ++r) {
         std::memcpy(&values[r * stride + q_width + kv_width], &values[r * stride + q_width],
@@ -400,6 +410,118 @@ TEST(FusedOps, PrepareAndAttendMatchesTheComposition) {
     expect_same(out, "out");
     sequences.expect_same(c.name);
   }
+}
+
+// A 26B-A4B-like sliding layer (16 q / 8 kv heads of 256, window 1024) with its default ring of
+// 1056 slots: passes of more than 33 rows do not fit. And head_dim 512 on a short ring.
+const LayerShape kShortRing = {16, 8, 256, {10000.0, 128, 256}, 1056, 1024};
+const LayerShape kShortRing512 = {8, 2, 512, {1000000.0, 64, 512}, 300, 256};
+
+struct PiecesCase {
+  const char* name;
+  LayerShape shape;
+  Pass pass;
+};
+
+// prepare_and_attend_pieces of passes longer than the ring lets one write and then attend: CUDA's
+// staged chunk (prepare into scratch, prefill_chunk_attention, store_staged_kv) against the CPU's
+// default pieces of chunk_limit rows. The caches (fp32) as the pieces leave them, float32-level;
+// the outputs on bf16 tensor cores, so within the bf16 bound: with q = 0 (a zero q_norm weight)
+// every weight is exactly 1 and V holds bf16 values, so the output is the mean of the visible
+// values up to fp32 sums (one key too many or too few moves it by ~max|v| / window); with random
+// q, within what rounding q, k and the weights to bf16 allows (|q̃·k̃ − q·k| <= (2u + u²)·|q|·|k|,
+// u = 2^-8, by Cauchy-Schwarz over the head).
+void check_pieces(bool zero_query, uint32_t seed) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  CpuBackend cpu(0);  // every hardware thread: ~15 G multiply-adds of reference attention
+  const PiecesCase cases[] = {
+      {"first-1000", kShortRing, {{0}, {1000}}},
+      {"deep-512", kShortRing, {{3000}, {512}}},
+      // Two sequences staged; one that fits beside one staged.
+      {"deep-65-and-first-97", kShortRing, {{1500, 0}, {65, 97}}},
+      {"fits-33-beside-deep-97", kShortRing, {{2000, 5000}, {33, 97}}},
+      {"hd512-deep-300", kShortRing512, {{700}, {300}}},
+  };
+  constexpr double kBf16Unit = 1.0 / 256;
+  constexpr double kFp32Unit = 1.0 / 16777216;
+  constexpr double kMaxValue = 2.0;  // |v| of the inputs and caches (norm_v off)
+  for (const PiecesCase& c : cases) {
+    SCOPED_TRACE(c.name);
+    const LayerShape& shape = c.shape;
+    const int hd = shape.head_dim;
+    const int64_t n = c.pass.total_rows();
+    const int64_t chunk_limit = shape.slots - shape.window + 1;
+    MirroredQkv qkv(*gpu, shape, n, false, seed++, /*bf16_values=*/true);
+    MirroredSequences sequences(*gpu, c.pass, shape.slots, shape.kv_heads, hd, seed,
+                                /*bf16_values=*/true);
+    seed += 200;
+    Mirrored<int32_t> positions(*gpu, c.pass.positions());
+    Mirrored<float> q_norm(*gpu, zero_query ? std::vector<float>(hd, 0.0f)
+                                            : testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+    Mirrored<float> out(*gpu, std::vector<float>(n * qkv.q_width, std::nanf("")));
+    const engine::NormParams norm = {0.0f, 1e-6f};
+    const float scale = 1.0f / 16.0f;
+    float* const cpu_base = qkv.values.cpu();
+    float* const gpu_base = qkv.values.gpu();
+    cpu.prepare_and_attend_pieces(qkv.q(cpu_base), qkv.k(cpu_base), qkv.v(cpu_base), q_norm.cpu(),
+                                  k_norm.cpu(), false, hd, positions.cpu(), shape.rope,
+                                  sequences.cpu_rows, norm, shape.window, scale,
+                                  Rows::dense(out.cpu(), n, qkv.q_width), chunk_limit);
+    gpu->prepare_and_attend_pieces(qkv.q(gpu_base), qkv.k(gpu_base), qkv.v(gpu_base), q_norm.gpu(),
+                                   k_norm.gpu(), false, hd, positions.gpu(), shape.rope,
+                                   sequences.gpu_rows, norm, shape.window, scale,
+                                   Rows::dense(out.gpu(), n, qkv.q_width), chunk_limit);
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    sequences.expect_same(c.name);
+
+    // The bound per (row, q head): the CPU's q rows were prepared in place; the largest key
+    // norm of the head's kv head over the pass's prepared k rows (in place too) and the caches.
+    const int group = shape.q_heads / shape.kv_heads;
+    std::vector<double> max_key_norm(shape.kv_heads, 0.0);
+    auto head_norm = [&](const float* x) {
+      double sum = 0.0;
+      for (int d = 0; d < hd; ++d) sum += double{x[d]} * x[d];
+      return std::sqrt(sum);
+    };
+    for (int g = 0; g < shape.kv_heads; ++g) {
+      for (int64_t r = 0; r < n; ++r) {
+        max_key_norm[g] = std::max(max_key_norm[g], head_norm(qkv.k(cpu_base).row(r) + g * hd));
+      }
+      for (const auto& cache : sequences.caches) {
+        for (int64_t slot = 0; slot < cache->slots; ++slot) {
+          max_key_norm[g] = std::max(max_key_norm[g], head_norm(cache->keys.cpu_values().data() +
+                                                                (slot * shape.kv_heads + g) * hd));
+        }
+      }
+    }
+    const double sums = 4.0 * shape.window * kFp32Unit;  // both sides' fp32 sums of the mean
+    std::vector<double> bound(n * qkv.q_width);
+    for (int64_t r = 0; r < n; ++r) {
+      for (int h = 0; h < shape.q_heads; ++h) {
+        const double dot_bound =
+            scale * head_norm(qkv.q(cpu_base).row(r) + int64_t{h} * hd) * max_key_norm[h / group];
+        const double epsilon =
+            dot_bound * (2 * kBf16Unit + kBf16Unit * kBf16Unit + 4.0 * hd * kFp32Unit);
+        const double beta =
+            zero_query ? 1.0 : std::exp(2 * epsilon) * (1 + kBf16Unit) / (1 - kBf16Unit);
+        std::fill_n(bound.begin() + r * qkv.q_width + int64_t{h} * hd, hd,
+                    (beta - 1 + sums) * kMaxValue);
+      }
+    }
+    const std::vector<float>& expected = out.cpu_values();
+    testing::expect_close(out.gpu_values(), std::vector<double>(expected.begin(), expected.end()),
+                          bound, 1.0, zero_query ? "uniform weights" : "random queries");
+  }
+}
+
+TEST(FusedOps, PrepareAndAttendPiecesUniformWeightsAverageTheVisibleValues) {
+  check_pieces(/*zero_query=*/true, 700);
+}
+
+TEST(FusedOps, PrepareAndAttendPiecesRandomQueriesWithinTheBf16Bound) {
+  check_pieces(/*zero_query=*/false, 800);
 }
 
 // One layer's attention of a decode batch recorded once (as the engine records a decode step) and

@@ -2,7 +2,9 @@
 // reference computed here on fresh random inputs: float and bf16 K/V, head_dim 256 and 512,
 // GQA groups of 1..8, full and sliding layers (a ring that wrapped, sliding windows), chunks of
 // 1..512 queries deep into a prompt, forgotten slots holding NaN, one block per row tile or the
-// cache split among several blocks and merged. The output starts as NaN with padding between
+// cache split among several blocks and merged; and chunks of up to 1000 queries attended against a
+// ring holding the positions before them plus their own staged K/V (prefill_chunk_attention),
+// then stored into the ring (store_staged_kv). The output starts as NaN with padding between
 // rows: every element must be written, finite, and the padding untouched.
 //
 // Bound (q, K and V are bf16-exact, so both K/V types hold the same values and every Q·K
@@ -22,8 +24,10 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <initializer_list>
 #include <limits>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "backend/cuda/prefill_kernels.h"
@@ -55,20 +59,22 @@ void PrintTo(const FlashCase& c, std::ostream* os) {
   *os << c.name;
 }
 
-// The cache as the engine leaves it once the chunk's K/V are stored: the last `slots` positions
-// up to the chunk's last at slot p % slots, three slots forgotten (position -1, NaN contents).
+// Slots of one layer of one sequence holding positions [first, last] at slot p % slots (the
+// last `slots` of them where they wrap), with the positions in `forget` emptied (position -1,
+// NaN contents) and never-written slots empty too.
 struct Cache {
-  explicit Cache(const FlashCase& c, uint32_t seed)
-      : width(int64_t{c.kv_heads} * c.head_dim),
-        keys(c.slots * width, kNaN),
-        values(c.slots * width, kNaN),
-        positions(c.slots, -1) {
-    const int32_t last = c.first_position + static_cast<int32_t>(c.chunk) - 1;
-    const auto k = testing::random_floats(c.slots * width, -1.0f, 1.0f, seed);
-    const auto v = testing::random_floats(c.slots * width, -1.0f, 1.0f, seed + 1);
-    for (int32_t p = std::max<int32_t>(0, last - static_cast<int32_t>(c.slots) + 1); p <= last;
+  Cache(const FlashCase& c, int64_t slots, int32_t first, int32_t last,
+        std::initializer_list<int32_t> forget, uint32_t seed)
+      : slots(slots),
+        width(int64_t{c.kv_heads} * c.head_dim),
+        keys(slots * width, kNaN),
+        values(slots * width, kNaN),
+        positions(slots, -1) {
+    const auto k = testing::random_floats(slots * width, -1.0f, 1.0f, seed);
+    const auto v = testing::random_floats(slots * width, -1.0f, 1.0f, seed + 1);
+    for (int32_t p = std::max<int32_t>(first, last - static_cast<int32_t>(slots) + 1); p <= last;
          ++p) {
-      const int64_t slot = p % c.slots;
+      const int64_t slot = p % slots;
       positions[slot] = p;
       for (int64_t j = slot * width; j < (slot + 1) * width; ++j) {
         // Values the cache type holds exactly (every e4m3 value is a bf16 value too).
@@ -76,148 +82,174 @@ struct Cache {
         values[j] = c.type == KvType::kFP8 ? e4m3_to_float(float_to_e4m3(v[j])) : round_bf16(v[j]);
       }
     }
-    for (int32_t p : {last, last - 5, std::max(0, last - 40)}) {
-      const int64_t slot = p % c.slots;
+    for (int32_t p : forget) {
+      if (p < first || p > last) continue;
+      const int64_t slot = p % slots;
       positions[slot] = -1;
       std::fill(keys.begin() + slot * width, keys.begin() + (slot + 1) * width, kNaN);
       std::fill(values.begin() + slot * width, values.begin() + (slot + 1) * width, kNaN);
     }
-  }
-  // The device copy of keys or values in `type`.
-  std::unique_ptr<DeviceArray<uint16_t>> bf16(const std::vector<float>& host) const {
-    std::vector<uint16_t> bits(host.size());
-    for (size_t i = 0; i < host.size(); ++i) {
-      bits[i] = std::isnan(host[i]) ? uint16_t{0x7FC0} : float_to_bf16(host[i]);
-    }
-    return std::make_unique<DeviceArray<uint16_t>>(bits);
-  }
-  std::unique_ptr<DeviceArray<uint8_t>> e4m3(const std::vector<float>& host) const {
-    std::vector<uint8_t> bits(host.size());
-    for (size_t i = 0; i < host.size(); ++i) {
-      bits[i] = std::isnan(host[i]) ? uint8_t{0x7F} : float_to_e4m3(host[i]);
-    }
-    return std::make_unique<DeviceArray<uint8_t>>(bits);
+    device_keys = device_copy(c.type, keys);
+    device_values = device_copy(c.type, values);
+    device_positions = std::make_unique<DeviceArray<int32_t>>(positions);
   }
 
-  int64_t width;
+  // The bytes of `host` as a cache of `type` holds them (NaN stays NaN).
+  static std::vector<uint8_t> encode(KvType type, const std::vector<float>& host) {
+    std::vector<uint8_t> bytes;
+    for (float x : host) {
+      if (type == KvType::kFP8) {
+        bytes.push_back(std::isnan(x) ? uint8_t{0x7F} : float_to_e4m3(x));
+      } else if (type == KvType::kBF16) {
+        const uint16_t bits = std::isnan(x) ? uint16_t{0x7FC0} : float_to_bf16(x);
+        bytes.push_back(static_cast<uint8_t>(bits & 0xFF));
+        bytes.push_back(static_cast<uint8_t>(bits >> 8));
+      } else {
+        uint8_t word[4];
+        std::memcpy(word, &x, 4);
+        bytes.insert(bytes.end(), word, word + 4);
+      }
+    }
+    return bytes;
+  }
+  static std::unique_ptr<DeviceArray<uint8_t>> device_copy(KvType type,
+                                                           const std::vector<float>& host) {
+    return std::make_unique<DeviceArray<uint8_t>>(encode(type, host));
+  }
+
+  KvCacheView view(const FlashCase& c) const {
+    KvCacheView kv;
+    kv.type = c.type;
+    kv.keys = device_keys->get();
+    kv.values = device_values->get();
+    kv.slot_positions = device_positions->get();
+    kv.slots = slots;
+    kv.kv_heads = c.kv_heads;
+    kv.head_dim = c.head_dim;
+    return kv;
+  }
+  SequenceKv target() const {
+    return {device_keys->get(), device_values->get(), device_positions->get(), slots, 0, 0};
+  }
+
+  int64_t slots, width;
   std::vector<float> keys, values;
   std::vector<int32_t> positions;
+  std::unique_ptr<DeviceArray<uint8_t>> device_keys, device_values;
+  std::unique_ptr<DeviceArray<int32_t>> device_positions;
 };
 
 bool visible(int32_t key, int32_t query, int window) {
   return key >= 0 && key <= query && (window == 0 || query - key < window);
 }
 
-class FlashAttention : public ::testing::TestWithParam<FlashCase> {
- protected:
-  void check(bool zero_query, uint32_t seed) {
-    const FlashCase& c = GetParam();
-    const Cache cache(c, seed);
-    const int64_t q_width = int64_t{c.q_heads} * c.head_dim;
-    const int64_t q_stride = q_width + 3, out_stride = q_width + 5;  // rows not 16-byte aligned
-    std::vector<float> q(c.chunk * q_stride, kPadding);
-    const auto random_q = testing::random_floats(c.chunk * q_width, -0.5f, 0.5f, seed + 2);
-    for (int64_t t = 0; t < c.chunk; ++t) {
-      for (int64_t i = 0; i < q_width; ++i) {
-        q[t * q_stride + i] = zero_query ? 0.0f : round_bf16(random_q[t * q_width + i]);
-      }
+// Runs the kernel on the case's queries against `sources` (one: prefill_attention over the
+// cache; two: prefill_chunk_attention over a cache and the staged chunk) and checks every output
+// element against the double-precision reference over all their slots.
+void check_attention(const FlashCase& c, const std::vector<const Cache*>& sources, bool zero_query,
+                     uint32_t seed) {
+  const int64_t q_width = int64_t{c.q_heads} * c.head_dim;
+  const int64_t q_stride = q_width + 3, out_stride = q_width + 5;  // rows not 16-byte aligned
+  std::vector<float> q(c.chunk * q_stride, kPadding);
+  const auto random_q = testing::random_floats(c.chunk * q_width, -0.5f, 0.5f, seed + 2);
+  for (int64_t t = 0; t < c.chunk; ++t) {
+    for (int64_t i = 0; i < q_width; ++i) {
+      q[t * q_stride + i] = zero_query ? 0.0f : round_bf16(random_q[t * q_width + i]);
     }
-    std::vector<int32_t> query_positions(c.chunk);
-    for (int64_t t = 0; t < c.chunk; ++t) {
-      query_positions[t] = c.first_position + static_cast<int32_t>(t);
-    }
-    std::vector<float> out(c.chunk * out_stride);
-    for (int64_t i = 0; i < c.chunk * out_stride; ++i) {
-      out[i] = i % out_stride < q_width ? kNaN : kPadding;
-    }
+  }
+  std::vector<int32_t> query_positions(c.chunk);
+  for (int64_t t = 0; t < c.chunk; ++t) {
+    query_positions[t] = c.first_position + static_cast<int32_t>(t);
+  }
+  std::vector<float> out(c.chunk * out_stride);
+  for (int64_t i = 0; i < c.chunk * out_stride; ++i) {
+    out[i] = i % out_stride < q_width ? kNaN : kPadding;
+  }
 
-    DeviceArray<float> device_q(q), device_out(out);
-    DeviceArray<int32_t> device_positions(query_positions), device_slots(cache.positions);
-    std::unique_ptr<DeviceArray<float>> f32_keys, f32_values;
-    std::unique_ptr<DeviceArray<uint16_t>> bf16_keys, bf16_values;
-    std::unique_ptr<DeviceArray<uint8_t>> e4m3_keys, e4m3_values;
-    KvCacheView kv;
-    kv.type = c.type;
-    kv.slot_positions = device_slots.get();
-    kv.slots = c.slots;
-    kv.kv_heads = c.kv_heads;
-    kv.head_dim = c.head_dim;
-    if (c.type == KvType::kBF16) {
-      bf16_keys = cache.bf16(cache.keys);
-      bf16_values = cache.bf16(cache.values);
-      kv.keys = bf16_keys->get();
-      kv.values = bf16_values->get();
-    } else if (c.type == KvType::kFP8) {
-      e4m3_keys = cache.e4m3(cache.keys);
-      e4m3_values = cache.e4m3(cache.values);
-      kv.keys = e4m3_keys->get();
-      kv.values = e4m3_values->get();
-    } else {
-      f32_keys = std::make_unique<DeviceArray<float>>(cache.keys);
-      f32_values = std::make_unique<DeviceArray<float>>(cache.values);
-      kv.keys = f32_keys->get();
-      kv.values = f32_values->get();
-    }
-    const int splits = c.splits > 0 ? c.splits : prefill_attention_splits(c.chunk, c.q_heads, kv);
-    DeviceArray<float> partials(
-        splits > 1 ? prefill_attention_partials_floats(c.chunk, c.q_heads, c.head_dim, splits) : 1);
-    const float scale = 1.0f;  // Gemma 4's (q and k are normed)
-    CUDA_ASSERT_OK(prefill_attention(
-        {device_q.get(), c.chunk, q_width, q_stride}, device_positions.get(), kv, c.window, scale,
-        {device_out.get(), c.chunk, q_width, out_stride}, partials.get(), splits, Launch{}));
-    CUDA_ASSERT_OK(cudaDeviceSynchronize());
-    const std::vector<float> got = device_out.download();
+  DeviceArray<float> device_q(q), device_out(out);
+  DeviceArray<int32_t> device_positions(query_positions);
+  const KvCacheView kv = sources[0]->view(c);
+  const int splits = c.splits > 0 ? c.splits : prefill_attention_splits(c.chunk, c.q_heads, kv);
+  DeviceArray<float> partials(
+      splits > 1 ? prefill_attention_partials_floats(c.chunk, c.q_heads, c.head_dim, splits) : 1);
+  const float scale = 1.0f;  // Gemma 4's (q and k are normed)
+  const RowsView q_rows{device_q.get(), c.chunk, q_width, q_stride};
+  const RowsView out_rows{device_out.get(), c.chunk, q_width, out_stride};
+  if (sources.size() == 1) {
+    CUDA_ASSERT_OK(prefill_attention(q_rows, device_positions.get(), kv, c.window, scale, out_rows,
+                                     partials.get(), splits, Launch{}));
+  } else {
+    CUDA_ASSERT_OK(prefill_chunk_attention(q_rows, device_positions.get(), kv, sources[1]->view(c),
+                                           c.window, scale, out_rows, partials.get(), splits,
+                                           Launch{}));
+  }
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = device_out.download();
 
-    // The reference and the bound per (query, head), in double.
-    std::vector<double> expected(got.size()), bound(got.size(), 0.0);
-    for (int64_t i = 0; i < c.chunk * out_stride; ++i) {
-      if (i % out_stride >= q_width) expected[i] = kPadding;  // compared exactly
-    }
-    const int group = c.q_heads / c.kv_heads;
-    testing::parallel_for(c.chunk * c.q_heads, [&](int64_t task) {
-      const int64_t t = task / c.q_heads;
-      const int h = static_cast<int>(task % c.q_heads);
-      const int64_t kv_offset = int64_t{h / group} * c.head_dim;
-      const float* qh = q.data() + t * q_stride + int64_t{h} * c.head_dim;
-      std::vector<double> scores(c.slots, -INFINITY);
-      double max_score = -INFINITY, max_dot = 0.0, max_value = 0.0;
-      for (int64_t slot = 0; slot < c.slots; ++slot) {
-        if (!visible(cache.positions[slot], query_positions[t], c.window)) continue;
-        const float* k = cache.keys.data() + slot * cache.width + kv_offset;
-        const float* v = cache.values.data() + slot * cache.width + kv_offset;
+  // The reference and the bound per (query, head), in double.
+  int64_t slots = 0;
+  for (const Cache* source : sources) slots += source->slots;
+  std::vector<double> expected(got.size()), bound(got.size(), 0.0);
+  for (int64_t i = 0; i < c.chunk * out_stride; ++i) {
+    if (i % out_stride >= q_width) expected[i] = kPadding;  // compared exactly
+  }
+  const int group = c.q_heads / c.kv_heads;
+  testing::parallel_for(c.chunk * c.q_heads, [&](int64_t task) {
+    const int64_t t = task / c.q_heads;
+    const int h = static_cast<int>(task % c.q_heads);
+    const int64_t kv_offset = int64_t{h / group} * c.head_dim;
+    const float* qh = q.data() + t * q_stride + int64_t{h} * c.head_dim;
+    // (source, slot) pairs with their scores.
+    std::vector<std::pair<const float*, double>> seen;
+    double max_score = -INFINITY, max_dot = 0.0, max_value = 0.0;
+    for (const Cache* source : sources) {
+      for (int64_t slot = 0; slot < source->slots; ++slot) {
+        if (!visible(source->positions[slot], query_positions[t], c.window)) continue;
+        const float* k = source->keys.data() + slot * source->width + kv_offset;
+        const float* v = source->values.data() + slot * source->width + kv_offset;
         double dot = 0.0, abs_dot = 0.0;
         for (int d = 0; d < c.head_dim; ++d) {
           dot += double{qh[d]} * k[d];
           abs_dot += std::fabs(double{qh[d]} * k[d]);
           max_value = std::max(max_value, double{std::fabs(v[d])});
         }
-        scores[slot] = scale * dot;
-        max_score = std::max(max_score, scores[slot]);
+        seen.emplace_back(v, scale * dot);
+        max_score = std::max(max_score, scale * dot);
         max_dot = std::max(max_dot, abs_dot);
       }
-      std::vector<double> o(c.head_dim, 0.0);
-      double sum = 0.0;
-      for (int64_t slot = 0; slot < c.slots; ++slot) {
-        if (scores[slot] == -INFINITY) continue;
-        const double w = std::exp(scores[slot] - max_score);
-        sum += w;
-        const float* v = cache.values.data() + slot * cache.width + kv_offset;
-        for (int d = 0; d < c.head_dim; ++d) o[d] += w * v[d];
-      }
-      const double epsilon = scale * 4.0 * c.head_dim * kFp32Roundoff * max_dot +
-                             4.0 * kFp32Roundoff * (1.0 + 2.0 * scale * max_dot);
-      const double beta =
-          zero_query ? 1.0 : std::exp(2 * epsilon) * (1 + kBf16Roundoff) / (1 - kBf16Roundoff);
-      const double element_bound =
-          (beta - 1 + 8.0 * static_cast<double>(c.slots) * kFp32Roundoff) * max_value;
-      for (int d = 0; d < c.head_dim; ++d) {
-        const int64_t i = t * out_stride + int64_t{h} * c.head_dim + d;
-        expected[i] = sum > 0.0 ? o[d] / sum : 0.0;
-        bound[i] = element_bound;
-      }
-    });
-    testing::expect_close(got, expected, bound, 1.0,
-                          zero_query ? "uniform weights" : "random queries");
+    }
+    std::vector<double> o(c.head_dim, 0.0);
+    double sum = 0.0;
+    for (const auto& [v, score] : seen) {
+      const double w = std::exp(score - max_score);
+      sum += w;
+      for (int d = 0; d < c.head_dim; ++d) o[d] += w * v[d];
+    }
+    const double epsilon = scale * 4.0 * c.head_dim * kFp32Roundoff * max_dot +
+                           4.0 * kFp32Roundoff * (1.0 + 2.0 * scale * max_dot);
+    const double beta =
+        zero_query ? 1.0 : std::exp(2 * epsilon) * (1 + kBf16Roundoff) / (1 - kBf16Roundoff);
+    const double element_bound =
+        (beta - 1 + 8.0 * static_cast<double>(slots) * kFp32Roundoff) * max_value;
+    for (int d = 0; d < c.head_dim; ++d) {
+      const int64_t i = t * out_stride + int64_t{h} * c.head_dim + d;
+      expected[i] = sum > 0.0 ? o[d] / sum : 0.0;
+      bound[i] = element_bound;
+    }
+  });
+  testing::expect_close(got, expected, bound, 1.0,
+                        zero_query ? "uniform weights" : "random queries");
+}
+
+// The cache as the engine leaves it once the chunk's K/V are stored: the last `slots` positions
+// up to the chunk's last, three slots forgotten.
+class FlashAttention : public ::testing::TestWithParam<FlashCase> {
+ protected:
+  void check(bool zero_query, uint32_t seed) {
+    const FlashCase& c = GetParam();
+    const int32_t last = c.first_position + static_cast<int32_t>(c.chunk) - 1;
+    const Cache cache(c, c.slots, 0, last, {last, last - 5, std::max(0, last - 40)}, seed);
+    check_attention(c, {&cache}, zero_query, seed);
   }
 };
 
@@ -227,6 +259,49 @@ TEST_P(FlashAttention, UniformWeightsAverageExactlyTheVisibleValues) {
 
 TEST_P(FlashAttention, RandomQueriesWithinTheBf16Bound) {
   check(/*zero_query=*/false, 12);
+}
+
+// A chunk longer than its ring lets the engine write it first (prefill_chunk_attention): the ring
+// holds the positions before the chunk (three forgotten), the staged slots the chunk's own K/V at
+// slot p % chunk. Then store_staged_kv must leave the ring exactly as writing the chunk's
+// positions in order would.
+class StagedFlashAttention : public ::testing::TestWithParam<FlashCase> {
+ protected:
+  void check(bool zero_query, uint32_t seed) {
+    const FlashCase& c = GetParam();
+    const int32_t first = c.first_position, last = first + static_cast<int32_t>(c.chunk) - 1;
+    const Cache ring(c, c.slots, 0, first - 1, {first - 1, first - 6, first - 300}, seed);
+    const Cache staged(c, c.chunk, first, last, {}, seed + 7);
+    check_attention(c, {&ring, &staged}, zero_query, seed);
+  }
+};
+
+TEST_P(StagedFlashAttention, UniformWeightsAverageExactlyTheVisibleValues) {
+  check(/*zero_query=*/true, 21);
+}
+
+TEST_P(StagedFlashAttention, RandomQueriesWithinTheBf16Bound) {
+  check(/*zero_query=*/false, 22);
+}
+
+TEST_P(StagedFlashAttention, StoringTheChunkLeavesTheRingAsInOrderWrites) {
+  const FlashCase& c = GetParam();
+  const int32_t first = c.first_position, last = first + static_cast<int32_t>(c.chunk) - 1;
+  Cache ring(c, c.slots, 0, first - 1, {first - 1, first - 6}, 31);
+  const Cache staged(c, c.chunk, first, last, {}, 32);
+  CUDA_ASSERT_OK(store_staged_kv(staged.view(c), ring.target(), Launch{}));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  for (int32_t p = first; p <= last; ++p) {
+    const int64_t from = p % staged.slots, to = p % ring.slots;
+    ring.positions[to] = p;
+    std::copy_n(staged.keys.begin() + from * staged.width, staged.width,
+                ring.keys.begin() + to * ring.width);
+    std::copy_n(staged.values.begin() + from * staged.width, staged.width,
+                ring.values.begin() + to * ring.width);
+  }
+  EXPECT_EQ(ring.device_positions->download(), ring.positions);
+  EXPECT_EQ(ring.device_keys->download(), Cache::encode(c.type, ring.keys));
+  EXPECT_EQ(ring.device_values->download(), Cache::encode(c.type, ring.values));
 }
 
 constexpr KvType kF32 = KvType::kF32;
@@ -250,6 +325,24 @@ INSTANTIATE_TEST_SUITE_P(
         FlashCase{"hd512_26b_full_65_f32_5_splits", 512, 16, 2, 2048, 0, 1000, 65, kF32, 5},
         FlashCase{"hd512_window_97_bf16", 512, 8, 2, 300, 50, 200, 97, kBF16, 0},
         FlashCase{"hd512_e2b_full_512_deep_bf16", 512, 8, 1, 2048, 0, 1024, 512, kBF16, 0}),
+    [](const auto& info) { return std::string(info.param.name); });
+
+// Chunks of a 26B-like sliding layer (16 q / 8 kv heads, window 1024, a ring of 1056 slots), at
+// depth 0 and past the window, and of other shapes (head_dim 512, E2B's one kv head).
+INSTANTIATE_TEST_SUITE_P(
+    Chunks, StagedFlashAttention,
+    ::testing::Values(
+        // name, head_dim, q heads, kv heads, ring slots, window, first position, chunk, K/V, splits
+        FlashCase{"hd256_26b_one_query_deep_bf16", 256, 16, 8, 1056, 1024, 3000, 1, kBF16, 0},
+        FlashCase{"hd256_26b_33_deep_bf16", 256, 16, 8, 1056, 1024, 2500, 33, kBF16, 0},
+        FlashCase{"hd256_26b_65_first_fp8", 256, 16, 8, 1056, 1024, 0, 65, kFP8, 0},
+        FlashCase{"hd256_26b_97_deep_f32_3_splits", 256, 16, 8, 1056, 1024, 1500, 97, kF32, 3},
+        FlashCase{"hd256_26b_512_first_bf16", 256, 16, 8, 1056, 1024, 0, 512, kBF16, 0},
+        FlashCase{"hd256_26b_1000_deep_bf16", 256, 16, 8, 1056, 1024, 4000, 1000, kBF16, 0},
+        FlashCase{"hd256_26b_1000_deep_fp8", 256, 16, 8, 1056, 1024, 1100, 1000, kFP8, 0},
+        FlashCase{"hd256_e2b_1000_deep_bf16_2_splits", 256, 8, 1, 544, 512, 2000, 1000, kBF16, 2},
+        FlashCase{"hd512_window_97_deep_bf16", 512, 8, 2, 300, 50, 700, 97, kBF16, 0},
+        FlashCase{"hd512_full_ring_512_deep_fp8", 512, 16, 2, 600, 0, 900, 512, kFP8, 0}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // Shapes the kernel does not take are refused before anything is launched.
@@ -276,6 +369,22 @@ TEST(FlashAttentionArguments, RejectsWhatItCannotRun) {
                               nullptr, 1, Launch{}),
             cudaErrorInvalidValue);
   kv.head_dim = 512;
+  // A staged chunk must match the cache's shape and element type.
+  KvCacheView staged = kv;
+  EXPECT_EQ(prefill_chunk_attention(rows, positions.get(), kv, staged, 0, 1.0f, out_rows, nullptr,
+                                    1, Launch{}),
+            cudaSuccess);
+  staged.type = KvType::kBF16;
+  EXPECT_EQ(prefill_chunk_attention(rows, positions.get(), kv, staged, 0, 1.0f, out_rows, nullptr,
+                                    1, Launch{}),
+            cudaErrorInvalidValue);
+  staged.type = KvType::kF32;
+  staged.slot_positions = nullptr;
+  EXPECT_EQ(prefill_chunk_attention(rows, positions.get(), kv, staged, 0, 1.0f, out_rows, nullptr,
+                                    1, Launch{}),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(store_staged_kv(staged, {kv_data.get(), kv_data.get(), slots.get(), 4, 0, 0}, Launch{}),
+            cudaErrorInvalidValue);
   kv.keys = reinterpret_cast<const char*>(kv_data.get()) + 4;  // not 16-byte aligned
   EXPECT_EQ(prefill_attention(rows, positions.get(), kv, 0, 1.0f, out_rows, nullptr, 1, Launch{}),
             cudaErrorInvalidValue);

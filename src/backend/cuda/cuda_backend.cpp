@@ -897,6 +897,67 @@ void CudaBackend::prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm
   decode_rows(q, positions, sequences, window, scale, out, &prepare, composed);
 }
 
+void CudaBackend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float* q_norm,
+                                            const float* k_norm, bool norm_v, int head_dim,
+                                            const int32_t* positions, const model::RopeParams& rope,
+                                            std::span<const engine::SequenceRows> sequences,
+                                            const engine::NormParams& norm, int window, float scale,
+                                            Rows out, int64_t chunk_limit) {
+  for (const engine::SequenceRows& s : sequences) {
+    const Rows sq = q.slice(s.first_row, s.count), sk = k.slice(s.first_row, s.count),
+               sv = v.slice(s.first_row, s.count), so = out.slice(s.first_row, s.count);
+    const int32_t* sp = positions + s.first_row;
+    const engine::SequenceRows own{s.kv, 0, s.count};
+    const std::span<const engine::SequenceRows> one(&own, 1);
+    if (s.count <= chunk_limit) {
+      prepare_and_attend(sq, sk, sv, q_norm, k_norm, norm_v, head_dim, sp, rope, one, norm, window,
+                         scale, so);
+      continue;
+    }
+    if (k.data == nullptr || !tensor_core_rows(s.count) || (head_dim != 256 && head_dim != 512) ||
+        s.kv.head_dim != head_dim || int64_t{s.kv.kv_heads} * head_dim != k.width ||
+        v.width != k.width || k.count != q.count || v.count != q.count) {
+      Backend::prepare_and_attend_pieces(sq, sk, sv, q_norm, k_norm, norm_v, head_dim, sp, rope,
+                                         one, norm, window, scale, so, chunk_limit);
+      continue;
+    }
+    // Staging: the rows' K, V (a ring of s.count slots that holds exactly them) and positions,
+    // each 256-byte aligned; positions start empty (-1).
+    const int64_t row_bytes = k.width * engine::kv_element_bytes(s.kv.type);
+    const auto area = static_cast<size_t>((s.count * row_bytes + 255) / 256 * 256);
+    auto* base = static_cast<char*>(
+        scratch(staged_kv_, 2 * area + sizeof(int32_t) * static_cast<size_t>(s.count)));
+    if (base == nullptr) return;
+    const engine::KvView stage{base,     base + area,   reinterpret_cast<int32_t*>(base + 2 * area),
+                               s.count,  s.kv.kv_heads, head_dim,
+                               s.kv.type};
+    launched(
+        cudaMemsetAsync(stage.slot_positions, 0xFF, sizeof(int32_t) * s.count, launch().stream),
+        "stage K/V (positions)", 0);
+    const engine::SequenceRows into_stage{stage, 0, s.count};
+    prepare_attention(sq, sk, sv, q_norm, k_norm, norm_v, head_dim, sp, rope,
+                      std::span<const engine::SequenceRows>(&into_stage, 1), norm);
+    if (!status_.ok()) return;
+    const KvCacheView cache = cache_view(s.kv);
+    const int q_heads = static_cast<int>(q.width / head_dim);
+    const int splits = prefill_attention_splits(s.count, q_heads, cache);
+    float* partials = nullptr;
+    if (splits > 1) {
+      partials = static_cast<float*>(scratch(
+          attention_partials_,
+          sizeof(float) * prefill_attention_partials_floats(s.count, q_heads, head_dim, splits)));
+      if (partials == nullptr) return;
+    }
+    launched(prefill_chunk_attention(view(sq), sp, cache, cache_view(stage), window, scale,
+                                     view(so), partials, splits, launch()),
+             "attention (prefill, staged chunk)", splits > 1 ? 2 : 1);
+    launched(
+        store_staged_kv(cache_view(stage),
+                        {s.kv.keys, s.kv.values, s.kv.slot_positions, s.kv.slots, 0, 0}, launch()),
+        "store staged K/V");
+  }
+}
+
 void CudaBackend::decode_rows(Rows q, const int32_t* positions,
                               std::span<const engine::SequenceRows> sequences, int window,
                               float scale, Rows out, const DecodePrepare* prepare,

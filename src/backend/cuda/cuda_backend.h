@@ -154,6 +154,19 @@ class CudaBackend final : public engine::Backend {
                           const engine::NormParams& norm, int window, float scale,
                           engine::Rows out) override;
 
+  // Per sequence: rows that fit as prepare_and_attend; longer tensor-core passes (a sliding ring
+  // shorter than window - 1 + rows) in one go: the rows' K/V stored into scratch instead of the
+  // ring, attended together with the ring (prefill_chunk_attention), then the ring updated
+  // (store_staged_kv): three launches instead of three per piece. Anything else (fp32
+  // activations, shapes the prefill kernel does not take) as the default pieces.
+  void prepare_and_attend_pieces(engine::Rows q, engine::Rows k, engine::Rows v,
+                                 const float* q_norm, const float* k_norm, bool norm_v,
+                                 int head_dim, const int32_t* positions,
+                                 const model::RopeParams& rope,
+                                 std::span<const engine::SequenceRows> sequences,
+                                 const engine::NormParams& norm, int window, float scale,
+                                 engine::Rows out, int64_t chunk_limit) override;
+
   // Where matmul takes the GEMV: the GEMV with GELU gating in its epilogue (gemv.h), one kernel
   // per 64 rows. Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the
   // gating (one more kernel).
@@ -271,6 +284,7 @@ class CudaBackend final : public engine::Backend {
   Status status_;
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
+  Scratch staged_kv_;         // prepare_and_attend_pieces: a pass's K/V and positions, staged
   Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
   Scratch pair_products_;     // matmul_gelu_pairs off the fused GEMV: the gate/up products
   // Once a graph is recorded it may hold scratch pointers: outgrown scratch is kept until the

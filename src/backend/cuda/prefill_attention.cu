@@ -11,13 +11,14 @@
 // fixed order (both warps then hold bit-identical scores and softmax statistics).
 //
 // Keys. The slots a block may need are [0, scanned) (position p lives in slot p % slots, so
-// slots past the block's largest query position hold none it can see); they are cut into tiles
-// of kKeys, and with splits > 1 each split block takes a contiguous share of the tiles and
-// writes unnormalised partials that prefill_merge_kernel combines (what fills the GPU when a
-// pass has few row tiles: E2B's one kv head). A block first lists the tiles some row of it can
-// see (positions read from slot_positions: ring slots and sliding windows make that set
-// irregular), then walks the list with the next tile's K/V loading (cp.async for bf16 caches)
-// while the current one is multiplied. Keys no row can see are not read but zeroed (a
+// slots past the block's largest query position hold none it can see) of the cache and, for
+// prefill_chunk_attention, of the staged chunk (a second source numbered after the cache's
+// tiles); they are cut into tiles of kKeys, and with splits > 1 each split block takes a contiguous
+// share of the tiles and writes unnormalised partials that prefill_merge_kernel combines (what
+// fills the GPU when a pass has few row tiles: E2B's one kv head). A block first lists the tiles
+// some row of it can see (positions read from slot_positions: ring slots and sliding windows make
+// that set irregular), then walks the list with the next tile's K/V loading (cp.async for bf16
+// caches) while the current one is multiplied. Keys no row can see are not read but zeroed (a
 // never-written slot must not reach the sums even with weight 0: 0 · NaN = NaN), and the
 // list-building pass records which they are, so a tile load never waits for memory.
 //
@@ -76,6 +77,14 @@ struct Layout {
   static_assert(2 * (kBytes + 1024) <= 228 * 1024, "two blocks per SM");
 };
 
+// Where keys come from: a cache (slots == 0: none), K/V of the args' kv_heads and element type.
+struct KeySource {
+  const void* keys;
+  const void* values;
+  const int32_t* slot_positions;
+  int64_t slots;
+};
+
 struct PrefillArgs {
   const float* q;
   int64_t q_stride;
@@ -83,10 +92,8 @@ struct PrefillArgs {
   int64_t queries;
   int group;  // q heads per kv head
   int kv_heads;
-  const void* keys;
-  const void* values;
-  const int32_t* slot_positions;
-  int64_t slots;
+  KeySource cache;
+  KeySource staged;  // the chunk's own K/V (prefill_chunk_attention), or none
   int window;
   float scale_log2;  // scale · log2(e)
   int splits;
@@ -153,37 +160,71 @@ __device__ __forceinline__ float unpacked_sum(uint32_t pair) {
   return __low2float(v) + __high2float(v);
 }
 
-// Starts loading tile `tile` (slots tile · kKeys ...) of kv head `kv_head` into K/V buffer
-// `buffer`, with its slot positions (-1 past the cache). Keys whose bit in `loaded` is clear
-// (empty slots, slots no row can see) are zeros, not read. bf16 caches: cp.async throughout
-// (the caller commits and waits: nothing here waits for memory); other caches: K/V converted
-// through registers, 4 elements per load, complete on return.
+// The tiles a block may visit: those of slots [0, scanned) of the cache, then those of the staged
+// chunk (position p lives in slot p % slots of either, so slots past the block's largest query
+// position hold none it can see). A tile is numbered in that order.
+struct TileSpace {
+  int64_t cache_scanned, staged_scanned;
+  int64_t cache_tiles, tiles;
+};
+
+template <int kKeys>
+__device__ __forceinline__ TileSpace tile_space(const PrefillArgs& a, int32_t max_position) {
+  TileSpace space;
+  space.cache_scanned = min(a.cache.slots, int64_t{max_position} + 1);
+  space.staged_scanned = min(a.staged.slots, int64_t{max_position} + 1);
+  space.cache_tiles = (space.cache_scanned + kKeys - 1) / kKeys;
+  space.tiles = space.cache_tiles + (space.staged_scanned + kKeys - 1) / kKeys;
+  return space;
+}
+
+// Tile `tile` of the space as slots [first_slot, first_slot + kKeys) of one source.
+struct TileSlots {
+  KeySource source;
+  int64_t first_slot;
+  int64_t scanned;
+};
+
+template <int kKeys>
+__device__ __forceinline__ TileSlots tile_slots(const PrefillArgs& a, const TileSpace& space,
+                                                int64_t tile) {
+  const bool staged = tile >= space.cache_tiles;
+  return {staged ? a.staged : a.cache, (staged ? tile - space.cache_tiles : tile) * kKeys,
+          staged ? space.staged_scanned : space.cache_scanned};
+}
+
+// Starts loading tile `tile` of kv head `kv_head` into K/V buffer `buffer`, with its slot
+// positions (-1 past the source's slots). Keys whose bit in `loaded` is clear (empty slots, slots
+// no row can see) are zeros, not read. bf16 caches: cp.async throughout (the caller commits and
+// waits: nothing here waits for memory); other caches: K/V converted through registers, 4
+// elements per load, complete on return.
 template <int HD, typename Kv>
-__device__ void load_tile(const PrefillArgs& a, int kv_head, int64_t tile, uint32_t loaded,
-                          int buffer, unsigned char* shared) {
+__device__ void load_tile(const PrefillArgs& a, const TileSpace& space, int kv_head, int64_t tile,
+                          uint32_t loaded, int buffer, unsigned char* shared) {
   using L = Layout<HD>;
   constexpr bool kAsync = std::is_same_v<Kv, bf16>;
   constexpr int kElementsPerChunk = kAsync ? 8 : 4;
   constexpr int kChunksPerKey = HD / kElementsPerChunk;
   constexpr int kChunksPerThread = L::kKeys * kChunksPerKey / kThreads;
   static_assert(L::kKeys * kChunksPerKey % kThreads == 0);
-  const int64_t first_slot = tile * L::kKeys;
+  const TileSlots at = tile_slots<L::kKeys>(a, space, tile);
+  const int64_t first_slot = at.first_slot;
   int32_t* key_position = reinterpret_cast<int32_t*>(shared + L::kKeyPosition) + buffer * L::kKeys;
   bf16* k_tile = reinterpret_cast<bf16*>(shared + L::kK + buffer * L::kTileBytes);
   bf16* v_tile = reinterpret_cast<bf16*>(shared + L::kV + buffer * L::kTileBytes);
   if (threadIdx.x < L::kKeys) {
     const int64_t slot = first_slot + threadIdx.x;
-    if (slot < a.slots) {
+    if (slot < at.source.slots) {
       asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
                        shared_address(key_position + threadIdx.x)),
-                   "l"(a.slot_positions + slot));
+                   "l"(at.source.slot_positions + slot));
     } else {
       key_position[threadIdx.x] = -1;
     }
   }
   const int64_t row_elements = int64_t{a.kv_heads} * HD;
-  const Kv* keys = static_cast<const Kv*>(a.keys) + int64_t{kv_head} * HD;
-  const Kv* values = static_cast<const Kv*>(a.values) + int64_t{kv_head} * HD;
+  const Kv* keys = static_cast<const Kv*>(at.source.keys) + int64_t{kv_head} * HD;
+  const Kv* values = static_cast<const Kv*>(at.source.values) + int64_t{kv_head} * HD;
   if constexpr (kAsync) {
 #pragma unroll
     for (int j = 0; j < kChunksPerThread; ++j) {
@@ -280,11 +321,10 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
   const int32_t my_position[2] = {row_position[row_tile * kWarpRows + quad_row],
                                   row_position[row_tile * kWarpRows + quad_row + 8]};
 
-  // This split's share of the tiles of slots [0, scanned).
-  const int64_t scanned = min(a.slots, int64_t{max_position} + 1);
-  const int64_t tiles = (scanned + kKeys - 1) / kKeys;
-  const int64_t tile_begin = tiles * split / a.splits;
-  const int64_t tile_end = tiles * (split + 1) / a.splits;
+  // This split's share of the tiles.
+  const TileSpace space = tile_space<kKeys>(a, max_position);
+  const int64_t tile_begin = space.tiles * split / a.splits;
+  const int64_t tile_end = space.tiles * (split + 1) / a.splits;
 
   float o[kDimTiles][4] = {};
   float row_max[2] = {-INFINITY, -INFINITY};  // log2 units
@@ -297,11 +337,12 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
     uint32_t loaded = 0;
     const int64_t tile = chunk + threadIdx.x;
     if (tile < tile_end) {
+      const TileSlots at = tile_slots<kKeys>(a, space, tile);
       // Independent loads (no early exit): one memory round trip per tile, not kKeys.
 #pragma unroll
       for (int k = 0; k < kKeys; ++k) {
-        const int64_t slot = tile * kKeys + k;
-        const int32_t p = slot < scanned ? __ldg(a.slot_positions + slot) : -1;
+        const int64_t slot = at.first_slot + k;
+        const int32_t p = slot < at.scanned ? __ldg(at.source.slot_positions + slot) : -1;
         const bool seen =
             p >= 0 && p <= max_position && (a.window == 0 || min_position - p < a.window);
         loaded |= static_cast<uint32_t>(seen) << k;
@@ -323,12 +364,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
     __syncthreads();
     if (count == 0) continue;
 
-    load_tile<HD, Kv>(a, kv_head, tile_list[0], tile_loaded[0], 0, shared);
+    load_tile<HD, Kv>(a, space, kv_head, tile_list[0], tile_loaded[0], 0, shared);
     cp_async_commit();
     for (int i = 0; i < count; ++i) {
       const int buffer = i % 2;
       if (i + 1 < count) {
-        load_tile<HD, Kv>(a, kv_head, tile_list[i + 1], tile_loaded[i + 1], 1 - buffer, shared);
+        load_tile<HD, Kv>(a, space, kv_head, tile_list[i + 1], tile_loaded[i + 1], 1 - buffer,
+                          shared);
         cp_async_commit();
         cp_async_wait<1>();
       } else {
@@ -496,6 +538,45 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// store_staged_kv: block b copies staged slots [b, b + 1) · kStoredSlotsPerBlock, each holding a
+// position among the last cache.slots staged ones (p + cache.slots > the largest: what writing
+// every staged row in position order would leave), to cache slot p % cache.slots, as raw 16-byte
+// words (both are of one element type; `cache` is read for its pointers and slots only).
+constexpr int kStoredSlotsPerBlock = 8;
+
+__global__ void __launch_bounds__(kThreads)
+    store_staged_kernel(KeySource staged, SequenceKv cache, int64_t row_words) {
+  pdl_trigger_dependents();
+  __shared__ int32_t warp_latest[kWarps];
+  pdl_wait_for_predecessors();
+  int32_t latest = -1;
+  for (int64_t slot = threadIdx.x; slot < staged.slots; slot += kThreads) {
+    latest = max(latest, staged.slot_positions[slot]);
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    latest = max(latest, __shfl_xor_sync(0xFFFFFFFFu, latest, offset));
+  }
+  if (threadIdx.x % 32 == 0) warp_latest[threadIdx.x / 32] = latest;
+  __syncthreads();
+  for (int w = 0; w < kWarps; ++w) latest = max(latest, warp_latest[w]);
+
+  const int64_t first = int64_t{blockIdx.x} * kStoredSlotsPerBlock;
+  for (int64_t slot = first; slot < min(first + kStoredSlotsPerBlock, staged.slots); ++slot) {
+    const int32_t position = staged.slot_positions[slot];
+    if (position < 0 || position + cache.slots <= latest) continue;
+    const int64_t target = position % cache.slots;
+    const auto* staged_keys = static_cast<const uint4*>(staged.keys) + slot * row_words;
+    const auto* staged_values = static_cast<const uint4*>(staged.values) + slot * row_words;
+    auto* keys = static_cast<uint4*>(cache.keys) + target * row_words;
+    auto* values = static_cast<uint4*>(cache.values) + target * row_words;
+    for (int64_t i = threadIdx.x; i < row_words; i += kThreads) {
+      keys[i] = staged_keys[i];
+      values[i] = staged_values[i];
+    }
+    if (threadIdx.x == 0) cache.slot_positions[target] = position;
+  }
+}
+
 template <int HD, typename Kv>
 cudaError_t launch_prefill_attention(const PrefillArgs& args, const Launch& launch) {
   using L = Layout<HD>;
@@ -528,6 +609,56 @@ int64_t rows_per_block(int head_dim) {
 
 int64_t keys_per_tile(int head_dim) {
   return head_dim == 256 ? Layout<256>::kKeys : Layout<512>::kKeys;
+}
+
+// A uniform view of one sequence's slots the kernels take (head_dim 256 or 512, 16-byte aligned).
+bool valid_source(const KvCacheView& kv) {
+  return kv.keys != nullptr && kv.values != nullptr && kv.slot_positions != nullptr &&
+         kv.slots >= 1 && kv.kv_heads >= 1 && kv.sequences == nullptr &&
+         (kv.head_dim == 256 || kv.head_dim == 512) && aligned16(kv.keys) && aligned16(kv.values);
+}
+
+KeySource source_of(const KvCacheView& kv) {
+  return {kv.keys, kv.values, kv.slot_positions, kv.slots};
+}
+
+// prefill_attention over the keys of `kv` and, if `staged` is not null, those of *staged.
+cudaError_t attend(const RowsView& q, const int32_t* positions, const KvCacheView& kv,
+                   const KvCacheView* staged, int window, float scale, const RowsView& out,
+                   float* partials, int splits, const Launch& launch) {
+  const int head_dim = kv.head_dim;
+  if (q.data == nullptr || out.data == nullptr || q.rows < 1 || out.rows != q.rows ||
+      out.width != q.width || q.stride < q.width || out.stride < out.width ||
+      positions == nullptr || !valid_source(kv) || q.width % head_dim != 0 ||
+      (q.width / head_dim) % kv.kv_heads != 0 || q.width / head_dim > INT_MAX || splits < 1 ||
+      splits > 65535 || (splits > 1 && partials == nullptr) ||
+      q.rows * (q.width / head_dim) > INT_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  PrefillArgs args = {};
+  args.q = q.data;
+  args.q_stride = q.stride;
+  args.positions = positions;
+  args.queries = q.rows;
+  args.group = static_cast<int>(q.width / head_dim / kv.kv_heads);
+  args.kv_heads = kv.kv_heads;
+  args.cache = source_of(kv);
+  if (staged != nullptr) args.staged = source_of(*staged);
+  args.window = window;
+  args.scale_log2 = scale * kLog2e;
+  args.splits = splits;
+  args.out = out.data;
+  args.out_stride = out.stride;
+  args.partials = partials;
+  const cudaError_t status = with_kv_type(kv.type, [&](auto element) {
+    return launch_for_head_dim<decltype(element)>(args, head_dim, launch);
+  });
+  if (status != cudaSuccess || splits == 1) return status;
+  const int64_t rows = q.rows * (q.width / head_dim);
+  return launch_kernel(prefill_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
+                       launch, static_cast<const float*>(partials), q.rows,
+                       static_cast<int>(q.width / head_dim), head_dim, splits, out.data,
+                       out.stride);
 }
 
 }  // namespace
@@ -570,43 +701,35 @@ int prefill_attention_splits(int64_t queries, int q_heads, const KvCacheView& kv
 cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const KvCacheView& kv,
                               int window, float scale, const RowsView& out, float* partials,
                               int splits, const Launch& launch) {
-  const int head_dim = kv.head_dim;
-  if (q.data == nullptr || out.data == nullptr || q.rows < 1 || out.rows != q.rows ||
-      out.width != q.width || q.stride < q.width || out.stride < out.width ||
-      positions == nullptr || kv.keys == nullptr || kv.values == nullptr ||
-      kv.slot_positions == nullptr || kv.slots < 1 || kv.kv_heads < 1 || kv.sequences != nullptr ||
-      (head_dim != 256 && head_dim != 512) || q.width % head_dim != 0 ||
-      (q.width / head_dim) % kv.kv_heads != 0 || q.width / head_dim > INT_MAX ||
-      !aligned16(kv.keys) || !aligned16(kv.values) || splits < 1 || splits > 65535 ||
-      (splits > 1 && partials == nullptr) || q.rows * (q.width / head_dim) > INT_MAX) {
+  return attend(q, positions, kv, nullptr, window, scale, out, partials, splits, launch);
+}
+
+cudaError_t prefill_chunk_attention(const RowsView& q, const int32_t* positions,
+                                    const KvCacheView& kv, const KvCacheView& staged, int window,
+                                    float scale, const RowsView& out, float* partials, int splits,
+                                    const Launch& launch) {
+  if (!valid_source(staged) || staged.kv_heads != kv.kv_heads || staged.head_dim != kv.head_dim ||
+      staged.type != kv.type) {
     return cudaErrorInvalidValue;
   }
-  PrefillArgs args = {};
-  args.q = q.data;
-  args.q_stride = q.stride;
-  args.positions = positions;
-  args.queries = q.rows;
-  args.group = static_cast<int>(q.width / head_dim / kv.kv_heads);
-  args.kv_heads = kv.kv_heads;
-  args.keys = kv.keys;
-  args.values = kv.values;
-  args.slot_positions = kv.slot_positions;
-  args.slots = kv.slots;
-  args.window = window;
-  args.scale_log2 = scale * kLog2e;
-  args.splits = splits;
-  args.out = out.data;
-  args.out_stride = out.stride;
-  args.partials = partials;
-  const cudaError_t status = with_kv_type(kv.type, [&](auto element) {
-    return launch_for_head_dim<decltype(element)>(args, head_dim, launch);
-  });
-  if (status != cudaSuccess || splits == 1) return status;
-  const int64_t rows = q.rows * (q.width / head_dim);
-  return launch_kernel(prefill_merge_kernel, dim3(static_cast<unsigned>(rows)), dim3(kThreads), 0,
-                       launch, static_cast<const float*>(partials), q.rows,
-                       static_cast<int>(q.width / head_dim), head_dim, splits, out.data,
-                       out.stride);
+  return attend(q, positions, kv, &staged, window, scale, out, partials, splits, launch);
+}
+
+cudaError_t store_staged_kv(const KvCacheView& staged, const SequenceKv& kv, const Launch& launch) {
+  if (!valid_source(staged) || kv.keys == nullptr || kv.values == nullptr ||
+      kv.slot_positions == nullptr || kv.slots < 1 || !aligned16(kv.keys) ||
+      !aligned16(kv.values) ||
+      (staged.slots + kStoredSlotsPerBlock - 1) / kStoredSlotsPerBlock > INT_MAX) {
+    return cudaErrorInvalidValue;
+  }
+  // Every element type's row of 256 or 512 dims per kv head is a whole number of 16-byte words.
+  const int64_t row_bytes =
+      int64_t{staged.kv_heads} * staged.head_dim *
+      static_cast<int64_t>(with_kv_type(staged.type, [](auto element) { return sizeof(element); }));
+  const auto blocks =
+      static_cast<unsigned>((staged.slots + kStoredSlotsPerBlock - 1) / kStoredSlotsPerBlock);
+  return launch_kernel(store_staged_kernel, dim3(blocks), dim3(kThreads), 0, launch,
+                       source_of(staged), kv, row_bytes / 16);
 }
 
 }  // namespace gemma4::cuda

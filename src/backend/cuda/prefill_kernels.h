@@ -52,6 +52,24 @@ cudaError_t prefill_attention(const RowsView& q, const int32_t* positions, const
                               int window, float scale, const RowsView& out, float* partials,
                               int splits, const Launch& launch);
 
+// prefill_attention over the slots of `kv` and of `staged` together: a chunk's queries against
+// the cache as it was before the chunk (its slots never hold a position of the chunk) and the
+// chunk's own K/V, stored by prepare_attention into `staged` (a view of the same kv_heads,
+// head_dim and element type; its slots hold nothing else) instead of the cache. So a sliding
+// ring too small to write a chunk and then attend it (window - 1 + chunk live slots) attends it
+// in one launch; store_staged_kv then updates the ring.
+cudaError_t prefill_chunk_attention(const RowsView& q, const int32_t* positions,
+                                    const KvCacheView& kv, const KvCacheView& staged, int window,
+                                    float scale, const RowsView& out, float* partials, int splits,
+                                    const Launch& launch);
+
+// Leaves `kv` (the cache prefill_chunk_attention read, as a SequenceKv: first_row and rows unused)
+// as writing every staged position's K/V in position order would: the staged slots whose position
+// is among the last kv.slots staged ones are copied to slot position % kv.slots, which then
+// records that position. One launch; cudaErrorInvalidValue, launching nothing, for views
+// prefill_chunk_attention does not take.
+cudaError_t store_staged_kv(const KvCacheView& staged, const SequenceKv& kv, const Launch& launch);
+
 // Splits that fill the GPU for `queries` queries of q_heads heads against `kv` (a function of
 // the shapes and the cache's capacity only, so a recorded pass replays the same launches).
 int prefill_attention_splits(int64_t queries, int q_heads, const KvCacheView& kv);
