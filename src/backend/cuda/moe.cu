@@ -962,7 +962,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
   if (path == MoePath::kGrouped) return grouped_workspace_layout(shape, tokens, top_k);
   MoeWorkspaceLayout layout;  // the decode path's fp32 activations only
   layout.bytes = align16(sizeof(float) * tokens * top_k * shape.inner);
-  layout.expert_outputs = layout.plan = layout.staged_x = layout.bytes;
+  layout.expert_outputs = layout.plan = layout.bytes;
   return layout;
 }
 
@@ -974,7 +974,7 @@ cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
         args, reinterpret_cast<float*>(static_cast<char*>(args.workspace) + layout.activations),
         launch);
   }
-  return launch_grouped(args, launch);
+  return launch_grouped(args, layout, launch);
 }
 
 }  // namespace gemma4::cuda

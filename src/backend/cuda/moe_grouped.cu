@@ -395,18 +395,13 @@ __global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
   const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
   const int warp = threadIdx.x >> 5;
 
-  // Tile row r (warp r / 32's fragment r / 8 % 4, its row r % 8) is row `row` of mats[mat]:
+  // Tile row r (warp r / 32's fragment r / 8 % 4, its row r % 8) is row tile_row(r) of
+  // mats[tile_matrix(r)]:
   // gate/up fragments 0-1 are 16 gate rows, 2-3 the same 16 up rows (so that a lane holds the
   // gate and the up sum of the same output); down rows in order.
-  auto tile_row = [&](int r, int& mat, int64_t& row) {
-    if constexpr (kGateUp) {
-      const int fragment = r / 8 % 4;
-      mat = fragment >> 1;
-      row = column0 + 16 * (r / 32) + 8 * (fragment & 1) + r % 8;
-    } else {
-      mat = 0;
-      row = column0 + r;
-    }
+  auto tile_matrix = [&](int r) { return kGateUp ? r / 8 % 4 >> 1 : 0; };
+  auto tile_row = [&](int r) -> int64_t {
+    return kGateUp ? column0 + 16 * (r / 32) + 8 * (r / 8 % 2) + r % 8 : column0 + r;
   };
   auto load_span = [&](int span, int stage) {
     constexpr int kAPieces = kSpan / 8;  // 16-byte pieces of an activation row
@@ -423,12 +418,11 @@ __global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
     for (int pass = 0; pass < kTileRows * kSpanChunks<F> / kGroupedThreads; ++pass) {
       const int i = pass * kGroupedThreads + threadIdx.x;
       const int r = i / kSpanChunks<F>, piece = i % kSpanChunks<F>;
-      int mat;
-      int64_t row;
-      tile_row(r, mat, row);
+      const int64_t row = tile_row(r);
       const int64_t chunk = static_cast<int64_t>(span) * kSpanChunks<F> + piece;
       const bool valid = row < a.rows && chunk < chunks_per_row;
-      const uint4* base = static_cast<const uint4*>(mat ? mats[1].weights : mats[0].weights);
+      const uint4* base =
+          static_cast<const uint4*>(tile_matrix(r) ? mats[1].weights : mats[0].weights);
       cp_async16(&s.b[stage][r][piece], valid ? base + row * chunks_per_row + chunk : base, valid);
     }
     asm volatile("cp.async.commit_group;\n" ::);
@@ -439,9 +433,7 @@ __global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
     for (int f = 0; f < 4; ++f) {
       bits[f] = 0;
       if constexpr (F != PackedFormat::kBF16) {
-        int mat;  // kGateUp ? f >> 1 : 0, known at compile time
-        int64_t row;
-        tile_row(32 * warp + 8 * f + g, mat, row);
+        const int64_t row = tile_row(32 * warp + 8 * f + g);
         const int64_t chunk = static_cast<int64_t>(span) * kSpanChunks<F> + t;
         if (row < a.rows && chunk < chunks_per_row) {
           bits[f] = load_scale_bits<F>(mats[kGateUp ? f >> 1 : 0], row, chunk);
@@ -639,6 +631,12 @@ size_t align16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
+// x in bf16 (staged order, [tokens, staged_width(hidden)]) follows the plan.
+size_t staged_x_offset(const MoeWorkspaceLayout& layout, const MoeShape& shape, int tokens,
+                       int top_k) {
+  return layout.plan + align16(sizeof(int32_t) * plan_words(tokens * top_k, shape.num_experts));
+}
+
 unsigned blocks(int64_t n, int64_t per_block) {
   return static_cast<unsigned>((n + per_block - 1) / per_block);
 }
@@ -682,21 +680,20 @@ MoeWorkspaceLayout grouped_workspace_layout(const MoeShape& shape, int tokens, i
   layout.activations = 0;
   layout.expert_outputs = align16(sizeof(__nv_bfloat16) * pairs * staged_width(shape.inner));
   layout.plan = layout.expert_outputs + align16(sizeof(float) * pairs * shape.hidden);
-  layout.staged_x = layout.plan + align16(sizeof(int32_t) *
-                                          plan_words(static_cast<int>(pairs), shape.num_experts));
-  layout.bytes =
-      layout.staged_x + align16(sizeof(__nv_bfloat16) * tokens * staged_width(shape.hidden));
+  layout.bytes = staged_x_offset(layout, shape, tokens, top_k) +
+                 align16(sizeof(__nv_bfloat16) * tokens * staged_width(shape.hidden));
   return layout;
 }
 
-cudaError_t launch_grouped(const MoeRunArgs& args, const Launch& launch) {
+cudaError_t launch_grouped(const MoeRunArgs& args, const MoeWorkspaceLayout& layout,
+                           const Launch& launch) {
   const MoeShape& shape = args.shape;
-  const MoeWorkspaceLayout layout = grouped_workspace_layout(shape, args.tokens, args.top_k);
   auto* workspace = static_cast<char*>(args.workspace);
   auto* activations = reinterpret_cast<__nv_bfloat16*>(workspace + layout.activations);
   auto* expert_outputs = reinterpret_cast<float*>(workspace + layout.expert_outputs);
   auto* plan = reinterpret_cast<int32_t*>(workspace + layout.plan);
-  auto* staged_x = reinterpret_cast<__nv_bfloat16*>(workspace + layout.staged_x);
+  auto* staged_x = reinterpret_cast<__nv_bfloat16*>(
+      workspace + staged_x_offset(layout, shape, args.tokens, args.top_k));
   const int pairs = args.tokens * args.top_k;
   const PlanArgs plan_args = {args.expert_ids, pairs,       shape.num_experts, plan,    args.x,
                               args.x_stride,   args.tokens, shape.hidden,      staged_x};

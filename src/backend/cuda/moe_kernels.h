@@ -113,14 +113,12 @@ struct MoeRunArgs {
 };
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
-// activations [pairs, inner] (fp32 on the decode path; on the grouped one bf16 in its staged
-// order, rows padded to whole spans: moe_grouped.cu) and, grouped only, expert outputs
-// [pairs, hidden] f32, the expert grouping and x in bf16 (staged order).
+// activations [pairs, inner] (fp32 on the decode path, bf16 on the grouped one) and, grouped
+// only, expert outputs [pairs, hidden] f32 and the expert grouping.
 struct MoeWorkspaceLayout {
   size_t activations = 0;
   size_t expert_outputs = 0;
   size_t plan = 0;
-  size_t staged_x = 0;
   size_t bytes = 0;
 };
 MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k, MoePath path);
