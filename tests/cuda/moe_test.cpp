@@ -345,6 +345,21 @@ TEST(MoeExperts, TinyAllFormats) {
   }
 }
 
+// The grouped GEMM's tiles (64 pairs of one expert) at real shapes: a prefill pass of 512 tokens
+// (~32 pairs per expert, some experts with none), 97 tokens (partial 16-row fragments), and 160
+// tokens that all pick experts 0 .. 7 (160 pairs each: tiles of 64, 64 and 32).
+TEST(MoeExperts, GroupedTilesAtRealShapes) {
+  CpuBackend cpu(0);
+  uint32_t seed = 800;
+  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
+    check_run(cpu, set, 97, kTopK, seed++);
+    check_run(cpu, set, 160, kTopK, seed++, {.same_experts = true});
+    if (f.format == WeightFormat::kNVFP4) check_run(cpu, set, kMoeTokensPerPass, kTopK, seed++);
+  }
+}
+
 // The decode kernels stage one token's activations in shared memory: x (hidden floats) for
 // gate/up, top_k · inner floats for down (half that as fp16 on tensor cores). Rows beyond the
 // default 48 KiB of dynamic shared memory (hidden 13312: 52 KiB; top_k 8 of inner 1664: 52 KiB)

@@ -7,7 +7,7 @@
 //     small batches) every (token, expert) pair runs as a GEMV (NVFP4 products on fp16 tensor
 //     cores, other formats in fp32); from there on (prefill) the pairs are grouped by expert on
 //     the device and run as tensor-core tiles with bf16 inputs, each selected expert's weights
-//     read once per 32 of its pairs; MoePrecision::kExactF32 runs fp32 GEMVs at every token
+//     read once per 64 of its pairs; MoePrecision::kExactF32 runs fp32 GEMVs at every token
 //     count instead. Deterministic.
 // Expert weights: kW4G32 (bf16/f16/f32 scales), kNVFP4 (divisor or multiplier global scale) or
 // kBF16, dequantized in registers; fp32 accumulation. No host round-trip: every launch is
