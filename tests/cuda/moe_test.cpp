@@ -1,8 +1,9 @@
 // MoE kernels (moe.h) against the CPU backend's route_experts / run_experts (the reference every
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
-// expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
-// grouped tensor-core tiles from there on; decode at every count under MoePrecision::kExactF32).
+// expert weight format, router ties, every path (decode per pair for one token, per expert below
+// kMoeGroupedMinTokens tokens, grouped tensor-core tiles from there on; decode at every count
+// under MoePrecision::kExactF32).
 // Also CudaBackend::moe_norms against the CPU backend's default composition.
 #include "backend/cuda/moe.h"
 
@@ -46,6 +47,13 @@ constexpr double kTolerance = 1e-3;
 // down), below the bf16 budget; 2e-3 of the row's largest magnitude leaves room while any
 // indexing mistake is O(100 %).
 constexpr double kDecodeTensorCoreTolerance = 2e-3;
+// Decode path by expert: per pair the arithmetic of the decode path on tensor cores (NVFP4) or the
+// fp32 decode path (other formats), so the same tolerances against the CPU; against those paths
+// themselves only the fp32 summation order differs (the mma chains run over all of K in one warp,
+// the picks are summed after their products), and for NVFP4's down projection the fp16 staging of
+// values below fp16's normal range (its scale comes from the pair's row, not the token's top_k
+// rows): a few fp32 roundings of the sums, 2e-5 of the row's largest magnitude.
+constexpr double kByExpertAgainstPerPair = 2e-5;
 // Grouped path: tokens, activations and w4g32 weights enter the tensor cores as bf16 (relative
 // rounding 2^-9 each). A float64 model of exactly that rounding at 26B-A4B shapes (random
 // w4g32 / NVFP4 experts, x uniform in [-1, 1]) puts the largest error at 0.55-0.62 % of the row's
@@ -119,8 +127,12 @@ struct Routing {
   std::vector<float> weights;
 };
 
-Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint32_t seed) {
+Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint32_t seed,
+                  int shared_experts = 0) {
   std::vector<float> logits = testing::random_floats(tokens * num_experts, -4.0f, 4.0f, seed);
+  for (int t = 0; t < tokens; ++t) {
+    std::fill_n(logits.begin() + t * num_experts, shared_experts, 8.0f);
+  }
   const std::vector<float> scale = testing::random_floats(num_experts, 0.5f, 1.5f, seed + 1);
   Routing r;
   r.ids.resize(tokens * top_k);
@@ -134,6 +146,9 @@ struct RunOptions {
   bool strided = false;       // x and out rows wider than hidden
   bool invalid_id = false;    // one pick outside the table (contributes nothing)
   bool same_experts = false;  // every token picks experts 0 .. top_k-1 (one long slot each)
+  // Experts 0 .. shared_experts-1 tie at the top of every token's logits (the router keeps them,
+  // lowest ids first): slots of `tokens` pairs beside the random picks' short ones.
+  int shared_experts = 0;
   // A path forced through launch_moe (at most kMoeTokensPerPass tokens), else run_experts' own.
   std::optional<MoePath> path = std::nullopt;
   // run_experts' precision (when no path is forced).
@@ -146,6 +161,8 @@ const char* path_name(MoePath path) {
       return "decode path";
     case MoePath::kDecodeTensorCores:
       return "decode path on tensor cores";
+    case MoePath::kDecodeByExpert:
+      return "decode path by expert";
     case MoePath::kGrouped:
       return "grouped path";
   }
@@ -157,7 +174,8 @@ double tolerance_for(MoePath path, const model::ExpertMatrices& experts) {
   if (path == MoePath::kGrouped) return kGroupedTolerance;
   const bool nvfp4 =
       experts.gate.format == WeightFormat::kNVFP4 || experts.down.format == WeightFormat::kNVFP4;
-  return path == MoePath::kDecodeTensorCores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
+  const bool tensor_cores = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
+  return tensor_cores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
 }
 
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
@@ -170,12 +188,15 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
                " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
                (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
                (options.same_experts ? " same experts" : "") +
+               (options.shared_experts > 0
+                    ? " shared experts " + std::to_string(options.shared_experts)
+                    : std::string()) +
                (options.path ? std::string(" ") + path_name(*options.path) : std::string()) +
                (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
-  Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1);
+  Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1, options.shared_experts);
   // Both kinds of invalid id: negative and one past the table.
   if (options.same_experts) {
     for (size_t i = 0; i < routing.ids.size(); ++i)
@@ -354,10 +375,12 @@ TEST(MoeExperts, DecodeStagingBeyond48KiB) {
   uint32_t seed = 620;
   const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
   check_run(cpu, wide, 1, 4, seed++);
+  check_run(cpu, wide, 2, 4, seed++);  // by expert: 8 staged columns of 13312 fp16 (208 KiB)
   check_run(cpu, wide, 1, 4, seed++, {.precision = MoePrecision::kExactF32});
   check_run(cpu, wide, 2, 4, seed++, {.strided = true, .precision = MoePrecision::kExactF32});
   const ExpertSet wide_down = make_experts(kNvfp4Multiplier, 8, 64, 6656, seed++);
   check_run(cpu, wide_down, 1, 4, seed++);  // tensor cores: 4 · 6656 fp16 = 52 KiB staged
+  check_run(cpu, wide_down, 3, 4, seed++);  // by expert: 8 columns of 6656 fp16 (104 KiB)
   const ExpertSet deep = make_experts(kW4G32Bf16, 16, 96, 1664, seed++);
   check_run(cpu, deep, 1, 8, seed++);
   check_run(cpu, deep, 3, 8, seed++, {.invalid_id = true});
@@ -370,8 +393,97 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
   for (const ExpertFormat& f : {kW4G32Bf16, kNvfp4Multiplier}) {
     SCOPED_TRACE(f.name);
     const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
-    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
+    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
+                         MoePath::kGrouped}) {
       for (int tokens : {1, 8, 130}) check_run(cpu, set, tokens, 4, seed++, {.path = path});
+    }
+  }
+}
+
+// The decode path by expert (run_experts' default from kMoeByExpertMinTokens to
+// kMoeGroupedMinTokens - 1 tokens) at real shapes: random routings (most experts with no pair, a
+// few with two or three), experts that every token picks (tiles of more than 8 pairs: 32 and 39
+// pairs are 4 and 5 tiles), NVFP4 and w4g32 (the other formats and scale conventions at a tiny
+// shape below).
+TEST(MoeExperts, ByExpertRealShapes) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1200;
+  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
+    for (int tokens : {2, 5, 32, kMoeGroupedMinTokens - 1}) {
+      ASSERT_EQ(moe_path_for(tokens), MoePath::kDecodeByExpert);
+      check_run(cpu, set, tokens, kTopK, seed++);
+      check_run(cpu, set, tokens, kTopK, seed++, {.strided = true, .shared_experts = 3});
+    }
+    check_run(cpu, set, 9, kTopK, seed++, {.invalid_id = true, .same_experts = true});
+  }
+}
+
+// Unusual routings at a tiny shape, every format: invalid picks, more pairs than experts (every
+// slot live), top-16 of 16, and one expert that all 17 pairs pick (three tiles).
+TEST(MoeExperts, ByExpertTinyAllFormats) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1300;
+  for (const ExpertFormat& f :
+       {kW4G32Bf16, kW4G32F16, kW4G32F32, kNvfp4Divisor, kNvfp4Multiplier, kBf16Fused}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
+    const RunOptions by_expert = {.path = MoePath::kDecodeByExpert};
+    check_run(cpu, set, 2, 4, seed++, by_expert);
+    check_run(cpu, set, 11, 4, seed++,
+              {.strided = true, .invalid_id = true, .path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 20, 4, seed++, {.shared_experts = 2, .path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 3, 16, seed++, by_expert);
+    check_run(cpu, set, 17, 1, seed++, {.same_experts = true, .path = MoePath::kDecodeByExpert});
+  }
+}
+
+// Output of launch_moe on `path` for the given inputs (host copies).
+std::vector<float> run_path(const MoeExpertTable& table, const std::vector<float>& x, int tokens,
+                            const Routing& routing, int top_k, MoePath path) {
+  const int64_t hidden = table.shape().hidden;
+  DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * hidden);
+  DeviceArray<int32_t> ids(routing.ids);
+  DeviceArray<uint8_t> workspace(moe_workspace_layout(table.shape(), tokens, top_k, path).bytes);
+  const MoeRunArgs args = {table.device(), table.shape(), x_device.get(),  hidden,
+                           tokens,         top_k,         ids.get(),       weights.get(),
+                           out.get(),      hidden,        workspace.get(), path};
+  EXPECT_EQ(launch_moe(args, Launch{}), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  return out.download();
+}
+
+// The by-expert path against the per-pair path it replaces (tensor cores for NVFP4, fp32 for
+// w4g32) on the same inputs: equal up to fp32 summation order (kByExpertAgainstPerPair), a much
+// tighter bound than either's against the CPU.
+TEST(MoeExperts, ByExpertMatchesPerPairPath) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1400;
+  for (const ExpertFormat& f : {kNvfp4Divisor, kW4G32Bf16}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, kExperts, kHidden, kInner, seed++);
+    MoeExpertTable table;
+    CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+    const MoePath per_pair =
+        f.format == WeightFormat::kNVFP4 ? MoePath::kDecodeTensorCores : MoePath::kDecode;
+    for (int tokens : {2, 32}) {
+      SCOPED_TRACE("tokens=" + std::to_string(tokens));
+      const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, seed++);
+      const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, seed++, 2);
+      const std::vector<float> expected = run_path(table, x, tokens, routing, kTopK, per_pair);
+      const std::vector<float> got =
+          run_path(table, x, tokens, routing, kTopK, MoePath::kDecodeByExpert);
+      std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+      for (int t = 0; t < tokens; ++t) {
+        double row_max = 0.0;
+        for (int64_t j = 0; j < kHidden; ++j) {
+          row_max = std::max(row_max, std::fabs(reference[t * kHidden + j]));
+        }
+        std::fill_n(magnitude.begin() + t * kHidden, kHidden, row_max);
+      }
+      testing::expect_close(got, reference, magnitude, kByExpertAgainstPerPair,
+                            "by expert vs per pair");
     }
   }
 }
@@ -454,7 +566,7 @@ TEST(MoeExperts, Deterministic) {
   MoeExpertTable table;
   CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
   CpuBackend cpu(0);
-  for (int tokens : {40, 200}) {
+  for (int tokens : {32, 40, 200}) {
     SCOPED_TRACE(tokens);
     const Routing routing = cpu_route(cpu, tokens, 32, kTopK, 701);
     DeviceArray<float> x(testing::random_floats(tokens * 256, -1.0f, 1.0f, 702));
@@ -545,12 +657,13 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
 
 TEST(MoeExperts, KernelCount) {
   EXPECT_EQ(run_experts_kernel_count(1), 2);
-  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens - 1), 2);
+  EXPECT_EQ(run_experts_kernel_count(kMoeByExpertMinTokens), 3);
+  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens - 1), 3);
   EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens), 4);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass), 4);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
   EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
-  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 10);
+  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 11);
   EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);
   EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5, MoePrecision::kExactF32), 6);
 }

@@ -226,11 +226,21 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
 }
 
 int run_experts_kernel_count(int tokens, MoePrecision precision) {
-  // Per pass: decode path gate/up and down; grouped path plan, gate/up, down, combine.
+  // Per pass: decode path gate/up and down; by expert gate/up, down, combine; grouped path plan,
+  // gate/up, down, combine.
   int kernels = 0;
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
     const int pass = std::min(kMoeTokensPerPass, tokens - first);
-    kernels += moe_path_for(pass, precision) == MoePath::kGrouped ? 4 : 2;
+    switch (moe_path_for(pass, precision)) {
+      case MoePath::kGrouped:
+        kernels += 4;
+        break;
+      case MoePath::kDecodeByExpert:
+        kernels += 3;
+        break;
+      default:
+        kernels += 2;
+    }
   }
   return kernels;
 }

@@ -76,6 +76,9 @@ enum class MoePath : uint8_t {
   // kDecode's GEMVs with NVFP4 products on tensor cores (fp16 inputs, the activations rounded to
   // fp16 under a power-of-two scale; fp32 sums); other formats as kDecode. Two kernels.
   kDecodeTensorCores,
+  // kDecodeTensorCores' per-pair math, but one block set per selected expert reads its weights
+  // once for all the pairs that picked it (moe_by_expert.cu): three kernels.
+  kDecodeByExpert,
   kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
 };
 
@@ -91,10 +94,16 @@ inline constexpr int kMoeGroupedMinTokens = 40;
 // --fp32 mode needs), at the cost of reading each expert once per pair that picked it.
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 
+// Tokens from which run_experts reads each selected expert once (kDecodeByExpert) instead of once
+// per pair: one token has one pair per expert, and the per-pair kernels spread its 8 experts over
+// more blocks.
+inline constexpr int kMoeByExpertMinTokens = 2;
+
 constexpr MoePath moe_path_for(int tokens,
                                MoePrecision precision = MoePrecision::kBf16TensorCores) {
   if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
-  return tokens < kMoeGroupedMinTokens ? MoePath::kDecodeTensorCores : MoePath::kGrouped;
+  if (tokens >= kMoeGroupedMinTokens) return MoePath::kGrouped;
+  return tokens >= kMoeByExpertMinTokens ? MoePath::kDecodeByExpert : MoePath::kDecodeTensorCores;
 }
 
 struct MoeRunArgs {
@@ -113,8 +122,8 @@ struct MoeRunArgs {
 };
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
-// activations [pairs, inner] (fp32 on the decode path, bf16 on the grouped one) and, grouped
-// only, expert outputs [pairs, hidden] f32 and the expert grouping.
+// activations [pairs, inner] (fp32 on the decode paths, bf16 on the grouped one), expert outputs
+// [pairs, hidden] f32 (grouped and by expert) and, grouped only, the expert grouping.
 struct MoeWorkspaceLayout {
   size_t activations = 0;
   size_t expert_outputs = 0;
@@ -125,5 +134,10 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
 
 // Enqueues args.path for at most kMoeTokensPerPass tokens (moe.h); arguments already validated.
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
+
+// MoePath::kDecodeByExpert's three launches (moe_by_expert.cu), intermediates in `activations`
+// [pairs, inner] and `expert_outputs` [pairs, hidden] (moe_workspace_layout's).
+cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
+                                    float* expert_outputs, const Launch& launch);
 
 }  // namespace gemma4::cuda

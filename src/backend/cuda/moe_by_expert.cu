@@ -1,0 +1,539 @@
+// MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the decode path's per-pair arithmetic for a
+// few tokens (2 .. kMoeGroupedMinTokens − 1), with each selected expert's weights read ONCE for
+// every pair that picked it. The per-pair kernels (moe.cu) launch a block set per (token, expert)
+// pair, so at 32 tokens a layer reads its ~111 distinct experts 256 times; here there is one
+// block set per expert slot. Three launches after the router:
+//   1. gate/up: grid (expert slots, inner-row tiles); activations[p] = gelu_tanh(gate · x) ⊙ up · x
+//      (fp32) for every pair p of the slot's expert.
+//   2. down: grid (expert slots, hidden-row tiles); expert_outputs[p] = w_p · down ·
+//   activations[p].
+//   3. combine: out[t] = Σ_k expert_outputs[t · top_k + k], in ascending (expert id, k) order (the
+//      CPU reference's and the grouped combine's): deterministic, no atomics.
+// The grid never depends on the routing (graph-capturable, no host round-trip): there are
+// min(pairs, num_experts) slots, and every block finds its own expert on the device: slot s takes
+// the s-th smallest expert id any pair picked (a presence bitmap in shared memory), or exits when
+// fewer were picked. Its pairs are collected in ascending pair order, kTilePairs at a time (the
+// mma N dimension); an expert with more pairs loops over tiles, reading its weights again (L2).
+//
+// Arithmetic per pair, as the per-pair kernels (results equal up to fp32 summation order):
+//   - NVFP4 projections on tensor cores (moe.cu's "Decode path on tensor cores"): weights as the A
+//     operand (16 rows), the tile's pairs as the 8 columns of B, each column's activations staged
+//     as fp16 under its own power-of-two scale 2^p (the per-pair kernels' p: gate/up from the
+//     token's x row, down from the pair's weighted activation row, where the per-pair kernel takes
+//     the largest over the token's top_k rows: the fp16 values are the same unless they fall below
+//     fp16's normal range, 2^-30 of the row's largest magnitude).
+//   - other formats on CUDA cores in fp32 (dot_chunk_unscaled), lanes splitting K as moe.cu's
+//     decode_gate_up_kernel / decode_down_kernel do; gate/up then gives the same bits as there.
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/moe_decode.cuh"
+#include "backend/cuda/moe_kernels.h"
+
+namespace gemma4::cuda {
+namespace {
+
+constexpr int kTilePairs = 8;  // pairs per tile: the N of m16n8k16
+constexpr int kPresenceWords = kMaxRouterExperts / 32;
+
+struct ByExpertArgs {
+  const MoeExpert* experts;
+  int num_experts;
+  const int32_t* expert_ids;  // [pairs]
+  const float* weights;       // [pairs]: routing weights (down only)
+  int pairs;
+  int top_k;
+  int64_t rows;            // output rows: inner (gate/up) or hidden (down)
+  int64_t chunks_per_row;  // 16-byte chunks of one weight row
+  // Gate/up: x, row of pair p at source + (p / top_k) · source_stride; down: activations, row p
+  // at source + p · source_stride.
+  const float* source;
+  int64_t source_stride;
+  float* out;  // gate/up: activations; down: expert_outputs; row p at out + p · out_stride
+  int64_t out_stride;
+};
+
+// One block's expert and its current tile of pairs (shared memory).
+struct ExpertTile {
+  uint32_t present[kPresenceWords];  // bit e: some pair picked expert e
+  int cursor;                        // the next pair to examine
+  int count;                         // pairs in the current tile
+  int pairs[kTilePairs];
+};
+
+// The expert of slot `slot` (the slot-th smallest id any pair picked), or -1 when fewer experts
+// were picked. Every thread of the block calls it and gets the same answer.
+__device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& tile) {
+  if (threadIdx.x < static_cast<unsigned>(kPresenceWords)) tile.present[threadIdx.x] = 0;
+  if (threadIdx.x == 0) tile.cursor = 0;
+  __syncthreads();
+  for (int p = static_cast<int>(threadIdx.x); p < a.pairs; p += static_cast<int>(blockDim.x)) {
+    const int e = a.expert_ids[p];
+    if (e >= 0 && e < a.num_experts) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  int remaining = slot;
+  for (int w = 0; w < kPresenceWords; ++w) {
+    uint32_t bits = tile.present[w];
+    const int count = __popc(bits);
+    if (remaining < count) {
+      for (int i = 0; i < remaining; ++i) bits &= bits - 1;  // drop the lower set bits
+      return 32 * w + __ffs(bits) - 1;
+    }
+    remaining -= count;
+  }
+  return -1;
+}
+
+// The next (at most kTilePairs) pairs of `expert` in ascending order into tile.pairs; returns
+// their count, 0 when none are left. Every thread of the block calls it; the first __syncthreads
+// lets the previous tile's readers finish.
+__device__ int next_tile(const ByExpertArgs& a, int expert, ExpertTile& tile) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    int cursor = tile.cursor;
+    int count = 0;
+    while (cursor < a.pairs && count < kTilePairs) {  // warp-uniform
+      const int p = cursor + lane;
+      const bool match = p < a.pairs && a.expert_ids[p] == expert;
+      const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
+      const int rank = __popc(matches & ((1u << lane) - 1u));
+      const int room = kTilePairs - count;
+      if (match && rank < room) tile.pairs[count + rank] = p;
+      // The first match that does not fit starts the next tile.
+      const uint32_t overflow = __ballot_sync(0xFFFFFFFFu, match && rank == room);
+      if (overflow != 0) {
+        cursor += __ffs(overflow) - 1;
+        count = kTilePairs;
+      } else {
+        cursor += 32;
+        count += __popc(matches);
+      }
+    }
+    if (lane == 0) {
+      tile.cursor = cursor;
+      tile.count = count;
+    }
+  }
+  __syncthreads();
+  return tile.count;
+}
+
+// The activation row of pair p and the factor its staged values carry: gate/up the token's x
+// row (factor 1, NVFP4's global scale applied to the sums); down the pair's activations times its
+// routing weight with the down matrix's NVFP4 global scale folded in (as decode_down_kernel).
+template <bool kGateUp>
+__device__ __forceinline__ const float* pair_source(const ByExpertArgs& a, int p) {
+  return a.source + static_cast<int64_t>(kGateUp ? p / a.top_k : p) * a.source_stride;
+}
+template <PackedFormat F, bool kGateUp>
+__device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMatrix& down, int p) {
+  if constexpr (kGateUp) {
+    return 1.0f;
+  } else {
+    return apply_global_scale<F>(down, a.weights[p]);
+  }
+}
+
+// ---- NVFP4 on tensor cores ----
+
+constexpr int kMmaWarps = 4;           // each its own rows, all of K
+constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
+// A rows per warp: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down 16 rows.
+template <bool kGateUp>
+constexpr int kMmaRowsPerWarp = kGateUp ? 8 : 16;
+// One staged column: its chunks, kStagedWordsPerChunk words each, plus 4 words that shift the
+// columns' banks apart (the lanes of a quarter warp read 2 columns at once).
+__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
+  return chunks * kStagedWordsPerChunk + 4;
+}
+size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
+  return sizeof(uint32_t) *
+         static_cast<size_t>(std::min(pairs, kTilePairs) * mma_column_words(chunks) +
+                             kStagedWordsPerChunk);
+}
+
+// Stages the tile's columns (one warp per column, 2^p from the column's own largest magnitude as
+// stage_mma_activations does for one) and a zero chunk after them; the exponents to `exponents`.
+template <bool kGateUp>
+__device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
+                               int chunks, uint32_t* staged, int* exponents) {
+  const int lane = threadIdx.x & 31;
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  const int pieces = 4 * chunks;  // of 8 floats
+  for (int column = static_cast<int>(threadIdx.x >> 5); column < tile.count; column += warps) {
+    const int p = tile.pairs[column];
+    const float4* source = reinterpret_cast<const float4*>(pair_source<kGateUp>(a, p));
+    const float factor = pair_factor<PackedFormat::kNVFP4, kGateUp>(a, down, p);
+    float largest = 0.0f;
+    for (int piece = lane; piece < pieces; piece += 32) {
+      const float4 lo = __ldg(source + 2 * piece);
+      const float4 hi = __ldg(source + 2 * piece + 1);
+      largest = fmaxf(largest, fmaxf(fmaxf(fabsf(lo.x * factor), fabsf(lo.y * factor)),
+                                     fmaxf(fabsf(lo.z * factor), fabsf(lo.w * factor))));
+      largest = fmaxf(largest, fmaxf(fmaxf(fabsf(hi.x * factor), fabsf(hi.y * factor)),
+                                     fmaxf(fabsf(hi.z * factor), fabsf(hi.w * factor))));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset /= 2) {
+      largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+    }
+    const int exponent = staging_exponent(largest);
+    const float f = factor * ldexpf(1.0f, exponent);
+    auto pair = [f](float x, float y) {
+      const __half2 h = __floats2half2_rn(x * f, y * f);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    };
+    // Piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4) ... (v3,
+    // v7): nibble pairs (s, s + 4) of the weight word.
+    uint4* column_words = reinterpret_cast<uint4*>(staged + column * mma_column_words(chunks));
+    for (int piece = lane; piece < pieces; piece += 32) {
+      const float4 lo = __ldg(source + 2 * piece);
+      const float4 hi = __ldg(source + 2 * piece + 1);
+      column_words[piece] =
+          make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
+    }
+    if (lane == 0) exponents[column] = exponent;
+  }
+}
+
+// Block (s, y): rows y · kMmaWarps · kMmaRowsPerWarp ... of slot s's expert (gate/up: inner rows,
+// gate and up each; down: hidden rows) for every pair of the expert.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpertArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
+  __shared__ ExpertTile tile;
+  __shared__ int exponents[kTilePairs];
+  extern __shared__ uint4 staged_words[];
+  uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
+  // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
+  // router's output (and load its weights) before its own wait.
+  if constexpr (kGateUp) {
+    pdl_wait_for_predecessors();
+    pdl_trigger_dependents();
+  } else {
+    pdl_trigger_dependents();
+  }
+  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile);
+  if (expert < 0) return;  // the whole block: fewer experts were picked
+  const MoeExpert& e = a.experts[expert];
+  const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int64_t warp_row =
+      (static_cast<int64_t>(blockIdx.y) * kMmaWarps + warp) * kMmaRowsPerWarp<kGateUp>;
+  // A rows g and g + 8: gate and up of one inner row, or two down rows.
+  const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int rounds = (chunks + 3) / 4;
+
+  uint4 weights[R][2];
+  uint32_t scale_bits[R][2];
+  auto load_rounds = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int chunk = 4 * (first + i) + t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool live = first + i < rounds && chunk < chunks && rows[h] < a.rows;
+        weights[i][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
+                                               rows[h] * a.chunks_per_row + chunk)
+                             : make_uint4(0, 0, 0, 0);
+        scale_bits[i][h] =
+            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
+      }
+    }
+  };
+  // The weights depend on the routing only: in flight while the first tile is found and staged
+  // (down: before the wait for the activations).
+  load_rounds(0);
+  if constexpr (!kGateUp) pdl_wait_for_predecessors();
+  bool first_tile = true;
+  while (next_tile(a, expert, tile) > 0) {
+    stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, exponents);
+    if (threadIdx.x < kStagedWordsPerChunk) {
+      staged[tile.count * mma_column_words(chunks) + threadIdx.x] = 0;
+    }
+    __syncthreads();
+    // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
+    const int column_count = tile.count;
+    const uint32_t* column = staged + g * mma_column_words(chunks);
+    const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int first = 0; first < rounds; first += R) {
+      if (!(first_tile && first == 0)) load_rounds(first);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (first + i >= rounds) break;  // warp-uniform
+        const int chunk = 4 * (first + i) + t;
+        const uint32_t* b =
+            g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
+        mma_round(acc, weights[i], scale_bits[i], b);
+      }
+    }
+    first_tile = false;
+    // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
+    // acc[3]).
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = 2 * t + j;
+      if (c >= column_count) continue;
+      const int64_t p = tile.pairs[c];
+      const float back = ldexpf(1.0f, kMmaWeightShift - exponents[c]);
+      if constexpr (kGateUp) {
+        const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
+        const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
+        if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = acc[2 * h + j] * back;
+        }
+      }
+    }
+  }
+}
+
+// ---- Other formats on CUDA cores (fp32) ----
+
+constexpr int kCoreWarps = 4;
+constexpr int kCoreRows = 2;           // rows per warp (gate/up: that many rows of each)
+constexpr int kCorePairs = 4;          // pairs whose activations are staged at once
+constexpr int kCoreChunksPerLane = 3;  // chunks a lane loads per pass
+
+size_t core_shared_bytes(int64_t row_elements, int pairs) {
+  return sizeof(float) * static_cast<size_t>(row_elements) * std::min(pairs, kCorePairs);
+}
+
+// Block (s, y): rows y · kCoreWarps · kCoreRows ... of slot s's expert for every pair of the
+// expert, kCorePairs at a time; each pair's sums as decode_gate_up_kernel / decode_down_kernel
+// form them (a lane's chunks in order, then a butterfly).
+template <PackedFormat F, bool kGateUp>
+__global__ void __launch_bounds__(kCoreWarps * 32) by_expert_core_kernel(ByExpertArgs a) {
+  constexpr int M = kGateUp ? 2 : 1;
+  constexpr int R = kCoreRows;
+  constexpr int G = kCoreChunksPerLane;
+  constexpr int kElems = kChunkElems<F>;
+  __shared__ ExpertTile tile;
+  __shared__ float factors[kTilePairs];
+  extern __shared__ float4 staged_rows[];
+  if constexpr (kGateUp) {
+    pdl_wait_for_predecessors();
+    pdl_trigger_dependents();
+  } else {
+    pdl_trigger_dependents();
+  }
+  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile);
+  if (expert < 0) return;
+  const MoeExpert& e = a.experts[expert];
+  const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
+  if constexpr (!kGateUp) pdl_wait_for_predecessors();
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kCoreWarps + warp) * R;
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int64_t pair_floats = a.chunks_per_row * kElems;
+  while (next_tile(a, expert, tile) > 0) {
+    // A tile holds up to kTilePairs pairs; kCorePairs of them are staged at a time.
+    for (int base_pair = 0; base_pair < tile.count; base_pair += kCorePairs) {
+      const int n = min(kCorePairs, tile.count - base_pair);
+      if (base_pair != 0) __syncthreads();  // the previous pairs' readers are done
+      for (int i = 0; i < n; ++i) {
+        const int p = tile.pairs[base_pair + i];
+        stage_activations<kElems>(pair_source<kGateUp>(a, p), chunks,
+                                  staged_rows + i * pair_floats / 4);
+        if (threadIdx.x == 0) factors[i] = pair_factor<F, kGateUp>(a, mats[0], p);
+      }
+      __syncthreads();
+      float acc[kCorePairs][M][R] = {};
+      for (int64_t base = 0; base < a.chunks_per_row; base += 32 * G) {
+        uint4 weights[G][M][R];
+        uint32_t scale_bits[G][M][R];
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int64_t chunk = base + 32 * j + lane;
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              const int64_t row = first_row + r;
+              const bool live = chunk < a.chunks_per_row && row < a.rows;
+              weights[j][m][r] = live ? load_weights_nc(static_cast<const uint4*>(mats[m].weights) +
+                                                        row * a.chunks_per_row + chunk)
+                                      : make_uint4(0, 0, 0, 0);
+              scale_bits[j][m][r] = live ? load_scale_bits<F>(mats[m], row, chunk) : 0u;
+            }
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < G; ++j) {
+          const int64_t chunk = base + 32 * j + lane;
+          if (chunk >= a.chunks_per_row) continue;
+#pragma unroll
+          for (int i = 0; i < kCorePairs; ++i) {
+            if (i >= n) break;
+            XChunk<kElems> xc;
+            load_staged_chunk<kElems>(staged_rows + i * pair_floats / 4, chunks,
+                                      static_cast<int>(chunk), xc);
+#pragma unroll
+            for (int m = 0; m < M; ++m) {
+#pragma unroll
+              for (int r = 0; r < R; ++r) {
+                const float dot =
+                    dot_chunk_unscaled<F>(weights[j][m][r], scale_bits[j][m][r], mats[m], xc);
+                if constexpr (kGateUp) {
+                  acc[i][m][r] += dot;
+                } else {
+                  acc[i][m][r] += factors[i] * dot;
+                }
+              }
+            }
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kCorePairs; ++i) {
+        if (i >= n) break;  // block-uniform
+        const int64_t p = tile.pairs[base_pair + i];
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const int64_t row = first_row + r;
+          float value = butterfly_sum<32>(acc[i][0][r]);
+          if constexpr (kGateUp) {
+            const float gate = apply_global_scale<F>(mats[0], value);
+            const float up = apply_global_scale<F>(mats[1], butterfly_sum<32>(acc[i][1][r]));
+            value = gelu_tanh(gate) * up;
+          }
+          if (lane == r && row < a.rows) a.out[p * a.out_stride + row] = value;
+        }
+      }
+    }
+  }
+}
+
+// ---- Combine ----
+
+constexpr int kCombineThreads = 256;
+
+struct ByExpertCombineArgs {
+  const int32_t* expert_ids;  // [tokens, top_k]
+  int top_k;
+  int num_experts;
+  const float* expert_outputs;  // [pairs, hidden], weighted
+  int64_t hidden;
+  float* out;
+  int64_t out_stride;
+};
+
+// Block (x, t): out[t][256x ...] = Σ over the token's valid picks in ascending (expert id, k).
+__global__ void __launch_bounds__(kCombineThreads) by_expert_combine_kernel(ByExpertCombineArgs a) {
+  __shared__ int order[kMaxTopK];
+  __shared__ int valid_picks;
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int64_t token = blockIdx.y;
+  const int32_t* ids = a.expert_ids + token * a.top_k;
+  auto valid = [&](int id) { return id >= 0 && id < a.num_experts; };
+  if (threadIdx.x < static_cast<unsigned>(a.top_k)) {
+    const int k = static_cast<int>(threadIdx.x);
+    const int id = ids[k];
+    if (valid(id)) {
+      int rank = 0;
+      for (int other = 0; other < a.top_k; ++other) {
+        const int other_id = ids[other];
+        rank += valid(other_id) && (other_id < id || (other_id == id && other < k)) ? 1 : 0;
+      }
+      order[rank] = k;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int count = 0;
+    for (int k = 0; k < a.top_k; ++k) count += valid(ids[k]) ? 1 : 0;
+    valid_picks = count;
+  }
+  __syncthreads();
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x;
+  if (j >= a.hidden) return;
+  float sum = 0.0f;
+  for (int i = 0; i < valid_picks; ++i) {
+    sum += a.expert_outputs[(token * a.top_k + order[i]) * a.hidden + j];
+  }
+  a.out[token * a.out_stride + j] = sum;
+}
+
+// One projection (gate/up or down) of every slot: the mma kernel for NVFP4, else the CUDA-core
+// kernel of its format.
+template <bool kGateUp>
+cudaError_t launch_projection(PackedFormat format, const ByExpertArgs& args, int slots,
+                              const Launch& launch) {
+  if (format == PackedFormat::kNVFP4) {
+    const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
+    const auto kernel = by_expert_mma_kernel<kGateUp>;
+    const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+    if (allowed != cudaSuccess) return allowed;
+    const dim3 grid(static_cast<unsigned>(slots),
+                    blocks(args.rows, kMmaWarps * kMmaRowsPerWarp<kGateUp>));
+    return launch_kernel(kernel, grid, dim3(kMmaWarps * 32), shared, launch, args);
+  }
+  auto launch_core = [&](auto f) {
+    constexpr PackedFormat F = decltype(f)::value;
+    const size_t shared = core_shared_bytes(args.chunks_per_row * kChunkElems<F>, args.pairs);
+    const auto kernel = by_expert_core_kernel<F, kGateUp>;
+    const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+    if (allowed != cudaSuccess) return allowed;
+    const dim3 grid(static_cast<unsigned>(slots), blocks(args.rows, kCoreWarps * kCoreRows));
+    return launch_kernel(kernel, grid, dim3(kCoreWarps * 32), shared, launch, args);
+  };
+  switch (format) {
+    case PackedFormat::kW4G32:
+      return launch_core(std::integral_constant<PackedFormat, PackedFormat::kW4G32>{});
+    case PackedFormat::kBF16:
+      return launch_core(std::integral_constant<PackedFormat, PackedFormat::kBF16>{});
+    default:
+      return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace
+
+cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
+                                    float* expert_outputs, const Launch& launch) {
+  const MoeShape& shape = args.shape;
+  const int pairs = args.tokens * args.top_k;
+  const int slots = std::min(pairs, shape.num_experts);
+  const ByExpertArgs gate_up = {
+      args.experts,    shape.num_experts,
+      args.expert_ids, args.weights,
+      pairs,           args.top_k,
+      shape.inner,     shape.hidden / packed_chunk_elements(shape.gate_up_format),
+      args.x,          args.x_stride,
+      activations,     shape.inner};
+  cudaError_t status = launch_projection<true>(shape.gate_up_format, gate_up, slots, launch);
+  if (status != cudaSuccess) return status;
+  const ByExpertArgs down = {
+      args.experts,    shape.num_experts,
+      args.expert_ids, args.weights,
+      pairs,           args.top_k,
+      shape.hidden,    shape.inner / packed_chunk_elements(shape.down_format),
+      activations,     shape.inner,
+      expert_outputs,  shape.hidden};
+  status = launch_projection<false>(shape.down_format, down, slots, launch);
+  if (status != cudaSuccess) return status;
+  const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
+                                       expert_outputs,  shape.hidden, args.out,
+                                       args.out_stride};
+  return launch_kernel(
+      by_expert_combine_kernel,
+      dim3(blocks(shape.hidden, kCombineThreads), static_cast<unsigned>(args.tokens)),
+      dim3(kCombineThreads), 0, launch, combine);
+}
+
+}  // namespace gemma4::cuda
