@@ -159,47 +159,102 @@ size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
                              kStagedWordsPerChunk);
 }
 
-// Stages the tile's columns (one warp per column, 2^p from the column's own largest magnitude as
-// stage_mma_activations does for one) and a zero chunk after them; the exponents to `exponents`.
+// Per-column staging state of a tile (shared memory).
+struct ColumnStaging {
+  const float* source[kTilePairs];  // the pair's activation row
+  float factor[kTilePairs];         // pair_factor
+  uint32_t largest[kTilePairs];  // bits of the largest |value · factor| (ordered as floats >= 0)
+  float scale[kTilePairs];       // factor · 2^p
+  int exponent[kTilePairs];      // p
+};
+
+// Pieces of 8 activations a thread keeps in registers between the two passes (the rest is read
+// again): 4 of 128 threads cover two columns of hidden 2816 or all eight of inner 704.
+constexpr int kCachedPieces = 4;
+
+// Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
+// of the column's largest |value · factor|, as stage_mma_activations does for one), and the zero
+// chunk after them. The whole block works on all columns at once: the loads of a column go out
+// together, not one warp's row at a time.
 template <bool kGateUp>
 __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
-                               int chunks, uint32_t* staged, int* exponents) {
-  const int lane = threadIdx.x & 31;
-  const int warps = static_cast<int>(blockDim.x >> 5);
-  const int pieces = 4 * chunks;  // of 8 floats
-  for (int column = static_cast<int>(threadIdx.x >> 5); column < tile.count; column += warps) {
-    const int p = tile.pairs[column];
-    const float4* source = reinterpret_cast<const float4*>(pair_source<kGateUp>(a, p));
-    const float factor = pair_factor<PackedFormat::kNVFP4, kGateUp>(a, down, p);
-    float largest = 0.0f;
-    for (int piece = lane; piece < pieces; piece += 32) {
-      const float4 lo = __ldg(source + 2 * piece);
-      const float4 hi = __ldg(source + 2 * piece + 1);
-      largest = fmaxf(largest, fmaxf(fmaxf(fabsf(lo.x * factor), fabsf(lo.y * factor)),
-                                     fmaxf(fabsf(lo.z * factor), fabsf(lo.w * factor))));
-      largest = fmaxf(largest, fmaxf(fmaxf(fabsf(hi.x * factor), fabsf(hi.y * factor)),
-                                     fmaxf(fabsf(hi.z * factor), fabsf(hi.w * factor))));
-    }
+                               int chunks, uint32_t* staged, ColumnStaging& columns) {
+  const int count = tile.count;
+  const int column_pieces = 4 * chunks;  // of 8 floats
+  const int pieces = count * column_pieces;
+  if (threadIdx.x < static_cast<unsigned>(count)) {
+    const int c = static_cast<int>(threadIdx.x);
+    columns.source[c] = pair_source<kGateUp>(a, tile.pairs[c]);
+    columns.factor[c] = pair_factor<PackedFormat::kNVFP4, kGateUp>(a, down, tile.pairs[c]);
+    columns.largest[c] = 0;
+  }
+  if (threadIdx.x < static_cast<unsigned>(kStagedWordsPerChunk)) {
+    staged[count * mma_column_words(chunks) + threadIdx.x] = 0;
+  }
+  __syncthreads();
+  auto load_piece = [&](int piece, float4& lo, float4& hi) {
+    const int c = piece / column_pieces;
+    const float4* source =
+        reinterpret_cast<const float4*>(columns.source[c]) + 2 * (piece - c * column_pieces);
+    lo = __ldg(source);
+    hi = __ldg(source + 1);
+    return c;
+  };
+  auto largest_of = [](float4 v, float f) {
+    return fmaxf(fmaxf(fabsf(v.x * f), fabsf(v.y * f)), fmaxf(fabsf(v.z * f), fabsf(v.w * f)));
+  };
+  auto note_largest = [&](int c, float4 lo, float4 hi) {
+    const float f = columns.factor[c];
+    // |v| >= 0 (NaN aside: staging_exponent then gives 0 as for the per-pair kernels, which
+    // drop NaN in fmaxf alike): the float order is the bits' order.
+    atomicMax(&columns.largest[c], __float_as_uint(fmaxf(largest_of(lo, f), largest_of(hi, f))));
+  };
+  float4 cached[kCachedPieces][2];
 #pragma unroll
-    for (int offset = 16; offset > 0; offset /= 2) {
-      largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
-    }
-    const int exponent = staging_exponent(largest);
-    const float f = factor * ldexpf(1.0f, exponent);
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) load_piece(piece, cached[j][0], cached[j][1]);
+  }
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) note_largest(piece / column_pieces, cached[j][0], cached[j][1]);
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    note_largest(load_piece(piece, lo, hi), lo, hi);
+  }
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(count)) {
+    const int c = static_cast<int>(threadIdx.x);
+    const int exponent = staging_exponent(__uint_as_float(columns.largest[c]));
+    columns.exponent[c] = exponent;
+    columns.scale[c] = columns.factor[c] * ldexpf(1.0f, exponent);
+  }
+  __syncthreads();
+  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4)
+  // ... (v3, v7): nibble pairs (s, s + 4) of the weight word.
+  auto store_piece = [&](int piece, float4 lo, float4 hi) {
+    const int c = piece / column_pieces;
+    const float f = columns.scale[c];
     auto pair = [f](float x, float y) {
       const __half2 h = __floats2half2_rn(x * f, y * f);
       return *reinterpret_cast<const uint32_t*>(&h);
     };
-    // Piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4) ... (v3,
-    // v7): nibble pairs (s, s + 4) of the weight word.
-    uint4* column_words = reinterpret_cast<uint4*>(staged + column * mma_column_words(chunks));
-    for (int piece = lane; piece < pieces; piece += 32) {
-      const float4 lo = __ldg(source + 2 * piece);
-      const float4 hi = __ldg(source + 2 * piece + 1);
-      column_words[piece] =
-          make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
-    }
-    if (lane == 0) exponents[column] = exponent;
+    reinterpret_cast<uint4*>(staged + c * mma_column_words(chunks))[piece - c * column_pieces] =
+        make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
+  };
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) store_piece(piece, cached[j][0], cached[j][1]);
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    load_piece(piece, lo, hi);
+    store_piece(piece, lo, hi);
   }
 }
 
@@ -209,7 +264,7 @@ template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight;
   __shared__ ExpertTile tile;
-  __shared__ int exponents[kTilePairs];
+  __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
@@ -258,10 +313,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpe
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
   bool first_tile = true;
   while (next_tile(a, expert, tile) > 0) {
-    stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, exponents);
-    if (threadIdx.x < kStagedWordsPerChunk) {
-      staged[tile.count * mma_column_words(chunks) + threadIdx.x] = 0;
-    }
+    stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
     __syncthreads();
     // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
     const int column_count = tile.count;
@@ -287,7 +339,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpe
       const int c = 2 * t + j;
       if (c >= column_count) continue;
       const int64_t p = tile.pairs[c];
-      const float back = ldexpf(1.0f, kMmaWeightShift - exponents[c]);
+      const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
       if constexpr (kGateUp) {
         const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
         const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
