@@ -143,7 +143,14 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 
 // ---- NVFP4 on tensor cores ----
 
-constexpr int kMmaWarps = 4;           // each its own rows, all of K
+// Warps per block, each with its own rows and all of K, and blocks per SM (128 registers a thread
+// either way). A block's fixed costs (finding its expert and pairs, staging their activations)
+// are paid once per 90 KB of gate/up weights (4 warps, 32 inner rows of gate and up) but per
+// 45 KB of down weights with 8 warps (128 rows of K = inner 704).
+template <bool kGateUp>
+constexpr int kMmaWarps = kGateUp ? 4 : 8;
+template <bool kGateUp>
+constexpr int kMmaBlocksPerSm = kGateUp ? 4 : 2;
 constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
 // A rows per warp: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down 16 rows.
 template <bool kGateUp>
@@ -169,7 +176,8 @@ struct ColumnStaging {
 };
 
 // Pieces of 8 activations a thread keeps in registers between the two passes (the rest is read
-// again): 4 of 128 threads cover two columns of hidden 2816 or all eight of inner 704.
+// again): 4 per thread cover 1.45 columns of hidden 2816 over gate/up's 128 threads, all eight
+// columns of inner 704 over down's 256.
 constexpr int kCachedPieces = 4;
 
 // Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
@@ -261,7 +269,8 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
 // Block (s, y): rows y · kMmaWarps · kMmaRowsPerWarp ... of slot s's expert (gate/up: inner rows,
 // gate and up each; down: hidden rows) for every pair of the expert.
 template <bool kGateUp>
-__global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpertArgs a) {
+__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
+    by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight;
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
@@ -284,7 +293,7 @@ __global__ void __launch_bounds__(kMmaWarps * 32, 4) by_expert_mma_kernel(ByExpe
   const int g = lane >> 2;
   const int t = lane & 3;
   const int64_t warp_row =
-      (static_cast<int64_t>(blockIdx.y) * kMmaWarps + warp) * kMmaRowsPerWarp<kGateUp>;
+      (static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> + warp) * kMmaRowsPerWarp<kGateUp>;
   // A rows g and g + 8: gate and up of one inner row, or two down rows.
   const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
   const int chunks = static_cast<int>(a.chunks_per_row);
@@ -532,8 +541,8 @@ cudaError_t launch_projection(PackedFormat format, const ByExpertArgs& args, int
     const cudaError_t allowed = allow_shared_bytes(kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     const dim3 grid(static_cast<unsigned>(slots),
-                    blocks(args.rows, kMmaWarps * kMmaRowsPerWarp<kGateUp>));
-    return launch_kernel(kernel, grid, dim3(kMmaWarps * 32), shared, launch, args);
+                    blocks(args.rows, kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>));
+    return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
   }
   auto launch_core = [&](auto f) {
     constexpr PackedFormat F = decltype(f)::value;
