@@ -2,7 +2,7 @@
 // router + experts per layer for 1, 8, 32, 128 and 512 tokens (batch-1 decode, 8 and 32
 // streams, prefill chunks), NVFP4 and w4g32, on each MoE path that may serve that batch
 // (decode below 512 tokens — per pair, NVFP4 also on tensor cores, "decode-tc", the default for
-// one token; per expert, "by-expert", the default from kMoeByExpertMinTokens to
+// one token; per expert, "by-expert", NVFP4's default from kMoeByExpertMinTokens to
 // kMoeGroupedMinTokens —, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
 // these lines show where the crossovers really are), chained over distinct expert tables (so the
 // selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
@@ -159,9 +159,11 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
                        MoePath::kGrouped}) {
     const bool decode = path != MoePath::kGrouped;
-    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice.
+    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
+    // only.
+    const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
     if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
-        (path == MoePath::kDecodeTensorCores && format != WeightFormat::kNVFP4)) {
+        (nvfp4_only && format != WeightFormat::kNVFP4)) {
       continue;
     }
     for (Work work :

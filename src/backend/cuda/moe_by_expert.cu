@@ -1,8 +1,9 @@
-// MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the decode path's per-pair arithmetic for a
-// few tokens (2 .. kMoeGroupedMinTokens − 1), with each selected expert's weights read ONCE for
-// every pair that picked it. The per-pair kernels (moe.cu) launch a block set per (token, expert)
-// pair, so at 32 tokens a layer reads its ~111 distinct experts 256 times; here there is one
-// block set per expert slot. Three launches after the router:
+// MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the tensor-core decode path's per-pair
+// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeGroupedMinTokens − 1) of NVFP4
+// experts, with each selected expert's weights read ONCE for every pair that picked it. The
+// per-pair kernels (moe.cu) launch a block set per (token, expert) pair, so at 32 tokens a layer
+// reads its ~111 distinct experts 256 times; here there is one block set per expert slot. Three
+// launches after the router:
 //   1. gate/up: grid (expert slots, inner-row tiles); activations[p] = gelu_tanh(gate · x) ⊙ up · x
 //      (fp32) for every pair p of the slot's expert.
 //   2. down: grid (expert slots, hidden-row tiles); expert_outputs[p] = w_p · down ·
@@ -15,15 +16,15 @@
 // fewer were picked. Its pairs are collected in ascending pair order, kTilePairs at a time (the
 // mma N dimension); an expert with more pairs loops over tiles, reading its weights again (L2).
 //
-// Arithmetic per pair, as the per-pair kernels (results equal up to fp32 summation order):
-//   - NVFP4 projections on tensor cores (moe.cu's "Decode path on tensor cores"): weights as the A
-//     operand (16 rows), the tile's pairs as the 8 columns of B, each column's activations staged
-//     as fp16 under its own power-of-two scale 2^p (the per-pair kernels' p: gate/up from the
-//     token's x row, down from the pair's weighted activation row, where the per-pair kernel takes
-//     the largest over the token's top_k rows: the fp16 values are the same unless they fall below
-//     fp16's normal range, 2^-30 of the row's largest magnitude).
-//   - other formats on CUDA cores in fp32 (dot_chunk_unscaled), lanes splitting K as moe.cu's
-//     decode_gate_up_kernel / decode_down_kernel do; gate/up then gives the same bits as there.
+// Arithmetic per pair as moe.cu's "Decode path on tensor cores": weights as the A operand (16
+// rows), the tile's pairs as the 8 columns of B, each column's activations staged as fp16 under
+// its own power-of-two scale 2^p (the per-pair kernels' p: gate/up from the token's x row, down
+// from the pair's weighted activation row, where the per-pair kernel takes the largest over the
+// token's top_k rows: the fp16 values are the same unless they fall below fp16's normal range,
+// 2^-29 of the row's largest magnitude). Results equal the per-pair path's up to fp32 summation
+// order, and the fp16 rounding of down's activations that this order moves across a rounding
+// boundary. Other formats keep the per-pair kernels (moe_path_for): their fp32 CUDA-core GEMVs
+// are bound by arithmetic, not by reading the weights (moe_bench: w4g32 per expert was slower).
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
@@ -132,12 +133,12 @@ template <bool kGateUp>
 __device__ __forceinline__ const float* pair_source(const ByExpertArgs& a, int p) {
   return a.source + static_cast<int64_t>(kGateUp ? p / a.top_k : p) * a.source_stride;
 }
-template <PackedFormat F, bool kGateUp>
+template <bool kGateUp>
 __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMatrix& down, int p) {
   if constexpr (kGateUp) {
     return 1.0f;
   } else {
-    return apply_global_scale<F>(down, a.weights[p]);
+    return apply_global_scale<PackedFormat::kNVFP4>(down, a.weights[p]);
   }
 }
 
@@ -193,7 +194,7 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
   if (threadIdx.x < static_cast<unsigned>(count)) {
     const int c = static_cast<int>(threadIdx.x);
     columns.source[c] = pair_source<kGateUp>(a, tile.pairs[c]);
-    columns.factor[c] = pair_factor<PackedFormat::kNVFP4, kGateUp>(a, down, tile.pairs[c]);
+    columns.factor[c] = pair_factor<kGateUp>(a, down, tile.pairs[c]);
     columns.largest[c] = 0;
   }
   if (threadIdx.x < static_cast<unsigned>(kStagedWordsPerChunk)) {
@@ -363,123 +364,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   }
 }
 
-// ---- Other formats on CUDA cores (fp32) ----
-
-constexpr int kCoreWarps = 4;
-constexpr int kCoreRows = 2;           // rows per warp (gate/up: that many rows of each)
-constexpr int kCorePairs = 4;          // pairs whose activations are staged at once
-constexpr int kCoreChunksPerLane = 3;  // chunks a lane loads per pass
-
-size_t core_shared_bytes(int64_t row_elements, int pairs) {
-  return sizeof(float) * static_cast<size_t>(row_elements) * std::min(pairs, kCorePairs);
-}
-
-// Block (s, y): rows y · kCoreWarps · kCoreRows ... of slot s's expert for every pair of the
-// expert, kCorePairs at a time; each pair's sums as decode_gate_up_kernel / decode_down_kernel
-// form them (a lane's chunks in order, then a butterfly).
-template <PackedFormat F, bool kGateUp>
-__global__ void __launch_bounds__(kCoreWarps * 32) by_expert_core_kernel(ByExpertArgs a) {
-  constexpr int M = kGateUp ? 2 : 1;
-  constexpr int R = kCoreRows;
-  constexpr int G = kCoreChunksPerLane;
-  constexpr int kElems = kChunkElems<F>;
-  __shared__ ExpertTile tile;
-  __shared__ float factors[kTilePairs];
-  extern __shared__ float4 staged_rows[];
-  if constexpr (kGateUp) {
-    pdl_wait_for_predecessors();
-    pdl_trigger_dependents();
-  } else {
-    pdl_trigger_dependents();
-  }
-  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile);
-  if (expert < 0) return;
-  const MoeExpert& e = a.experts[expert];
-  const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
-  if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t first_row = (static_cast<int64_t>(blockIdx.y) * kCoreWarps + warp) * R;
-  const int chunks = static_cast<int>(a.chunks_per_row);
-  const int64_t pair_floats = a.chunks_per_row * kElems;
-  while (next_tile(a, expert, tile) > 0) {
-    // A tile holds up to kTilePairs pairs; kCorePairs of them are staged at a time.
-    for (int base_pair = 0; base_pair < tile.count; base_pair += kCorePairs) {
-      const int n = min(kCorePairs, tile.count - base_pair);
-      if (base_pair != 0) __syncthreads();  // the previous pairs' readers are done
-      for (int i = 0; i < n; ++i) {
-        const int p = tile.pairs[base_pair + i];
-        stage_activations<kElems>(pair_source<kGateUp>(a, p), chunks,
-                                  staged_rows + i * pair_floats / 4);
-        if (threadIdx.x == 0) factors[i] = pair_factor<F, kGateUp>(a, mats[0], p);
-      }
-      __syncthreads();
-      float acc[kCorePairs][M][R] = {};
-      for (int64_t base = 0; base < a.chunks_per_row; base += 32 * G) {
-        uint4 weights[G][M][R];
-        uint32_t scale_bits[G][M][R];
-#pragma unroll
-        for (int j = 0; j < G; ++j) {
-          const int64_t chunk = base + 32 * j + lane;
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-#pragma unroll
-            for (int r = 0; r < R; ++r) {
-              const int64_t row = first_row + r;
-              const bool live = chunk < a.chunks_per_row && row < a.rows;
-              weights[j][m][r] = live ? load_weights_nc(static_cast<const uint4*>(mats[m].weights) +
-                                                        row * a.chunks_per_row + chunk)
-                                      : make_uint4(0, 0, 0, 0);
-              scale_bits[j][m][r] = live ? load_scale_bits<F>(mats[m], row, chunk) : 0u;
-            }
-          }
-        }
-#pragma unroll
-        for (int j = 0; j < G; ++j) {
-          const int64_t chunk = base + 32 * j + lane;
-          if (chunk >= a.chunks_per_row) continue;
-#pragma unroll
-          for (int i = 0; i < kCorePairs; ++i) {
-            if (i >= n) break;
-            XChunk<kElems> xc;
-            load_staged_chunk<kElems>(staged_rows + i * pair_floats / 4, chunks,
-                                      static_cast<int>(chunk), xc);
-#pragma unroll
-            for (int m = 0; m < M; ++m) {
-#pragma unroll
-              for (int r = 0; r < R; ++r) {
-                const float dot =
-                    dot_chunk_unscaled<F>(weights[j][m][r], scale_bits[j][m][r], mats[m], xc);
-                if constexpr (kGateUp) {
-                  acc[i][m][r] += dot;
-                } else {
-                  acc[i][m][r] += factors[i] * dot;
-                }
-              }
-            }
-          }
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kCorePairs; ++i) {
-        if (i >= n) break;  // block-uniform
-        const int64_t p = tile.pairs[base_pair + i];
-#pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const int64_t row = first_row + r;
-          float value = butterfly_sum<32>(acc[i][0][r]);
-          if constexpr (kGateUp) {
-            const float gate = apply_global_scale<F>(mats[0], value);
-            const float up = apply_global_scale<F>(mats[1], butterfly_sum<32>(acc[i][1][r]));
-            value = gelu_tanh(gate) * up;
-          }
-          if (lane == r && row < a.rows) a.out[p * a.out_stride + row] = value;
-        }
-      }
-    }
-  }
-}
-
 // ---- Combine ----
 
 constexpr int kCombineThreads = 256;
@@ -530,37 +414,16 @@ __global__ void __launch_bounds__(kCombineThreads) by_expert_combine_kernel(ByEx
   a.out[token * a.out_stride + j] = sum;
 }
 
-// One projection (gate/up or down) of every slot: the mma kernel for NVFP4, else the CUDA-core
-// kernel of its format.
+// One projection (gate/up or down) of every slot.
 template <bool kGateUp>
-cudaError_t launch_projection(PackedFormat format, const ByExpertArgs& args, int slots,
-                              const Launch& launch) {
-  if (format == PackedFormat::kNVFP4) {
-    const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-    const auto kernel = by_expert_mma_kernel<kGateUp>;
-    const cudaError_t allowed = allow_shared_bytes(kernel, shared);
-    if (allowed != cudaSuccess) return allowed;
-    const dim3 grid(static_cast<unsigned>(slots),
-                    blocks(args.rows, kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>));
-    return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
-  }
-  auto launch_core = [&](auto f) {
-    constexpr PackedFormat F = decltype(f)::value;
-    const size_t shared = core_shared_bytes(args.chunks_per_row * kChunkElems<F>, args.pairs);
-    const auto kernel = by_expert_core_kernel<F, kGateUp>;
-    const cudaError_t allowed = allow_shared_bytes(kernel, shared);
-    if (allowed != cudaSuccess) return allowed;
-    const dim3 grid(static_cast<unsigned>(slots), blocks(args.rows, kCoreWarps * kCoreRows));
-    return launch_kernel(kernel, grid, dim3(kCoreWarps * 32), shared, launch, args);
-  };
-  switch (format) {
-    case PackedFormat::kW4G32:
-      return launch_core(std::integral_constant<PackedFormat, PackedFormat::kW4G32>{});
-    case PackedFormat::kBF16:
-      return launch_core(std::integral_constant<PackedFormat, PackedFormat::kBF16>{});
-    default:
-      return cudaErrorInvalidValue;
-  }
+cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
+  const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
+  const auto kernel = by_expert_mma_kernel<kGateUp>;
+  const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+  if (allowed != cudaSuccess) return allowed;
+  const dim3 grid(static_cast<unsigned>(slots),
+                  blocks(args.rows, kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>));
+  return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
 }
 
 }  // namespace
@@ -568,25 +431,18 @@ cudaError_t launch_projection(PackedFormat format, const ByExpertArgs& args, int
 cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
                                     float* expert_outputs, const Launch& launch) {
   const MoeShape& shape = args.shape;
+  if (!moe_by_expert_formats(shape)) return cudaErrorInvalidValue;
   const int pairs = args.tokens * args.top_k;
   const int slots = std::min(pairs, shape.num_experts);
-  const ByExpertArgs gate_up = {
-      args.experts,    shape.num_experts,
-      args.expert_ids, args.weights,
-      pairs,           args.top_k,
-      shape.inner,     shape.hidden / packed_chunk_elements(shape.gate_up_format),
-      args.x,          args.x_stride,
-      activations,     shape.inner};
-  cudaError_t status = launch_projection<true>(shape.gate_up_format, gate_up, slots, launch);
+  const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
+                                pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
+                                args.x,       args.x_stride,     activations,     shape.inner};
+  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
   if (status != cudaSuccess) return status;
-  const ByExpertArgs down = {
-      args.experts,    shape.num_experts,
-      args.expert_ids, args.weights,
-      pairs,           args.top_k,
-      shape.hidden,    shape.inner / packed_chunk_elements(shape.down_format),
-      activations,     shape.inner,
-      expert_outputs,  shape.hidden};
-  status = launch_projection<false>(shape.down_format, down, slots, launch);
+  const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
+                             pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
+                             activations,  shape.inner,       expert_outputs,  shape.hidden};
+  status = launch_projection<false>(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,

@@ -76,8 +76,9 @@ enum class MoePath : uint8_t {
   // kDecode's GEMVs with NVFP4 products on tensor cores (fp16 inputs, the activations rounded to
   // fp16 under a power-of-two scale; fp32 sums); other formats as kDecode. Two kernels.
   kDecodeTensorCores,
-  // kDecodeTensorCores' per-pair math, but one block set per selected expert reads its weights
-  // once for all the pairs that picked it (moe_by_expert.cu): three kernels.
+  // kDecodeTensorCores' per-pair math for NVFP4 experts (moe_by_expert_formats), but one block
+  // set per selected expert reads its weights once for all the pairs that picked it
+  // (moe_by_expert.cu): three kernels.
   kDecodeByExpert,
   kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
 };
@@ -94,16 +95,32 @@ inline constexpr int kMoeGroupedMinTokens = 40;
 // --fp32 mode needs), at the cost of reading each expert once per pair that picked it.
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 
-// Tokens from which run_experts reads each selected expert once (kDecodeByExpert) instead of once
-// per pair: one token has one pair per expert, and the per-pair kernels spread its 8 experts over
-// more blocks.
-inline constexpr int kMoeByExpertMinTokens = 2;
+// Tokens from which run_experts reads each selected NVFP4 expert once (kDecodeByExpert) instead
+// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, µs per layer, decode on tensor cores /
+// by expert): T=2 36 / 45, T=4 62 / 73, T=8 113 / 111, T=32 415 / 252: below 8 tokens the
+// per-pair kernels' finer grid wins (few pairs share an expert anyway).
+inline constexpr int kMoeByExpertMinTokens = 8;
 
 constexpr MoePath moe_path_for(int tokens,
                                MoePrecision precision = MoePrecision::kBf16TensorCores) {
   if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
   if (tokens >= kMoeGroupedMinTokens) return MoePath::kGrouped;
   return tokens >= kMoeByExpertMinTokens ? MoePath::kDecodeByExpert : MoePath::kDecodeTensorCores;
+}
+
+// Whether kDecodeByExpert runs these experts: its kernels are NVFP4 tensor-core ones.
+constexpr bool moe_by_expert_formats(const MoeShape& shape) {
+  return shape.gate_up_format == PackedFormat::kNVFP4 && shape.down_format == PackedFormat::kNVFP4;
+}
+
+// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: moe_path_for's,
+// with other formats than NVFP4 on kDecodeTensorCores' per-pair kernels instead of
+// kDecodeByExpert (their fp32 GEMVs are bound by arithmetic, not by reading the weights).
+constexpr MoePath moe_path_for(const MoeShape& shape, int tokens, MoePrecision precision) {
+  const MoePath path = moe_path_for(tokens, precision);
+  return path == MoePath::kDecodeByExpert && !moe_by_expert_formats(shape)
+             ? MoePath::kDecodeTensorCores
+             : path;
 }
 
 struct MoeRunArgs {
@@ -137,6 +154,7 @@ cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
 
 // MoePath::kDecodeByExpert's three launches (moe_by_expert.cu), intermediates in `activations`
 // [pairs, inner] and `expert_outputs` [pairs, hidden] (moe_workspace_layout's).
+// cudaErrorInvalidValue for experts moe_by_expert_formats refuses.
 cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
                                     float* expert_outputs, const Launch& launch);
 
