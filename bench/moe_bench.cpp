@@ -1,21 +1,27 @@
 // MoE layer benchmark (26B-A4B shapes: hidden 2816, moe_intermediate 704, 128 experts, top-8):
 // router + experts per layer for 1, 8, 32, 128 and 512 tokens (batch-1 decode, 8 and 32
 // streams, prefill chunks), NVFP4 and w4g32, on each MoE path that may serve that batch
-// (decode below 512 tokens — NVFP4 also on tensor cores, "decode-tc", the default below
+// (decode below 512 tokens — per pair, NVFP4 also on tensor cores, "decode-tc", the default for
+// one token; per expert, "by-expert", NVFP4's default from kMoeByExpertMinTokens to
 // kMoeGroupedMinTokens —, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
-// these lines show where the crossover really is), chained over distinct expert tables (so the
+// these lines show where the crossovers really are), chained over distinct expert tables (so the
 // selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
 // replayed, plain launches and PDL. Reports µs per layer, tokens/s of the experts alone and the
 // GB/s of expert bytes the layer reads (each distinct selected expert once). At one token also
 // the fused decode router (route_token: bf16 router GEMV + routing, distinct weights per layer)
 // before the experts and alone (its GB/s column then still counts the experts' bytes).
 //
-// Usage: moe_bench [--quick]   (--quick: 1 and 512 tokens, experts only)
+// Usage: moe_bench [--quick] [--tokens N[,N...]]
+//   --quick   experts only (no router lines), and 1 and 512 tokens unless --tokens says
+//   --tokens  these token counts only (e.g. --tokens 8,32: the per-pair and by-expert decode
+//             paths side by side at 8 and 32 streams)
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <set>
+#include <string>
 #include <vector>
 
 #include "backend/cuda/moe.h"
@@ -150,11 +156,14 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   }
   const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
 
-  for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
+  for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
+                       MoePath::kGrouped}) {
     const bool decode = path != MoePath::kGrouped;
-    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice.
+    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
+    // only.
+    const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
     if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
-        (path == MoePath::kDecodeTensorCores && format != WeightFormat::kNVFP4)) {
+        (nvfp4_only && format != WeightFormat::kNVFP4)) {
       continue;
     }
     for (Work work :
@@ -198,9 +207,10 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
           "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
           "GB/s  %9.0f tok/s/layer\n",
           format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
-          path == MoePath::kDecode ? "decode"
-          : decode                 ? "decode-tc"
-                                   : "grouped",
+          path == MoePath::kDecode              ? "decode"
+          : path == MoePath::kDecodeTensorCores ? "decode-tc"
+          : path == MoePath::kDecodeByExpert    ? "by-expert"
+                                                : "grouped",
           work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
       std::fflush(stdout);
       if (quick) break;
@@ -226,15 +236,36 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  bool quick = false;
+  std::vector<int> token_counts;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) {
+      quick = true;
+    } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
+      for (const char* p = argv[++i]; *p != '\0';) {
+        char* end = nullptr;
+        const long count = std::strtol(p, &end, 10);
+        if (end == p || count < 1 || count > 512) {
+          std::fprintf(stderr, "--tokens: counts from 1 to 512, comma-separated\n");
+          return 2;
+        }
+        token_counts.push_back(static_cast<int>(count));
+        p = *end == ',' ? end + 1 : end;
+      }
+    } else {
+      std::fprintf(stderr, "usage: moe_bench [--quick] [--tokens N[,N...]]\n");
+      return 2;
+    }
+  }
+  if (token_counts.empty()) {
+    token_counts = quick ? std::vector<int>{1, 512} : std::vector<int>{1, 8, 32, 128, 512};
+  }
   cudaStream_t stream;
   CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
               kHidden, kInner, kExperts, kTopK, kLayers);
   for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
-    for (int tokens : {1, 8, 32, 128, 512}) {
-      if (!quick || tokens == 1 || tokens == 512) bench(format, tokens, quick, stream);
-    }
+    for (int tokens : token_counts) bench(format, tokens, quick, stream);
   }
   CHECK(cudaStreamDestroy(stream));
   return 0;

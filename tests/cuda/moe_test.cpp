@@ -1,8 +1,9 @@
 // MoE kernels (moe.h) against the CPU backend's route_experts / run_experts (the reference every
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
-// expert weight format, router ties, both paths (decode below kMoeGroupedMinTokens tokens,
-// grouped tensor-core tiles from there on; decode at every count under MoePrecision::kExactF32).
+// expert weight format, router ties, every path (decode per pair for one token, per expert below
+// kMoeGroupedMinTokens tokens, grouped tensor-core tiles from there on; decode at every count
+// under MoePrecision::kExactF32).
 // Also CudaBackend::moe_norms against the CPU backend's default composition.
 #include "backend/cuda/moe.h"
 
@@ -46,6 +47,17 @@ constexpr double kTolerance = 1e-3;
 // down), below the bf16 budget; 2e-3 of the row's largest magnitude leaves room while any
 // indexing mistake is O(100 %).
 constexpr double kDecodeTensorCoreTolerance = 2e-3;
+// Decode path by expert (NVFP4): per pair the arithmetic of the decode path on tensor cores, so
+// its tolerance against the CPU. Against that path itself: gate/up activations differ by fp32
+// summation order only (one mma chain over all of K per warp instead of four summed; K = 2816
+// terms: ~1e-6 of the row's largest activation), 2e-5 leaves room.
+constexpr double kByExpertActivationsAgainstPerPair = 2e-5;
+// The outputs then differ where such an activation crosses an fp16 rounding boundary when down
+// stages it (probability ~ its fp32 difference over half an fp16 ulp, ~1 %): that product moves
+// by 2^-11 of itself. ~60 such moves among top_k · inner = 5632 products put the difference near
+// 2e-5 of the row's largest output (measured: 3e-5 at the tail); 2e-4 leaves room, while any
+// indexing mistake is O(100 %).
+constexpr double kByExpertOutputsAgainstPerPair = 2e-4;
 // Grouped path: tokens, activations and w4g32 weights enter the tensor cores as bf16 (relative
 // rounding 2^-9 each). A float64 model of exactly that rounding at 26B-A4B shapes (random
 // w4g32 / NVFP4 experts, x uniform in [-1, 1]) puts the largest error at 0.55-0.62 % of the row's
@@ -119,8 +131,12 @@ struct Routing {
   std::vector<float> weights;
 };
 
-Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint32_t seed) {
+Routing cpu_route(CpuBackend& cpu, int tokens, int num_experts, int top_k, uint32_t seed,
+                  int shared_experts = 0) {
   std::vector<float> logits = testing::random_floats(tokens * num_experts, -4.0f, 4.0f, seed);
+  for (int t = 0; t < tokens; ++t) {
+    std::fill_n(logits.begin() + t * num_experts, shared_experts, 8.0f);
+  }
   const std::vector<float> scale = testing::random_floats(num_experts, 0.5f, 1.5f, seed + 1);
   Routing r;
   r.ids.resize(tokens * top_k);
@@ -134,6 +150,9 @@ struct RunOptions {
   bool strided = false;       // x and out rows wider than hidden
   bool invalid_id = false;    // one pick outside the table (contributes nothing)
   bool same_experts = false;  // every token picks experts 0 .. top_k-1 (one long slot each)
+  // Experts 0 .. shared_experts-1 tie at the top of every token's logits (the router keeps them,
+  // lowest ids first): slots of `tokens` pairs beside the random picks' short ones.
+  int shared_experts = 0;
   // A path forced through launch_moe (at most kMoeTokensPerPass tokens), else run_experts' own.
   std::optional<MoePath> path = std::nullopt;
   // run_experts' precision (when no path is forced).
@@ -146,6 +165,8 @@ const char* path_name(MoePath path) {
       return "decode path";
     case MoePath::kDecodeTensorCores:
       return "decode path on tensor cores";
+    case MoePath::kDecodeByExpert:
+      return "decode path by expert";
     case MoePath::kGrouped:
       return "grouped path";
   }
@@ -157,7 +178,8 @@ double tolerance_for(MoePath path, const model::ExpertMatrices& experts) {
   if (path == MoePath::kGrouped) return kGroupedTolerance;
   const bool nvfp4 =
       experts.gate.format == WeightFormat::kNVFP4 || experts.down.format == WeightFormat::kNVFP4;
-  return path == MoePath::kDecodeTensorCores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
+  const bool tensor_cores = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
+  return tensor_cores && nvfp4 ? kDecodeTensorCoreTolerance : kTolerance;
 }
 
 // Runs the experts for `tokens` tokens on the device and on the CPU reference and compares every
@@ -170,12 +192,15 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
                " experts=" + std::to_string(num_experts) + " hidden=" + std::to_string(hidden) +
                (options.strided ? " strided" : "") + (options.invalid_id ? " invalid id" : "") +
                (options.same_experts ? " same experts" : "") +
+               (options.shared_experts > 0
+                    ? " shared experts " + std::to_string(options.shared_experts)
+                    : std::string()) +
                (options.path ? std::string(" ") + path_name(*options.path) : std::string()) +
                (options.precision == MoePrecision::kExactF32 ? " exact f32" : ""));
   const int64_t x_stride = options.strided ? hidden + 32 : hidden;
   const int64_t out_stride = options.strided ? hidden + 64 : hidden;
   std::vector<float> x = testing::random_floats(tokens * x_stride, -1.0f, 1.0f, seed);
-  Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1);
+  Routing routing = cpu_route(cpu, tokens, num_experts, top_k, seed + 1, options.shared_experts);
   // Both kinds of invalid id: negative and one past the table.
   if (options.same_experts) {
     for (size_t i = 0; i < routing.ids.size(); ++i)
@@ -193,7 +218,8 @@ void check_run(CpuBackend& cpu, const ExpertSet& set, int tokens, int top_k, uin
   DeviceArray<int32_t> ids(routing.ids);
   DeviceArray<float> weights(routing.weights);
   DeviceArray<float> out(tokens * out_stride);
-  const MoePath path = options.path.value_or(moe_path_for(tokens, options.precision));
+  const MoePath path =
+      options.path.value_or(moe_path_for(table.shape(), tokens, options.precision));
   DeviceArray<uint8_t> workspace(
       options.path ? moe_workspace_layout(table.shape(), tokens, top_k, path).bytes
                    : moe_workspace_bytes(table, tokens, top_k, options.precision));
@@ -369,10 +395,14 @@ TEST(MoeExperts, DecodeStagingBeyond48KiB) {
   uint32_t seed = 620;
   const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
   check_run(cpu, wide, 1, 4, seed++);
+  // By expert: 8 staged columns of 13312 fp16 (208 KiB).
+  check_run(cpu, wide, 2, 4, seed++, {.path = MoePath::kDecodeByExpert});
   check_run(cpu, wide, 1, 4, seed++, {.precision = MoePrecision::kExactF32});
   check_run(cpu, wide, 2, 4, seed++, {.strided = true, .precision = MoePrecision::kExactF32});
   const ExpertSet wide_down = make_experts(kNvfp4Multiplier, 8, 64, 6656, seed++);
   check_run(cpu, wide_down, 1, 4, seed++);  // tensor cores: 4 · 6656 fp16 = 52 KiB staged
+  // By expert: 8 columns of 6656 fp16 (104 KiB).
+  check_run(cpu, wide_down, 3, 4, seed++, {.path = MoePath::kDecodeByExpert});
   const ExpertSet deep = make_experts(kW4G32Bf16, 16, 96, 1664, seed++);
   check_run(cpu, deep, 1, 8, seed++);
   check_run(cpu, deep, 3, 8, seed++, {.invalid_id = true});
@@ -385,9 +415,131 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
   for (const ExpertFormat& f : {kW4G32Bf16, kNvfp4Multiplier}) {
     SCOPED_TRACE(f.name);
     const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
-    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kGrouped}) {
+    for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
+                         MoePath::kGrouped}) {
+      // By expert runs NVFP4 only (ByExpertRefusesOtherFormats).
+      if (path == MoePath::kDecodeByExpert && f.format != WeightFormat::kNVFP4) continue;
       for (int tokens : {1, 8, 130}) check_run(cpu, set, tokens, 4, seed++, {.path = path});
     }
+  }
+}
+
+// The decode path by expert (run_experts' default for NVFP4 experts from kMoeByExpertMinTokens
+// to kMoeGroupedMinTokens - 1 tokens; forced below that) at real shapes: random routings (most
+// experts with no pair, a few with two or three), experts that every token picks (tiles of more
+// than 8 pairs: 32 and 39 pairs are 4 and 5 tiles).
+TEST(MoeExperts, ByExpertRealShapes) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1200;
+  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, seed++);
+  for (int tokens : {2, 5, 32, kMoeGroupedMinTokens - 1}) {
+    const RunOptions by_expert = {.path = MoePath::kDecodeByExpert};
+    check_run(cpu, set, tokens, kTopK, seed++, by_expert);
+    check_run(cpu, set, tokens, kTopK, seed++,
+              {.strided = true, .shared_experts = 3, .path = MoePath::kDecodeByExpert});
+  }
+  check_run(cpu, set, 32, kTopK, seed++);  // run_experts' own choice
+  check_run(cpu, set, 9, kTopK, seed++, {.invalid_id = true, .same_experts = true});
+}
+
+// Unusual routings at a tiny shape, both NVFP4 conventions: invalid picks, more pairs than experts
+// (every slot live), top-16 of 16, and one expert that all 17 pairs pick (three tiles).
+TEST(MoeExperts, ByExpertTinyShapes) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1300;
+  for (const ExpertFormat& f : {kNvfp4Divisor, kNvfp4Multiplier}) {
+    SCOPED_TRACE(f.name);
+    const ExpertSet set = make_experts(f, 16, 96, 64, seed++);
+    const RunOptions by_expert = {.path = MoePath::kDecodeByExpert};
+    check_run(cpu, set, 2, 4, seed++, by_expert);
+    check_run(cpu, set, 11, 4, seed++,
+              {.strided = true, .invalid_id = true, .path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 20, 4, seed++, {.shared_experts = 2, .path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 3, 16, seed++, by_expert);
+    check_run(cpu, set, 17, 1, seed++, {.same_experts = true, .path = MoePath::kDecodeByExpert});
+  }
+}
+
+// Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
+// and forcing it is refused.
+TEST(MoeExperts, ByExpertRefusesOtherFormats) {
+  const ExpertSet set = make_experts(kW4G32Bf16, 16, 96, 64, 1350);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  EXPECT_EQ(moe_path_for(table.shape(), 32, MoePrecision::kBf16TensorCores),
+            MoePath::kDecodeTensorCores);
+  const int tokens = 9;
+  DeviceArray<float> x(testing::random_floats(tokens * 96, -1.0f, 1.0f, 1351));
+  DeviceArray<int32_t> ids(std::vector<int32_t>(tokens * 4, 1));
+  DeviceArray<float> weights(std::vector<float>(tokens * 4, 0.25f));
+  DeviceArray<float> out(tokens * 96);
+  DeviceArray<uint8_t> workspace(
+      moe_workspace_layout(table.shape(), tokens, 4, MoePath::kDecodeByExpert).bytes);
+  const MoeRunArgs args = {
+      table.device(), table.shape(), x.get(),   96, tokens,          4,
+      ids.get(),      weights.get(), out.get(), 96, workspace.get(), MoePath::kDecodeByExpert};
+  EXPECT_EQ(launch_moe(args, Launch{}), cudaErrorInvalidValue);
+}
+
+// What launch_moe on a decode path computes for the given inputs (host copies): the outputs and
+// the fp32 gate/up activations it leaves in the workspace ([pairs, inner] on both decode paths).
+struct PathRun {
+  std::vector<float> out;
+  std::vector<float> activations;
+};
+PathRun run_path(const MoeExpertTable& table, const std::vector<float>& x, int tokens,
+                 const Routing& routing, int top_k, MoePath path) {
+  const int64_t hidden = table.shape().hidden;
+  DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * hidden);
+  DeviceArray<int32_t> ids(routing.ids);
+  const MoeWorkspaceLayout layout = moe_workspace_layout(table.shape(), tokens, top_k, path);
+  DeviceArray<uint8_t> workspace(layout.bytes);
+  const MoeRunArgs args = {table.device(), table.shape(), x_device.get(),  hidden,
+                           tokens,         top_k,         ids.get(),       weights.get(),
+                           out.get(),      hidden,        workspace.get(), path};
+  EXPECT_EQ(launch_moe(args, Launch{}), cudaSuccess);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  PathRun run{out.download(), std::vector<float>(tokens * top_k * table.shape().inner)};
+  EXPECT_EQ(cudaMemcpy(run.activations.data(), workspace.get() + layout.activations,
+                       run.activations.size() * sizeof(float), cudaMemcpyDeviceToHost),
+            cudaSuccess);
+  return run;
+}
+
+// expect_close of `got` against `expected`, rows of `width`, each element's bound relative to its
+// row's largest magnitude in `expected`.
+void expect_rows_close(const std::vector<float>& got, const std::vector<float>& expected,
+                       int64_t width, double tolerance, const char* what) {
+  std::vector<double> reference(expected.begin(), expected.end()), magnitude(expected.size());
+  for (size_t row = 0; row * width < expected.size(); ++row) {
+    const auto first = reference.begin() + static_cast<int64_t>(row) * width;
+    double row_max = 0.0;
+    for (auto it = first; it != first + width; ++it) row_max = std::max(row_max, std::fabs(*it));
+    std::fill_n(magnitude.begin() + static_cast<int64_t>(row) * width, width, row_max);
+  }
+  testing::expect_close(got, reference, magnitude, tolerance, what);
+}
+
+// The by-expert path against the per-pair tensor-core path it replaces, on the same inputs:
+// activations equal up to fp32 summation order, outputs up to that and its fp16 consequences
+// (kByExpert*AgainstPerPair): much tighter bounds than either's against the CPU.
+TEST(MoeExperts, ByExpertMatchesPerPairPath) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1400;
+  const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, seed++);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  for (int tokens : {2, 32}) {
+    SCOPED_TRACE("tokens=" + std::to_string(tokens));
+    const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, seed++);
+    const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, seed++, 2);
+    const PathRun per_pair =
+        run_path(table, x, tokens, routing, kTopK, MoePath::kDecodeTensorCores);
+    const PathRun by_expert = run_path(table, x, tokens, routing, kTopK, MoePath::kDecodeByExpert);
+    expect_rows_close(by_expert.activations, per_pair.activations, kInner,
+                      kByExpertActivationsAgainstPerPair, "activations, by expert vs per pair");
+    expect_rows_close(by_expert.out, per_pair.out, kHidden, kByExpertOutputsAgainstPerPair,
+                      "outputs, by expert vs per pair");
   }
 }
 
@@ -469,7 +621,7 @@ TEST(MoeExperts, Deterministic) {
   MoeExpertTable table;
   CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
   CpuBackend cpu(0);
-  for (int tokens : {40, 200}) {
+  for (int tokens : {32, 40, 200}) {
     SCOPED_TRACE(tokens);
     const Routing routing = cpu_route(cpu, tokens, 32, kTopK, 701);
     DeviceArray<float> x(testing::random_floats(tokens * 256, -1.0f, 1.0f, 702));
@@ -503,7 +655,7 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
   CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
   cudaStream_t stream;
   CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  for (int tokens : {1, 4, kMoeGroupedMinTokens + 3}) {
+  for (int tokens : {1, 4, kMoeByExpertMinTokens + 1, kMoeGroupedMinTokens + 3}) {
     SCOPED_TRACE("tokens=" + std::to_string(tokens));
     DeviceArray<float> logits(tokens * kSmallExperts);
     DeviceArray<float> scale(testing::random_floats(kSmallExperts, 0.5f, 1.5f, 1001));
@@ -559,15 +711,21 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
 }
 
 TEST(MoeExperts, KernelCount) {
-  EXPECT_EQ(run_experts_kernel_count(1), 2);
-  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens - 1), 2);
-  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens), 4);
-  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass), 4);
-  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + 1), 6);
-  EXPECT_EQ(run_experts_kernel_count(kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
-  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5), 10);
-  EXPECT_EQ(run_experts_kernel_count(kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);
-  EXPECT_EQ(run_experts_kernel_count(2 * kMoeTokensPerPass + 5, MoePrecision::kExactF32), 6);
+  const MoeShape nvfp4 = {PackedFormat::kNVFP4, PackedFormat::kNVFP4, kExperts, kHidden, kInner};
+  const MoeShape w4g32 = {PackedFormat::kW4G32, PackedFormat::kW4G32, kExperts, kHidden, kInner};
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, 1), 2);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeByExpertMinTokens - 1), 2);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeByExpertMinTokens), 3);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens - 1), 3);
+  EXPECT_EQ(run_experts_kernel_count(w4g32, kMoeGroupedMinTokens - 1), 2);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens), 4);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass), 4);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass + 1), 6);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, 2 * kMoeTokensPerPass + 5), 10);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, 2 * kMoeTokensPerPass + kMoeByExpertMinTokens), 11);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, 2 * kMoeTokensPerPass + 5, MoePrecision::kExactF32), 6);
 }
 
 TEST(MoeExperts, RejectsUnusableExperts) {

@@ -683,7 +683,7 @@ void CudaBackend::run_experts(std::span<const model::ExpertMatrices> experts, Ro
   if (!status_.ok()) return;
   launched(cuda::run_experts(*table, x.data, x.stride, tokens, top_k, expert_ids, weights, out.data,
                              out.stride, workspace, on_stream, precision),
-           "run_experts", run_experts_kernel_count(tokens, precision));
+           "run_experts", run_experts_kernel_count(table->shape(), tokens, precision));
 }
 
 AddNormSpec CudaBackend::residual_step_spec(Rows acc, const float* weight, float scalar,

@@ -197,7 +197,9 @@ size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,
                            MoePrecision precision) {
   // A pass of fewer tokens (the last) needs less, whichever path it takes.
   const int pass = std::min(tokens, kMoeTokensPerPass);
-  return moe_workspace_layout(table.shape(), pass, top_k, moe_path_for(pass, precision)).bytes;
+  return moe_workspace_layout(table.shape(), pass, top_k,
+                              moe_path_for(table.shape(), pass, precision))
+      .bytes;
 }
 
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
@@ -215,22 +217,33 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
     const int count = std::min(kMoeTokensPerPass, tokens - first);
     const int64_t pair = static_cast<int64_t>(first) * top_k;
-    const MoeRunArgs args = {table.device(),    shape,          x + first * x_stride,
-                             x_stride,          count,          top_k,
-                             expert_ids + pair, weights + pair, out + first * out_stride,
-                             out_stride,        workspace,      moe_path_for(count, precision)};
+    const MoeRunArgs args = {
+        table.device(),    shape,          x + first * x_stride,
+        x_stride,          count,          top_k,
+        expert_ids + pair, weights + pair, out + first * out_stride,
+        out_stride,        workspace,      moe_path_for(shape, count, precision)};
     const cudaError_t status = launch_moe(args, launch);
     if (status != cudaSuccess) return status;
   }
   return cudaSuccess;
 }
 
-int run_experts_kernel_count(int tokens, MoePrecision precision) {
-  // Per pass: decode path gate/up and down; grouped path plan, gate/up, down, combine.
+int run_experts_kernel_count(const MoeShape& shape, int tokens, MoePrecision precision) {
+  // Per pass: decode path gate/up and down; by expert gate/up, down, combine; grouped path plan,
+  // gate/up, down, combine.
   int kernels = 0;
   for (int first = 0; first < tokens; first += kMoeTokensPerPass) {
     const int pass = std::min(kMoeTokensPerPass, tokens - first);
-    kernels += moe_path_for(pass, precision) == MoePath::kGrouped ? 4 : 2;
+    switch (moe_path_for(shape, pass, precision)) {
+      case MoePath::kGrouped:
+        kernels += 4;
+        break;
+      case MoePath::kDecodeByExpert:
+        kernels += 3;
+        break;
+      default:
+        kernels += 2;
+    }
   }
   return kernels;
 }

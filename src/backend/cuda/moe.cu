@@ -4,8 +4,9 @@
 // on tensor cores" below) and the grouped path (prefill: tokens grouped by expert, tensor-core
 // tiles). Accumulation is fp32 throughout.
 //
-// Decode path (run_experts: T < kMoeGroupedMinTokens tokens) for T tokens with top_k experts each
-// (pairs p = t · top_k + k), two launches after the router:
+// Decode path (run_experts: one token; moe_by_expert.cu runs 2 .. kMoeGroupedMinTokens − 1 with
+// the same per-pair arithmetic, each selected expert read once) for T tokens with top_k experts
+// each (pairs p = t · top_k + k), two launches after the router:
 //   1. decode_gate_up_kernel: grid (pairs, inner-row tiles); a warp owns kDecodeRows rows of the
 //      pair's expert in both gate and up, its 32 lanes split K (one 16-byte chunk each, all of a
 //      lane's loads in flight at once; the token's x staged in shared memory meanwhile, see
@@ -35,17 +36,11 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_grouped.h"
+#include "backend/cuda/moe_decode.cuh"
 #include "backend/cuda/moe_kernels.h"
 
 namespace gemma4::cuda {
 namespace {
-
-template <int N>
-__device__ __forceinline__ float butterfly_sum(float v) {
-#pragma unroll
-  for (int offset = N / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
-  return v;
-}
 
 constexpr int kRouterWarps = 4;
 constexpr int kExpertsPerLane = kMaxRouterExperts / 32;
@@ -220,37 +215,6 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
 
 // ---- Decode path ----
 
-// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
-// as nvfp4_factor yields it: a multiplier of 1.
-struct NoGlobalScale {
-  float nv_global = 1.0f;
-  int nv_global_is_divisor = 0;
-};
-
-// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
-template <PackedFormat F>
-__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
-  if constexpr (F == PackedFormat::kNVFP4) {
-    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
-  } else {
-    return sum;
-  }
-}
-
-// dot_chunk without NVFP4's global scale: the decode kernels apply it once per output (its
-// division per group was ~10 % of their instructions). The sums then differ from the per-group
-// convention by fp32 rounding only.
-template <PackedFormat F>
-__device__ __forceinline__ float dot_chunk_unscaled(const uint4& q, uint32_t scale_bits,
-                                                    const MoeMatrix& m,
-                                                    const XChunk<kChunkElems<F>>& x) {
-  if constexpr (F == PackedFormat::kNVFP4) {
-    return dot_nvfp4(q, scale_bits, NoGlobalScale{}, x);
-  } else {
-    return dot_chunk<F>(q, scale_bits, m, x);
-  }
-}
-
 constexpr int kDecodeWarps = 4;
 constexpr int kDecodeRows = 2;  // output rows per warp (gate/up: that many rows of each)
 constexpr int kDecodeRowsPerBlock = kDecodeWarps * kDecodeRows;
@@ -258,37 +222,6 @@ constexpr int kDecodeRowsPerBlock = kDecodeWarps * kDecodeRows;
 // rows of inner 704 (176 chunks) in one pass.
 constexpr int kGateUpChunksPerLane = 3;
 constexpr int kDownChunksPerLane = 6;
-
-// The activations of a decode block (gate/up: the token's x row; down: the token's top_k
-// activation rows, contiguous) are `chunks` chunks of kElems floats, chunk c = elements
-// [c · kElems, (c + 1) · kElems). Lane l works on chunk base + l, so reading the chunks from global
-// memory makes every load touch 32 different 128-byte lines (~32 L1 wavefronts per instruction:
-// that, not the weight stream, bounded both decode kernels). They are staged in shared memory
-// once per block instead, piece-major: float4 piece i of chunk c at staged[i · chunks + c], so the
-// lanes of a warp read consecutive words. The values and their use are unchanged (bit-identical
-// results).
-template <int kElems>
-__device__ __forceinline__ void stage_activations(const float* source, int chunks, float4* staged) {
-  constexpr int P = kElems / 4;
-  const float4* pieces = reinterpret_cast<const float4*>(source);
-  for (int i = threadIdx.x; i < chunks * P; i += blockDim.x) {
-    staged[(i % P) * chunks + i / P] = __ldg(pieces + i);
-  }
-}
-
-template <int kElems>
-__device__ __forceinline__ void load_staged_chunk(const float4* staged, int chunks, int chunk,
-                                                  XChunk<kElems>& out) {
-#pragma unroll
-  for (int i = 0; i < kElems / 4; ++i) {
-    const float4 q = staged[i * chunks + chunk];
-    out.v[4 * i] = q.x;
-    out.v[4 * i + 1] = q.y;
-    out.v[4 * i + 2] = q.z;
-    out.v[4 * i + 3] = q.w;
-  }
-  finish_x_chunk(out);
-}
 
 // Dynamic shared memory of the decode kernels: one token's staged activations.
 size_t decode_gate_up_shared_bytes(const MoeShape& shape) {
@@ -513,86 +446,11 @@ constexpr int kMmaDownWarps = 8;
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
 constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
 constexpr int kMmaDownRows = 16;       // down rows per block
-constexpr int kStagedWordsPerChunk = 16;  // fp16 pairs of one 32-element chunk
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // lanes of g != 0 and for chunks past the row).
 size_t mma_staged_bytes(int64_t chunks) {
   return sizeof(uint32_t) * static_cast<size_t>(chunks + 1) * kStagedWordsPerChunk;
-}
-
-// c += A · B over one m16n8k16 step, fp16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-// The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
-constexpr int kMmaWeightShift = 7;
-
-// An e4m3 block scale times 2^(14 − kMmaWeightShift) as an fp16 pair (exact: e4m3 is a subset of
-// fp16, and 448 · 2^7 < 65504).
-__device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
-  return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
-}
-
-// Nibbles (s, s + 4) of `word` as e2m1 · 2^-14 times `scale` (e4m3_half2), an exact fp16 pair.
-__device__ __forceinline__ uint32_t scaled_e2m1_pair(uint32_t word, int s, __half2 scale) {
-  const uint32_t shifted = word >> (4 * s);
-  const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
-  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale);
-  return *reinterpret_cast<const uint32_t*>(&scaled);
-}
-
-// acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
-// scale bits alongside) against the staged activation chunk at `staged` (16 words).
-__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
-                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
-  const __half2 scale[2][2] = {{e4m3_half2(scale_bits[0]), e4m3_half2(scale_bits[0] >> 8)},
-                               {e4m3_half2(scale_bits[1]), e4m3_half2(scale_bits[1] >> 8)}};
-  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
-                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
-    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s = 2 * half;
-      mma_f16(acc, scaled_e2m1_pair(words[0][i], s, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s, scale[1][i / 2]),
-              scaled_e2m1_pair(words[0][i], s + 1, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s + 1, scale[1][i / 2]), b[s], b[s + 1]);
-    }
-  }
-}
-
-// The exponent p that brings the largest of the staged magnitudes (`largest`, this thread's
-// share) just below 2^15, agreed by the whole block (`scratch`: one float per warp); 2^p is
-// returned. Zero, inf or NaN rows give p = 0 (NaN and inf then propagate as on the CPU).
-__device__ __forceinline__ float block_staging_scale(float largest, float* scratch, int& p) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2) {
-    largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
-  }
-  const int warps = static_cast<int>(blockDim.x >> 5);
-  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = largest;
-  __syncthreads();
-  largest = scratch[0];
-  for (int w = 1; w < warps; ++w) largest = fmaxf(largest, scratch[w]);
-  int exponent = 0;
-  p = 0;
-  if (largest > 0.0f && largest <= 3.0e38f) {
-    frexpf(largest, &exponent);  // largest = m · 2^exponent, m in [0.5, 1)
-    // At most 2^100 (and 2^-86 back): no overflow for rows of tiny values.
-    p = min(15 - exponent, 100);
-  }
-  return ldexpf(1.0f, p);
 }
 
 // Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
@@ -867,20 +725,6 @@ size_t align16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
-unsigned blocks(int64_t n, int64_t per_block) {
-  return static_cast<unsigned>((n + per_block - 1) / per_block);
-}
-
-// Lifts `kernel`'s dynamic shared memory limit when `bytes` exceeds the default 48 KiB (large
-// hidden or top_k; not at 26B-A4B shapes). Not a stream operation: allowed during graph capture.
-template <typename Kernel>
-cudaError_t allow_shared_bytes(Kernel kernel, size_t bytes) {
-  constexpr size_t kDefaultLimit = 48 * 1024;
-  if (bytes <= kDefaultLimit) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                              static_cast<int>(bytes));
-}
-
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
   const MoeShape& shape = args.shape;
   // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones.
@@ -960,19 +804,28 @@ cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launc
 MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k,
                                         MoePath path) {
   if (path == MoePath::kGrouped) return grouped_workspace_layout(shape, tokens, top_k);
-  MoeWorkspaceLayout layout;  // the decode path's fp32 activations only
-  layout.bytes = align16(sizeof(float) * tokens * top_k * shape.inner);
-  layout.expert_outputs = layout.plan = layout.bytes;
+  const int pairs = tokens * top_k;
+  MoeWorkspaceLayout layout;  // fp32 activations; by expert also fp32 per-pair expert outputs
+  layout.activations = 0;
+  layout.expert_outputs = align16(sizeof(float) * pairs * shape.inner);
+  layout.bytes = layout.expert_outputs + (path == MoePath::kDecodeByExpert
+                                              ? align16(sizeof(float) * pairs * shape.hidden)
+                                              : 0);
+  layout.plan = layout.bytes;
   return layout;
 }
 
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
   const MoeWorkspaceLayout layout =
       moe_workspace_layout(args.shape, args.tokens, args.top_k, args.path);
+  char* workspace = static_cast<char*>(args.workspace);
+  if (args.path == MoePath::kDecodeByExpert) {
+    return launch_decode_by_expert(args, reinterpret_cast<float*>(workspace + layout.activations),
+                                   reinterpret_cast<float*>(workspace + layout.expert_outputs),
+                                   launch);
+  }
   if (args.path != MoePath::kGrouped) {
-    return launch_decode(
-        args, reinterpret_cast<float*>(static_cast<char*>(args.workspace) + layout.activations),
-        launch);
+    return launch_decode(args, reinterpret_cast<float*>(workspace + layout.activations), launch);
   }
   return launch_grouped(args, layout, launch);
 }

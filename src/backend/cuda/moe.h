@@ -5,10 +5,11 @@
 //   run_experts: out[t] = Σ_k w[t][k] · down_e(gelu_tanh(gate_e x[t]) ⊙ up_e x[t]) for the
 //     routed experts only, for any number of tokens. Below kMoeGroupedMinTokens tokens (decode,
 //     small batches) every (token, expert) pair runs as a GEMV (NVFP4 products on fp16 tensor
-//     cores, other formats in fp32); from there on (prefill) the pairs are grouped by expert on
-//     the device and run as tensor-core tiles with bf16 inputs, each selected expert's weights
-//     read once per 64 of its pairs; MoePrecision::kExactF32 runs fp32 GEMVs at every token
-//     count instead. Deterministic.
+//     cores, other formats in fp32), NVFP4 from kMoeByExpertMinTokens with one block set per
+//     selected expert reading its weights once for all its pairs; from there on (prefill) the pairs
+//     are grouped by expert on the device and run as tensor-core tiles with bf16 inputs, each
+//     selected expert's weights read once per 64 of its pairs; MoePrecision::kExactF32 runs fp32
+//     GEMVs at every token count instead. Deterministic.
 // Expert weights: kW4G32 (bf16/f16/f32 scales), kNVFP4 (divisor or multiplier global scale) or
 // kBF16, dequantized in registers; fp32 accumulation. No host round-trip: every launch is
 // graph-capturable once the layer's MoeExpertTable exists.
@@ -91,8 +92,10 @@ cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_s
                         int64_t out_stride, void* workspace, const Launch& launch,
                         MoePrecision precision = MoePrecision::kBf16TensorCores);
 
-// How many kernels run_experts enqueues for `tokens` tokens (launch accounting).
-int run_experts_kernel_count(int tokens, MoePrecision precision = MoePrecision::kBf16TensorCores);
+// How many kernels run_experts enqueues for `tokens` tokens over experts of `shape` (launch
+// accounting).
+int run_experts_kernel_count(const MoeShape& shape, int tokens,
+                             MoePrecision precision = MoePrecision::kBf16TensorCores);
 
 // The table of `experts` for a caller with nowhere to keep one per layer: built on first use
 // and kept for the process, rebuilt when the experts' descriptors change (a new model at the

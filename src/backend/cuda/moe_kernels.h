@@ -76,6 +76,10 @@ enum class MoePath : uint8_t {
   // kDecode's GEMVs with NVFP4 products on tensor cores (fp16 inputs, the activations rounded to
   // fp16 under a power-of-two scale; fp32 sums); other formats as kDecode. Two kernels.
   kDecodeTensorCores,
+  // kDecodeTensorCores' per-pair math for NVFP4 experts (moe_by_expert_formats), but one block
+  // set per selected expert reads its weights once for all the pairs that picked it
+  // (moe_by_expert.cu): three kernels.
+  kDecodeByExpert,
   kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
 };
 
@@ -91,10 +95,32 @@ inline constexpr int kMoeGroupedMinTokens = 40;
 // --fp32 mode needs), at the cost of reading each expert once per pair that picked it.
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 
+// Tokens from which run_experts reads each selected NVFP4 expert once (kDecodeByExpert) instead
+// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, µs per layer, decode on tensor cores /
+// by expert): T=2 36 / 45, T=4 62 / 73, T=8 113 / 111, T=32 415 / 252: below 8 tokens the
+// per-pair kernels' finer grid wins (few pairs share an expert anyway).
+inline constexpr int kMoeByExpertMinTokens = 8;
+
 constexpr MoePath moe_path_for(int tokens,
                                MoePrecision precision = MoePrecision::kBf16TensorCores) {
   if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
-  return tokens < kMoeGroupedMinTokens ? MoePath::kDecodeTensorCores : MoePath::kGrouped;
+  if (tokens >= kMoeGroupedMinTokens) return MoePath::kGrouped;
+  return tokens >= kMoeByExpertMinTokens ? MoePath::kDecodeByExpert : MoePath::kDecodeTensorCores;
+}
+
+// Whether kDecodeByExpert runs these experts: its kernels are NVFP4 tensor-core ones.
+constexpr bool moe_by_expert_formats(const MoeShape& shape) {
+  return shape.gate_up_format == PackedFormat::kNVFP4 && shape.down_format == PackedFormat::kNVFP4;
+}
+
+// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: moe_path_for's,
+// with other formats than NVFP4 on kDecodeTensorCores' per-pair kernels instead of
+// kDecodeByExpert (their fp32 GEMVs are bound by arithmetic, not by reading the weights).
+constexpr MoePath moe_path_for(const MoeShape& shape, int tokens, MoePrecision precision) {
+  const MoePath path = moe_path_for(tokens, precision);
+  return path == MoePath::kDecodeByExpert && !moe_by_expert_formats(shape)
+             ? MoePath::kDecodeTensorCores
+             : path;
 }
 
 struct MoeRunArgs {
@@ -113,8 +139,8 @@ struct MoeRunArgs {
 };
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
-// activations [pairs, inner] (fp32 on the decode path, bf16 on the grouped one) and, grouped
-// only, expert outputs [pairs, hidden] f32 and the expert grouping.
+// activations [pairs, inner] (fp32 on the decode paths, bf16 on the grouped one), expert outputs
+// [pairs, hidden] f32 (grouped and by expert) and, grouped only, the expert grouping.
 struct MoeWorkspaceLayout {
   size_t activations = 0;
   size_t expert_outputs = 0;
@@ -125,5 +151,11 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
 
 // Enqueues args.path for at most kMoeTokensPerPass tokens (moe.h); arguments already validated.
 cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch);
+
+// MoePath::kDecodeByExpert's three launches (moe_by_expert.cu), intermediates in `activations`
+// [pairs, inner] and `expert_outputs` [pairs, hidden] (moe_workspace_layout's).
+// cudaErrorInvalidValue for experts moe_by_expert_formats refuses.
+cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
+                                    float* expert_outputs, const Launch& launch);
 
 }  // namespace gemma4::cuda

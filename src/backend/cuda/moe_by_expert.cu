@@ -1,0 +1,479 @@
+// MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the tensor-core decode path's per-pair
+// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeGroupedMinTokens − 1) of NVFP4
+// experts, with each selected expert's weights read ONCE for every pair that picked it. The
+// per-pair kernels (moe.cu) launch a block set per (token, expert) pair, so at 32 tokens a layer
+// reads its ~111 distinct experts 256 times; here there is one block set per expert slot. Three
+// launches after the router:
+//   1. gate/up: grid (expert slots, inner-row tiles); activations[p] = gelu_tanh(gate · x) ⊙ up · x
+//      (fp32) for every pair p of the slot's expert.
+//   2. down: grid (expert slots, hidden-row tiles); expert_outputs[p] = w_p · down ·
+//   activations[p].
+//   3. combine: out[t] = Σ_k expert_outputs[t · top_k + k], in ascending (expert id, k) order (the
+//      CPU reference's and the grouped combine's): deterministic, no atomics.
+// The grid never depends on the routing (graph-capturable, no host round-trip): there are
+// min(pairs, num_experts) slots, and every block finds its own expert on the device: slot s takes
+// the s-th smallest expert id any pair picked (a presence bitmap in shared memory), or exits when
+// fewer were picked. Its pairs are collected in ascending pair order, kTilePairs at a time (the
+// mma N dimension); an expert with more pairs loops over tiles, reading its weights again (L2).
+//
+// Arithmetic per pair as moe.cu's "Decode path on tensor cores": weights as the A operand (16
+// rows), the tile's pairs as the 8 columns of B, each column's activations staged as fp16 under
+// its own power-of-two scale 2^p (the per-pair kernels' p: gate/up from the token's x row, down
+// from the pair's weighted activation row, where the per-pair kernel takes the largest over the
+// token's top_k rows: the fp16 values are the same unless they fall below fp16's normal range,
+// 2^-29 of the row's largest magnitude). Results equal the per-pair path's up to fp32 summation
+// order, and the fp16 rounding of down's activations that this order moves across a rounding
+// boundary. Other formats keep the per-pair kernels (moe_path_for): their fp32 CUDA-core GEMVs
+// are bound by arithmetic, not by reading the weights (moe_bench: w4g32 per expert was slower).
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/launch.cuh"
+#include "backend/cuda/moe_decode.cuh"
+#include "backend/cuda/moe_kernels.h"
+
+namespace gemma4::cuda {
+namespace {
+
+constexpr int kTilePairs = 8;  // pairs per tile: the N of m16n8k16
+constexpr int kPresenceWords = kMaxRouterExperts / 32;
+
+struct ByExpertArgs {
+  const MoeExpert* experts;
+  int num_experts;
+  const int32_t* expert_ids;  // [pairs]
+  const float* weights;       // [pairs]: routing weights (down only)
+  int pairs;
+  int top_k;
+  int64_t rows;            // output rows: inner (gate/up) or hidden (down)
+  int64_t chunks_per_row;  // 16-byte chunks of one weight row
+  // Gate/up: x, row of pair p at source + (p / top_k) · source_stride; down: activations, row p
+  // at source + p · source_stride.
+  const float* source;
+  int64_t source_stride;
+  float* out;  // gate/up: activations; down: expert_outputs; row p at out + p · out_stride
+  int64_t out_stride;
+};
+
+// One block's expert and its current tile of pairs (shared memory).
+struct ExpertTile {
+  uint32_t present[kPresenceWords];  // bit e: some pair picked expert e
+  int cursor;                        // the next pair to examine
+  int count;                         // pairs in the current tile
+  int pairs[kTilePairs];
+};
+
+// The expert of slot `slot` (the slot-th smallest id any pair picked), or -1 when fewer experts
+// were picked. Every thread of the block calls it and gets the same answer.
+__device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& tile) {
+  if (threadIdx.x < static_cast<unsigned>(kPresenceWords)) tile.present[threadIdx.x] = 0;
+  if (threadIdx.x == 0) tile.cursor = 0;
+  __syncthreads();
+  for (int p = static_cast<int>(threadIdx.x); p < a.pairs; p += static_cast<int>(blockDim.x)) {
+    const int e = a.expert_ids[p];
+    if (e >= 0 && e < a.num_experts) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
+  }
+  __syncthreads();
+  int remaining = slot;
+  for (int w = 0; w < kPresenceWords; ++w) {
+    uint32_t bits = tile.present[w];
+    const int count = __popc(bits);
+    if (remaining < count) {
+      for (int i = 0; i < remaining; ++i) bits &= bits - 1;  // drop the lower set bits
+      return 32 * w + __ffs(bits) - 1;
+    }
+    remaining -= count;
+  }
+  return -1;
+}
+
+// The next (at most kTilePairs) pairs of `expert` in ascending order into tile.pairs; returns
+// their count, 0 when none are left. Every thread of the block calls it; the first __syncthreads
+// lets the previous tile's readers finish.
+__device__ int next_tile(const ByExpertArgs& a, int expert, ExpertTile& tile) {
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    int cursor = tile.cursor;
+    int count = 0;
+    while (cursor < a.pairs && count < kTilePairs) {  // warp-uniform
+      const int p = cursor + lane;
+      const bool match = p < a.pairs && a.expert_ids[p] == expert;
+      const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
+      const int rank = __popc(matches & ((1u << lane) - 1u));
+      const int room = kTilePairs - count;
+      if (match && rank < room) tile.pairs[count + rank] = p;
+      // The first match that does not fit starts the next tile.
+      const uint32_t overflow = __ballot_sync(0xFFFFFFFFu, match && rank == room);
+      if (overflow != 0) {
+        cursor += __ffs(overflow) - 1;
+        count = kTilePairs;
+      } else {
+        cursor += 32;
+        count += __popc(matches);
+      }
+    }
+    if (lane == 0) {
+      tile.cursor = cursor;
+      tile.count = count;
+    }
+  }
+  __syncthreads();
+  return tile.count;
+}
+
+// The activation row of pair p and the factor its staged values carry: gate/up the token's x
+// row (factor 1, NVFP4's global scale applied to the sums); down the pair's activations times its
+// routing weight with the down matrix's NVFP4 global scale folded in (as decode_down_kernel).
+template <bool kGateUp>
+__device__ __forceinline__ const float* pair_source(const ByExpertArgs& a, int p) {
+  return a.source + static_cast<int64_t>(kGateUp ? p / a.top_k : p) * a.source_stride;
+}
+template <bool kGateUp>
+__device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMatrix& down, int p) {
+  if constexpr (kGateUp) {
+    return 1.0f;
+  } else {
+    return apply_global_scale<PackedFormat::kNVFP4>(down, a.weights[p]);
+  }
+}
+
+// ---- NVFP4 on tensor cores ----
+
+// Starts bringing the line of `p` into L2.
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// Warps per block, each with its own rows and all of K, and blocks per SM (128 registers a thread
+// either way). A block's fixed costs (finding its expert and pairs, staging their activations)
+// are paid once per 90 KB of gate/up weights (4 warps, 32 inner rows of gate and up) but per
+// 45 KB of down weights with 8 warps (128 rows of K = inner 704).
+template <bool kGateUp>
+constexpr int kMmaWarps = kGateUp ? 4 : 8;
+template <bool kGateUp>
+constexpr int kMmaBlocksPerSm = kGateUp ? 4 : 2;
+constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
+// A rows per warp: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down 16 rows.
+template <bool kGateUp>
+constexpr int kMmaRowsPerWarp = kGateUp ? 8 : 16;
+// One staged column: its chunks, kStagedWordsPerChunk words each, plus 4 words that shift the
+// columns' banks apart (the lanes of a quarter warp read 2 columns at once).
+__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
+  return chunks * kStagedWordsPerChunk + 4;
+}
+size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
+  return sizeof(uint32_t) *
+         static_cast<size_t>(std::min(pairs, kTilePairs) * mma_column_words(chunks) +
+                             kStagedWordsPerChunk);
+}
+
+// Per-column staging state of a tile (shared memory).
+struct ColumnStaging {
+  const float* source[kTilePairs];  // the pair's activation row
+  float factor[kTilePairs];         // pair_factor
+  uint32_t largest[kTilePairs];  // bits of the largest |value · factor| (ordered as floats >= 0)
+  float scale[kTilePairs];       // factor · 2^p
+  int exponent[kTilePairs];      // p
+};
+
+// Pieces of 8 activations a thread keeps in registers between the two passes (the rest is read
+// again): 4 per thread cover 1.45 columns of hidden 2816 over gate/up's 128 threads, all eight
+// columns of inner 704 over down's 256.
+constexpr int kCachedPieces = 4;
+
+// Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
+// of the column's largest |value · factor|, as stage_mma_activations does for one), and the zero
+// chunk after them. The whole block works on all columns at once: the loads of a column go out
+// together, not one warp's row at a time.
+template <bool kGateUp>
+__device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
+                               int chunks, uint32_t* staged, ColumnStaging& columns) {
+  const int count = tile.count;
+  const int column_pieces = 4 * chunks;  // of 8 floats
+  const int pieces = count * column_pieces;
+  if (threadIdx.x < static_cast<unsigned>(count)) {
+    const int c = static_cast<int>(threadIdx.x);
+    columns.source[c] = pair_source<kGateUp>(a, tile.pairs[c]);
+    columns.factor[c] = pair_factor<kGateUp>(a, down, tile.pairs[c]);
+    columns.largest[c] = 0;
+  }
+  if (threadIdx.x < static_cast<unsigned>(kStagedWordsPerChunk)) {
+    staged[count * mma_column_words(chunks) + threadIdx.x] = 0;
+  }
+  __syncthreads();
+  auto load_piece = [&](int piece, float4& lo, float4& hi) {
+    const int c = piece / column_pieces;
+    const float4* source =
+        reinterpret_cast<const float4*>(columns.source[c]) + 2 * (piece - c * column_pieces);
+    lo = __ldg(source);
+    hi = __ldg(source + 1);
+    return c;
+  };
+  auto largest_of = [](float4 v, float f) {
+    return fmaxf(fmaxf(fabsf(v.x * f), fabsf(v.y * f)), fmaxf(fabsf(v.z * f), fabsf(v.w * f)));
+  };
+  auto note_largest = [&](int c, float4 lo, float4 hi) {
+    const float f = columns.factor[c];
+    // |v| >= 0 (NaN aside: staging_exponent then gives 0 as for the per-pair kernels, which
+    // drop NaN in fmaxf alike): the float order is the bits' order.
+    atomicMax(&columns.largest[c], __float_as_uint(fmaxf(largest_of(lo, f), largest_of(hi, f))));
+  };
+  float4 cached[kCachedPieces][2];
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) load_piece(piece, cached[j][0], cached[j][1]);
+  }
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) note_largest(piece / column_pieces, cached[j][0], cached[j][1]);
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    note_largest(load_piece(piece, lo, hi), lo, hi);
+  }
+  __syncthreads();
+  if (threadIdx.x < static_cast<unsigned>(count)) {
+    const int c = static_cast<int>(threadIdx.x);
+    const int exponent = staging_exponent(__uint_as_float(columns.largest[c]));
+    columns.exponent[c] = exponent;
+    columns.scale[c] = columns.factor[c] * ldexpf(1.0f, exponent);
+  }
+  __syncthreads();
+  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4)
+  // ... (v3, v7): nibble pairs (s, s + 4) of the weight word.
+  auto store_piece = [&](int piece, float4 lo, float4 hi) {
+    const int c = piece / column_pieces;
+    const float f = columns.scale[c];
+    auto pair = [f](float x, float y) {
+      const __half2 h = __floats2half2_rn(x * f, y * f);
+      return *reinterpret_cast<const uint32_t*>(&h);
+    };
+    reinterpret_cast<uint4*>(staged + c * mma_column_words(chunks))[piece - c * column_pieces] =
+        make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
+  };
+#pragma unroll
+  for (int j = 0; j < kCachedPieces; ++j) {
+    const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
+    if (piece < pieces) store_piece(piece, cached[j][0], cached[j][1]);
+  }
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
+       piece += blockDim.x) {
+    float4 lo, hi;
+    load_piece(piece, lo, hi);
+    store_piece(piece, lo, hi);
+  }
+}
+
+// Block (s, y): rows y · kMmaWarps · kMmaRowsPerWarp ... of slot s's expert (gate/up: inner rows,
+// gate and up each; down: hidden rows) for every pair of the expert.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
+    by_expert_mma_kernel(ByExpertArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
+  __shared__ ExpertTile tile;
+  __shared__ ColumnStaging columns;
+  extern __shared__ uint4 staged_words[];
+  uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
+  // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
+  // router's output (and load its weights) before its own wait.
+  if constexpr (kGateUp) {
+    pdl_wait_for_predecessors();
+    pdl_trigger_dependents();
+  } else {
+    pdl_trigger_dependents();
+  }
+  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile);
+  if (expert < 0) return;  // the whole block: fewer experts were picked
+  const MoeExpert& e = a.experts[expert];
+  const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int64_t warp_row =
+      (static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> + warp) * kMmaRowsPerWarp<kGateUp>;
+  // A rows g and g + 8: gate and up of one inner row, or two down rows.
+  const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int rounds = (chunks + 3) / 4;
+
+  uint4 weights[R][2];
+  uint32_t scale_bits[R][2];
+  auto load_rounds = [&](int first) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      const int chunk = 4 * (first + i) + t;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const bool live = first + i < rounds && chunk < chunks && rows[h] < a.rows;
+        weights[i][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
+                                               rows[h] * a.chunks_per_row + chunk)
+                             : make_uint4(0, 0, 0, 0);
+        scale_bits[i][h] =
+            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
+      }
+    }
+    // The next R rounds into L2 meanwhile (no registers held): their loads then wait for L2, not
+    // DRAM, while this batch's products run. A round's 4 chunks of a row are 64 contiguous bytes
+    // (8 of scales): lane t = 0 asks for their lines. Gate/up only: down's K (inner 704: 6
+    // rounds) is one batch at 26B-A4B shapes, and its registers are tighter.
+    if constexpr (kGateUp) {
+#pragma unroll
+      for (int i = R; i < 2 * R; ++i) {
+        const int chunk = 4 * (first + i) + t;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (t == 0 && first + i < rounds && chunk < chunks && rows[h] < a.rows) {
+            const int64_t index = rows[h] * a.chunks_per_row + chunk;
+            prefetch_l2(static_cast<const uint4*>(mats[h].weights) + index);
+            prefetch_l2(static_cast<const uint16_t*>(mats[h].scales) + index);
+          }
+        }
+      }
+    }
+  };
+  // The weights depend on the routing only: in flight while the first tile is found and staged
+  // (down: before the wait for the activations).
+  load_rounds(0);
+  if constexpr (!kGateUp) pdl_wait_for_predecessors();
+  bool first_tile = true;
+  while (next_tile(a, expert, tile) > 0) {
+    stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
+    __syncthreads();
+    // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
+    const int column_count = tile.count;
+    const uint32_t* column = staged + g * mma_column_words(chunks);
+    const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (int first = 0; first < rounds; first += R) {
+      if (!(first_tile && first == 0)) load_rounds(first);
+#pragma unroll
+      for (int i = 0; i < R; ++i) {
+        if (first + i >= rounds) break;  // warp-uniform
+        const int chunk = 4 * (first + i) + t;
+        const uint32_t* b =
+            g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
+        mma_round(acc, weights[i], scale_bits[i], b);
+      }
+    }
+    first_tile = false;
+    // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
+    // acc[3]).
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int c = 2 * t + j;
+      if (c >= column_count) continue;
+      const int64_t p = tile.pairs[c];
+      const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
+      if constexpr (kGateUp) {
+        const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
+        const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
+        if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
+      } else {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = acc[2 * h + j] * back;
+        }
+      }
+    }
+  }
+}
+
+// ---- Combine ----
+
+constexpr int kCombineThreads = 256;
+
+struct ByExpertCombineArgs {
+  const int32_t* expert_ids;  // [tokens, top_k]
+  int top_k;
+  int num_experts;
+  const float* expert_outputs;  // [pairs, hidden], weighted
+  int64_t hidden;
+  float* out;
+  int64_t out_stride;
+};
+
+// Block (x, t): out[t][256x ...] = Σ over the token's valid picks in ascending (expert id, k).
+__global__ void __launch_bounds__(kCombineThreads) by_expert_combine_kernel(ByExpertCombineArgs a) {
+  __shared__ int order[kMaxTopK];
+  __shared__ int valid_picks;
+  pdl_trigger_dependents();
+  pdl_wait_for_predecessors();
+  const int64_t token = blockIdx.y;
+  const int32_t* ids = a.expert_ids + token * a.top_k;
+  auto valid = [&](int id) { return id >= 0 && id < a.num_experts; };
+  if (threadIdx.x < static_cast<unsigned>(a.top_k)) {
+    const int k = static_cast<int>(threadIdx.x);
+    const int id = ids[k];
+    if (valid(id)) {
+      int rank = 0;
+      for (int other = 0; other < a.top_k; ++other) {
+        const int other_id = ids[other];
+        rank += valid(other_id) && (other_id < id || (other_id == id && other < k)) ? 1 : 0;
+      }
+      order[rank] = k;
+    }
+  }
+  if (threadIdx.x == 0) {
+    int count = 0;
+    for (int k = 0; k < a.top_k; ++k) count += valid(ids[k]) ? 1 : 0;
+    valid_picks = count;
+  }
+  __syncthreads();
+  const int64_t j = static_cast<int64_t>(blockIdx.x) * kCombineThreads + threadIdx.x;
+  if (j >= a.hidden) return;
+  float sum = 0.0f;
+  for (int i = 0; i < valid_picks; ++i) {
+    sum += a.expert_outputs[(token * a.top_k + order[i]) * a.hidden + j];
+  }
+  a.out[token * a.out_stride + j] = sum;
+}
+
+// One projection (gate/up or down) of every slot.
+template <bool kGateUp>
+cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
+  const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
+  const auto kernel = by_expert_mma_kernel<kGateUp>;
+  const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+  if (allowed != cudaSuccess) return allowed;
+  const dim3 grid(static_cast<unsigned>(slots),
+                  blocks(args.rows, kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>));
+  return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
+}
+
+}  // namespace
+
+cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
+                                    float* expert_outputs, const Launch& launch) {
+  const MoeShape& shape = args.shape;
+  if (!moe_by_expert_formats(shape)) return cudaErrorInvalidValue;
+  const int pairs = args.tokens * args.top_k;
+  const int slots = std::min(pairs, shape.num_experts);
+  const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
+                                pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
+                                args.x,       args.x_stride,     activations,     shape.inner};
+  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
+  if (status != cudaSuccess) return status;
+  const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
+                             pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
+                             activations,  shape.inner,       expert_outputs,  shape.hidden};
+  status = launch_projection<false>(down, slots, launch);
+  if (status != cudaSuccess) return status;
+  const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
+                                       expert_outputs,  shape.hidden, args.out,
+                                       args.out_stride};
+  return launch_kernel(
+      by_expert_combine_kernel,
+      dim3(blocks(shape.hidden, kCombineThreads), static_cast<unsigned>(args.tokens)),
+      dim3(kCombineThreads), 0, launch, combine);
+}
+
+}  // namespace gemma4::cuda

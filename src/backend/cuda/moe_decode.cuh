@@ -1,0 +1,181 @@
+// Device helpers the MoE decode kernels share (moe.cu's per-pair decode kernels and
+// moe_by_expert.cu's per-expert ones): warp sums, NVFP4's global scale, activation staging for the
+// CUDA-core kernels and the m16n8k16 NVFP4 products of the tensor-core ones (moe.cu's "Decode path
+// on tensor cores" comment describes their fragment order and number formats).
+#pragma once
+
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/moe_kernels.h"
+
+namespace gemma4::cuda {
+
+template <int N>
+__device__ __forceinline__ float butterfly_sum(float v) {
+#pragma unroll
+  for (int offset = N / 2; offset > 0; offset /= 2) v += __shfl_xor_sync(0xFFFFFFFFu, v, offset);
+  return v;
+}
+
+// The NVFP4 group factor without the global scale (applied to the fp32 sums instead), times 2^14
+// as nvfp4_factor yields it: a multiplier of 1.
+struct NoGlobalScale {
+  float nv_global = 1.0f;
+  int nv_global_is_divisor = 0;
+};
+
+// NVFP4's global scale, as the checkpoint's convention applies it (weight-formats.md 3.3).
+template <PackedFormat F>
+__device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float sum) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return m.nv_global_is_divisor ? sum / m.nv_global : sum * m.nv_global;
+  } else {
+    return sum;
+  }
+}
+
+// dot_chunk without NVFP4's global scale: the decode kernels apply it once per output (its
+// division per group was ~10 % of their instructions). The sums then differ from the per-group
+// convention by fp32 rounding only.
+template <PackedFormat F>
+__device__ __forceinline__ float dot_chunk_unscaled(const uint4& q, uint32_t scale_bits,
+                                                    const MoeMatrix& m,
+                                                    const XChunk<kChunkElems<F>>& x) {
+  if constexpr (F == PackedFormat::kNVFP4) {
+    return dot_nvfp4(q, scale_bits, NoGlobalScale{}, x);
+  } else {
+    return dot_chunk<F>(q, scale_bits, m, x);
+  }
+}
+
+// The activations of a decode block (gate/up: the token's x row; down: the token's top_k
+// activation rows, contiguous) are `chunks` chunks of kElems floats, chunk c = elements
+// [c · kElems, (c + 1) · kElems). Lane l works on chunk base + l, so reading the chunks from global
+// memory makes every load touch 32 different 128-byte lines (~32 L1 wavefronts per instruction:
+// that, not the weight stream, bounded both decode kernels). They are staged in shared memory
+// once per block instead, piece-major: float4 piece i of chunk c at staged[i · chunks + c], so the
+// lanes of a warp read consecutive words. The values and their use are unchanged (bit-identical
+// results).
+template <int kElems>
+__device__ __forceinline__ void stage_activations(const float* source, int chunks, float4* staged) {
+  constexpr int P = kElems / 4;
+  const float4* pieces = reinterpret_cast<const float4*>(source);
+  for (int i = threadIdx.x; i < chunks * P; i += blockDim.x) {
+    staged[(i % P) * chunks + i / P] = __ldg(pieces + i);
+  }
+}
+
+template <int kElems>
+__device__ __forceinline__ void load_staged_chunk(const float4* staged, int chunks, int chunk,
+                                                  XChunk<kElems>& out) {
+#pragma unroll
+  for (int i = 0; i < kElems / 4; ++i) {
+    const float4 q = staged[i * chunks + chunk];
+    out.v[4 * i] = q.x;
+    out.v[4 * i + 1] = q.y;
+    out.v[4 * i + 2] = q.z;
+    out.v[4 * i + 3] = q.w;
+  }
+  finish_x_chunk(out);
+}
+
+// fp16 pairs of one 32-element chunk, as the tensor-core decode kernels stage it.
+constexpr int kStagedWordsPerChunk = 16;
+
+// c += A · B over one m16n8k16 step, fp16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
+constexpr int kMmaWeightShift = 7;
+
+// An e4m3 block scale times 2^(14 − kMmaWeightShift) as an fp16 pair (exact: e4m3 is a subset of
+// fp16, and 448 · 2^7 < 65504).
+__device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
+  const __half_raw h =
+      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
+  return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
+}
+
+// Nibbles (s, s + 4) of `word` as e2m1 · 2^-14 times `scale` (e4m3_half2), an exact fp16 pair.
+__device__ __forceinline__ uint32_t scaled_e2m1_pair(uint32_t word, int s, __half2 scale) {
+  const uint32_t shifted = word >> (4 * s);
+  const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
+  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale);
+  return *reinterpret_cast<const uint32_t*>(&scaled);
+}
+
+// acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
+// scale bits alongside) against the staged activation chunk at `staged` (16 words).
+__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
+                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
+  const __half2 scale[2][2] = {{e4m3_half2(scale_bits[0]), e4m3_half2(scale_bits[0] >> 8)},
+                               {e4m3_half2(scale_bits[1]), e4m3_half2(scale_bits[1] >> 8)}};
+  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
+                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
+    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * half;
+      mma_f16(acc, scaled_e2m1_pair(words[0][i], s, scale[0][i / 2]),
+              scaled_e2m1_pair(words[1][i], s, scale[1][i / 2]),
+              scaled_e2m1_pair(words[0][i], s + 1, scale[0][i / 2]),
+              scaled_e2m1_pair(words[1][i], s + 1, scale[1][i / 2]), b[s], b[s + 1]);
+    }
+  }
+}
+
+// The exponent p that brings `largest` (the largest staged magnitude) just below 2^15. Zero, inf
+// or NaN give p = 0 (NaN and inf then propagate as on the CPU).
+__device__ __forceinline__ int staging_exponent(float largest) {
+  if (!(largest > 0.0f && largest <= 3.0e38f)) return 0;
+  int exponent = 0;
+  frexpf(largest, &exponent);  // largest = m · 2^exponent, m in [0.5, 1)
+  // At most 2^100 (and 2^-86 back): no overflow for rows of tiny values.
+  return min(15 - exponent, 100);
+}
+
+// staging_exponent of the largest of the staged magnitudes (`largest`, this thread's share),
+// agreed by the whole block (`scratch`: one float per warp); 2^p is returned.
+__device__ __forceinline__ float block_staging_scale(float largest, float* scratch, int& p) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    largest = fmaxf(largest, __shfl_xor_sync(0xFFFFFFFFu, largest, offset));
+  }
+  const int warps = static_cast<int>(blockDim.x >> 5);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = largest;
+  __syncthreads();
+  largest = scratch[0];
+  for (int w = 1; w < warps; ++w) largest = fmaxf(largest, scratch[w]);
+  p = staging_exponent(largest);
+  return ldexpf(1.0f, p);
+}
+
+inline unsigned blocks(int64_t n, int64_t per_block) {
+  return static_cast<unsigned>((n + per_block - 1) / per_block);
+}
+
+// Lifts `kernel`'s dynamic shared memory limit when `bytes` exceeds the default 48 KiB (large
+// hidden or top_k; not at 26B-A4B shapes). Not a stream operation: allowed during graph capture.
+template <typename Kernel>
+inline cudaError_t allow_shared_bytes(Kernel kernel, size_t bytes) {
+  constexpr size_t kDefaultLimit = 48 * 1024;
+  if (bytes <= kDefaultLimit) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                              static_cast<int>(bytes));
+}
+
+}  // namespace gemma4::cuda
