@@ -1,7 +1,9 @@
 // Kernel benchmark for scripts/gpu-check: chains of GEMVs with distinct weights per link (so the
 // weights come from DRAM, as successive layers' do), captured once in a CUDA graph and replayed;
 // plain launches and PDL side by side, every compiled tiling per shape: every weight format (the
-// GGUF repacks with the engine's fp32 activations) and the GELU epilogues. Also decode attention.
+// GGUF repacks with the engine's fp32 activations) and the GELU epilogues. Also decode attention
+// and prefill attention (a pass's queries against a cache, or against a ring plus the pass's
+// staged K/V).
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
 // Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]]
@@ -22,6 +24,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/sample_logits.h"
 #include "bench_util.h"
 #include "fill.h"
@@ -382,6 +385,114 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   return r;
 }
 
+// Prefill attention over a bf16 cache: `rows` queries of one sequence at positions depth ...
+// depth + rows - 1, against a cache of `slots` slots holding the latest positions up to the last
+// query's (prefill_attention), or with `staged` against a ring holding those before depth plus the
+// queries' own K/V staged (prefill_chunk_attention, as CudaBackend attends a pass longer than its
+// ring). One variant per split count: prefill_attention_splits' pick (the default), 1, 2, 4.
+// Reports the tensor-core rate over the visible (query, q head, key) products: 4 · head_dim flops
+// each (Q·Kᵀ and P·V).
+Result bench_prefill_attention(int q_heads, int kv_heads, int head_dim, int64_t slots, int window,
+                               int32_t depth, int64_t rows, bool staged, const char* label,
+                               cudaStream_t stream) {
+  Result r;
+  r.kernel = staged ? "prefill_attn/staged" : "prefill_attn/bf16";
+  r.shape = label;
+  r.m = static_cast<int>(rows);
+  r.skipped = !selected(r.kernel, label, r.m);
+  if (r.skipped) return r;
+  const int64_t width = int64_t{kv_heads} * head_dim;
+  const int64_t q_width = int64_t{q_heads} * head_dim;
+  const int32_t last = depth + static_cast<int32_t>(rows) - 1;
+  // The slots' positions: slot s holds the latest position <= newest with p % count == s.
+  auto positions_of = [](int64_t count, int32_t oldest, int32_t newest) {
+    std::vector<int32_t> positions(count, -1);
+    for (int32_t p = std::max<int32_t>(oldest, newest - static_cast<int32_t>(count) + 1);
+         p <= newest; ++p) {
+      positions[p % count] = p;
+    }
+    return positions;
+  };
+  struct Source {
+    void *keys = nullptr, *values = nullptr;
+    int32_t* positions = nullptr;
+  };
+  auto make_source = [&](int64_t count, const std::vector<int32_t>& positions, uint32_t seed) {
+    Source source;
+    const size_t bytes = size_t(count) * width * 2;
+    CHECK(cudaMalloc(&source.keys, bytes));
+    CHECK(cudaMalloc(&source.values, bytes));
+    CHECK(cudaMalloc(&source.positions, count * 4));
+    fill(source.keys, bytes, seed, 0x3B7F3B7F);  // small finite bf16 pairs
+    fill(source.values, bytes, seed + 1, 0x3B7F3B7F);
+    CHECK(cudaMemcpy(source.positions, positions.data(), count * 4, cudaMemcpyHostToDevice));
+    return source;
+  };
+  auto view_of = [&](const Source& source, int64_t count) {
+    gemma4::cuda::KvCacheView kv;
+    kv.keys = source.keys;
+    kv.values = source.values;
+    kv.slot_positions = source.positions;
+    kv.type = gemma4::cuda::KvType::kBF16;
+    kv.slots = count;
+    kv.kv_heads = kv_heads;
+    kv.head_dim = head_dim;
+    return kv;
+  };
+  const Source cache = make_source(slots, positions_of(slots, 0, staged ? depth - 1 : last), 1);
+  const Source chunk = staged ? make_source(rows, positions_of(rows, depth, last), 3) : Source{};
+  float *q, *out, *partials;
+  int32_t* query_positions;
+  CHECK(cudaMalloc(&q, size_t(rows) * q_width * 4));
+  CHECK(cudaMalloc(&out, size_t(rows) * q_width * 4));
+  CHECK(cudaMalloc(&query_positions, rows * 4));
+  fill(q, size_t(rows) * q_width * 4, 5, 0x3C7FFFFF);
+  std::vector<int32_t> host_positions(rows);
+  double products = 0;  // visible (query, key) pairs per q head
+  for (int64_t t = 0; t < rows; ++t) {
+    host_positions[t] = depth + static_cast<int32_t>(t);
+    products += window > 0 ? std::min<int64_t>(window, host_positions[t] + 1)
+                           : std::min<int64_t>(slots, host_positions[t] + 1);
+  }
+  CHECK(cudaMemcpy(query_positions, host_positions.data(), rows * 4, cudaMemcpyHostToDevice));
+  const gemma4::cuda::KvCacheView kv = view_of(cache, slots);
+  const gemma4::cuda::KvCacheView staged_kv = staged ? view_of(chunk, rows) : kv;
+  const int picked = gemma4::cuda::prefill_attention_splits(rows, q_heads, kv);
+  std::vector<int> split_options = {picked};
+  for (int option : {1, 2, 4}) {
+    if (option != picked) split_options.push_back(option);
+  }
+  CHECK(cudaMalloc(
+      &partials, gemma4::cuda::prefill_attention_partials_floats(rows, q_heads, head_dim, 4) * 4));
+  const gemma4::cuda::RowsView q_rows{q, rows, q_width, q_width};
+  const gemma4::cuda::RowsView out_rows{out, rows, q_width, q_width};
+  r.mbytes = 2.0 * double(staged ? slots + rows : slots) * width * 2 / 1e6;
+  r.default_tiling = picked;
+  for (int option : split_options) {
+    r.measure(option, 4, stream, [&](int, const Launch& launch) {
+      return staged ? gemma4::cuda::prefill_chunk_attention(q_rows, query_positions, kv, staged_kv,
+                                                            window, 1.0f, out_rows, partials,
+                                                            option, launch)
+                    : gemma4::cuda::prefill_attention(q_rows, query_positions, kv, window, 1.0f,
+                                                      out_rows, partials, option, launch);
+    });
+  }
+  const double tflops = 4.0 * head_dim * q_heads * products / (r.best_pdl_us * 1e-6) / 1e12;
+  std::printf("%-19s %-26s M=%-5d splits(plain/pdl us): %s  best %.0f TFLOPS\n", r.kernel.c_str(),
+              label, r.m, r.all.c_str(), tflops);
+  std::fflush(stdout);
+  for (const Source& source : {cache, chunk}) {
+    for (void* p : {source.keys, source.values, static_cast<void*>(source.positions)}) {
+      if (p != nullptr) CHECK(cudaFree(p));
+    }
+  }
+  for (void* p : {static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
+                  static_cast<void*>(query_positions)}) {
+    CHECK(cudaFree(p));
+  }
+  return r;
+}
+
 // Ranking `rows` rows of Gemma 4's 262,144 logits to their top `candidates` (sample_logits.h:
 // two launches, no edits), as summarize_logits runs it after a decode step.
 Result bench_rank(int rows, int candidates, cudaStream_t stream) {
@@ -630,6 +741,23 @@ int main(int argc, char** argv) {
     results.push_back(
         bench_attention(type, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
   }
+  // Prefill attention of passes of 2048 rows (the GPU default), a second pass deep in the prompt
+  // and a first one: 26B-A4B's sliding layers (a 1056-slot ring: staged) and full layers, E2B's
+  // (rings of window + pass - 1 slots hold a pass); and one 33-row piece, what the 26B's sliding
+  // layers ran 62 of per pass before staging.
+  for (const int32_t depth : {2048, 0}) {
+    const char* deep = depth > 0 ? " @2048" : " @0";
+    results.push_back(bench_prefill_attention(16, 8, 256, 1056, 1024, depth, 2048, true,
+                                              (std::string("26b sliding") + deep).c_str(), stream));
+    results.push_back(bench_prefill_attention(16, 2, 512, 4096, 0, depth, 2048, false,
+                                              (std::string("26b full") + deep).c_str(), stream));
+    results.push_back(bench_prefill_attention(8, 1, 256, 2559, 512, depth, 2048, false,
+                                              (std::string("e2b sliding") + deep).c_str(), stream));
+    results.push_back(bench_prefill_attention(8, 1, 512, 4096, 0, depth, 2048, false,
+                                              (std::string("e2b full") + deep).c_str(), stream));
+  }
+  results.push_back(bench_prefill_attention(16, 8, 256, 1056, 1024, 2048, 33, false,
+                                            "26b sliding piece @2048", stream));
   for (int rows : {1, 8, 64}) {
     for (int candidates : {1, 64}) results.push_back(bench_rank(rows, candidates, stream));
   }

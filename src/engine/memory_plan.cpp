@@ -83,7 +83,8 @@ int64_t workspace_bytes(const model::ModelConfig& config, const EngineOptions& o
 
 // The CUDA backend's scratch at its largest: decode attention partials at the widest layer,
 // the gate/up products of a prefill pass (matmul_gelu_pairs off the GEMV), the MoE workspace of a
-// full pass, the tensor-core prefill's buffers, one RoPE table per layer.
+// full pass, the tensor-core prefill's buffers, a pass's K/V staged for a sliding ring shorter
+// than the pass, one RoPE table per layer.
 int64_t backend_scratch_bytes(const model::ModelConfig& config, const EngineOptions& options) {
   const int64_t history = ring_history_for(config, options);
   const int64_t batch = std::min<int64_t>(options.max_sequences, kMaxBatchedSequences);

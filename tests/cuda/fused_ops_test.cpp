@@ -502,8 +502,10 @@ void check_pieces(bool zero_query, uint32_t seed) {
       for (int h = 0; h < shape.q_heads; ++h) {
         const double dot_bound =
             scale * head_norm(qkv.q(cpu_base).row(r) + int64_t{h} * hd) * max_key_norm[h / group];
+        // (+ the fp32 sums of the dot products, the scaling by log2(e) and exp2.)
         const double epsilon =
-            dot_bound * (2 * kBf16Unit + kBf16Unit * kBf16Unit + 4.0 * hd * kFp32Unit);
+            dot_bound * (2 * kBf16Unit + kBf16Unit * kBf16Unit + 4.0 * hd * kFp32Unit) +
+            4.0 * kFp32Unit * (1.0 + 2.0 * dot_bound);
         const double beta =
             zero_query ? 1.0 : std::exp(2 * epsilon) * (1 + kBf16Unit) / (1 - kBf16Unit);
         std::fill_n(bound.begin() + r * qkv.q_width + int64_t{h} * hd, hd,

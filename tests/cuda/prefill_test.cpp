@@ -431,7 +431,10 @@ INSTANTIATE_TEST_SUITE_P(
         AttentionCase{"hd512_mha_ring_33", 512, 4, 4, 100, 40, 300, 33},
         AttentionCase{"hd512_gqa4_window_65", 512, 8, 2, 300, 50, 200, 65},
         // A head_dim the prefill kernel does not take: the generic kernel, as accurate.
-        AttentionCase{"hd128_generic_fallback_33", 128, 4, 2, 64, 0, 10, 33}),
+        AttentionCase{"hd128_generic_fallback_33", 128, 4, 2, 64, 0, 10, 33},
+        // A few rows (no tensor cores): one decode-kernel row per query, in fp32.
+        AttentionCase{"hd256_gqa4_window_few_rows_5", 256, 8, 2, 48, 16, 30, 5},
+        AttentionCase{"hd512_mha_ring_few_rows_12", 512, 4, 4, 100, 40, 300, 12}),
     [](const auto& info) { return std::string(info.param.name); });
 
 // ---------------------------------------------------------------------------------------------

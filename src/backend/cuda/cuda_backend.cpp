@@ -648,6 +648,18 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
       return;
     }
   }
+  // A few queries of one sequence (a short prompt or the tail of a long one): each row as a
+  // one-row sequence of a decode batch over the same cache (read only: nothing is prepared),
+  // rather than the generic kernel's block per (head, query) scanning every slot (~250 µs per
+  // 26B sliding layer at any depth).
+  if (q.count > 1 && q.count <= kMaxBatchedSequences) {
+    std::vector<engine::SequenceRows> rows;
+    rows.reserve(static_cast<size_t>(q.count));
+    for (int64_t r = 0; r < q.count; ++r) rows.push_back({kv, r, 1});
+    bool taken = true;
+    decode_rows(q, positions, rows, window, scale, out, nullptr, [&](size_t) { taken = false; });
+    if (taken) return;
+  }
   launched(cuda::attention_rows(view(q), positions, slots(kv), window, scale, view(out), launch()),
            "attention");
 }

@@ -157,8 +157,9 @@ class CudaBackend final : public engine::Backend {
   // Per sequence: rows that fit as prepare_and_attend; longer tensor-core passes (a sliding ring
   // shorter than window - 1 + rows) in one go: the rows' K/V stored into scratch instead of the
   // ring, attended together with the ring (prefill_chunk_attention), then the ring updated
-  // (store_staged_kv): three launches instead of three per piece. Anything else (fp32
-  // activations, shapes the prefill kernel does not take) as the default pieces.
+  // (store_staged_kv): a memset and three launches (+ a split merge) instead of two or three per
+  // piece of chunk_limit rows. Anything else (fp32 activations, shapes the prefill kernel does not
+  // take) as the default pieces.
   void prepare_and_attend_pieces(engine::Rows q, engine::Rows k, engine::Rows v,
                                  const float* q_norm, const float* k_norm, bool norm_v,
                                  int head_dim, const int32_t* positions,

@@ -440,12 +440,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
         row_max[h] = new_max;
         row_sum[h] *= rescale[h];
       }
+      // Once a row's max has settled most tiles leave it (rescale exactly 1): the warp skips the
+      // multiplies of its whole accumulator then (x · 1 = x: the same result).
+      if (!__all_sync(0xFFFFFFFFu, rescale[0] == 1.0f && rescale[1] == 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < kDimTiles; ++n) {
-        o[n][0] *= rescale[0];
-        o[n][1] *= rescale[0];
-        o[n][2] *= rescale[1];
-        o[n][3] *= rescale[1];
+        for (int n = 0; n < kDimTiles; ++n) {
+          o[n][0] *= rescale[0];
+          o[n][1] *= rescale[0];
+          o[n][2] *= rescale[1];
+          o[n][3] *= rescale[1];
+        }
       }
 
       // O += P · V: the score fragments of 16 keys are the A fragment of one mma k-step.
