@@ -35,8 +35,8 @@
 // whole spans with zeros.
 //
 // Numbers: activations and dequantized weights enter the tensor cores as bf16 (NVFP4 and bf16
-// weights exactly, w4g32's (u − 8) · scale rounded), NVFP4's global scale and the 2^-14 of its
-// fp16 decode are applied to the fp32 sums: the results equal the CPU reference to bf16
+// weights exactly, w4g32's (u − 8) · scale rounded), NVFP4's global scale and the 2^-7 of its
+// decode (nvfp4_pairs) are applied to the fp32 sums: the results equal the CPU reference to bf16
 // precision. Deterministic: no atomics, every launch's work split fixed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -56,7 +56,6 @@ namespace {
 using gemv_mma_detail::centered_nibble_pairs;
 using gemv_mma_detail::e4m3_pair;
 using gemv_mma_detail::mma_bf16;
-using gemv_mma_detail::scaled_e2m1_pairs;
 
 constexpr int kTileM = 64;      // pairs per work item (all of one expert)
 constexpr int kTileRows = 128;  // weight rows per block: 4 warps x 4 fragments of 8
@@ -321,10 +320,15 @@ struct GroupedArgs {
   int64_t y_stride;
 };
 
+// NVFP4 weights enter the tensor cores as e2m1 · block scale · 2^-kNvfp4Shift, exact in bf16
+// (see nvfp4_pairs); the fp32 sums are scaled back.
+constexpr int kNvfp4Shift = 7;
+
 // The scale of a lane's 32-element group of one weight row, decoded once per span: NVFP4's two
-// e4m3 block scales as fp16 pairs (words 0-1 are group 0, words 2-3 group 1), w4g32's scale.
+// e4m3 block scales times 2^(126 − kNvfp4Shift) as bf16 pairs (words 0-1 are group 0, words 2-3
+// group 1; exact: e4m3 has 4 significant bits, and 448 · 2^119 < 2^128), w4g32's scale.
 struct GroupScale {
-  __half2 nvfp4[2];
+  __nv_bfloat162 nvfp4[2];
   float w4g32;
 };
 
@@ -332,18 +336,37 @@ template <PackedFormat F>
 __device__ __forceinline__ GroupScale decode_group_scale(uint32_t bits, const MoeMatrix& m) {
   GroupScale scale = {};
   if constexpr (F == PackedFormat::kNVFP4) {
-    scale.nvfp4[0] = e4m3_pair(bits);
-    scale.nvfp4[1] = e4m3_pair(bits >> 8);
+#pragma unroll
+    for (int group = 0; group < 2; ++group) {
+      const float block = __low2float(e4m3_pair(bits >> (8 * group)));
+      scale.nvfp4[group] = __float2bfloat162_rn(block * 0x1p119f);
+    }
   } else if constexpr (F == PackedFormat::kW4G32) {
     scale.w4g32 = scale_from_bits(m, bits);
   }
   return scale;
 }
 
+// NVFP4 pairs (s, s + 4), s = 0..3, of a packed word: code c placed as bf16 bits
+// (c & 8) << 12 | (c & 7) << 6 is e2m1(c) · 2^-126 (codes 0 and 1 as the subnormals 0 and 2^-127,
+// the others normal with exponent field c >> 1), so one bf16 multiply by the group's
+// block scale · 2^(126 − kNvfp4Shift) gives e2m1 · block scale · 2^-kNvfp4Shift exactly (at
+// most 6 significant bits, at least 2^-17: normal).
+__device__ __forceinline__ void nvfp4_pairs(uint32_t word, __nv_bfloat162 scale,
+                                            uint32_t (&pairs)[4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t shifted = word >> (4 * s);
+    const uint32_t bits = ((shifted << 6) & 0x01C001C0u) | ((shifted << 12) & 0x80008000u);
+    const __nv_bfloat162 pair = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale);
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
 // The bf16 pairs Q[4w + s], s = 0..3, of a lane's 32-element group of one weight row (see the
 // top), word w: 4-bit formats pass the group's chunk, bf16 its chunk w. NVFP4 values are
-// e2m1 · block scale · 2^-14 exactly (the sums are scaled back), w4g32's (u − 8) · scale rounded
-// to bf16 as the CPU reference's bf16 path would.
+// e2m1 · block scale · 2^-kNvfp4Shift exactly (the sums are scaled back), w4g32's (u − 8) · scale
+// rounded to bf16 as the CPU reference's bf16 path would.
 template <PackedFormat F>
 __device__ __forceinline__ void weight_pairs(const uint4& q, int w, const GroupScale& scale,
                                              uint32_t (&pairs)[4]) {
@@ -354,7 +377,7 @@ __device__ __forceinline__ void weight_pairs(const uint4& q, int w, const GroupS
       pairs[s] = __byte_perm(words[s / 2], words[2 + s / 2], s % 2 ? 0x7632 : 0x5410);
     }
   } else if constexpr (F == PackedFormat::kNVFP4) {
-    scaled_e2m1_pairs(words[w], scale.nvfp4[w / 2], pairs);
+    nvfp4_pairs(words[w], scale.nvfp4[w / 2], pairs);
   } else {
     uint32_t centered[4];
     centered_nibble_pairs(words[w], centered);
@@ -366,12 +389,12 @@ __device__ __forceinline__ void weight_pairs(const uint4& q, int w, const GroupS
   }
 }
 
-// What the fp32 sums of one matrix are multiplied by: NVFP4's 2^14 (its fp16 decode) and global
-// scale (weight-formats.md 3.3).
+// What the fp32 sums of one matrix are multiplied by: NVFP4's 2^kNvfp4Shift (nvfp4_pairs) and
+// global scale (weight-formats.md 3.3).
 template <PackedFormat F>
 __device__ __forceinline__ float finish_sum(const MoeMatrix& m, float sum) {
   if constexpr (F == PackedFormat::kNVFP4) {
-    const float unscaled = sum * 16384.0f;
+    const float unscaled = sum * static_cast<float>(1 << kNvfp4Shift);
     return m.nv_global_is_divisor ? unscaled / m.nv_global : unscaled * m.nv_global;
   } else {
     return sum;
