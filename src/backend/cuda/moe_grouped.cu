@@ -35,8 +35,8 @@
 // whole spans with zeros.
 //
 // Numbers: activations and dequantized weights enter the tensor cores as bf16 (NVFP4 and bf16
-// weights exactly, w4g32's (u − 8) · scale rounded), NVFP4's global scale and the 2^-14 of its
-// fp16 decode are applied to the fp32 sums: the results equal the CPU reference to bf16
+// weights exactly, w4g32's (u − 8) · scale rounded), NVFP4's global scale and the 2^-7 of its
+// decode (nvfp4_pairs) are applied to the fp32 sums: the results equal the CPU reference to bf16
 // precision. Deterministic: no atomics, every launch's work split fixed.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -56,7 +56,6 @@ namespace {
 using gemv_mma_detail::centered_nibble_pairs;
 using gemv_mma_detail::e4m3_pair;
 using gemv_mma_detail::mma_bf16;
-using gemv_mma_detail::scaled_e2m1_pairs;
 
 constexpr int kTileM = 64;      // pairs per work item (all of one expert)
 constexpr int kTileRows = 128;  // weight rows per block: 4 warps x 4 fragments of 8
@@ -269,20 +268,20 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool vali
                "l"(src), "r"(valid ? 16 : 0));
 }
 
-// A 16-byte shared-memory load the compiler may not merge with an earlier one (which would
-// keep its registers live).
-__device__ __forceinline__ uint4 load_shared(const uint4* p) {
+// A 16-byte load at a shared-memory address, which the compiler may not merge with an earlier
+// one (that would keep its registers live).
+__device__ __forceinline__ uint4 load_shared(uint32_t address) {
   uint4 r;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "r"(shared_address(p)));
+               : "r"(address));
   return r;
 }
 
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const __nv_bfloat16* p) {
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(shared_address(p)));
+               : "r"(address));
 }
 
 // 16-byte chunks of one weight row per span, and the row pitch in shared memory (bf16 rows get
@@ -321,13 +320,56 @@ struct GroupedArgs {
   int64_t y_stride;
 };
 
+// NVFP4 weights enter the tensor cores as e2m1 · block scale · 2^-kNvfp4Shift, exact in bf16
+// (see nvfp4_pairs); the fp32 sums are scaled back.
+constexpr int kNvfp4Shift = 7;
+
+// The scale of a lane's 32-element group of one weight row, decoded once per span: NVFP4's two
+// e4m3 block scales times 2^(126 − kNvfp4Shift) as bf16 pairs (words 0-1 are group 0, words 2-3
+// group 1; exact: e4m3 has 4 significant bits, and 448 · 2^119 < 2^128), w4g32's scale.
+struct GroupScale {
+  __nv_bfloat162 nvfp4[2];
+  float w4g32;
+};
+
+template <PackedFormat F>
+__device__ __forceinline__ GroupScale decode_group_scale(uint32_t bits, const MoeMatrix& m) {
+  GroupScale scale = {};
+  if constexpr (F == PackedFormat::kNVFP4) {
+#pragma unroll
+    for (int group = 0; group < 2; ++group) {
+      const float block = __low2float(e4m3_pair(bits >> (8 * group)));
+      scale.nvfp4[group] = __float2bfloat162_rn(block * 0x1p119f);
+    }
+  } else if constexpr (F == PackedFormat::kW4G32) {
+    scale.w4g32 = scale_from_bits(m, bits);
+  }
+  return scale;
+}
+
+// NVFP4 pairs (s, s + 4), s = 0..3, of a packed word: code c placed as bf16 bits
+// (c & 8) << 12 | (c & 7) << 6 is e2m1(c) · 2^-126 (codes 0 and 1 as the subnormals 0 and 2^-127,
+// the others normal with exponent field c >> 1), so one bf16 multiply by the group's
+// block scale · 2^(126 − kNvfp4Shift) gives e2m1 · block scale · 2^-kNvfp4Shift exactly (at
+// most 6 significant bits, at least 2^-17: normal).
+__device__ __forceinline__ void nvfp4_pairs(uint32_t word, __nv_bfloat162 scale,
+                                            uint32_t (&pairs)[4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const uint32_t shifted = word >> (4 * s);
+    const uint32_t bits = ((shifted << 6) & 0x01C001C0u) | ((shifted << 12) & 0x80008000u);
+    const __nv_bfloat162 pair = __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), scale);
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
 // The bf16 pairs Q[4w + s], s = 0..3, of a lane's 32-element group of one weight row (see the
 // top), word w: 4-bit formats pass the group's chunk, bf16 its chunk w. NVFP4 values are
-// e2m1 · block scale · 2^-14 exactly (the sums are scaled back), w4g32's (u − 8) · scale rounded
-// to bf16 as the CPU reference's bf16 path would.
+// e2m1 · block scale · 2^-kNvfp4Shift exactly (the sums are scaled back), w4g32's (u − 8) · scale
+// rounded to bf16 as the CPU reference's bf16 path would.
 template <PackedFormat F>
-__device__ __forceinline__ void weight_pairs(const uint4& q, int w, uint32_t scale_bits,
-                                             const MoeMatrix& m, uint32_t (&pairs)[4]) {
+__device__ __forceinline__ void weight_pairs(const uint4& q, int w, const GroupScale& scale,
+                                             uint32_t (&pairs)[4]) {
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
   if constexpr (F == PackedFormat::kBF16) {
 #pragma unroll
@@ -335,26 +377,24 @@ __device__ __forceinline__ void weight_pairs(const uint4& q, int w, uint32_t sca
       pairs[s] = __byte_perm(words[s / 2], words[2 + s / 2], s % 2 ? 0x7632 : 0x5410);
     }
   } else if constexpr (F == PackedFormat::kNVFP4) {
-    // Two e4m3 scales per chunk: words 0-1 are group 0, words 2-3 group 1.
-    scaled_e2m1_pairs(words[w], e4m3_pair(scale_bits >> (8 * (w / 2))), pairs);
+    nvfp4_pairs(words[w], scale.nvfp4[w / 2], pairs);
   } else {
     uint32_t centered[4];
     centered_nibble_pairs(words[w], centered);
-    const float scale = scale_from_bits(m, scale_bits);
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
       const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&centered[s]));
-      pairs[s] = pack_bf16x2(f.x * scale, f.y * scale);
+      pairs[s] = pack_bf16x2(f.x * scale.w4g32, f.y * scale.w4g32);
     }
   }
 }
 
-// What the fp32 sums of one matrix are multiplied by: NVFP4's 2^14 (its fp16 decode) and global
-// scale (weight-formats.md 3.3).
+// What the fp32 sums of one matrix are multiplied by: NVFP4's 2^kNvfp4Shift (nvfp4_pairs) and
+// global scale (weight-formats.md 3.3).
 template <PackedFormat F>
 __device__ __forceinline__ float finish_sum(const MoeMatrix& m, float sum) {
   if constexpr (F == PackedFormat::kNVFP4) {
-    const float unscaled = sum * 16384.0f;
+    const float unscaled = sum * static_cast<float>(1 << kNvfp4Shift);
     return m.nv_global_is_divisor ? unscaled / m.nv_global : unscaled * m.nv_global;
   } else {
     return sum;
@@ -463,16 +503,27 @@ __global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
       load_span(span + 1, (span + 1) % kStages);
       load_scales(span + 1, next_scales);
     }
-    // This lane's group of fragment row f: 4-bit formats one chunk, bf16 chunk w of four. Read
-    // again for each w (not held across the span: registers).
-    const uint4(*raw)[kRawPitch<F>] = &s.b[stage][32 * warp + g];
+    // Shared addresses: this lane's group of fragment row 0 (4-bit formats: one chunk, read
+    // again for each w rather than held across the span; bf16: chunk w of four), and its
+    // ldmatrix row of fragment 0, step 0. The others are constant offsets from them.
+    const uint32_t group_address =
+        shared_address(&s.b[stage][32 * warp + g][F == PackedFormat::kBF16 ? 4 * t : t]);
+    const uint32_t a_address = shared_address(&s.a[stage][lane & 15][(lane >> 4) * 8]);
+    constexpr uint32_t kFragmentRowBytes = 8 * kRawPitch<F> * sizeof(uint4);
+    constexpr uint32_t kAFragmentBytes = 16 * kAPitch * sizeof(__nv_bfloat16);
+    GroupScale group_scales[4];
+#pragma unroll
+    for (int f = 0; f < 4; ++f) {
+      group_scales[f] = decode_group_scale<F>(scales[f], mats[kGateUp ? f >> 1 : 0]);
+    }
 #pragma unroll
     for (int w = 0; w < 4; ++w) {
       uint32_t b[4][4];
 #pragma unroll
       for (int f = 0; f < 4; ++f) {
-        const uint4 q = load_shared(&raw[8 * f][F == PackedFormat::kBF16 ? 4 * t + w : t]);
-        weight_pairs<F>(q, w, scales[f], mats[kGateUp ? f >> 1 : 0], b[f]);
+        const uint4 q = load_shared(group_address + f * kFragmentRowBytes +
+                                    (F == PackedFormat::kBF16 ? w * sizeof(uint4) : 0));
+        weight_pairs<F>(q, w, group_scales[f], b[f]);
       }
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -481,7 +532,7 @@ __global__ void __launch_bounds__(kGroupedThreads, kGroupedBlocksPerSm<F>)
         for (int mi = 0; mi < 4; ++mi) {
           if (mi >= live_fragments) break;
           uint32_t fragment[4];
-          ldmatrix_x4(fragment, &s.a[stage][16 * mi + (lane & 15)][16 * j + (lane >> 4) * 8]);
+          ldmatrix_x4(fragment, a_address + mi * kAFragmentBytes + j * 16 * sizeof(__nv_bfloat16));
 #pragma unroll
           for (int f = 0; f < 4; ++f) {
             mma_bf16(acc[mi][f], fragment, b[f][2 * half], b[f][2 * half + 1]);
