@@ -209,10 +209,11 @@ class Backend {
   }
   virtual void replay(RecordedWork& work) { (void)work; }
 
-  // Enqueues the operations of `first`, then those of `second`, for a pass of `rows` rows. The
+  // Enqueues the operations of `first` and those of `second` for a pass of `rows` rows. The
   // caller guarantees the two are independent (neither reads or writes what the other writes), so
-  // a device backend may run them at the same time; work enqueued afterwards sees both done. Both
-  // may read what was enqueued before. Default: first(), then second().
+  // a device backend may run them at the same time, or enqueue them in either order; work
+  // enqueued afterwards sees both done. Both may read what was enqueued before. Default: first(),
+  // then second().
   virtual void concurrently(int64_t rows, const std::function<void()>& first,
                             const std::function<void()>& second);
 

@@ -285,17 +285,26 @@ void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
     Backend::concurrently(rows, first, second);
     return;
   }
-  launch();
+  cudaSetDevice(device_);  // not launch(): the companions live now stay live for both branches
   // The events are recorded and waited for even after a failure inside a branch: a capture
   // must end with the second stream joined.
   check(cudaEventRecord(fork_event_, stream_), "concurrently (fork)");
   check(cudaStreamWaitEvent(side_stream_, fork_event_, 0), "concurrently (fork)");
+  // The main stream's branch is enqueued first so that its kernels take the SMs first (a MoE
+  // layer's router is a cluster of blocks that each need a whole SM: behind the other branch's
+  // GEMV blocks, spread over every SM, it would wait for them to drain).
+  const std::vector<LiveCompanions> at_fork = live_companions_;
+  second();
+  // The first branch reads nothing the second writes: what was live at the fork still holds for
+  // what it reads.
+  live_companions_ = at_fork;
   active_stream_ = side_stream_;
   first();
   active_stream_ = stream_;
   check(cudaEventRecord(join_event_, side_stream_), "concurrently (join)");
-  second();
   check(cudaStreamWaitEvent(stream_, join_event_, 0), "concurrently (join)");
+  // Each branch's bookkeeping missed the other's writes.
+  live_companions_.clear();
 }
 
 // The synchronisation keeps work enqueued before the range out of it (and work enqueued inside

@@ -86,11 +86,11 @@ class CudaBackend final : public engine::Backend {
   bool can_record() const override { return true; }
   std::unique_ptr<engine::RecordedWork> record(const std::function<void()>& enqueue) override;
   void replay(engine::RecordedWork& work) override;
-  // A decode pass (rows that take no tensor-core path): `first` on a second stream, forked from
-  // the main stream's work so far, `second` on the main stream (the higher priority: the MoE
-  // layer's router and experts, the longer branch, go there), then the main stream waits for the
-  // second (an event pair; inside record() the graph gets both branches). Prefill passes (cuBLAS
-  // runs on the main stream only) and nested calls: the default order.
+  // A decode pass (rows that take no tensor-core path): `second` on the main stream (the higher
+  // priority, enqueued first: the MoE layer's router and experts, the longer branch), `first` on
+  // a second stream forked from the main stream's work so far, then the main stream waits for
+  // the second stream (an event pair; inside record() the graph gets both branches). Prefill
+  // passes (cuBLAS runs on the main stream only) and nested calls: the default order.
   void concurrently(int64_t rows, const std::function<void()>& first,
                     const std::function<void()>& second) override;
 
