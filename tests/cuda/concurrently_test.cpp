@@ -32,12 +32,18 @@ struct Operands {
   Rows x, normed, first_a, first_b, second;
 };
 
-// x → normed; then concurrently: first = a chain of GEMVs through w1 / w2 ending normed, second =
+// normed = w2 · w1 · w2 · w1 · norm(x) (a chain, so that a branch starting early reads the old
+// normed); then concurrently: first = a chain of GEMVs through w1 / w2 ending normed, second =
 // w3 · normed halved; then first += second (the chain ends in first_b after an even number of
 // steps, else in first_a).
 void enqueue(engine::Backend& backend, const Operands& o, const quant::QMatrix& w1,
              const quant::QMatrix& w2, const quant::QMatrix& w3, const float* norm_weight) {
   backend.rms_norm(o.x, norm_weight, 0.0f, 1e-6f, o.normed);
+  for (int step = 0; step < 2; ++step) {
+    backend.matmul(w1, o.normed, o.first_a);
+    backend.matmul(w2, o.first_a, o.normed);
+  }
+  backend.rms_norm(o.normed, norm_weight, 0.0f, 1e-6f, o.normed);
   backend.concurrently(
       o.x.count,
       [&] {
