@@ -92,13 +92,20 @@ void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Ro
   route_experts(logits, router, expert_ids, weights);
 }
 
-void Backend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
-                        const float* router_scale, float router_factor, const float* expert_weight,
-                        Rows router_in, Rows expert_in, const NormParams& norm) {
-  rms_norm(dense, dense_weight, norm.weight_offset, norm.eps, dense);
-  rms_norm(hidden, nullptr, norm.weight_offset, norm.eps, router_in);
-  scale(router_in, router_scale, router_factor);
-  rms_norm(hidden, expert_weight, norm.weight_offset, norm.eps, expert_in);
+void Backend::add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scalar,
+                               const float* next_weight, Rows next, const MoeInputs& moe,
+                               const NormParams& norm) {
+  add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
+  rms_norm(acc, nullptr, norm.weight_offset, norm.eps, moe.router_in);
+  scale(moe.router_in, moe.router_scale, moe.router_factor);
+  rms_norm(acc, moe.expert_weight, norm.weight_offset, norm.eps, moe.expert_in);
+}
+
+void Backend::concurrently(int64_t rows, const std::function<void()>& first,
+                           const std::function<void()>& second) {
+  (void)rows;
+  first();
+  second();
 }
 
 void Backend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,

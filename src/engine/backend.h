@@ -140,6 +140,15 @@ struct NormParams {
   float eps = 1e-6f;
 };
 
+// The router's and the experts' inputs of a MoE layer (Backend::add_rms_norm_moe).
+struct MoeInputs {
+  const float* router_scale = nullptr;   // [width]
+  float router_factor = 1.0f;            // hidden_size^-1/2
+  const float* expert_weight = nullptr;  // [width]: pre_feedforward_layernorm_2
+  Rows router_in;
+  Rows expert_in;
+};
+
 // A sequence of operations a backend recorded once (record()) to enqueue again cheaply
 // (replay()): on CUDA, an instantiated graph. Each backend defines what it holds.
 class RecordedWork {
@@ -199,6 +208,14 @@ class Backend {
     return nullptr;
   }
   virtual void replay(RecordedWork& work) { (void)work; }
+
+  // Enqueues the operations of `first` and those of `second` for a pass of `rows` rows. The
+  // caller guarantees the two are independent (neither reads or writes what the other writes), so
+  // a device backend may run them at the same time, or enqueue them in either order; work
+  // enqueued afterwards sees both done. Both may read what was enqueued before. Default: first(),
+  // then second().
+  virtual void concurrently(int64_t rows, const std::function<void()>& first,
+                            const std::function<void()>& second);
 
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;
@@ -268,16 +285,16 @@ class Backend {
                                     const RouterParams& router, int32_t* expert_ids,
                                     float* weights);
 
-  // The norms of a MoE block between the dense MLP and the experts (arch spec 3), row by row:
-  // dense = norm(dense; dense_weight) in place (post_feedforward_layernorm_1); router_in =
-  // norm(hidden) (weightless) · router_scale[j] · router_factor (the router's input);
-  // expert_in = norm(hidden; expert_weight) (pre_feedforward_layernorm_2). router_in and
-  // expert_in must not overlap hidden, dense or each other. Default: rms_norm(dense → dense),
-  // rms_norm(hidden → router_in), scale(router_in, router_scale, router_factor),
-  // rms_norm(hidden → expert_in).
-  virtual void moe_norms(Rows hidden, Rows dense, const float* dense_weight,
-                         const float* router_scale, float router_factor, const float* expert_weight,
-                         Rows router_in, Rows expert_in, const NormParams& norm);
+  // The attention block's residual step of a MoE layer and the inputs of the layer's router and
+  // experts (arch spec 3), row by row: add_rms_norm(acc, x, weight, scalar, next_weight, next,
+  // norm), then from the new acc: moe.router_in = norm(acc) (weightless) · router_scale[j] ·
+  // router_factor and moe.expert_in = norm(acc; expert_weight) (pre_feedforward_layernorm_2).
+  // router_in may be x; otherwise router_in and expert_in overlap nothing. Default: add_rms_norm,
+  // rms_norm(acc → router_in), scale(router_in, router_scale, router_factor), rms_norm(acc →
+  // expert_in).
+  virtual void add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scalar,
+                                const float* next_weight, Rows next, const MoeInputs& moe,
+                                const NormParams& norm);
 
   // A MoE block's end: branch = branch + norm(x; branch_weight) (the expert output joining the
   // dense one), then add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm). x and

@@ -65,8 +65,9 @@ struct Gemma4Engine::Impl {
   // Workspace for one pass of up to options.max_pass_tokens rows.
   Buffer token_ids, positions, expert_ids, expert_weights;
   // qkv: q, k and v of a layer, as one [n, q + k + v] matrix or three dense ones.
-  Buffer x, normed, qkv, attn, proj, gate, up, branch, moe, router_logits, ple, ple_tokens,
-      ple_gate, last_hidden, logits;
+  // MoE layers: the experts' input in expert_input, the router's in proj.
+  Buffer x, normed, qkv, attn, proj, gate, up, branch, moe, expert_input, router_logits, ple,
+      ple_tokens, ple_gate, last_hidden, logits;
 
   int64_t max_rows() const { return options.max_pass_tokens; }
 
@@ -180,11 +181,22 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
         g.rope, sequence_rows, norm_params, g.window, config.attention_scale, out, chunk_limit);
   }
 
-  Rows projected = rows(proj, n, config.hidden_size);
+  const int64_t H = config.hidden_size;
+  Rows projected = rows(proj, n, H);
   backend->matmul(lw.o_proj, out, projected);
-  backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
-                        lw.pre_feedforward_layernorm, rows(normed, n, config.hidden_size),
-                        norm_params);
+  if (!config.moe) {
+    backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                          lw.pre_feedforward_layernorm, rows(normed, n, H), norm_params);
+    return;
+  }
+  // arch spec 3: the router's and the experts' inputs are norms of the same residual as the dense
+  // MLP's. The router's input goes to proj (this step consumes projected).
+  const MoeInputs moe_inputs = {lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)),
+                                lw.pre_feedforward_layernorm_2, rows(proj, n, H),
+                                rows(expert_input, n, H)};
+  backend->add_rms_norm_moe(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                            lw.pre_feedforward_layernorm, rows(normed, n, H), moe_inputs,
+                            norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
@@ -194,34 +206,44 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
 
   // Dense MLP (the always-on shared expert in MoE models).
   const Rows m = rows(normed, n, H);  // pre_feedforward_layernorm(hidden), made before
-  Rows gates = rows(gate, n, g.ffn_width);
-  if (model::present(lw.gate_up)) {
-    backend->matmul_gelu_pairs(lw.gate_up, m, gates);
-  } else {
-    Rows ups = rows(up, n, g.ffn_width);
-    backend->matmul(lw.gate_proj, m, gates);
-    backend->matmul(lw.up_proj, m, ups);
-    backend->gelu_tanh_mul(gates, ups, gates);
-  }
   Rows dense_out = rows(branch, n, H);
-  backend->matmul(lw.down_proj, gates, dense_out);
+  const auto dense_mlp = [&] {
+    Rows gates = rows(gate, n, g.ffn_width);
+    if (model::present(lw.gate_up)) {
+      backend->matmul_gelu_pairs(lw.gate_up, m, gates);
+    } else {
+      Rows ups = rows(up, n, g.ffn_width);
+      backend->matmul(lw.gate_proj, m, gates);
+      backend->matmul(lw.up_proj, m, ups);
+      backend->gelu_tanh_mul(gates, ups, gates);
+    }
+    backend->matmul(lw.down_proj, gates, dense_out);
+  };
 
   Rows expert_out = rows(moe, n, H);
   if (config.moe) {
     // arch spec 3: dense and expert branches each post-normed, summed, then post-normed again.
-    // The router's input goes to proj (free here: the attention block consumed it).
+    // The two branches share no buffer (the router's and the experts' inputs were made by the
+    // attention block's residual step), so the backend may overlap them.
     const auto& p = config.moe_params;
-    Rows router_in = rows(proj, n, H);
-    Rows expert_in = rows(normed, n, H);
-    backend->moe_norms(hidden, dense_out, lw.post_feedforward_layernorm_1, lw.router_scale,
-                       1.0f / std::sqrt(static_cast<float>(H)), lw.pre_feedforward_layernorm_2,
-                       router_in, expert_in, norm_params);
-    Rows scores = rows(router_logits, n, p.num_experts);
-    backend->matmul_route_experts(lw.router_proj, router_in, scores, {p.top_k, lw.per_expert_scale},
-                                  expert_ids.ints(), expert_weights.floats());
-    if (options.router_trace) trace_routing(l, n);
-    backend->run_experts(lw.experts, expert_in, expert_ids.ints(), expert_weights.floats(), p.top_k,
-                         expert_out);
+    backend->concurrently(
+        n,
+        [&] {
+          dense_mlp();
+          backend->rms_norm(dense_out, lw.post_feedforward_layernorm_1, norm_params.weight_offset,
+                            norm_params.eps, dense_out);
+        },
+        [&] {
+          Rows scores = rows(router_logits, n, p.num_experts);
+          backend->matmul_route_experts(lw.router_proj, rows(proj, n, H), scores,
+                                        {p.top_k, lw.per_expert_scale}, expert_ids.ints(),
+                                        expert_weights.floats());
+          if (options.router_trace) trace_routing(l, n);
+          backend->run_experts(lw.experts, rows(expert_input, n, H), expert_ids.ints(),
+                               expert_weights.floats(), p.top_k, expert_out);
+        });
+  } else {
+    dense_mlp();
   }
   // The layer ends by norming its output for the next layer's attention (none after the last).
   const bool last = l + 1 == config.num_layers;
@@ -392,6 +414,7 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   if (config.moe) {
     const auto& p = config.moe_params;
     impl->moe = floats(rows, H);
+    impl->expert_input = floats(rows, H);
     impl->router_logits = floats(rows, p.num_experts);
     impl->expert_ids = b.allocate(sizeof(int32_t) * rows * p.top_k);
     impl->expert_weights = floats(rows, p.top_k);

@@ -69,8 +69,9 @@ int64_t workspace_bytes(const model::ModelConfig& config, const EngineOptions& o
   int64_t ints_per_row = 2;                               // token ids, positions
   if (config.moe) {
     const auto& p = config.moe_params;
-    floats_per_row += H + p.num_experts + p.top_k;  // moe, router logits, expert weights
-    ints_per_row += p.top_k;                        // expert ids
+    floats_per_row += 2 * H + p.num_experts + p.top_k;  // moe, expert input, router logits,
+                                                        // expert weights
+    ints_per_row += p.top_k;                            // expert ids
   }
   if (config.ple_dim > 0) {
     floats_per_row += 2 * int64_t{config.num_layers} * config.ple_dim  // ple, ple_tokens

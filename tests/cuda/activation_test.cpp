@@ -357,6 +357,33 @@ TEST_P(CompanionBookkeeping, AddRmsNormCompanionsFollowTheNextReader) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
+// The MoE layer's residual steps report their writes as add_rms_norm does: next's companions are
+// live after them (the next layer's first GEMV reads them, no converter kernel), and the MoE
+// inputs add_rms_norm_moe writes lose any companions they had.
+TEST_P(CompanionBookkeeping, MoeResidualStepsWriteTheCompanionsOfNext) {
+  auto gpu = testing::make_gpu_in_mode(GetParam());
+  ASSERT_TRUE(gpu);
+  const int64_t width = 128;
+  BackendRows acc(*gpu, 1, width), x(*gpu, 1, width), branch(*gpu, 1, width), next(*gpu, 1, width),
+      router_in(*gpu, 1, width), expert_in(*gpu, 1, width);
+  acc.set(*gpu, activations(width, 52));
+  x.set(*gpu, activations(width, 53));
+  branch.set(*gpu, activations(width, 54));
+  const engine::NormParams norm{1.0f, 1e-6f};
+  gpu->add_rms_norm_branch(acc.rows, branch.rows, x.rows, nullptr, nullptr, 1.0f, nullptr,
+                           next.rows, norm);
+  EXPECT_NE(gpu->live_companions(next.rows), nullptr) << "add_rms_norm_branch";
+  gpu->rms_norm(x.rows, nullptr, 1.0f, 1e-6f, expert_in.rows);
+  ASSERT_NE(gpu->live_companions(expert_in.rows), nullptr);
+  gpu->scale(next.rows, nullptr, 2.0f);  // drops next's companions
+  ASSERT_EQ(gpu->live_companions(next.rows), nullptr);
+  gpu->add_rms_norm_moe(acc.rows, x.rows, nullptr, 1.0f, nullptr, next.rows,
+                        {nullptr, 0.5f, nullptr, router_in.rows, expert_in.rows}, norm);
+  EXPECT_NE(gpu->live_companions(next.rows), nullptr) << "add_rms_norm_moe";
+  EXPECT_EQ(gpu->live_companions(expert_in.rows), nullptr) << "add_rms_norm_moe";
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
 // The decode attention writes the companions of its output (o_proj's input) with it, for both
 // sequences of one launch: a shallow one from the attention kernel (one key range) and a deep one
 // from the split merge. They stay live for the output rows, and a later write drops them.

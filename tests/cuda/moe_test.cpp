@@ -4,7 +4,8 @@
 // expert weight format, router ties, every path (decode per pair for one token, per expert below
 // kMoeGroupedMinTokens tokens, grouped tensor-core tiles from there on; decode at every count
 // under MoePrecision::kExactF32).
-// Also CudaBackend::moe_norms against the CPU backend's default composition.
+// Also CudaBackend::add_rms_norm_moe and add_rms_norm_branch against the CPU backend's default
+// compositions.
 #include "backend/cuda/moe.h"
 
 #include <cuda_runtime_api.h>
@@ -788,9 +789,11 @@ TEST(MoeExperts, CachedTableFollowsTheDescriptors) {
   EXPECT_NE(why.find("f32"), std::string::npos) << why;
 }
 
-// CudaBackend::moe_norms (one kernel) against the CPU backend's default composition of rms_norm
-// and scale: 26B-A4B's width, an unaligned odd width with strided rows, a Gemma 3 style offset.
-TEST(MoeNorms, CudaBackendMatchesTheComposition) {
+// CudaBackend::add_rms_norm_moe (one kernel: the attention block's residual step and the MoE
+// inputs) against the CPU backend's default composition of add_rms_norm, rms_norm and scale:
+// 26B-A4B's width, strided rows, an unaligned odd width with a Gemma 3 style offset; the router's
+// input in x's place (as the engine puts it) and in rows of its own.
+TEST(MoeNorms, AddRmsNormMoeMatchesTheComposition) {
   auto made = make_cuda_backend();
   ASSERT_TRUE(made.ok()) << made.error().to_string();
   engine::Backend& gpu = **made;
@@ -798,45 +801,57 @@ TEST(MoeNorms, CudaBackendMatchesTheComposition) {
   struct Case {
     int64_t rows, width, stride;
     float weight_offset;
+    bool router_in_x;
   };
   uint32_t seed = 900;
-  for (const Case& c : {Case{1, kHidden, kHidden, 0.0f}, Case{3, kHidden, kHidden + 4, 0.0f},
-                        Case{2, 1001, 1003, 1.0f}}) {
+  for (const Case& c :
+       {Case{1, kHidden, kHidden, 0.0f, true}, Case{3, kHidden, kHidden + 4, 0.0f, false},
+        Case{2, 1001, 1003, 1.0f, true}}) {
     SCOPED_TRACE("width=" + std::to_string(c.width));
     const int64_t elements = c.rows * c.stride;
-    const auto hidden = testing::random_floats(elements, -30.0f, 30.0f, seed++);
-    const auto dense = testing::random_floats(elements, -3.0f, 3.0f, seed++);
-    const auto dense_weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
+    const auto acc = testing::random_floats(elements, -30.0f, 30.0f, seed++);
+    const auto x = testing::random_floats(elements, -3.0f, 3.0f, seed++);
+    const auto weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
+    const auto next_weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
     const auto router_scale = testing::random_floats(c.width, 0.5f, 2.0f, seed++);
     const auto expert_weight = testing::random_floats(c.width, -1.0f, 1.5f, seed++);
     const float factor = 1.0f / std::sqrt(static_cast<float>(c.width));
     const engine::NormParams norm = {c.weight_offset, 1e-6f};
     auto rows = [&](float* data) { return Rows{data, c.rows, c.width, c.stride}; };
 
-    std::vector<float> cpu_hidden = hidden, cpu_dense = dense, cpu_router(elements, 0.0f),
-                       cpu_expert(elements, 0.0f);
-    cpu.moe_norms(rows(cpu_hidden.data()), rows(cpu_dense.data()), dense_weight.data(),
-                  router_scale.data(), factor, expert_weight.data(), rows(cpu_router.data()),
-                  rows(cpu_expert.data()), norm);
+    std::vector<float> cpu_acc = acc, cpu_x = x, cpu_next(elements, 0.0f),
+                       cpu_router(elements, 0.0f), cpu_expert(elements, 0.0f);
+    const engine::MoeInputs cpu_moe = {router_scale.data(), factor, expert_weight.data(),
+                                       rows(c.router_in_x ? cpu_x.data() : cpu_router.data()),
+                                       rows(cpu_expert.data())};
+    cpu.add_rms_norm_moe(rows(cpu_acc.data()), rows(cpu_x.data()), weight.data(), 1.0f,
+                         next_weight.data(), rows(cpu_next.data()), cpu_moe, norm);
 
-    DeviceArray<float> d_hidden(hidden), d_dense(dense), d_dense_weight(dense_weight),
+    DeviceArray<float> d_acc(acc), d_x(x), d_weight(weight), d_next_weight(next_weight),
         d_router_scale(router_scale), d_expert_weight(expert_weight),
-        d_router(std::vector<float>(elements, 0.0f)), d_expert(std::vector<float>(elements, 0.0f));
-    gpu.moe_norms(rows(d_hidden.get()), rows(d_dense.get()), d_dense_weight.get(),
-                  d_router_scale.get(), factor, d_expert_weight.get(), rows(d_router.get()),
-                  rows(d_expert.get()), norm);
+        d_next(std::vector<float>(elements, 0.0f)), d_router(std::vector<float>(elements, 0.0f)),
+        d_expert(std::vector<float>(elements, 0.0f));
+    const engine::MoeInputs gpu_moe = {d_router_scale.get(), factor, d_expert_weight.get(),
+                                       rows(c.router_in_x ? d_x.get() : d_router.get()),
+                                       rows(d_expert.get())};
+    gpu.add_rms_norm_moe(rows(d_acc.get()), rows(d_x.get()), d_weight.get(), 1.0f,
+                         d_next_weight.get(), rows(d_next.get()), gpu_moe, norm);
     CUDA_ASSERT_OK(cudaDeviceSynchronize());
     ASSERT_TRUE(gpu.status().ok()) << gpu.status().error().to_string();
     auto expect_same = [&](const char* name, const std::vector<float>& got,
                            const std::vector<float>& expected) {
-      for (int64_t i = 0; i < elements; ++i) {
-        ASSERT_NEAR(got[i], expected[i], 1e-5 * (1.0 + std::fabs(expected[i])))
-            << name << " element " << i;
+      for (int64_t r = 0; r < c.rows; ++r) {
+        for (int64_t j = 0; j < c.width; ++j) {
+          const int64_t i = r * c.stride + j;
+          ASSERT_NEAR(got[i], expected[i], 1e-5 * (1.0 + std::fabs(expected[i])))
+              << name << " element " << i;
+        }
       }
     };
-    expect_same("hidden", d_hidden.download(), cpu_hidden);
-    expect_same("dense", d_dense.download(), cpu_dense);
-    expect_same("router_in", d_router.download(), cpu_router);
+    expect_same("acc", d_acc.download(), cpu_acc);
+    expect_same("next", d_next.download(), cpu_next);
+    expect_same("router_in", c.router_in_x ? d_x.download() : d_router.download(),
+                c.router_in_x ? cpu_x : cpu_router);
     expect_same("expert_in", d_expert.download(), cpu_expert);
   }
 }

@@ -87,34 +87,50 @@ TEST(BackendDefaults, AddRmsNormBranchJoinsTheBranchFirst) {
   }
 }
 
-TEST(BackendDefaults, MoeNormsNormTheDenseOutputAndBothExpertInputs) {
+TEST(BackendDefaults, AddRmsNormMoeStepsThenNormsTheRouterAndExpertInputs) {
   backend::cpu::CpuBackend backend(2);
   const int64_t rows = 3, width = 40;
   const NormParams params{0.0f, 1e-6f};
-  const auto hidden = testing::random_normal(rows * width, 11);
-  const auto dense0 = testing::random_normal(rows * width, 12);
-  const auto dense_weight = testing::random_normal(width, 13),
-             router_scale = testing::random_normal(width, 14),
-             expert_weight = testing::random_normal(width, 15);
+  const auto x0 = testing::random_normal(rows * width, 11),
+             acc0 = testing::random_normal(rows * width, 12);
+  const auto weight = testing::random_normal(width, 13),
+             next_weight = testing::random_normal(width, 14),
+             router_scale = testing::random_normal(width, 15),
+             expert_weight = testing::random_normal(width, 16);
   const float factor = 0.25f;
-  auto dense = dense0;
-  std::vector<float> router_in(rows * width), expert_in(rows * width);
-  auto input = hidden;  // must stay unchanged
-  backend.moe_norms(Rows::dense(input.data(), rows, width), Rows::dense(dense.data(), rows, width),
-                    dense_weight.data(), router_scale.data(), factor, expert_weight.data(),
-                    Rows::dense(router_in.data(), rows, width),
-                    Rows::dense(expert_in.data(), rows, width), params);
-  EXPECT_EQ(input, hidden);
+  auto x = x0, acc = acc0;
+  std::vector<float> next(rows * width), expert_in(rows * width);
+  // The router's input takes the place of x, as the engine places it.
+  const MoeInputs moe = {router_scale.data(), factor, expert_weight.data(),
+                         Rows::dense(x.data(), rows, width),
+                         Rows::dense(expert_in.data(), rows, width)};
+  backend.add_rms_norm_moe(Rows::dense(acc.data(), rows, width), Rows::dense(x.data(), rows, width),
+                           weight.data(), 1.0f, next_weight.data(),
+                           Rows::dense(next.data(), rows, width), moe, params);
   for (int64_t r = 0; r < rows; ++r) {
-    const auto d = rms_normed(&dense0[r * width], width, dense_weight.data(), params);
-    const auto plain = rms_normed(&hidden[r * width], width, nullptr, params);
-    const auto e = rms_normed(&hidden[r * width], width, expert_weight.data(), params);
+    const auto normed_x = rms_normed(&x0[r * width], width, weight.data(), params);
+    std::vector<float> expected_acc(width);
     for (int64_t j = 0; j < width; ++j) {
-      EXPECT_NEAR(dense[r * width + j], d[j], 1e-5);
-      EXPECT_NEAR(router_in[r * width + j], plain[j] * router_scale[j] * factor, 1e-5);
-      EXPECT_NEAR(expert_in[r * width + j], e[j], 1e-5);
+      expected_acc[j] = static_cast<float>(acc0[r * width + j] + normed_x[j]);
+      EXPECT_NEAR(acc[r * width + j], expected_acc[j], 1e-5);
+    }
+    const auto n = rms_normed(expected_acc.data(), width, next_weight.data(), params);
+    const auto plain = rms_normed(expected_acc.data(), width, nullptr, params);
+    const auto e = rms_normed(expected_acc.data(), width, expert_weight.data(), params);
+    for (int64_t j = 0; j < width; ++j) {
+      EXPECT_NEAR(next[r * width + j], n[j], 1e-4);
+      EXPECT_NEAR(x[r * width + j], plain[j] * router_scale[j] * factor, 1e-5);
+      EXPECT_NEAR(expert_in[r * width + j], e[j], 1e-4);
     }
   }
+}
+
+TEST(BackendDefaults, ConcurrentlyRunsTheFirstBranchThenTheSecond) {
+  backend::cpu::CpuBackend backend(2);
+  std::vector<int> order;
+  backend.concurrently(
+      1, [&] { order.push_back(1); }, [&] { order.push_back(2); });
+  EXPECT_EQ(order, (std::vector<int>{1, 2}));
 }
 
 // q/k/v as column views of one [rows, q + k + v] matrix (a stacked QKV projection): per-head

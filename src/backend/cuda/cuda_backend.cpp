@@ -106,12 +106,31 @@ bool aligned16(const void* p) {
 
 CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
   check(cudaSetDevice(device_), "selecting the GPU");
-  if (status_.ok()) check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
+  // The main stream at the highest priority: where both branches of concurrently() compete for
+  // SMs, the main one is the critical path.
+  int lowest_priority = 0, highest_priority = 0;
+  if (status_.ok()) {
+    check(cudaDeviceGetStreamPriorityRange(&lowest_priority, &highest_priority),
+          "stream priorities");
+  }
+  if (status_.ok()) {
+    check(cudaStreamCreateWithPriority(&stream_, cudaStreamNonBlocking, highest_priority),
+          "stream");
+  }
+  if (status_.ok()) {
+    check(cudaStreamCreateWithPriority(&side_stream_, cudaStreamNonBlocking, lowest_priority),
+          "second stream");
+  }
+  for (cudaEvent_t* event : {&fork_event_, &join_event_}) {
+    if (status_.ok()) check(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "event");
+  }
+  active_stream_ = stream_;
 }
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
+  if (side_stream_ != nullptr) cudaStreamSynchronize(side_stream_);
   for (Scratch* s : {&attention_partials_, &expert_workspace_, &pair_products_}) {
     cudaFree(s->data);
   }
@@ -122,6 +141,10 @@ CudaBackend::~CudaBackend() {
   for (const Scratch& s : retired_scratch_) cudaFree(s.data);
   cublas_.reset();  // before its stream goes
   for (Scratch* s : {&prefill_activations_, &prefill_weights_, &ranking_}) cudaFree(s->data);
+  for (cudaEvent_t event : {fork_event_, join_event_}) {
+    if (event != nullptr) cudaEventDestroy(event);
+  }
+  if (side_stream_ != nullptr) cudaStreamDestroy(side_stream_);
   if (stream_ != nullptr) cudaStreamDestroy(stream_);
 }
 
@@ -150,13 +173,15 @@ Launch CudaBackend::launch() {
   cudaSetDevice(device_);
   // Work enqueued outside an operation that reports its writes may have written any rows.
   if (reporting_writes_ == 0) live_companions_.clear();
-  return {stream_, pdl_};
+  return {active_stream_, pdl_};
 }
 
 void* CudaBackend::scratch(Scratch& s, size_t bytes) {
   if (bytes <= s.bytes) return s.data;
   launch();
+  // Either stream may still read it (concurrently()).
   check(cudaStreamSynchronize(stream_), "scratch resize");
+  check(cudaStreamSynchronize(side_stream_), "scratch resize");
   if (recorded_) {
     retired_scratch_.push_back(s);
   } else {
@@ -252,6 +277,34 @@ void CudaBackend::replay(engine::RecordedWork& work) {
   auto& graph = static_cast<CudaGraph&>(work);
   launched(cudaGraphLaunch(graph.exec(), launch().stream), "graph replay",
            static_cast<int>(graph.kernels()));
+}
+
+void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
+                               const std::function<void()>& second) {
+  if (!status_.ok() || tensor_core_rows(rows) || active_stream_ != stream_) {
+    Backend::concurrently(rows, first, second);
+    return;
+  }
+  cudaSetDevice(device_);  // not launch(): the companions live now stay live for both branches
+  // The events are recorded and waited for even after a failure inside a branch: a capture
+  // must end with the second stream joined.
+  check(cudaEventRecord(fork_event_, stream_), "concurrently (fork)");
+  check(cudaStreamWaitEvent(side_stream_, fork_event_, 0), "concurrently (fork)");
+  // The main stream's branch is enqueued first so that its kernels take the SMs first (a MoE
+  // layer's router is a cluster of blocks that each need a whole SM: behind the other branch's
+  // GEMV blocks, spread over every SM, it would wait for them to drain).
+  const std::vector<LiveCompanions> at_fork = live_companions_;
+  second();
+  // The first branch reads nothing the second writes: what was live at the fork still holds for
+  // what it reads.
+  live_companions_ = at_fork;
+  active_stream_ = side_stream_;
+  first();
+  active_stream_ = stream_;
+  check(cudaEventRecord(join_event_, side_stream_), "concurrently (join)");
+  check(cudaStreamWaitEvent(stream_, join_event_, 0), "concurrently (join)");
+  // Each branch's bookkeeping missed the other's writes.
+  live_companions_.clear();
 }
 
 // The synchronisation keeps work enqueued before the range out of it (and work enqueued inside
@@ -775,11 +828,15 @@ void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
 void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
                                       const float* weight, float scalar, const float* next_weight,
                                       Rows next, const engine::NormParams& norm) {
+  // Reports its writes as add_rms_norm does: the next layer's first GEMV then reads the companions
+  // of `next` this kernel writes instead of converting it with one more kernel.
+  const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
-  AddNormSpec spec = add_norm_spec(weight, scalar, next_weight, norm);
+  const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
   launched(cuda::add_rms_norm_branch(view(x), view(branch), branch_weight, view(acc), view(next),
                                      spec, launch()),
            "add_rms_norm_branch");
+  residual_step_wrote(acc, next, spec);
 }
 
 void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
@@ -798,21 +855,19 @@ void CudaBackend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x
   Backend::matmul_route_experts(router_proj, x, logits, router, expert_ids, weights);
 }
 
-void CudaBackend::moe_norms(Rows hidden, Rows dense, const float* dense_weight,
-                            const float* router_scale, float router_factor,
-                            const float* expert_weight, Rows router_in, Rows expert_in,
-                            const engine::NormParams& norm) {
-  if (hidden.count == 0) return;
-  MoeNormSpec spec;
-  spec.dense_weight = dense_weight;
-  spec.router_scale = router_scale;
-  spec.router_factor = router_factor;
-  spec.expert_weight = expert_weight;
-  spec.weight_offset = norm.weight_offset;
-  spec.eps = norm.eps;
-  launched(
-      cuda::moe_norms(view(hidden), view(dense), view(router_in), view(expert_in), spec, launch()),
-      "moe_norms");
+void CudaBackend::add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scalar,
+                                   const float* next_weight, Rows next,
+                                   const engine::MoeInputs& moe, const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (acc.count == 0) return;
+  const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
+  const MoeInputsSpec moe_spec = {moe.router_scale, moe.router_factor, moe.expert_weight,
+                                  view(moe.router_in), view(moe.expert_in)};
+  launched(cuda::add_rms_norm_moe(view(x), view(acc), view(next), spec, moe_spec, launch()),
+           "add_rms_norm_moe");
+  wrote(moe.router_in);
+  wrote(moe.expert_in);
+  residual_step_wrote(acc, next, spec);
 }
 
 void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,

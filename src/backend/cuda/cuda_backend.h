@@ -86,6 +86,13 @@ class CudaBackend final : public engine::Backend {
   bool can_record() const override { return true; }
   std::unique_ptr<engine::RecordedWork> record(const std::function<void()>& enqueue) override;
   void replay(engine::RecordedWork& work) override;
+  // A decode pass (rows that take no tensor-core path): `second` on the main stream (the higher
+  // priority, enqueued first: the MoE layer's router and experts, the longer branch), `first` on
+  // a second stream forked from the main stream's work so far, then the main stream waits for
+  // the second stream (an event pair; inside record() the graph gets both branches). Prefill
+  // passes (cuBLAS runs on the main stream only) and nested calls: the default order.
+  void concurrently(int64_t rows, const std::function<void()>& first,
+                    const std::function<void()>& second) override;
 
   engine::Buffer allocate(size_t bytes) override;
   void upload(void* dst, const void* src, size_t bytes) override;
@@ -129,10 +136,9 @@ class CudaBackend final : public engine::Backend {
   void matmul_route_experts(const quant::QMatrix& router_proj, engine::Rows x, engine::Rows logits,
                             const engine::RouterParams& router, int32_t* expert_ids,
                             float* weights) override;
-  void moe_norms(engine::Rows hidden, engine::Rows dense, const float* dense_weight,
-                 const float* router_scale, float router_factor, const float* expert_weight,
-                 engine::Rows router_in, engine::Rows expert_in,
-                 const engine::NormParams& norm) override;
+  void add_rms_norm_moe(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
+                        const float* next_weight, engine::Rows next, const engine::MoeInputs& moe,
+                        const engine::NormParams& norm) override;
   void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
                          const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
                          const model::RopeParams& rope,
@@ -282,6 +288,12 @@ class CudaBackend final : public engine::Backend {
   int device_ = 0;
   bool pdl_ = true;
   cudaStream_t stream_ = nullptr;
+  // concurrently(): its first branch's stream, the fork and join events, and the stream launch()
+  // hands out now (stream_ outside a first branch).
+  cudaStream_t side_stream_ = nullptr;
+  cudaEvent_t fork_event_ = nullptr;
+  cudaEvent_t join_event_ = nullptr;
+  cudaStream_t active_stream_ = nullptr;
   Status status_;
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;

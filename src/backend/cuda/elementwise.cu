@@ -238,6 +238,7 @@ struct AddNormArgs {
   AddNormSpec spec;
   RowsView extra;  // kBranch: the branch; kDeferred: the deferred step's input
   const float* extra_weight;
+  MoeInputsSpec moe;  // kPlain: router_in.data != nullptr for add_rms_norm_moe
 };
 
 template <int kQuads, bool kAligned, AddNormStep kStep>
@@ -248,11 +249,18 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
   const bool has_next = a.next.data != nullptr;
+  const bool has_moe = kStep == AddNormStep::kPlain && a.moe.router_in.data != nullptr;
   // The norm weights are not written by a predecessor: loaded before the wait.
   FloatQuad scale[kQuads], next_scale[kQuads], extra_scale[kQuads];
   load_row_scale<kQuads, kAligned>(spec.weight, spec.weight_offset, width, scale);
   if constexpr (kStep != AddNormStep::kPlain)
     load_row_scale<kQuads, kAligned>(a.extra_weight, spec.weight_offset, width, extra_scale);
+  // kPlain has no extra step: extra_scale holds the experts' norm scale instead.
+  FloatQuad router_scale[kQuads];
+  if (has_moe) {
+    load_row_scale<kQuads, kAligned>(a.moe.router_scale, 0.0f, width, router_scale);
+    load_row_scale<kQuads, kAligned>(a.moe.expert_weight, spec.weight_offset, width, extra_scale);
+  }
   if (has_next)
     load_row_scale<kQuads, kAligned>(spec.next_weight, spec.weight_offset, width, next_scale);
   pdl_wait_for_predecessors();
@@ -294,54 +302,28 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
       residual[k].v[e] = __fmul_rn(residual[k].v[e] + x[k].v[e], spec.scalar);
   store_row<kQuads, kAligned>(residual_row, width, residual);
   store_row_companions(spec.residual_companions, r, width, residual);
+  if (!has_next && !has_moe) return;
+  // next and the MoE inputs are norms of the same residual: one reduction.
+  const float residual_inv = inverse_rms(sum_of_squares(residual), width, spec.eps, residual_sums);
+  if (has_moe) {
+    FloatQuad moe_row[kQuads];
+#pragma unroll
+    for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float normed = __fmul_rn(residual[k].v[e], residual_inv);
+        moe_row[k].v[e] = __fmul_rn(__fmul_rn(normed, router_scale[k].v[e]), a.moe.router_factor);
+      }
+    store_row<kQuads, kAligned>(a.moe.router_in.data + r * a.moe.router_in.stride, width, moe_row);
+#pragma unroll
+    for (int k = 0; k < kQuads; ++k) moe_row[k] = residual[k];
+    scale_row(moe_row, residual_inv, extra_scale);
+    store_row<kQuads, kAligned>(a.moe.expert_in.data + r * a.moe.expert_in.stride, width, moe_row);
+  }
   if (!has_next) return;
-  scale_row(residual, inverse_rms(sum_of_squares(residual), width, spec.eps, residual_sums),
-            next_scale);
+  scale_row(residual, residual_inv, next_scale);
   store_row<kQuads, kAligned>(a.next.data + r * a.next.stride, width, residual);
   store_row_companions(spec.next_companions, r, width, residual);
-}
-
-struct MoeNormArgs {
-  RowsView hidden;
-  RowsView dense;
-  RowsView router_in;
-  RowsView expert_in;
-  MoeNormSpec spec;
-};
-
-// Each product rounded in the order the unfused rms_norm and scale kernels round them.
-template <int kQuads, bool kAligned>
-__global__ void __launch_bounds__(kMaxRowThreads) moe_norms_kernel(MoeNormArgs a) {
-  pdl_trigger_dependents();
-  __shared__ float dense_sums[32], hidden_sums[32];
-  const int64_t width = a.hidden.width;
-  const MoeNormSpec& spec = a.spec;
-  // The weights are not written by a predecessor: loaded before the wait.
-  FloatQuad dense_scale[kQuads], router_scale[kQuads], expert_scale[kQuads];
-  load_row_scale<kQuads, kAligned>(spec.dense_weight, spec.weight_offset, width, dense_scale);
-  load_row_scale<kQuads, kAligned>(spec.router_scale, 0.0f, width, router_scale);
-  load_row_scale<kQuads, kAligned>(spec.expert_weight, spec.weight_offset, width, expert_scale);
-  pdl_wait_for_predecessors();
-  const int64_t r = blockIdx.x;
-  float* dense_row = a.dense.data + r * a.dense.stride;
-  FloatQuad dense[kQuads], hidden[kQuads], expert[kQuads];
-  load_row<kQuads, kAligned>(dense_row, width, dense);
-  load_row<kQuads, kAligned>(a.hidden.data + r * a.hidden.stride, width, hidden);
-  scale_row(dense, inverse_rms(sum_of_squares(dense), width, spec.eps, dense_sums), dense_scale);
-  store_row<kQuads, kAligned>(dense_row, width, dense);
-  const float inv = inverse_rms(sum_of_squares(hidden), width, spec.eps, hidden_sums);
-#pragma unroll
-  for (int k = 0; k < kQuads; ++k) expert[k] = hidden[k];
-  scale_row(expert, inv, expert_scale);
-  store_row<kQuads, kAligned>(a.expert_in.data + r * a.expert_in.stride, width, expert);
-#pragma unroll
-  for (int k = 0; k < kQuads; ++k)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const float normed = __fmul_rn(hidden[k].v[e], inv);
-      hidden[k].v[e] = __fmul_rn(__fmul_rn(normed, router_scale[k].v[e]), spec.router_factor);
-    }
-  store_row<kQuads, kAligned>(a.router_in.data + r * a.router_in.stride, width, hidden);
 }
 
 // How a register-resident row kernel takes rows of `width` (<= 4 · kMaxRowQuads ·
@@ -434,17 +416,21 @@ cudaError_t rms_norm_q8(const RowsView& x, const float* weight, float weight_off
 
 namespace {
 
-// add_rms_norm after `step` (kBranch, kDeferred: extra and extra_weight are that step's).
+// add_rms_norm after `step` (kBranch, kDeferred: extra and extra_weight are that step's), and
+// for kPlain with moe.router_in.data != nullptr the MoE inputs after it.
 cudaError_t launch_add_rms_norm(AddNormStep step, const RowsView& x, const RowsView& extra,
                                 const float* extra_weight, const RowsView& residual,
-                                const RowsView& next, const AddNormSpec& spec,
-                                const Launch& launch) {
+                                const RowsView& next, const AddNormSpec& spec, const Launch& launch,
+                                const MoeInputsSpec& moe = {}) {
   const bool has_extra = step != AddNormStep::kPlain;
+  const bool has_moe = moe.router_in.data != nullptr;
   if (x.rows < 1 || x.width < 1 || !fits_registers(x.width) || !valid_rows(x, x.rows, x.width) ||
       !valid_rows(residual, x.rows, x.width) ||
       (next.data != nullptr && !valid_rows(next, x.rows, x.width)) ||
-      (has_extra && !valid_rows(extra, x.rows, x.width)) || x.rows > 0x7FFFFFFF ||
-      !companions_fit(spec.residual_companions, x.width) ||
+      (has_extra && !valid_rows(extra, x.rows, x.width)) ||
+      (has_moe && (has_extra || !valid_rows(moe.router_in, x.rows, x.width) ||
+                   !valid_rows(moe.expert_in, x.rows, x.width))) ||
+      x.rows > 0x7FFFFFFF || !companions_fit(spec.residual_companions, x.width) ||
       !companions_fit(spec.next_companions, x.width) ||
       (next.data == nullptr && has_companions(spec.next_companions))) {
     return cudaErrorInvalidValue;
@@ -469,9 +455,11 @@ cudaError_t launch_add_rms_norm(AddNormStep step, const RowsView& x, const RowsV
                                                        : kDeferredKernels;
   const bool aligned = x.width % 4 == 0 && aligned_rows(x) && aligned_rows(residual) &&
                        aligned_rows(next) && aligned_rows(extra) && aligned_16(spec.weight) &&
-                       aligned_16(spec.next_weight) && aligned_16(extra_weight);
+                       aligned_16(spec.next_weight) && aligned_16(extra_weight) &&
+                       aligned_rows(moe.router_in) && aligned_rows(moe.expert_in) &&
+                       aligned_16(moe.router_scale) && aligned_16(moe.expert_weight);
   const RowShape shape = row_shape(x.width);
-  const AddNormArgs args = {x, residual, next, spec, extra, extra_weight};
+  const AddNormArgs args = {x, residual, next, spec, extra, extra_weight, moe};
   return launch_kernel(kernels[shape.quads_per_thread - 1][aligned],
                        dim3(static_cast<unsigned>(x.rows)), dim3(shape.threads), 0, launch, args);
 }
@@ -502,26 +490,12 @@ cudaError_t add_rms_norm_deferred(const RowsView& x, const RowsView& deferred,
                              spec, launch);
 }
 
-cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsView& router_in,
-                      const RowsView& expert_in, const MoeNormSpec& spec, const Launch& launch) {
-  const int64_t rows = hidden.rows, width = hidden.width;
-  if (rows < 1 || width < 1 || !fits_registers(width) || !valid_rows(hidden, rows, width) ||
-      !valid_rows(dense, rows, width) || !valid_rows(router_in, rows, width) ||
-      !valid_rows(expert_in, rows, width) || rows > 0x7FFFFFFF) {
-    return cudaErrorInvalidValue;
-  }
-  // [quads per thread − 1][16-byte accesses]
-  constexpr decltype(&moe_norms_kernel<1, true>) kKernels[2][2] = {
-      {moe_norms_kernel<1, false>, moe_norms_kernel<1, true>},
-      {moe_norms_kernel<2, false>, moe_norms_kernel<2, true>}};
-  const bool aligned = width % 4 == 0 && aligned_rows(hidden) && aligned_rows(dense) &&
-                       aligned_rows(router_in) && aligned_rows(expert_in) &&
-                       aligned_16(spec.dense_weight) && aligned_16(spec.router_scale) &&
-                       aligned_16(spec.expert_weight);
-  const RowShape shape = row_shape(width);
-  const MoeNormArgs args = {hidden, dense, router_in, expert_in, spec};
-  return launch_kernel(kKernels[shape.quads_per_thread - 1][aligned],
-                       dim3(static_cast<unsigned>(rows)), dim3(shape.threads), 0, launch, args);
+cudaError_t add_rms_norm_moe(const RowsView& x, const RowsView& residual, const RowsView& next,
+                             const AddNormSpec& spec, const MoeInputsSpec& moe,
+                             const Launch& launch) {
+  if (moe.router_in.data == nullptr || moe.expert_in.data == nullptr) return cudaErrorInvalidValue;
+  return launch_add_rms_norm(AddNormStep::kPlain, x, RowsView{}, nullptr, residual, next, spec,
+                             launch, moe);
 }
 
 cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,

@@ -82,22 +82,23 @@ cudaError_t add_rms_norm_deferred(const RowsView& x, const RowsView& deferred,
                                   const RowsView& next, const AddNormSpec& spec,
                                   const Launch& launch);
 
-// The norms of a MoE block (engine::Backend::moe_norms) in one launch, one block per row:
-//   dense[r] = rms_norm(dense[r]; dense_weight)                            (in place)
-//   router_in[r][j] = (rms_norm(hidden[r]) · router_scale[j]) · router_factor  (weightless norm)
-//   expert_in[r] = rms_norm(hidden[r]; expert_weight)
-// All rows of one width <= 8192; router_in and expert_in overlap nothing. A null weight or
-// router_scale is a factor of one.
-struct MoeNormSpec {
-  const float* dense_weight = nullptr;
+// add_rms_norm, then the inputs of a MoE layer's router and experts from the new residual
+// (engine::Backend::add_rms_norm_moe), in the same launch:
+//   router_in[r][j] = (rms_norm(residual[r]) · router_scale[j]) · router_factor  (weightless norm)
+//   expert_in[r] = rms_norm(residual[r]; expert_weight)
+// each product rounded as the rms_norm and scale kernels round it. router_in may be x; otherwise
+// router_in and expert_in overlap nothing. A null router_scale or expert_weight is a factor of
+// one; expert_weight as spec's weights (weight_offset).
+struct MoeInputsSpec {
   const float* router_scale = nullptr;
   float router_factor = 1.0f;
   const float* expert_weight = nullptr;
-  float weight_offset = 0.0f;
-  float eps = 1e-6f;
+  RowsView router_in;
+  RowsView expert_in;
 };
-cudaError_t moe_norms(const RowsView& hidden, const RowsView& dense, const RowsView& router_in,
-                      const RowsView& expert_in, const MoeNormSpec& spec, const Launch& launch);
+cudaError_t add_rms_norm_moe(const RowsView& x, const RowsView& residual, const RowsView& next,
+                             const AddNormSpec& spec, const MoeInputsSpec& moe,
+                             const Launch& launch);
 
 // out[r][j] = gelu_tanh(gate[r][j]) · multiplier[r][j]; out may alias either input.
 cudaError_t gelu_tanh_mul(const RowsView& gate, const RowsView& multiplier, const RowsView& out,
