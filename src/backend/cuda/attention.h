@@ -91,6 +91,9 @@ struct AttentionQuery {
   // Set: q is raw and prepared in the launch (DecodePrepare); q_heads / kv_heads · head_dim
   // floats must fit one pipeline stage (kMaxPreparedGroupFloats).
   const DecodePrepare* prepare = nullptr;
+  // The CUDA-core kernel even where the tensor-core one applies (bf16 caches, at most 8 q heads
+  // per kv head): benchmarks and tests compare the two.
+  bool cuda_core_kernel = false;
 };
 constexpr int kMaxPreparedGroupFloats = 4096;
 
