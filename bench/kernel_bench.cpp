@@ -323,7 +323,7 @@ struct AttentionVariant {
   const char* name;
 };
 
-// Decode attention over an fp32 or bf16 cache at `depth` tokens, for each split count of
+// Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
 // `split_options` (the first one is reported as the default); the fastest with PDL is "best".
 Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_heads, int head_dim,
                        int64_t depth, int window, const std::vector<int>& split_options,
@@ -337,8 +337,10 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   const int splits = *std::max_element(split_options.begin(), split_options.end());
   const int64_t slots = window > 0 ? window : depth;
   const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
-  const bool bf16 = type == gemma4::cuda::KvType::kBF16;
-  const size_t kv_bytes = kv_elems * (bf16 ? 2 : 4);
+  const int element_bytes = type == gemma4::cuda::KvType::kF32    ? 4
+                            : type == gemma4::cuda::KvType::kBF16 ? 2
+                                                                  : 1;
+  const size_t kv_bytes = kv_elems * element_bytes;
   void *keys, *values;
   float *q, *out, *partials;
   int32_t *slot_positions, *position;
@@ -351,8 +353,10 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   CHECK(cudaMalloc(&partials, partial_floats * 4));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
-  // Small finite values: bf16 pairs, or fp32 words of the same magnitude.
-  const uint32_t kv_mask = bf16 ? 0x3B7F3B7F : 0x3C7FFFFF;
+  // Small finite values: fp32 words, bf16 pairs or e4m3 quads of about the same magnitude.
+  const uint32_t kv_mask = element_bytes == 4   ? 0x3C7FFFFF
+                           : element_bytes == 2 ? 0x3B7F3B7F
+                                                : 0x37373737;
   fill(keys, kv_bytes, 1, kv_mask);
   fill(values, kv_bytes, 2, kv_mask);
   fill(q, size_t(q_heads) * head_dim * 4, 3, 0x3C7FFFFF);
@@ -374,7 +378,7 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
-  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
+  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   for (int option : split_options) {
     r.measure(option, 16, stream, [&](int, const Launch& launch) {
@@ -617,12 +621,15 @@ int main(int argc, char** argv) {
 
   // Split counts: the first (what CudaBackend picks for a single sequence of a context at least
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
-  // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 has a tensor-core
-  // kernel ("attention/bf16") beside the CUDA-core one ("attention/bf16-cc") that fp32 uses.
+  // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 and fp8 have a
+  // tensor-core kernel ("attention/bf16") beside the CUDA-core one ("attention/bf16-cc") that
+  // fp32 uses.
   const AttentionVariant attention_variants[] = {
       {gemma4::cuda::KvType::kF32, true, "attention/fp32"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16"},
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
+      {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
+      {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
   };
   for (const AttentionVariant& variant : attention_variants) {
     results.push_back(

@@ -27,9 +27,13 @@ struct Case {
   KvType type;
 };
 
-// cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 caches have a tensor-core kernel too).
+// cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 and e4m3 caches have a tensor-core
+// kernel too).
 void run_case(const Case& c, bool cuda_core_kernel = false) {
-  SCOPED_TRACE(std::string(c.name) + " splits=" + std::to_string(c.splits) +
+  const char* type_name = c.type == KvType::kBF16  ? " bf16"
+                          : c.type == KvType::kFP8 ? " fp8"
+                                                   : " f32";
+  SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
                (cuda_core_kernel ? " cuda cores" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
@@ -164,7 +168,7 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
   };
   for (const Case& c : cases) {
     run_case(c);
-    if (c.type == KvType::kBF16) run_case(c, true);
+    if (c.type != KvType::kF32) run_case(c, true);
   }
 }
 
@@ -187,7 +191,7 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
       };
       for (const Case& c : cases) {
         run_case(c);
-        if (type == KvType::kBF16) run_case(c, true);
+        if (type != KvType::kF32) run_case(c, true);
       }
     }
     run_case({"e2b-full", 8, 1, 512, 5000, 0, depths, 160, type});
@@ -197,12 +201,11 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 // Deep contexts with the splits the engine picks at batch 1 (one per 32 keys up to
 // kDecodeAttentionBlocks / kv heads): a 33000-position full cache (E2B's 8 q heads on 1 kv head,
 // 26B's 16 on 2), sliding rings wrapped 64 times, and 8 sequences of one row each at depths 1 to
-// 5000 in one launch; bf16 on both kernels, fp8.
+// 5000 in one launch; bf16 and fp8 on both kernels.
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
     for (const bool cuda_core_kernel : {false, true}) {
-      if (type == KvType::kFP8 && !cuda_core_kernel) continue;  // one kernel for fp8
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},

@@ -1,20 +1,22 @@
-// Decode attention (see attention.h). Block (x, kv head, sequence) of 8 warps, two blocks per
-// SM; x is a (key split, q-head part) pair chosen at run time from the query's depth (block_work):
-// a deep cache splits its keys, a shallow one gives each block a few of the group's q heads, so
-// the short chain of dependent loads of one head is the whole cost. The block streams its keys'
-// K/V rows and slot positions through shared memory in tiles of
-// kStageBytes with cp.async, kStages tiles deep: while one tile is computed the next
-// kStages − 1 are in flight, so the DRAM latency is hidden instead of waited for per key (the
-// earlier register-batched kernel reached ~10 % of the read bandwidth).
-// Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the group (hg = w % HG) over
-// the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group more warps share the
-// keys. A row is read in pieces of 16 (or 8) bytes, lane l taking pieces l, l + 32, ... so a
-// warp's reads of a row are contiguous in shared memory (no bank conflicts); lane l therefore owns
-// the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as read. Each warp
-// keeps an online softmax (max, sum, acc) per head; the warps of a block are merged in shared
-// memory, and the splits by a small second kernel (which leaves at once when a shallow cache put
-// every key in one split: that block wrote the output). The sequences come from a table in the
-// kernel parameters, so one launch serves a whole decode batch of separate caches. With
+// Decode attention (see attention.h). Two kernels share the key splits, the cp.async copies,
+// the fused prologue and the split merge: the CUDA-core kernel described here (every cache type)
+// and the tensor-core one further down (bf16 and e4m3 caches, up to 8 q heads per kv head; its
+// comment says why it exists). The CUDA-core kernel: block (x, kv head, sequence) of 8 warps, two
+// blocks per SM; x is a (key split, q-head part) pair chosen at run time from the query's depth
+// (block_work): a deep cache splits its keys, a shallow one gives each block a few of the group's q
+// heads, so the short chain of dependent loads of one head is the whole cost. The block streams its
+// keys' K/V rows and slot positions through shared memory in tiles of kStageBytes with cp.async,
+// kStages tiles deep: while one tile is computed the next kStages − 1 are in flight, so the DRAM
+// latency is hidden instead of waited for per key (the earlier register-batched kernel reached ~10
+// % of the read bandwidth). Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the
+// group (hg = w % HG) over the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group
+// more warps share the keys. A row is read in pieces of 16 (or 8) bytes, lane l taking pieces l, l
+// + 32, ... so a warp's reads of a row are contiguous in shared memory (no bank conflicts); lane l
+// therefore owns the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as
+// read. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block are merged
+// in shared memory, and the splits by a small second kernel (which leaves at once when a shallow
+// cache put every key in one split: that block wrote the output). The sequences come from a table
+// in the kernel parameters, so one launch serves a whole decode batch of separate caches. With
 // AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
 // (attention.h: DecodePrepare), saving that kernel and its launch gap per layer: each block
 // prepares its own q heads, and every block of the last key split makes the new K/V in shared
@@ -525,7 +527,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   }
 }
 
-// ---- The tensor-core kernel: bf16 caches, up to 8 q heads per kv head ----
+// ---- The tensor-core kernel: bf16 and e4m3 caches, up to 8 q heads per kv head ----
 // The CUDA-core kernel above spends ~140 instructions per key and warp (bf16 unpacking, a
 // 5-step shuffle reduction per head, a dependent FMA chain) and reaches ~1.2 TB/s at depth 32K:
 // it is bound by issue and latency, not by the reads. Here the block's 8 warps split the head
@@ -542,40 +544,54 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
-template <int HD>
+template <int HD, typename KvT>
 struct MmaTiling {
-  static constexpr int kRowBytes = HD * 2;
+  // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
+  // rows are read where they land.
+  static constexpr bool kWidens = !std::is_same_v<KvT, __nv_bfloat16>;
+  static constexpr int kElementBytes = static_cast<int>(sizeof(KvT));
+  static constexpr int kRowBytes = HD * kElementBytes;  // a row as cached
   static constexpr int kRowChunks = kRowBytes / kChunkBytes;
   static constexpr int kStageBytes = 2 * kMmaTileKeys * kRowBytes;  // K rows, then V rows
-  static constexpr int kStages = static_cast<int>(kPipelineBytes / kStageBytes);
+  static constexpr int kTileRowChunks = HD * 2 / kChunkBytes;       // a bf16 row
+  static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
+  static constexpr int kStages = static_cast<int>((kPipelineBytes - kWidenedBytes) / kStageBytes);
   static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
   static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
   static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
+  static constexpr int kWarpRowChunks = kWarpDims * kElementBytes / kChunkBytes;  // as cached
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
   // The prepared q heads (fp32) fit the stage the prologue writes them to.
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
   // The epilogue's staged outputs fit the pipeline.
   static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kPipelineBytes);
 
-  // Byte offset of 16-byte chunk `chunk` of row `key` within a tile's K (or V) rows.
+  // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
-    return (key * kRowChunks + (chunk ^ (key & 7))) * kChunkBytes;
+    return (key * kTileRowChunks + (chunk ^ (key & 7))) * kChunkBytes;
+  }
+  // The same within a stage: the bf16 tile itself, or plain rows to be widened.
+  static __device__ __forceinline__ int stage_offset(int key, int chunk) {
+    return kWidens ? (key * kRowChunks + chunk) * kChunkBytes : offset(key, chunk);
   }
 };
 
 // Four 8×8 b16 matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8;
 // lane (g = l / 4, t = l % 4) receives row g, elements 2t and 2t + 1 of each (transposed first
-// with kTranspose). volatile: it reads what cp.async and other lanes wrote before a barrier.
+// with kTranspose). volatile, with a memory clobber: it reads what cp.async and other lanes wrote
+// before a barrier.
 template <bool kTranspose>
 __device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const void* p) {
   if constexpr (kTranspose) {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p)));
+                 : "r"(shared_address(p))
+                 : "memory");
   } else {
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                  : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p)));
+                 : "r"(shared_address(p))
+                 : "memory");
   }
 }
 
@@ -607,9 +623,9 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
   return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
-template <int HD, bool kPrepare>
+template <int HD, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD>;
+  using T = MmaTiling<HD, KvT>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
   pdl_trigger_dependents();
@@ -617,7 +633,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
   // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
   __shared__ float4 partial_scores[2][kWarps][32];
-  __shared__ __align__(16) __nv_bfloat16 new_kv[2][HD];
+  __shared__ __align__(16) KvT new_kv[2][HD];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
@@ -647,14 +663,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t loaded_end = makes_new_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
-  const auto* keys = static_cast<const __nv_bfloat16*>(sequence.keys);
-  const auto* values = static_cast<const __nv_bfloat16*>(sequence.values);
+  const KvT* keys = static_cast<const KvT*>(sequence.keys);
+  const KvT* values = static_cast<const KvT*>(sequence.values);
   auto slot_of = [&](int64_t j) {
     const int64_t slot = first_slot + j;
     return slot < sequence.slots ? slot : slot - sequence.slots;
   };
-  // As the CUDA-core kernel's load_tile, into swizzled rows; keys past loaded_end are not read
-  // (the new key's position is the query's, every other one −1).
+  // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
+  // not read (the new key's position is the query's, every other one −1).
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
       const int stage = static_cast<int>(tile % kStages);
@@ -668,10 +684,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         const int chunk = c % T::kRowChunks;
         const int64_t j = first_key + key;
         if (j < loaded_end) {
-          const __nv_bfloat16* source = (is_value ? values : keys) +
-                                        (slot_of(j) * a.kv_heads + kv) * HD +
-                                        chunk * (kChunkBytes / 2);
-          copy_async16(base + is_value * (T::kStageBytes / 2) + T::offset(key, chunk), source);
+          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
+                              chunk * (kChunkBytes / T::kElementBytes);
+          copy_async16(base + is_value * (T::kStageBytes / 2) + T::stage_offset(key, chunk),
+                       source);
         }
       }
       if (threadIdx.x < kMmaTileKeys) {
@@ -733,36 +749,69 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     __syncthreads();             // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
     const int stage = static_cast<int>(tile % kStages);
-    unsigned char* tile_keys = pipeline + stage * T::kStageBytes;
-    unsigned char* tile_values = tile_keys + T::kStageBytes / 2;
+    unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
+    unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
     const uint32_t visible =
         __ballot_sync(0xFFFFFFFFu, visible_position(tile_positions[stage][lane % kMmaTileKeys],
                                                     query_position, a.window)) &
         0xFFFFu;
     // Rows the warp reads but no copy filled this tile: the new key's (from new_kv) and the
     // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
-    // Each warp touches only its own dims, so a warp barrier orders it.
+    // Each warp touches only its own dims, so warp barriers order it.
     const int64_t first_key = begin + tile * kMmaTileKeys;
-    constexpr int kWarpChunks = T::kWarpDims * 2 / kChunkBytes;
+    const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
     if (makes_new_key && end - 1 < first_key + kMmaTileKeys) {
       const int key = static_cast<int>(end - 1 - first_key);
-      for (int c = lane; c < 2 * kWarpChunks; c += 32) {
-        const int is_value = c / kWarpChunks;
-        const int chunk = first_dim * 2 / kChunkBytes + c % kWarpChunks;
-        *reinterpret_cast<uint4*>((is_value ? tile_values : tile_keys) + T::offset(key, chunk)) =
+      for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
+        const int is_value = c / T::kWarpRowChunks;
+        const int chunk = first_chunk + c % T::kWarpRowChunks;
+        *reinterpret_cast<uint4*>((is_value ? stage_values : stage_keys) +
+                                  T::stage_offset(key, chunk)) =
             reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
       }
     }
     if (visible != 0xFFFFu) {
-      for (int c = lane; c < kMmaTileKeys * kWarpChunks; c += 32) {
-        const int key = c / kWarpChunks;
+      for (int c = lane; c < kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+        const int key = c / T::kWarpRowChunks;
         if (!(visible >> key & 1)) {
-          const int chunk = first_dim * 2 / kChunkBytes + c % kWarpChunks;
-          *reinterpret_cast<uint4*>(tile_values + T::offset(key, chunk)) = make_uint4(0, 0, 0, 0);
+          const int chunk = first_chunk + c % T::kWarpRowChunks;
+          *reinterpret_cast<uint4*>(stage_values + T::stage_offset(key, chunk)) =
+              make_uint4(0, 0, 0, 0);
         }
       }
     }
     __syncwarp();
+    unsigned char* tile_keys = stage_keys;
+    unsigned char* tile_values = stage_values;
+    if constexpr (T::kWidens) {
+      // The warp's dims of every K and V row widened into the bf16 tile (16 e4m3 = 2 chunks).
+      tile_keys = pipeline + kStages * T::kStageBytes;
+      tile_values = tile_keys + kMmaTileKeys * HD * 2;
+      for (int c = lane; c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+        const int is_value = c / (kMmaTileKeys * T::kWarpRowChunks);
+        const int key = c / T::kWarpRowChunks % kMmaTileKeys;
+        const int chunk = first_chunk + c % T::kWarpRowChunks;
+        const uint4 raw = *reinterpret_cast<const uint4*>((is_value ? stage_values : stage_keys) +
+                                                          T::stage_offset(key, chunk));
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t widened[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float2 pair = fp8_pair_to_float2(static_cast<uint16_t>(words[w] >> (16 * half)));
+            const __nv_bfloat162 bf = __floats2bfloat162_rn(pair.x, pair.y);  // exact
+            widened[2 * w + half] = *reinterpret_cast<const uint32_t*>(&bf);
+          }
+        }
+        unsigned char* row = is_value ? tile_values : tile_keys;
+        *reinterpret_cast<uint4*>(row + T::offset(key, 2 * chunk)) =
+            make_uint4(widened[0], widened[1], widened[2], widened[3]);
+        *reinterpret_cast<uint4*>(row + T::offset(key, 2 * chunk + 1)) =
+            make_uint4(widened[4], widened[5], widened[6], widened[7]);
+      }
+      __syncwarp();
+    }
 
     // Sᵀ over the warp's dims (the hi and lo products in separate accumulators: two short
     // dependency chains), then summed over the warps.
@@ -1007,17 +1056,25 @@ AttentionKernel select_kernel(int head_dim) {
   return nullptr;
 }
 
-// The tensor-core kernel where it applies: bf16 caches, at most kMmaMaxGroup q heads per kv head.
-AttentionKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare) {
-  if (type != KvType::kBF16 || group > kMmaMaxGroup) return nullptr;
+// The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
+// kv head.
+template <typename KvT>
+AttentionKernel select_mma_kernel(int head_dim, bool prepare) {
   if (head_dim == 256) {
-    return prepare ? decode_attention_mma_kernel<256, true>
-                   : decode_attention_mma_kernel<256, false>;
+    return prepare ? decode_attention_mma_kernel<256, KvT, true>
+                   : decode_attention_mma_kernel<256, KvT, false>;
   }
   if (head_dim == 512) {
-    return prepare ? decode_attention_mma_kernel<512, true>
-                   : decode_attention_mma_kernel<512, false>;
+    return prepare ? decode_attention_mma_kernel<512, KvT, true>
+                   : decode_attention_mma_kernel<512, KvT, false>;
   }
+  return nullptr;
+}
+
+AttentionKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare) {
+  if (group > kMmaMaxGroup) return nullptr;
+  if (type == KvType::kBF16) return select_mma_kernel<__nv_bfloat16>(head_dim, prepare);
+  if (type == KvType::kFP8) return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare);
   return nullptr;
 }
 
