@@ -318,21 +318,32 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   return r;
 }
 
-// Decode attention over an fp32 or bf16 cache at `depth` tokens, for each split count of
+// The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
+// the CUDA-core one (AttentionQuery::cuda_core_kernel).
+struct AttentionVariant {
+  gemma4::cuda::KvType type;
+  bool cuda_core_kernel;
+  const char* name;
+};
+
+// Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
 // `split_options` (the first one is reported as the default); the fastest with PDL is "best".
-Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int head_dim,
+Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_heads, int head_dim,
                        int64_t depth, int window, const std::vector<int>& split_options,
                        const char* label, cudaStream_t stream) {
+  const gemma4::cuda::KvType type = variant.type;
   Result r;
-  r.kernel = type == gemma4::cuda::KvType::kBF16 ? "attention/bf16" : "attention/fp32";
+  r.kernel = variant.name;
   r.shape = label;
   r.skipped = !selected(r.kernel, label, 1);
   if (r.skipped) return r;
   const int splits = *std::max_element(split_options.begin(), split_options.end());
   const int64_t slots = window > 0 ? window : depth;
   const size_t kv_elems = size_t(slots) * kv_heads * head_dim;
-  const bool bf16 = type == gemma4::cuda::KvType::kBF16;
-  const size_t kv_bytes = kv_elems * (bf16 ? 2 : 4);
+  const int element_bytes = type == gemma4::cuda::KvType::kF32    ? 4
+                            : type == gemma4::cuda::KvType::kBF16 ? 2
+                                                                  : 1;
+  const size_t kv_bytes = kv_elems * element_bytes;
   void *keys, *values;
   float *q, *out, *partials;
   int32_t *slot_positions, *position;
@@ -345,8 +356,10 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   CHECK(cudaMalloc(&partials, partial_floats * 4));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
-  // Small finite values: bf16 pairs, or fp32 words of the same magnitude.
-  const uint32_t kv_mask = bf16 ? 0x3B7F3B7F : 0x3C7FFFFF;
+  // Small finite values: fp32 words, bf16 pairs or e4m3 quads of about the same magnitude.
+  const uint32_t kv_mask = element_bytes == 4   ? 0x3C7FFFFF
+                           : element_bytes == 2 ? 0x3B7F3B7F
+                                                : 0x37373737;
   fill(keys, kv_bytes, 1, kv_mask);
   fill(values, kv_bytes, 2, kv_mask);
   fill(q, size_t(q_heads) * head_dim * 4, 3, 0x3C7FFFFF);
@@ -366,8 +379,9 @@ Result bench_attention(gemma4::cuda::KvType type, int q_heads, int kv_heads, int
   kv.kv_heads = kv_heads;
   kv.head_dim = head_dim;
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
-  const gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
-  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * (bf16 ? 2 : 4) / 1e6;
+  gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
+  query.cuda_core_kernel = variant.cuda_core_kernel;
+  r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   for (int option : split_options) {
     r.measure(option, 16, stream, [&](int, const Launch& launch) {
@@ -718,28 +732,40 @@ int main(int argc, char** argv) {
 
   // Split counts: the first (what CudaBackend picks for a single sequence of a context at least
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
-  // The engine's cache is fp32; bf16 halves the bytes.
-  for (const gemma4::cuda::KvType type :
-       {gemma4::cuda::KvType::kF32, gemma4::cuda::KvType::kBF16}) {
+  // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 and fp8 have a
+  // tensor-core kernel ("attention/bf16") beside the CUDA-core one ("attention/bf16-cc") that
+  // fp32 uses.
+  const AttentionVariant attention_variants[] = {
+      {gemma4::cuda::KvType::kF32, true, "attention/fp32"},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16"},
+      {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
+      {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
+      {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
+  };
+  for (const AttentionVariant& variant : attention_variants) {
     results.push_back(
-        bench_attention(type, 8, 1, 256, 4096, 512, {16, 2, 4, 8}, "e2b sliding w512", stream));
-    results.push_back(
-        bench_attention(type, 8, 1, 512, 4096, 0, {128, 16, 32, 64}, "e2b full depth 4K", stream));
-    results.push_back(bench_attention(type, 8, 1, 512, 32768, 0, {264, 66, 128, 132, 528},
+        bench_attention(variant, 8, 1, 256, 4096, 512, {16, 2, 4, 8}, "e2b sliding w512", stream));
+    results.push_back(bench_attention(variant, 16, 8, 256, 32768, 1024, {32, 8, 16},
+                                      "26b sliding w1024", stream));
+    results.push_back(bench_attention(variant, 8, 1, 512, 4096, 0, {128, 16, 32, 64},
+                                      "e2b full depth 4K", stream));
+    results.push_back(bench_attention(variant, 8, 1, 512, 32768, 0, {264, 66, 128, 132, 528},
                                       "e2b full depth 32K", stream));
-    results.push_back(bench_attention(type, 8, 1, 512, 131072, 0, {264, 132, 512, 528, 1056},
+    results.push_back(bench_attention(variant, 8, 1, 512, 131072, 0, {264, 132, 512, 528, 1056},
                                       "e2b full depth 128K", stream));
-    results.push_back(bench_attention(type, 16, 2, 512, 32768, 0, {132, 66, 128, 264},
+    results.push_back(
+        bench_attention(variant, 16, 2, 512, 4096, 0, {128, 66, 132}, "26b full depth 4K", stream));
+    results.push_back(bench_attention(variant, 16, 2, 512, 32768, 0, {132, 66, 128, 264},
                                       "26b full depth 32K", stream));
     // Short contexts, where the fixed cost is all: the splits the engine records for a 32K
-    // context (most of them idle, their blocks taking q heads instead).
+    // context (most of them idle; the CUDA-core kernel's blocks take q heads instead).
     results.push_back(
-        bench_attention(type, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
-    results.push_back(bench_attention(type, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
+        bench_attention(variant, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
+    results.push_back(bench_attention(variant, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
     results.push_back(
-        bench_attention(type, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
+        bench_attention(variant, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
     results.push_back(
-        bench_attention(type, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
+        bench_attention(variant, 16, 2, 512, 1024, 0, {132}, "26b full depth 1K", stream));
   }
   // Prefill attention of passes of 2048 rows (the GPU default), a second pass deep in the prompt
   // and a first one: 26B-A4B's sliding layers (a 1056-slot ring: staged) and full layers, E2B's

@@ -27,8 +27,14 @@ struct Case {
   KvType type;
 };
 
-void run_case(const Case& c) {
-  SCOPED_TRACE(std::string(c.name) + " splits=" + std::to_string(c.splits));
+// cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 and e4m3 caches have a tensor-core
+// kernel too).
+void run_case(const Case& c, bool cuda_core_kernel = false) {
+  const char* type_name = c.type == KvType::kBF16  ? " bf16"
+                          : c.type == KvType::kFP8 ? " fp8"
+                                                   : " f32";
+  SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
+               (cuda_core_kernel ? " cuda cores" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
   const int64_t kv_width = c.kv_heads * hd;
@@ -87,7 +93,8 @@ void run_case(const Case& c) {
   kv.kv_heads = c.kv_heads;
   kv.head_dim = c.head_dim;
   kv.sequence_stride = per_sequence;
-  const AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
+  AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
+  query.cuda_core_kernel = cuda_core_kernel;
   CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd,
                                   AttentionWorkspace{partials.get(), c.splits}, c.splits,
                                   Launch{}));
@@ -159,7 +166,10 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
       {"fp8-26b-full", 16, 2, 512, 2048, 0, {1500, 10}, 64, KvType::kFP8},
       {"fp8-first-token", 8, 1, 256, 256, 0, {0}, 8, KvType::kFP8},
   };
-  for (const Case& c : cases) run_case(c);
+  for (const Case& c : cases) {
+    run_case(c);
+    if (c.type != KvType::kF32) run_case(c, true);
+  }
 }
 
 // One launch over sequences at depths 1, 7, 33, 1025 and 5000: the shallow ones use fewer key
@@ -179,9 +189,33 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
           {"31b-full-ring", 16, 2, 512, 1100, 0, depths, splits, type},
           {"group-of-3", 6, 2, 256, 1100, 0, depths, splits, type},
       };
-      for (const Case& c : cases) run_case(c);
+      for (const Case& c : cases) {
+        run_case(c);
+        if (type != KvType::kF32) run_case(c, true);
+      }
     }
     run_case({"e2b-full", 8, 1, 512, 5000, 0, depths, 160, type});
+  }
+}
+
+// Deep contexts with the splits the engine picks at batch 1 (one per 32 keys up to
+// kDecodeAttentionBlocks / kv heads): a 33000-position full cache (E2B's 8 q heads on 1 kv head,
+// 26B's 16 on 2), sliding rings wrapped 64 times, and 8 sequences of one row each at depths 1 to
+// 5000 in one launch; bf16 and fp8 on both kernels.
+TEST(DecodeAttention, DeepContextsOnEveryKernel) {
+  const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
+  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
+    for (const bool cuda_core_kernel : {false, true}) {
+      const Case cases[] = {
+          {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
+          {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
+          {"e2b-sliding-ring", 8, 1, 256, 512, 512, {32999}, 16, type},
+          {"26b-sliding-ring", 16, 8, 256, 1024, 1024, {32999}, 32, type},
+          {"e2b-full-8-rows", 8, 1, 512, 5000, 0, eight_rows, 33, type},
+          {"e2b-sliding-8-rows", 8, 1, 256, 600, 512, eight_rows, 4, type},
+      };
+      for (const Case& c : cases) run_case(c, cuda_core_kernel);
+    }
   }
 }
 

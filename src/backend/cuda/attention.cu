@@ -1,20 +1,22 @@
-// Decode attention (see attention.h). Block (x, kv head, sequence) of 8 warps, two blocks per
-// SM; x is a (key split, q-head part) pair chosen at run time from the query's depth (block_work):
-// a deep cache splits its keys, a shallow one gives each block a few of the group's q heads, so
-// the short chain of dependent loads of one head is the whole cost. The block streams its keys'
-// K/V rows and slot positions through shared memory in tiles of
-// kStageBytes with cp.async, kStages tiles deep: while one tile is computed the next
-// kStages − 1 are in flight, so the DRAM latency is hidden instead of waited for per key (the
-// earlier register-batched kernel reached ~10 % of the read bandwidth).
-// Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the group (hg = w % HG) over
-// the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group more warps share the
-// keys. A row is read in pieces of 16 (or 8) bytes, lane l taking pieces l, l + 32, ... so a
-// warp's reads of a row are contiguous in shared memory (no bank conflicts); lane l therefore owns
-// the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as read. Each warp
-// keeps an online softmax (max, sum, acc) per head; the warps of a block are merged in shared
-// memory, and the splits by a small second kernel (which leaves at once when a shallow cache put
-// every key in one split: that block wrote the output). The sequences come from a table in the
-// kernel parameters, so one launch serves a whole decode batch of separate caches. With
+// Decode attention (see attention.h). Two kernels share the key splits, the cp.async copies,
+// the fused prologue and the split merge: the CUDA-core kernel described here (every cache type)
+// and the tensor-core one further down (bf16 and e4m3 caches, up to 8 q heads per kv head; its
+// comment says why it exists). The CUDA-core kernel: block (x, kv head, sequence) of 8 warps, two
+// blocks per SM; x is a (key split, q-head part) pair chosen at run time from the query's depth
+// (block_work): a deep cache splits its keys, a shallow one gives each block a few of the group's q
+// heads, so the short chain of dependent loads of one head is the whole cost. The block streams its
+// keys' K/V rows and slot positions through shared memory in tiles of kStageBytes with cp.async,
+// kStages tiles deep: while one tile is computed the next kStages − 1 are in flight, so the DRAM
+// latency is hidden instead of waited for per key (the earlier register-batched kernel reached ~10
+// % of the read bandwidth). Computing a tile: warp w serves q heads [hg·HPW, hg·HPW + HPW) of the
+// group (hg = w % HG) over the tile's keys ks, ks + KS, ... (ks = w / HG): with few heads per group
+// more warps share the keys. A row is read in pieces of 16 (or 8) bytes, lane l taking pieces l, l
+// + 32, ... so a warp's reads of a row are contiguous in shared memory (no bank conflicts); lane l
+// therefore owns the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as
+// read. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block are merged
+// in shared memory, and the splits by a small second kernel (which leaves at once when a shallow
+// cache put every key in one split: that block wrote the output). The sequences come from a table
+// in the kernel parameters, so one launch serves a whole decode batch of separate caches. With
 // AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
 // (attention.h: DecodePrepare), saving that kernel and its launch gap per layer: each block
 // prepares its own q heads, and every block of the last key split makes the new K/V in shared
@@ -200,13 +202,82 @@ __device__ __forceinline__ BlockWork block_work(int64_t scanned, int max_splits,
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
 }
 
+// The fused prologue (AttentionQuery::prepare): warps kKeyWarp and kValueWarp make the new K and
+// V, every warp q heads.
+constexpr int kKeyWarp = kWarps - 1, kValueWarp = kWarps - 2;
+
+// The prologue's norm scales and RoPE frequencies (weights no kernel writes), loaded before the
+// PDL wait: q's for every warp, k's and v's for the warps that transform them.
+template <int HD>
+struct PrologueConstants {
+  HeadConstants<HD / 256> q, kv;  // attention_prepare.cuh: HD / 256 quads per half head per lane
+};
+
+template <int HD>
+__device__ __forceinline__ PrologueConstants<HD> load_prologue_constants(
+    const DecodePrepare& prepare, int warp, int lane) {
+  PrologueConstants<HD> c;
+  c.q = load_head_constants<HD / 256, true>(prepare.q_norm, prepare.weight_offset, prepare.inv_freq,
+                                            HD / 2, lane);
+  if ((warp == kKeyWarp || warp == kValueWarp) && prepare.k != nullptr) {
+    const bool is_key = warp == kKeyWarp;
+    c.kv = load_head_constants<HD / 256, true>(is_key ? prepare.k_norm : nullptr,
+                                               prepare.weight_offset,
+                                               is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
+  }
+  return c;
+}
+
+// The prologue of a block serving q heads [first_head, first_head + heads) of its group: those
+// heads normed and rotated into `prepared_q` (fp32, one head after the other); with
+// `makes_new_key` the query position's K and V into `new_kv` as the cache holds them, and with
+// `stores_new_key` also into the cache at `new_slot` with the slot's position. Ends with a block
+// barrier.
+template <int HD, typename KvT>
+__device__ __forceinline__ void run_prologue(const AttentionArgs& a, const SequenceKv& sequence,
+                                             const PrologueConstants<HD>& constants, int64_t row,
+                                             int kv, int first_head, int heads,
+                                             int32_t query_position, bool makes_new_key,
+                                             bool stores_new_key, int64_t new_slot,
+                                             float* prepared_q, KvT (*new_kv)[HD], int warp,
+                                             int lane) {
+  constexpr int kPairQuads = HD / 256;
+  const DecodePrepare& prepare = a.prepare;
+  for (int g = warp; g < heads; g += kWarps) {
+    const float* src =
+        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
+    const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
+        src, constants.q, true, true, prepare.eps, HD / 2, query_position, lane);
+    store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
+  }
+  if (makes_new_key && (warp == kKeyWarp || warp == kValueWarp)) {
+    const bool is_key = warp == kKeyWarp;
+    const float* src =
+        (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
+        int64_t{kv} * HD;
+    const HeadQuads<kPairQuads> head =
+        transform_head<kPairQuads, true>(src, constants.kv, is_key || prepare.norm_v, is_key,
+                                         prepare.eps, HD / 2, query_position, lane);
+    store_head<true>(new_kv[is_key ? 0 : 1], head, HD / 2, lane);
+    if (stores_new_key) {
+      store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
+                           (new_slot * a.kv_heads + kv) * HD,
+                       head, HD / 2, lane);
+      if (is_key && lane == 0) sequence.slot_positions[new_slot] = query_position;
+    }
+  }
+  __syncthreads();
+}
+
+// Whether a slot holding position p is visible to a query at `query_position`.
+__device__ __forceinline__ bool visible_position(int32_t p, int32_t query_position, int window) {
+  return p >= 0 && p <= query_position && (window <= 0 || query_position - p < window);
+}
+
 template <int HD, int HPW, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(AttentionArgs a) {
   using T = Tiling<HD, HPW, KvT>;
   constexpr int D = T::kLaneDims;
-  constexpr int kPairQuads = HD / 256;  // attention_prepare.cuh: quads per half head per lane
-  // The fused prologue's new K and V (warps kKeyWarp, kValueWarp), as the cache holds them.
-  constexpr int kKeyWarp = kWarps - 1, kValueWarp = kWarps - 2;
   pdl_trigger_dependents();
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][T::kTileKeys];
@@ -215,19 +286,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const DecodePrepare& prepare = a.prepare;
-  // The prologue's norm scales and RoPE frequencies (weights no kernel writes) before the wait:
-  // q's for every warp, k's and v's for the warps that transform them.
-  HeadConstants<kPairQuads> q_constants, kv_constants;
-  if constexpr (kPrepare) {
-    q_constants = load_head_constants<kPairQuads, true>(prepare.q_norm, prepare.weight_offset,
-                                                        prepare.inv_freq, HD / 2, lane);
-    if ((warp == kKeyWarp || warp == kValueWarp) && prepare.k != nullptr) {
-      const bool is_key = warp == kKeyWarp;
-      kv_constants = load_head_constants<kPairQuads, true>(
-          is_key ? prepare.k_norm : nullptr, prepare.weight_offset,
-          is_key ? prepare.inv_freq : nullptr, HD / 2, lane);
-    }
-  }
+  PrologueConstants<HD> constants;
+  if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
   pdl_wait_for_predecessors();
 
   const int kv = blockIdx.y;
@@ -294,37 +354,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   };
   for (int t = 0; t < kStages - 1; ++t) load_tile(t);
 
-  // The prologue, while the first tiles are in flight: the block's q heads, normed and rotated
-  // into the last stage, which no copy touches before the first tile is computed (every thread
-  // has read its q by then); the new K and V into new_kv, and by the part-0 block into the cache
-  // with the slot's position.
+  // The prologue, while the first tiles are in flight, into the last stage, which no copy
+  // touches before the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    for (int g = warp; g < heads; g += kWarps) {
-      const float* src =
-          a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
-      const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
-          src, q_constants, true, true, prepare.eps, HD / 2, query_position, lane);
-      store_head<true>(const_cast<float*>(prepared_q) + g * HD, head, HD / 2, lane);
-    }
-    if (makes_new_key && (warp == kKeyWarp || warp == kValueWarp)) {
-      const bool is_key = warp == kKeyWarp;
-      const float* src =
-          (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
-          int64_t{kv} * HD;
-      const HeadQuads<kPairQuads> head =
-          transform_head<kPairQuads, true>(src, kv_constants, is_key || prepare.norm_v, is_key,
-                                           prepare.eps, HD / 2, query_position, lane);
-      store_head<true>(new_kv[is_key ? 0 : 1], head, HD / 2, lane);
-      if (part == 0) {
-        const int64_t new_slot = slot_of(scanned - 1);
-        store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
-                             (new_slot * a.kv_heads + kv) * HD,
-                         head, HD / 2, lane);
-        if (is_key && lane == 0) sequence.slot_positions[new_slot] = query_position;
-      }
-    }
-    __syncthreads();
+    run_prologue<HD>(a, sequence, constants, row, kv, first_head, heads, query_position,
+                     makes_new_key, part == 0, slot_of(scanned - 1), const_cast<float*>(prepared_q),
+                     new_kv, warp, lane);
   }
 
   const int head_groups = (heads + HPW - 1) / HPW;
@@ -410,9 +446,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     for (int t = active ? ks : T::kTileKeys; t < T::kTileKeys; t += key_slices) {
       const int32_t p = tile_positions[stage][t];
       // The same for the whole warp, so the skip does not diverge.
-      if (p < 0 || p > query_position || (a.window > 0 && query_position - p >= a.window)) {
-        continue;
-      }
+      if (!visible_position(p, query_position, a.window)) continue;
       attend(tile_keys + t * HD, tile_values + t * HD);
     }
   }
@@ -493,6 +527,414 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   }
 }
 
+// ---- The tensor-core kernel: bf16 and e4m3 caches, up to 8 q heads per kv head ----
+// The CUDA-core kernel above spends ~140 instructions per key and warp (bf16 unpacking, a
+// 5-step shuffle reduction per head, a dependent FMA chain) and reaches ~1.2 TB/s at depth 32K:
+// it is bound by issue and latency, not by the reads. Here the block's 8 warps split the head
+// dims (warp w owns HD / 8 of them) and do q·kᵀ and p·v with mma.sync m16n8k16 (bf16 in, fp32
+// accumulate) over tiles of 16 keys: Sᵀ = K·Qᵀ (keys × heads, the group's heads in n = 8) over
+// the warp's dims, summed over the warps in shared memory; every warp then runs the same online
+// softmax on the sums and accumulates Oᵀ += Vᵀ·Pᵀ for its own dims, Pᵀ being the transposed
+// (movmatrix) score fragment. q and p enter the products as bf16 pairs hi + lo (each a bf16, hi +
+// lo within 2^-16 of the fp32 value), so the only roundings are the cache's own, as in the
+// CUDA-core kernel. K/V tiles stream through shared memory with cp.async as above, each row's
+// 16-byte chunks XOR-swizzled by the row's low 3 bits so that ldmatrix's 8 rows hit distinct
+// banks. A block serves every q head of its kv head (no q-head parts: the mma does all 8 at
+// once).
+constexpr int kMmaTileKeys = 16;
+constexpr int kMmaMaxGroup = 8;
+
+template <int HD, typename KvT>
+struct MmaTiling {
+  // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
+  // rows are read where they land.
+  static constexpr bool kWidens = !std::is_same_v<KvT, __nv_bfloat16>;
+  static constexpr int kElementBytes = static_cast<int>(sizeof(KvT));
+  static constexpr int kRowBytes = HD * kElementBytes;  // a row as cached
+  static constexpr int kRowChunks = kRowBytes / kChunkBytes;
+  static constexpr int kStageBytes = 2 * kMmaTileKeys * kRowBytes;  // K rows, then V rows
+  static constexpr int kTileRowChunks = HD * 2 / kChunkBytes;       // a bf16 row
+  static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
+  static constexpr int kStages = static_cast<int>((kPipelineBytes - kWidenedBytes) / kStageBytes);
+  static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
+  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
+  static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
+  static constexpr int kWarpRowChunks = kWarpDims * kElementBytes / kChunkBytes;  // as cached
+  static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
+  // The prepared q heads (fp32) fit the stage the prologue writes them to.
+  static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
+  // The epilogue's staged outputs fit the pipeline.
+  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kPipelineBytes);
+
+  // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
+  static __device__ __forceinline__ int offset(int key, int chunk) {
+    return (key * kTileRowChunks + (chunk ^ (key & 7))) * kChunkBytes;
+  }
+  // The same within a stage: the bf16 tile itself, or plain rows to be widened.
+  static __device__ __forceinline__ int stage_offset(int key, int chunk) {
+    return kWidens ? (key * kRowChunks + chunk) * kChunkBytes : offset(key, chunk);
+  }
+};
+
+// Four 8×8 b16 matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8;
+// lane (g = l / 4, t = l % 4) receives row g, elements 2t and 2t + 1 of each (transposed first
+// with kTranspose). volatile, with a memory clobber: it reads what cp.async and other lanes wrote
+// before a barrier.
+template <bool kTranspose>
+__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const void* p) {
+  if constexpr (kTranspose) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p))
+                 : "memory");
+  } else {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                 : "r"(shared_address(p))
+                 : "memory");
+  }
+}
+
+// The transpose of an 8×8 b16 matrix held as one fragment (lane (g, t): row g, elements 2t, 2t+1).
+__device__ __forceinline__ uint32_t transpose_fragment(uint32_t x) {
+  uint32_t y;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+// d += a · b, m16n8k16, bf16 operands, fp32 accumulators.
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// x0, x1 as two bf16 pairs hi + lo (the first value in the low halves): hi rounds x, lo rounds
+// the remainder, so hi + lo is within 2^-16 of x relatively.
+struct SplitPair {
+  uint32_t hi, lo;
+};
+__device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
+  const __nv_bfloat162 hi = __floats2bfloat162_rn(x0, x1);
+  const float2 rounded = __bfloat1622float2(hi);
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(x0 - rounded.x, x1 - rounded.y);
+  return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
+}
+
+template <int HD, typename KvT, bool kPrepare>
+__global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
+  using T = MmaTiling<HD, KvT>;
+  constexpr int kStages = T::kStages;
+  constexpr int kSteps = T::kSteps;
+  pdl_trigger_dependents();
+  extern __shared__ __align__(16) unsigned char pipeline[];
+  __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
+  // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
+  __shared__ float4 partial_scores[2][kWarps][32];
+  __shared__ __align__(16) KvT new_kv[2][HD];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;  // fragment row
+  const int t = lane & 3;   // fragment column pair
+  const DecodePrepare& prepare = a.prepare;
+  PrologueConstants<HD> constants;
+  if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
+  pdl_wait_for_predecessors();
+
+  const int kv = blockIdx.y;
+  const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
+  const int64_t row = sequence.first_row;
+  const int32_t query_position = a.positions[row];
+  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
+  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
+  const int splits = used_splits(scanned, a.splits);
+  const int split = blockIdx.x;
+  if (split >= splits) return;  // the merge skips it
+  const int heads = a.group;
+  const int64_t per_split = keys_per_split(scanned, a.splits);
+  const int64_t begin = split * per_split;
+  const int64_t end = min(scanned, begin + per_split);
+  // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
+  // the block puts it into its tile's row itself, never reading it from the cache, which the
+  // block writes meanwhile.
+  const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
+  const int64_t loaded_end = makes_new_key ? end - 1 : end;
+  const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
+
+  const KvT* keys = static_cast<const KvT*>(sequence.keys);
+  const KvT* values = static_cast<const KvT*>(sequence.values);
+  auto slot_of = [&](int64_t j) {
+    const int64_t slot = first_slot + j;
+    return slot < sequence.slots ? slot : slot - sequence.slots;
+  };
+  // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
+  // not read (the new key's position is the query's, every other one −1).
+  auto load_tile = [&](int64_t tile) {
+    if (tile < tiles) {
+      const int stage = static_cast<int>(tile % kStages);
+      unsigned char* base = pipeline + stage * T::kStageBytes;
+      const int64_t first_key = begin + tile * kMmaTileKeys;
+#pragma unroll
+      for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
+        const int c = threadIdx.x + n * kThreads;
+        const int is_value = c / (T::kTileChunks / 2);
+        const int key = c / T::kRowChunks % kMmaTileKeys;
+        const int chunk = c % T::kRowChunks;
+        const int64_t j = first_key + key;
+        if (j < loaded_end) {
+          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
+                              chunk * (kChunkBytes / T::kElementBytes);
+          copy_async16(base + is_value * (T::kStageBytes / 2) + T::stage_offset(key, chunk),
+                       source);
+        }
+      }
+      if (threadIdx.x < kMmaTileKeys) {
+        const int64_t j = first_key + threadIdx.x;
+        if (j < loaded_end) {
+          copy_async4(&tile_positions[stage][threadIdx.x], sequence.slot_positions + slot_of(j));
+        } else {
+          tile_positions[stage][threadIdx.x] = makes_new_key && j == end - 1 ? query_position : -1;
+        }
+      }
+    }
+    commit_copies();
+  };
+  for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
+
+  // The prologue while the first tiles are in flight, into the last stage (no copy touches it
+  // before the first tile is computed; every thread has read its q by then).
+  const float* prepared_q =
+      reinterpret_cast<const float*>(pipeline + (kStages - 1) * T::kStageBytes);
+  if constexpr (kPrepare) {
+    run_prologue<HD>(a, sequence, constants, row, kv, 0, heads, query_position, makes_new_key, true,
+                     slot_of(scanned - 1), const_cast<float*>(prepared_q), new_kv, warp, lane);
+  }
+
+  // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
+  // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
+  // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
+  const int first_dim = warp * T::kWarpDims;
+  SplitPair q_b0[kSteps], q_b1[kSteps];
+  {
+    const bool used = g < heads;
+    const float* q_head =
+        kPrepare ? prepared_q + g * HD
+                 : a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      const int d = first_dim + 16 * step + 2 * t;
+      const float2 b0 = used ? *reinterpret_cast<const float2*>(q_head + d) : make_float2(0, 0);
+      const float2 b1 = used ? *reinterpret_cast<const float2*>(q_head + d + 8) : make_float2(0, 0);
+      q_b0[step] = split_pair(b0.x * a.scale, b0.y * a.scale);
+      q_b1[step] = split_pair(b1.x * a.scale, b1.y * a.scale);
+    }
+  }
+
+  // Oᵀ fragments: acc[i] holds dims first_dim + 16i + g (0, 1) and + 8 (2, 3) of heads 2t (0, 2)
+  // and 2t + 1 (1, 3); the running max and this lane's share of the sum of heads 2t, 2t + 1.
+  float acc[kSteps][4] = {};
+  float running_max[2] = {-INFINITY, -INFINITY};
+  float running_sum[2] = {0.0f, 0.0f};
+  // ldmatrix row addresses: lane l gives row l % 8 of matrix l / 8. K as A (keys × dims):
+  // matrices (keys 0-7, dims 0-7), (8-15, 0-7), (0-7, 8-15), (8-15, 8-15); V as Aᵀ (dims ×
+  // keys): (keys 0-7, dims 0-7), (0-7, 8-15), (8-15, 0-7), (8-15, 8-15), transposed.
+  const int matrix = lane >> 3;
+  const int key_row = (lane & 7) + (matrix & 1) * 8, key_chunk = matrix >> 1;
+  const int value_row = (lane & 7) + (matrix >> 1) * 8, value_chunk = matrix & 1;
+
+  for (int64_t tile = 0; tile < tiles; ++tile) {
+    wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
+    __syncthreads();             // everyone's have, and the stage loaded next is free again
+    load_tile(tile + kStages - 1);
+    const int stage = static_cast<int>(tile % kStages);
+    unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
+    unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
+    const uint32_t visible =
+        __ballot_sync(0xFFFFFFFFu, visible_position(tile_positions[stage][lane % kMmaTileKeys],
+                                                    query_position, a.window)) &
+        0xFFFFu;
+    // Rows the warp reads but no copy filled this tile: the new key's (from new_kv) and the
+    // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
+    // Each warp touches only its own dims, so warp barriers order it.
+    const int64_t first_key = begin + tile * kMmaTileKeys;
+    const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
+    if (makes_new_key && end - 1 < first_key + kMmaTileKeys) {
+      const int key = static_cast<int>(end - 1 - first_key);
+      for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
+        const int is_value = c / T::kWarpRowChunks;
+        const int chunk = first_chunk + c % T::kWarpRowChunks;
+        *reinterpret_cast<uint4*>((is_value ? stage_values : stage_keys) +
+                                  T::stage_offset(key, chunk)) =
+            reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
+      }
+    }
+    if (visible != 0xFFFFu) {
+      for (int c = lane; c < kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+        const int key = c / T::kWarpRowChunks;
+        if (!(visible >> key & 1)) {
+          const int chunk = first_chunk + c % T::kWarpRowChunks;
+          *reinterpret_cast<uint4*>(stage_values + T::stage_offset(key, chunk)) =
+              make_uint4(0, 0, 0, 0);
+        }
+      }
+    }
+    __syncwarp();
+    unsigned char* tile_keys = stage_keys;
+    unsigned char* tile_values = stage_values;
+    if constexpr (T::kWidens) {
+      // The warp's dims of every K and V row widened into the bf16 tile (16 e4m3 = 2 chunks).
+      tile_keys = pipeline + kStages * T::kStageBytes;
+      tile_values = tile_keys + kMmaTileKeys * HD * 2;
+      for (int c = lane; c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+        const int is_value = c / (kMmaTileKeys * T::kWarpRowChunks);
+        const int key = c / T::kWarpRowChunks % kMmaTileKeys;
+        const int chunk = first_chunk + c % T::kWarpRowChunks;
+        const uint4 raw = *reinterpret_cast<const uint4*>((is_value ? stage_values : stage_keys) +
+                                                          T::stage_offset(key, chunk));
+        const uint32_t words[4] = {raw.x, raw.y, raw.z, raw.w};
+        uint32_t widened[8];
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float2 pair = fp8_pair_to_float2(static_cast<uint16_t>(words[w] >> (16 * half)));
+            const __nv_bfloat162 bf = __floats2bfloat162_rn(pair.x, pair.y);  // exact
+            widened[2 * w + half] = *reinterpret_cast<const uint32_t*>(&bf);
+          }
+        }
+        unsigned char* row = is_value ? tile_values : tile_keys;
+        *reinterpret_cast<uint4*>(row + T::offset(key, 2 * chunk)) =
+            make_uint4(widened[0], widened[1], widened[2], widened[3]);
+        *reinterpret_cast<uint4*>(row + T::offset(key, 2 * chunk + 1)) =
+            make_uint4(widened[4], widened[5], widened[6], widened[7]);
+      }
+      __syncwarp();
+    }
+
+    // Sᵀ over the warp's dims (the hi and lo products in separate accumulators: two short
+    // dependency chains), then summed over the warps.
+    float partial[2][4] = {};
+#pragma unroll
+    for (int step = 0; step < kSteps; ++step) {
+      uint32_t k_a[4];
+      load_matrices<false>(
+          k_a, tile_keys + T::offset(key_row, first_dim * 2 / kChunkBytes + 2 * step + key_chunk));
+      mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
+      mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
+    }
+    const int parity = static_cast<int>(tile & 1);
+    partial_scores[parity][warp][lane] =
+        make_float4(partial[0][0] + partial[1][0], partial[0][1] + partial[1][1],
+                    partial[0][2] + partial[1][2], partial[0][3] + partial[1][3]);
+    __syncthreads();
+    // score[0], [1]: key g of heads 2t, 2t + 1; [2], [3]: key g + 8. Summed in one order by every
+    // warp, so all warps see the same bits.
+    float score[4] = {};
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) {
+      const float4 s = partial_scores[parity][w][lane];
+      score[0] += s.x;
+      score[1] += s.y;
+      score[2] += s.z;
+      score[3] += s.w;
+    }
+    const bool low_visible = visible >> g & 1, high_visible = visible >> (g + 8) & 1;
+    float p[4];
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float low = low_visible ? score[c] : -INFINITY;
+      const float high = high_visible ? score[2 + c] : -INFINITY;
+      // The tile's max of head 2t + c: over the 8 lanes of fragment column t.
+      float tile_max = fmaxf(low, high);
+#pragma unroll
+      for (int offset = 4; offset < 32; offset *= 2) {
+        tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, offset));
+      }
+      const float new_max = fmaxf(running_max[c], tile_max);
+      if (new_max == -INFINITY) {  // nothing visible yet
+        p[c] = p[2 + c] = 0.0f;
+        continue;
+      }
+      const float rescale = expf(running_max[c] - new_max);
+      running_max[c] = new_max;
+      running_sum[c] *= rescale;
+#pragma unroll
+      for (int i = 0; i < kSteps; ++i) {
+        acc[i][c] *= rescale;
+        acc[i][2 + c] *= rescale;
+      }
+      p[c] = expf(low - new_max);
+      p[2 + c] = expf(high - new_max);
+      running_sum[c] += p[c] + p[2 + c];
+    }
+    // Pᵀ as the B operand of Oᵀ += Vᵀ·Pᵀ: the score fragments of keys 0-7 and 8-15 transposed
+    // (lane (g, t) then holds keys 2t, 2t + 1 of head g).
+    const SplitPair low_keys = split_pair(p[0], p[1]), high_keys = split_pair(p[2], p[3]);
+    const uint32_t p_b0_hi = transpose_fragment(low_keys.hi);
+    const uint32_t p_b1_hi = transpose_fragment(high_keys.hi);
+    const uint32_t p_b0_lo = transpose_fragment(low_keys.lo);
+    const uint32_t p_b1_lo = transpose_fragment(high_keys.lo);
+#pragma unroll
+    for (int i = 0; i < kSteps; ++i) {
+      uint32_t v_a[4];
+      load_matrices<true>(v_a, tile_values + T::offset(value_row, first_dim * 2 / kChunkBytes +
+                                                                      2 * i + value_chunk));
+      mma_bf16(acc[i], v_a, p_b0_hi, p_b1_hi);
+      mma_bf16(acc[i], v_a, p_b0_lo, p_b1_lo);
+    }
+  }
+  wait_copies<0>();  // only empty groups remain, but the stages are reused below
+  __syncthreads();
+
+  // The sums of heads 2t, 2t + 1 over the 8 lanes of column t.
+#pragma unroll
+  for (int c = 0; c < 2; ++c) {
+#pragma unroll
+    for (int offset = 4; offset < 32; offset *= 2) {
+      running_sum[c] += __shfl_xor_sync(0xFFFFFFFFu, running_sum[c], offset);
+    }
+  }
+  // The warp's outputs through shared memory ([head][own dim]), to be written 32 consecutive dims
+  // of one head per warp-wide step (the kQ8 companion's chunk).
+  float* staged = reinterpret_cast<float*>(pipeline) + warp * kMmaMaxGroup * T::kWarpDims;
+#pragma unroll
+  for (int i = 0; i < kSteps; ++i) {
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      staged[(2 * t + (c & 1)) * T::kWarpDims + 16 * i + g + (c >> 1) * 8] = acc[i][c];
+    }
+  }
+  __syncwarp();
+  for (int h = 0; h < heads; ++h) {
+    // Head h's max and sum live in the lanes of column h / 2.
+    const float head_max = __shfl_sync(0xFFFFFFFFu, running_max[h & 1], (h >> 1));
+    const float head_sum = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], (h >> 1));
+    const int head = kv * a.group + h;
+#pragma unroll
+    for (int part = 0; part < T::kWarpDims / 32; ++part) {
+      const int d = first_dim + 32 * part + lane;
+      const float value = staged[h * T::kWarpDims + 32 * part + lane];
+      if (splits == 1) {
+        const float result[1] = {head_sum > 0.0f ? value / head_sum : 0.0f};
+        const int64_t column = static_cast<int64_t>(head) * HD + d;
+        a.out[row * a.out_stride + column] = result[0];
+        store_companions<1>(a.out_companions, row, column, result);
+      } else {
+        float* record =
+            a.partials +
+            ((static_cast<int64_t>(blockIdx.z) * a.q_heads + head) * a.splits + split) * (HD + 2);
+        record[2 + d] = value;
+        if (d == 0) {
+          record[0] = head_max;
+          record[1] = head_sum;
+        }
+      }
+    }
+  }
+}
+
 struct MergeArgs {
   const float* partials;
   const int32_t* positions;
@@ -501,18 +943,22 @@ struct MergeArgs {
   int q_heads;
   int head_dim;
   int splits;
+  int block_dims;  // dims per block: a multiple of 32 dividing head_dim
   float* out;
   int64_t out_stride;
   ActivationCompanions out_companions;
 };
 
 constexpr int kMergeWarps = 8;
+// Splits a merge warp reads at once (independent loads in flight).
+constexpr int kMergeUnroll = 4;
 
-// Block (head, sequence) of 8 warps, over the splits the attention kernel used (none when it used
-// one: it then wrote the output itself). The splits' weights
-// exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ... for
-// every dim (lane l owns dims l + 32i, independent loads per split), and the 8 partial vectors are
-// summed in shared memory.
+// Block (head, sequence, slice of block_dims dims) of 8 warps, over the splits the attention
+// kernel used (none when it used one: it then wrote the output itself). The splits' weights
+// exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ...
+// (kMergeUnroll at a time) for the slice's dims (lane l owns dims l + 32i), and the 8 partial
+// vectors are summed in shared memory. Slicing the dims gives a single deep sequence enough
+// blocks to read its partials at the L2's pace rather than one round trip after another.
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
   __shared__ float split_weight[kMaxSplits];
@@ -562,14 +1008,26 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
 
   constexpr int kMaxDimsPerLane = 512 / 32;
-  const int dims_per_lane = a.head_dim / 32;
+  const int dims_per_lane = a.block_dims / 32;
+  const int first_dim = blockIdx.z * a.block_dims;
   float acc[kMaxDimsPerLane] = {};
-  for (int s = warp; s < splits; s += kMergeWarps) {
-    const float w = split_weight[s];
-    const float* values = base + s * record + 2;
+  for (int first = warp; first < splits; first += kMergeWarps * kMergeUnroll) {
+    float values[kMergeUnroll][kMaxDimsPerLane];
 #pragma unroll
-    for (int i = 0; i < kMaxDimsPerLane; ++i) {
-      if (i < dims_per_lane) acc[i] = fmaf(w, values[lane + 32 * i], acc[i]);
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const int s = first + u * kMergeWarps;
+      const float* split_values = base + s * record + 2 + first_dim;
+#pragma unroll
+      for (int i = 0; i < kMaxDimsPerLane; ++i) {
+        values[u][i] = s < splits && i < dims_per_lane ? split_values[lane + 32 * i] : 0.0f;
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kMergeUnroll; ++u) {
+      const int s = first + u * kMergeWarps;
+      const float w = s < splits ? split_weight[s] : 0.0f;
+#pragma unroll
+      for (int i = 0; i < kMaxDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
     }
   }
 #pragma unroll
@@ -577,13 +1035,13 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
     if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
   }
   __syncthreads();
-  // head_dim is a multiple of the block's threads: every warp runs every iteration (the q8
+  // block_dims is a multiple of 32: every warp that enters runs every iteration (the q8
   // companion's chunk reductions are warp-wide) over 32 consecutive dims, one kQ8 chunk.
-  for (int d = threadIdx.x; d < a.head_dim; d += blockDim.x) {
+  for (int d = threadIdx.x; d < a.block_dims; d += blockDim.x) {
     float value = 0.0f;
     for (int w = 0; w < kMergeWarps; ++w) value += warp_partial[w][d];
     const float result[1] = {total > 0.0f ? value / total : 0.0f};
-    const int64_t column = static_cast<int64_t>(head) * a.head_dim + d;
+    const int64_t column = static_cast<int64_t>(head) * a.head_dim + first_dim + d;
     a.out[row * a.out_stride + column] = result[0];
     store_companions<1>(a.out_companions, row, column, result);
   }
@@ -595,6 +1053,28 @@ template <typename KvT, bool kPrepare>
 AttentionKernel select_kernel(int head_dim) {
   if (head_dim == 256) return decode_attention_kernel<256, 4, KvT, kPrepare>;
   if (head_dim == 512) return decode_attention_kernel<512, 2, KvT, kPrepare>;
+  return nullptr;
+}
+
+// The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
+// kv head.
+template <typename KvT>
+AttentionKernel select_mma_kernel(int head_dim, bool prepare) {
+  if (head_dim == 256) {
+    return prepare ? decode_attention_mma_kernel<256, KvT, true>
+                   : decode_attention_mma_kernel<256, KvT, false>;
+  }
+  if (head_dim == 512) {
+    return prepare ? decode_attention_mma_kernel<512, KvT, true>
+                   : decode_attention_mma_kernel<512, KvT, false>;
+  }
+  return nullptr;
+}
+
+AttentionKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare) {
+  if (group > kMmaMaxGroup) return nullptr;
+  if (type == KvType::kBF16) return select_mma_kernel<__nv_bfloat16>(head_dim, prepare);
+  if (type == KvType::kFP8) return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare);
   return nullptr;
 }
 
@@ -646,7 +1126,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch,
                              const ActivationCompanions& out_companions) {
   const DecodePrepare* prepare = query.prepare;
-  const AttentionKernel kernel = with_kv_type(kv.type, [&](auto element) {
+  AttentionKernel kernel = with_kv_type(kv.type, [&](auto element) {
     return prepare != nullptr ? select_kernel<decltype(element), true>(kv.head_dim)
                               : select_kernel<decltype(element), false>(kv.head_dim);
   });
@@ -702,14 +1182,22 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.out_companions = out_companions;
   args.partials = workspace.partials;
   if (prepare != nullptr) args.prepare = *prepare;
-  // Blocks per (sequence, kv head): the splits, and up to one per (split, q head) within the
-  // blocks the GPU runs at once (block_work: a cache shallower than the splits gives the unused
-  // ones q heads).
-  const int64_t head_blocks = std::min<int64_t>(
-      int64_t{splits} * group,
-      std::max<int64_t>(1, kDecodeAttentionBlocks / (int64_t{kv.kv_heads} * batch)));
+  // Blocks per (sequence, kv head): the splits; for the CUDA-core kernel also up to one per
+  // (split, q head) within the blocks the GPU runs at once (block_work: a cache shallower than the
+  // splits gives the unused ones q heads). The tensor-core kernel serves all heads of a group
+  // in every block.
+  const AttentionKernel mma_kernel =
+      query.cuda_core_kernel ? nullptr
+                             : select_mma_kernel(kv.type, kv.head_dim, group, prepare != nullptr);
+  const int64_t head_blocks =
+      mma_kernel != nullptr
+          ? 1
+          : std::min<int64_t>(
+                int64_t{splits} * group,
+                std::max<int64_t>(1, kDecodeAttentionBlocks / (int64_t{kv.kv_heads} * batch)));
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
+  if (mma_kernel != nullptr) kernel = mma_kernel;
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
@@ -717,11 +1205,27 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (status != cudaSuccess) return status;
   status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
   if (status != cudaSuccess || splits == 1) return status;
-  const MergeArgs merge = {workspace.partials, query.positions, window, args.sequences,
-                           query.q_heads,      kv.head_dim,     splits, out,
-                           out_stride,         out_companions};
+  // Dim slices (a power of two, at most one per 32 dims) so that the merge fills about the
+  // blocks the GPU runs at once.
+  int slices = 1;
+  while (slices * 2 <= kv.head_dim / 32 &&
+         int64_t{slices} * 2 * query.q_heads * batch <= kDecodeAttentionBlocks) {
+    slices *= 2;
+  }
+  const MergeArgs merge = {workspace.partials,
+                           query.positions,
+                           window,
+                           args.sequences,
+                           query.q_heads,
+                           kv.head_dim,
+                           splits,
+                           kv.head_dim / slices,
+                           out,
+                           out_stride,
+                           out_companions};
   return launch_kernel(merge_splits_kernel,
-                       dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch)),
+                       dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch),
+                            static_cast<unsigned>(slices)),
                        dim3(kMergeWarps * 32), 0, launch, merge);
 }
 

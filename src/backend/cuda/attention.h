@@ -1,6 +1,8 @@
 // Decode attention: one query token per sequence against that sequence's KV cache, GQA (each
 // cached K/V row is read once for all q heads of its group), split across the cache with an
-// online-softmax merge (a second, small kernel when splits > 1). head_dim 256 or 512.
+// online-softmax merge (a second, small kernel when splits > 1). head_dim 256 or 512. bf16 and
+// e4m3 caches with at most 8 q heads per kv head run on tensor cores (attention.cu), the rest on
+// CUDA cores.
 #pragma once
 
 #include <cstddef>
@@ -91,6 +93,9 @@ struct AttentionQuery {
   // Set: q is raw and prepared in the launch (DecodePrepare); q_heads / kv_heads · head_dim
   // floats must fit one pipeline stage (kMaxPreparedGroupFloats).
   const DecodePrepare* prepare = nullptr;
+  // The CUDA-core kernel even where the tensor-core one applies (bf16 and e4m3 caches, at most 8
+  // q heads per kv head): benchmarks and tests compare the two.
+  bool cuda_core_kernel = false;
 };
 constexpr int kMaxPreparedGroupFloats = 4096;
 
