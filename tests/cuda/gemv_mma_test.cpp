@@ -56,7 +56,8 @@ std::string describe(const HostMatrix& w, const Case& c) {
                                      : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
          " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
-         " splits=" + std::to_string(c.tiling.splits);
+         " splits=" + std::to_string(c.tiling.splits) +
+         " row_blocks=" + std::to_string(c.tiling.row_blocks);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -162,6 +163,41 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     c.tiling = {layout.warps, 1 + m % 5, layout.k_warps};
     c.seed = 100 + m;
     check(host, device, c);
+  }
+}
+
+// Blocks that loop over row tiles (a fixed count that leaves some blocks one tile more than
+// others, and the resident count) at every warp layout, split and activation type: a row count
+// and K (46 groups) that no tile or split divides, every epilogue.
+TEST(GemvMma, LoopingBlocks) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1000, 1472, 21);
+  const DeviceMatrix device(host);
+  uint32_t seed = 1100;
+  int index = 0;
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
+    for (int splits : {1, 3, 8}) {
+      for (int row_blocks : {2, 3, kMmaGemvResidentRowBlocks}) {
+        for (int m : {8, 17, 32, 64}) {
+          Case c;
+          c.m = m;
+          c.x_type = kActivationTypes[index % 3];
+          c.epilogue = static_cast<GemvEpilogue>(index % 3);
+          c.tiling = {layout.warps, splits, layout.k_warps, row_blocks};
+          c.seed = seed++;
+          ++index;
+          check(host, device, c);
+        }
+      }
+    }
+  }
+  const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 2600, 2816, 22);
+  const DeviceMatrix nvfp4_device(nvfp4);
+  for (int m : {8, 17, 32, 64}) {
+    Case c;
+    c.m = m;
+    c.tiling = {4, 4, 2, 5};
+    c.seed = seed++;
+    check(nvfp4, nvfp4_device, c);
   }
 }
 
@@ -277,6 +313,9 @@ TEST(GemvMma, Deterministic) {
   const std::vector<float> first = check(host, device, c);
   const std::vector<float> second = check(host, device, c);
   EXPECT_EQ(first, second);
+  // Looping blocks add the same partial sums in the same order.
+  c.tiling.row_blocks = 5;
+  EXPECT_EQ(check(host, device, c), first);
 }
 
 // The default tiling of every shape the engines run (and small ones) is one gemv_mma accepts.
@@ -371,6 +410,7 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),

@@ -71,6 +71,13 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
       best_fill = fill;
     }
   }
+  // Then no second wave: the clusters that fit at once (the launch asks the occupancy calculator:
+  // a GPC holds whole clusters only, so even blocks = SMs may not fit), each looping over row
+  // tiles where there are more (its activations staged once, the next tile's weights loading
+  // during the last one's reduction); one tile per block where all fit. Only where the two
+  // partial-sum buffers fit beside the activations.
+  const MmaGemvTiling looping = {best.warps, best.splits, best.k_warps, kMmaGemvResidentRowBlocks};
+  if (mma_gemv_shared_bytes(looping, m, groups, x_type) <= kMmaGemvMaxSharedBytes) return looping;
   return best;
 }
 
@@ -94,7 +101,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
-      tiling.splits > groups ||
+      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
       mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
       (w.rows + 32 * tiling.warps - 1) / (32 * tiling.warps) > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;
