@@ -535,6 +535,9 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
                                      dense[1].label, stream, false, GemvEpilogue::kGeluPairs));
   }
+  // E2B's lm_head at 64 streams: the shape with the most row tiles.
+  results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, 64, ActType::kF32,
+                                   dense[6].label, stream, !quick));
   // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
   const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
                                {4224, 2816, "26b gate+up 4224x2816"},
