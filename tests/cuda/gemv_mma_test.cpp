@@ -387,6 +387,45 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
+// Resident looping blocks (313 row tiles: more than the clusters that fit) launched first inside
+// a capture (the launch asks the occupancy calculator then, for a configuration no other test
+// uses) replay the bits of a plain launch.
+TEST(GemvMma, ResidentBlocksFirstLaunchedInACapture) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 40000, 1536, 23);
+  const DeviceMatrix device(host);
+  const int m = 20;
+  DeviceArray<float> x(testing::random_floats(m * 1536, -1.0f, 1.0f, 24));
+  DeviceArray<float> y(m * 40000);
+  const MmaGemvTiling tiling = {4, 7, 1, kMmaGemvResidentRowBlocks};
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto enqueue = [&](bool pdl) {
+    return gemv_mma(device.view, {x.get(), ActType::kF32, m, 1536, true}, {y.get(), 40000},
+                    {stream, pdl}, tiling);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CUDA_ASSERT_OK(enqueue(true));
+  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  y.poison();
+  CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> replayed = y.download();
+  y.poison();
+  CUDA_ASSERT_OK(enqueue(false));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(y.download(), replayed);
+  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+  Case c;  // and the values
+  c.m = m;
+  c.tiling = tiling;
+  check(host, device, c);
+}
+
 // gemv() keeps on the CUDA-core GEMV what the tensor-core kernel cannot stage.
 TEST(GemvMma, TakesOnlyWhatFits) {
   quant::QMatrix w;
