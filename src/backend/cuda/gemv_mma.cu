@@ -110,7 +110,8 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   config.numAttrs = count;
 
   // Blocks along the rows; looping blocks keep two partial-sum buffers past the activations.
-  const MmaGemvTiling looping_tiling = {tiling.warps, tiling.splits, tiling.k_warps, -1};
+  const MmaGemvTiling looping_tiling = {tiling.warps, tiling.splits, tiling.k_warps,
+                                        kMmaGemvResidentRowBlocks};
   int64_t row_blocks = tiling.row_blocks > 0 ? tiling.row_blocks : row_tiles;
   if (tiling.row_blocks == kMmaGemvResidentRowBlocks) {
     // The query's configuration: the cluster alone, no stream (the current context's GPU; a
