@@ -260,8 +260,9 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 }
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
-// and 8 splits beside the default (default_mma_gemv_tiling's choice), else the default alone.
-// The tiling column reads k_warps·100 + warps·10 + splits.
+// and 8 splits, each with one block per row tile and with resident looping blocks, beside the
+// default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
+// looping·1000 + k_warps·100 + warps·10 + splits.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -293,20 +294,27 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   r.mbytes = w.bytes / 1e6;
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
-  r.default_tiling = 100 * chosen.k_warps + 10 * chosen.warps + chosen.splits;
+  const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
+    return (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps + 10 * t.warps + t.splits;
+  };
+  r.default_tiling = tiling_id(chosen);
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
-      const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps};
-      const int id = 100 * layout.k_warps + 10 * layout.warps + splits;
-      const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
-      if (!swept && id != r.default_tiling) continue;
-      if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
-          gemma4::cuda::kMmaGemvMaxSharedBytes) {
-        continue;
+      for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
+        const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps,
+                                                    row_blocks};
+        const int id = tiling_id(tiling);
+        const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
+        if (!swept && id != r.default_tiling) continue;
+        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
+            gemma4::cuda::kMmaGemvMaxSharedBytes) {
+          continue;
+        }
+        r.measure(id, links, stream, [&](int i, const Launch& launch) {
+          return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
+                                        tiling);
+        });
       }
-      r.measure(id, links, stream, [&](int i, const Launch& launch) {
-        return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch, tiling);
-      });
     }
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
@@ -652,6 +660,9 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
                                      dense[1].label, stream, false, GemvEpilogue::kGeluPairs));
   }
+  // E2B's lm_head at 64 streams: the shape with the most row tiles.
+  results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, 64, ActType::kF32,
+                                   dense[6].label, stream, !quick));
   // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
   const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
                                {4224, 2816, "26b gate+up 4224x2816"},

@@ -199,6 +199,12 @@ TEST(CudaBackend, MatmulEveryFormatShapeAndStride) {
       {{"f32 generic", WeightFormat::kF32, ScaleType::kBF16, false, 20, 50}, 7, 53, 21},
       {{"bf16 unaligned rows", WeightFormat::kBF16, ScaleType::kBF16, false, 16, 64}, 3, 67, 16},
       {{"w4g32 prefill 130", WeightFormat::kW4G32, ScaleType::kBF16, false, 96, 256}, 130, 256, 96},
+      // bf16 weights on the tensor cores: read in place (K of 8s), else copied padded.
+      {{"bf16 32 rows in place", WeightFormat::kBF16, ScaleType::kBF16, false, 200, 64},
+       32,
+       64,
+       200},
+      {{"bf16 20 rows padded K", WeightFormat::kBF16, ScaleType::kBF16, false, 40, 60}, 20, 61, 40},
   };
   uint32_t seed = 100;
   for (const MatmulCase& c : cases) {

@@ -56,7 +56,8 @@ std::string describe(const HostMatrix& w, const Case& c) {
                                      : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
          " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
-         " splits=" + std::to_string(c.tiling.splits);
+         " splits=" + std::to_string(c.tiling.splits) +
+         " row_blocks=" + std::to_string(c.tiling.row_blocks);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -162,6 +163,49 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     c.tiling = {layout.warps, 1 + m % 5, layout.k_warps};
     c.seed = 100 + m;
     check(host, device, c);
+  }
+}
+
+// Blocks that loop over row tiles (a fixed count that leaves some blocks one tile more than
+// others, and the resident count) at every warp layout, split and activation type whose
+// activations and two partial-sum buffers fit shared memory: a row count and K (46 groups) that
+// no tile or split divides, every epilogue.
+TEST(GemvMma, LoopingBlocks) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1000, 1472, 21);
+  const DeviceMatrix device(host);
+  uint32_t seed = 1100;
+  int index = 0;
+  int checked = 0;
+  for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
+    for (int splits : {1, 3, 8}) {
+      for (int row_blocks : {2, 3, kMmaGemvResidentRowBlocks}) {
+        for (int m : {8, 17, 32, 64}) {
+          Case c;
+          c.m = m;
+          c.x_type = kActivationTypes[index % 3];
+          c.epilogue = static_cast<GemvEpilogue>(index % 3);
+          c.tiling = {layout.warps, splits, layout.k_warps, row_blocks};
+          c.seed = seed++;
+          ++index;
+          if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32, c.x_type) >
+              kMmaGemvMaxSharedBytes) {
+            continue;
+          }
+          check(host, device, c);
+          ++checked;
+        }
+      }
+    }
+  }
+  EXPECT_GT(checked, 80);
+  const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 2600, 2816, 22);
+  const DeviceMatrix nvfp4_device(nvfp4);
+  for (int m : {8, 17, 32, 64}) {
+    Case c;
+    c.m = m;
+    c.tiling = {4, 8, 2, 5};
+    c.seed = seed++;
+    check(nvfp4, nvfp4_device, c);
   }
 }
 
@@ -277,6 +321,9 @@ TEST(GemvMma, Deterministic) {
   const std::vector<float> first = check(host, device, c);
   const std::vector<float> second = check(host, device, c);
   EXPECT_EQ(first, second);
+  // Looping blocks add the same partial sums in the same order.
+  c.tiling.row_blocks = 5;
+  EXPECT_EQ(check(host, device, c), first);
 }
 
 // The default tiling of every shape the engines run (and small ones) is one gemv_mma accepts.
@@ -340,6 +387,45 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
+// Resident looping blocks (313 row tiles: more than the clusters that fit) launched first inside
+// a capture (the launch asks the occupancy calculator then, for a configuration no other test
+// uses) replay the bits of a plain launch.
+TEST(GemvMma, ResidentBlocksFirstLaunchedInACapture) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 40000, 1536, 23);
+  const DeviceMatrix device(host);
+  const int m = 20;
+  DeviceArray<float> x(testing::random_floats(m * 1536, -1.0f, 1.0f, 24));
+  DeviceArray<float> y(m * 40000);
+  const MmaGemvTiling tiling = {4, 7, 1, kMmaGemvResidentRowBlocks};
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  auto enqueue = [&](bool pdl) {
+    return gemv_mma(device.view, {x.get(), ActType::kF32, m, 1536, true}, {y.get(), 40000},
+                    {stream, pdl}, tiling);
+  };
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+  CUDA_ASSERT_OK(enqueue(true));
+  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  y.poison();
+  CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> replayed = y.download();
+  y.poison();
+  CUDA_ASSERT_OK(enqueue(false));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(y.download(), replayed);
+  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+  Case c;  // and the values
+  c.m = m;
+  c.tiling = tiling;
+  check(host, device, c);
+}
+
 // gemv() keeps on the CUDA-core GEMV what the tensor-core kernel cannot stage.
 TEST(GemvMma, TakesOnlyWhatFits) {
   quant::QMatrix w;
@@ -371,6 +457,7 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),

@@ -7,15 +7,28 @@
 namespace gemma4::cuda {
 namespace {
 
-// SMs of the H200, the GPU the choice is tuned for.
+// SMs of the H200, the GPU the choice is tuned for, and the whole thread-block clusters it holds
+// at once per block slot of an SM: a cluster runs within one GPC (8 of 16-18 SMs each), so
+// clusters of `splits` blocks fit about 8 · floor(16 · blocks per SM / splits) at a time.
 constexpr int64_t kSms = 132;
+constexpr int64_t kGpcs = 8;
+constexpr int64_t kSmsPerGpc = 16;
 
-// Blocks of this tiling one SM holds at once by registers (ptxas: about 128 a thread up to 16
-// activation rows, 170 up to 32, 250 up to 64, of 64 K an SM). Shared memory is left out: it
-// would make the splits that stage less look emptier, not faster.
-int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m) {
-  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 170 : 250;
-  return std::max<int64_t>(1, 65536 / (registers * 32 * tiling.warps * tiling.k_warps));
+// Blocks of this tiling one SM holds at once, by registers (ptxas: about 128 a thread up to 16
+// activation rows, 232 up to 32, 255 up to 64, of 64 K an SM) and by shared memory.
+int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups, ActType x_type) {
+  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 232 : 255;
+  const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
+  const int64_t by_shared =
+      (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups, x_type) + 1024);
+  return std::max<int64_t>(1, std::min(by_registers, by_shared));
+}
+
+// Clusters of this tiling the GPU holds at once (one block each when not split).
+int64_t resident_clusters(const MmaGemvTiling& tiling, int m, int64_t groups, ActType x_type) {
+  const int64_t per_sm = blocks_per_sm(tiling, m, groups, x_type);
+  if (tiling.splits == 1) return kSms * per_sm;
+  return std::max<int64_t>(1, kGpcs * (kSmsPerGpc * per_sm / tiling.splits));
 }
 
 bool aligned16(const void* p) {
@@ -46,29 +59,38 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
-  // Wide blocks where there are rows enough: every block re-reads the activations of its K range,
-  // so 256 rows per block halve that traffic; else 128 rows with two warps each (few rows: more
-  // warps for the same activation traffic). Then the K splits that fill the GPU's block slots
-  // most evenly (whole waves); a split more only for a clearly fuller GPU, since each adds a
-  // share of partial sums to the cluster's reduction. Not yet measured (kernel_bench sweeps every
-  // tiling).
+  // Wide tiles where there are rows enough: every block re-reads the activations of its K range,
+  // so 256 rows per tile halve that traffic; else 128 rows with two warps each (few rows: more
+  // warps for the same activation traffic). Then the K splits and row blocks of the least time
+  // on a block's critical path, counted in 32-element groups of weights per row tile: its K
+  // range per tile plus a reduction, and the staging of its activations (about one group per
+  // group of K at 64 rows), once per block. Blocks of one tile each run in waves of clusters;
+  // looping blocks (the clusters that fit at once) take ceil(tiles / clusters) tiles each and
+  // stage once, where their two partial-sum buffers fit. A split more only for a clearly
+  // shorter path: each adds partial sums to the cluster's reduction.
+  constexpr double kReductionGroups = 2.0;
   const int64_t groups = cols / 32;
   const int warps = rows >= 8192 ? 8 : 4;
   const int k_warps = warps == 4 ? 2 : 1;
-  const int64_t row_blocks = (rows + 32 * warps - 1) / (32 * warps);
+  const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps);
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
   MmaGemvTiling best = {warps, max_splits, k_warps};
-  double best_fill = 0.0;
+  double best_cost = 0.0;
   for (int splits = 1; splits <= max_splits; ++splits) {
-    const MmaGemvTiling tiling = {warps, splits, k_warps};
-    if (mma_gemv_shared_bytes(tiling, m, groups, x_type) > kMmaGemvMaxSharedBytes) continue;
-    const int64_t slots = kSms * blocks_per_sm(tiling, m);
-    const int64_t blocks = row_blocks * splits;
-    const int64_t waves = (blocks + slots - 1) / slots;
-    const double fill = static_cast<double>(blocks) / static_cast<double>(waves * slots);
-    if (fill > best_fill * 1.05) {
-      best = tiling;
-      best_fill = fill;
+    for (const int row_blocks : {0, kMmaGemvResidentRowBlocks}) {
+      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks};
+      if (mma_gemv_shared_bytes(tiling, m, groups, x_type) > kMmaGemvMaxSharedBytes) continue;
+      const int64_t clusters = resident_clusters(tiling, m, groups, x_type);
+      const auto per_split = static_cast<double>(mma_gemv_groups_per_split(groups, splits));
+      const double per_tile = per_split + kReductionGroups;
+      const double staging = per_split * m / 64.0;
+      const auto rounds = static_cast<double>((row_tiles + clusters - 1) / clusters);
+      const double cost = row_blocks == 0 ? rounds * (per_tile + staging)  // waves
+                                          : rounds * per_tile + staging;   // tiles per block
+      if (best_cost == 0.0 || cost < best_cost * 0.95) {
+        best = tiling;
+        best_cost = cost;
+      }
     }
   }
   return best;
@@ -94,7 +116,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
-      tiling.splits > groups ||
+      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
       mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
       (w.rows + 32 * tiling.warps - 1) / (32 * tiling.warps) > 0x7FFFFFFF) {
     return cudaErrorInvalidValue;

@@ -2,6 +2,11 @@
 // gemv_mma_kernel.cuh, its instantiations in gemv_mma_<format>.cu).
 #include "backend/cuda/gemv_mma_kernel.cuh"
 
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+
 namespace gemma4::cuda {
 namespace {
 
@@ -16,10 +21,53 @@ int option_index(const int* options, int count, int value) {
   return -1;
 }
 
+// Clusters of `config` (its cluster attribute, block and shared memory) the GPU holds at once;
+// 0 where the occupancy calculator refuses. Asked once per (kernel, shape of launch): the answer
+// does not change while the process runs.
+int resident_clusters(MmaKernel kernel, const cudaLaunchConfig_t& config, int splits) {
+  struct Key {
+    MmaKernel kernel;
+    size_t shared;
+    int splits;
+    int device;
+    bool operator<(const Key& o) const {
+      return std::tie(kernel, shared, splits, device) <
+             std::tie(o.kernel, o.shared, o.splits, o.device);
+    }
+  };
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const Key key = {kernel, config.dynamicSmemBytes, splits, device};
+  static std::mutex mutex;
+  static std::map<Key, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto found = known.find(key); found != known.end()) return found->second;
+  int clusters = 0;
+  cudaError_t status;
+  if (splits > 1) {
+    status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  } else {
+    int per_sm = 0, sms = 0;
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, config.blockDim.x,
+                                                           config.dynamicSmemBytes);
+    if (status == cudaSuccess) {
+      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    clusters = per_sm * sms;
+  }
+  if (status != cudaSuccess) {
+    clusters = 0;
+    cudaGetLastError();  // the refusal is this answer, not an error left for the caller
+  }
+  known.emplace(key, clusters);
+  return clusters;
+}
+
 }  // namespace
 
-cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
+cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch) {
+  MmaGemvArgs args = given;
   const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
   const int layout = mma_gemv_warp_layout(tiling);
   if (n_tiles < 0 || layout < 0 ||
@@ -40,12 +88,9 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActTyp
   if (status != cudaSuccess) return status;
 
   cudaLaunchConfig_t config = {};
-  const int64_t rows_per_block = 32 * tiling.warps;
-  config.gridDim = dim3(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block),
-                        static_cast<unsigned>(tiling.splits));
+  const int64_t rows_per_tile = 32 * tiling.warps;
+  const int64_t row_tiles = (args.rows + rows_per_tile - 1) / rows_per_tile;
   config.blockDim = dim3(32 * tiling.warps * tiling.k_warps);
-  config.dynamicSmemBytes =
-      static_cast<size_t>(mma_gemv_shared_bytes(tiling, args.m, args.groups, x_type));
   config.stream = launch.stream;
   cudaLaunchAttribute attributes[2] = {};
   int count = 0;
@@ -63,6 +108,37 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActTyp
   }
   config.attrs = attributes;
   config.numAttrs = count;
+
+  // Blocks along the rows; looping blocks keep two partial-sum buffers past the activations.
+  const MmaGemvTiling looping_tiling = {tiling.warps, tiling.splits, tiling.k_warps,
+                                        kMmaGemvResidentRowBlocks};
+  int64_t row_blocks = tiling.row_blocks > 0 ? tiling.row_blocks : row_tiles;
+  if (tiling.row_blocks == kMmaGemvResidentRowBlocks) {
+    // The query's configuration: the cluster alone, no stream (the current context's GPU; a
+    // stream being captured is left out of it).
+    cudaLaunchConfig_t query = config;
+    query.stream = nullptr;
+    query.gridDim = dim3(1, static_cast<unsigned>(tiling.splits));
+    query.dynamicSmemBytes =
+        static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups, x_type));
+    query.attrs = tiling.splits > 1 ? &attributes[count - 1] : nullptr;
+    query.numAttrs = tiling.splits > 1 ? 1 : 0;
+    const int clusters = resident_clusters(kernel, query, tiling.splits);
+    if (clusters > 0) {
+      // The fewest blocks for the least tiles per block.
+      const int64_t tiles_per_block = (row_tiles + clusters - 1) / clusters;
+      row_blocks = (row_tiles + tiles_per_block - 1) / tiles_per_block;
+    }
+  }
+  row_blocks = std::min(row_blocks, row_tiles);
+  const int64_t groups_per_split = mma_gemv_groups_per_split(args.groups, tiling.splits);
+  args.partial_offset =
+      row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split, x_type) : 0;
+  config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
+  config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
+      args.partial_offset != 0 ? looping_tiling
+                               : MmaGemvTiling{tiling.warps, tiling.splits, tiling.k_warps},
+      args.m, args.groups, x_type));
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -27,8 +27,13 @@ namespace gemma4::cuda::gemv_mma_detail {
 
 namespace cg = cooperative_groups;
 
-// Groups whose packed words and scales a warp has in flight ahead of the mma.
-constexpr int kPrefetchGroups = 4;
+// Groups whose packed words and scales a warp has in flight ahead of the mma: 8 where the
+// registers allow (32 · 8 lanes · 8 groups · 4 rows · 4 bytes = 32 KB per SM at one block of 8
+// warps, about what the read bandwidth times the load latency needs), else 4.
+template <int NT, int WK>
+constexpr int prefetch_groups() {
+  return NT >= 4 && NT * WK <= 8 ? 8 : 4;
+}
 // 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
 constexpr int kTilesPerWarp = 2;
 
@@ -114,8 +119,8 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 }
 
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
-// (32 · WR weight rows per block), WK along the block's K range (every WK-th group); gridDim.y
-// blocks along K form one cluster.
+// (32 · WR weight rows per row tile), WK along the block's K range (every WK-th group); gridDim.y
+// blocks along K form one cluster; a block multiplies the row tiles blockIdx.x + gridDim.x · i.
 template <PackedFormat F, ActType XT, int NT, int WR, int WK>
 __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
@@ -124,6 +129,7 @@ __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   constexpr int kRowsPerBlock = 32 * WR;
   constexpr int kPaddedRows = 8 * NT;
   constexpr int kThreads = 32 * WR * WK;
+  constexpr int kPrefetchGroups = prefetch_groups<NT, WK>();
   const int lane = threadIdx.x & 31;
   const int row_warp = (threadIdx.x >> 5) % WR;
   const int k_warp = (threadIdx.x >> 5) / WR;
@@ -135,36 +141,50 @@ __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   const int64_t group_begin = split * groups_per_split;
   const int group_count =
       static_cast<int>(max(int64_t{0}, min(a.groups - group_begin, groups_per_split)));
-  const int64_t block_row = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock;
+  // The blocks of a cluster share blockIdx.x: the same tiles, the same barriers.
+  const int64_t row_tiles = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int block_tiles = static_cast<int>((row_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  auto tile_row = [&](int tile) {
+    return (static_cast<int64_t>(blockIdx.x) + static_cast<int64_t>(gridDim.x) * tile) *
+           kRowsPerBlock;
+  };
 
-  // The weight rows of this lane: tile i's rows g and g + 8, clamped into the matrix (a clamped
-  // row's products land in rows that are never stored).
-  int64_t rows[2 * kTilesPerWarp];
+  // The weight rows of this lane within a row tile: tile i's rows g and g + 8 (clamped into the
+  // matrix when loaded: a clamped row's products land in rows that are never stored).
+  int row_offsets[2 * kTilesPerWarp];
 #pragma unroll
   for (int i = 0; i < kTilesPerWarp; ++i) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      rows[2 * i + h] =
-          min(block_row + 16 * (kTilesPerWarp * row_warp + i) + g + 8 * h, a.rows - 1);
+      row_offsets[2 * i + h] = 16 * (kTilesPerWarp * row_warp + i) + g + 8 * h;
     }
   }
   const uint32_t* words = static_cast<const uint32_t*>(a.weights);
   uint32_t packed[kPrefetchGroups][2 * kTilesPerWarp];
   uint32_t scale_bits[kPrefetchGroups][2 * kTilesPerWarp];
-  // This warp's groups: block groups k_warp + WK · j for j < warp_groups.
+  // This warp's groups of every tile: block groups k_warp + WK · j for j < warp_groups. The
+  // loads run as one stream over (tile, j), each tile padded to whole prefetch rounds, so that
+  // slot s always holds the groups j ≡ s and the next tile's first groups load during this
+  // tile's last ones and its reduction.
   const int warp_groups = group_count > k_warp ? (group_count - k_warp + WK - 1) / WK : 0;
-  auto load_group = [&](int slot, int j) {
-    if (j >= warp_groups) return;
+  const int tile_stream =
+      kPrefetchGroups * max(1, (warp_groups + kPrefetchGroups - 1) / kPrefetchGroups);
+  auto load_group = [&](int slot, int position) {
+    const int tile = position / tile_stream;
+    const int j = position - tile * tile_stream;
+    if (tile >= block_tiles || j >= warp_groups) return;
+    const int64_t first_row = tile_row(tile);
     const int64_t group = group_begin + k_warp + WK * j;
 #pragma unroll
     for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
-      packed[slot][r] = __ldg(words + (rows[r] * a.groups + group) * 4 + t);
+      const int64_t row = min(first_row + row_offsets[r], a.rows - 1);
+      packed[slot][r] = __ldg(words + (row * a.groups + group) * 4 + t);
       if constexpr (kNvfp4) {
         // The e4m3 scale of word t's 16-element block.
         scale_bits[slot][r] =
-            __ldg(static_cast<const uint8_t*>(a.scales) + (rows[r] * a.groups + group) * 2 + t / 2);
+            __ldg(static_cast<const uint8_t*>(a.scales) + (row * a.groups + group) * 2 + t / 2);
       } else {
-        scale_bits[slot][r] = load_group_scale_bits(a, rows[r] * a.groups + group);
+        scale_bits[slot][r] = load_group_scale_bits(a, row * a.groups + group);
       }
     }
   };
@@ -177,7 +197,8 @@ __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   extern __shared__ uint4 shared_words[];
   const int row_words = static_cast<int>(mma_gemv_staged_row_bytes(groups_per_split) / 16);
   const int words_per_row = 4 * group_count;
-#pragma unroll 4
+  // Eight words in flight per thread: the staging is a few L2 round trips, not one per word.
+#pragma unroll 8
   for (int i = threadIdx.x; i < kPaddedRows * words_per_row; i += kThreads) {
     const int m = i / words_per_row;
     const int j = i % words_per_row;
@@ -197,152 +218,156 @@ __global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
   }
   __syncthreads();
 
-  float acc[kTilesPerWarp][NT][4] = {};
-  for (int j0 = 0; j0 < warp_groups; j0 += kPrefetchGroups) {
+  constexpr int64_t kStride = mma_gemv_partial_stride(WR);
+  constexpr int64_t kSlice = kPaddedRows * kStride;
+  constexpr int64_t kBufferFloats = WK * kSlice;
+  const bool looping = a.partial_offset != 0;
+  float* const partial_base =
+      reinterpret_cast<float*>(reinterpret_cast<char*>(shared_words) + a.partial_offset);
+  // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
+  const float sum_scale =
+      kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+  cg::cluster_group cluster = cg::this_cluster();
+
+  for (int tile = 0; tile < block_tiles; ++tile) {
+    float acc[kTilesPerWarp][NT][4] = {};
+    for (int j0 = 0; j0 < tile_stream; j0 += kPrefetchGroups) {
 #pragma unroll
-    for (int s = 0; s < kPrefetchGroups; ++s) {
-      const int j = j0 + s;
-      if (j >= warp_groups) break;
-      const int i = k_warp + WK * j;            // the group within the block's range
-      uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
-      float scales[2 * kTilesPerWarp];
+      for (int s = 0; s < kPrefetchGroups; ++s) {
+        const int j = j0 + s;
+        const bool active = j < warp_groups;
+        const int i = k_warp + WK * j;            // the group within the block's range
+        uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
+        float scales[2 * kTilesPerWarp];
+        if (active) {
 #pragma unroll
-      for (int tile = 0; tile < kTilesPerWarp; ++tile) {
-        uint32_t top[4], bottom[4];  // rows g and g + 8
-        if constexpr (kNvfp4) {
-          scaled_e2m1_pairs(packed[s][2 * tile], e4m3_pair(scale_bits[s][2 * tile]), top);
-          scaled_e2m1_pairs(packed[s][2 * tile + 1], e4m3_pair(scale_bits[s][2 * tile + 1]),
-                            bottom);
-        } else {
-          centered_nibble_pairs(packed[s][2 * tile], top);
-          centered_nibble_pairs(packed[s][2 * tile + 1], bottom);
+          for (int w = 0; w < kTilesPerWarp; ++w) {
+            uint32_t top[4], bottom[4];  // rows g and g + 8
+            if constexpr (kNvfp4) {
+              scaled_e2m1_pairs(packed[s][2 * w], e4m3_pair(scale_bits[s][2 * w]), top);
+              scaled_e2m1_pairs(packed[s][2 * w + 1], e4m3_pair(scale_bits[s][2 * w + 1]), bottom);
+            } else {
+              centered_nibble_pairs(packed[s][2 * w], top);
+              centered_nibble_pairs(packed[s][2 * w + 1], bottom);
+            }
+#pragma unroll
+            for (int step = 0; step < 2; ++step) {
+              fragments[w][step][0] = top[2 * step];
+              fragments[w][step][1] = bottom[2 * step];
+              fragments[w][step][2] = top[2 * step + 1];
+              fragments[w][step][3] = bottom[2 * step + 1];
+            }
+            if constexpr (!kNvfp4) {
+              scales[2 * w] = scale_from_bits(a, scale_bits[s][2 * w]);
+              scales[2 * w + 1] = scale_from_bits(a, scale_bits[s][2 * w + 1]);
+            }
+          }
         }
+        load_group(s, tile * tile_stream + j + kPrefetchGroups);
+        if (!active) continue;
 #pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          fragments[tile][step][0] = top[2 * step];
-          fragments[tile][step][1] = bottom[2 * step];
-          fragments[tile][step][2] = top[2 * step + 1];
-          fragments[tile][step][3] = bottom[2 * step + 1];
-        }
-        if constexpr (!kNvfp4) {
-          scales[2 * tile] = scale_from_bits(a, scale_bits[s][2 * tile]);
-          scales[2 * tile + 1] = scale_from_bits(a, scale_bits[s][2 * tile + 1]);
-        }
-      }
-      load_group(s, j + kPrefetchGroups);
+        for (int nt = 0; nt < NT; ++nt) {
+          const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
+          // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2,
+          // c1/c3).
+          float2 x_scale = make_float2(1.0f, 1.0f);
+          if constexpr (XT == ActType::kQ8) {
+            x_scale = *reinterpret_cast<const float2*>(x_scales + i * kPaddedRows + 8 * nt + 2 * t);
+          }
 #pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
-        // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2, c1/c3).
-        float2 x_scale = make_float2(1.0f, 1.0f);
-        if constexpr (XT == ActType::kQ8) {
-          x_scale = *reinterpret_cast<const float2*>(x_scales + i * kPaddedRows + 8 * nt + 2 * t);
-        }
+          for (int w = 0; w < kTilesPerWarp; ++w) {
+            if constexpr (kNvfp4) {
+              // The block scales are in the weights: the mma accumulates across groups.
+              mma_bf16(acc[w][nt], fragments[w][0], b.x, b.y);
+              mma_bf16(acc[w][nt], fragments[w][1], b.z, b.w);
+            } else {
+              float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+              mma_bf16(group_sum, fragments[w][0], b.x, b.y);
+              mma_bf16(group_sum, fragments[w][1], b.z, b.w);
+              // The weight scales of rows g, g + 8 times (kQ8) the activation scales of rows
+              // 2t, 2t + 1 (1 otherwise: folded away).
+              const float top = scales[2 * w], bottom = scales[2 * w + 1];
+              const float factors[4] = {top * x_scale.x, top * x_scale.y, bottom * x_scale.x,
+                                        bottom * x_scale.y};
 #pragma unroll
-        for (int tile = 0; tile < kTilesPerWarp; ++tile) {
-          if constexpr (kNvfp4) {
-            // The block scales are in the weights: the mma accumulates across groups.
-            mma_bf16(acc[tile][nt], fragments[tile][0], b.x, b.y);
-            mma_bf16(acc[tile][nt], fragments[tile][1], b.z, b.w);
-          } else {
-            float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-            mma_bf16(group_sum, fragments[tile][0], b.x, b.y);
-            mma_bf16(group_sum, fragments[tile][1], b.z, b.w);
-            // The weight scales of rows g, g + 8 times (kQ8) the activation scales of rows 2t,
-            // 2t + 1 (1 otherwise: folded away).
-            const float top = scales[2 * tile], bottom = scales[2 * tile + 1];
-            const float factors[4] = {top * x_scale.x, top * x_scale.y, bottom * x_scale.x,
-                                      bottom * x_scale.y};
-#pragma unroll
-            for (int e = 0; e < 4; ++e) {
-              acc[tile][nt][e] = fmaf(factors[e], group_sum[e], acc[tile][nt][e]);
+              for (int e = 0; e < 4; ++e) {
+                acc[w][nt][e] = fmaf(factors[e], group_sum[e], acc[w][nt][e]);
+              }
             }
           }
         }
       }
     }
-  }
 
-  // Partial sums [k warp][activation row][block row] over the staged activations (every warp is
-  // done reading them at the barrier). Lane (g, t) holds rows g, g + 8 of a tile for activation
-  // rows 2t, 2t + 1 of each n tile.
-  __syncthreads();
-  constexpr int64_t kStride = mma_gemv_partial_stride(WR);
-  constexpr int64_t kSlice = kPaddedRows * kStride;
-  float* partial = reinterpret_cast<float*>(shared_words);
-  float* own_partial = partial + k_warp * kSlice;
-  // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
-  const float sum_scale =
-      kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+    // Partial sums [k warp][activation row][tile row]: over the staged activations for a block
+    // of one tile (every warp is done reading them at the barrier), else in the tile's buffer
+    // (the other one's readers of two tiles ago all passed the last tile's barrier). Lane (g, t)
+    // holds rows g, g + 8 of a 16-row tile for activation rows 2t, 2t + 1 of each n tile.
+    float* partial = partial_base + (looping ? (tile & 1) * kBufferFloats : 0);
+    if (!looping) __syncthreads();
+    float* own_partial = partial + k_warp * kSlice;
 #pragma unroll
-  for (int tile = 0; tile < kTilesPerWarp; ++tile) {
+    for (int w = 0; w < kTilesPerWarp; ++w) {
+      const int row = 16 * (kTilesPerWarp * row_warp + w) + g;
 #pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc[tile][nt][e] *= sum_scale;
-    }
-  }
-#pragma unroll
-  for (int tile = 0; tile < kTilesPerWarp; ++tile) {
-    const int row = 16 * (kTilesPerWarp * row_warp + tile) + g;
-#pragma unroll
-    for (int nt = 0; nt < NT; ++nt) {
-      const int m = 8 * nt + 2 * t;
-      own_partial[m * kStride + row] = acc[tile][nt][0];
-      own_partial[(m + 1) * kStride + row] = acc[tile][nt][1];
-      own_partial[m * kStride + row + 8] = acc[tile][nt][2];
-      own_partial[(m + 1) * kStride + row + 8] = acc[tile][nt][3];
-    }
-  }
-
-  // Every block of the cluster sums the K splits for its share of the outputs, in (rank, k warp)
-  // order (the same sums every run), and stores them through the epilogue: one thread per row
-  // pair, so the pairs epilogue sees both rows.
-  cg::cluster_group cluster = cg::this_cluster();
-  if (splits > 1) {
-    cluster.sync();
-  } else {
-    __syncthreads();
-  }
-  constexpr int kPairs = kRowsPerBlock / 2;
-  for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
-       i += splits * kThreads) {
-    const int m = i / kPairs;
-    const int row = 2 * (i % kPairs);
-    // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
-    float2 parts[kMmaGemvMaxSplits][WK];
-#pragma unroll
-    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-      if (rank < splits) {
-        const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
-#pragma unroll
-        for (int k = 0; k < WK; ++k) {
-          parts[rank][k] =
-              *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
-        }
+      for (int nt = 0; nt < NT; ++nt) {
+        const int m = 8 * nt + 2 * t;
+        own_partial[m * kStride + row] = acc[w][nt][0] * sum_scale;
+        own_partial[(m + 1) * kStride + row] = acc[w][nt][1] * sum_scale;
+        own_partial[m * kStride + row + 8] = acc[w][nt][2] * sum_scale;
+        own_partial[(m + 1) * kStride + row + 8] = acc[w][nt][3] * sum_scale;
       }
     }
-    float sums[2] = {0.0f, 0.0f};
+
+    // Every block of the cluster sums the K splits for its share of the outputs, in (rank, k
+    // warp) order (the same sums every run), and stores them through the epilogue: one thread
+    // per row pair, so the pairs epilogue sees both rows.
+    if (splits > 1) {
+      cluster.sync();
+    } else {
+      __syncthreads();
+    }
+    const int64_t block_row = tile_row(tile);
+    constexpr int kPairs = kRowsPerBlock / 2;
+    for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
+         i += splits * kThreads) {
+      const int m = i / kPairs;
+      const int row = 2 * (i % kPairs);
+      // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+      float2 parts[kMmaGemvMaxSplits][WK];
 #pragma unroll
-    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-      if (rank < splits) {
+      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+        if (rank < splits) {
+          const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
 #pragma unroll
-        for (int k = 0; k < WK; ++k) {
-          sums[0] += parts[rank][k].x;
-          sums[1] += parts[rank][k].y;
+          for (int k = 0; k < WK; ++k) {
+            parts[rank][k] =
+                *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
+          }
         }
       }
-    }
-    gemv_detail::store_rows<2>(a, m, block_row + row, sums);  // y and its bf16 companion
-    if (a.y_companions.q8 != nullptr) {
-      // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are whole
-      // chunks of 32, so the lanes of a warp hold one chunk (lane l its element l): quantized
-      // together, or skipped together past the matrix.
-      const int64_t output = (block_row + row) / 2;
-      if (output - lane < a.rows / 2) {
-        const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
-        store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
-                          output / 32);
+      float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+        if (rank < splits) {
+#pragma unroll
+          for (int k = 0; k < WK; ++k) {
+            sums[0] += parts[rank][k].x;
+            sums[1] += parts[rank][k].y;
+          }
+        }
+      }
+      gemv_detail::store_rows<2>(a, m, block_row + row, sums);  // y and its bf16 companion
+      if (a.y_companions.q8 != nullptr) {
+        // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are
+        // whole chunks of 32, so the lanes of a warp hold one chunk (lane l its element l):
+        // quantized together, or skipped together past the matrix.
+        const int64_t output = (block_row + row) / 2;
+        if (output - lane < a.rows / 2) {
+          const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
+          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
+                            output / 32);
+        }
       }
     }
   }

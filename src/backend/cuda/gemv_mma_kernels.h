@@ -14,11 +14,14 @@
 // takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV. NVFP4 weights
 // enter as e2m1 value × e4m3 block scale (exact in bf16), the global factor applied to the sums.
 //
-// Work split: a block owns 32 · warps consecutive weight rows (each warp two 16-row tiles, so
+// Work split: a row tile is 32 · warps consecutive weight rows (each warp two 16-row tiles, so
 // every activation fragment read from shared memory feeds two mma; k_warps warps per row range
-// take alternate groups) and 1/splits of K; the `splits` blocks of one row range form a
+// take alternate groups); a block owns 1/splits of K and one row tile, or (row_blocks != 0) loops
+// over the row tiles blockIdx.x + gridDim.x · i with its activations staged once and the next
+// tile's weights in flight while it reduces the last; the `splits` blocks of one row range form a
 // thread-block cluster that adds its partial sums through distributed shared memory in a fixed
-// order (deterministic) before the epilogue.
+// order (deterministic) before the epilogue. Looping blocks keep their partial sums past the
+// staged activations in two buffers used alternately, so one cluster barrier per tile suffices.
 #pragma once
 
 #include <cstdint>
@@ -38,10 +41,19 @@ inline constexpr int kMmaGemvRoutedMinRows = 2;
 // Largest thread-block cluster (the portable size).
 inline constexpr int kMmaGemvMaxSplits = 8;
 
+// MmaGemvTiling::row_blocks: as many clusters as the GPU holds at once (the launch asks the
+// occupancy calculator), each looping over row tiles.
+inline constexpr int kMmaGemvResidentRowBlocks = -1;
+
 struct MmaGemvTiling {
-  int warps;        // warps along the rows: 32 · warps weight rows per block
+  int warps;        // warps along the rows: 32 · warps weight rows per row tile
   int splits;       // 1..kMmaGemvMaxSplits blocks along K, one cluster
   int k_warps = 1;  // warps along the block's K range (their partial sums added in the block)
+  // Blocks along the rows: 0, one per row tile; n > 0, n blocks (at most one per tile) that loop
+  // over the tiles; kMmaGemvResidentRowBlocks, the clusters that fit the GPU at once, looping,
+  // balanced (the fewest blocks for the same tiles per block). Wave-quantized grids (a second
+  // wave of a few clusters) become one wave, and a block stages its activations once.
+  int row_blocks = 0;
 };
 
 // The compiled warp layouts {warps, k_warps}: 4 or 8 warps of 32 rows, or 4 of them twice along
@@ -87,17 +99,29 @@ constexpr int64_t mma_gemv_partial_stride(int warps) {
   return 32 * warps + 4;
 }
 
+// Bytes of the staged activations of a block's K range for `m` rows of `x_type` (kQ8: then
+// their fp32 scales [group][row]); a multiple of 16.
+constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split, ActType x_type) {
+  const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
+  return padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
+         (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
+}
+
+// Bytes of one buffer of a block's partial sums [k warp][activation row][tile row].
+constexpr int64_t mma_gemv_partial_bytes(const MmaGemvTiling& tiling, int m) {
+  return int64_t{tiling.k_warps} * 8 * mma_gemv_n_tiles(m) * mma_gemv_partial_stride(tiling.warps) *
+         4;
+}
+
 // Dynamic shared memory the kernel needs for `m` activation rows of `x_type`, `groups` 32-element
-// K groups and this tiling: the staged activations of a block's K range (kQ8: then their fp32
-// scales [group][row]), reused for the partial sums.
+// K groups and this tiling: the staged activations, reused for the partial sums by a block of one
+// row tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0).
 constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups,
                                         ActType x_type) {
-  const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
-  const int64_t groups_per_split = mma_gemv_groups_per_split(groups, tiling.splits);
-  const int64_t staged = padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
-                         (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
-  const int64_t partial =
-      int64_t{tiling.k_warps} * padded_rows * mma_gemv_partial_stride(tiling.warps) * 4;
+  const int64_t staged =
+      mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits), x_type);
+  const int64_t partial = mma_gemv_partial_bytes(tiling, m);
+  if (tiling.row_blocks != 0) return staged + 2 * partial;
   return staged > partial ? staged : partial;
 }
 
@@ -124,11 +148,15 @@ struct MmaGemvArgs {
   GemvEpilogue epilogue;
   const float* multiplier;  // kGeluMul: [m][rows] at multiplier_stride
   int64_t multiplier_stride;
+  // 0: one row tile per block, its partial sums over the staged activations; else the byte offset
+  // of two partial-sum buffers past them (blocks loop over the row tiles, gridDim.x of them).
+  int64_t partial_offset;
 };
 
 // Enqueues the kernel; arguments already validated (rows, groups > 0, m in 1..64, x type kF32,
-// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes). Returns
-// cudaErrorInvalidValue for a format other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
+// kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes) but for
+// args.partial_offset, which it sets from the tiling. Returns cudaErrorInvalidValue for a format
+// other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch);
 

@@ -2,6 +2,7 @@
 #include "backend/cuda/prefill_matmul.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/gemv.h"
@@ -92,24 +93,37 @@ void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, con
     cublas_ = std::move(*created);
   }
   const int64_t padded_cols = bf16_padded_cols(w.cols);
-  int64_t tile_rows = weight_tile_rows(w.rows, padded_cols);
+  // bf16 weights whose rows are already the GEMM's (no padding, 16-byte aligned: the tied
+  // lm_head, an NVFP4 checkpoint's unquantized layers) go to cuBLAS where they are: a tile copy
+  // would be an exact bf16 copy, a write and a read of the whole matrix more. Then one GEMM
+  // covers the matrix unless the GELU pairs need their products per tile.
+  const bool in_place = w.format == MatrixFormat::kBF16 && w.cols == padded_cols &&
+                        reinterpret_cast<uintptr_t>(w.data) % 16 == 0;
+  int64_t tile_rows = in_place ? w.rows : weight_tile_rows(w.rows, padded_cols);
   float* products = nullptr;  // gelu_pairs: one tile's products
   if (gelu_pairs) {
-    tile_rows = pair_tile_rows(tile_rows, x.rows);
+    tile_rows = pair_tile_rows(std::min(tile_rows, weight_tile_rows(w.rows, padded_cols)), x.rows);
     products = static_cast<float*>(
         scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.rows * tile_rows)));
     if (products == nullptr) return;
   }
   void* activations =
       scratch(prefill_activations_, sizeof(uint16_t) * static_cast<size_t>(x.rows * padded_cols));
-  void* weights =
-      scratch(prefill_weights_, sizeof(uint16_t) * static_cast<size_t>(tile_rows * padded_cols));
-  if (activations == nullptr || weights == nullptr) return;
+  void* copied = in_place
+                     ? nullptr
+                     : scratch(prefill_weights_,
+                               sizeof(uint16_t) * static_cast<size_t>(tile_rows * padded_cols));
+  if (activations == nullptr || (!in_place && copied == nullptr)) return;
   launched(bf16_activations(x, padded_cols, activations, launch()), "matmul (bf16 activations)");
   for (int64_t first = 0; first < w.rows && status_.ok(); first += tile_rows) {
     const int64_t rows = std::min(tile_rows, w.rows - first);
-    launched(bf16_weight_tile(w, first, rows, padded_cols, weights, launch()),
-             "matmul (bf16 weight tile)");
+    const void* weights = copied;
+    if (in_place) {
+      weights = static_cast<const uint16_t*>(w.data) + first * w.cols;
+    } else {
+      launched(bf16_weight_tile(w, first, rows, padded_cols, copied, launch()),
+               "matmul (bf16 weight tile)");
+    }
     if (!status_.ok()) return;
     const Status gemm = products != nullptr ? cublas_->gemm(weights, rows, activations, x.rows,
                                                             padded_cols, products, rows)
