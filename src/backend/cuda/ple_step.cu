@@ -93,7 +93,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     ple_step_kernel(PleStepArgs a) {
   pdl_trigger_dependents();
   const cg::cluster_group cluster = cg::this_cluster();
-  __shared__ float v[kHidden];                        // acc + norm(x), fp32
+  __shared__ __align__(16) float v[kHidden];          // acc + norm(x), fp32 (read as float4)
   __shared__ uint4 v_bf16[kHidden / 8];               // the same rounded, 8 per word
   __shared__ uint4 own_gated[kGateRowsPerBlock / 8];  // this block's gated values, bf16
   __shared__ uint4 gated_bf16[kPle / 8];              // all of them
@@ -231,13 +231,11 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     const float values[1] = {updated};
     store_companions<1>(a.spec.residual_companions, 0, column, values);
   }
-  // Σ acc² across the cluster (also when there is no next: every block takes part in every
-  // cluster barrier).
-  __syncthreads();  // warp_sums reused
-  const float acc_squares = block_sum(updated * updated, kColumnWarps, warp_sums);
-  if (t == 0) block_totals[1] = acc_squares;
-  cluster.sync();
-  if (has_next) {
+  if (has_next) {     // the same in every block: all of them take part in the cluster barrier
+    __syncthreads();  // warp_sums reused
+    const float acc_squares = block_sum(updated * updated, kColumnWarps, warp_sums);
+    if (t == 0) block_totals[1] = acc_squares;
+    cluster.sync();
     const float next_inv =
         1.0f /
         sqrtf(cluster_total(cluster, &block_totals[1]) / static_cast<float>(kHidden) + a.spec.eps);
