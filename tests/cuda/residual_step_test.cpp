@@ -2,14 +2,17 @@
 // and CudaBackend::add_rms_norm_ple, which pairs it with add_rms_norm_deferred:
 //  * the GEMV multiplies residual + rms_norm(x; weight), as the stand-alone add_rms_norm kernel
 //    followed by the plain GEMV on the updated rows would, and writes no residual;
-//  * the fused backend operation against engine::Backend's default order run on the same GPU
-//    backend (the unfused kernels), in every activation mode, with one kernel fewer where it fuses
-//    (one row outside kF32 mode; several rows keep the default order).
+//  * the fused backend operation and engine::Backend's default order run on the same GPU backend
+//    (the unfused kernels), each against the host reference for the activations its GEMVs read,
+//    in every activation mode, with fewer kernels where it fuses (one row outside kF32 mode: one
+//    launch at E2B's widths, ple_step.h, else one kernel fewer; several rows keep the default
+//    order).
 // Tolerances: the GEMV's blocks reduce the norm in another order than add_rms_norm, so a staged
 // bf16 value can round the other way when the fp32 sums differ in the last bit; nothing else
 // differs.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <string>
@@ -18,9 +21,11 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
+#include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "engine/backend.h"
 #include "packed_matrix.h"
+#include "quant/qmatrix.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -101,34 +106,131 @@ TEST(GemvResidualStep, RefusesWhatItCannotStage) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// CudaBackend::add_rms_norm_ple against the default order on the same backend.
+// CudaBackend::add_rms_norm_ple (fused) and engine::Backend's default order on the same backend,
+// each against the host reference of arch spec 2.4 steps 6–7 for the activations its GEMVs read.
 
 using testing::BackendRows;
 
-class PleStepInMode : public ::testing::TestWithParam<ActivationMode> {};
+// What a GEMV multiplies (cuda_backend.h: ActivationMode): the fp32 rows in kF32 mode; outside it
+// their bf16 rounding, or their q8 quantization (scale = max|chunk of 32| / 127, q rounded to
+// nearest even) where the q8 mode's w4g32 GEMV reads a q8 companion.
+enum class GemvReads { kF32, kBF16, kQ8 };
 
-// E2B's widths (hidden 1536, per-layer inputs 256 as a column view of all layers' inputs), with
-// and without the next layer's input norm.
-TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
-  auto gpu = testing::make_gpu_in_mode(GetParam());
+// The operand a GEMV multiplies when it reads a vector the kernel computed in fp32 within
+// slack[j] of exact[j]: the values, and how far each may move when the kernel's own fp32 value
+// lies elsewhere in that interval (a bf16 or q8 rounding that goes the other way).
+struct GemvOperand {
+  std::vector<double> values, uncertainty;
+};
+
+GemvOperand gemv_operand(const std::vector<double>& exact, const std::vector<double>& slack,
+                         GemvReads reads) {
+  const size_t n = exact.size();
+  GemvOperand operand{std::vector<double>(n), std::vector<double>(n)};
+  for (size_t chunk = 0; chunk < n; chunk += 32) {
+    double amax = 0.0;
+    for (size_t j = chunk; j < chunk + 32; ++j) amax = std::max(amax, std::fabs(exact[j]));
+    const double scale = static_cast<float>(amax) / 127.0f;
+    // q of a value, a hair wider than the slack for the kernel's fp32 division.
+    const auto q = [&](double value, double margin) {
+      return scale > 0.0 ? std::nearbyint(value / scale + margin) : 0.0;
+    };
+    for (size_t j = chunk; j < chunk + 32; ++j) {
+      const double lo = exact[j] - slack[j], hi = exact[j] + slack[j];
+      switch (reads) {
+        case GemvReads::kF32:
+          operand.values[j] = exact[j];
+          operand.uncertainty[j] = slack[j];
+          break;
+        case GemvReads::kBF16:
+          operand.values[j] = round_bf16(static_cast<float>(exact[j]));
+          operand.uncertainty[j] =
+              round_bf16(static_cast<float>(hi)) - round_bf16(static_cast<float>(lo));
+          break;
+        case GemvReads::kQ8:
+          operand.values[j] = q(exact[j], 0.0) * scale;
+          // The scale moves with the chunk's largest value, by at most slack / 127 per unit of q.
+          operand.uncertainty[j] = (q(hi, 1e-5) - q(lo, -1e-5)) * scale + slack[j];
+          break;
+      }
+    }
+  }
+  return operand;
+}
+
+// y = W · operand and, per output, the most a kernel's y may differ: the operand's uncertainty
+// through |W| plus fp32 accumulation (well above the ~1e-6 of a K-term sum's rounding).
+struct GemvReference {
+  std::vector<double> y, bound;
+};
+
+GemvReference gemv_reference(const quant::QMatrix& w, const GemvOperand& x) {
+  constexpr double kAccumulation = 2e-5;
+  GemvReference out{std::vector<double>(w.rows), std::vector<double>(w.rows)};
+  std::vector<float> row(w.cols);
+  for (int64_t i = 0; i < w.rows; ++i) {
+    quant::dequantize_row(w, i, row.data());
+    double sum = 0.0, magnitude = 0.0, moved = 0.0;
+    for (int64_t j = 0; j < w.cols; ++j) {
+      sum += row[j] * x.values[j];
+      magnitude += std::fabs(row[j] * x.values[j]);
+      moved += std::fabs(row[j]) * x.uncertainty[j];
+    }
+    out.y[i] = sum;
+    out.bound[i] = moved + kAccumulation * magnitude;
+  }
+  return out;
+}
+
+// rms_norm(x; weight) in double (arch spec: x / sqrt(mean(x²) + eps) · (offset + weight)).
+std::vector<double> rms_norm_reference(const float* x, int64_t n, const std::vector<float>& weight,
+                                       const engine::NormParams& norm) {
+  double squares = 0.0;
+  for (int64_t j = 0; j < n; ++j) squares += static_cast<double>(x[j]) * x[j];
+  const double inverse = 1.0 / std::sqrt(squares / static_cast<double>(n) + norm.eps);
+  std::vector<double> out(n);
+  for (int64_t j = 0; j < n; ++j) out[j] = x[j] * inverse * (norm.weight_offset + weight[j]);
+  return out;
+}
+
+// How far a kernel's fp32 norm output (a block's sum of squares, rsqrt, two products) and its
+// stored sums (one rounding each) may lie from the double reference, relative to their sizes.
+constexpr double kNormSlack = 4e-6;
+constexpr double kStoreSlack = 2.4e-7;
+
+double gelu_tanh_reference(double u) {
+  return 0.5 * u * (1.0 + std::tanh(0.7978845608028654 * (u + 0.044715 * u * u * u)));
+}
+
+// Every element of `got` within bound[i] of expected[i] (and finite).
+void expect_within(const std::vector<float>& got, const std::vector<double>& expected,
+                   const std::vector<double>& bound, const std::string& what) {
+  testing::expect_close(got, expected, bound, 1.0, what.c_str());
+}
+
+// add_rms_norm_ple in `mode` with hidden width `hidden` (per-layer inputs 256 as a column view of
+// all layers' inputs), one row and three, with and without the next layer's input norm: the fused
+// operation and the default order, each against the reference. Each stage is checked against the
+// reference applied to the previous stage's device output (what the next kernel read), so that the
+// bounds stay those of one stage. One row outside kF32 mode fuses: E2B's widths (hidden 1536) in
+// one launch (ple_step.h) instead of four kernels, others in three (the residual step folded
+// into the gate GEMV).
+void check_ple_step(ActivationMode mode, int64_t hidden) {
+  SCOPED_TRACE("hidden " + std::to_string(hidden));
+  auto gpu = testing::make_gpu_in_mode(mode);
   ASSERT_TRUE(gpu);
-  // In q8 mode the fused step feeds the PLE gate bf16 (made in its prologue), where the default
-  // order feeds it q8: the gate's exact twin is then the default order of a bf16-mode backend,
-  // and everything after the gate differs from the q8 default order by q8's input rounding
-  // (scale = max|chunk| / 127: ~1 % of the gate's outputs), hence the wider bound there.
-  const bool q8 = GetParam() == ActivationMode::kQ8;
-  auto bf16_gpu = q8 ? testing::make_gpu_in_mode(ActivationMode::kBF16) : nullptr;
-  ASSERT_TRUE(!q8 || bf16_gpu);
-  const double after_gate_tolerance = q8 ? 3e-2 : kTolerance;
-  const int64_t hidden = 1536, ple = 256, layers = 3;
+  const int64_t ple = 256, layers = 3;
+  const float scalar = 0.625f;
   const testing::HostMatrix gate_host =
       testing::random_matrix(quant::WeightFormat::kW4G32, ple, hidden, 320);
   const testing::HostMatrix projection_host =
       testing::random_matrix(quant::WeightFormat::kW4G32, hidden, ple, 321);
   const testing::DeviceMatrix gate(gate_host), projection(projection_host);
-  const DeviceArray<float> weight(random_floats(hidden, -1.0f, 1.5f, 322));
-  const DeviceArray<float> projected_weight(random_floats(hidden, -1.0f, 1.5f, 323));
-  const DeviceArray<float> next_weight(random_floats(hidden, -1.0f, 1.5f, 324));
+  const std::vector<float> weight_values = random_floats(hidden, -1.0f, 1.5f, 322);
+  const std::vector<float> projected_weight_values = random_floats(hidden, -1.0f, 1.5f, 323);
+  const std::vector<float> next_weight_values = random_floats(hidden, -1.0f, 1.5f, 324);
+  const DeviceArray<float> weight(weight_values), projected_weight(projected_weight_values),
+      next_weight(next_weight_values);
   const engine::NormParams norm = {0.0f, 1e-6f};
   uint32_t seed = 330;
   for (const int64_t n : {1, 3}) {
@@ -142,50 +244,119 @@ TEST_P(PleStepInMode, MatchesTheDefaultOrderWithOneKernelLess) {
         std::vector<float> acc, next, gated, projected;
         int64_t kernels;
       };
-      auto run_on = [&](CudaBackend* backend, bool fused) {
-        BackendRows acc(*backend, n, hidden), x(*backend, n, hidden),
-            all_ple(*backend, n, layers * ple);
-        BackendRows gated(*backend, n, ple), projected(*backend, n, hidden),
-            next(*backend, n, hidden);
-        acc.set(*backend, acc_values);
-        x.set(*backend, x_values);
-        all_ple.set(*backend, ple_values);
-        gated.set(*backend, std::vector<float>(n * ple, 0.0f));
-        projected.set(*backend, zeros);
-        next.set(*backend, zeros);
+      auto run_on = [&](bool fused) {
+        BackendRows acc(*gpu, n, hidden), x(*gpu, n, hidden), all_ple(*gpu, n, layers * ple);
+        BackendRows gated(*gpu, n, ple), projected(*gpu, n, hidden), next(*gpu, n, hidden);
+        acc.set(*gpu, acc_values);
+        x.set(*gpu, x_values);
+        all_ple.set(*gpu, ple_values);
+        gated.set(*gpu, std::vector<float>(n * ple, 0.0f));
+        projected.set(*gpu, zeros);
+        next.set(*gpu, zeros);
         const engine::Rows multiplier = all_ple.rows.columns(ple, ple);  // layer 1's inputs
         const engine::Rows next_rows = with_next ? next.rows : engine::Rows{};
-        const int64_t before = *backend->kernels_launched();
+        const int64_t before = *gpu->kernels_launched();
         if (fused) {
-          backend->add_rms_norm_ple(
-              acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows, projection.view,
-              projected.rows, projected_weight.get(), 0.625f, next_weight.get(), next_rows, norm);
+          gpu->add_rms_norm_ple(acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows,
+                                projection.view, projected.rows, projected_weight.get(), scalar,
+                                next_weight.get(), next_rows, norm);
         } else {
-          backend->engine::Backend::add_rms_norm_ple(
+          gpu->engine::Backend::add_rms_norm_ple(
               acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows, projection.view,
-              projected.rows, projected_weight.get(), 0.625f, next_weight.get(), next_rows, norm);
+              projected.rows, projected_weight.get(), scalar, next_weight.get(), next_rows, norm);
         }
-        if (with_next && n == 1 && GetParam() != ActivationMode::kF32) {
-          EXPECT_NE(backend->live_companions(next.rows), nullptr) << "the next GEMV's input";
+        if (with_next && n == 1 && mode != ActivationMode::kF32) {
+          EXPECT_NE(gpu->live_companions(next.rows), nullptr) << "the next GEMV's input";
         }
-        const int64_t kernels = *backend->kernels_launched() - before;
-        return Run{acc.get(*backend), next.get(*backend), gated.get(*backend),
-                   projected.get(*backend), kernels};
+        const int64_t kernels = *gpu->kernels_launched() - before;
+        return Run{acc.get(*gpu), next.get(*gpu), gated.get(*gpu), projected.get(*gpu), kernels};
       };
-      const Run unfused = run_on(gpu.get(), false), fused = run_on(gpu.get(), true);
+      // What the PLE gate reads: one row in q8 mode fuses (the GEMV stages bf16 itself); the
+      // default order's gate reads the q8 companion add_rms_norm wrote. The projection reads the
+      // gate's bf16 companion (one row) or rounds the fp32 rows (several) outside kF32 mode.
+      const auto check = [&](const Run& run, bool fused) {
+        SCOPED_TRACE(fused ? "fused" : "default order");
+        const GemvReads gate_reads = mode == ActivationMode::kF32    ? GemvReads::kF32
+                                     : mode == ActivationMode::kBF16 ? GemvReads::kBF16
+                                     : fused && n == 1               ? GemvReads::kBF16
+                                                                     : GemvReads::kQ8;
+        const GemvReads projection_reads =
+            mode == ActivationMode::kF32 ? GemvReads::kF32 : GemvReads::kBF16;
+        std::vector<double> gated(n * ple), gated_bound(n * ple), projected(n * hidden),
+            projected_bound(n * hidden), acc(n * hidden), acc_bound(n * hidden), next(n * hidden),
+            next_bound(n * hidden);
+        for (int64_t r = 0; r < n; ++r) {
+          // acc + norm(x; weight): the gate's input.
+          const std::vector<double> normed =
+              rms_norm_reference(x_values.data() + r * hidden, hidden, weight_values, norm);
+          std::vector<double> stepped(hidden), stepped_slack(hidden);
+          for (int64_t j = 0; j < hidden; ++j) {
+            stepped[j] = acc_values[r * hidden + j] + normed[j];
+            stepped_slack[j] =
+                kNormSlack * std::fabs(normed[j]) + kStoreSlack * std::fabs(stepped[j]);
+          }
+          const GemvReference gate_y =
+              gemv_reference(gate_host.view(), gemv_operand(stepped, stepped_slack, gate_reads));
+          for (int64_t i = 0; i < ple; ++i) {
+            // |gelu_tanh'| < 1.13 everywhere; tanhf's few ulps scale with |u|.
+            const double m = ple_values[r * layers * ple + ple + i];
+            const double g = gelu_tanh_reference(gate_y.y[i]);
+            gated[r * ple + i] = g * m;
+            gated_bound[r * ple + i] =
+                std::fabs(m) *
+                    (1.13 * gate_y.bound[i] + 1e-5 * std::fabs(g) + 6e-8 * std::fabs(gate_y.y[i])) +
+                1e-30;
+          }
+          // The projection of the gate's device output.
+          const std::vector<double> device_gated(run.gated.begin() + r * ple,
+                                                 run.gated.begin() + (r + 1) * ple);
+          const GemvReference projection_y = gemv_reference(
+              projection_host.view(),
+              gemv_operand(device_gated, std::vector<double>(ple, 0.0), projection_reads));
+          std::copy(projection_y.y.begin(), projection_y.y.end(), projected.begin() + r * hidden);
+          std::copy(projection_y.bound.begin(), projection_y.bound.end(),
+                    projected_bound.begin() + r * hidden);
+          // (acc + norm(x) + norm(device projected)) · scalar, and the next norm of the device
+          // acc.
+          const std::vector<double> projected_normed = rms_norm_reference(
+              run.projected.data() + r * hidden, hidden, projected_weight_values, norm);
+          const std::vector<double> next_normed =
+              rms_norm_reference(run.acc.data() + r * hidden, hidden, next_weight_values, norm);
+          for (int64_t j = 0; j < hidden; ++j) {
+            const double sum = stepped[j] + projected_normed[j];
+            acc[r * hidden + j] = sum * scalar;
+            acc_bound[r * hidden + j] =
+                (stepped_slack[j] + kNormSlack * std::fabs(projected_normed[j]) +
+                 2 * kStoreSlack * std::fabs(sum)) *
+                scalar;
+            next[r * hidden + j] = with_next ? next_normed[j] : 0.0;
+            next_bound[r * hidden + j] = kNormSlack * std::fabs(next_normed[j]) + 1e-30;
+          }
+        }
+        expect_within(run.gated, gated, gated_bound, "gated");
+        expect_within(run.projected, projected, projected_bound, "projected");
+        expect_within(run.acc, acc, acc_bound, "acc");
+        expect_within(run.next, next, next_bound, "next");
+      };
+      const Run unfused = run_on(false), fused = run_on(true);
       ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
-      // Only one row takes the fused path (batched rows keep the default order).
-      const bool gate_reads_bf16 = q8 && n == 1;
-      const Run gate_twin = gate_reads_bf16 ? run_on(bf16_gpu.get(), false) : unfused;
-      expect_near(fused.gated, gate_twin.gated, "gated");
-      const double tolerance = gate_reads_bf16 ? after_gate_tolerance : kTolerance;
-      expect_near(fused.projected, unfused.projected, "projected", tolerance);
-      expect_near(fused.acc, unfused.acc, "acc", tolerance);
-      expect_near(fused.next, unfused.next, "next", tolerance);
-      const bool fuses = GetParam() != ActivationMode::kF32 && n == 1;
-      EXPECT_EQ(fused.kernels, unfused.kernels - (fuses ? 1 : 0));
+      check(unfused, false);
+      check(fused, true);
+      const bool fuses = mode != ActivationMode::kF32 && n == 1;
+      if (fuses && hidden == 1536) {
+        EXPECT_EQ(fused.kernels, 1);
+      } else {
+        EXPECT_EQ(fused.kernels, unfused.kernels - (fuses ? 1 : 0));
+      }
     }
   }
+}
+
+class PleStepInMode : public ::testing::TestWithParam<ActivationMode> {};
+
+TEST_P(PleStepInMode, MatchesTheReferenceWithFewerKernels) {
+  check_ple_step(GetParam(), 1536);
+  check_ple_step(GetParam(), 2048);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PleStepInMode,

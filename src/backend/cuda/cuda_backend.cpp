@@ -14,6 +14,7 @@
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
 #include "backend/cuda/moe.h"
+#include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/prefill_matmul.h"
 #include "quant/qmatrix.h"
@@ -782,9 +783,9 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   residual_step_wrote(acc, next, spec);
 }
 
-// One decode row outside kF32 mode: the PLE gate GEMV stages acc + norm(x) itself
-// (GemvResidualNorm) and the closing add_rms_norm_deferred performs that step before its own, so
-// the step's stand-alone kernel goes. Batched rows keep the default order: their gate runs on
+// One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
+// the PLE gate GEMV stages acc + norm(x) itself (GemvResidualNorm) and the closing
+// add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes. Batched rows keep the default order: their gate runs on
 // tensor cores (gemv_mma.h), which stage no residual step. Anything the fused GEMV does not take:
 // the default order too.
 void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
@@ -803,6 +804,23 @@ void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
   if (activation_mode_ == ActivationMode::kF32 || acc.count != 1 || acc.width > 8192) {
     unfused();
     return;
+  }
+  // E2B's widths: the whole step in one cluster launch (ple_step.h).
+  if (MatrixView gate_view, projection_view;
+      matrix_view(gate, gate_view) && matrix_view(projection, projection_view)) {
+    const AddNormSpec spec =
+        residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm);
+    const PleStepArgs step = {view(acc),       view(x),    weight,          gate_view,
+                              multiplier.data, gated.data, projection_view, projected.data,
+                              view(next),      spec};
+    const cudaError_t status = ple_step(step, launch());
+    if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the three kernels below
+      launched(status, "add_rms_norm_ple (ple_step)");
+      wrote(gated);
+      wrote(projected);
+      residual_step_wrote(acc, next, spec);
+      return;
+    }
   }
   GemvInput input = {x.data, ActType::kF32, static_cast<int>(x.count), x.stride, true};
   input.residual_norm = {acc.data, acc.stride, weight, norm.weight_offset, norm.eps};

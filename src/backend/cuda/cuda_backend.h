@@ -179,9 +179,10 @@ class CudaBackend final : public engine::Backend {
   // gating (one more kernel).
   void matmul_gelu_mul(const quant::QMatrix& w, engine::Rows x, engine::Rows multiplier,
                        engine::Rows y) override;
-  // One decode row: the feed-forward residual step rides in the PLE gate GEMV (each block stages
-  // acc + norm(x) itself, writing nothing) and in the closing norm kernel (add_rms_norm_deferred),
-  // one kernel fewer than the default.
+  // One decode row: at E2B's widths the whole step in one cluster launch (ple_step.h), three
+  // kernels fewer than the default; at others the feed-forward residual step rides in the PLE
+  // gate GEMV (each block stages acc + norm(x) itself, writing nothing) and in the closing norm
+  // kernel (add_rms_norm_deferred), one kernel fewer.
   void add_rms_norm_ple(engine::Rows acc, engine::Rows x, const float* weight,
                         const quant::QMatrix& gate, engine::Rows multiplier, engine::Rows gated,
                         const quant::QMatrix& projection, engine::Rows projected,

@@ -119,6 +119,12 @@ inline constexpr GemvTiling kGemvTilings[] = {
     {2, 8, 7, 3, 1, true},   // 33: tiling 15 with prefetch: coverage 168, 8 rows
     {4, 8, 2, 3, 1, true},   // 34: coverage 48, 16 rows
     {2, 16, 4, 2, 1, true},  // 35: coverage 128, 4 rows
+    // E2B's 1536-row down projections in one pass with more warps per block than tiling 8
+    // (whose 64-thread blocks leave ~6 warps per SM): K 12288 (384 chunks), K 6144 (192).
+    {4, 32, 4, 3, 1},  // 36: coverage 384, 4 rows, 128 threads
+    {2, 32, 4, 3, 1},  // 37: coverage 384, 2 rows
+    {4, 32, 6, 2, 1},  // 38: coverage 384, 4 rows, 192 threads, 8 loads a lane
+    {4, 32, 3, 2, 1},  // 39: coverage 192, 4 rows, 96 threads, 8 loads a lane
 };
 inline constexpr int kNumGemvTilings = sizeof(kGemvTilings) / sizeof(kGemvTilings[0]);
 

@@ -1,0 +1,38 @@
+// One decode row's end of a layer with per-layer inputs (engine::Backend::add_rms_norm_ple, arch
+// spec 2.4 steps 6–7) in one launch, where CudaBackend otherwise runs three kernels (the PLE gate
+// GEMV with the residual step folded into its staging, the projection GEMV, the closing norms):
+//   v = acc + rms_norm(x; step_weight)                              (the feed-forward residual
+//   step) gated = gelu_tanh(bf16(v) · gateᵀ) ⊙ multiplier projected = bf16(gated) · projectionᵀ acc
+//   = (v + rms_norm(projected; spec.weight)) · spec.scalar next = rms_norm(acc; spec.next_weight)
+//   (when next.data != nullptr)
+// with the companions of acc (spec.residual_companions) or of next (spec.next_companions). gated
+// and projected are written too (scratch for the caller). A cluster of blocks shares the
+// intermediate vectors through distributed shared memory: every weight load is issued before the
+// PDL wait, and no intermediate goes through global memory between kernels.
+#pragma once
+
+#include "backend/cuda/backend_kernels.h"
+#include "backend/cuda/elementwise.h"
+#include "backend/cuda/launch.h"
+
+namespace gemma4::cuda {
+
+struct PleStepArgs {
+  RowsView acc;              // one row of the hidden width, updated in place
+  RowsView x;                // the feed-forward output (the residual step's input)
+  const float* step_weight;  // the residual step's norm weight (null: factor one)
+  MatrixView gate;           // w4g32, [ple width, hidden]
+  const float* multiplier;   // the layer's per-layer input, ple width values
+  float* gated;              // ple width values
+  MatrixView projection;     // w4g32, [hidden, ple width]
+  float* projected;          // hidden values
+  RowsView next;             // one row, or data null
+  AddNormSpec spec;          // weight: the projection's norm; next_weight, scalar, companions
+};
+
+// Enqueues the step. cudaErrorInvalidValue, with nothing enqueued, for what the kernel does not
+// take: other than one row, a shape other than E2B's (hidden 1536, ple width 256), other weight
+// formats, unaligned rows or weights (16 bytes), companions that do not fit.
+cudaError_t ple_step(const PleStepArgs& args, const Launch& launch);
+
+}  // namespace gemma4::cuda
