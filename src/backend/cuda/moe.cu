@@ -4,9 +4,10 @@
 // on tensor cores" below) and the grouped path (prefill: tokens grouped by expert, tensor-core
 // tiles). Accumulation is fp32 throughout.
 //
-// Decode path (run_experts: one token; moe_by_expert.cu runs 2 .. kMoeGroupedMinTokens − 1 with
-// the same per-pair arithmetic, each selected expert read once) for T tokens with top_k experts
-// each (pairs p = t · top_k + k), two launches after the router:
+// Decode path (run_experts: T < kMoeGroupedMinTokens, but NVFP4 experts only below
+// kMoeByExpertMinTokens: moe_by_expert.cu runs them from there with the same per-pair arithmetic,
+// each selected expert read once) for T tokens with top_k experts each (pairs p = t · top_k + k),
+// two launches after the router:
 //   1. decode_gate_up_kernel: grid (pairs, inner-row tiles); a warp owns kDecodeRows rows of the
 //      pair's expert in both gate and up, its 32 lanes split K (one 16-byte chunk each, all of a
 //      lane's loads in flight at once; the token's x staged in shared memory meanwhile, see

@@ -144,11 +144,6 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 
 // ---- NVFP4 on tensor cores ----
 
-// Starts bringing the line of `p` into L2.
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
 // Warps per block, each with its own rows and all of K, and blocks per SM (128 registers a thread
 // either way). A block's fixed costs (finding its expert and pairs, staging their activations)
 // are paid once per 90 KB of gate/up weights (4 warps, 32 inner rows of gate and up) but per
@@ -319,24 +314,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
                              : make_uint4(0, 0, 0, 0);
         scale_bits[i][h] =
             live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
-      }
-    }
-    // The next R rounds into L2 meanwhile (no registers held): their loads then wait for L2, not
-    // DRAM, while this batch's products run. A round's 4 chunks of a row are 64 contiguous bytes
-    // (8 of scales): lane t = 0 asks for their lines. Gate/up only: down's K (inner 704: 6
-    // rounds) is one batch at 26B-A4B shapes, and its registers are tighter.
-    if constexpr (kGateUp) {
-#pragma unroll
-      for (int i = R; i < 2 * R; ++i) {
-        const int chunk = 4 * (first + i) + t;
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (t == 0 && first + i < rounds && chunk < chunks && rows[h] < a.rows) {
-            const int64_t index = rows[h] * a.chunks_per_row + chunk;
-            prefetch_l2(static_cast<const uint4*>(mats[h].weights) + index);
-            prefetch_l2(static_cast<const uint16_t*>(mats[h].scales) + index);
-          }
-        }
       }
     }
   };
