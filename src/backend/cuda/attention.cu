@@ -663,31 +663,36 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t loaded_end = makes_new_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
-  const KvT* keys = static_cast<const KvT*>(sequence.keys);
-  const KvT* values = static_cast<const KvT*>(sequence.values);
+  // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
+  const KvT* keys = static_cast<const KvT*>(sequence.keys) + kv * HD;
+  const KvT* values = static_cast<const KvT*>(sequence.values) + kv * HD;
+  const int64_t row_stride = int64_t{a.kv_heads} * HD;
+  const int64_t slots = sequence.slots;
   auto slot_of = [&](int64_t j) {
     const int64_t slot = first_slot + j;
-    return slot < sequence.slots ? slot : slot - sequence.slots;
+    return slot < slots ? slot : slot - slots;
   };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
-  // not read (the new key's position is the query's, every other one −1).
+  // not read (the new key's position is the query's, every other one −1). Thread x copies chunk
+  // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
+  // computed per pair of copies.
+  constexpr int kKeysPerPass = kThreads / T::kRowChunks;
+  static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
+  const int copy_chunk = threadIdx.x % T::kRowChunks;
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
       const int stage = static_cast<int>(tile % kStages);
       unsigned char* base = pipeline + stage * T::kStageBytes;
       const int64_t first_key = begin + tile * kMmaTileKeys;
 #pragma unroll
-      for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
-        const int c = threadIdx.x + n * kThreads;
-        const int is_value = c / (T::kTileChunks / 2);
-        const int key = c / T::kRowChunks % kMmaTileKeys;
-        const int chunk = c % T::kRowChunks;
+      for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
         const int64_t j = first_key + key;
         if (j < loaded_end) {
-          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
-                              chunk * (kChunkBytes / T::kElementBytes);
-          copy_async16(base + is_value * (T::kStageBytes / 2) + T::stage_offset(key, chunk),
-                       source);
+          const int64_t element =
+              slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+          const int offset = T::stage_offset(key, copy_chunk);
+          copy_async16(base + offset, keys + element);
+          copy_async16(base + T::kStageBytes / 2 + offset, values + element);
         }
       }
       if (threadIdx.x < kMmaTileKeys) {
