@@ -955,15 +955,17 @@ struct MergeArgs {
 };
 
 constexpr int kMergeWarps = 8;
-// Splits a merge warp reads at once (independent loads in flight).
-constexpr int kMergeUnroll = 4;
+// The loads a merge lane keeps in flight: kDimsPerLane dims of 16 / kDimsPerLane splits.
+constexpr int kMergeLoadsInFlight = 16;
 
 // Block (head, sequence, slice of block_dims dims) of 8 warps, over the splits the attention
 // kernel used (none when it used one: it then wrote the output itself). The splits' weights
 // exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ...
-// (kMergeUnroll at a time) for the slice's dims (lane l owns dims l + 32i), and the 8 partial
+// (kMergeLoadsInFlight / kDimsPerLane at a time) for the slice's dims (lane l owns dims l + 32i,
+// kDimsPerLane = block_dims / 32 of them), and the 8 partial
 // vectors are summed in shared memory. Slicing the dims gives a single deep sequence enough
 // blocks to read its partials at the L2's pace rather than one round trip after another.
+template <int kDimsPerLane>
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
   __shared__ float split_weight[kMaxSplits];
@@ -1012,33 +1014,30 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   float total = 0.0f;
   for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
 
-  constexpr int kMaxDimsPerLane = 512 / 32;
-  const int dims_per_lane = a.block_dims / 32;
+  constexpr int kUnroll = kMergeLoadsInFlight / kDimsPerLane;
   const int first_dim = blockIdx.z * a.block_dims;
-  float acc[kMaxDimsPerLane] = {};
-  for (int first = warp; first < splits; first += kMergeWarps * kMergeUnroll) {
-    float values[kMergeUnroll][kMaxDimsPerLane];
+  float acc[kDimsPerLane] = {};
+  for (int first = warp; first < splits; first += kMergeWarps * kUnroll) {
+    float values[kUnroll][kDimsPerLane];
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
       const float* split_values = base + s * record + 2 + first_dim;
 #pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; ++i) {
-        values[u][i] = s < splits && i < dims_per_lane ? split_values[lane + 32 * i] : 0.0f;
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        values[u][i] = s < splits ? split_values[lane + 32 * i] : 0.0f;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
       const float w = s < splits ? split_weight[s] : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
+      for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
     }
   }
 #pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; ++i) {
-    if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
-  }
+  for (int i = 0; i < kDimsPerLane; ++i) warp_partial[warp][lane + 32 * i] = acc[i];
   __syncthreads();
   // block_dims is a multiple of 32: every warp that enters runs every iteration (the q8
   // companion's chunk reductions are warp-wide) over 32 consecutive dims, one kQ8 chunk.
@@ -1228,7 +1227,23 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                            out,
                            out_stride,
                            out_companions};
-  return launch_kernel(merge_splits_kernel,
+  using MergeKernel = void (*)(MergeArgs);
+  MergeKernel merge_kernel = merge_splits_kernel<16>;
+  switch (merge.block_dims / 32) {
+    case 1:
+      merge_kernel = merge_splits_kernel<1>;
+      break;
+    case 2:
+      merge_kernel = merge_splits_kernel<2>;
+      break;
+    case 4:
+      merge_kernel = merge_splits_kernel<4>;
+      break;
+    case 8:
+      merge_kernel = merge_splits_kernel<8>;
+      break;
+  }
+  return launch_kernel(merge_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch),
                             static_cast<unsigned>(slices)),
                        dim3(kMergeWarps * 32), 0, launch, merge);
