@@ -663,31 +663,36 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t loaded_end = makes_new_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
-  const KvT* keys = static_cast<const KvT*>(sequence.keys);
-  const KvT* values = static_cast<const KvT*>(sequence.values);
+  // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
+  const KvT* keys = static_cast<const KvT*>(sequence.keys) + kv * HD;
+  const KvT* values = static_cast<const KvT*>(sequence.values) + kv * HD;
+  const int64_t row_stride = int64_t{a.kv_heads} * HD;
+  const int64_t slots = sequence.slots;
   auto slot_of = [&](int64_t j) {
     const int64_t slot = first_slot + j;
-    return slot < sequence.slots ? slot : slot - sequence.slots;
+    return slot < slots ? slot : slot - slots;
   };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
-  // not read (the new key's position is the query's, every other one −1).
+  // not read (the new key's position is the query's, every other one −1). Thread x copies chunk
+  // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
+  // computed per pair of copies.
+  constexpr int kKeysPerPass = kThreads / T::kRowChunks;
+  static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
+  const int copy_chunk = threadIdx.x % T::kRowChunks;
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
       const int stage = static_cast<int>(tile % kStages);
       unsigned char* base = pipeline + stage * T::kStageBytes;
       const int64_t first_key = begin + tile * kMmaTileKeys;
 #pragma unroll
-      for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
-        const int c = threadIdx.x + n * kThreads;
-        const int is_value = c / (T::kTileChunks / 2);
-        const int key = c / T::kRowChunks % kMmaTileKeys;
-        const int chunk = c % T::kRowChunks;
+      for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
         const int64_t j = first_key + key;
         if (j < loaded_end) {
-          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
-                              chunk * (kChunkBytes / T::kElementBytes);
-          copy_async16(base + is_value * (T::kStageBytes / 2) + T::stage_offset(key, chunk),
-                       source);
+          const int64_t element =
+              slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+          const int offset = T::stage_offset(key, copy_chunk);
+          copy_async16(base + offset, keys + element);
+          copy_async16(base + T::kStageBytes / 2 + offset, values + element);
         }
       }
       if (threadIdx.x < kMmaTileKeys) {
@@ -950,15 +955,17 @@ struct MergeArgs {
 };
 
 constexpr int kMergeWarps = 8;
-// Splits a merge warp reads at once (independent loads in flight).
-constexpr int kMergeUnroll = 4;
+// The loads a merge lane keeps in flight: kDimsPerLane dims of 16 / kDimsPerLane splits.
+constexpr int kMergeLoadsInFlight = 16;
 
 // Block (head, sequence, slice of block_dims dims) of 8 warps, over the splits the attention
 // kernel used (none when it used one: it then wrote the output itself). The splits' weights
 // exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ...
-// (kMergeUnroll at a time) for the slice's dims (lane l owns dims l + 32i), and the 8 partial
+// (kMergeLoadsInFlight / kDimsPerLane at a time) for the slice's dims (lane l owns dims l + 32i,
+// kDimsPerLane = block_dims / 32 of them), and the 8 partial
 // vectors are summed in shared memory. Slicing the dims gives a single deep sequence enough
 // blocks to read its partials at the L2's pace rather than one round trip after another.
+template <int kDimsPerLane>
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
   __shared__ float split_weight[kMaxSplits];
@@ -1007,33 +1014,30 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   float total = 0.0f;
   for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
 
-  constexpr int kMaxDimsPerLane = 512 / 32;
-  const int dims_per_lane = a.block_dims / 32;
+  constexpr int kUnroll = kMergeLoadsInFlight / kDimsPerLane;
   const int first_dim = blockIdx.z * a.block_dims;
-  float acc[kMaxDimsPerLane] = {};
-  for (int first = warp; first < splits; first += kMergeWarps * kMergeUnroll) {
-    float values[kMergeUnroll][kMaxDimsPerLane];
+  float acc[kDimsPerLane] = {};
+  for (int first = warp; first < splits; first += kMergeWarps * kUnroll) {
+    float values[kUnroll][kDimsPerLane];
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
       const float* split_values = base + s * record + 2 + first_dim;
 #pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; ++i) {
-        values[u][i] = s < splits && i < dims_per_lane ? split_values[lane + 32 * i] : 0.0f;
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        values[u][i] = s < splits ? split_values[lane + 32 * i] : 0.0f;
       }
     }
 #pragma unroll
-    for (int u = 0; u < kMergeUnroll; ++u) {
+    for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
       const float w = s < splits ? split_weight[s] : 0.0f;
 #pragma unroll
-      for (int i = 0; i < kMaxDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
+      for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
     }
   }
 #pragma unroll
-  for (int i = 0; i < kMaxDimsPerLane; ++i) {
-    if (i < dims_per_lane) warp_partial[warp][lane + 32 * i] = acc[i];
-  }
+  for (int i = 0; i < kDimsPerLane; ++i) warp_partial[warp][lane + 32 * i] = acc[i];
   __syncthreads();
   // block_dims is a multiple of 32: every warp that enters runs every iteration (the q8
   // companion's chunk reductions are warp-wide) over 32 consecutive dims, one kQ8 chunk.
@@ -1223,7 +1227,23 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                            out,
                            out_stride,
                            out_companions};
-  return launch_kernel(merge_splits_kernel,
+  using MergeKernel = void (*)(MergeArgs);
+  MergeKernel merge_kernel = merge_splits_kernel<16>;
+  switch (merge.block_dims / 32) {
+    case 1:
+      merge_kernel = merge_splits_kernel<1>;
+      break;
+    case 2:
+      merge_kernel = merge_splits_kernel<2>;
+      break;
+    case 4:
+      merge_kernel = merge_splits_kernel<4>;
+      break;
+    case 8:
+      merge_kernel = merge_splits_kernel<8>;
+      break;
+  }
+  return launch_kernel(merge_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch),
                             static_cast<unsigned>(slices)),
                        dim3(kMergeWarps * 32), 0, launch, merge);
