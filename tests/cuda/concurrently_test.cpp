@@ -7,6 +7,7 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -96,7 +97,9 @@ TEST(Concurrently, BranchesMatchTheCpuOrderEagerAndRecorded) {
 
     // Fresh x on both sides, and the CPU's results for it.
     auto set_input = [&](uint32_t seed) {
-      host[0] = testing::random_floats(elements, -2.0f, 2.0f, seed);
+      // Copied into host[0]'s storage: on_cpu.x points there.
+      const std::vector<float> x = testing::random_floats(elements, -2.0f, 2.0f, seed);
+      std::copy(x.begin(), x.end(), host[0].begin());
       device[0].set(*gpu, host[0]);
       enqueue(cpu, on_cpu, w1.view(), w2.view(), w3.view(), norm_weight.data());
     };
