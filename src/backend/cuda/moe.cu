@@ -36,9 +36,10 @@
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/moe_grouped.h"
 #include "backend/cuda/moe_decode.cuh"
+#include "backend/cuda/moe_grouped.h"
 #include "backend/cuda/moe_kernels.h"
+#include "backend/cuda/moe_launch.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -702,28 +703,8 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   }
 }
 
-// launch_one(std::integral_constant<PackedFormat, F>) for the formats the MoE kernels read
-// (check_experts admits no other).
-template <typename LaunchOne>
-cudaError_t for_format(PackedFormat format, LaunchOne launch_one) {
-  switch (format) {
-    case PackedFormat::kW4G32:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kW4G32>{});
-    case PackedFormat::kNVFP4:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kNVFP4>{});
-    case PackedFormat::kBF16:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kBF16>{});
-    default:
-      return cudaErrorInvalidValue;
-  }
-}
-
 int64_t chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 ? 8 : 32;
-}
-
-size_t align16(size_t bytes) {
-  return (bytes + 15) / 16 * 16;
 }
 
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
@@ -809,9 +790,9 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
   MoeWorkspaceLayout layout;  // fp32 activations; by expert also fp32 per-pair expert outputs
   layout.activations = 0;
   layout.expert_outputs = align16(sizeof(float) * pairs * shape.inner);
-  layout.bytes = layout.expert_outputs + (path == MoePath::kDecodeByExpert
-                                              ? align16(sizeof(float) * pairs * shape.hidden)
-                                              : 0);
+  layout.bytes =
+      layout.expert_outputs +
+      (path == MoePath::kDecodeByExpert ? align16(sizeof(float) * pairs * shape.hidden) : 0);
   layout.plan = layout.bytes;
   return layout;
 }

@@ -12,6 +12,7 @@
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/moe_kernels.h"
+#include "backend/cuda/moe_launch.cuh"
 
 namespace gemma4::cuda {
 
@@ -162,10 +163,6 @@ __device__ __forceinline__ float block_staging_scale(float largest, float* scrat
   for (int w = 1; w < warps; ++w) largest = fmaxf(largest, scratch[w]);
   p = staging_exponent(largest);
   return ldexpf(1.0f, p);
-}
-
-inline unsigned blocks(int64_t n, int64_t per_block) {
-  return static_cast<unsigned>((n + per_block - 1) / per_block);
 }
 
 // Lifts `kernel`'s dynamic shared memory limit when `bytes` exceeds the default 48 KiB (large

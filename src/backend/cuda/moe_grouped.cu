@@ -56,6 +56,7 @@
 #include "backend/cuda/gemv_mma_kernel.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_grouped.h"
+#include "backend/cuda/moe_launch.cuh"
 
 namespace gemma4::cuda {
 namespace {
@@ -685,34 +686,10 @@ __global__ void __launch_bounds__(kCombineThreads) combine_kernel(CombineArgs a)
 
 // ---- Launch ----
 
-size_t align16(size_t bytes) {
-  return (bytes + 15) / 16 * 16;
-}
-
 // x in bf16 (staged order, [tokens, staged_width(hidden)]) follows the plan.
 size_t staged_x_offset(const MoeWorkspaceLayout& layout, const MoeShape& shape, int tokens,
                        int top_k) {
   return layout.plan + align16(sizeof(int32_t) * plan_words(tokens * top_k, shape.num_experts));
-}
-
-unsigned blocks(int64_t n, int64_t per_block) {
-  return static_cast<unsigned>((n + per_block - 1) / per_block);
-}
-
-// launch_one(std::integral_constant<PackedFormat, F>) for the formats the MoE kernels read
-// (check_experts admits no other).
-template <typename LaunchOne>
-cudaError_t for_format(PackedFormat format, LaunchOne launch_one) {
-  switch (format) {
-    case PackedFormat::kW4G32:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kW4G32>{});
-    case PackedFormat::kNVFP4:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kNVFP4>{});
-    case PackedFormat::kBF16:
-      return launch_one(std::integral_constant<PackedFormat, PackedFormat::kBF16>{});
-    default:
-      return cudaErrorInvalidValue;
-  }
 }
 
 template <bool kGateUp>
