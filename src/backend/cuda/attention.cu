@@ -274,6 +274,30 @@ __device__ __forceinline__ bool visible_position(int32_t p, int32_t query_positi
   return p >= 0 && p <= query_position && (window <= 0 || query_position - p < window);
 }
 
+// Dimension d of one head's unnormalised attention output `value` (softmax max `head_max`,
+// sum `head_sum` over this block's keys): final (and its companions) when the query's keys fell
+// in one split, else a partial record [max, sum, value per dim] for the merge kernel.
+template <int HD>
+__device__ __forceinline__ void write_head_output(const AttentionArgs& a, int64_t row, int head,
+                                                  int d, int splits, int split, float value,
+                                                  float head_max, float head_sum) {
+  if (splits == 1) {
+    const float result[1] = {head_sum > 0.0f ? value / head_sum : 0.0f};
+    const int64_t column = static_cast<int64_t>(head) * HD + d;
+    a.out[row * a.out_stride + column] = result[0];
+    store_companions<1>(a.out_companions, row, column, result);
+  } else {
+    float* record =
+        a.partials +
+        ((static_cast<int64_t>(blockIdx.z) * a.q_heads + head) * a.splits + split) * (HD + 2);
+    record[2 + d] = value;
+    if (d == 0) {
+      record[0] = head_max;
+      record[1] = head_sum;
+    }
+  }
+}
+
 template <int HD, int HPW, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(AttentionArgs a) {
   using T = Tiling<HD, HPW, KvT>;
@@ -509,21 +533,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     const int head = kv * a.group + first_head + g;
     // A query whose keys all fell in one split (a shallow cache) is final here: the merge
     // kernel leaves it alone.
-    if (work.splits == 1) {
-      const float result[1] = {sum > 0.0f ? value / sum : 0.0f};
-      const int64_t column = static_cast<int64_t>(head) * HD + d;
-      a.out[row * a.out_stride + column] = result[0];
-      store_companions<1>(a.out_companions, row, column, result);
-    } else {
-      float* record =
-          a.partials +
-          ((static_cast<int64_t>(blockIdx.z) * a.q_heads + head) * a.splits + split) * (HD + 2);
-      record[2 + d] = value;
-      if (d == 0) {
-        record[0] = block_max;
-        record[1] = sum;
-      }
-    }
+    write_head_output<HD>(a, row, head, d, work.splits, split, value, block_max, sum);
   }
 }
 
@@ -921,21 +931,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     for (int part = 0; part < T::kWarpDims / 32; ++part) {
       const int d = first_dim + 32 * part + lane;
       const float value = staged[h * T::kWarpDims + 32 * part + lane];
-      if (splits == 1) {
-        const float result[1] = {head_sum > 0.0f ? value / head_sum : 0.0f};
-        const int64_t column = static_cast<int64_t>(head) * HD + d;
-        a.out[row * a.out_stride + column] = result[0];
-        store_companions<1>(a.out_companions, row, column, result);
-      } else {
-        float* record =
-            a.partials +
-            ((static_cast<int64_t>(blockIdx.z) * a.q_heads + head) * a.splits + split) * (HD + 2);
-        record[2 + d] = value;
-        if (d == 0) {
-          record[0] = head_max;
-          record[1] = head_sum;
-        }
-      }
+      write_head_output<HD>(a, row, head, d, splits, split, value, head_max, head_sum);
     }
   }
 }
