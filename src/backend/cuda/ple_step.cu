@@ -235,6 +235,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
   const float p_inv =
       1.0f /
       sqrtf(cluster_total(cluster, &block_totals[0]) / static_cast<float>(kHidden) + a.spec.eps);
+  // No block may leave while a peer still reads its shared memory: each arrives at the exit
+  // barrier after its last read of a peer's (here without a next norm) and waits at the end.
+  if (!has_next) cluster.barrier_arrive();
 
   // 5. This block's columns of acc, then next.
   float updated = 0.0f;
@@ -254,14 +257,14 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     const float next_inv =
         1.0f /
         sqrtf(cluster_total(cluster, &block_totals[1]) / static_cast<float>(kHidden) + a.spec.eps);
+    cluster.barrier_arrive();
     if (warp < kColumnWarps) {
       const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
       a.next.data[column] = values[0];
       store_companions<1>(a.spec.next_companions, 0, column, values);
     }
   }
-  // No block leaves while a peer may still read its shared memory.
-  cluster.sync();
+  cluster.barrier_wait();
 }
 
 bool aligned_16(const void* p) {
