@@ -785,9 +785,9 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
 
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
 // the PLE gate GEMV stages acc + norm(x) itself (GemvResidualNorm) and the closing
-// add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes. Batched rows keep the default order: their gate runs on
-// tensor cores (gemv_mma.h), which stage no residual step. Anything the fused GEMV does not take:
-// the default order too.
+// add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes.
+// Batched rows keep the default order: their gate runs on tensor cores (gemv_mma.h), which stage no
+// residual step. Anything the fused GEMV does not take: the default order too.
 void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
                                    const quant::QMatrix& gate, Rows multiplier, Rows gated,
                                    const quant::QMatrix& projection, Rows projected,

@@ -133,24 +133,44 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     projection_words[r] = load_weights_nc(static_cast<const uint4*>(a.projection.data) + index);
     projection_scales[r] = load_group_scale_bits(a.projection, index);
   }
-  pdl_wait_for_predecessors();
-
-  // v = acc + rms_norm(x; step_weight), one float4 per thread.
+  // The norm weights too: the residual step's (a float4 per thread) and, for this block's
+  // columns (one per thread of the first warps), the projection's and the next norm's factors.
   const int t = threadIdx.x;
   constexpr int kQuads = kHidden / 4;
-  float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-  if (t < kQuads) x4 = reinterpret_cast<const float4*>(a.x.data)[t];
+  const float weight_offset = a.spec.weight_offset;
+  float4 s4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+  if (a.step_weight != nullptr && t < kQuads) {
+    const float4 w4 = reinterpret_cast<const float4*>(a.step_weight)[t];
+    s4 = make_float4(weight_offset + w4.x, weight_offset + w4.y, weight_offset + w4.z,
+                     weight_offset + w4.w);
+  }
+  const bool column_thread = t < kProjectionRowsPerBlock;
+  const int column = first_column + t;
+  const bool has_next = a.next.data != nullptr;
+  float projected_scale = 1.0f, next_scale = 1.0f;
+  if (column_thread && a.spec.weight != nullptr)
+    projected_scale = weight_offset + a.spec.weight[column];
+  if (column_thread && has_next && a.spec.next_weight != nullptr) {
+    next_scale = weight_offset + a.spec.next_weight[column];
+  }
+  pdl_wait_for_predecessors();
+
+  // Everything a predecessor wrote that this block reads goes out at once: x, acc and the
+  // multipliers of this warp's gate rows.
+  float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), r4 = x4;
+  if (t < kQuads) {
+    x4 = reinterpret_cast<const float4*>(a.x.data)[t];
+    r4 = reinterpret_cast<const float4*>(a.acc.data)[t];
+  }
+  float multipliers[kGateRowsPerWarp];
+#pragma unroll
+  for (int r = 0; r < kGateRowsPerWarp; ++r) multipliers[r] = a.multiplier[first_gate_row + r];
+
+  // v = acc + rms_norm(x; step_weight).
   const float x_total = block_sum(x4.x * x4.x + x4.y * x4.y + x4.z * x4.z + x4.w * x4.w,
                                   (kQuads + 31) / 32, warp_sums);
   const float x_inv = 1.0f / sqrtf(x_total / static_cast<float>(kHidden) + a.spec.eps);
   if (t < kQuads) {
-    const float4 r4 = reinterpret_cast<const float4*>(a.acc.data)[t];
-    float4 s4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-    if (a.step_weight != nullptr) {
-      const float4 w4 = reinterpret_cast<const float4*>(a.step_weight)[t];
-      const float o = a.spec.weight_offset;
-      s4 = make_float4(o + w4.x, o + w4.y, o + w4.z, o + w4.w);
-    }
     const float4 v4 = make_float4(r4.x + __fmul_rn(__fmul_rn(x4.x, x_inv), s4.x),
                                   r4.y + __fmul_rn(__fmul_rn(x4.y, x_inv), s4.y),
                                   r4.z + __fmul_rn(__fmul_rn(x4.z, x_inv), s4.z),
@@ -179,7 +199,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     const float dot = warp_sum(gate_dots[r]);
     if (lane == 0) {
       const int row = first_gate_row + r;
-      const float gated = gelu_tanh(dot) * a.multiplier[row];
+      const float gated = gelu_tanh(dot) * multipliers[r];
       a.gated[row] = gated;
       own_gated_values[warp * kGateRowsPerWarp + r] = __float2bfloat16_rn(gated);
     }
@@ -208,7 +228,6 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     }
   }
   __syncthreads();
-  const bool column_thread = t < kProjectionRowsPerBlock;
   const float p = column_thread ? projected[t] : 0.0f;
   const float p_squares = block_sum(p * p, kColumnWarps, warp_sums);
   if (t == 0) block_totals[0] = p_squares;
@@ -216,17 +235,16 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
   const float p_inv =
       1.0f /
       sqrtf(cluster_total(cluster, &block_totals[0]) / static_cast<float>(kHidden) + a.spec.eps);
+  // No block may leave while a peer still reads its shared memory: each arrives at the exit
+  // barrier after its last read of a peer's (here without a next norm) and waits at the end.
+  if (!has_next) cluster.barrier_arrive();
 
   // 5. This block's columns of acc, then next.
-  const int column = first_column + t;
-  const float offset = a.spec.weight_offset;
   float updated = 0.0f;
   if (column_thread) {
-    const float s = a.spec.weight != nullptr ? offset + a.spec.weight[column] : 1.0f;
-    updated = __fmul_rn(v[column] + __fmul_rn(__fmul_rn(p, p_inv), s), a.spec.scalar);
+    updated = __fmul_rn(v[column] + __fmul_rn(__fmul_rn(p, p_inv), projected_scale), a.spec.scalar);
     a.acc.data[column] = updated;
   }
-  const bool has_next = a.next.data != nullptr;
   if (warp < kColumnWarps && !has_next) {
     const float values[1] = {updated};
     store_companions<1>(a.spec.residual_companions, 0, column, values);
@@ -239,15 +257,14 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThread
     const float next_inv =
         1.0f /
         sqrtf(cluster_total(cluster, &block_totals[1]) / static_cast<float>(kHidden) + a.spec.eps);
+    cluster.barrier_arrive();
     if (warp < kColumnWarps) {
-      const float s = a.spec.next_weight != nullptr ? offset + a.spec.next_weight[column] : 1.0f;
-      const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), s)};
+      const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
       a.next.data[column] = values[0];
       store_companions<1>(a.spec.next_companions, 0, column, values);
     }
   }
-  // No block leaves while a peer may still read its shared memory.
-  cluster.sync();
+  cluster.barrier_wait();
 }
 
 bool aligned_16(const void* p) {
