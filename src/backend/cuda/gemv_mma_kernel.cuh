@@ -122,8 +122,10 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
 // (32 · WR weight rows per row tile), WK along the block's K range (every WK-th group); gridDim.y
 // blocks along K form one cluster; a block multiplies the row tiles blockIdx.x + gridDim.x · i.
+// Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps; a few bytes
+// spill): the 16 warps per SM hide the load latency the short mma loop leaves exposed.
 template <PackedFormat F, ActType XT, int NT, int WR, int WK>
-__global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
+__global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
