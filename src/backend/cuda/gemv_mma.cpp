@@ -14,7 +14,7 @@ constexpr int64_t kSms = 132;
 constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
-// Blocks of this tiling one SM holds at once, by registers (ptxas: about 128 a thread up to 16
+// Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
 // activation rows, 232 up to 32, 255 up to 64, of 64 K an SM) and by shared memory.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups, ActType x_type) {
   const int64_t registers = m <= 16 ? 128 : m <= 32 ? 232 : 255;

@@ -27,12 +27,13 @@ namespace gemma4::cuda::gemv_mma_detail {
 
 namespace cg = cooperative_groups;
 
-// Groups whose packed words and scales a warp has in flight ahead of the mma: 8 where the
-// registers allow (32 · 8 lanes · 8 groups · 4 rows · 4 bytes = 32 KB per SM at one block of 8
-// warps, about what the read bandwidth times the load latency needs), else 4.
-template <int NT, int WK>
+// Groups whose packed words and scales a warp has in flight ahead of the mma: 8 at 4 n tiles
+// (32 · 8 lanes · 8 groups · 4 rows · 4 bytes = 32 KB per SM at one block of 8 warps, about what
+// the read bandwidth times the load latency needs; registers 191-231, the same blocks per SM as
+// with 4), else 4 (8 n tiles: 168-255 registers at 4, the 255 cap at 8).
+template <int NT>
 constexpr int prefetch_groups() {
-  return NT >= 4 && NT * WK <= 8 ? 8 : 4;
+  return NT == 4 ? 8 : 4;
 }
 // 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
 constexpr int kTilesPerWarp = 2;
@@ -121,15 +122,17 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
 // (32 · WR weight rows per row tile), WK along the block's K range (every WK-th group); gridDim.y
 // blocks along K form one cluster; a block multiplies the row tiles blockIdx.x + gridDim.x · i.
+// Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps; a few bytes
+// spill): the 16 warps per SM hide the load latency the short mma loop leaves exposed.
 template <PackedFormat F, ActType XT, int NT, int WR, int WK>
-__global__ void __launch_bounds__(WR* WK * 32) gemv_mma_kernel(MmaGemvArgs a) {
+__global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
   constexpr int kRowsPerBlock = 32 * WR;
   constexpr int kPaddedRows = 8 * NT;
   constexpr int kThreads = 32 * WR * WK;
-  constexpr int kPrefetchGroups = prefetch_groups<NT, WK>();
+  constexpr int kPrefetchGroups = prefetch_groups<NT>();
   const int lane = threadIdx.x & 31;
   const int row_warp = (threadIdx.x >> 5) % WR;
   const int k_warp = (threadIdx.x >> 5) / WR;
