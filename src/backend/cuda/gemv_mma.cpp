@@ -118,7 +118,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
       tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
       mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
-      (w.rows + 32 * tiling.warps - 1) / (32 * tiling.warps) > 0x7FFFFFFF) {
+      w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;
   }
 

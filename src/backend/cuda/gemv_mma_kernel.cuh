@@ -162,54 +162,86 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
       row_offsets[2 * i + h] = 16 * (kTilesPerWarp * row_warp + i) + g + 8 * h;
     }
   }
-  const uint32_t* words = static_cast<const uint32_t*>(a.weights);
+  // Word t of a group and (NVFP4) the e4m3 scale of its 16-element block; w4g32 scales are 2 or 4
+  // bytes (both loads are emitted at the same address, one predicated off: no branch per group).
+  const uint8_t* const lane_words = static_cast<const uint8_t*>(a.weights) + 4 * t;
+  const uint8_t* const lane_scales = static_cast<const uint8_t*>(a.scales) + (kNvfp4 ? t / 2 : 0);
+  const bool scales_f32 = a.scale_type == kScaleF32;
+  const uint32_t scale_bytes = kNvfp4 ? 2 : scales_f32 ? 4 : 2;
   uint32_t packed[kPrefetchGroups][2 * kTilesPerWarp];
   uint32_t scale_bits[kPrefetchGroups][2 * kTilesPerWarp];
   // This warp's groups of every tile: block groups k_warp + WK · j for j < warp_groups. The
   // loads run as one stream over (tile, j), each tile padded to whole prefetch rounds, so that
   // slot s always holds the groups j ≡ s and the next tile's first groups load during this
-  // tile's last ones and its reduction.
+  // tile's last ones and its reduction. A round's groups all lie in one tile: its rows' element
+  // indices (row · groups + the round's first group) are computed once per round, and group s of
+  // the round is at a constant offset from them (an immediate of the load).
   const int warp_groups = group_count > k_warp ? (group_count - k_warp + WK - 1) / WK : 0;
   const int tile_stream =
       kPrefetchGroups * max(1, (warp_groups + kPrefetchGroups - 1) / kPrefetchGroups);
-  auto load_group = [&](int slot, int position) {
-    const int tile = position / tile_stream;
-    const int j = position - tile * tile_stream;
-    if (tile >= block_tiles || j >= warp_groups) return;
-    const int64_t first_row = tile_row(tile);
-    const int64_t group = group_begin + k_warp + WK * j;
+  int load_tile = 0;  // the round the loads of slot s fetch next: its tile and first j
+  int load_j0 = 0;
+  const uint8_t* round_words[2 * kTilesPerWarp];  // each row's first group of the round
+  const uint8_t* round_scales[2 * kTilesPerWarp];
+  auto begin_load_round = [&] {
+    const int first_row = static_cast<int>(min(tile_row(load_tile), a.rows));
+    const int last_row = static_cast<int>(a.rows) - 1;
+    const int group = static_cast<int>(group_begin) + k_warp + WK * load_j0;
 #pragma unroll
     for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
-      const int64_t row = min(first_row + row_offsets[r], a.rows - 1);
-      packed[slot][r] = __ldg(words + (row * a.groups + group) * 4 + t);
+      const auto index = static_cast<uint32_t>(
+          min(first_row + row_offsets[r], last_row) * static_cast<int>(a.groups) + group);
+      round_words[r] = lane_words + uint64_t{index} * 16u;
+      round_scales[r] = lane_scales + uint64_t{index} * scale_bytes;
+    }
+  };
+  // Group s of the round: WK · s groups past the round's first (immediate load offsets).
+  auto load_group = [&](int slot) {
+    if (load_tile >= block_tiles || load_j0 + slot >= warp_groups) return;
+#pragma unroll
+    for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
+      packed[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(round_words[r] + 16 * WK * slot));
       if constexpr (kNvfp4) {
-        // The e4m3 scale of word t's 16-element block.
-        scale_bits[slot][r] =
-            __ldg(static_cast<const uint8_t*>(a.scales) + (row * a.groups + group) * 2 + t / 2);
+        scale_bits[slot][r] = __ldg(round_scales[r] + 2 * WK * slot);
+      } else if (scales_f32) {
+        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(round_scales[r]) + WK * slot);
       } else {
-        scale_bits[slot][r] = load_group_scale_bits(a, row * a.groups + group);
+        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint16_t*>(round_scales[r]) + WK * slot);
       }
     }
   };
+  auto next_load_round = [&] {
+    load_j0 += kPrefetchGroups;
+    if (load_j0 == tile_stream) {
+      load_j0 = 0;
+      ++load_tile;
+    }
+    begin_load_round();
+  };
   // Weights never depend on the previous kernel: their loads go out before the wait.
+  begin_load_round();
 #pragma unroll
-  for (int s = 0; s < kPrefetchGroups; ++s) load_group(s, s);
+  for (int s = 0; s < kPrefetchGroups; ++s) load_group(s);
+  next_load_round();
   pdl_wait_for_predecessors();
 
-  // The block's K range of every activation row (rows m >= a.m as zeros), in fragment order.
+  // The block's K range of every activation row (rows m >= a.m as zeros), in fragment order,
+  // group-major: word (group, m, t) at 4 · (kPaddedRows · group + m) + t, so that a warp's load
+  // of one n tile is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
   extern __shared__ uint4 shared_words[];
-  const int row_words = static_cast<int>(mma_gemv_staged_row_bytes(groups_per_split) / 16);
-  const int words_per_row = 4 * group_count;
+  constexpr int kGroupWords = 4 * kPaddedRows;
+  const int staged_words = kGroupWords * group_count;
   // Eight words in flight per thread: the staging is a few L2 round trips, not one per word.
 #pragma unroll 8
-  for (int i = threadIdx.x; i < kPaddedRows * words_per_row; i += kThreads) {
-    const int m = i / words_per_row;
-    const int j = i % words_per_row;
-    shared_words[m * row_words + j] =
-        m < a.m ? staged_word<XT>(a, m, 32 * group_begin + 8 * j) : make_uint4(0, 0, 0, 0);
+  for (int i = threadIdx.x; i < staged_words; i += kThreads) {
+    const int group = i / kGroupWords;
+    const int m = (i / 4) % kPaddedRows;
+    shared_words[i] = m < a.m ? staged_word<XT>(a, m, 32 * (group_begin + group) + 8 * (i % 4))
+                              : make_uint4(0, 0, 0, 0);
   }
   // kQ8: the activation scales [group][row], after the staged rows.
-  float* x_scales = reinterpret_cast<float*>(shared_words + kPaddedRows * row_words);
+  float* x_scales =
+      reinterpret_cast<float*>(shared_words + kGroupWords * static_cast<int>(groups_per_split));
   if constexpr (XT == ActType::kQ8) {
     for (int i = threadIdx.x; i < kPaddedRows * group_count; i += kThreads) {
       const int group = i / kPaddedRows;
@@ -230,11 +262,21 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
   const float sum_scale =
       kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+  // w4g32 scale bits as fp32: bf16 shifted up, f32 as is, f16 converted.
+  const int scale_shift = a.scale_type == kScaleBF16 ? 16 : 0;
+  const bool scales_f16 = a.scale_type == kScaleF16;
+  auto scale_value = [&](uint32_t bits) {
+    const float f16 = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    return scales_f16 ? f16 : __uint_as_float(bits << scale_shift);
+  };
   cg::cluster_group cluster = cg::this_cluster();
+  // This lane's activation words: row g of n tile 0, word t, of the warp's first group.
+  const uint4* const lane_activations = shared_words + 4 * (kPaddedRows * k_warp + g) + t;
 
   for (int tile = 0; tile < block_tiles; ++tile) {
     float acc[kTilesPerWarp][NT][4] = {};
     for (int j0 = 0; j0 < tile_stream; j0 += kPrefetchGroups) {
+      const uint4* const round_activations = lane_activations + kGroupWords * WK * j0;
 #pragma unroll
       for (int s = 0; s < kPrefetchGroups; ++s) {
         const int j = j0 + s;
@@ -261,16 +303,16 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
               fragments[w][step][3] = bottom[2 * step + 1];
             }
             if constexpr (!kNvfp4) {
-              scales[2 * w] = scale_from_bits(a, scale_bits[s][2 * w]);
-              scales[2 * w + 1] = scale_from_bits(a, scale_bits[s][2 * w + 1]);
+              scales[2 * w] = scale_value(scale_bits[s][2 * w]);
+              scales[2 * w + 1] = scale_value(scale_bits[s][2 * w + 1]);
             }
           }
         }
-        load_group(s, tile * tile_stream + j + kPrefetchGroups);
+        load_group(s);
         if (!active) continue;
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          const uint4 b = shared_words[(8 * nt + g) * row_words + 4 * i + t];
+          const uint4 b = round_activations[kGroupWords * WK * s + 32 * nt];
           // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2,
           // c1/c3).
           float2 x_scale = make_float2(1.0f, 1.0f);
@@ -300,6 +342,7 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
           }
         }
       }
+      next_load_round();
     }
 
     // Partial sums [k warp][activation row][tile row]: over the staged activations for a block

@@ -87,23 +87,17 @@ constexpr int64_t mma_gemv_groups_per_split(int64_t groups, int splits) {
   return (groups + splits - 1) / splits;
 }
 
-// Bytes of one staged activation row: 64 per group, padded to an odd multiple of 64 so that the
-// two rows one 8-lane phase of a 16-byte shared-memory load reads fall in different banks.
-constexpr int64_t mma_gemv_staged_row_bytes(int64_t groups_per_split) {
-  return 64 * (groups_per_split | 1);
-}
-
 // Floats per activation row of a block's partial sums: its 32 · warps weight rows plus 4, so that
 // the 4 lanes of a quad (rows 2t, 2t + 1 apart by twice the stride) store to distinct banks.
 constexpr int64_t mma_gemv_partial_stride(int warps) {
   return 32 * warps + 4;
 }
 
-// Bytes of the staged activations of a block's K range for `m` rows of `x_type` (kQ8: then
-// their fp32 scales [group][row]); a multiple of 16.
+// Bytes of the staged activations of a block's K range for `m` rows of `x_type`: 64 per group and
+// padded row, group-major (kQ8: then their fp32 scales [group][row]); a multiple of 16.
 constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split, ActType x_type) {
   const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
-  return padded_rows * mma_gemv_staged_row_bytes(groups_per_split) +
+  return padded_rows * 64 * groups_per_split +
          (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
 }
 
