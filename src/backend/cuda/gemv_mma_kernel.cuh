@@ -55,19 +55,20 @@ __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&
 }
 
 // NVFP4: e2m1(u) · block scale as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed
-// word (all 8 in one 16-element block), times 2^-14: code c placed as fp16 bits
-// (c & 8) << 12 | (c & 7) << 9 is e2m1(c) · 2^-14 (device_math.cuh's dot_nvfp4), and its product
-// with the e4m3 scale (exact in fp16) is a multiple of 2^-24 with at most 7 significant bits, so
-// fp16 holds it exactly (subnormals included), and so does bf16.
-__device__ __forceinline__ void scaled_e2m1_pairs(uint32_t word, __half2 block_scale,
+// word (all 8 in one 16-element block), times 2^-7: code c placed as bf16 bits
+// (c & 8) << 12 | (c & 7) << 6 is e2m1(c) · 2^-126 (c = 1 a subnormal, which the bf16 multiply
+// keeps), and its product with the scale · 2^119 (e4m3_bf16_pair) is e2m1(c) · scale · 2^-7: at
+// most 6 significant bits, in [2^-17, 21], so bf16 holds it exactly. Four logic/shift operations
+// and one multiply per pair, no fp16 -> fp32 -> bf16 conversion.
+__device__ __forceinline__ void scaled_e2m1_pairs(uint32_t word, __nv_bfloat162 block_scale,
                                                   uint32_t (&pairs)[4]) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
-    const uint32_t shifted = word >> (4 * s);
-    const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
-    const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), block_scale);
-    const __nv_bfloat162 pair = __float22bfloat162_rn(__half22float2(scaled));
-    pairs[s] = *reinterpret_cast<const uint32_t*>(&pair);
+    const uint32_t top = word << (12 - 4 * s);  // nibbles s, s + 4 in bits 12..15, 28..31
+    const uint32_t bits = and_or<0x80008000u>(top, (top >> 6) & 0x01C001C0u);
+    const __nv_bfloat162 scaled =
+        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&bits), block_scale);
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&scaled);
   }
 }
 
@@ -76,6 +77,12 @@ __device__ __forceinline__ __half2 e4m3_pair(uint32_t bits) {
   const __half_raw h =
       __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
   return __half2half2(__half(h));
+}
+
+// An e4m3 scale times 2^119 as a bf16 pair for scaled_e2m1_pairs: exact (4 significant bits;
+// 448 · 2^119 < 2^128, the largest e4m3 below the bf16 maximum).
+__device__ __forceinline__ __nv_bfloat162 e4m3_bf16_pair(uint32_t bits) {
+  return __float2bfloat162_rn(__low2float(e4m3_pair(bits)) * 0x1p119f);
 }
 
 // c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
@@ -181,32 +188,56 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
       kPrefetchGroups * max(1, (warp_groups + kPrefetchGroups - 1) / kPrefetchGroups);
   int load_tile = 0;  // the round the loads of slot s fetch next: its tile and first j
   int load_j0 = 0;
-  const uint8_t* round_words[2 * kTilesPerWarp];  // each row's first group of the round
-  const uint8_t* round_scales[2 * kTilesPerWarp];
+  // Each row's first group of the round: as pointers with registers to spare (4+ n tiles), as a
+  // 32-bit element index under the 128-register bound of 1-2 n tiles (an address per load).
+  constexpr bool kRoundPointers = NT >= 4;
+  constexpr int kRoundRows = 2 * kTilesPerWarp;
+  uint32_t round_index[kRoundPointers ? 1 : kRoundRows];
+  const uint8_t* round_words[kRoundPointers ? kRoundRows : 1];
+  const uint8_t* round_scales[kRoundPointers ? kRoundRows : 1];
   auto begin_load_round = [&] {
     const int first_row = static_cast<int>(min(tile_row(load_tile), a.rows));
     const int last_row = static_cast<int>(a.rows) - 1;
     const int group = static_cast<int>(group_begin) + k_warp + WK * load_j0;
 #pragma unroll
-    for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
+    for (int r = 0; r < kRoundRows; ++r) {
       const auto index = static_cast<uint32_t>(
           min(first_row + row_offsets[r], last_row) * static_cast<int>(a.groups) + group);
-      round_words[r] = lane_words + uint64_t{index} * 16u;
-      round_scales[r] = lane_scales + uint64_t{index} * scale_bytes;
+      if constexpr (kRoundPointers) {
+        round_words[r] = lane_words + uint64_t{index} * 16u;
+        round_scales[r] = lane_scales + uint64_t{index} * scale_bytes;
+      } else {
+        round_index[r] = index;
+      }
+    }
+  };
+  auto words_of = [&](int r) {
+    if constexpr (kRoundPointers) {
+      return round_words[r];
+    } else {
+      return lane_words + uint64_t{round_index[r]} * 16u;
+    }
+  };
+  auto scales_of = [&](int r) {
+    if constexpr (kRoundPointers) {
+      return round_scales[r];
+    } else {
+      return lane_scales + uint64_t{round_index[r]} * scale_bytes;
     }
   };
   // Group s of the round: WK · s groups past the round's first (immediate load offsets).
   auto load_group = [&](int slot) {
     if (load_tile >= block_tiles || load_j0 + slot >= warp_groups) return;
 #pragma unroll
-    for (int r = 0; r < 2 * kTilesPerWarp; ++r) {
-      packed[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(round_words[r] + 16 * WK * slot));
+    for (int r = 0; r < kRoundRows; ++r) {
+      packed[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(words_of(r) + 16 * WK * slot));
+      const uint8_t* scale = scales_of(r);
       if constexpr (kNvfp4) {
-        scale_bits[slot][r] = __ldg(round_scales[r] + 2 * WK * slot);
+        scale_bits[slot][r] = __ldg(scale + 2 * WK * slot);
       } else if (scales_f32) {
-        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(round_scales[r]) + WK * slot);
+        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(scale) + WK * slot);
       } else {
-        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint16_t*>(round_scales[r]) + WK * slot);
+        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint16_t*>(scale) + WK * slot);
       }
     }
   };
@@ -259,9 +290,9 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   const bool looping = a.partial_offset != 0;
   float* const partial_base =
       reinterpret_cast<float*>(reinterpret_cast<char*>(shared_words) + a.partial_offset);
-  // NVFP4: 2^14 (the e2m1 decode's 2^-14) and the global factor in the checkpoint's convention.
+  // NVFP4: 2^7 (the e2m1 decode's 2^-7) and the global factor in the checkpoint's convention.
   const float sum_scale =
-      kNvfp4 ? (a.nv_global_is_divisor ? 16384.0f / a.nv_global : 16384.0f * a.nv_global) : 1.0f;
+      kNvfp4 ? (a.nv_global_is_divisor ? 128.0f / a.nv_global : 128.0f * a.nv_global) : 1.0f;
   // w4g32 scale bits as fp32: bf16 shifted up, f32 as is, f16 converted.
   const int scale_shift = a.scale_type == kScaleBF16 ? 16 : 0;
   const bool scales_f16 = a.scale_type == kScaleF16;
@@ -289,8 +320,9 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
           for (int w = 0; w < kTilesPerWarp; ++w) {
             uint32_t top[4], bottom[4];  // rows g and g + 8
             if constexpr (kNvfp4) {
-              scaled_e2m1_pairs(packed[s][2 * w], e4m3_pair(scale_bits[s][2 * w]), top);
-              scaled_e2m1_pairs(packed[s][2 * w + 1], e4m3_pair(scale_bits[s][2 * w + 1]), bottom);
+              scaled_e2m1_pairs(packed[s][2 * w], e4m3_bf16_pair(scale_bits[s][2 * w]), top);
+              scaled_e2m1_pairs(packed[s][2 * w + 1], e4m3_bf16_pair(scale_bits[s][2 * w + 1]),
+                                bottom);
             } else {
               centered_nibble_pairs(packed[s][2 * w], top);
               centered_nibble_pairs(packed[s][2 * w + 1], bottom);
