@@ -311,6 +311,31 @@ TEST(GemvMma, Nvfp4BothConventions) {
   }
 }
 
+// Every e4m3 block scale but NaN, one per row so that each row's sum is checked at its own
+// magnitude: the kernel forms e2m1 · scale in bf16 from a subnormal e2m1 placement and the
+// scale · 2^119 (gemv_mma_kernel.cuh's scaled_e2m1_pairs), exact from the subnormal scales up to
+// ±448, at each n-tile count.
+TEST(GemvMma, Nvfp4EveryScale) {
+  HostMatrix host = random_matrix(WeightFormat::kNVFP4, 256, 512, 950);
+  const int64_t blocks_per_row = host.cols / 16;
+  for (int64_t row = 0; row < host.rows; ++row) {
+    const auto code = static_cast<uint8_t>(row);
+    const std::byte scale{(code & 0x7F) == 0x7F ? uint8_t{0x7E} : code};
+    std::fill_n(host.scales.begin() + row * blocks_per_row, blocks_per_row, scale);
+  }
+  const DeviceMatrix device(host);
+  uint32_t seed = 960;
+  for (int m : {8, 16, 32, 64}) {
+    for (const MmaGemvTiling tiling : {MmaGemvTiling{4, 1, 1}, MmaGemvTiling{4, 2, 2}}) {
+      Case c;
+      c.m = m;
+      c.tiling = tiling;
+      c.seed = seed++;
+      check(host, device, c);
+    }
+  }
+}
+
 // The cluster adds its partial sums in a fixed order: two runs give the same bits.
 TEST(GemvMma, Deterministic) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1536, 6144, 13);
