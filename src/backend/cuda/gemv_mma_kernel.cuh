@@ -195,14 +195,16 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   uint32_t round_index[kRoundPointers ? 1 : kRoundRows];
   const uint8_t* round_words[kRoundPointers ? kRoundRows : 1];
   const uint8_t* round_scales[kRoundPointers ? kRoundRows : 1];
+  const auto groups = static_cast<uint32_t>(a.groups);
   auto begin_load_round = [&] {
     const int first_row = static_cast<int>(min(tile_row(load_tile), a.rows));
     const int last_row = static_cast<int>(a.rows) - 1;
-    const int group = static_cast<int>(group_begin) + k_warp + WK * load_j0;
+    const auto group = static_cast<uint32_t>(group_begin + k_warp + WK * load_j0);
 #pragma unroll
     for (int r = 0; r < kRoundRows; ++r) {
-      const auto index = static_cast<uint32_t>(
-          min(first_row + row_offsets[r], last_row) * static_cast<int>(a.groups) + group);
+      // Unsigned: a padded round's groups pass the row's end (never loaded).
+      const uint32_t index =
+          static_cast<uint32_t>(min(first_row + row_offsets[r], last_row)) * groups + group;
       if constexpr (kRoundPointers) {
         round_words[r] = lane_words + uint64_t{index} * 16u;
         round_scales[r] = lane_scales + uint64_t{index} * scale_bytes;
