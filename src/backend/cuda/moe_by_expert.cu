@@ -331,28 +331,30 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  // Round `round` of both A rows into slot `slot` (zeros past the rounds, chunks or rows).
+  auto load_round = [&](int slot, int round) {
+    const int chunk = 4 * round + t;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const bool live = first + i < rounds && chunk < chunks && rows[h] < a.rows;
-        weights[i][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
-                                               rows[h] * a.chunks_per_row + chunk)
-                             : make_uint4(0, 0, 0, 0);
-        scale_bits[i][h] =
-            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
-      }
+    for (int h = 0; h < 2; ++h) {
+      const bool live = round < rounds && chunk < chunks && rows[h] < a.rows;
+      weights[slot][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
+                                                rows[h] * a.chunks_per_row + chunk)
+                              : make_uint4(0, 0, 0, 0);
+      scale_bits[slot][h] =
+          live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
     }
+  };
+  auto load_first_rounds = [&] {
+#pragma unroll
+    for (int i = 0; i < R; ++i) load_round(i, i);
   };
   // The weights depend on the routing only: in flight while the first tile is found and staged
   // (down: before the wait for the activations).
   if constexpr (!kGateUp) {
-    // ptxas sinks load_rounds' loads below griddepcontrol.wait (their registers are not needed
-    // before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they would
-    // leave only after the wait. The block's rows and their scales are each one contiguous range:
-    // fetched into L2 here, before the wait, the loads after it hit L2.
+    // ptxas sinks load_first_rounds' loads below griddepcontrol.wait (their registers are not
+    // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
+    // would leave only after the wait. The block's rows and their scales are each one contiguous
+    // range: fetched into L2 here, before the wait, the loads after it hit L2.
     const int64_t block_row =
         static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>;
     const int64_t block_rows =
@@ -367,10 +369,12 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       prefetch_l2(scales + first_chunk, scales + end_chunk);
     }
   }
-  load_rounds(0);
+  load_first_rounds();
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
   bool first_tile = true;
   while (next_tile(a, expert, pair_experts, tile) > 0) {
+    if (!first_tile) load_first_rounds();  // again (from L2), in flight during the staging
+    first_tile = false;
     stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
     __syncthreads();
     // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
@@ -378,8 +382,10 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     const uint32_t* column = staged + g * mma_column_words(chunks);
     const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
+    // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
+    // the top of each pass instead leaves the pass's first products a full memory latency behind.
     for (int first = 0; first < rounds; first += R) {
-      if (!(first_tile && first == 0)) load_rounds(first);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (first + i >= rounds) break;  // warp-uniform
@@ -387,9 +393,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const uint32_t* b =
             g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
         mma_round(acc, weights[i], scale_bits[i], b);
+        if (first + R + i < rounds) load_round(i, first + R + i);
       }
     }
-    first_tile = false;
     // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
     // acc[3]).
 #pragma unroll
