@@ -41,6 +41,8 @@ namespace {
 
 constexpr int kTilePairs = 8;  // pairs per tile: the N of m16n8k16
 constexpr int kPresenceWords = kMaxRouterExperts / 32;
+// A staged pair's expert id when the router's is out of range (valid ids are < 256).
+constexpr uint16_t kNoExpert = 0xFFFF;
 
 struct ByExpertArgs {
   const MoeExpert* experts;
@@ -68,14 +70,20 @@ struct ExpertTile {
 };
 
 // The expert of slot `slot` (the slot-th smallest id any pair picked), or -1 when fewer experts
-// were picked. Every thread of the block calls it and gets the same answer.
-__device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& tile) {
+// were picked. Every thread of the block calls it and gets the same answer. It also stages every
+// pair's expert id in `pair_experts` (shared memory, kNoExpert when out of range) for next_tile:
+// one coalesced read of the ids per block, where next_tile's scan read them from global memory
+// one dependent 32-pair step at a time (pairs / 32 L2 round trips per tile, ~8 at 32 tokens).
+__device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& tile,
+                                uint16_t* pair_experts) {
   if (threadIdx.x < static_cast<unsigned>(kPresenceWords)) tile.present[threadIdx.x] = 0;
   if (threadIdx.x == 0) tile.cursor = 0;
   __syncthreads();
   for (int p = static_cast<int>(threadIdx.x); p < a.pairs; p += static_cast<int>(blockDim.x)) {
     const int e = a.expert_ids[p];
-    if (e >= 0 && e < a.num_experts) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
+    const bool valid = e >= 0 && e < a.num_experts;
+    pair_experts[p] = valid ? static_cast<uint16_t>(e) : kNoExpert;
+    if (valid) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
   }
   __syncthreads();
   int remaining = slot;
@@ -93,8 +101,9 @@ __device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& til
 
 // The next (at most kTilePairs) pairs of `expert` in ascending order into tile.pairs; returns
 // their count, 0 when none are left. Every thread of the block calls it; the first __syncthreads
-// lets the previous tile's readers finish.
-__device__ int next_tile(const ByExpertArgs& a, int expert, ExpertTile& tile) {
+// lets the previous tile's readers finish. `pair_experts`: as find_slot_expert staged them.
+__device__ int next_tile(const ByExpertArgs& a, int expert, const uint16_t* pair_experts,
+                         ExpertTile& tile) {
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
@@ -102,7 +111,7 @@ __device__ int next_tile(const ByExpertArgs& a, int expert, ExpertTile& tile) {
     int count = 0;
     while (cursor < a.pairs && count < kTilePairs) {  // warp-uniform
       const int p = cursor + lane;
-      const bool match = p < a.pairs && a.expert_ids[p] == expert;
+      const bool match = p < a.pairs && pair_experts[p] == expert;
       const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
       const int rank = __popc(matches & ((1u << lane) - 1u));
       const int room = kTilePairs - count;
@@ -161,10 +170,15 @@ constexpr int kMmaRowsPerWarp = kGateUp ? 8 : 16;
 __host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
   return chunks * kStagedWordsPerChunk + 4;
 }
+// The staged columns of a tile of min(pairs, kTilePairs) pairs and the zero chunk after them.
+__host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
+  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks) +
+         kStagedWordsPerChunk;
+}
+// The staged words, then every pair's expert id (find_slot_expert).
 size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
-  return sizeof(uint32_t) *
-         static_cast<size_t>(std::min(pairs, kTilePairs) * mma_column_words(chunks) +
-                             kStagedWordsPerChunk);
+  return sizeof(uint32_t) * static_cast<size_t>(mma_staged_words(chunks, pairs)) +
+         sizeof(uint16_t) * static_cast<size_t>(pairs);
 }
 
 // Per-column staging state of a tile (shared memory).
@@ -267,6 +281,20 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
   }
 }
 
+// Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), at most
+// its first 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a block's range is
+// 45 KB at 26B-A4B shapes). One instruction, no registers, nothing to wait for.
+__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
+  constexpr uintptr_t kMaxBytes = 64 * 1024 - 16;
+  const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + 15) & ~uintptr_t{15};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
+  if (last <= first) return;
+  const uintptr_t bytes = last - first < kMaxBytes ? last - first : kMaxBytes;
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
+               "r"(static_cast<uint32_t>(bytes))
+               : "memory");
+}
+
 // Block (s, y): rows y · kMmaWarps · kMmaRowsPerWarp ... of slot s's expert (gate/up: inner rows,
 // gate and up each; down: hidden rows) for every pair of the expert.
 template <bool kGateUp>
@@ -277,6 +305,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  uint16_t* pair_experts = reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, a.pairs));
   // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
   // router's output (and load its weights) before its own wait.
   if constexpr (kGateUp) {
@@ -285,7 +315,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   } else {
     pdl_trigger_dependents();
   }
-  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile);
+  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile, pair_experts);
   if (expert < 0) return;  // the whole block: fewer experts were picked
   const MoeExpert& e = a.experts[expert];
   const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
@@ -297,32 +327,54 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       (static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> + warp) * kMmaRowsPerWarp<kGateUp>;
   // A rows g and g + 8: gate and up of one inner row, or two down rows.
   const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
-  const int chunks = static_cast<int>(a.chunks_per_row);
   const int rounds = (chunks + 3) / 4;
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  // Round `round` of both A rows into slot `slot` (zeros past the rounds, chunks or rows).
+  auto load_round = [&](int slot, int round) {
+    const int chunk = 4 * round + t;
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const bool live = first + i < rounds && chunk < chunks && rows[h] < a.rows;
-        weights[i][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
-                                               rows[h] * a.chunks_per_row + chunk)
-                             : make_uint4(0, 0, 0, 0);
-        scale_bits[i][h] =
-            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
-      }
+    for (int h = 0; h < 2; ++h) {
+      const bool live = round < rounds && chunk < chunks && rows[h] < a.rows;
+      weights[slot][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
+                                                rows[h] * a.chunks_per_row + chunk)
+                              : make_uint4(0, 0, 0, 0);
+      scale_bits[slot][h] =
+          live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
     }
+  };
+  auto load_first_rounds = [&] {
+#pragma unroll
+    for (int i = 0; i < R; ++i) load_round(i, i);
   };
   // The weights depend on the routing only: in flight while the first tile is found and staged
   // (down: before the wait for the activations).
-  load_rounds(0);
+  if constexpr (!kGateUp) {
+    // ptxas sinks load_first_rounds' loads below griddepcontrol.wait (their registers are not
+    // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
+    // would leave only after the wait. The block's rows and their scales are each one contiguous
+    // range: fetched into L2 here, before the wait, the loads after it hit L2.
+    const int64_t block_row =
+        static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>;
+    const int64_t block_rows =
+        std::min<int64_t>(kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>, a.rows - block_row);
+    const int64_t first_chunk = block_row * a.chunks_per_row;
+    const int64_t end_chunk = first_chunk + block_rows * a.chunks_per_row;
+    if (threadIdx.x == 0) {
+      const uint4* chunk_words = static_cast<const uint4*>(mats[0].weights);
+      prefetch_l2(chunk_words + first_chunk, chunk_words + end_chunk);
+    } else if (threadIdx.x == 32) {
+      const uint16_t* scales = static_cast<const uint16_t*>(mats[0].scales);  // load_scale_bits
+      prefetch_l2(scales + first_chunk, scales + end_chunk);
+    }
+  }
+  load_first_rounds();
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
   bool first_tile = true;
-  while (next_tile(a, expert, tile) > 0) {
+  while (next_tile(a, expert, pair_experts, tile) > 0) {
+    if (!first_tile) load_first_rounds();  // again (from L2), in flight during the staging
+    first_tile = false;
     stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
     __syncthreads();
     // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
@@ -330,8 +382,10 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     const uint32_t* column = staged + g * mma_column_words(chunks);
     const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
+    // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
+    // the top of each pass instead leaves the pass's first products a full memory latency behind.
     for (int first = 0; first < rounds; first += R) {
-      if (!(first_tile && first == 0)) load_rounds(first);
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (first + i >= rounds) break;  // warp-uniform
@@ -339,9 +393,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const uint32_t* b =
             g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
         mma_round(acc, weights[i], scale_bits[i], b);
+        if (first + R + i < rounds) load_round(i, first + R + i);
       }
     }
-    first_tile = false;
     // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
     // acc[3]).
 #pragma unroll
