@@ -28,13 +28,15 @@ struct Case {
 };
 
 // cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 and e4m3 caches have a tensor-core
-// kernel too).
-void run_case(const Case& c, bool cuda_core_kernel = false) {
+// kernel too). own_slot_unwritten: the slot of each query's own position holds -1 (never
+// written), so that key is invisible as any empty slot.
+void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwritten = false) {
   const char* type_name = c.type == KvType::kBF16  ? " bf16"
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
-               (cuda_core_kernel ? " cuda cores" : ""));
+               (cuda_core_kernel ? " cuda cores" : "") +
+               (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
   const int64_t kv_width = c.kv_heads * hd;
@@ -73,6 +75,7 @@ void run_case(const Case& c, bool cuda_core_kernel = false) {
       if (s > p_query) continue;
       slot_positions[b * c.slots + s] = static_cast<int32_t>(p_query - (p_query - s) % c.slots);
     }
+    if (own_slot_unwritten) slot_positions[b * c.slots + p_query % c.slots] = -1;
   }
 
   DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd);
@@ -215,6 +218,26 @@ TEST(DecodeAttention, DeepContextsOnEveryKernel) {
           {"e2b-sliding-8-rows", 8, 1, 256, 600, 512, eight_rows, 4, type},
       };
       for (const Case& c : cases) run_case(c, cuda_core_kernel);
+    }
+  }
+}
+
+// The tensor-core kernel reads the query's own slot (K, V and position) apart from the other
+// keys, after the PDL wait (attention.cu): an unwritten own slot must stay invisible there too,
+// at depths whose own key falls in the first tile, a later one, or a split of its own.
+TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
+  const std::vector<int32_t> depths = {1, 6, 40, 1024};  // query positions (each sees a key)
+  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
+    for (const int splits : {1, 32}) {
+      const Case cases[] = {
+          {"e2b-full", 8, 1, 512, 1100, 0, depths, splits, type},
+          {"e2b-sliding", 8, 1, 256, 600, 512, depths, splits, type},
+          {"26b-sliding", 16, 8, 256, 1100, 1024, depths, splits, type},
+      };
+      for (const Case& c : cases) {
+        run_case(c, false, true);
+        run_case(c, true, true);
+      }
     }
   }
 }

@@ -229,35 +229,39 @@ __device__ __forceinline__ PrologueConstants<HD> load_prologue_constants(
 }
 
 // The prologue of a block serving q heads [first_head, first_head + heads) of its group: those
-// heads normed and rotated into `prepared_q` (fp32, one head after the other); with
-// `makes_new_key` the query position's K and V into `new_kv` as the cache holds them, and with
-// `stores_new_key` also into the cache at `new_slot` with the slot's position. Ends with a block
-// barrier.
+// heads normed and rotated (`rotation`: the query position's, head_rotation of constants.q) into
+// `prepared_q` (fp32, one head after the other); with `makes_new_key` the query position's K and
+// V into `new_kv` as the cache holds them, and with `stores_new_key` also into the cache at
+// `new_slot` with the slot's position. The K and V warps load their new row with their first q
+// head (one round trip, not two). Ends with a block barrier.
 template <int HD, typename KvT>
-__device__ __forceinline__ void run_prologue(const AttentionArgs& a, const SequenceKv& sequence,
-                                             const PrologueConstants<HD>& constants, int64_t row,
-                                             int kv, int first_head, int heads,
-                                             int32_t query_position, bool makes_new_key,
-                                             bool stores_new_key, int64_t new_slot,
-                                             float* prepared_q, KvT (*new_kv)[HD], int warp,
-                                             int lane) {
+__device__ __forceinline__ void run_prologue(
+    const AttentionArgs& a, const SequenceKv& sequence, const PrologueConstants<HD>& constants,
+    const HeadRotation<HD / 256>& rotation, int64_t row, int kv, int first_head, int heads,
+    int32_t query_position, bool makes_new_key, bool stores_new_key, int64_t new_slot,
+    float* prepared_q, KvT (*new_kv)[HD], int warp, int lane) {
   constexpr int kPairQuads = HD / 256;
   const DecodePrepare& prepare = a.prepare;
-  for (int g = warp; g < heads; g += kWarps) {
-    const float* src =
-        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
-    const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
-        src, constants.q, true, true, prepare.eps, HD / 2, query_position, lane);
-    store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
-  }
-  if (makes_new_key && (warp == kKeyWarp || warp == kValueWarp)) {
-    const bool is_key = warp == kKeyWarp;
+  const bool makes_kv = makes_new_key && (warp == kKeyWarp || warp == kValueWarp);
+  const bool is_key = warp == kKeyWarp;
+  HeadQuads<kPairQuads> raw_kv;
+  if (makes_kv) {
     const float* src =
         (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
         int64_t{kv} * HD;
+    raw_kv = load_head<kPairQuads, true>(src, HD / 2, lane);
+  }
+  for (int g = warp; g < heads; g += kWarps) {
+    const float* src =
+        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
     const HeadQuads<kPairQuads> head =
-        transform_head<kPairQuads, true>(src, constants.kv, is_key || prepare.norm_v, is_key,
-                                         prepare.eps, HD / 2, query_position, lane);
+        finish_head(load_head<kPairQuads, true>(src, HD / 2, lane), constants.q, true, true,
+                    rotation, prepare.eps, HD / 2, lane);
+    store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
+  }
+  if (makes_kv) {
+    const HeadQuads<kPairQuads> head = finish_head(raw_kv, constants.kv, is_key || prepare.norm_v,
+                                                   is_key, rotation, prepare.eps, HD / 2, lane);
     store_head<true>(new_kv[is_key ? 0 : 1], head, HD / 2, lane);
     if (stores_new_key) {
       store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
@@ -382,9 +386,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // touches before the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, row, kv, first_head, heads, query_position,
-                     makes_new_key, part == 0, slot_of(scanned - 1), const_cast<float*>(prepared_q),
-                     new_kv, warp, lane);
+    run_prologue<HD>(a, sequence, constants,
+                     head_rotation(constants.q, HD / 2, query_position, lane), row, kv, first_head,
+                     heads, query_position, makes_new_key, part == 0, slot_of(scanned - 1),
+                     const_cast<float*>(prepared_q), new_kv, warp, lane);
   }
 
   const int head_groups = (heads + HPW - 1) / HPW;
@@ -550,7 +555,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 // CUDA-core kernel. K/V tiles stream through shared memory with cp.async as above, each row's
 // 16-byte chunks XOR-swizzled by the row's low 3 bits so that ldmatrix's 8 rows hit distinct
 // banks. A block serves every q head of its kv head (no q-head parts: the mma does all 8 at
-// once).
+// once). At shallow depths its cost is a chain of dependent steps, so what needs no predecessor
+// runs before the PDL wait: the query position, the RoPE angles, and the copies of the keys older
+// than the query (attention.h says why that is safe); after it only q, k, v (loaded together),
+// the query's own key and the chain from the scores to the output remain.
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
@@ -643,16 +651,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
   // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
   __shared__ float4 partial_scores[2][kWarps][32];
+  // The query position's K/V rows (key scanned − 1) and the position its slot holds: made by the
+  // fused prologue, or read from the cache after the PDL wait (a layer reading another layer's
+  // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
+  __shared__ int32_t own_position;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
   const int t = lane & 3;   // fragment column pair
   const DecodePrepare& prepare = a.prepare;
+
+  // Before the PDL wait, everything that does not depend on the predecessors: the norm scales and
+  // RoPE frequencies, the query position (uploaded before the step) and from it the rotation, the
+  // block's key range, and the copies of the first tiles of keys older than the query (their
+  // rows and slot positions were written by earlier steps; only the query's own slot is written
+  // in this one, and it is read after the wait). Blocks without keys leave before the wait.
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
-  pdl_wait_for_predecessors();
-
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
@@ -666,11 +682,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t per_split = keys_per_split(scanned, a.splits);
   const int64_t begin = split * per_split;
   const int64_t end = min(scanned, begin + per_split);
-  // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
-  // the block puts it into its tile's row itself, never reading it from the cache, which the
-  // block writes meanwhile.
-  const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
-  const int64_t loaded_end = makes_new_key ? end - 1 : end;
+  // The split holding the query's own key never copies it into the tiles: the block puts it
+  // into its tile's rows from new_kv (never reading it from the cache while the prologue writes
+  // it there, nor before the wait).
+  const bool has_own_key = end == scanned;
+  const bool makes_new_key = kPrepare && prepare.k != nullptr && has_own_key;
+  const int64_t loaded_end = has_own_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
   // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
@@ -683,7 +700,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     return slot < slots ? slot : slot - slots;
   };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
-  // not read (the new key's position is the query's, every other one −1). Thread x copies chunk
+  // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
@@ -710,22 +727,47 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         if (j < loaded_end) {
           copy_async4(&tile_positions[stage][threadIdx.x], sequence.slot_positions + slot_of(j));
         } else {
-          tile_positions[stage][threadIdx.x] = makes_new_key && j == end - 1 ? query_position : -1;
+          tile_positions[stage][threadIdx.x] = -1;
         }
       }
     }
     commit_copies();
   };
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
+  HeadRotation<HD / 256> rotation;
+  if constexpr (kPrepare) rotation = head_rotation(constants.q, HD / 2, query_position, lane);
+  pdl_wait_for_predecessors();
+
+  // The own key from the cache: loaded now, stored to shared memory after the prologue (its
+  // loads in flight meanwhile), seen by the tile loop after its first barrier.
+  constexpr int kOwnChunks = 2 * T::kRowChunks;  // K row, then V row
+  static_assert(kOwnChunks <= kThreads);
+  const bool loads_own_key = has_own_key && !makes_new_key;
+  const int64_t own_slot = slot_of(scanned - 1);
+  uint4 own_chunk = {};
+  int32_t cached_own_position = -1;
+  if (loads_own_key) {
+    if (threadIdx.x < kOwnChunks) {
+      const int is_value = threadIdx.x / T::kRowChunks;
+      own_chunk = reinterpret_cast<const uint4*>(
+          (is_value ? values : keys) + own_slot * row_stride)[threadIdx.x % T::kRowChunks];
+    }
+    if (threadIdx.x == 0) cached_own_position = sequence.slot_positions[own_slot];
+  }
 
   // The prologue while the first tiles are in flight, into the last stage (no copy touches it
   // before the first tile is computed; every thread has read its q by then).
   const float* prepared_q =
       reinterpret_cast<const float*>(pipeline + (kStages - 1) * T::kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, row, kv, 0, heads, query_position, makes_new_key, true,
-                     slot_of(scanned - 1), const_cast<float*>(prepared_q), new_kv, warp, lane);
+    run_prologue<HD>(a, sequence, constants, rotation, row, kv, 0, heads, query_position,
+                     makes_new_key, true, own_slot, const_cast<float*>(prepared_q), new_kv, warp,
+                     lane);
   }
+  if (loads_own_key && threadIdx.x < kOwnChunks)
+    reinterpret_cast<uint4*>(new_kv[threadIdx.x / T::kRowChunks])[threadIdx.x % T::kRowChunks] =
+        own_chunk;
+  if (threadIdx.x == 0) own_position = loads_own_key ? cached_own_position : query_position;
 
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
@@ -766,17 +808,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     const int stage = static_cast<int>(tile % kStages);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
+    // The own key, when this tile holds it (its index in the tile, else −1).
+    const int64_t first_key = begin + tile * kMmaTileKeys;
+    const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
+                            ? static_cast<int>(end - 1 - first_key)
+                            : -1;
+    const int32_t key_position =
+        lane % kMmaTileKeys == own_key ? own_position : tile_positions[stage][lane % kMmaTileKeys];
     const uint32_t visible =
-        __ballot_sync(0xFFFFFFFFu, visible_position(tile_positions[stage][lane % kMmaTileKeys],
-                                                    query_position, a.window)) &
+        __ballot_sync(0xFFFFFFFFu, visible_position(key_position, query_position, a.window)) &
         0xFFFFu;
-    // Rows the warp reads but no copy filled this tile: the new key's (from new_kv) and the
+    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv) and the
     // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
     // Each warp touches only its own dims, so warp barriers order it.
-    const int64_t first_key = begin + tile * kMmaTileKeys;
     const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
-    if (makes_new_key && end - 1 < first_key + kMmaTileKeys) {
-      const int key = static_cast<int>(end - 1 - first_key);
+    if (own_key >= 0) {
+      const int key = own_key;
       for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
         const int is_value = c / T::kWarpRowChunks;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
