@@ -1014,12 +1014,16 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   __shared__ float split_weight[kMaxSplits];
   __shared__ float warp_partial[kMergeWarps][512];
   __shared__ float scratch[kMergeWarps];
-  pdl_wait_for_predecessors();
+  // The query position before the PDL wait (uploaded before the step, as the attention kernel
+  // reads it): a shallow cache's merge then leaves as soon as the wait releases it.
   const int head = blockIdx.x;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
   const int splits =
       used_splits(scanned_keys(sequence.slots, a.positions[row], a.window), a.splits);
+  // Even with nothing to merge, the wait: the kernels after this one count on its completion
+  // meaning the attention kernel's too.
+  pdl_wait_for_predecessors();
   if (splits == 1) return;  // the attention kernel wrote the output
   const int64_t record = a.head_dim + 2;
   const float* base =

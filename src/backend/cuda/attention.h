@@ -112,10 +112,11 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 // kDecodeAttentionBlocks per launch), so a short context costs about one head's work.
 // out_companions (gemv_kernels.h; none by default): the output's bf16 and/or kQ8 rows for the
 // GEMV that reads it, written with each output row (row r of the companions for row r of out).
-// With PDL the tensor-core kernel reads `positions` and the K/V rows and slot positions of the
-// keys older than each query before it waits for its predecessors: no kernel of the launch's
-// dependent chain may write those (the engine writes them in earlier passes, and each pass starts
-// with an upload, which no kernel overlaps). The query's own slot is read after the wait.
+// With PDL the split merge reads `positions`, and the tensor-core kernel also the K/V rows and
+// slot positions of the keys older than each query, before they wait for their predecessors: no
+// kernel of the launch's dependent chain may write those (the engine writes them in earlier
+// passes, and each pass starts with an upload, which no kernel overlaps). The query's own slot
+// is read after the wait.
 constexpr int64_t kMinKeysPerSplit = 32;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
