@@ -88,9 +88,10 @@ struct RecordSink {
   std::unordered_map<const char*, std::string> names;
 };
 
+// Never destroyed: CUPTI may hand back a buffer while the process exits.
 RecordSink& sink() {
-  static RecordSink instance;
-  return instance;
+  static auto* instance = new RecordSink;
+  return *instance;
 }
 
 // The entry points while a timeline is alive (null otherwise: buffers are then only freed).
