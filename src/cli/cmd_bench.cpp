@@ -542,13 +542,20 @@ Status Bench::write_report() const {
   return Status::ok_status();
 }
 
-// Per recorded measurement, the summary on stdout; every launch of all of them to the file.
+// Per recorded measurement, the summary on stdout (and its kCostliestLaunches launches of largest
+// critical cost); every launch of all of them to the file.
+constexpr size_t kCostliestLaunches = 25;
+
 Status Bench::write_timeline() const {
   if (!timeline_) return Status::ok_status();
   GEMMA4_RETURN_IF_ERROR(timeline_->status());
   for (const auto& range : timeline_->ranges()) {
     std::printf("\n== %s ==\n%s", range.label.c_str(),
                 format_timeline_summary(summarize_timeline(range.steps)).c_str());
+    if (const auto launches = summarize_launches(range.steps); !launches.empty()) {
+      std::printf("costliest launches of the step (same graph every step; index in the step):\n%s",
+                  format_costliest_launches(launches, kCostliestLaunches).c_str());
+    }
   }
   if (const size_t dropped = timeline_->dropped_records(); dropped > 0)
     std::printf("warning: CUPTI dropped %zu records: the timeline misses them\n", dropped);

@@ -120,6 +120,54 @@ TimelineSummary summarize_timeline(std::span<const TimelineStep> steps) {
   return summary;
 }
 
+std::vector<LaunchSummary> summarize_launches(std::span<const TimelineStep> steps) {
+  if (steps.empty()) return {};
+  const auto& first = steps.front().kernels;
+  for (const auto& step : steps) {
+    if (step.kernels.size() != first.size()) return {};
+    for (size_t i = 0; i < first.size(); ++i)
+      if (step.kernels[i].launch.name != first[i].launch.name) return {};
+  }
+  const double n = static_cast<double>(steps.size());
+  std::vector<LaunchSummary> launches(first.size());
+  for (size_t i = 0; i < first.size(); ++i) {
+    LaunchSummary& l = launches[i];
+    l.index = static_cast<int64_t>(i);
+    l.name = first[i].launch.name;
+    l.grid = first[i].launch.grid;
+    for (const auto& step : steps) {
+      const PlacedLaunch& k = step.kernels[i];
+      l.mean_start_ns += static_cast<double>(k.start_ns) / n;
+      l.mean_duration_ns += static_cast<double>(k.end_ns - k.start_ns) / n;
+      l.mean_critical_ns += static_cast<double>(k.critical_ns) / n;
+    }
+  }
+  return launches;
+}
+
+std::string format_costliest_launches(std::span<const LaunchSummary> launches, size_t count,
+                                      size_t name_width) {
+  name_width = std::max<size_t>(name_width, 8);
+  std::vector<LaunchSummary> costliest(launches.begin(), launches.end());
+  std::stable_sort(costliest.begin(), costliest.end(), [](const auto& a, const auto& b) {
+    return a.mean_critical_ns > b.mean_critical_ns;
+  });
+  costliest.resize(std::min(count, costliest.size()));
+  std::sort(costliest.begin(), costliest.end(),
+            [](const auto& a, const auto& b) { return a.index < b.index; });
+  const int width = static_cast<int>(name_width);
+  std::string text = fmt::format("{:>5} {:<{}} {:>14} {:>9} {:>9} {:>9}\n", "index", "kernel",
+                                 width, "grid", "start us", "mean us", "crit us");
+  for (const auto& l : costliest) {
+    std::string name = l.name;
+    if (name.size() > name_width) name = name.substr(0, name_width - 3) + "...";
+    text += fmt::format("{:>5} {:<{}} {:>14} {:>9.2f} {:>9.2f} {:>9.2f}\n", l.index, name, width,
+                        fmt::format("{}x{}x{}", l.grid[0], l.grid[1], l.grid[2]),
+                        l.mean_start_ns / 1e3, l.mean_duration_ns / 1e3, l.mean_critical_ns / 1e3);
+  }
+  return text;
+}
+
 void write_timeline_tsv(std::ostream& out, std::span<const TimelineRange> ranges) {
   out << "measurement\tstep\tindex\tname\tgrid\tblock\tstream\tstart_us\tend_us\tduration_us\t"
          "critical_us\tgap_us\n";

@@ -80,6 +80,25 @@ struct TimelineSummary {
 // Steps without kernels count in steps and the host time (as idle steps).
 TimelineSummary summarize_timeline(std::span<const TimelineStep> steps);
 
+// One launch of a step that every step repeats (a replayed graph: the same kernels in the same
+// order), averaged over the steps: which node of the graph costs what.
+struct LaunchSummary {
+  int64_t index = 0;  // in the step
+  std::string name;
+  std::array<int32_t, 3> grid{1, 1, 1};
+  double mean_start_ns = 0;  // from the step's first kernel start
+  double mean_duration_ns = 0;
+  double mean_critical_ns = 0;
+};
+
+// Per launch index, when every step has the same kernel names in the same order; empty
+// otherwise (or without steps).
+std::vector<LaunchSummary> summarize_launches(std::span<const TimelineStep> steps);
+
+// The `count` launches of largest mean critical cost, as a table (in step order).
+std::string format_costliest_launches(std::span<const LaunchSummary> launches, size_t count,
+                                      size_t name_width = 72);
+
 // The steps of one recorded measurement ("decode depth 0", ...).
 struct TimelineRange {
   std::string label;

@@ -116,6 +116,33 @@ TEST(KernelTimeline, SummaryPerNameAndPerStep) {
   EXPECT_EQ(summarize_timeline({}).steps, 0);
 }
 
+TEST(KernelTimeline, LaunchesAveragedByPositionWhenEveryStepRepeatsTheGraph) {
+  // Two steps of the same three kernels: a [0,10] b [8,15] c [20,30], then a [0,20] b [25,30]
+  // c [30,40] (relative to each step's first start).
+  const std::vector<uint64_t> marks = {0, 100, 200};
+  const auto steps =
+      split_into_steps({kernel("a", 10, 20), kernel("b", 18, 25), kernel("c", 30, 40),
+                        kernel("a", 110, 130), kernel("b", 135, 140), kernel("c", 140, 150)},
+                       marks);
+  const auto launches = summarize_launches(steps);
+  ASSERT_EQ(launches.size(), 3u);
+  EXPECT_EQ(launches[1].index, 1);
+  EXPECT_EQ(launches[1].name, "b");
+  EXPECT_EQ(launches[1].grid, (std::array<int32_t, 3>{16, 2, 1}));
+  EXPECT_DOUBLE_EQ(launches[1].mean_start_ns, (8.0 + 25) / 2);
+  EXPECT_DOUBLE_EQ(launches[1].mean_duration_ns, (7.0 + 5) / 2);
+  EXPECT_DOUBLE_EQ(launches[1].mean_critical_ns, (5.0 + 10) / 2);   // 15-10, 30-20
+  EXPECT_DOUBLE_EQ(launches[2].mean_critical_ns, (15.0 + 10) / 2);  // 30-15, 40-30
+  // The two costliest (a: 15, c: 12.5), in step order.
+  const std::string table = format_costliest_launches(launches, 2, 10);
+  EXPECT_NE(table.find("    0 a"), std::string::npos) << table;
+  EXPECT_NE(table.find("    2 c"), std::string::npos) << table;
+  EXPECT_EQ(table.find("    1 b"), std::string::npos) << table;
+  // Steps that ran different kernels have no common positions.
+  const auto different = split_into_steps({kernel("a", 10, 20), kernel("b", 110, 120)}, marks);
+  EXPECT_TRUE(summarize_launches(different).empty());
+}
+
 TEST(KernelTimeline, WritesOneTsvLinePerKernelAndATable) {
   const std::vector<uint64_t> marks = {0, 10000};
   const auto steps =
