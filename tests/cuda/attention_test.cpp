@@ -83,6 +83,9 @@ void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwrit
   DeviceArray<uint8_t> dk8(keys_fp8), dv8(values_fp8);
   DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
   DeviceArray<float> partials(attention_partials_floats(batch, c.q_heads, c.head_dim, c.splits));
+  // The engine's merge counters (few enough splits merge in the tensor-core kernel: attention.h).
+  const int counter_count = batch * c.kv_heads;
+  DeviceArray<int> merge_counters(std::vector<int>(counter_count, 0));
   KvCacheView kv;
   kv.keys = c.type == KvType::kBF16  ? static_cast<const void*>(dk16.get())
             : c.type == KvType::kFP8 ? static_cast<const void*>(dk8.get())
@@ -98,10 +101,13 @@ void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwrit
   kv.sequence_stride = per_sequence;
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = cuda_core_kernel;
-  CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd,
-                                  AttentionWorkspace{partials.get(), c.splits}, c.splits,
-                                  Launch{}));
+  const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
+                                        counter_count};
+  CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
+                                  c.splits, Launch{}));
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  // Left at zero for the next launch (a replayed graph reuses them).
+  EXPECT_EQ(merge_counters.download(), std::vector<int>(counter_count, 0));
 
   std::vector<double> expected(out.download().size()), magnitude(expected.size(), 1.0);
   const int group = c.q_heads / c.kv_heads;
@@ -240,6 +246,31 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
       }
     }
   }
+}
+
+// Which launches merge their splits in the tensor-core kernel: E2B's sliding layers at the splits
+// the engine picks (16 of 256 dims for 8 heads: 132 KB of records), and short full ones; not a
+// deep full layer's 264 splits, the CUDA-core kernel, nor a workspace without counters.
+TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
+  int counters[4] = {};
+  const AttentionWorkspace with_counters = {nullptr, 264, counters, 4};
+  const AttentionWorkspace without_counters = {nullptr, 264};
+  KvCacheView kv;
+  kv.type = KvType::kBF16;
+  kv.kv_heads = 1;
+  kv.head_dim = 256;
+  AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
+  EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
+  kv.head_dim = 512;
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 264, with_counters), 2);
+  query.cuda_core_kernel = true;
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
+  query.cuda_core_kernel = false;
+  query.batch = 5;  // more (sequence, kv head) pairs than counters
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

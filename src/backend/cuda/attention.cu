@@ -15,14 +15,15 @@
 // therefore owns the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as
 // read. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block are merged
 // in shared memory, and the splits by a small second kernel (which leaves at once when a shallow
-// cache put every key in one split: that block wrote the output). The sequences come from a table
-// in the kernel parameters, so one launch serves a whole decode batch of separate caches. With
-// AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
-// (attention.h: DecodePrepare), saving that kernel and its launch gap per layer: each block
-// prepares its own q heads, and every block of the last key split makes the new K/V in shared
-// memory (the part-0 one also stores it), while its first tiles are in flight. Whichever kernel
-// writes an output row (the attention kernel for one split, else the merge) also writes its
-// bf16 / kQ8 companions for o_proj's GEMV.
+// cache put every key in one split: that block wrote the output), or, where the records are few,
+// by the last of the tensor-core kernel's split blocks to finish (merge_in_last_block). The
+// sequences come from a table in the kernel parameters, so one launch serves a whole decode batch
+// of separate caches. With AttentionQuery::prepare the launch also does prepare_attention's work
+// for the decode rows (attention.h: DecodePrepare), saving that kernel and its launch gap per
+// layer: each block prepares its own q heads, and every block of the last key split makes the new
+// K/V in shared memory (the part-0 one also stores it), while its first tiles are in flight.
+// Whichever kernel writes an output row (the attention kernel for one split, else the merge) also
+// writes its bf16 / kQ8 companions for o_proj's GEMV.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -68,6 +69,9 @@ struct AttentionArgs {
   ActivationCompanions out_companions;  // written with out
   float* partials;        // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
   DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
+  // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
+  // head merges its splits (merge_in_last_block) instead of the merge kernel.
+  int* merge_counters;
 };
 
 // How many keys a query at `query_position` scans: the slots of positions (P − n, P], n = P + 1
@@ -641,6 +645,72 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
   return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
+// The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
+// written its partial records: each split block of a (sequence, kv head) counts itself in; the
+// last to arrive (all the others' records are then visible: each fenced them before counting)
+// resets the counter for the next launch and combines the records of the group's q heads as
+// merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
+// heads · (splits + 1) floats; `last`: a shared flag.
+template <int HD>
+__device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
+                                                    int heads, int splits, float* scratch,
+                                                    int& last) {
+  // The barrier orders the block's record stores before thread 0's fence, which (cumulative)
+  // publishes them device-wide before its count; the last block's fence after its count orders
+  // its reads after everyone's stores.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    int* counter = a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.kv_heads + kv;
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;  // every block of this launch has counted
+    __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  constexpr int64_t kRecord = HD + 2;
+  // Head g's record of split s at group_records + (g · a.splits + s) · kRecord; read from L2,
+  // where the other blocks wrote them.
+  const float* group_records =
+      a.partials +
+      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * kRecord;
+  float* weight = scratch;                  // [heads][splits]: first each split's max
+  float* total = scratch + heads * splits;  // [heads]
+  for (int i = threadIdx.x; i < heads * splits; i += kThreads) {
+    weight[i] = __ldcg(group_records + (i / splits * a.splits + i % splits) * kRecord);
+  }
+  __syncthreads();
+  if (threadIdx.x < heads) {
+    const int g = threadIdx.x;
+    float* w = weight + g * splits;
+    float global_max = -INFINITY;
+    for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, w[s]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = w[s];
+      w[s] = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
+      sum += w[s] * __ldcg(group_records + (g * a.splits + s) * kRecord + 1);
+    }
+    total[g] = sum;
+  }
+  __syncthreads();
+  // heads · HD is a multiple of the block's threads: every warp runs every iteration (the q8
+  // companion's chunk reductions are warp-wide) over 32 consecutive dims of one head.
+  for (int idx = threadIdx.x; idx < heads * HD; idx += kThreads) {
+    const int g = idx / HD;
+    const int d = idx % HD;
+    const float* records = group_records + g * a.splits * kRecord + 2 + d;
+    const float* w = weight + g * splits;
+    float value = 0.0f;
+#pragma unroll 4
+    for (int s = 0; s < splits; ++s) value = fmaf(w[s], __ldcg(records + s * kRecord), value);
+    const float result[1] = {total[g] > 0.0f ? value / total[g] : 0.0f};
+    const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + d;
+    a.out[row * a.out_stride + column] = result[0];
+    store_companions<1>(a.out_companions, row, column, result);
+  }
+}
+
 template <int HD, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
   using T = MmaTiling<HD, KvT>;
@@ -656,6 +726,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
   __shared__ int32_t own_position;
+  __shared__ int merge_last;  // merge_in_last_block's
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
@@ -981,6 +1052,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       write_head_output<HD>(a, row, head, d, splits, split, value, head_max, head_sum);
     }
   }
+  if (splits > 1 && a.merge_counters != nullptr) {
+    merge_in_last_block<HD>(a, row, kv, heads, splits, reinterpret_cast<float*>(pipeline),
+                            merge_last);
+  }
 }
 
 struct MergeArgs {
@@ -1170,7 +1245,28 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
   return true;
 }
 
+// Whether the tensor-core kernel (`mma`) merges `splits` itself (decode_attention_launches).
+bool merges_in_kernel(bool mma, const AttentionWorkspace& workspace, int splits, int batch,
+                      int kv_heads, int group, int head_dim) {
+  return mma && splits > 1 && splits <= kMaxMergedInKernelSplits &&
+         workspace.merge_counters != nullptr &&
+         int64_t{batch} * kv_heads <= workspace.merge_counter_count &&
+         int64_t{splits} * group * (head_dim + 2) * int64_t{sizeof(float)} <=
+             kMaxMergedInKernelBytes;
+}
+
 }  // namespace
+
+int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
+                              const AttentionWorkspace& workspace) {
+  if (splits <= 1) return 1;
+  if (kv.kv_heads < 1) return 2;
+  const int group = query.q_heads / kv.kv_heads;
+  const bool mma = !query.cuda_core_kernel &&
+                   select_mma_kernel(kv.type, kv.head_dim, group, query.prepare != nullptr);
+  const int batch = kv.sequences != nullptr ? kv.sequences->count : query.batch;
+  return merges_in_kernel(mma, workspace, splits, batch, kv.kv_heads, group, kv.head_dim) ? 1 : 2;
+}
 
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
@@ -1249,13 +1345,16 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
   if (mma_kernel != nullptr) kernel = mma_kernel;
+  const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
+                                                 kv.kv_heads, group, kv.head_dim);
+  if (merged_in_kernel) args.merge_counters = workspace.merge_counters;
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipelineBytes);
   if (status != cudaSuccess) return status;
   status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
-  if (status != cudaSuccess || splits == 1) return status;
+  if (status != cudaSuccess || splits == 1 || merged_in_kernel) return status;
   // Dim slices (a power of two, at most one per 32 dims) so that the merge fills about the
   // blocks the GPU runs at once.
   int slices = 1;

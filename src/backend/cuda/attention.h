@@ -56,10 +56,15 @@ struct KvCacheView {
 };
 
 // Device scratch for the split partials (needed when splits > 1): at least
-// attention_partials_floats(batch, q_heads, head_dim, max_splits) floats.
+// attention_partials_floats(batch, q_heads, head_dim, max_splits) floats. merge_counters
+// (optional): merge_counter_count ints, all 0 before the first launch, which each launch leaves at
+// 0 again; with them the tensor-core kernel merges few enough splits itself
+// (decode_attention_launches).
 struct AttentionWorkspace {
   float* partials = nullptr;
   int max_splits = 0;
+  int* merge_counters = nullptr;
+  int merge_counter_count = 0;
 };
 
 size_t attention_partials_floats(int batch, int q_heads, int head_dim, int max_splits);
@@ -122,6 +127,17 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch,
                              const ActivationCompanions& out_companions = {});
+
+// The kernels decode_attention launches for these arguments: 1, or 2 when the splits need the merge
+// kernel. The tensor-core kernel merges the splits itself when `workspace` has merge counters for
+// every (sequence, kv head) and the partials to merge are few (at most kMaxMergedInKernelSplits
+// splits, kMaxMergedInKernelBytes of records per kv head: a sliding layer's, or a short
+// context's): the last of a kv head's split blocks to finish combines them, and the merge kernel's
+// place in the chain of dependent kernels is saved.
+constexpr int kMaxMergedInKernelSplits = 64;
+constexpr int64_t kMaxMergedInKernelBytes = 160 << 10;
+int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
+                              const AttentionWorkspace& workspace);
 
 // The blocks of a decode attention launch that the GPU runs at once (two per SM of the H200's
 // 132): callers size their splits to it and the kernel fills it with q heads at shallow depths.
