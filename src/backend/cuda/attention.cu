@@ -650,7 +650,7 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
 // last to arrive (all the others' records are then visible: each fenced them before counting)
 // resets the counter for the next launch and combines the records of the group's q heads as
 // merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
-// heads · (splits + 1) floats; `last`: a shared flag.
+// heads · (2 · splits + 1) floats; `last`: a shared flag.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
                                                     int heads, int splits, float* scratch,
@@ -674,10 +674,13 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   const float* group_records =
       a.partials +
       (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * kRecord;
-  float* weight = scratch;                  // [heads][splits]: first each split's max
-  float* total = scratch + heads * splits;  // [heads]
+  float* weight = scratch;                      // [heads][splits]: first each split's max
+  float* split_sum = scratch + heads * splits;  // [heads][splits]
+  float* total = scratch + 2 * heads * splits;  // [heads]
   for (int i = threadIdx.x; i < heads * splits; i += kThreads) {
-    weight[i] = __ldcg(group_records + (i / splits * a.splits + i % splits) * kRecord);
+    const float* record = group_records + (i / splits * a.splits + i % splits) * kRecord;
+    weight[i] = __ldcg(record);
+    split_sum[i] = __ldcg(record + 1);
   }
   __syncthreads();
   if (threadIdx.x < heads) {
@@ -689,25 +692,53 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
     for (int s = 0; s < splits; ++s) {
       const float m = w[s];
       w[s] = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
-      sum += w[s] * __ldcg(group_records + (g * a.splits + s) * kRecord + 1);
+      sum += w[s] * split_sum[g * splits + s];
     }
     total[g] = sum;
   }
   __syncthreads();
-  // heads · HD is a multiple of the block's threads: every warp runs every iteration (the q8
-  // companion's chunk reductions are warp-wide) over 32 consecutive dims of one head.
-  for (int idx = threadIdx.x; idx < heads * HD; idx += kThreads) {
-    const int g = idx / HD;
-    const int d = idx % HD;
-    const float* records = group_records + g * a.splits * kRecord + 2 + d;
-    const float* w = weight + g * splits;
-    float value = 0.0f;
-#pragma unroll 4
-    for (int s = 0; s < splits; ++s) value = fmaf(w[s], __ldcg(records + s * kRecord), value);
-    const float result[1] = {total[g] > 0.0f ? value / total[g] : 0.0f};
-    const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + d;
-    a.out[row * a.out_stride + column] = result[0];
-    store_companions<1>(a.out_companions, row, column, result);
+  // Thread x combines dims x, x + kThreads, ... of the group's heads · HD outputs, kDims of them
+  // and kSplits splits of each at a time (kDims · kSplits loads in flight: one SM reads the
+  // records at the L2's pace, not one round trip per split). heads · HD is a multiple of the
+  // block's threads, so each step is warp-uniform and a warp's 32 dims are consecutive dims of
+  // one head (the q8 companion's chunk).
+  constexpr int kDims = 4, kSplits = 16;
+  const int outputs = heads * HD;
+  for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
+    float value[kDims] = {};
+    for (int first_split = 0; first_split < splits; first_split += kSplits) {
+      float loaded[kDims][kSplits];
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        const float* records =
+            group_records + (idx / HD * a.splits + first_split) * kRecord + 2 + idx % HD;
+#pragma unroll
+        for (int u = 0; u < kSplits; ++u) {
+          loaded[i][u] =
+              idx < outputs && first_split + u < splits ? __ldcg(records + u * kRecord) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
+#pragma unroll
+        for (int u = 0; u < kSplits; ++u) {
+          if (first_split + u < splits) value[i] = fmaf(w[u], loaded[i][u], value[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      const int idx = first_idx + i * kThreads;
+      if (idx >= outputs) break;  // warp-uniform
+      const int g = idx / HD;
+      const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
+      const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
+      a.out[row * a.out_stride + column] = result[0];
+      store_companions<1>(a.out_companions, row, column, result);
+    }
   }
 }
 
