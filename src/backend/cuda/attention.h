@@ -1,6 +1,7 @@
 // Decode attention: one query token per sequence against that sequence's KV cache, GQA (each
 // cached K/V row is read once for all q heads of its group), split across the cache with an
-// online-softmax merge (a second, small kernel when splits > 1). head_dim 256 or 512. bf16 and
+// online-softmax merge (a second, small kernel when splits > 1, unless the tensor-core kernel
+// merges few splits itself: decode_attention_launches). head_dim 256 or 512. bf16 and
 // e4m3 caches with at most 8 q heads per kv head run on tensor cores (attention.cu), the rest on
 // CUDA cores.
 #pragma once
