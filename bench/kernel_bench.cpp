@@ -362,6 +362,10 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   const size_t partial_floats =
       gemma4::cuda::attention_partials_floats(1, q_heads, head_dim, splits);
   CHECK(cudaMalloc(&partials, partial_floats * 4));
+  // The engine's split-merge counters (zero, left at zero by every launch).
+  int* merge_counters;
+  CHECK(cudaMalloc(&merge_counters, kv_heads * sizeof(int)));
+  CHECK(cudaMemset(merge_counters, 0, kv_heads * sizeof(int)));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
   // Small finite values: fp32 words, bf16 pairs or e4m3 quads of about the same magnitude.
@@ -394,14 +398,15 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   for (int option : split_options) {
     r.measure(option, 16, stream, [&](int, const Launch& launch) {
       return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
-                                            {partials, splits}, option, launch);
+                                            {partials, splits, merge_counters, kv_heads}, option,
+                                            launch);
     });
   }
   std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
               r.mbytes, r.all.c_str());
-  for (void* p :
-       {keys, values, static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
-        static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
+  for (void* p : {keys, values, static_cast<void*>(q), static_cast<void*>(out),
+                  static_cast<void*>(partials), static_cast<void*>(merge_counters),
+                  static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
     CHECK(cudaFree(p));
   }
   return r;

@@ -9,7 +9,9 @@
 // of --bandwidth-gbs, peak GPU memory and kernels per token. Prints a table; --json FILE writes
 // the same figures (model, format, gpu, commit, decode[], prefill[], peak_gpu_mib,
 // kernels_per_token, sampling, ...). Token ids fed back are a fixed pseudo-random sequence, not
-// the sampled ones (the same work per step).
+// the sampled ones (the same work per step). --timeline FILE records the GPU timeline of the
+// profiled measurements' steps with CUPTI (cli/cupti_timeline.h): a summary per kernel name is
+// printed, every kernel goes to FILE.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -25,6 +27,7 @@
 
 #include "cli/build_info.h"
 #include "cli/command.h"
+#include "cli/cupti_timeline.h"
 #include "cli/gpu_info.h"
 #include "cli/model_loader.h"
 
@@ -56,6 +59,7 @@ struct BenchArgs {
   std::string json_file;
   bool quick = false;
   std::vector<std::string> profile_last;  // measurement kinds (kProfiledKinds) to profile
+  std::string timeline_file;
 };
 
 // --quick: a short run that still touches every measurement. Options given explicitly win.
@@ -79,21 +83,42 @@ constexpr const char* kProfileLastHelp =
     "--capture-range=cudaProfilerApi` (several kinds: nsys needs --capture-range-end=repeat). "
     "No effect on the CPU";
 
+constexpr const char* kTimelineHelp =
+    "record with CUPTI (libcupti.so.13 of the CUDA toolkit, loaded at run time; GEMMA4_CUPTI=PATH "
+    "names it) every kernel, memcpy and memset of the timed steps of the measurements "
+    "--profile-last names (decode when it names none): print per kernel name its launches per "
+    "step, mean duration and critical-path cost (how far its end moves the step's latest end: "
+    "in a PDL chain, the previous kernel's end to its own) against the step's wall time, and "
+    "write every launch (name, grid, block, start/end from the step's first kernel) to FILE as "
+    "tab-separated values. Tracing adds some cost per kernel: the traced measurement's tok/s is "
+    "lower than an untraced run's. E2B batch 1: gemma4 bench -m M --depths 0 --prefill 8 "
+    "--batches 1 --decode-tokens 32 --timeline t.tsv";
+
 // The timed steps of one measurement, bracketed by the backend's profiler range when `backend`
-// is given (ends on every path out, errors included).
+// is given (ends on every path out, errors included), and recorded by `timeline` as range
+// `label` when both are given (mark_step before each step).
 class ProfilerRange {
  public:
-  explicit ProfilerRange(const engine::Backend* backend) : backend_(backend) {
+  ProfilerRange(const engine::Backend* backend, CuptiTimeline* timeline, std::string label)
+      : backend_(backend), timeline_(backend ? timeline : nullptr), label_(std::move(label)) {
     if (backend_) backend_->begin_profiler_range();
+    if (timeline_) timeline_->begin_range();
   }
   ~ProfilerRange() {
     if (backend_) backend_->end_profiler_range();
+    if (timeline_) timeline_->end_range(std::move(label_));
   }
   ProfilerRange(const ProfilerRange&) = delete;
   ProfilerRange& operator=(const ProfilerRange&) = delete;
 
+  void mark_step() {
+    if (timeline_) timeline_->mark_step();
+  }
+
  private:
   const engine::Backend* backend_;
+  CuptiTimeline* timeline_;
+  std::string label_;
 };
 
 struct DecodeResult {
@@ -169,16 +194,26 @@ std::string current_commit() {
 // Runs the measurements on engines of one opened model and tracks peak GPU memory between them.
 class Bench {
  public:
+  // `timeline`: records the profiled measurements when given.
   Bench(const BenchArgs& args, std::filesystem::path path,
-        std::shared_ptr<model::LoadedModel> model, EngineLoadOptions load)
-      : args_(args), path_(std::move(path)), model_(std::move(model)), load_(load) {}
+        std::shared_ptr<model::LoadedModel> model, EngineLoadOptions load, CuptiTimeline* timeline)
+      : args_(args),
+        path_(std::move(path)),
+        model_(std::move(model)),
+        load_(load),
+        timeline_(timeline) {}
 
   Status run() {
     GEMMA4_RETURN_IF_ERROR(run_single_stream());
-    return run_batched();
+    GEMMA4_RETURN_IF_ERROR(run_batched());
+    if (timeline_ && !on_gpu_)
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--timeline records CUDA kernels: the engine ran on the CPU");
+    return Status::ok_status();
   }
 
   Status write_report() const;
+  Status write_timeline() const;
 
  private:
   Expected<LoadedEngine> make_engine(int32_t sequences, int64_t context) {
@@ -318,9 +353,15 @@ class Bench {
     for (int warmup = 0; warmup < 2; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
     double elapsed = 0;
     {
-      const ProfilerRange range(profiled);
+      ProfilerRange range(profiled, timeline_,
+                          batch == 1 ? fmt::format("decode depth {}", depth)
+                                     : fmt::format("decode of {} streams at depth {}", batch,
+                                                   std::max<int64_t>(depth, 1)));
       const auto start = Clock::now();
-      for (int i = 0; i < args_.decode_tokens; ++i) GEMMA4_RETURN_IF_ERROR(step());
+      for (int i = 0; i < args_.decode_tokens; ++i) {
+        range.mark_step();
+        GEMMA4_RETURN_IF_ERROR(step());
+      }
       elapsed = seconds_since(start);
     }
     sample_memory();
@@ -343,8 +384,9 @@ class Bench {
       GEMMA4_ASSIGN_OR_RETURN(auto sequence, engine.open_sequence());
       const auto prompt = tokens.take(count);
       const engine::StepInput input{sequence, prompt};
-      const ProfilerRange range(timed ? profiled : nullptr);
+      ProfilerRange range(timed ? profiled : nullptr, timeline_, fmt::format("prefill {}", count));
       const auto start = Clock::now();
+      range.mark_step();
       const Status status = greedy_step(engine, {&input, 1});
       const double elapsed = seconds_since(start);
       engine.close_sequence(sequence);
@@ -386,6 +428,7 @@ class Bench {
   std::filesystem::path path_;
   std::shared_ptr<model::LoadedModel> model_;
   EngineLoadOptions load_;
+  CuptiTimeline* timeline_;  // null: no --timeline
   std::string backend_description_;
   std::string activations_;  // what decode matmuls read (LoadedEngine::activations)
   bool on_gpu_ = false;
@@ -499,7 +542,31 @@ Status Bench::write_report() const {
   return Status::ok_status();
 }
 
-Status bench(const BenchArgs& args) {
+// Per recorded measurement, the summary on stdout (and its kCostliestLaunches launches of largest
+// critical cost); every launch of all of them to the file.
+constexpr size_t kCostliestLaunches = 25;
+
+Status Bench::write_timeline() const {
+  if (!timeline_) return Status::ok_status();
+  GEMMA4_RETURN_IF_ERROR(timeline_->status());
+  for (const auto& range : timeline_->ranges()) {
+    std::printf("\n== %s ==\n%s", range.label.c_str(),
+                format_timeline_summary(summarize_timeline(range.steps)).c_str());
+    if (const auto launches = summarize_launches(range.steps); !launches.empty()) {
+      std::printf("costliest launches of the step (same graph every step; index in the step):\n%s",
+                  format_costliest_launches(launches, kCostliestLaunches).c_str());
+    }
+  }
+  if (const size_t dropped = timeline_->dropped_records(); dropped > 0)
+    std::printf("warning: CUPTI dropped %zu records: the timeline misses them\n", dropped);
+  std::ofstream out(args_.timeline_file);
+  write_timeline_tsv(out, timeline_->ranges());
+  if (!out) return make_error(ErrorCode::kIo, "--timeline: cannot write {}", args_.timeline_file);
+  std::printf("kernel timeline: %s\n", args_.timeline_file.c_str());
+  return Status::ok_status();
+}
+
+Status bench(BenchArgs args) {
   if (args.decode_tokens < 1)
     return make_error(ErrorCode::kInvalidArgument, "--decode-tokens must be >= 1");
   if (args.parallel < 1) return make_error(ErrorCode::kInvalidArgument, "--parallel must be >= 1");
@@ -521,9 +588,19 @@ Status bench(const BenchArgs& args) {
   GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
-  Bench bench(args, path, std::move(model), load);
+  // Started before the engine captures its graphs (CuptiTimeline::start).
+  std::unique_ptr<CuptiTimeline> timeline;
+  if (!args.timeline_file.empty()) {
+    if (load.device == Device::kCpu)
+      return make_error(ErrorCode::kInvalidArgument,
+                        "--timeline records CUDA kernels, not --device cpu");
+    if (args.profile_last.empty()) args.profile_last = {"decode"};
+    GEMMA4_ASSIGN_OR_RETURN(timeline, CuptiTimeline::start());
+  }
+  Bench bench(args, path, std::move(model), load, timeline.get());
   GEMMA4_RETURN_IF_ERROR(bench.run());
-  return bench.write_report();
+  GEMMA4_RETURN_IF_ERROR(bench.write_report());
+  return bench.write_timeline();
 }
 
 void register_bench(CLI::App& app, int& exit_code) {
@@ -565,6 +642,7 @@ void register_bench(CLI::App& app, int& exit_code) {
       ->type_name("KIND,...")
       ->delimiter(',')
       ->check(CLI::IsMember(kProfiledKinds));
+  cmd->add_option("--timeline", args->timeline_file, kTimelineHelp)->type_name("FILE");
   cmd->add_flag("--quick", args->quick,
                 "short run: depths 0,4096, prefill 512, batches 1,8, 16 decode tokens (unless "
                 "given)");

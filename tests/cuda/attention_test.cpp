@@ -28,13 +28,15 @@ struct Case {
 };
 
 // cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 and e4m3 caches have a tensor-core
-// kernel too).
-void run_case(const Case& c, bool cuda_core_kernel = false) {
+// kernel too). own_slot_unwritten: the slot of each query's own position holds -1 (never
+// written), so that key is invisible as any empty slot.
+void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwritten = false) {
   const char* type_name = c.type == KvType::kBF16  ? " bf16"
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
-               (cuda_core_kernel ? " cuda cores" : ""));
+               (cuda_core_kernel ? " cuda cores" : "") +
+               (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
   const int64_t kv_width = c.kv_heads * hd;
@@ -73,6 +75,7 @@ void run_case(const Case& c, bool cuda_core_kernel = false) {
       if (s > p_query) continue;
       slot_positions[b * c.slots + s] = static_cast<int32_t>(p_query - (p_query - s) % c.slots);
     }
+    if (own_slot_unwritten) slot_positions[b * c.slots + p_query % c.slots] = -1;
   }
 
   DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd);
@@ -80,6 +83,9 @@ void run_case(const Case& c, bool cuda_core_kernel = false) {
   DeviceArray<uint8_t> dk8(keys_fp8), dv8(values_fp8);
   DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
   DeviceArray<float> partials(attention_partials_floats(batch, c.q_heads, c.head_dim, c.splits));
+  // The engine's merge counters (few enough splits merge in the tensor-core kernel: attention.h).
+  const int counter_count = batch * c.kv_heads;
+  DeviceArray<int> merge_counters(std::vector<int>(counter_count, 0));
   KvCacheView kv;
   kv.keys = c.type == KvType::kBF16  ? static_cast<const void*>(dk16.get())
             : c.type == KvType::kFP8 ? static_cast<const void*>(dk8.get())
@@ -95,10 +101,13 @@ void run_case(const Case& c, bool cuda_core_kernel = false) {
   kv.sequence_stride = per_sequence;
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = cuda_core_kernel;
-  CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd,
-                                  AttentionWorkspace{partials.get(), c.splits}, c.splits,
-                                  Launch{}));
+  const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
+                                        counter_count};
+  CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
+                                  c.splits, Launch{}));
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  // Left at zero for the next launch (a replayed graph reuses them).
+  EXPECT_EQ(merge_counters.download(), std::vector<int>(counter_count, 0));
 
   std::vector<double> expected(out.download().size()), magnitude(expected.size(), 1.0);
   const int group = c.q_heads / c.kv_heads;
@@ -217,6 +226,51 @@ TEST(DecodeAttention, DeepContextsOnEveryKernel) {
       for (const Case& c : cases) run_case(c, cuda_core_kernel);
     }
   }
+}
+
+// The tensor-core kernel reads the query's own slot (K, V and position) apart from the other
+// keys, after the PDL wait (attention.cu): an unwritten own slot must stay invisible there too,
+// at depths whose own key falls in the first tile, a later one, or a split of its own.
+TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
+  const std::vector<int32_t> depths = {1, 6, 40, 1024};  // query positions (each sees a key)
+  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
+    for (const int splits : {1, 32}) {
+      const Case cases[] = {
+          {"e2b-full", 8, 1, 512, 1100, 0, depths, splits, type},
+          {"e2b-sliding", 8, 1, 256, 600, 512, depths, splits, type},
+          {"26b-sliding", 16, 8, 256, 1100, 1024, depths, splits, type},
+      };
+      for (const Case& c : cases) {
+        run_case(c, false, true);
+        run_case(c, true, true);
+      }
+    }
+  }
+}
+
+// Which launches merge their splits in the tensor-core kernel: E2B's sliding layers at the splits
+// the engine picks (16 of 256 dims for 8 heads: 132 KB of records), and short full ones; not a
+// deep full layer's 264 splits, the CUDA-core kernel, nor a workspace without counters.
+TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
+  int counters[4] = {};
+  const AttentionWorkspace with_counters = {nullptr, 264, counters, 4};
+  const AttentionWorkspace without_counters = {nullptr, 264};
+  KvCacheView kv;
+  kv.type = KvType::kBF16;
+  kv.kv_heads = 1;
+  kv.head_dim = 256;
+  AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
+  EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
+  kv.head_dim = 512;
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 264, with_counters), 2);
+  query.cuda_core_kernel = true;
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
+  query.cuda_core_kernel = false;
+  query.batch = 5;  // more (sequence, kv head) pairs than counters
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

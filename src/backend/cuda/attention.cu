@@ -15,14 +15,15 @@
 // therefore owns the dims of those pieces. K/V are fp32, bf16 or e4m3 (KvType), widened to fp32 as
 // read. Each warp keeps an online softmax (max, sum, acc) per head; the warps of a block are merged
 // in shared memory, and the splits by a small second kernel (which leaves at once when a shallow
-// cache put every key in one split: that block wrote the output). The sequences come from a table
-// in the kernel parameters, so one launch serves a whole decode batch of separate caches. With
-// AttentionQuery::prepare the launch also does prepare_attention's work for the decode rows
-// (attention.h: DecodePrepare), saving that kernel and its launch gap per layer: each block
-// prepares its own q heads, and every block of the last key split makes the new K/V in shared
-// memory (the part-0 one also stores it), while its first tiles are in flight. Whichever kernel
-// writes an output row (the attention kernel for one split, else the merge) also writes its
-// bf16 / kQ8 companions for o_proj's GEMV.
+// cache put every key in one split: that block wrote the output), or, where the records are few,
+// by the last of the tensor-core kernel's split blocks to finish (merge_in_last_block). The
+// sequences come from a table in the kernel parameters, so one launch serves a whole decode batch
+// of separate caches. With AttentionQuery::prepare the launch also does prepare_attention's work
+// for the decode rows (attention.h: DecodePrepare), saving that kernel and its launch gap per
+// layer: each block prepares its own q heads, and every block of the last key split makes the new
+// K/V in shared memory (the part-0 one also stores it), while its first tiles are in flight.
+// Whichever kernel writes an output row (the attention kernel for one split, else the merge) also
+// writes its bf16 / kQ8 companions for o_proj's GEMV.
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -68,6 +69,9 @@ struct AttentionArgs {
   ActivationCompanions out_companions;  // written with out
   float* partials;        // splits > 1: [batch][q_heads][splits][head_dim + 2] = (max, sum, acc)
   DecodePrepare prepare;  // the fused prologue's (kPrepare kernels)
+  // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
+  // head merges its splits (merge_in_last_block) instead of the merge kernel.
+  int* merge_counters;
 };
 
 // How many keys a query at `query_position` scans: the slots of positions (P − n, P], n = P + 1
@@ -229,35 +233,39 @@ __device__ __forceinline__ PrologueConstants<HD> load_prologue_constants(
 }
 
 // The prologue of a block serving q heads [first_head, first_head + heads) of its group: those
-// heads normed and rotated into `prepared_q` (fp32, one head after the other); with
-// `makes_new_key` the query position's K and V into `new_kv` as the cache holds them, and with
-// `stores_new_key` also into the cache at `new_slot` with the slot's position. Ends with a block
-// barrier.
+// heads normed and rotated (`rotation`: the query position's, head_rotation of constants.q) into
+// `prepared_q` (fp32, one head after the other); with `makes_new_key` the query position's K and
+// V into `new_kv` as the cache holds them, and with `stores_new_key` also into the cache at
+// `new_slot` with the slot's position. The K and V warps load their new row with their first q
+// head (one round trip, not two). Ends with a block barrier.
 template <int HD, typename KvT>
-__device__ __forceinline__ void run_prologue(const AttentionArgs& a, const SequenceKv& sequence,
-                                             const PrologueConstants<HD>& constants, int64_t row,
-                                             int kv, int first_head, int heads,
-                                             int32_t query_position, bool makes_new_key,
-                                             bool stores_new_key, int64_t new_slot,
-                                             float* prepared_q, KvT (*new_kv)[HD], int warp,
-                                             int lane) {
+__device__ __forceinline__ void run_prologue(
+    const AttentionArgs& a, const SequenceKv& sequence, const PrologueConstants<HD>& constants,
+    const HeadRotation<HD / 256>& rotation, int64_t row, int kv, int first_head, int heads,
+    int32_t query_position, bool makes_new_key, bool stores_new_key, int64_t new_slot,
+    float* prepared_q, KvT (*new_kv)[HD], int warp, int lane) {
   constexpr int kPairQuads = HD / 256;
   const DecodePrepare& prepare = a.prepare;
-  for (int g = warp; g < heads; g += kWarps) {
-    const float* src =
-        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
-    const HeadQuads<kPairQuads> head = transform_head<kPairQuads, true>(
-        src, constants.q, true, true, prepare.eps, HD / 2, query_position, lane);
-    store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
-  }
-  if (makes_new_key && (warp == kKeyWarp || warp == kValueWarp)) {
-    const bool is_key = warp == kKeyWarp;
+  const bool makes_kv = makes_new_key && (warp == kKeyWarp || warp == kValueWarp);
+  const bool is_key = warp == kKeyWarp;
+  HeadQuads<kPairQuads> raw_kv;
+  if (makes_kv) {
     const float* src =
         (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
         int64_t{kv} * HD;
+    raw_kv = load_head<kPairQuads, true>(src, HD / 2, lane);
+  }
+  for (int g = warp; g < heads; g += kWarps) {
+    const float* src =
+        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
     const HeadQuads<kPairQuads> head =
-        transform_head<kPairQuads, true>(src, constants.kv, is_key || prepare.norm_v, is_key,
-                                         prepare.eps, HD / 2, query_position, lane);
+        finish_head(load_head<kPairQuads, true>(src, HD / 2, lane), constants.q, true, true,
+                    rotation, prepare.eps, HD / 2, lane);
+    store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
+  }
+  if (makes_kv) {
+    const HeadQuads<kPairQuads> head = finish_head(raw_kv, constants.kv, is_key || prepare.norm_v,
+                                                   is_key, rotation, prepare.eps, HD / 2, lane);
     store_head<true>(new_kv[is_key ? 0 : 1], head, HD / 2, lane);
     if (stores_new_key) {
       store_head<true>(static_cast<KvT*>(is_key ? sequence.keys : sequence.values) +
@@ -382,9 +390,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // touches before the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, row, kv, first_head, heads, query_position,
-                     makes_new_key, part == 0, slot_of(scanned - 1), const_cast<float*>(prepared_q),
-                     new_kv, warp, lane);
+    run_prologue<HD>(a, sequence, constants,
+                     head_rotation(constants.q, HD / 2, query_position, lane), row, kv, first_head,
+                     heads, query_position, makes_new_key, part == 0, slot_of(scanned - 1),
+                     const_cast<float*>(prepared_q), new_kv, warp, lane);
   }
 
   const int head_groups = (heads + HPW - 1) / HPW;
@@ -550,7 +559,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 // CUDA-core kernel. K/V tiles stream through shared memory with cp.async as above, each row's
 // 16-byte chunks XOR-swizzled by the row's low 3 bits so that ldmatrix's 8 rows hit distinct
 // banks. A block serves every q head of its kv head (no q-head parts: the mma does all 8 at
-// once).
+// once). At shallow depths its cost is a chain of dependent steps, so what needs no predecessor
+// runs before the PDL wait: the query position, the RoPE angles, and the copies of the keys older
+// than the query (attention.h says why that is safe); after it only q, k, v (loaded together),
+// the query's own key and the chain from the scores to the output remain.
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
@@ -633,6 +645,103 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
   return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
+// The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
+// written its partial records: each split block of a (sequence, kv head) counts itself in; the
+// last to arrive (all the others' records are then visible: each fenced them before counting)
+// resets the counter for the next launch and combines the records of the group's q heads as
+// merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
+// heads · (2 · splits + 1) floats; `last`: a shared flag.
+template <int HD>
+__device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
+                                                    int heads, int splits, float* scratch,
+                                                    int& last) {
+  // The barrier orders the block's record stores before thread 0's fence, which (cumulative)
+  // publishes them device-wide before its count; the last block's fence after its count orders
+  // its reads after everyone's stores.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    int* counter = a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.kv_heads + kv;
+    last = atomicAdd(counter, 1) == splits - 1;
+    if (last) *counter = 0;  // every block of this launch has counted
+    __threadfence();
+  }
+  __syncthreads();
+  if (!last) return;
+  constexpr int64_t kRecord = HD + 2;
+  // Head g's record of split s at group_records + (g · a.splits + s) · kRecord; read from L2,
+  // where the other blocks wrote them.
+  const float* group_records =
+      a.partials +
+      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * kRecord;
+  float* weight = scratch;                      // [heads][splits]: first each split's max
+  float* split_sum = scratch + heads * splits;  // [heads][splits]
+  float* total = scratch + 2 * heads * splits;  // [heads]
+  for (int i = threadIdx.x; i < heads * splits; i += kThreads) {
+    const float* record = group_records + (i / splits * a.splits + i % splits) * kRecord;
+    weight[i] = __ldcg(record);
+    split_sum[i] = __ldcg(record + 1);
+  }
+  __syncthreads();
+  if (threadIdx.x < heads) {
+    const int g = threadIdx.x;
+    float* w = weight + g * splits;
+    float global_max = -INFINITY;
+    for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, w[s]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; ++s) {
+      const float m = w[s];
+      w[s] = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
+      sum += w[s] * split_sum[g * splits + s];
+    }
+    total[g] = sum;
+  }
+  __syncthreads();
+  // Thread x combines dims x, x + kThreads, ... of the group's heads · HD outputs, kDims of them
+  // and kSplits splits of each at a time (kDims · kSplits loads in flight: one SM reads the
+  // records at the L2's pace, not one round trip per split). heads · HD is a multiple of the
+  // block's threads, so each step is warp-uniform and a warp's 32 dims are consecutive dims of
+  // one head (the q8 companion's chunk).
+  constexpr int kDims = 4, kSplits = 16;
+  const int outputs = heads * HD;
+  for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
+    float value[kDims] = {};
+    for (int first_split = 0; first_split < splits; first_split += kSplits) {
+      float loaded[kDims][kSplits];
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        const float* records =
+            group_records + (idx / HD * a.splits + first_split) * kRecord + 2 + idx % HD;
+#pragma unroll
+        for (int u = 0; u < kSplits; ++u) {
+          loaded[i][u] =
+              idx < outputs && first_split + u < splits ? __ldcg(records + u * kRecord) : 0.0f;
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
+#pragma unroll
+        for (int u = 0; u < kSplits; ++u) {
+          if (first_split + u < splits) value[i] = fmaf(w[u], loaded[i][u], value[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      const int idx = first_idx + i * kThreads;
+      if (idx >= outputs) break;  // warp-uniform
+      const int g = idx / HD;
+      const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
+      const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
+      a.out[row * a.out_stride + column] = result[0];
+      store_companions<1>(a.out_companions, row, column, result);
+    }
+  }
+}
+
 template <int HD, typename KvT, bool kPrepare>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
   using T = MmaTiling<HD, KvT>;
@@ -643,16 +752,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
   // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
   __shared__ float4 partial_scores[2][kWarps][32];
+  // The query position's K/V rows (key scanned − 1) and the position its slot holds: made by the
+  // fused prologue, or read from the cache after the PDL wait (a layer reading another layer's
+  // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
+  __shared__ int32_t own_position;
+  __shared__ int merge_last;  // merge_in_last_block's
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
   const int t = lane & 3;   // fragment column pair
   const DecodePrepare& prepare = a.prepare;
+
+  // Before the PDL wait, everything that does not depend on the predecessors: the norm scales and
+  // RoPE frequencies, the query position (uploaded before the step) and from it the rotation, the
+  // block's key range, and the copies of the first tiles of keys older than the query (their
+  // rows and slot positions were written by earlier steps; only the query's own slot is written
+  // in this one, and it is read after the wait). Blocks without keys leave before the wait.
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
-  pdl_wait_for_predecessors();
-
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
@@ -666,11 +784,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t per_split = keys_per_split(scanned, a.splits);
   const int64_t begin = split * per_split;
   const int64_t end = min(scanned, begin + per_split);
-  // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
-  // the block puts it into its tile's row itself, never reading it from the cache, which the
-  // block writes meanwhile.
-  const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
-  const int64_t loaded_end = makes_new_key ? end - 1 : end;
+  // The split holding the query's own key never copies it into the tiles: the block puts it
+  // into its tile's rows from new_kv (never reading it from the cache while the prologue writes
+  // it there, nor before the wait).
+  const bool has_own_key = end == scanned;
+  const bool makes_new_key = kPrepare && prepare.k != nullptr && has_own_key;
+  const int64_t loaded_end = has_own_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
   // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
@@ -683,7 +802,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     return slot < slots ? slot : slot - slots;
   };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
-  // not read (the new key's position is the query's, every other one −1). Thread x copies chunk
+  // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
@@ -710,22 +829,47 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         if (j < loaded_end) {
           copy_async4(&tile_positions[stage][threadIdx.x], sequence.slot_positions + slot_of(j));
         } else {
-          tile_positions[stage][threadIdx.x] = makes_new_key && j == end - 1 ? query_position : -1;
+          tile_positions[stage][threadIdx.x] = -1;
         }
       }
     }
     commit_copies();
   };
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
+  HeadRotation<HD / 256> rotation;
+  if constexpr (kPrepare) rotation = head_rotation(constants.q, HD / 2, query_position, lane);
+  pdl_wait_for_predecessors();
+
+  // The own key from the cache: loaded now, stored to shared memory after the prologue (its
+  // loads in flight meanwhile), seen by the tile loop after its first barrier.
+  constexpr int kOwnChunks = 2 * T::kRowChunks;  // K row, then V row
+  static_assert(kOwnChunks <= kThreads);
+  const bool loads_own_key = has_own_key && !makes_new_key;
+  const int64_t own_slot = slot_of(scanned - 1);
+  uint4 own_chunk = {};
+  int32_t cached_own_position = -1;
+  if (loads_own_key) {
+    if (threadIdx.x < kOwnChunks) {
+      const int is_value = threadIdx.x / T::kRowChunks;
+      own_chunk = reinterpret_cast<const uint4*>(
+          (is_value ? values : keys) + own_slot * row_stride)[threadIdx.x % T::kRowChunks];
+    }
+    if (threadIdx.x == 0) cached_own_position = sequence.slot_positions[own_slot];
+  }
 
   // The prologue while the first tiles are in flight, into the last stage (no copy touches it
   // before the first tile is computed; every thread has read its q by then).
   const float* prepared_q =
       reinterpret_cast<const float*>(pipeline + (kStages - 1) * T::kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, row, kv, 0, heads, query_position, makes_new_key, true,
-                     slot_of(scanned - 1), const_cast<float*>(prepared_q), new_kv, warp, lane);
+    run_prologue<HD>(a, sequence, constants, rotation, row, kv, 0, heads, query_position,
+                     makes_new_key, true, own_slot, const_cast<float*>(prepared_q), new_kv, warp,
+                     lane);
   }
+  if (loads_own_key && threadIdx.x < kOwnChunks)
+    reinterpret_cast<uint4*>(new_kv[threadIdx.x / T::kRowChunks])[threadIdx.x % T::kRowChunks] =
+        own_chunk;
+  if (threadIdx.x == 0) own_position = loads_own_key ? cached_own_position : query_position;
 
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
@@ -766,17 +910,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     const int stage = static_cast<int>(tile % kStages);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
+    // The own key, when this tile holds it (its index in the tile, else −1).
+    const int64_t first_key = begin + tile * kMmaTileKeys;
+    const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
+                            ? static_cast<int>(end - 1 - first_key)
+                            : -1;
+    const int32_t key_position =
+        lane % kMmaTileKeys == own_key ? own_position : tile_positions[stage][lane % kMmaTileKeys];
     const uint32_t visible =
-        __ballot_sync(0xFFFFFFFFu, visible_position(tile_positions[stage][lane % kMmaTileKeys],
-                                                    query_position, a.window)) &
+        __ballot_sync(0xFFFFFFFFu, visible_position(key_position, query_position, a.window)) &
         0xFFFFu;
-    // Rows the warp reads but no copy filled this tile: the new key's (from new_kv) and the
+    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv) and the
     // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
     // Each warp touches only its own dims, so warp barriers order it.
-    const int64_t first_key = begin + tile * kMmaTileKeys;
     const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
-    if (makes_new_key && end - 1 < first_key + kMmaTileKeys) {
-      const int key = static_cast<int>(end - 1 - first_key);
+    if (own_key >= 0) {
+      const int key = own_key;
       for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
         const int is_value = c / T::kWarpRowChunks;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
@@ -934,6 +1083,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       write_head_output<HD>(a, row, head, d, splits, split, value, head_max, head_sum);
     }
   }
+  if (splits > 1 && a.merge_counters != nullptr) {
+    merge_in_last_block<HD>(a, row, kv, heads, splits, reinterpret_cast<float*>(pipeline),
+                            merge_last);
+  }
 }
 
 struct MergeArgs {
@@ -967,12 +1120,16 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   __shared__ float split_weight[kMaxSplits];
   __shared__ float warp_partial[kMergeWarps][512];
   __shared__ float scratch[kMergeWarps];
-  pdl_wait_for_predecessors();
+  // The query position before the PDL wait (uploaded before the step, as the attention kernel
+  // reads it): a shallow cache's merge then leaves as soon as the wait releases it.
   const int head = blockIdx.x;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
   const int splits =
       used_splits(scanned_keys(sequence.slots, a.positions[row], a.window), a.splits);
+  // Even with nothing to merge, the wait: the kernels after this one count on its completion
+  // meaning the attention kernel's too.
+  pdl_wait_for_predecessors();
   if (splits == 1) return;  // the attention kernel wrote the output
   const int64_t record = a.head_dim + 2;
   const float* base =
@@ -1119,7 +1276,28 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
   return true;
 }
 
+// Whether the tensor-core kernel (`mma`) merges `splits` itself (decode_attention_launches).
+bool merges_in_kernel(bool mma, const AttentionWorkspace& workspace, int splits, int batch,
+                      int kv_heads, int group, int head_dim) {
+  return mma && splits > 1 && splits <= kMaxMergedInKernelSplits &&
+         workspace.merge_counters != nullptr &&
+         int64_t{batch} * kv_heads <= workspace.merge_counter_count &&
+         int64_t{splits} * group * (head_dim + 2) * int64_t{sizeof(float)} <=
+             kMaxMergedInKernelBytes;
+}
+
 }  // namespace
+
+int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
+                              const AttentionWorkspace& workspace) {
+  if (splits <= 1) return 1;
+  if (kv.kv_heads < 1) return 2;
+  const int group = query.q_heads / kv.kv_heads;
+  const bool mma = !query.cuda_core_kernel &&
+                   select_mma_kernel(kv.type, kv.head_dim, group, query.prepare != nullptr);
+  const int batch = kv.sequences != nullptr ? kv.sequences->count : query.batch;
+  return merges_in_kernel(mma, workspace, splits, batch, kv.kv_heads, group, kv.head_dim) ? 1 : 2;
+}
 
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
@@ -1198,13 +1376,16 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
   if (mma_kernel != nullptr) kernel = mma_kernel;
+  const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
+                                                 kv.kv_heads, group, kv.head_dim);
+  if (merged_in_kernel) args.merge_counters = workspace.merge_counters;
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipelineBytes);
   if (status != cudaSuccess) return status;
   status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
-  if (status != cudaSuccess || splits == 1) return status;
+  if (status != cudaSuccess || splits == 1 || merged_in_kernel) return status;
   // Dim slices (a power of two, at most one per 32 dims) so that the merge fills about the
   // blocks the GPU runs at once.
   int slices = 1;

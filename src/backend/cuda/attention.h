@@ -1,6 +1,7 @@
 // Decode attention: one query token per sequence against that sequence's KV cache, GQA (each
 // cached K/V row is read once for all q heads of its group), split across the cache with an
-// online-softmax merge (a second, small kernel when splits > 1). head_dim 256 or 512. bf16 and
+// online-softmax merge (a second, small kernel when splits > 1, unless the tensor-core kernel
+// merges few splits itself: decode_attention_launches). head_dim 256 or 512. bf16 and
 // e4m3 caches with at most 8 q heads per kv head run on tensor cores (attention.cu), the rest on
 // CUDA cores.
 #pragma once
@@ -56,10 +57,15 @@ struct KvCacheView {
 };
 
 // Device scratch for the split partials (needed when splits > 1): at least
-// attention_partials_floats(batch, q_heads, head_dim, max_splits) floats.
+// attention_partials_floats(batch, q_heads, head_dim, max_splits) floats. merge_counters
+// (optional): merge_counter_count ints, all 0 before the first launch, which each launch leaves at
+// 0 again; with them the tensor-core kernel merges few enough splits itself
+// (decode_attention_launches).
 struct AttentionWorkspace {
   float* partials = nullptr;
   int max_splits = 0;
+  int* merge_counters = nullptr;
+  int merge_counter_count = 0;
 };
 
 size_t attention_partials_floats(int batch, int q_heads, int head_dim, int max_splits);
@@ -112,11 +118,27 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 // kDecodeAttentionBlocks per launch), so a short context costs about one head's work.
 // out_companions (gemv_kernels.h; none by default): the output's bf16 and/or kQ8 rows for the
 // GEMV that reads it, written with each output row (row r of the companions for row r of out).
+// With PDL the split merge reads `positions`, and the tensor-core kernel also the K/V rows and
+// slot positions of the keys older than each query, before they wait for their predecessors: no
+// kernel of the launch's dependent chain may write those (the engine writes them in earlier
+// passes, and each pass starts with an upload, which no kernel overlaps). The query's own slot
+// is read after the wait.
 constexpr int64_t kMinKeysPerSplit = 32;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch,
                              const ActivationCompanions& out_companions = {});
+
+// The kernels decode_attention launches for these arguments: 1, or 2 when the splits need the merge
+// kernel. The tensor-core kernel merges the splits itself when `workspace` has merge counters for
+// every (sequence, kv head) and the partials to merge are few (at most kMaxMergedInKernelSplits
+// splits, kMaxMergedInKernelBytes of records per kv head: a sliding layer's, or a short
+// context's): the last of a kv head's split blocks to finish combines them, and the merge kernel's
+// place in the chain of dependent kernels is saved.
+constexpr int kMaxMergedInKernelSplits = 64;
+constexpr int64_t kMaxMergedInKernelBytes = 160 << 10;
+int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
+                              const AttentionWorkspace& workspace);
 
 // The blocks of a decode attention launch that the GPU runs at once (two per SM of the H200's
 // 132): callers size their splits to it and the kernel fills it with q heads at shallow depths.

@@ -51,17 +51,33 @@ struct HeadQuads {
   FloatQuad first[kPairQuads], second[kPairQuads];
 };
 
-// The head at `src` (2 · half floats), normed when `norm` (x · rsqrt(mean(x²) + eps) · scale) and
-// rotated by `position` when `rotate`. Every lane has read its elements before the warp's
-// reduction completes, so a store of the result may overwrite src.
+// The RoPE rotation of the lane's quads at one position: cos and sin of the angle as the CPU
+// reference rounds it, fp32(position) · inv_freq in fp32. It needs only the position and the
+// frequencies, so the decode attention computes it before its PDL wait.
+template <int kPairQuads>
+struct HeadRotation {
+  FloatQuad cos[kPairQuads], sin[kPairQuads];
+};
+
+template <int kPairQuads>
+__device__ __forceinline__ HeadRotation<kPairQuads> head_rotation(
+    const HeadConstants<kPairQuads>& c, int half, int32_t position, int lane) {
+  HeadRotation<kPairQuads> r;
+  const float angle_position = static_cast<float>(position);
+#pragma unroll
+  for (int k = 0; k < kPairQuads; ++k) {
+    if (head_quad(lane, k) >= half) continue;
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      sincosf(angle_position * c.inv_freq[k].v[e], &r.sin[k].v[e], &r.cos[k].v[e]);
+  }
+  return r;
+}
+
+// The lane's quads of the head at `src` (2 · half floats), as they are.
 template <int kPairQuads, bool kAligned>
-__device__ __forceinline__ HeadQuads<kPairQuads> transform_head(const float* src,
-                                                                const HeadConstants<kPairQuads>& c,
-                                                                bool norm, bool rotate, float eps,
-                                                                int half, int32_t position,
-                                                                int lane) {
+__device__ __forceinline__ HeadQuads<kPairQuads> load_head(const float* src, int half, int lane) {
   HeadQuads<kPairQuads> h;
-  float sum = 0.0f;
 #pragma unroll
   for (int k = 0; k < kPairQuads; ++k) {
     h.first[k] = h.second[k] = {{0.0f, 0.0f, 0.0f, 0.0f}};
@@ -69,14 +85,23 @@ __device__ __forceinline__ HeadQuads<kPairQuads> transform_head(const float* src
     h.first[k] = load_quad<kAligned>(src, head_quad(lane, k), half);
     h.second[k] = load_quad<kAligned>(src + half, head_quad(lane, k), half);
   }
+  return h;
+}
+
+// A loaded head normed when `norm` (x · rsqrt(mean(x²) + eps) · scale) and rotated by `rotation`
+// when `rotate` (pairs whose frequency is 0 stay as they are). Loading apart from the rest lets
+// a warp with two heads issue both heads' loads before either's reduction.
+template <int kPairQuads>
+__device__ __forceinline__ HeadQuads<kPairQuads> finish_head(
+    HeadQuads<kPairQuads> h, const HeadConstants<kPairQuads>& c, bool norm, bool rotate,
+    const HeadRotation<kPairQuads>& rotation, float eps, int half, int lane) {
+  float sum = 0.0f;
 #pragma unroll
   for (int k = 0; k < kPairQuads; ++k)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
       sum += h.first[k].v[e] * h.first[k].v[e] + h.second[k].v[e] * h.second[k].v[e];
   const float inv = norm ? 1.0f / sqrtf(warp_sum(sum) / static_cast<float>(2 * half) + eps) : 1.0f;
-  // The angle as the CPU reference rounds it: fp32(position) · inv_freq in fp32.
-  const float angle_position = static_cast<float>(position);
 #pragma unroll
   for (int k = 0; k < kPairQuads; ++k) {
     if (head_quad(lane, k) >= half) continue;
@@ -91,8 +116,7 @@ __device__ __forceinline__ HeadQuads<kPairQuads> transform_head(const float* src
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         if (c.inv_freq[k].v[e] == 0.0f) continue;
-        float sin_angle, cos_angle;
-        sincosf(angle_position * c.inv_freq[k].v[e], &sin_angle, &cos_angle);
+        const float sin_angle = rotation.sin[k].v[e], cos_angle = rotation.cos[k].v[e];
         const float x = h.first[k].v[e], y = h.second[k].v[e];
         h.first[k].v[e] = x * cos_angle - y * sin_angle;
         h.second[k].v[e] = y * cos_angle + x * sin_angle;
@@ -100,6 +124,20 @@ __device__ __forceinline__ HeadQuads<kPairQuads> transform_head(const float* src
     }
   }
   return h;
+}
+
+// The head at `src` loaded and finished at `position` in one go. Every lane has read its
+// elements before the warp's reduction completes, so a store of the result may overwrite src.
+template <int kPairQuads, bool kAligned>
+__device__ __forceinline__ HeadQuads<kPairQuads> transform_head(const float* src,
+                                                                const HeadConstants<kPairQuads>& c,
+                                                                bool norm, bool rotate, float eps,
+                                                                int half, int32_t position,
+                                                                int lane) {
+  const HeadQuads<kPairQuads> h = load_head<kPairQuads, kAligned>(src, half, lane);
+  HeadRotation<kPairQuads> rotation = {};
+  if (rotate) rotation = head_rotation(c, half, position, lane);
+  return finish_head(h, c, norm, rotate, rotation, eps, half, lane);
 }
 
 // Stores the lane's quads of a head to `dst` (a float row, or a KV cache row of T: rounded as

@@ -49,6 +49,9 @@ bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
          gemv_mma_takes(w, {nullptr, ActType::kF32, static_cast<int>(rows), 0, true});
 }
 
+// Decode attention's split-merge counters: one per (sequence of a launch, kv head).
+constexpr int kAttentionMergeCounters = kMaxBatchedSequences * 64;
+
 // Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
 // capacity, since one recording replays at every depth (the kernel leaves the splits a shallow
 // cache does not need after reading the query position).
@@ -125,6 +128,13 @@ CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
   for (cudaEvent_t* event : {&fork_event_, &join_event_}) {
     if (status_.ok()) check(cudaEventCreateWithFlags(event, cudaEventDisableTiming), "event");
   }
+  if (status_.ok()) {
+    const size_t bytes = sizeof(int) * kAttentionMergeCounters;
+    check(cudaMalloc(&attention_merge_counters_, bytes), "attention merge counters");
+    if (status_.ok())
+      check(cudaMemsetAsync(attention_merge_counters_, 0, bytes, stream_),
+            "attention merge counters");
+  }
   active_stream_ = stream_;
 }
 
@@ -135,6 +145,7 @@ CudaBackend::~CudaBackend() {
   for (Scratch* s : {&attention_partials_, &expert_workspace_, &pair_products_}) {
     cudaFree(s->data);
   }
+  cudaFree(attention_merge_counters_);
   for (auto& [data, storage] : companion_storage_) {
     cudaFree(storage.bf16.data);
     cudaFree(storage.q8.data);
@@ -695,10 +706,13 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     }
     const AttentionQuery query = {q.data, q.stride, q_heads, positions, 1};
     const KvCacheView cache = cache_view(kv);
+    const AttentionWorkspace workspace = {partials, splits, attention_merge_counters_,
+                                          kAttentionMergeCounters};
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                                {partials, splits}, splits, launch());
+                                                workspace, splits, launch());
     if (status != cudaErrorInvalidValue) {
-      launched(status, "attention (decode)", splits > 1 ? 2 : 1);  // + the split merge
+      launched(status, "attention (decode)",
+               decode_attention_launches(query, cache, splits, workspace));
       return;
     }
   }
@@ -1099,14 +1113,17 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     cache.sequences = &table;
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
+    const AttentionWorkspace workspace = {partials, splits, attention_merge_counters_,
+                                          kAttentionMergeCounters};
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                                {partials, splits}, splits, launch(), companions);
+                                                workspace, splits, launch(), companions);
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
       otherwise(first);
       return;
     }
-    launched(status, "decode attention", splits > 1 ? 2 : 1);  // + the split merge
+    launched(status, "decode attention",
+             decode_attention_launches(query, cache, splits, workspace));
   }
   produced(out, companions);
 }

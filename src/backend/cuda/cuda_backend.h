@@ -298,6 +298,9 @@ class CudaBackend final : public engine::Backend {
   Status status_;
   int64_t kernels_ = 0;  // kernels enqueued so far (kernels_launched)
   Scratch attention_partials_;
+  // Decode attention's split-merge counters (AttentionWorkspace::merge_counters): zeroed once,
+  // left at zero by every launch.
+  int* attention_merge_counters_ = nullptr;
   Scratch staged_kv_;         // prepare_and_attend_pieces: a pass's K/V and positions, staged
   Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
   Scratch pair_products_;     // matmul_gelu_pairs off the fused GEMV: the gate/up products
