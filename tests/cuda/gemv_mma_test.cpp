@@ -508,7 +508,11 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),
-            cudaErrorInvalidValue);  // q8 activations pair with w4g32 only
+            cudaErrorInvalidValue);               // q8 activations pair with w4g32 only
+  quant::QMatrix odd_scales = nvfp4_device.view;  // a group's two e4m3 scales load as one u16
+  odd_scales.scales = static_cast<const char*>(odd_scales.scales) + 1;
+  EXPECT_EQ(gemv_mma(odd_scales, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
+            cudaErrorInvalidValue);
   const HostMatrix bf16 = random_matrix(WeightFormat::kBF16, 64, 64, 16);
   const DeviceMatrix bf16_device(bf16);
   EXPECT_EQ(gemv_mma(bf16_device.view, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
