@@ -35,30 +35,6 @@ constexpr double kTolerance = 2e-4;
 // Bounds |d gelu_tanh / du| (its maximum is about 1.13).
 constexpr double kGeluSlopeBound = 1.2;
 
-// The weights the tensor cores multiply (gemv_mma_kernels.h): w4g32 as bf16((u − 8) · bf16(scale)),
-// from the oracle's (u − 8) · scale; NVFP4 as the oracle's values (e2m1 · e4m3, exact in bf16).
-void mma_weights(const HostMatrix& host, int64_t row, float* w) {
-  quant::dequantize_row(host.view(), row, w);
-  if (host.format != WeightFormat::kW4G32) return;
-  const int64_t groups = host.cols / 32;
-  for (int64_t group = 0; group < groups; ++group) {
-    const std::byte* bits =
-        host.scales.data() + (row * groups + group) * (host.scale_type == ScaleType::kF32 ? 4 : 2);
-    uint16_t half = 0;
-    float scale = 0.0f;
-    if (host.scale_type == ScaleType::kF32) {
-      std::memcpy(&scale, bits, 4);
-    } else {
-      std::memcpy(&half, bits, 2);
-      scale = host.scale_type == ScaleType::kBF16 ? bf16_to_float(half) : fp16_to_float(half);
-    }
-    for (int64_t e = 32 * group; e < 32 * (group + 1); ++e) {
-      const float centered = scale == 0.0f ? 0.0f : std::nearbyint(w[e] / scale);  // u − 8
-      w[e] = round_bf16(centered * round_bf16(scale));
-    }
-  }
-}
-
 double gelu_tanh_reference(double u) {
   return 0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
 }
@@ -138,7 +114,7 @@ std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, con
   std::vector<double> products(c.m * n), magnitudes(c.m * n);
   testing::parallel_for(n, [&](int64_t row) {
     std::vector<float> w(k);
-    mma_weights(host, row, w.data());
+    testing::mma_dequantize_row(host, row, w.data());
     for (int m = 0; m < c.m; ++m) {
       double sum = 0.0, magnitude = 0.0;
       for (int64_t j = 0; j < k; ++j) {
