@@ -306,7 +306,7 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
         const int id = tiling_id(tiling);
         const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
         if (!swept && id != r.default_tiling) continue;
-        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32, x_type) >
+        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
             gemma4::cuda::kMmaGemvMaxSharedBytes) {
           continue;
         }
@@ -655,7 +655,7 @@ int main(int argc, char** argv) {
   // Batched decode on tensor cores beside the CUDA-core batched tilings above: the engine's
   // fp32 rows rounded to bf16 (every tiling), bf16 rows and q8 rows (random bytes: the timing
   // does not depend on the values; default tiling), E2B shapes; the GELU pairs of gate+up.
-  for (int m : {8, 32, 64}) {
+  for (int m : {8, 16, 32, 64}) {
     for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
       for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
         results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
@@ -695,6 +695,12 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16, s.label,
                                  stream, quick));
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16,
+                                     s.label, stream, !quick));
+  }
+  // The 31B at 8 streams (the engine's fp32 rows) on tensor cores, every tiling.
+  for (const Shape& s : big_dense) {
+    if (s.rows >= 262144) continue;  // lm_head: one call a step
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, 8, ActType::kF32,
                                      s.label, stream, !quick));
   }
   results.push_back(bench_gemv(WeightFormat::kNVFP4, 43008, 5376, 1, ActType::kBF16,

@@ -1,9 +1,9 @@
 // The tensor-core batched GEMV (gemv_mma.h) against quant's CPU oracle (quant::dequantize_row,
-// weight-formats.md 2.3, 3.1-3.3) on fresh random w4g32 and NVFP4 weights: every row count 1..64,
-// real E2B and 26B-A4B shapes through gemv()'s dispatch, every epilogue, every tiling option,
-// partial row tiles and K splits, every activation type (fp32 rounded to bf16, bf16, q8); outputs
-// poisoned first (NaN), so an unwritten element fails. The epilogues against PyTorch's
-// gelu(approximate="tanh") formula in double.
+// weight-formats.md 2.3, 3.1-3.3; w4g32 weights rounded to bf16 as the kernel documents) on fresh
+// random w4g32 and NVFP4 weights: every row count 1..64, real E2B and 26B-A4B shapes through
+// gemv()'s dispatch, every epilogue, every tiling option, partial row tiles and K splits, every
+// activation type (fp32 rounded to bf16, bf16, q8); outputs poisoned first (NaN), so an unwritten
+// element fails. The epilogues against PyTorch's gelu(approximate="tanh") formula in double.
 #include "backend/cuda/gemv_mma.h"
 
 #include <cuda_runtime_api.h>
@@ -29,8 +29,8 @@ using testing::DeviceMatrix;
 using testing::HostMatrix;
 using testing::random_matrix;
 
-// Products are exact (u − 8 times a bf16 activation) and summed in fp32: the bound, relative to
-// Σ|w·x|, is far below bf16 rounding (2^-8).
+// Products are exact (a bf16 weight times a bf16 activation) and summed in fp32: the bound,
+// relative to Σ|w·x|, is far below bf16 rounding (2^-8).
 constexpr double kTolerance = 2e-4;
 // Bounds |d gelu_tanh / du| (its maximum is about 1.13).
 constexpr double kGeluSlopeBound = 1.2;
@@ -80,7 +80,7 @@ std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, con
   DeviceArray<uint8_t> x_q8(c.m * q8_row_bytes(stride));
   if (c.x_type == ActType::kQ8) {
     // The quantizer's output (its own tests check it against its contract); what the kernel
-    // multiplies is q · scale.
+    // multiplies is q · scale rounded to bf16.
     EXPECT_EQ(quantize_activations_q8(x_f32.get(), c.m, k, stride, x_q8.get(), stride, Launch{}),
               cudaSuccess);
     EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
@@ -93,7 +93,7 @@ std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, con
         const int in_group = e % 8;
         const int8_t q =
             static_cast<int8_t>(row[e / 8 * 8 + (in_group % 2 ? 4 : 0) + in_group / 2]);
-        x[m * stride + e] = static_cast<float>(q) * scale;
+        x[m * stride + e] = round_bf16(static_cast<float>(q) * scale);
       }
     }
   }
@@ -112,10 +112,9 @@ std::vector<float> check(const HostMatrix& host, const DeviceMatrix& device, con
   const std::vector<float> got = y.download();
 
   std::vector<double> products(c.m * n), magnitudes(c.m * n);
-  const quant::QMatrix view = host.view();
   testing::parallel_for(n, [&](int64_t row) {
     std::vector<float> w(k);
-    quant::dequantize_row(view, row, w.data());
+    testing::mma_dequantize_row(host, row, w.data());
     for (int m = 0; m < c.m; ++m) {
       double sum = 0.0, magnitude = 0.0;
       for (int64_t j = 0; j < k; ++j) {
@@ -187,8 +186,7 @@ TEST(GemvMma, LoopingBlocks) {
           c.tiling = {layout.warps, splits, layout.k_warps, row_blocks};
           c.seed = seed++;
           ++index;
-          if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32, c.x_type) >
-              kMmaGemvMaxSharedBytes) {
+          if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32) > kMmaGemvMaxSharedBytes) {
             continue;
           }
           check(host, device, c);
@@ -366,7 +364,7 @@ TEST(GemvMma, DefaultTilingsAreValid) {
         EXPECT_GE(mma_gemv_warp_layout(t), 0);
         EXPECT_GE(t.splits, 1);
         EXPECT_LE(t.splits, std::min<int64_t>(kMmaGemvMaxSplits, shape[1] / 32));
-        EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32, x_type), kMmaGemvMaxSharedBytes);
+        EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32), kMmaGemvMaxSharedBytes);
       }
     }
   }
@@ -486,7 +484,11 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),
-            cudaErrorInvalidValue);  // q8 activations pair with w4g32 only
+            cudaErrorInvalidValue);               // q8 activations pair with w4g32 only
+  quant::QMatrix odd_scales = nvfp4_device.view;  // a group's two e4m3 scales load as one u16
+  odd_scales.scales = static_cast<const char*>(odd_scales.scales) + 1;
+  EXPECT_EQ(gemv_mma(odd_scales, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),
+            cudaErrorInvalidValue);
   const HostMatrix bf16 = random_matrix(WeightFormat::kBF16, 64, 64, 16);
   const DeviceMatrix bf16_device(bf16);
   EXPECT_EQ(gemv_mma(bf16_device.view, {x.get(), ActType::kF32, 8, 64, true}, output, Launch{}),

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "backend/cuda/elementwise.h"
+#include "backend/cuda/gemv_mma.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
@@ -102,17 +103,23 @@ double gelu_tanh_reference(double u) {
 constexpr double kGeluSlopeBound = 1.2;
 
 // Σ_k W[n][k] x[m][k] in double for every (m, n), and Σ|W x| (the scale of fp32 accumulation
-// error): [m][n] row-major.
+// error): [m][n] row-major. tensor_cores: W as the tensor-core GEMV dequantizes it (w4g32 rounded
+// to bf16, testing::mma_dequantize_row).
 struct Products {
   std::vector<double> value, magnitude;
 };
-Products reference_products(const HostMatrix& host, const std::vector<float>& x, int m) {
+Products reference_products(const HostMatrix& host, const std::vector<float>& x, int m,
+                            bool tensor_cores = false) {
   const int64_t n = host.rows, k = host.cols;
   Products p{std::vector<double>(m * n), std::vector<double>(m * n)};
   const QMatrix host_view = host.view();
   testing::parallel_for(n, [&](int64_t row) {
     std::vector<float> w(k);
-    quant::dequantize_row(host_view, row, w.data());
+    if (tensor_cores) {
+      testing::mma_dequantize_row(host, row, w.data());
+    } else {
+      quant::dequantize_row(host_view, row, w.data());
+    }
     for (int mi = 0; mi < m; ++mi) {
       double sum = 0.0, abs_sum = 0.0;
       for (int64_t j = 0; j < k; ++j) {
@@ -148,15 +155,21 @@ std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device
   DeviceArray<float> y(m * width);
   EXPECT_TRUE(x_device.ok() && multiplier_device.ok() && y.ok() && device.data.ok());
   if (!x_device.ok() || !multiplier_device.ok() || !y.ok() || !device.data.ok()) return {};
-  const std::vector<float> x = upload_activations(x_source, m, k, x_type, round_to_bf16, x_device);
+  std::vector<float> x = upload_activations(x_source, m, k, x_type, round_to_bf16, x_device);
 
   const GemvInput input = {x_device.get(), x_type, m, k, round_to_bf16};
+  // Batched bf16 products go to the tensor cores (gemv()'s dispatch), which multiply bf16
+  // activations (kQ8: q · scale rounded) by bf16-dequantized weights (gemv_mma_kernels.h).
+  const bool tensor_cores = tiling < 0 && gemv_mma_takes(device.view, input);
+  if (tensor_cores) {
+    for (float& value : x) value = round_bf16(value);
+  }
   const GemvOutput output = {y.get(), width, epilogue, multiplier_device.get(), n};
   EXPECT_EQ(gemv(device.view, input, output, Launch{}, tiling), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
   const std::vector<float> got = y.download();
 
-  const Products p = reference_products(host, x, m);
+  const Products p = reference_products(host, x, m, tensor_cores);
   std::vector<double> expected(m * width), magnitude(m * width);
   for (int64_t i = 0; i < m * width; ++i) {
     if (epilogue == GemvEpilogue::kNone) {

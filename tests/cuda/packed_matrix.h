@@ -3,6 +3,7 @@
 // makes) on the host (viewed as quant::QMatrix for the CPU oracles) and their device copies.
 #pragma once
 
+#include <cmath>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -102,6 +103,31 @@ inline HostMatrix random_matrix(WeightFormat format, int64_t rows, int64_t cols,
     m.data = as_bytes(bits);
   }
   return m;
+}
+
+// Row `row` of the weights the tensor-core GEMV multiplies (gemv_mma_kernels.h): w4g32 as
+// bf16((u − 8) · bf16(scale)) from the oracle's (u − 8) · scale (quant::dequantize_row), the other
+// formats as the oracle's values (NVFP4's e2m1 · e4m3 are exact in bf16).
+inline void mma_dequantize_row(const HostMatrix& host, int64_t row, float* w) {
+  quant::dequantize_row(host.view(), row, w);
+  if (host.format != WeightFormat::kW4G32) return;
+  const int64_t groups = host.cols / 32;
+  const int64_t scale_bytes = host.scale_type == ScaleType::kF32 ? 4 : 2;
+  for (int64_t group = 0; group < groups; ++group) {
+    const std::byte* bits = host.scales.data() + (row * groups + group) * scale_bytes;
+    float scale = 0.0f;
+    if (host.scale_type == ScaleType::kF32) {
+      std::memcpy(&scale, bits, 4);
+    } else {
+      uint16_t half = 0;
+      std::memcpy(&half, bits, 2);
+      scale = host.scale_type == ScaleType::kBF16 ? bf16_to_float(half) : fp16_to_float(half);
+    }
+    for (int64_t e = 32 * group; e < 32 * (group + 1); ++e) {
+      const float centered = scale == 0.0f ? 0.0f : std::nearbyint(w[e] / scale);  // u − 8
+      w[e] = round_bf16(centered * round_bf16(scale));
+    }
+  }
 }
 
 struct DeviceMatrix {

@@ -160,21 +160,32 @@ GemvOperand gemv_operand(const std::vector<double>& exact, const std::vector<dou
 
 // y = W · operand and, per output, the most a kernel's y may differ: the operand's uncertainty
 // through |W| plus fp32 accumulation (well above the ~1e-6 of a K-term sum's rounding).
+// tensor_cores: the batched GEMV on tensor cores (gemv_mma.h) multiplies bf16-dequantized
+// weights (testing::mma_dequantize_row) by the operand rounded to bf16 (q8: q · scale rounded;
+// a neighbouring q may round to a neighbouring bf16 value: 2^-8 of the value more uncertainty).
 struct GemvReference {
   std::vector<double> y, bound;
 };
 
-GemvReference gemv_reference(const quant::QMatrix& w, const GemvOperand& x) {
+GemvReference gemv_reference(const testing::HostMatrix& w, const GemvOperand& x,
+                             bool tensor_cores) {
   constexpr double kAccumulation = 2e-5;
   GemvReference out{std::vector<double>(w.rows), std::vector<double>(w.rows)};
   std::vector<float> row(w.cols);
   for (int64_t i = 0; i < w.rows; ++i) {
-    quant::dequantize_row(w, i, row.data());
+    if (tensor_cores) {
+      testing::mma_dequantize_row(w, i, row.data());
+    } else {
+      quant::dequantize_row(w.view(), i, row.data());
+    }
     double sum = 0.0, magnitude = 0.0, moved = 0.0;
     for (int64_t j = 0; j < w.cols; ++j) {
-      sum += row[j] * x.values[j];
-      magnitude += std::fabs(row[j] * x.values[j]);
-      moved += std::fabs(row[j]) * x.uncertainty[j];
+      const double value = tensor_cores ? round_bf16(static_cast<float>(x.values[j])) : x.values[j];
+      const double uncertainty =
+          x.uncertainty[j] + (tensor_cores ? 0x1p-8 * std::fabs(value) : 0.0);
+      sum += row[j] * value;
+      magnitude += std::fabs(row[j] * value);
+      moved += std::fabs(row[j]) * uncertainty;
     }
     out.y[i] = sum;
     out.bound[i] = moved + kAccumulation * magnitude;
@@ -282,6 +293,8 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
                                                                      : GemvReads::kQ8;
         const GemvReads projection_reads =
             mode == ActivationMode::kF32 ? GemvReads::kF32 : GemvReads::kBF16;
+        // Several rows of bf16 products run on the tensor cores (gemv()'s dispatch).
+        const bool tensor_cores = mode != ActivationMode::kF32 && n > 1;
         std::vector<double> gated(n * ple), gated_bound(n * ple), projected(n * hidden),
             projected_bound(n * hidden), acc(n * hidden), acc_bound(n * hidden), next(n * hidden),
             next_bound(n * hidden);
@@ -295,8 +308,8 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
             stepped_slack[j] =
                 kNormSlack * std::fabs(normed[j]) + kStoreSlack * std::fabs(stepped[j]);
           }
-          const GemvReference gate_y =
-              gemv_reference(gate_host.view(), gemv_operand(stepped, stepped_slack, gate_reads));
+          const GemvReference gate_y = gemv_reference(
+              gate_host, gemv_operand(stepped, stepped_slack, gate_reads), tensor_cores);
           for (int64_t i = 0; i < ple; ++i) {
             // |gelu_tanh'| < 1.13 everywhere; tanhf's few ulps scale with |u|.
             const double m = ple_values[r * layers * ple + ple + i];
@@ -311,8 +324,9 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
           const std::vector<double> device_gated(run.gated.begin() + r * ple,
                                                  run.gated.begin() + (r + 1) * ple);
           const GemvReference projection_y = gemv_reference(
-              projection_host.view(),
-              gemv_operand(device_gated, std::vector<double>(ple, 0.0), projection_reads));
+              projection_host,
+              gemv_operand(device_gated, std::vector<double>(ple, 0.0), projection_reads),
+              tensor_cores);
           std::copy(projection_y.y.begin(), projection_y.y.end(), projected.begin() + r * hidden);
           std::copy(projection_y.bound.begin(), projection_y.bound.end(),
                     projected_bound.begin() + r * hidden);

@@ -15,18 +15,18 @@ constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
 // Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
-// activation rows, 232 up to 32, 255 up to 64, of 64 K an SM) and by shared memory.
-int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups, ActType x_type) {
-  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 232 : 255;
+// activation rows, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and by shared memory.
+int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups) {
+  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 224 : 255;
   const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
   const int64_t by_shared =
-      (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups, x_type) + 1024);
+      (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups) + 1024);
   return std::max<int64_t>(1, std::min(by_registers, by_shared));
 }
 
 // Clusters of this tiling the GPU holds at once (one block each when not split).
-int64_t resident_clusters(const MmaGemvTiling& tiling, int m, int64_t groups, ActType x_type) {
-  const int64_t per_sm = blocks_per_sm(tiling, m, groups, x_type);
+int64_t resident_clusters(const MmaGemvTiling& tiling, int m, int64_t groups) {
+  const int64_t per_sm = blocks_per_sm(tiling, m, groups);
   if (tiling.splits == 1) return kSms * per_sm;
   return std::max<int64_t>(1, kGpcs * (kSmsPerGpc * per_sm / tiling.splits));
 }
@@ -39,8 +39,10 @@ bool aligned16(const void* p) {
 bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   const bool mma_activations = x.type == ActType::kBF16 || x.type == ActType::kQ8 ||
                                (x.type == ActType::kF32 && x.round_to_bf16);
+  // NVFP4 block scales are loaded in pairs (a group's two): 2-byte aligned.
   const bool format_ok = w.format == quant::WeightFormat::kW4G32 ||
-                         (w.format == quant::WeightFormat::kNVFP4 && x.type != ActType::kQ8);
+                         (w.format == quant::WeightFormat::kNVFP4 && x.type != ActType::kQ8 &&
+                          (reinterpret_cast<uintptr_t>(w.scales) & 1) == 0);
   if (!format_ok || !mma_activations || x.rows < kMmaGemvMinRows || x.rows > kMmaGemvMaxRows ||
       w.cols < 32) {
     return false;
@@ -49,7 +51,7 @@ bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   const int64_t groups = w.cols / 32;
   const MmaGemvTiling most_split = {
       4, static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups)), 2};
-  return mma_gemv_shared_bytes(most_split, x.rows, groups, x.type) <= kMmaGemvMaxSharedBytes;
+  return mma_gemv_shared_bytes(most_split, x.rows, groups) <= kMmaGemvMaxSharedBytes;
 }
 
 }  // namespace
@@ -64,12 +66,16 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
   // warps for the same activation traffic). Then the K splits and row blocks of the least time
   // on a block's critical path, counted in 32-element groups of weights per row tile: its K
   // range per tile plus a reduction, and the staging of its activations (about one group per
-  // group of K at 64 rows), once per block. Blocks of one tile each run in waves of clusters;
+  // group of K at 64 fp32 rows), once per block. Blocks of one tile each run in waves of clusters;
   // looping blocks (the clusters that fit at once) take ceil(tiles / clusters) tiles each and
   // stage once, where their two partial-sum buffers fit. A split more only for a clearly
   // shorter path: each adds partial sums to the cluster's reduction.
   constexpr double kReductionGroups = 2.0;
   const int64_t groups = cols / 32;
+  // The staging reads the activations as given: fp32 twice bf16's bytes, kQ8 1.25 a value.
+  const double staged_bytes_per_element = x_type == ActType::kF32    ? 4.0
+                                          : x_type == ActType::kBF16 ? 2.0
+                                                                     : 1.25;
   const int warps = rows >= 8192 ? 8 : 4;
   const int k_warps = warps == 4 ? 2 : 1;
   const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps);
@@ -79,11 +85,11 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
   for (int splits = 1; splits <= max_splits; ++splits) {
     for (const int row_blocks : {0, kMmaGemvResidentRowBlocks}) {
       const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks};
-      if (mma_gemv_shared_bytes(tiling, m, groups, x_type) > kMmaGemvMaxSharedBytes) continue;
-      const int64_t clusters = resident_clusters(tiling, m, groups, x_type);
+      if (mma_gemv_shared_bytes(tiling, m, groups) > kMmaGemvMaxSharedBytes) continue;
+      const int64_t clusters = resident_clusters(tiling, m, groups);
       const auto per_split = static_cast<double>(mma_gemv_groups_per_split(groups, splits));
       const double per_tile = per_split + kReductionGroups;
-      const double staging = per_split * m / 64.0;
+      const double staging = per_split * m / 64.0 * staged_bytes_per_element / 4.0;
       const auto rounds = static_cast<double>((row_tiles + clusters - 1) / clusters);
       const double cost = row_blocks == 0 ? rounds * (per_tile + staging)  // waves
                                           : rounds * per_tile + staging;   // tiles per block
@@ -117,7 +123,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
       tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
-      mma_gemv_shared_bytes(tiling, x.rows, groups, x.type) > kMmaGemvMaxSharedBytes ||
+      mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
       w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;
   }

@@ -120,7 +120,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
     query.stream = nullptr;
     query.gridDim = dim3(1, static_cast<unsigned>(tiling.splits));
     query.dynamicSmemBytes =
-        static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups, x_type));
+        static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups));
     query.attrs = tiling.splits > 1 ? &attributes[count - 1] : nullptr;
     query.numAttrs = tiling.splits > 1 ? 1 : 0;
     const int clusters = resident_clusters(kernel, query, tiling.splits);
@@ -133,12 +133,12 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   row_blocks = std::min(row_blocks, row_tiles);
   const int64_t groups_per_split = mma_gemv_groups_per_split(args.groups, tiling.splits);
   args.partial_offset =
-      row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split, x_type) : 0;
+      row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split) : 0;
   config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
       args.partial_offset != 0 ? looping_tiling
                                : MmaGemvTiling{tiling.warps, tiling.splits, tiling.k_warps},
-      args.m, args.groups, x_type));
+      args.m, args.groups));
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -1,6 +1,7 @@
 // The tensor-core batched GEMV (gemv_mma_kernels.h): y = epilogue(W x) for 1..64 activation rows
-// over packed w4g32 or NVFP4 weights, dequantized in registers and multiplied on bf16 tensor cores
-// with fp32 accumulation. gemv() sends the calls this takes to it (batched decode, speculative
+// over packed w4g32 or NVFP4 weights, dequantized in registers to bf16 (w4g32: rounded, as
+// transformers' bf16 dequantization; NVFP4: exact) and multiplied on bf16 tensor cores with fp32
+// accumulation. gemv() sends the calls this takes to it (batched decode, speculative
 // verification); the benchmark calls it directly to compare tilings.
 #pragma once
 
@@ -12,7 +13,8 @@ namespace gemma4::cuda {
 // Whether gemv() sends these operands to the tensor-core kernel: 2..64 rows of bf16 activations or
 // fp32 ones rounded to bf16 (the products a bf16 model computes; exact fp32 activations stay on
 // the CUDA-core GEMV) with w4g32 (any scale type) or NVFP4 weights, or kQ8 ones with w4g32; K
-// small enough that 1/kMmaGemvMaxSplits of it fits shared memory (up to 12,288 at 64 rows).
+// small enough that 1/kMmaGemvMaxSplits of it fits shared memory (up to 12,288 at 64 rows);
+// NVFP4 block scales 2-byte aligned.
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 
 // The tiling used when none is given, from the weight shape and the row count.

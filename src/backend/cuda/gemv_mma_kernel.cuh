@@ -5,13 +5,18 @@
 // Fragment order. mma.sync m16n8k16 gives lane (g = lane / 4, t = lane % 4) the A elements of
 // rows g and g + 8 at k slots {2t, 2t + 1} (registers 0, 1) and {2t + 8, 2t + 9} (registers 2, 3),
 // and the B elements of column g at the same k slots. The sum over k does not care which K
-// element sits in which slot as long as A and B agree, so lane t takes packed word t of a group
-// (elements 8t .. 8t + 7, nibble i = element 8t + i) for both of the group's mma steps:
-//   step 0: slots {2t, 2t + 1} = elements {8t, 8t + 4}, slots {2t + 8, 2t + 9} = {8t + 1, 8t + 5}
-//   step 1: slots {2t, 2t + 1} = elements {8t + 2, 8t + 6}, {2t + 8, 2t + 9} = {8t + 3, 8t + 7}
-// which are exactly the nibble pairs (s, s + 4) one mask of (word >> 4s) extracts. The staged
-// activations hold the same pairs: 16 bytes per (row, group, t) = bf16 pairs (v0, v4), (v1, v5),
-// (v2, v6), (v3, v7) of elements 8t .. 8t + 7, one shared-memory load per n tile and group.
+// element sits in which slot as long as A and B agree, so the 4 lanes of a quad take 4
+// consecutive groups (a "quad" of groups), lane t group t whole: one 16-byte load per weight row,
+// 4 packed words, word j elements 8j .. 8j + 7 (nibble i = element 8j + i). Word j feeds two mma
+// steps, in which lane t's slots hold
+//   step 2j:     slots {2t, 2t + 1} = elements {8j, 8j + 4}, {2t + 8, 2t + 9} = {8j + 1, 8j + 5}
+//   step 2j + 1: slots {2t, 2t + 1} = elements {8j + 2, 8j + 6}, {2t + 8, 2t + 9} = {8j + 3, 8j +
+//   7}
+// exactly the nibble pairs (s, s + 4) one mask of (word >> 4s) extracts. One mma then sums over
+// 4 groups of different scales, so the scale is applied to the weights before it (bf16, see
+// gemv_mma_kernels.h). The staged activations hold the same pairs: 16 bytes per (row, group, j) =
+// bf16 pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7) of elements 8j .. 8j + 7, one shared-memory
+// load per n tile and word.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -27,17 +32,18 @@ namespace gemma4::cuda::gemv_mma_detail {
 
 namespace cg = cooperative_groups;
 
-// Groups whose packed words and scales a warp has in flight ahead of the mma: 8 at 4 n tiles
-// (32 · 8 lanes · 8 groups · 4 rows · 4 bytes = 32 KB per SM at one block of 8 warps, about what
-// the read bandwidth times the load latency needs; registers 191-231, the same blocks per SM as
-// with 4), else 4 (8 n tiles: 168-255 registers at 4, the 255 cap at 8).
+// Groups per quad: the 4 lanes of an mma quad load consecutive groups (module comment).
+inline constexpr int kQuadGroups = 4;
+// Quads whose weights (16 bytes a row and lane) and scales a warp has in flight ahead of the one
+// it multiplies: at 4+ n tiles 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB per SM
+// at 8 warps: about what the read bandwidth times the load latency needs; 40 registers); at 1-2
+// n tiles 1 (two blocks per SM: the same bytes per SM, within 128 registers without spills).
 template <int NT>
-constexpr int prefetch_groups() {
-  return NT == 4 ? 8 : 4;
+constexpr int prefetch_quads() {
+  return NT >= 4 ? 2 : 1;
 }
 // 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
 constexpr int kTilesPerWarp = 2;
-
 // u − 8 as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed word: the nibble is
 // OR-ed into the low mantissa bits of bf16 128.0 (0x4300: 128 + u exactly), then 136 subtracted.
 __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
@@ -51,6 +57,19 @@ __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&
     const __nv_bfloat162 centered =
         __hsub2(*reinterpret_cast<const __nv_bfloat162*>(&biased[s]), bias);
     pairs[s] = *reinterpret_cast<const uint32_t*>(&centered);
+  }
+}
+
+// (u − 8) · scale as bf16 pairs (centered_nibble_pairs' order): one bf16 multiply of the exact
+// u − 8, the bf16 weight transformers' dequantization makes.
+__device__ __forceinline__ void centered_scaled_nibble_pairs(uint32_t word, __nv_bfloat162 scale,
+                                                             uint32_t (&pairs)[4]) {
+  centered_nibble_pairs(word, pairs);
+#pragma unroll
+  for (int s = 0; s < 4; ++s) {
+    const __nv_bfloat162 weight =
+        __hmul2(*reinterpret_cast<const __nv_bfloat162*>(&pairs[s]), scale);
+    pairs[s] = *reinterpret_cast<const uint32_t*>(&weight);
   }
 }
 
@@ -104,10 +123,13 @@ __device__ __forceinline__ const uint8_t* q8_row(const MmaGemvArgs& a, int m) {
 template <ActType XT>
 __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_t k) {
   if constexpr (XT == ActType::kQ8) {
-    // Stored as q0 q2 q4 q6 | q1 q3 q5 q7; bf16 holds every int8 exactly.
-    const uint2 q = __ldg(reinterpret_cast<const uint2*>(q8_row(a, m) + k));
-    auto value = [](uint32_t word, int byte) {
-      return static_cast<float>(static_cast<int8_t>((word >> (8 * byte)) & 0xFF));
+    // Stored as q0 q2 q4 q6 | q1 q3 q5 q7, the chunk's scale after the row: q · scale rounded to
+    // bf16 (one mma mixes groups of different activation scales).
+    const uint8_t* row = q8_row(a, m);
+    const uint2 q = __ldg(reinterpret_cast<const uint2*>(row + k));
+    const float scale = __ldg(reinterpret_cast<const float*>(row + a.x_stride) + k / 32);
+    auto value = [scale](uint32_t word, int byte) {
+      return static_cast<float>(static_cast<int8_t>((word >> (8 * byte)) & 0xFF)) * scale;
     };
     return make_uint4(
         pack_bf16x2(value(q.x, 0), value(q.x, 2)), pack_bf16x2(value(q.y, 0), value(q.y, 2)),
@@ -127,10 +149,10 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 }
 
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
-// (32 · WR weight rows per row tile), WK along the block's K range (every WK-th group); gridDim.y
-// blocks along K form one cluster; a block multiplies the row tiles blockIdx.x + gridDim.x · i.
-// Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps; a few bytes
-// spill): the 16 warps per SM hide the load latency the short mma loop leaves exposed.
+// (32 · WR weight rows per row tile), WK along the block's K range (every WK-th quad of groups);
+// gridDim.y blocks along K form one cluster; a block multiplies the row tiles blockIdx.x +
+// gridDim.x · i. Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps):
+// the 16 warps per SM hide the load latency the short mma loop leaves exposed.
 template <PackedFormat F, ActType XT, int NT, int WR, int WK>
 __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
@@ -139,7 +161,7 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   constexpr int kRowsPerBlock = 32 * WR;
   constexpr int kPaddedRows = 8 * NT;
   constexpr int kThreads = 32 * WR * WK;
-  constexpr int kPrefetchGroups = prefetch_groups<NT>();
+  constexpr int kPrefetchQuads = prefetch_quads<NT>();
   const int lane = threadIdx.x & 31;
   const int row_warp = (threadIdx.x >> 5) % WR;
   const int k_warp = (threadIdx.x >> 5) / WR;
@@ -151,6 +173,7 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   const int64_t group_begin = split * groups_per_split;
   const int group_count =
       static_cast<int>(max(int64_t{0}, min(a.groups - group_begin, groups_per_split)));
+  const int quad_count = (group_count + kQuadGroups - 1) / kQuadGroups;
   // The blocks of a cluster share blockIdx.x: the same tiles, the same barriers.
   const int64_t row_tiles = (a.rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int block_tiles = static_cast<int>((row_tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
@@ -169,45 +192,47 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
       row_offsets[2 * i + h] = 16 * (kTilesPerWarp * row_warp + i) + g + 8 * h;
     }
   }
-  // Word t of a group and (NVFP4) the e4m3 scale of its 16-element block; w4g32 scales are 2 or 4
-  // bytes (both loads are emitted at the same address, one predicated off: no branch per group).
-  const uint8_t* const lane_words = static_cast<const uint8_t*>(a.weights) + 4 * t;
-  const uint8_t* const lane_scales = static_cast<const uint8_t*>(a.scales) + (kNvfp4 ? t / 2 : 0);
+  // Group t of a quad, whole (16 bytes), and its scale: w4g32 2 or 4 bytes (both loads are
+  // emitted at the same address, one predicated off: no branch per group); NVFP4 the two e4m3
+  // scales of its 16-element blocks.
   const bool scales_f32 = a.scale_type == kScaleF32;
   const uint32_t scale_bytes = kNvfp4 ? 2 : scales_f32 ? 4 : 2;
-  uint32_t packed[kPrefetchGroups][2 * kTilesPerWarp];
-  uint32_t scale_bits[kPrefetchGroups][2 * kTilesPerWarp];
-  // This warp's groups of every tile: block groups k_warp + WK · j for j < warp_groups. The
-  // loads run as one stream over (tile, j), each tile padded to whole prefetch rounds, so that
-  // slot s always holds the groups j ≡ s and the next tile's first groups load during this
-  // tile's last ones and its reduction. A round's groups all lie in one tile: its rows' element
-  // indices (row · groups + the round's first group) are computed once per round, and group s of
-  // the round is at a constant offset from them (an immediate of the load).
-  const int warp_groups = group_count > k_warp ? (group_count - k_warp + WK - 1) / WK : 0;
+  uint4 packed[kPrefetchQuads][2 * kTilesPerWarp];
+  uint32_t scale_bits[kPrefetchQuads][2 * kTilesPerWarp];
+  // This warp's quads of every tile: block quads k_warp + WK · j for j < warp_quads. The loads
+  // run as one stream over (tile, j), each tile padded to whole prefetch rounds, so that slot s
+  // always holds the quads j ≡ s and the next tile's first quads load during this tile's last
+  // ones and its reduction. A round's quads all lie in one tile: its rows' element indices
+  // (row · groups + the lane's group of the round's first quad) are computed once per round, and
+  // quad s of the round is at a constant offset from them (an immediate of the load).
+  const int warp_quads = quad_count > k_warp ? (quad_count - k_warp + WK - 1) / WK : 0;
   const int tile_stream =
-      kPrefetchGroups * max(1, (warp_groups + kPrefetchGroups - 1) / kPrefetchGroups);
+      kPrefetchQuads * max(1, (warp_quads + kPrefetchQuads - 1) / kPrefetchQuads);
   int load_tile = 0;  // the round the loads of slot s fetch next: its tile and first j
   int load_j0 = 0;
-  // Each row's first group of the round: as pointers with registers to spare (4+ n tiles), as a
-  // 32-bit element index under the 128-register bound of 1-2 n tiles (an address per load).
+  // Each row's group of the round: as pointers with registers to spare (4+ n tiles), as a 32-bit
+  // element index under the 128-register bound of 1-2 n tiles (an address per load).
   constexpr bool kRoundPointers = NT >= 4;
   constexpr int kRoundRows = 2 * kTilesPerWarp;
   uint32_t round_index[kRoundPointers ? 1 : kRoundRows];
   const uint8_t* round_words[kRoundPointers ? kRoundRows : 1];
   const uint8_t* round_scales[kRoundPointers ? kRoundRows : 1];
   const auto groups = static_cast<uint32_t>(a.groups);
+  const auto* const weights = static_cast<const uint8_t*>(a.weights);
+  const auto* const scales = static_cast<const uint8_t*>(a.scales);
   auto begin_load_round = [&] {
     const int first_row = static_cast<int>(min(tile_row(load_tile), a.rows));
     const int last_row = static_cast<int>(a.rows) - 1;
-    const auto group = static_cast<uint32_t>(group_begin + k_warp + WK * load_j0);
+    const auto group =
+        static_cast<uint32_t>(group_begin + kQuadGroups * (k_warp + WK * load_j0) + t);
 #pragma unroll
     for (int r = 0; r < kRoundRows; ++r) {
       // Unsigned: a padded round's groups pass the row's end (never loaded).
       const uint32_t index =
           static_cast<uint32_t>(min(first_row + row_offsets[r], last_row)) * groups + group;
       if constexpr (kRoundPointers) {
-        round_words[r] = lane_words + uint64_t{index} * 16u;
-        round_scales[r] = lane_scales + uint64_t{index} * scale_bytes;
+        round_words[r] = weights + uint64_t{index} * 16u;
+        round_scales[r] = scales + uint64_t{index} * scale_bytes;
       } else {
         round_index[r] = index;
       }
@@ -217,34 +242,46 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
     if constexpr (kRoundPointers) {
       return round_words[r];
     } else {
-      return lane_words + uint64_t{round_index[r]} * 16u;
+      return weights + uint64_t{round_index[r]} * 16u;
     }
   };
   auto scales_of = [&](int r) {
     if constexpr (kRoundPointers) {
       return round_scales[r];
     } else {
-      return lane_scales + uint64_t{round_index[r]} * scale_bytes;
+      return scales + uint64_t{round_index[r]} * scale_bytes;
     }
   };
-  // Group s of the round: WK · s groups past the round's first (immediate load offsets).
-  auto load_group = [&](int slot) {
-    if (load_tile >= block_tiles || load_j0 + slot >= warp_groups) return;
+  // Quad s of the round: WK · s quads past the round's first (immediate load offsets). The
+  // lane's group past the block's range (the last quad of a range not of whole quads) is zeros:
+  // zero codes, zero scale, against zero staged activations.
+  constexpr int kQuadStride = kQuadGroups * WK;  // groups from one quad of the warp to the next
+  auto load_quad = [&](int slot) {
+    if (load_tile >= block_tiles || load_j0 + slot >= warp_quads) return;
+    const bool in_range = kQuadGroups * (k_warp + WK * (load_j0 + slot)) + t < group_count;
 #pragma unroll
     for (int r = 0; r < kRoundRows; ++r) {
-      packed[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(words_of(r) + 16 * WK * slot));
-      const uint8_t* scale = scales_of(r);
-      if constexpr (kNvfp4) {
-        scale_bits[slot][r] = __ldg(scale + 2 * WK * slot);
-      } else if (scales_f32) {
-        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint32_t*>(scale) + WK * slot);
-      } else {
-        scale_bits[slot][r] = __ldg(reinterpret_cast<const uint16_t*>(scale) + WK * slot);
+      packed[slot][r] = make_uint4(0, 0, 0, 0);
+      scale_bits[slot][r] = 0;
+      if (in_range) {
+        packed[slot][r] =
+            __ldg(reinterpret_cast<const uint4*>(words_of(r) + 16 * kQuadStride * slot));
+        const uint8_t* scale = scales_of(r);
+        if constexpr (kNvfp4) {
+          scale_bits[slot][r] =
+              __ldg(reinterpret_cast<const uint16_t*>(scale) + kQuadStride * slot);
+        } else if (scales_f32) {
+          scale_bits[slot][r] =
+              __ldg(reinterpret_cast<const uint32_t*>(scale) + kQuadStride * slot);
+        } else {
+          scale_bits[slot][r] =
+              __ldg(reinterpret_cast<const uint16_t*>(scale) + kQuadStride * slot);
+        }
       }
     }
   };
   auto next_load_round = [&] {
-    load_j0 += kPrefetchGroups;
+    load_j0 += kPrefetchQuads;
     if (load_j0 == tile_stream) {
       load_j0 = 0;
       ++load_tile;
@@ -254,35 +291,26 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   // Weights never depend on the previous kernel: their loads go out before the wait.
   begin_load_round();
 #pragma unroll
-  for (int s = 0; s < kPrefetchGroups; ++s) load_group(s);
+  for (int s = 0; s < kPrefetchQuads; ++s) load_quad(s);
   next_load_round();
   pdl_wait_for_predecessors();
 
-  // The block's K range of every activation row (rows m >= a.m as zeros), in fragment order,
-  // group-major: word (group, m, t) at 4 · (kPaddedRows · group + m) + t, so that a warp's load
-  // of one n tile is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
+  // The block's K range of every activation row (rows m >= a.m and groups past the range as
+  // zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 · quad + t
+  // of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n tile
+  // and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
   extern __shared__ uint4 shared_words[];
-  constexpr int kGroupWords = 4 * kPaddedRows;
-  const int staged_words = kGroupWords * group_count;
+  constexpr int kWordRowWords = 4 * kPaddedRows;  // one j of one quad, every row and t
+  const int staged_words = kWordRowWords * kQuadGroups * quad_count;
   // Eight words in flight per thread: the staging is a few L2 round trips, not one per word.
 #pragma unroll 8
   for (int i = threadIdx.x; i < staged_words; i += kThreads) {
-    const int group = i / kGroupWords;
+    const int word_row = i / kWordRowWords;  // 4 · quad + j
     const int m = (i / 4) % kPaddedRows;
-    shared_words[i] = m < a.m ? staged_word<XT>(a, m, 32 * (group_begin + group) + 8 * (i % 4))
-                              : make_uint4(0, 0, 0, 0);
-  }
-  // kQ8: the activation scales [group][row], after the staged rows.
-  float* x_scales =
-      reinterpret_cast<float*>(shared_words + kGroupWords * static_cast<int>(groups_per_split));
-  if constexpr (XT == ActType::kQ8) {
-    for (int i = threadIdx.x; i < kPaddedRows * group_count; i += kThreads) {
-      const int group = i / kPaddedRows;
-      const int m = i % kPaddedRows;
-      x_scales[i] = m < a.m ? __ldg(reinterpret_cast<const float*>(q8_row(a, m) + a.x_stride) +
-                                    group_begin + group)
-                            : 0.0f;
-    }
+    const int group = kQuadGroups * (word_row / 4) + i % 4;
+    shared_words[i] = m < a.m && group < group_count
+                          ? staged_word<XT>(a, m, 32 * (group_begin + group) + 8 * (word_row % 4))
+                          : make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
 
@@ -295,83 +323,73 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   // NVFP4: 2^7 (the e2m1 decode's 2^-7) and the global factor in the checkpoint's convention.
   const float sum_scale =
       kNvfp4 ? (a.nv_global_is_divisor ? 128.0f / a.nv_global : 128.0f * a.nv_global) : 1.0f;
-  // w4g32 scale bits as fp32: bf16 shifted up, f32 as is, f16 converted.
+  // w4g32 scale bits as a bf16 pair: bf16 as is, f32 and f16 rounded to bf16.
   const int scale_shift = a.scale_type == kScaleBF16 ? 16 : 0;
   const bool scales_f16 = a.scale_type == kScaleF16;
-  auto scale_value = [&](uint32_t bits) {
+  auto scale_pair = [&](uint32_t bits) {
     const float f16 = __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
-    return scales_f16 ? f16 : __uint_as_float(bits << scale_shift);
+    return __float2bfloat162_rn(scales_f16 ? f16 : __uint_as_float(bits << scale_shift));
   };
   cg::cluster_group cluster = cg::this_cluster();
-  // This lane's activation words: row g of n tile 0, word t, of the warp's first group.
-  const uint4* const lane_activations = shared_words + 4 * (kPaddedRows * k_warp + g) + t;
+  // This lane's activation words: n tile 0, word 0 of the warp's first quad.
+  const uint4* const lane_activations = shared_words + kQuadGroups * kWordRowWords * k_warp + lane;
 
   for (int tile = 0; tile < block_tiles; ++tile) {
     float acc[kTilesPerWarp][NT][4] = {};
-    for (int j0 = 0; j0 < tile_stream; j0 += kPrefetchGroups) {
-      const uint4* const round_activations = lane_activations + kGroupWords * WK * j0;
+    for (int j0 = 0; j0 < tile_stream; j0 += kPrefetchQuads) {
+      const uint4* const round_activations =
+          lane_activations + kQuadGroups * kWordRowWords * WK * j0;
 #pragma unroll
-      for (int s = 0; s < kPrefetchGroups; ++s) {
-        const int j = j0 + s;
-        const bool active = j < warp_groups;
-        const int i = k_warp + WK * j;            // the group within the block's range
-        uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
-        float scales[2 * kTilesPerWarp];
-        if (active) {
+      for (int s = 0; s < kPrefetchQuads; ++s) {
+        // The slot's words and scales, freed for the next round's loads at once (issued also
+        // past the warp's quads: the next tile's first ones).
+        const bool active = j0 + s < warp_quads;
+        uint4 words[2 * kTilesPerWarp];
+        uint32_t bits[2 * kTilesPerWarp];
+#pragma unroll
+        for (int r = 0; r < kRoundRows; ++r) {
+          words[r] = packed[s][r];
+          bits[r] = scale_bits[s][r];
+        }
+        load_quad(s);
+        if (!active) continue;
+          // Word j of the lane's group: elements 8j .. 8j + 7, two mma steps (module comment).
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
 #pragma unroll
           for (int w = 0; w < kTilesPerWarp; ++w) {
-            uint32_t top[4], bottom[4];  // rows g and g + 8
-            if constexpr (kNvfp4) {
-              scaled_e2m1_pairs(packed[s][2 * w], e4m3_bf16_pair(scale_bits[s][2 * w]), top);
-              scaled_e2m1_pairs(packed[s][2 * w + 1], e4m3_bf16_pair(scale_bits[s][2 * w + 1]),
-                                bottom);
-            } else {
-              centered_nibble_pairs(packed[s][2 * w], top);
-              centered_nibble_pairs(packed[s][2 * w + 1], bottom);
+            uint32_t rows[2][4];  // rows g and g + 8
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              const uint4& word4 = words[2 * w + h];
+              const uint32_t word = j == 0   ? word4.x
+                                    : j == 1 ? word4.y
+                                    : j == 2 ? word4.z
+                                             : word4.w;
+              if constexpr (kNvfp4) {
+                // Words 0, 1 are the group's first 16-element block, 2, 3 its second.
+                scaled_e2m1_pairs(word, e4m3_bf16_pair(bits[2 * w + h] >> (j / 2 * 8)), rows[h]);
+              } else {
+                centered_scaled_nibble_pairs(word, scale_pair(bits[2 * w + h]), rows[h]);
+              }
             }
 #pragma unroll
             for (int step = 0; step < 2; ++step) {
-              fragments[w][step][0] = top[2 * step];
-              fragments[w][step][1] = bottom[2 * step];
-              fragments[w][step][2] = top[2 * step + 1];
-              fragments[w][step][3] = bottom[2 * step + 1];
-            }
-            if constexpr (!kNvfp4) {
-              scales[2 * w] = scale_value(scale_bits[s][2 * w]);
-              scales[2 * w + 1] = scale_value(scale_bits[s][2 * w + 1]);
+              fragments[w][step][0] = rows[0][2 * step];
+              fragments[w][step][1] = rows[1][2 * step];
+              fragments[w][step][2] = rows[0][2 * step + 1];
+              fragments[w][step][3] = rows[1][2 * step + 1];
             }
           }
-        }
-        load_group(s);
-        if (!active) continue;
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-          const uint4 b = round_activations[kGroupWords * WK * s + 32 * nt];
-          // kQ8: the scales of activation rows 2t, 2t + 1 of the n tile (columns of c0/c2,
-          // c1/c3).
-          float2 x_scale = make_float2(1.0f, 1.0f);
-          if constexpr (XT == ActType::kQ8) {
-            x_scale = *reinterpret_cast<const float2*>(x_scales + i * kPaddedRows + 8 * nt + 2 * t);
-          }
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint4 b = round_activations[kQuadGroups * kWordRowWords * WK * s +
+                                              kWordRowWords * j + 32 * nt];
 #pragma unroll
-          for (int w = 0; w < kTilesPerWarp; ++w) {
-            if constexpr (kNvfp4) {
-              // The block scales are in the weights: the mma accumulates across groups.
+            for (int w = 0; w < kTilesPerWarp; ++w) {
               mma_bf16(acc[w][nt], fragments[w][0], b.x, b.y);
               mma_bf16(acc[w][nt], fragments[w][1], b.z, b.w);
-            } else {
-              float group_sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-              mma_bf16(group_sum, fragments[w][0], b.x, b.y);
-              mma_bf16(group_sum, fragments[w][1], b.z, b.w);
-              // The weight scales of rows g, g + 8 times (kQ8) the activation scales of rows
-              // 2t, 2t + 1 (1 otherwise: folded away).
-              const float top = scales[2 * w], bottom = scales[2 * w + 1];
-              const float factors[4] = {top * x_scale.x, top * x_scale.y, bottom * x_scale.x,
-                                        bottom * x_scale.y};
-#pragma unroll
-              for (int e = 0; e < 4; ++e) {
-                acc[w][nt][e] = fmaf(factors[e], group_sum[e], acc[w][nt][e]);
-              }
             }
           }
         }

@@ -5,14 +5,14 @@
 // The kernel: y[m][n] = epilogue(Σ_k W[n][k] · x[m][k]) for 1..64 activation rows over packed
 // w4g32 or NVFP4 weights, on bf16 tensor cores (mma.sync m16n8k16, fp32 accumulation). Weights are
 // the A operand (16 weight rows per fragment), activations the B operand (8 rows per n tile). A
-// packed word is turned into bf16 pairs of the exact integers u − 8 in registers; every mma covers
-// 16 K elements of one 32-element group, so a group's two mma sums are multiplied by the group
-// scale in fp32: the same products as the CUDA-core GEMV with bf16 activations (exact), summed in
-// another order. Activations (bf16, or fp32 rounded to bf16) are staged once per block in shared
-// memory in the fragment order. kQ8 activations stage their int8 values as bf16 (exact integers)
-// and their per-32 scales beside them: each group's integer sum Σ(u − 8)·q is exact in fp32 and
-// takes weight scale × activation scale, the numbers of the CUDA-core dp4a GEMV. NVFP4 weights
-// enter as e2m1 value × e4m3 block scale (exact in bf16), the global factor applied to the sums.
+// lane loads one whole 32-element group per weight row (16 bytes), the 4 lanes of an mma quad 4
+// consecutive groups, so one mma sums over 4 groups: the scale is applied to the weights first.
+// w4g32 weights are dequantized to bf16 in registers, w = bf16((u − 8) · bf16(scale)): for bf16
+// scales exactly the bf16 weights transformers' dequantization of W4A16 makes (f16 / f32 scales
+// are rounded to bf16 first). NVFP4 weights enter as e2m1 value × e4m3 block scale (exact in
+// bf16), the global factor applied to the sums. Activations (bf16, fp32 rounded to bf16, or kQ8's
+// int8 · chunk scale rounded to bf16) are staged once per block in shared memory in the fragment
+// order. Products of bf16 weights and activations are exact in fp32 and summed in fp32.
 //
 // Work split: a row tile is 32 · warps consecutive weight rows (each warp two 16-row tiles, so
 // every activation fragment read from shared memory feeds two mma; k_warps warps per row range
@@ -82,9 +82,10 @@ constexpr int mma_gemv_n_tiles(int m) {
   return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
 }
 
-// K groups one block of a cluster multiplies (the last one may have fewer).
+// K groups one block of a cluster multiplies (the last one may have fewer, and a block past the
+// end none): whole quads of 4 groups, the kernel's unit along K (gemv_mma_kernel.cuh).
 constexpr int64_t mma_gemv_groups_per_split(int64_t groups, int splits) {
-  return (groups + splits - 1) / splits;
+  return ((groups + splits - 1) / splits + 3) / 4 * 4;
 }
 
 // Floats per activation row of a block's partial sums: its 32 · warps weight rows plus 4, so that
@@ -93,12 +94,10 @@ constexpr int64_t mma_gemv_partial_stride(int warps) {
   return 32 * warps + 4;
 }
 
-// Bytes of the staged activations of a block's K range for `m` rows of `x_type`: 64 per group and
-// padded row, group-major (kQ8: then their fp32 scales [group][row]); a multiple of 16.
-constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split, ActType x_type) {
-  const int64_t padded_rows = 8 * mma_gemv_n_tiles(m);
-  return padded_rows * 64 * groups_per_split +
-         (x_type == ActType::kQ8 ? padded_rows * groups_per_split * 4 : 0);
+// Bytes of the staged activations of a block's K range (whole quads) for `m` rows: 64 (bf16) per
+// group and padded row, whatever the activation type; a multiple of 16.
+constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split) {
+  return int64_t{8} * mma_gemv_n_tiles(m) * 64 * groups_per_split;
 }
 
 // Bytes of one buffer of a block's partial sums [k warp][activation row][tile row].
@@ -107,13 +106,11 @@ constexpr int64_t mma_gemv_partial_bytes(const MmaGemvTiling& tiling, int m) {
          4;
 }
 
-// Dynamic shared memory the kernel needs for `m` activation rows of `x_type`, `groups` 32-element
-// K groups and this tiling: the staged activations, reused for the partial sums by a block of one
-// row tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0).
-constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups,
-                                        ActType x_type) {
-  const int64_t staged =
-      mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits), x_type);
+// Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
+// and this tiling: the staged activations, reused for the partial sums by a block of one row
+// tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0).
+constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups) {
+  const int64_t staged = mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits));
   const int64_t partial = mma_gemv_partial_bytes(tiling, m);
   if (tiling.row_blocks != 0) return staged + 2 * partial;
   return staged > partial ? staged : partial;
