@@ -13,6 +13,7 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/moe_kernels.h"
 #include "backend/cuda/moe_launch.cuh"
+#include "backend/cuda/nvfp4_decode.cuh"
 
 namespace gemma4::cuda {
 
@@ -108,14 +109,6 @@ __device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
   return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
 }
 
-// Nibbles (s, s + 4) of `word` as e2m1 · 2^-14 times `scale` (e4m3_half2), an exact fp16 pair.
-__device__ __forceinline__ uint32_t scaled_e2m1_pair(uint32_t word, int s, __half2 scale) {
-  const uint32_t shifted = word >> (4 * s);
-  const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
-  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale);
-  return *reinterpret_cast<const uint32_t*>(&scaled);
-}
-
 // acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
 // scale bits alongside) against the staged activation chunk at `staged` (16 words).
 __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
@@ -128,13 +121,13 @@ __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2
   for (int i = 0; i < 4; ++i) {
     const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
     const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
+    scaled_e2m1_half2_pairs(words[0][i], scale[0][i / 2], a[0]);
+    scaled_e2m1_half2_pairs(words[1][i], scale[1][i / 2], a[1]);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int s = 2 * half;
-      mma_f16(acc, scaled_e2m1_pair(words[0][i], s, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s, scale[1][i / 2]),
-              scaled_e2m1_pair(words[0][i], s + 1, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s + 1, scale[1][i / 2]), b[s], b[s + 1]);
+      mma_f16(acc, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
     }
   }
 }
