@@ -165,15 +165,19 @@ constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a 
 // A rows per warp: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down 16 rows.
 template <bool kGateUp>
 constexpr int kMmaRowsPerWarp = kGateUp ? 8 : 16;
-// One staged column: its chunks, kStagedWordsPerChunk words each, plus 4 words that shift the
-// columns' banks apart (the lanes of a quarter warp read 2 columns at once).
-__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
-  return chunks * kStagedWordsPerChunk + 4;
+// Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
+__host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
+  return (chunks + 3) / 4 * 4;
 }
-// The staged columns of a tile of min(pairs, kTilePairs) pairs and the zero chunk after them.
+// One staged column: its chunks, then zero chunks up to a whole round (the last round's lanes
+// past the row's end multiply by them), kStagedWordsPerChunk words each, plus 4 words that shift
+// the columns' banks apart (the lanes of a quarter warp read 2 columns at once).
+__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
+  return mma_round_chunks(chunks) * kStagedWordsPerChunk + 4;
+}
+// The staged columns of a tile of min(pairs, kTilePairs) pairs.
 __host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
-  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks) +
-         kStagedWordsPerChunk;
+  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks);
 }
 // The staged words, then every pair's expert id (find_slot_expert).
 size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
@@ -196,9 +200,9 @@ struct ColumnStaging {
 constexpr int kCachedPieces = 4;
 
 // Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
-// of the column's largest |value · factor|, as stage_mma_activations does for one), and the zero
-// chunk after them. The whole block works on all columns at once: the loads of a column go out
-// together, not one warp's row at a time.
+// of the column's largest |value · factor|, as stage_mma_activations does for one), and their zero
+// chunks up to a whole round. The whole block works on all columns at once: the loads of a column
+// go out together, not one warp's row at a time.
 template <bool kGateUp>
 __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
                                int chunks, uint32_t* staged, ColumnStaging& columns) {
@@ -211,8 +215,11 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     columns.factor[c] = pair_factor<kGateUp>(a, down, tile.pairs[c]);
     columns.largest[c] = 0;
   }
-  if (threadIdx.x < static_cast<unsigned>(kStagedWordsPerChunk)) {
-    staged[count * mma_column_words(chunks) + threadIdx.x] = 0;
+  const int tail_words = static_cast<int>(mma_round_chunks(chunks) - chunks) * kStagedWordsPerChunk;
+  for (int i = static_cast<int>(threadIdx.x); i < count * tail_words;
+       i += static_cast<int>(blockDim.x)) {
+    const int c = i / tail_words;
+    staged[c * mma_column_words(chunks) + chunks * kStagedWordsPerChunk + i - c * tail_words] = 0;
   }
   __syncthreads();
   auto load_piece = [&](int piece, float4& lo, float4& hi) {
@@ -329,19 +336,27 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
   const int rounds = (chunks + 3) / 4;
 
-  uint4 weights[R][2];
-  uint32_t scale_bits[R][2];
-  // Round `round` of both A rows into slot `slot` (zeros past the rounds, chunks or rows).
+  // Chunk t of each A row and its scales (load_scale_bits' layout: one 16-bit pair per chunk);
+  // round r is 4r chunks on, an immediate offset within a pass. A row past the matrix reads the
+  // last one: its products land in A rows whose outputs are never stored.
+  const uint4* row_chunks[2];
+  const uint16_t* row_scales[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int64_t chunk = std::min(rows[h], a.rows - 1) * a.chunks_per_row + t;
+    row_chunks[h] = static_cast<const uint4*>(mats[h].weights) + chunk;
+    row_scales[h] = static_cast<const uint16_t*>(mats[h].scales) + chunk;
+  }
+  // Zeros until loaded: slots of rounds past the last keep them, or the last round's lanes past
+  // the row's end keep an earlier round's weights; both multiply zeros in B (stage_mma_tile).
+  uint4 weights[R][2] = {};
+  uint32_t scale_bits[R][2] = {};
   auto load_round = [&](int slot, int round) {
-    const int chunk = 4 * round + t;
+    if (4 * round + t >= chunks) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const bool live = round < rounds && chunk < chunks && rows[h] < a.rows;
-      weights[slot][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
-                                                rows[h] * a.chunks_per_row + chunk)
-                              : make_uint4(0, 0, 0, 0);
-      scale_bits[slot][h] =
-          live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
+      weights[slot][h] = load_weights_nc(row_chunks[h] + 4 * round);
+      scale_bits[slot][h] = __ldg(row_scales[h] + 4 * round);
     }
   };
   auto load_first_rounds = [&] {
@@ -377,10 +392,12 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     first_tile = false;
     stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
     __syncthreads();
-    // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
+    // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
+    // lanes read its last column: mma output column g depends on B column g alone, and those
+    // outputs are not stored.
     const int column_count = tile.count;
-    const uint32_t* column = staged + g * mma_column_words(chunks);
-    const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
+    const uint32_t* column =
+        staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
     // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
@@ -389,10 +406,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 #pragma unroll
       for (int i = 0; i < R; ++i) {
         if (first + i >= rounds) break;  // warp-uniform
-        const int chunk = 4 * (first + i) + t;
-        const uint32_t* b =
-            g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
-        mma_round(acc, weights[i], scale_bits[i], b);
+        mma_round(acc, weights[i], scale_bits[i], column + 4 * kStagedWordsPerChunk * (first + i));
         if (first + R + i < rounds) load_round(i, first + R + i);
       }
     }
