@@ -299,6 +299,24 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
   }
 }
 
+// load_weights_nc with L2's prefetch-size hint: a miss fetches the aligned 256 bytes around the
+// chunk. A lane's rounds step 64 bytes along its row, and the rows of a warp's load are 1408
+// (gate/up) or 352 (down) bytes apart: without it DRAM serves scattered 64-byte pieces, far below
+// its peak; with it the next rounds of the row come in the same request and hit L2.
+__device__ __forceinline__ uint4 load_weights_nc_l2_256(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+// The same for a chunk's scale pair (a row's 176 bytes of scales at gate/up shapes).
+__device__ __forceinline__ uint32_t load_scale_pair_l2_256(const uint16_t* p) {
+  uint16_t r;
+  asm volatile("ld.global.nc.L2::256B.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
 // Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), in
 // pieces of at most 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a down block's
 // range is 90 KB at 26B-A4B shapes). One instruction a piece, no registers, nothing to wait for.
@@ -375,8 +393,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     if (4 * round + t >= chunks) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      weights[slot][h] = load_weights_nc(row_chunks[h] + 4 * round);
-      scale_bits[slot][h] = __ldg(row_scales[h] + 4 * round);
+      weights[slot][h] = load_weights_nc_l2_256(row_chunks[h] + 4 * round);
+      scale_bits[slot][h] = load_scale_pair_l2_256(row_scales[h] + 4 * round);
     }
   };
   auto load_first_rounds = [&] {
