@@ -101,20 +101,24 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
 // The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
 constexpr int kMmaWeightShift = 7;
 
-// An e4m3 block scale times 2^(14 − kMmaWeightShift) as an fp16 pair (exact: e4m3 is a subset of
-// fp16, and 448 · 2^7 < 65504).
-__device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
-  return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
+// A chunk's two e4m3 block scales (`bits` 0-7, 8-15) times 2^(14 − kMmaWeightShift), each as an
+// fp16 pair (exact: e4m3 is a subset of fp16, and 448 · 2^7 < 65504): one conversion and one
+// multiply for both.
+__device__ __forceinline__ void e4m3_scale_pairs(uint32_t bits, __half2 (&pairs)[2]) {
+  const __half2 both =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits & 0xFFFF), __NV_E4M3);
+  const __half2 scaled = __hmul2(both, __float2half2_rn(128.0f));
+  pairs[0] = __low2half2(scaled);
+  pairs[1] = __high2half2(scaled);
 }
 
 // acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
 // scale bits alongside) against the staged activation chunk at `staged` (16 words).
 __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
                                           const uint32_t (&scale_bits)[2], const uint32_t* staged) {
-  const __half2 scale[2][2] = {{e4m3_half2(scale_bits[0]), e4m3_half2(scale_bits[0] >> 8)},
-                               {e4m3_half2(scale_bits[1]), e4m3_half2(scale_bits[1] >> 8)}};
+  __half2 scale[2][2];
+  e4m3_scale_pairs(scale_bits[0], scale[0]);
+  e4m3_scale_pairs(scale_bits[1], scale[1]);
   const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
                                 {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
 #pragma unroll

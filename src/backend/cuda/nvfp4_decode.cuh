@@ -50,7 +50,7 @@ __host__ __device__ __forceinline__ uint32_t e2m1_bf16_bits(uint32_t word, int s
 #ifdef __CUDACC__  // the multiplies: device code (host tests see the placements only)
 
 // e2m1 · 2^-14 · `scale` for the 8 codes of `word`, pairs as above. Exact when `scale` is an e4m3
-// value times 2^k, 0 <= k <= 18 (the MoE kernels' k = 7: moe_decode.cuh's e4m3_half2): the
+// value times 2^k, 0 <= k <= 18 (the MoE kernels' k = 7: moe_decode.cuh's e4m3_scale_pairs): the
 // products are multiples of 2^(k - 24) with at most 6 significant bits (e2m1 has 2, e4m3 4) below
 // 6 · 448 · 2^(k - 14) < 65504, so fp16 holds them, subnormals included.
 __device__ __forceinline__ void scaled_e2m1_half2_pairs(uint32_t word, __half2 scale,
