@@ -11,15 +11,12 @@
 // the fused decode router (route_token: bf16 router GEMV + routing, distinct weights per layer)
 // before the experts and alone (its GB/s column then still counts the experts' bytes).
 //
-// Usage: moe_bench [--quick] [--tokens N[,N...]] [--paths NAME[,NAME...]]
+// Usage: moe_bench [--quick] [--tokens N[,N...]]
 //   --quick   experts only (no router lines), and 1 and 512 tokens unless --tokens says
 //   --tokens  these token counts only (e.g. --tokens 8,32: the per-pair and by-expert decode
 //             paths side by side at 8 and 32 streams)
-//   --paths   these paths only (decode, decode-tc, by-expert, grouped; e.g. --paths by-expert for
-//             one kernel change: no tables are made for a format none of them runs)
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -103,32 +100,6 @@ struct Layer {
 // and (one token) the fused decode router (router GEMV + routing) then the experts, or alone.
 enum class Work { kExperts, kRouterExperts, kFusedRouterExperts, kFusedRouter };
 
-constexpr MoePath kPaths[] = {MoePath::kDecode, MoePath::kDecodeTensorCores,
-                              MoePath::kDecodeByExpert, MoePath::kGrouped};
-
-const char* path_name(MoePath path) {
-  switch (path) {
-    case MoePath::kDecode:
-      return "decode";
-    case MoePath::kDecodeTensorCores:
-      return "decode-tc";
-    case MoePath::kDecodeByExpert:
-      return "by-expert";
-    case MoePath::kGrouped:
-      return "grouped";
-  }
-  return "?";
-}
-
-// Whether `path` serves `tokens` tokens of `format` experts.
-bool runs(MoePath path, WeightFormat format, int tokens) {
-  const bool decode = path != MoePath::kGrouped;
-  // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4 only.
-  const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
-  return !((decode && tokens >= 512) || (!decode && tokens < 8) ||
-           (nvfp4_only && format != WeightFormat::kNVFP4));
-}
-
 const char* work_name(Work w) {
   switch (w) {
     case Work::kExperts:
@@ -143,12 +114,7 @@ const char* work_name(Work w) {
   return "?";
 }
 
-void bench(WeightFormat format, int tokens, bool quick, const std::set<MoePath>& paths,
-           cudaStream_t stream) {
-  if (std::none_of(paths.begin(), paths.end(),
-                   [&](MoePath path) { return runs(path, format, tokens); })) {
-    return;
-  }
+void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   std::vector<ExpertTable> tables(kTables);
   for (int i = 0; i < kTables; ++i) make_table(format, 100 + i, tables[i]);
   float* scale = nullptr;
@@ -190,8 +156,16 @@ void bench(WeightFormat format, int tokens, bool quick, const std::set<MoePath>&
   }
   const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
 
-  for (MoePath path : paths) {
-    if (!runs(path, format, tokens)) continue;
+  for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
+                       MoePath::kGrouped}) {
+    const bool decode = path != MoePath::kGrouped;
+    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
+    // only.
+    const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
+    if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
+        (nvfp4_only && format != WeightFormat::kNVFP4)) {
+      continue;
+    }
     for (Work work :
          {Work::kExperts, Work::kRouterExperts, Work::kFusedRouterExperts, Work::kFusedRouter}) {
       const bool fused = work == Work::kFusedRouterExperts || work == Work::kFusedRouter;
@@ -232,7 +206,11 @@ void bench(WeightFormat format, int tokens, bool quick, const std::set<MoePath>&
       std::printf(
           "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
           "GB/s  %9.0f tok/s/layer\n",
-          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens, path_name(path),
+          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
+          path == MoePath::kDecode              ? "decode"
+          : path == MoePath::kDecodeTensorCores ? "decode-tc"
+          : path == MoePath::kDecodeByExpert    ? "by-expert"
+                                                : "grouped",
           work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
       std::fflush(stdout);
       if (quick) break;
@@ -260,7 +238,6 @@ void bench(WeightFormat format, int tokens, bool quick, const std::set<MoePath>&
 int main(int argc, char** argv) {
   bool quick = false;
   std::vector<int> token_counts;
-  std::set<MoePath> paths(std::begin(kPaths), std::end(kPaths));
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
@@ -275,23 +252,8 @@ int main(int argc, char** argv) {
         token_counts.push_back(static_cast<int>(count));
         p = *end == ',' ? end + 1 : end;
       }
-    } else if (std::strcmp(argv[i], "--paths") == 0 && i + 1 < argc) {
-      paths.clear();
-      std::string list = argv[++i];
-      for (size_t begin = 0; begin <= list.size();) {
-        const size_t end = std::min(list.find(',', begin), list.size());
-        const std::string name = list.substr(begin, end - begin);
-        const auto* found = std::find_if(std::begin(kPaths), std::end(kPaths),
-                                         [&](MoePath p) { return name == path_name(p); });
-        if (found == std::end(kPaths)) {
-          std::fprintf(stderr, "--paths: decode, decode-tc, by-expert, grouped, comma-separated\n");
-          return 2;
-        }
-        paths.insert(*found);
-        begin = end + 1;
-      }
     } else {
-      std::fprintf(stderr, "usage: moe_bench [--quick] [--tokens N[,N...]] [--paths NAME[,...]]\n");
+      std::fprintf(stderr, "usage: moe_bench [--quick] [--tokens N[,N...]]\n");
       return 2;
     }
   }
@@ -303,7 +265,7 @@ int main(int argc, char** argv) {
   std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
               kHidden, kInner, kExperts, kTopK, kLayers);
   for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
-    for (int tokens : token_counts) bench(format, tokens, quick, paths, stream);
+    for (int tokens : token_counts) bench(format, tokens, quick, stream);
   }
   CHECK(cudaStreamDestroy(stream));
   return 0;
