@@ -179,10 +179,18 @@ __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
 }
 // One staged column: its chunks, then zero chunks up to a whole round (the last round's lanes
-// past the row's end multiply by them), kStagedWordsPerChunk words each, plus 4 words that shift
-// the columns' banks apart (the lanes of a quarter warp read 2 columns at once).
+// past the row's end multiply by them), kStagedWordsPerChunk words each, plus 8 words that shift
+// the next column's banks by 8.
+//
+// Banks. An mma step's 16-byte B load by lane (g, t) reads 4-word piece i of chunk 4r + t of
+// column g; a quarter warp (the unit of a 128-bit shared load) is lanes g = 2q, 2q + 1, t = 0..3.
+// Chunks are 16 words, so chunks t and t + 2 of a round fall on the same banks: stored in order,
+// every B load took two passes (ncu, session 7: short scoreboard the top stall of both kernels).
+// Chunks c with (c >> 1) & 1 = 1 store their pieces pairwise swapped (piece i at i ^ 1): a
+// quarter warp's 8 loads then cover banks 4i, 16 + 4i, 4(i ^ 1), 16 + 4(i ^ 1) in column g and the
+// same plus 8 in column g + 1, all 32 once.
 __host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
-  return mma_round_chunks(chunks) * kStagedWordsPerChunk + 4;
+  return mma_round_chunks(chunks) * kStagedWordsPerChunk + 8;
 }
 // The staged columns of a tile of min(pairs, kTilePairs) pairs.
 __host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
@@ -274,8 +282,9 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     columns.scale[c] = columns.factor[c] * ldexpf(1.0f, exponent);
   }
   __syncthreads();
-  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4)
-  // ... (v3, v7): nibble pairs (s, s + 4) of the weight word.
+  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3 (4 (i ^ 1) when
+  // (c >> 1) & 1: mma_column_words), pairs (v0, v4) ... (v3, v7): nibble pairs (s, s + 4) of the
+  // weight word.
   auto store_piece = [&](int piece, float4 lo, float4 hi) {
     const int c = piece / column_pieces;
     const float f = columns.scale[c];
@@ -283,7 +292,9 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
       const __half2 h = __floats2half2_rn(x * f, y * f);
       return *reinterpret_cast<const uint32_t*>(&h);
     };
-    reinterpret_cast<uint4*>(staged + c * mma_column_words(chunks))[piece - c * column_pieces] =
+    const int in_column = piece - c * column_pieces;  // 4 · chunk + i
+    reinterpret_cast<uint4*>(staged +
+                             c * mma_column_words(chunks))[in_column ^ ((in_column >> 3) & 1)] =
         make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
   };
 #pragma unroll
@@ -430,10 +441,14 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     __syncthreads();
     // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
     // lanes read its last column: mma output column g depends on B column g alone, and those
-    // outputs are not stored.
+    // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
+    // (mma_column_words): even pieces 4 words on, odd ones 4 words back.
     const int column_count = tile.count;
     const uint32_t* column =
         staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
+    const int swap_words = 4 * ((t >> 1) & 1);
+    const uint32_t* even_pieces = column + swap_words;
+    const uint32_t* odd_pieces = column - swap_words;
     for (int row_tile = 0; row_tile < kTiles; ++row_tile) {
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
@@ -447,8 +462,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 #pragma unroll
         for (int i = 0; i < R; ++i) {
           if (first + i < rounds) {  // warp-uniform
-            mma_round(acc, weights[i], scale_bits[i],
-                      column + 4 * kStagedWordsPerChunk * (first + i));
+            const int round_words = 4 * kStagedWordsPerChunk * (first + i);
+            mma_round(acc, weights[i], scale_bits[i], even_pieces + round_words,
+                      odd_pieces + round_words);
           }
           if (!last_pass) {
             if (first + R + i < rounds) load_round(i, first + R + i);

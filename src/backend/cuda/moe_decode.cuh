@@ -113,9 +113,12 @@ __device__ __forceinline__ void e4m3_scale_pairs(uint32_t bits, __half2 (&pairs)
 }
 
 // acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
-// scale bits alongside) against the staged activation chunk at `staged` (16 words).
+// scale bits alongside) against the staged activation chunk: its 4-word piece i at
+// `even_pieces` + 4i (i even) or `odd_pieces` + 4i (i odd), the pieces of a swizzled layout
+// (moe_by_expert.cu) or both the chunk's 16 words.
 __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
-                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
+                                          const uint32_t (&scale_bits)[2],
+                                          const uint32_t* even_pieces, const uint32_t* odd_pieces) {
   __half2 scale[2][2];
   e4m3_scale_pairs(scale_bits[0], scale[0]);
   e4m3_scale_pairs(scale_bits[1], scale[1]);
@@ -123,7 +126,8 @@ __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2
                                 {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
+    const uint4 x =
+        *reinterpret_cast<const uint4*>((i % 2 == 0 ? even_pieces : odd_pieces) + 4 * i);
     const uint32_t b[4] = {x.x, x.y, x.z, x.w};
     uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
     scaled_e2m1_half2_pairs(words[0][i], scale[0][i / 2], a[0]);
@@ -134,6 +138,12 @@ __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2
       mma_f16(acc, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
     }
   }
+}
+
+// mma_round against a chunk stored in order (16 words at `staged`).
+__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
+                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
+  mma_round(acc, rows, scale_bits, staged, staged);
 }
 
 // The exponent p that brings `largest` (the largest staged magnitude) just below 2^15. Zero, inf
