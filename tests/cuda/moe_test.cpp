@@ -461,6 +461,23 @@ TEST(MoeExperts, ByExpertTinyShapes) {
   }
 }
 
+// Partial pieces of the by-expert kernels' work at shapes between tiny and real: K not a whole
+// number of rounds (4 chunks of 32: hidden 1632 = 51 chunks, the last round 3 live lanes; inner
+// 224 = 7 chunks) nor of passes (13 rounds = 6 + 6 + 1), a down block's second row tile partly
+// (hidden 160: rows 128-159) or wholly (hidden 1632: the last block's rows 1536-1631) past the
+// matrix, and experts with more than one tile of pairs (the rounds loaded again for each).
+TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1360;
+  for (const int64_t hidden : {160, 1632}) {
+    const ExpertSet set = make_experts(kNvfp4Multiplier, 16, hidden, 224, seed++);
+    check_run(cpu, set, 5, 4, seed++, {.path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 12, 4, seed++,
+              {.strided = true, .shared_experts = 1, .path = MoePath::kDecodeByExpert});
+    check_run(cpu, set, 19, 2, seed++, {.same_experts = true, .path = MoePath::kDecodeByExpert});
+  }
+}
+
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {

@@ -154,26 +154,47 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 // ---- NVFP4 on tensor cores ----
 
 // Warps per block, each with its own rows and all of K, and blocks per SM (128 registers a thread
-// either way). A block's fixed costs (finding its expert and pairs, staging their activations)
-// are paid once per 90 KB of gate/up weights (4 warps, 32 inner rows of gate and up) but per
-// 45 KB of down weights with 8 warps (128 rows of K = inner 704).
+// either way).
 template <bool kGateUp>
 constexpr int kMmaWarps = kGateUp ? 4 : 8;
 template <bool kGateUp>
 constexpr int kMmaBlocksPerSm = kGateUp ? 4 : 2;
 constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
-// A rows per warp: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down 16 rows.
+// Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
+// 16 rows.
 template <bool kGateUp>
-constexpr int kMmaRowsPerWarp = kGateUp ? 8 : 16;
-// One staged column: its chunks, kStagedWordsPerChunk words each, plus 4 words that shift the
-// columns' banks apart (the lanes of a quarter warp read 2 columns at once).
-__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
-  return chunks * kStagedWordsPerChunk + 4;
+constexpr int kMmaTileRows = kGateUp ? 8 : 16;
+// Row tiles per warp, one after the other, the loads running on from one tile's last rounds into
+// the next one's first. A block's fixed costs (finding its expert and pairs, staging their
+// activations) are then paid once per 90 KB of weights in both kernels: gate/up 4 warps x 1 tile
+// (32 inner rows of gate and up, K = hidden 2816), down 8 warps x 2 tiles (256 hidden rows of
+// K = inner 704; with 1 tile it paid them per 45 KB, its prologue about as long as its k loop).
+// Gate/up keeps 1 tile: 2 would halve its blocks to ~2.3 waves at 32 tokens.
+template <bool kGateUp>
+constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
+template <bool kGateUp>
+constexpr int kMmaBlockRows = kMmaWarps<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+// Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
+__host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
+  return (chunks + 3) / 4 * 4;
 }
-// The staged columns of a tile of min(pairs, kTilePairs) pairs and the zero chunk after them.
+// One staged column: its chunks, then zero chunks up to a whole round (the last round's lanes
+// past the row's end multiply by them), kStagedWordsPerChunk words each, plus 8 words that shift
+// the next column's banks by 8.
+//
+// Banks. An mma step's 16-byte B load by lane (g, t) reads 4-word piece i of chunk 4r + t of
+// column g; a quarter warp (the unit of a 128-bit shared load) is lanes g = 2q, 2q + 1, t = 0..3.
+// Chunks are 16 words, so chunks t and t + 2 of a round fall on the same banks: stored in order,
+// every B load took two passes (ncu, session 7: short scoreboard the top stall of both kernels).
+// Chunks c with (c >> 1) & 1 = 1 store their pieces pairwise swapped (piece i at i ^ 1): a
+// quarter warp's 8 loads then cover banks 4i, 16 + 4i, 4(i ^ 1), 16 + 4(i ^ 1) in column g and the
+// same plus 8 in column g + 1, all 32 once.
+__host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
+  return mma_round_chunks(chunks) * kStagedWordsPerChunk + 8;
+}
+// The staged columns of a tile of min(pairs, kTilePairs) pairs.
 __host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
-  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks) +
-         kStagedWordsPerChunk;
+  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks);
 }
 // The staged words, then every pair's expert id (find_slot_expert).
 size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
@@ -191,14 +212,16 @@ struct ColumnStaging {
 };
 
 // Pieces of 8 activations a thread keeps in registers between the two passes (the rest is read
-// again): 4 per thread cover 1.45 columns of hidden 2816 over gate/up's 128 threads, all eight
-// columns of inner 704 over down's 256.
-constexpr int kCachedPieces = 4;
+// again): gate/up 4 per thread cover 1.45 columns of hidden 2816 over 128 threads, down 2 cover
+// 5.8 columns of inner 704 over 256 (the first rounds of the weights are live meanwhile; down
+// spilled 64 bytes with 4).
+template <bool kGateUp>
+constexpr int kCachedPieces = kGateUp ? 4 : 2;
 
 // Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
-// of the column's largest |value · factor|, as stage_mma_activations does for one), and the zero
-// chunk after them. The whole block works on all columns at once: the loads of a column go out
-// together, not one warp's row at a time.
+// of the column's largest |value · factor|, as stage_mma_activations does for one), and their zero
+// chunks up to a whole round. The whole block works on all columns at once: the loads of a column
+// go out together, not one warp's row at a time.
 template <bool kGateUp>
 __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
                                int chunks, uint32_t* staged, ColumnStaging& columns) {
@@ -211,8 +234,11 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     columns.factor[c] = pair_factor<kGateUp>(a, down, tile.pairs[c]);
     columns.largest[c] = 0;
   }
-  if (threadIdx.x < static_cast<unsigned>(kStagedWordsPerChunk)) {
-    staged[count * mma_column_words(chunks) + threadIdx.x] = 0;
+  const int tail_words = static_cast<int>(mma_round_chunks(chunks) - chunks) * kStagedWordsPerChunk;
+  for (int i = static_cast<int>(threadIdx.x); i < count * tail_words;
+       i += static_cast<int>(blockDim.x)) {
+    const int c = i / tail_words;
+    staged[c * mma_column_words(chunks) + chunks * kStagedWordsPerChunk + i - c * tail_words] = 0;
   }
   __syncthreads();
   auto load_piece = [&](int piece, float4& lo, float4& hi) {
@@ -232,19 +258,19 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     // drop NaN in fmaxf alike): the float order is the bits' order.
     atomicMax(&columns.largest[c], __float_as_uint(fmaxf(largest_of(lo, f), largest_of(hi, f))));
   };
-  float4 cached[kCachedPieces][2];
+  float4 cached[kCachedPieces<kGateUp>][2];
 #pragma unroll
-  for (int j = 0; j < kCachedPieces; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) load_piece(piece, cached[j][0], cached[j][1]);
   }
 #pragma unroll
-  for (int j = 0; j < kCachedPieces; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) note_largest(piece / column_pieces, cached[j][0], cached[j][1]);
   }
-  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
-       piece += blockDim.x) {
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp> * blockDim.x);
+       piece < pieces; piece += blockDim.x) {
     float4 lo, hi;
     note_largest(load_piece(piece, lo, hi), lo, hi);
   }
@@ -256,8 +282,9 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     columns.scale[c] = columns.factor[c] * ldexpf(1.0f, exponent);
   }
   __syncthreads();
-  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3, pairs (v0, v4)
-  // ... (v3, v7): nibble pairs (s, s + 4) of the weight word.
+  // Piece (c, i) of a column = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3 (4 (i ^ 1) when
+  // (c >> 1) & 1: mma_column_words), pairs (v0, v4) ... (v3, v7): nibble pairs (s, s + 4) of the
+  // weight word.
   auto store_piece = [&](int piece, float4 lo, float4 hi) {
     const int c = piece / column_pieces;
     const float f = columns.scale[c];
@@ -265,38 +292,60 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
       const __half2 h = __floats2half2_rn(x * f, y * f);
       return *reinterpret_cast<const uint32_t*>(&h);
     };
-    reinterpret_cast<uint4*>(staged + c * mma_column_words(chunks))[piece - c * column_pieces] =
+    const int in_column = piece - c * column_pieces;  // 4 · chunk + i
+    reinterpret_cast<uint4*>(staged +
+                             c * mma_column_words(chunks))[in_column ^ ((in_column >> 3) & 1)] =
         make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
   };
 #pragma unroll
-  for (int j = 0; j < kCachedPieces; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) store_piece(piece, cached[j][0], cached[j][1]);
   }
-  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
-       piece += blockDim.x) {
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp> * blockDim.x);
+       piece < pieces; piece += blockDim.x) {
     float4 lo, hi;
     load_piece(piece, lo, hi);
     store_piece(piece, lo, hi);
   }
 }
 
-// Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), at most
-// its first 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a block's range is
-// 45 KB at 26B-A4B shapes). One instruction, no registers, nothing to wait for.
-__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
-  constexpr uintptr_t kMaxBytes = 64 * 1024 - 16;
-  const uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + 15) & ~uintptr_t{15};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
-  if (last <= first) return;
-  const uintptr_t bytes = last - first < kMaxBytes ? last - first : kMaxBytes;
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
-               "r"(static_cast<uint32_t>(bytes))
-               : "memory");
+// load_weights_nc with L2's prefetch-size hint: a miss fetches the aligned 256 bytes around the
+// chunk. A lane's rounds step 64 bytes along its row, and the rows of a warp's load are 1408
+// (gate/up) or 352 (down) bytes apart: without it DRAM serves scattered 64-byte pieces, far below
+// its peak; with it the next rounds of the row come in the same request and hit L2.
+__device__ __forceinline__ uint4 load_weights_nc_l2_256(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+// The same for a chunk's scale pair (a row's 176 bytes of scales at gate/up shapes).
+__device__ __forceinline__ uint32_t load_scale_pair_l2_256(const uint16_t* p) {
+  uint16_t r;
+  asm volatile("ld.global.nc.L2::256B.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
 }
 
-// Block (s, y): rows y · kMmaWarps · kMmaRowsPerWarp ... of slot s's expert (gate/up: inner rows,
-// gate and up each; down: hidden rows) for every pair of the expert.
+// Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), in
+// pieces of at most 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a down block's
+// range is 90 KB at 26B-A4B shapes). One instruction a piece, no registers, nothing to wait for.
+__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
+  constexpr uintptr_t kMaxBytes = 64 * 1024 - 16;
+  uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + 15) & ~uintptr_t{15};
+  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
+  for (; first < last; first += kMaxBytes) {
+    const uintptr_t bytes = last - first < kMaxBytes ? last - first : kMaxBytes;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
+                 "r"(static_cast<uint32_t>(bytes))
+                 : "memory");
+  }
+}
+
+// Block (s, y): rows y · kMmaBlockRows ... of slot s's expert (gate/up: inner rows, gate and up
+// each; down: hidden rows) for every pair of the expert, row tile i of warp w at rows
+// (i · kMmaWarps + w) · kMmaTileRows on (the block's first tile of each warp, then its second).
 template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
@@ -323,28 +372,44 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int64_t warp_row =
-      (static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> + warp) * kMmaRowsPerWarp<kGateUp>;
-  // A rows g and g + 8: gate and up of one inner row, or two down rows.
-  const int64_t rows[2] = {warp_row + g, kGateUp ? warp_row + g : warp_row + 8 + g};
+  constexpr int kTiles = kMmaRowTiles<kGateUp>;
+  const int64_t block_row = static_cast<int64_t>(blockIdx.y) * kMmaBlockRows<kGateUp>;
+  // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile`: gate and up of one inner row, or two
+  // down rows.
+  auto a_row = [&](int row_tile, int h) {
+    const int64_t first = block_row + static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) *
+                                          kMmaTileRows<kGateUp>;
+    return first + g + (kGateUp ? 0 : 8 * h);
+  };
   const int rounds = (chunks + 3) / 4;
 
-  uint4 weights[R][2];
-  uint32_t scale_bits[R][2];
-  // Round `round` of both A rows into slot `slot` (zeros past the rounds, chunks or rows).
-  auto load_round = [&](int slot, int round) {
-    const int chunk = 4 * round + t;
+  // Chunk t of each A row of the row tile being loaded, and its scales (load_scale_bits' layout:
+  // one 16-bit pair per chunk); round r is 4r chunks on, an immediate offset within a pass. A row
+  // past the matrix reads the last one: its products land in A rows whose outputs are not stored.
+  const uint4* row_chunks[2];
+  const uint16_t* row_scales[2];
+  auto load_tile = [&](int row_tile) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const bool live = round < rounds && chunk < chunks && rows[h] < a.rows;
-      weights[slot][h] = live ? load_weights_nc(static_cast<const uint4*>(mats[h].weights) +
-                                                rows[h] * a.chunks_per_row + chunk)
-                              : make_uint4(0, 0, 0, 0);
-      scale_bits[slot][h] =
-          live ? load_scale_bits<PackedFormat::kNVFP4>(mats[h], rows[h], chunk) : 0u;
+      const int64_t chunk = std::min(a_row(row_tile, h), a.rows - 1) * a.chunks_per_row + t;
+      row_chunks[h] = static_cast<const uint4*>(mats[h].weights) + chunk;
+      row_scales[h] = static_cast<const uint16_t*>(mats[h].scales) + chunk;
+    }
+  };
+  // Zeros until loaded: slots of rounds past the last keep them, or the last round's lanes past
+  // the row's end keep an earlier round's weights; both multiply zeros in B (stage_mma_tile).
+  uint4 weights[R][2] = {};
+  uint32_t scale_bits[R][2] = {};
+  auto load_round = [&](int slot, int round) {
+    if (4 * round + t >= chunks) return;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      weights[slot][h] = load_weights_nc_l2_256(row_chunks[h] + 4 * round);
+      scale_bits[slot][h] = load_scale_pair_l2_256(row_scales[h] + 4 * round);
     }
   };
   auto load_first_rounds = [&] {
+    load_tile(0);
 #pragma unroll
     for (int i = 0; i < R; ++i) load_round(i, i);
   };
@@ -355,10 +420,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
     // would leave only after the wait. The block's rows and their scales are each one contiguous
     // range: fetched into L2 here, before the wait, the loads after it hit L2.
-    const int64_t block_row =
-        static_cast<int64_t>(blockIdx.y) * kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>;
-    const int64_t block_rows =
-        std::min<int64_t>(kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>, a.rows - block_row);
+    const int64_t block_rows = std::min<int64_t>(kMmaBlockRows<kGateUp>, a.rows - block_row);
     const int64_t first_chunk = block_row * a.chunks_per_row;
     const int64_t end_chunk = first_chunk + block_rows * a.chunks_per_row;
     if (threadIdx.x == 0) {
@@ -377,41 +439,58 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     first_tile = false;
     stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
     __syncthreads();
-    // Column g of B: pair g of the tile, zeros past the tile's pairs or the row's chunks.
+    // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
+    // lanes read its last column: mma output column g depends on B column g alone, and those
+    // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
+    // (mma_column_words): even pieces 4 words on, odd ones 4 words back.
     const int column_count = tile.count;
-    const uint32_t* column = staged + g * mma_column_words(chunks);
-    const uint32_t* zeros = staged + column_count * mma_column_words(chunks);
-    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
-    // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
-    // the top of each pass instead leaves the pass's first products a full memory latency behind.
-    for (int first = 0; first < rounds; first += R) {
+    const uint32_t* column =
+        staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
+    const int swap_words = 4 * ((t >> 1) & 1);
+    const uint32_t* even_pieces = column + swap_words;
+    const uint32_t* odd_pieces = column - swap_words;
+    for (int row_tile = 0; row_tile < kTiles; ++row_tile) {
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
+      // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
+      // the top of each pass instead leaves the pass's first products a full memory latency
+      // behind. In a tile's last pass every slot takes round i of the next row tile.
+      for (int first = 0; first < rounds; first += R) {
+        const bool last_pass = first + R >= rounds;
+        const bool next_row_tile = last_pass && row_tile + 1 < kTiles;
+        if (next_row_tile) load_tile(row_tile + 1);
 #pragma unroll
-      for (int i = 0; i < R; ++i) {
-        if (first + i >= rounds) break;  // warp-uniform
-        const int chunk = 4 * (first + i) + t;
-        const uint32_t* b =
-            g < column_count && chunk < chunks ? column + kStagedWordsPerChunk * chunk : zeros;
-        mma_round(acc, weights[i], scale_bits[i], b);
-        if (first + R + i < rounds) load_round(i, first + R + i);
+        for (int i = 0; i < R; ++i) {
+          if (first + i < rounds) {  // warp-uniform
+            const int round_words = 4 * kStagedWordsPerChunk * (first + i);
+            mma_round(acc, weights[i], scale_bits[i], even_pieces + round_words,
+                      odd_pieces + round_words);
+          }
+          if (!last_pass) {
+            if (first + R + i < rounds) load_round(i, first + R + i);
+          } else if (next_row_tile) {
+            load_round(i, i);
+          }
+        }
       }
-    }
-    // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
-    // acc[3]).
+      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
+      // acc[3]).
+      const int64_t rows[2] = {a_row(row_tile, 0), a_row(row_tile, 1)};
 #pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int c = 2 * t + j;
-      if (c >= column_count) continue;
-      const int64_t p = tile.pairs[c];
-      const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
-      if constexpr (kGateUp) {
-        const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
-        const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
-        if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
-      } else {
+      for (int j = 0; j < 2; ++j) {
+        const int c = 2 * t + j;
+        if (c >= column_count) continue;
+        const int64_t p = tile.pairs[c];
+        const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
+        if constexpr (kGateUp) {
+          const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
+          const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
+          if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
+        } else {
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = acc[2 * h + j] * back;
+          for (int h = 0; h < 2; ++h) {
+            if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = acc[2 * h + j] * back;
+          }
         }
       }
     }
@@ -475,8 +554,7 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
   const auto kernel = by_expert_mma_kernel<kGateUp>;
   const cudaError_t allowed = allow_shared_bytes(kernel, shared);
   if (allowed != cudaSuccess) return allowed;
-  const dim3 grid(static_cast<unsigned>(slots),
-                  blocks(args.rows, kMmaWarps<kGateUp> * kMmaRowsPerWarp<kGateUp>));
+  const dim3 grid(static_cast<unsigned>(slots), blocks(args.rows, kMmaBlockRows<kGateUp>));
   return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
 }
 

@@ -13,6 +13,7 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/moe_kernels.h"
 #include "backend/cuda/moe_launch.cuh"
+#include "backend/cuda/nvfp4_decode.cuh"
 
 namespace gemma4::cuda {
 
@@ -100,43 +101,49 @@ __device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1,
 // The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
 constexpr int kMmaWeightShift = 7;
 
-// An e4m3 block scale times 2^(14 − kMmaWeightShift) as an fp16 pair (exact: e4m3 is a subset of
-// fp16, and 448 · 2^7 < 65504).
-__device__ __forceinline__ __half2 e4m3_half2(uint32_t bits) {
-  const __half_raw h =
-      __nv_cvt_fp8_to_halfraw(static_cast<__nv_fp8_storage_t>(bits & 0xFF), __NV_E4M3);
-  return __hmul2(__half2half2(__half(h)), __float2half2_rn(128.0f));
-}
-
-// Nibbles (s, s + 4) of `word` as e2m1 · 2^-14 times `scale` (e4m3_half2), an exact fp16 pair.
-__device__ __forceinline__ uint32_t scaled_e2m1_pair(uint32_t word, int s, __half2 scale) {
-  const uint32_t shifted = word >> (4 * s);
-  const uint32_t bits = ((shifted << 9) & 0x0E000E00u) | ((shifted << 12) & 0x80008000u);
-  const __half2 scaled = __hmul2(*reinterpret_cast<const __half2*>(&bits), scale);
-  return *reinterpret_cast<const uint32_t*>(&scaled);
+// A chunk's two e4m3 block scales (`bits` 0-7, 8-15) times 2^(14 − kMmaWeightShift), each as an
+// fp16 pair (exact: e4m3 is a subset of fp16, and 448 · 2^7 < 65504): one conversion and one
+// multiply for both.
+__device__ __forceinline__ void e4m3_scale_pairs(uint32_t bits, __half2 (&pairs)[2]) {
+  const __half2 both =
+      __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits & 0xFFFF), __NV_E4M3);
+  const __half2 scaled = __hmul2(both, __float2half2_rn(128.0f));
+  pairs[0] = __low2half2(scaled);
+  pairs[1] = __high2half2(scaled);
 }
 
 // acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
-// scale bits alongside) against the staged activation chunk at `staged` (16 words).
+// scale bits alongside) against the staged activation chunk: its 4-word piece i at
+// `even_pieces` + 4i (i even) or `odd_pieces` + 4i (i odd), the pieces of a swizzled layout
+// (moe_by_expert.cu) or both the chunk's 16 words.
 __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
-                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
-  const __half2 scale[2][2] = {{e4m3_half2(scale_bits[0]), e4m3_half2(scale_bits[0] >> 8)},
-                               {e4m3_half2(scale_bits[1]), e4m3_half2(scale_bits[1] >> 8)}};
+                                          const uint32_t (&scale_bits)[2],
+                                          const uint32_t* even_pieces, const uint32_t* odd_pieces) {
+  __half2 scale[2][2];
+  e4m3_scale_pairs(scale_bits[0], scale[0]);
+  e4m3_scale_pairs(scale_bits[1], scale[1]);
   const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
                                 {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint4 x = *reinterpret_cast<const uint4*>(staged + 4 * i);
+    const uint4 x =
+        *reinterpret_cast<const uint4*>((i % 2 == 0 ? even_pieces : odd_pieces) + 4 * i);
     const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
+    scaled_e2m1_half2_pairs(words[0][i], scale[0][i / 2], a[0]);
+    scaled_e2m1_half2_pairs(words[1][i], scale[1][i / 2], a[1]);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int s = 2 * half;
-      mma_f16(acc, scaled_e2m1_pair(words[0][i], s, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s, scale[1][i / 2]),
-              scaled_e2m1_pair(words[0][i], s + 1, scale[0][i / 2]),
-              scaled_e2m1_pair(words[1][i], s + 1, scale[1][i / 2]), b[s], b[s + 1]);
+      mma_f16(acc, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
     }
   }
+}
+
+// mma_round against a chunk stored in order (16 words at `staged`).
+__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
+                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
+  mma_round(acc, rows, scale_bits, staged, staged);
 }
 
 // The exponent p that brings `largest` (the largest staged magnitude) just below 2^15. Zero, inf
