@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/gemv_stream_kernels.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -106,7 +107,10 @@ std::span<const GemvTiling> gemv_tilings() {
 // bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner loop
 // from shared memory); except, by reasoning not yet measured, where staging changes the
 // trade-off (marked).
-int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
+namespace {
+
+// The register kernel's tiling (gemv_kernel.cuh) for a shape.
+int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
   if (m > 1) return m == 2 && chunks <= 48 ? 11 : 12;
   if (chunks <= 24) return 2;  // 26B expert down (K 704), PLE projection (K 256)
@@ -148,6 +152,35 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   return 8;                    // down projections
 }
 
+// Whether the streaming kernel (gemv_stream_kernels.h) takes this GEMV at `tiling`.
+bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y, int tiling) {
+  const int64_t chunks = w.cols / 32;
+  return gemv_stream_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 &&
+         w.scale_type != quant::ScaleType::kF32 && chunks % 4 == 0 &&
+         (reinterpret_cast<uintptr_t>(w.scales) & 7) == 0 && x.rows == 1 &&
+         (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
+         x.residual_norm.residual == nullptr && y.companions.q8 == nullptr &&
+         gemv_stream_shared_bytes(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks) <=
+             kGemvStreamMaxSharedBytes;
+}
+
+}  // namespace
+
+// The streaming kernel where it beats the register kernel: one activation row of large w4g32
+// matrices with bf16 products (gemv() falls back to the register kernel for what it does not
+// take) — unmeasured, by the bandwidth it is built for.
+int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
+  if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW4G32 &&
+      w.scale_type != quant::ScaleType::kF32) {
+    const int64_t chunks = w.cols / 32;
+    // 31B K 5376 (QKV, gate+up, lm_head): three warps split the 168 chunks exactly.
+    if (chunks == 168 && w.rows >= 16384) return 101;
+    // E2B K 1536: the double-wide gate+up and the lm_head.
+    if (chunks == 48 && w.rows >= 24576) return 102;
+  }
+  return default_register_tiling(w, m, x_type);
+}
+
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling) {
   PackedFormat format;
@@ -163,7 +196,9 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                         output_ok(y, w.rows, x.rows);
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
-  if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  if (!shape_ok || !pointers_ok || (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling))) {
+    return cudaErrorInvalidValue;
+  }
   const GemvResidualNorm& step = x.residual_norm;
   const bool residual_step = step.residual != nullptr;
   if (residual_step &&
@@ -177,12 +212,19 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   }
   if (y.companions.q8 != nullptr) {
     if (tiling < 0) tiling = kGemvQ8PairsTiling;
-    if (y.epilogue != GemvEpilogue::kGeluPairs ||
+    if (y.epilogue != GemvEpilogue::kGeluPairs || is_gemv_stream_tiling(tiling) ||
         !gemv_tiling_emits_q8_pairs(kGemvTilings[tiling])) {
       return cudaErrorInvalidValue;
     }
   }
-  if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
+  if (tiling < 0) {
+    tiling = default_gemv_tiling(w, x.rows, x.type);
+    if (is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) {
+      tiling = default_register_tiling(w, x.rows, x.type);
+    }
+  }
+  const bool stream = is_gemv_stream_tiling(tiling);
+  if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
 
   GemvArgs args = {};
   args.weights = w.data;
@@ -197,7 +239,11 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.x_stride = x.stride;
   args.m = x.rows;
   args.f32_products = F32Products::kExact;
-  if (x.round_to_bf16) {
+  if (stream) {
+    // The streaming kernel stages every activation row it takes as bf16.
+    args.f32_products = F32Products::kBF16Staged;
+    args.staged_rows = 1;
+  } else if (x.round_to_bf16) {
     // Stage a block's m tile of activations in shared memory when it fits.
     const GemvTiling& t = kGemvTilings[tiling];
     args.staged_rows = std::min(t.m_tile, x.rows);
@@ -215,6 +261,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
+  if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
 }
 

@@ -1,0 +1,305 @@
+// The streaming single-row GEMV (gemv_stream_kernels.h describes the method).
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "backend/cuda/cp_async.cuh"
+#include "backend/cuda/gemv_kernel.cuh"
+#include "backend/cuda/gemv_stream_kernels.h"
+
+namespace gemma4::cuda {
+namespace gemv_stream_detail {
+
+constexpr int kTileRows = kGemvStreamTileRows;
+
+// The pairs (128 + u_s, 128 + u_{s+4}), s = 0..3, of the nibbles of a packed word as exact bf16
+// (u ORed into the low mantissa bits of bf16 128.0, 0x4300): the A slots of two mma steps.
+__device__ __forceinline__ void biased_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
+  const uint32_t magic = 0x43004300u;
+  pairs[0] = and_or<0x000F000Fu>(word, magic);
+  pairs[1] = and_or<0x000F000Fu>(word >> 4, magic);
+  pairs[2] = and_or<0x000F000Fu>(word >> 8, magic);
+  pairs[3] = and_or<0x000F000Fu>(word >> 12, magic);
+}
+
+// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Activations 8p .. 8p + 7 as bf16 (kF32: rounded, ties to even) in the B order, pairs
+// (v0, v4), (v1, v5), (v2, v6), (v3, v7); `sum` gets Σ of the 8 bf16 values in fp32.
+template <ActType XT>
+__device__ __forceinline__ uint4 staged_piece(const void* x, int64_t p, float& sum) {
+  uint4 word;
+  if constexpr (XT == ActType::kBF16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(x) + p);
+    word = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+  } else {
+    const float4* source = reinterpret_cast<const float4*>(x) + 2 * p;
+    const float4 lo = __ldg(source), hi = __ldg(source + 1);
+    word = make_uint4(pack_bf16x2(lo.x, hi.x), pack_bf16x2(lo.y, hi.y), pack_bf16x2(lo.z, hi.z),
+                      pack_bf16x2(lo.w, hi.w));
+  }
+  float values[8];
+  unpack_bf16x8(word, values);
+  sum = ((values[0] + values[1]) + (values[2] + values[3])) +
+        ((values[4] + values[5]) + (values[6] + values[7]));
+  return word;
+}
+
+// Two adjacent bf16 or fp16 scales (quant::ScaleType 0 or 1), the low half first, as fp32.
+__device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
+  if (scale_type == kScaleF16) return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+}
+
+template <ActType XT, int W, int KC, int S>
+__global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
+  static_assert(KC == 8 || KC == 16 || KC == 32, "a copy pass covers whole rows");
+  static_assert(S >= 2, "a ring needs a stage in flight");
+  constexpr GemvStreamTiling kTiling = {W, KC, S};
+  constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
+  constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
+  constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
+  pdl_trigger_dependents();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
+  const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  // This warp's run of K: whole quads, the warps' runs differing by at most one quad.
+  const int64_t quads = cpr / 4;
+  const int64_t k_begin = 4 * (quads * warp / W);
+  const int64_t k_end = 4 * (quads * (warp + 1) / W);
+  const int slices = static_cast<int>((k_end - k_begin + KC - 1) / KC);
+  const int items = my_tiles * slices;
+
+  extern __shared__ uint4 stream_shared[];
+  uint4* staged_x = stream_shared;  // (cpr + 1) · 4 words: chunk c at 4c, zeros at 4·cpr
+  // −136 · Σx per chunk: a biased chunk sum Σ(128 + u)·x plus this is Σ(u − 8)·x.
+  float* x_biases = reinterpret_cast<float*>(staged_x + 4 * (cpr + 1));
+  float* partial = x_biases + (cpr + 3) / 4 * 4;  // [2][W][16]
+  uint8_t* ring = reinterpret_cast<uint8_t*>(partial + 2 * W * kTileRows) +
+                  static_cast<int64_t>(warp) * S * kStageBytes;
+
+  // Slice `item` of this warp's sequence (tile item / slices, slice item % slices) into its stage:
+  // lanes copy 16-byte chunks of 32 / KC rows per pass and 8-byte scale pieces (4 chunks) of
+  // 128 / KC rows per pass. Rows past a.rows are not copied (their sums are never stored).
+  const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
+  const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
+  auto issue = [&](int item) {
+    if (item < items) {
+      const int64_t row0 =
+          (blockIdx.x + static_cast<int64_t>(item / slices) * gridDim.x) * kTileRows;
+      const int64_t kc0 = k_begin + static_cast<int64_t>(item % slices) * KC;
+      const int kc = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0));
+      uint8_t* stage = ring + (item % S) * kStageBytes;
+      constexpr int kRowsPerPass = 32 / KC;
+#pragma unroll
+      for (int pass = 0; pass < kTileRows / kRowsPerPass; ++pass) {
+        const int r = pass * kRowsPerPass + lane / KC;
+        const int c = lane % KC;
+        if (c < kc && row0 + r < a.rows) {
+          copy_async16(stage + r * kPitch + c * 16, weights + ((row0 + r) * cpr + kc0 + c) * 16);
+        }
+      }
+      constexpr int kPiecesPerRow = KC / 4;
+      constexpr int kScaleRowsPerPass = 32 / kPiecesPerRow;
+#pragma unroll
+      for (int pass = 0; pass < kTileRows / kScaleRowsPerPass; ++pass) {
+        const int r = pass * kScaleRowsPerPass + lane / kPiecesPerRow;
+        const int q = lane % kPiecesPerRow;
+        if (4 * q < kc && row0 + r < a.rows) {
+          copy_async8(stage + kScalesOffset + (r * KC + 4 * q) * 2,
+                      scales + ((row0 + r) * cpr + kc0 + 4 * q) * 2);
+        }
+      }
+    }
+    commit_copies();  // one group per item, empty past the end: the waits count items
+  };
+
+  // Weights never depend on the previous kernel: the first slices go out before the wait.
+#pragma unroll
+  for (int item = 0; item < S - 1; ++item) issue(item);
+  pdl_wait_for_predecessors();
+
+  // Stage the activation row: one 8-element piece a thread, the chunk sums over 4 lanes.
+  {
+    const int64_t pieces = 4 * cpr;
+    const int64_t rounds = (pieces + W * 32 - 1) / (W * 32);
+#pragma unroll 8
+    for (int64_t round = 0; round < rounds; ++round) {
+      const int64_t p = round * W * 32 + threadIdx.x;
+      float sum = 0.0f;
+      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, p, sum);
+      // pieces is a multiple of 4, so a quad of lanes is valid or not as a whole.
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
+    }
+    if (threadIdx.x < 4) staged_x[4 * cpr + threadIdx.x] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+  }
+
+  int item = 0;
+  for (int j = 0; j < my_tiles; ++j) {
+    const int64_t row0 = (blockIdx.x + static_cast<int64_t>(j) * gridDim.x) * kTileRows;
+    // Lanes t = 0, 1: rows g and g + 8 over the chunks of columns 2t, 2t + 1.
+    float acc_g = 0.0f, acc_g8 = 0.0f;
+    for (int slice = 0; slice < slices; ++slice, ++item) {
+      wait_copies<S - 2>();  // this lane's copies of `item` have landed
+      __syncwarp();          // and every lane's; the stage read last is free
+      issue(item + S - 1);
+      const uint8_t* stage = ring + (item % S) * kStageBytes;
+      const int64_t kc0 = k_begin + static_cast<int64_t>(slice) * KC;
+      const int steps = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0)) / 4;
+      // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
+      auto multiply_step = [&](int step) {
+        const int chunk = 4 * step + t;  // in the stage
+        const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
+        const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
+        const uint4* x_words = g == t ? staged_x + 4 * (kc0 + chunk) : staged_x + 4 * cpr;
+        const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
+        const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
+        // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
+        // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
+        const int column_chunk = 4 * step + 2 * (t & 1);
+        const float2 bias = *reinterpret_cast<const float2*>(x_biases + kc0 + column_chunk);
+        // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
+        // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
+        float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 xw = x_words[i];
+          uint32_t pg[4], pg8[4];
+          biased_nibble_pairs(row_g[i], pg);
+          biased_nibble_pairs(row_g8[i], pg8);
+          mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
+          mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+        }
+        const uint8_t* scales_g = stage + kScalesOffset + (g * KC + column_chunk) * 2;
+        const float2 scale_g =
+            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), a.scale_type);
+        const float2 scale_g8 =
+            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 16 * KC), a.scale_type);
+        acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
+        acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
+        acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
+        acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
+      };
+      if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
+#pragma unroll
+        for (int step = 0; step < KC / 4; ++step) multiply_step(step);
+      } else {
+        for (int step = 0; step < steps; ++step) multiply_step(step);
+      }
+    }
+    // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the warps' runs added in
+    // shared memory (two buffers by tile parity: a warp writes this buffer again only after the
+    // next tile's barrier, which warp 0 passes after reading it).
+    acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
+    acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
+    float* tile_partial = partial + (j & 1) * W * kTileRows;
+    if (t == 0) {
+      tile_partial[warp * kTileRows + g] = acc_g;
+      tile_partial[warp * kTileRows + g + 8] = acc_g8;
+    }
+    __syncthreads();
+    if (warp == 0 && lane < kTileRows / 2) {
+      float pair[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int w = 0; w < W; ++w) {
+        pair[0] += tile_partial[w * kTileRows + 2 * lane];
+        pair[1] += tile_partial[w * kTileRows + 2 * lane + 1];
+      }
+      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    }
+  }
+  wait_copies<0>();  // no copy outlives the block
+}
+
+using KernelFn = void (*)(GemvArgs);
+
+template <ActType XT, int I>
+constexpr KernelFn kernel_for() {
+  if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
+    constexpr GemvStreamTiling t = kGemvStreamTilings[I];
+    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages>;
+  } else {
+    return nullptr;
+  }
+}
+
+template <ActType XT, size_t... I>
+constexpr std::array<KernelFn, kNumGemvStreamTilings> kernel_table(std::index_sequence<I...>) {
+  return {kernel_for<XT, static_cast<int>(I)>()...};
+}
+
+KernelFn select_kernel(ActType x_type, int index) {
+  static constexpr auto kBF16 =
+      kernel_table<ActType::kBF16>(std::make_index_sequence<kNumGemvStreamTilings>());
+  static constexpr auto kF32 =
+      kernel_table<ActType::kF32>(std::make_index_sequence<kNumGemvStreamTilings>());
+  if (index < 0 || index >= kNumGemvStreamTilings) return nullptr;
+  if (x_type == ActType::kBF16) return kBF16[index];
+  if (x_type == ActType::kF32) return kF32[index];
+  return nullptr;
+}
+
+// Blocks of `kernel` that the GPU holds at once with `shared` bytes each (after opting the kernel
+// into kGemvStreamMaxSharedBytes); 0 where the runtime refuses. Asked once per (kernel, shared
+// bytes, device).
+int resident_blocks(KernelFn kernel, int threads, size_t shared) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const auto key = std::make_tuple(kernel, shared, device);
+  static std::mutex mutex;
+  static std::map<std::tuple<KernelFn, size_t, int>, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto found = known.find(key); found != known.end()) return found->second;
+  int per_sm = 0, sms = 0;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kGemvStreamMaxSharedBytes));
+  if (status == cudaSuccess) {
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared);
+  }
+  if (status == cudaSuccess) {
+    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  }
+  if (status != cudaSuccess) {
+    per_sm = 0;
+    cudaGetLastError();  // the refusal is this answer, not an error left for the caller
+  }
+  known.emplace(key, per_sm * sms);
+  return per_sm * sms;
+}
+
+}  // namespace gemv_stream_detail
+
+cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
+                               const Launch& launch) {
+  const gemv_stream_detail::KernelFn kernel = gemv_stream_detail::select_kernel(x_type, index);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const GemvStreamTiling& t = kGemvStreamTilings[index];
+  const auto shared = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
+  const int threads = 32 * t.warps;
+  const int resident = gemv_stream_detail::resident_blocks(kernel, threads, shared);
+  if (resident == 0) return cudaErrorInvalidValue;
+  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, resident)));
+  return launch_kernel(kernel, grid, dim3(threads), shared, launch, args);
+}
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,104 @@
+// The streaming single-row GEMV (gemv_stream.cu) for large w4g32 matrices: its tilings and launch.
+// Plain header (no checkpoint types), like gemv_kernels.h, whose GemvArgs it takes.
+//
+// Why: the register GEMV (gemv_kernel.cuh) multiplies in fp32 on the CUDA cores, ~3 warp
+// instructions per 16-byte weight chunk, and loads a pass, then computes it: at the 31B shapes and
+// the lm_heads it reaches 60-68 % of the read bandwidth. This kernel streams the weights through a
+// shared-memory ring with cp.async (stages - 1 slices in flight per warp, always) and multiplies
+// on the tensor cores (~1.3 warp instructions per chunk).
+//
+// Method. A block owns 16-row tiles blockIdx.x + gridDim.x · i (a persistent grid: as many blocks
+// as fit the GPU, or one per tile); its `warps` warps split each tile's K range into equal runs of
+// whole 4-chunk quads, each warp streaming its run, slice by slice (stage_chunks chunks of the 16
+// rows plus their scales), through its own ring. mma.sync m16n8k16 (bf16, fp32 accumulation),
+// weights as A: lane (g, t) takes chunk 4s + t of rows g and g + 8 in step s, whole (one 16-byte
+// shared-memory load each): its 32 nibbles, as the exact bf16 integers 128 + u (one LOP3 per pair),
+// fill the lane's A slots of 8 mma, pairs (e, e + 4) as in gemv_mma_kernel.cuh. The 4 lanes of a
+// quad thus hold 4 different groups (scales) in one mma. The B operand separates them: lane (g, t)
+// supplies column g, the activations of its chunk when g == t and zeros otherwise, so column n of
+// the product is the sum over quad lane n's chunk alone, Σ(128 + u)·x; the group scale then
+// applies in fp32 after subtracting 136·Σx (the chunk's bf16 activation sum, staged): the same
+// exact products as the CUDA-core GEMV with bf16 activations, summed in another order. The warps'
+// partial row sums meet in shared memory at the tile's end, and the GEMV epilogues apply.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/gemv_kernels.h"
+
+namespace gemma4::cuda {
+
+struct GemvStreamTiling {
+  int warps;         // warps per block, each streaming a 1/warps share of a tile's K range
+  int stage_chunks;  // chunks of each of the 16 rows per ring stage: 8, 16 or 32
+  int stages;        // ring stages per warp (stages - 1 slices in flight)
+};
+
+// Weight rows per tile: the mma A fragment's.
+inline constexpr int kGemvStreamTileRows = 16;
+
+// Tiling indices that gemv() takes for the streaming kernel: kGemvStreamTilingBase + i selects
+// kGemvStreamTilings[i] (register tilings are 0 .. kNumGemvTilings − 1).
+inline constexpr int kGemvStreamTilingBase = 100;
+inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
+    {2, 16, 4},  // 100: K 5376: 84 chunks a warp
+    {3, 16, 4},  // 101: K 5376: 56 chunks a warp (its 42 quads split exactly)
+    {4, 16, 4},  // 102: K 1536: 12 chunks a warp; K 8192 / 21504: 64 / 168
+    {3, 16, 3},  // 103: as 101, a smaller ring (more blocks per SM)
+    {4, 32, 3},  // 104: longer slices (512-byte row pieces)
+    {6, 16, 3},  // 105: K 5376: 28 chunks a warp; K 1536: 8
+    {8, 16, 3},  // 106: K 8192: 32 chunks a warp; K 21504: 84
+};
+inline constexpr int kNumGemvStreamTilings =
+    sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
+
+// The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
+// GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
+inline constexpr int kDefaultGemvStreamTilings[] = {101, 102};
+
+constexpr bool is_gemv_stream_tiling(int tiling) {
+  return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
+}
+
+constexpr bool gemv_stream_tiling_compiled(int tiling) {
+#ifdef GEMMA4_GEMV_ALL_TILINGS
+  return is_gemv_stream_tiling(tiling);
+#else
+  for (int t : kDefaultGemvStreamTilings) {
+    if (t == tiling) return true;
+  }
+  return false;
+#endif
+}
+
+// Bytes of one 16-row weight slice in a ring stage: rows padded to 64 mod 128 bytes, so that the 8
+// lanes of a shared-memory load phase (rows g, g + 1, four chunks each) hit 32 distinct banks.
+constexpr int64_t gemv_stream_row_pitch(const GemvStreamTiling& t) {
+  return int64_t{16} * t.stage_chunks + 64;
+}
+// A ring stage: the weight slice, then the slice's 16-bit scales ([16][stage_chunks]).
+constexpr int64_t gemv_stream_stage_bytes(const GemvStreamTiling& t) {
+  return kGemvStreamTileRows * (gemv_stream_row_pitch(t) + 2 * t.stage_chunks);
+}
+
+// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the staged activations
+// (64 bytes a chunk, then 64 bytes of zeros), their per-chunk sums (fp32, padded to 16 bytes), the
+// warps' partial row sums (two tiles' worth), then the warps' rings.
+constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
+  return 64 * (chunks_per_row + 1) + (4 * chunks_per_row + 15) / 16 * 16 +
+         4 * 2 * t.warps * kGemvStreamTileRows +
+         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
+}
+
+// Dynamic shared memory a block may opt into on sm_90 (227 KB).
+inline constexpr int64_t kGemvStreamMaxSharedBytes = 227 * 1024;
+
+// Enqueues the streaming kernel of tiling kGemvStreamTilings[index] for one activation row:
+// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), chunks_per_row a multiple of
+// 4, args.scales 8-byte aligned, activations kBF16 or kF32 (rounded to bf16 as staged), no q8
+// companions, no residual step, shared bytes within kGemvStreamMaxSharedBytes; gemv() validates
+// that. cudaErrorInvalidValue for a tiling this build did not compile.
+cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
+                               const Launch& launch);
+
+}  // namespace gemma4::cuda
