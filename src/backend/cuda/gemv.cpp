@@ -175,7 +175,7 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
     const int64_t chunks = w.cols / 32;
     // 31B K 5376 (QKV, gate+up, lm_head): three warps split the 168 chunks exactly.
     if (chunks == 168 && w.rows >= 16384) return 101;
-    // E2B K 1536: the double-wide gate+up and the lm_head.
+    // E2B K 1536 (the double-wide gate+up, the lm_head): three warps of one 16-chunk slice.
     if (chunks == 48 && w.rows >= 24576) return 102;
   }
   return default_register_tiling(w, m, x_type);

@@ -65,7 +65,7 @@ __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
 
 template <ActType XT, int W, int KC, int S>
 __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
-  static_assert(KC == 8 || KC == 16 || KC == 32, "a copy pass covers whole rows");
+  static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, 16-bit indices");
   static_assert(S >= 2, "a ring needs a stage in flight");
   constexpr GemvStreamTiling kTiling = {W, KC, S};
   constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
@@ -95,8 +95,9 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
                   static_cast<int64_t>(warp) * S * kStageBytes;
 
   // Slice `item` of this warp's sequence (tile item / slices, slice item % slices) into its stage:
-  // lanes copy 16-byte chunks of 32 / KC rows per pass and 8-byte scale pieces (4 chunks) of
-  // 128 / KC rows per pass. Rows past a.rows are not copied (their sums are never stored).
+  // lane l copies the 16-byte chunks l, l + 32, ... of the 16 × KC (row-major) and the 8-byte
+  // scale pieces (4 chunks) l, l + 32, ... of the 16 × KC / 4. Rows past a.rows are not copied
+  // (their sums are never stored).
   const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
   const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
   auto issue = [&](int item) {
@@ -106,24 +107,23 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
       const int64_t kc0 = k_begin + static_cast<int64_t>(item % slices) * KC;
       const int kc = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0));
       uint8_t* stage = ring + (item % S) * kStageBytes;
-      constexpr int kRowsPerPass = 32 / KC;
+      constexpr int kCopies = kTileRows * KC;
 #pragma unroll
-      for (int pass = 0; pass < kTileRows / kRowsPerPass; ++pass) {
-        const int r = pass * kRowsPerPass + lane / KC;
-        const int c = lane % KC;
-        if (c < kc && row0 + r < a.rows) {
+      for (int pass = 0; pass < (kCopies + 31) / 32; ++pass) {
+        const int index = 32 * pass + lane;
+        const int r = index / KC, c = index % KC;
+        if (index < kCopies && c < kc && row0 + r < a.rows) {
           copy_async16(stage + r * kPitch + c * 16, weights + ((row0 + r) * cpr + kc0 + c) * 16);
         }
       }
-      constexpr int kPiecesPerRow = KC / 4;
-      constexpr int kScaleRowsPerPass = 32 / kPiecesPerRow;
+      constexpr int kPieces = kTileRows * KC / 4;
 #pragma unroll
-      for (int pass = 0; pass < kTileRows / kScaleRowsPerPass; ++pass) {
-        const int r = pass * kScaleRowsPerPass + lane / kPiecesPerRow;
-        const int q = lane % kPiecesPerRow;
-        if (4 * q < kc && row0 + r < a.rows) {
-          copy_async8(stage + kScalesOffset + (r * KC + 4 * q) * 2,
-                      scales + ((row0 + r) * cpr + kc0 + 4 * q) * 2);
+      for (int pass = 0; pass < (kPieces + 31) / 32; ++pass) {
+        const int index = 32 * pass + lane;
+        const int r = index / (KC / 4), c = 4 * (index % (KC / 4));
+        if (index < kPieces && c < kc && row0 + r < a.rows) {
+          copy_async8(stage + kScalesOffset + (r * KC + c) * 2,
+                      scales + ((row0 + r) * cpr + kc0 + c) * 2);
         }
       }
     }
@@ -272,6 +272,10 @@ int resident_blocks(KernelFn kernel, int threads, size_t shared) {
   int per_sm = 0, sms = 0;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kGemvStreamMaxSharedBytes));
+  if (status == cudaSuccess) {  // the rings want shared memory, not L1
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared);
+  }
   if (status == cudaSuccess) {
     status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared);
   }

@@ -30,7 +30,7 @@ namespace gemma4::cuda {
 
 struct GemvStreamTiling {
   int warps;         // warps per block, each streaming a 1/warps share of a tile's K range
-  int stage_chunks;  // chunks of each of the 16 rows per ring stage: 8, 16 or 32
+  int stage_chunks;  // chunks of each of the 16 rows per ring stage: a multiple of 4, <= 32
   int stages;        // ring stages per warp (stages - 1 slices in flight)
 };
 
@@ -40,14 +40,16 @@ inline constexpr int kGemvStreamTileRows = 16;
 // Tiling indices that gemv() takes for the streaming kernel: kGemvStreamTilingBase + i selects
 // kGemvStreamTilings[i] (register tilings are 0 .. kNumGemvTilings − 1).
 inline constexpr int kGemvStreamTilingBase = 100;
+// A warp's run of K is best a whole number of slices (full slices are unrolled).
 inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
-    {2, 16, 4},  // 100: K 5376: 84 chunks a warp
-    {3, 16, 4},  // 101: K 5376: 56 chunks a warp (its 42 quads split exactly)
-    {4, 16, 4},  // 102: K 1536: 12 chunks a warp; K 8192 / 21504: 64 / 168
-    {3, 16, 3},  // 103: as 101, a smaller ring (more blocks per SM)
-    {4, 32, 3},  // 104: longer slices (512-byte row pieces)
-    {6, 16, 3},  // 105: K 5376: 28 chunks a warp; K 1536: 8
-    {8, 16, 3},  // 106: K 8192: 32 chunks a warp; K 21504: 84
+    {2, 28, 4},  // 100: K 5376 (168 chunks): 3 slices a warp
+    {3, 28, 4},  // 101: K 5376: 2 slices a warp
+    {3, 16, 4},  // 102: K 1536 (48 chunks): 1 slice a warp
+    {6, 28, 3},  // 103: K 5376: 1 slice a warp; K 21504 (672): 4
+    {2, 24, 4},  // 104: K 1536: 1 slice a warp
+    {4, 24, 4},  // 105: K 21504: 7 slices a warp
+    {8, 16, 3},  // 106: K 8192 (256): 2 slices a warp
+    {4, 28, 3},  // 107: K 21504: 6 slices a warp
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -71,10 +73,11 @@ constexpr bool gemv_stream_tiling_compiled(int tiling) {
 #endif
 }
 
-// Bytes of one 16-row weight slice in a ring stage: rows padded to 64 mod 128 bytes, so that the 8
-// lanes of a shared-memory load phase (rows g, g + 1, four chunks each) hit 32 distinct banks.
+// Bytes of a row of a ring stage's weight slice: padded to 64 mod 128 bytes, so that the 8 lanes
+// of a shared-memory load phase (rows g, g + 1, four chunks each) hit 32 distinct banks.
 constexpr int64_t gemv_stream_row_pitch(const GemvStreamTiling& t) {
-  return int64_t{16} * t.stage_chunks + 64;
+  const int64_t bytes = int64_t{16} * t.stage_chunks;
+  return bytes + (64 - bytes % 128 + 128) % 128;
 }
 // A ring stage: the weight slice, then the slice's 16-bit scales ([16][stage_chunks]).
 constexpr int64_t gemv_stream_stage_bytes(const GemvStreamTiling& t) {
