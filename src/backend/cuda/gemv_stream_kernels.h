@@ -42,9 +42,9 @@ inline constexpr int kGemvStreamTileRows = 16;
 inline constexpr int kGemvStreamTilingBase = 100;
 // A warp's run of K is best a whole number of slices (full slices are unrolled).
 inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
-    {2, 28, 4},  // 100: K 5376 (168 chunks): 3 slices a warp
-    {3, 28, 4},  // 101: K 5376: 2 slices a warp
-    {3, 16, 4},  // 102: K 1536 (48 chunks): 1 slice a warp
+    {2, 28, 3},  // 100: K 5376 (168 chunks): 3 slices a warp, 3 blocks per SM
+    {3, 28, 4},  // 101: K 5376: 2 slices a warp, 2 blocks per SM
+    {3, 16, 4},  // 102: K 1536 (48 chunks): 1 slice a warp, 3 blocks per SM
     {6, 28, 3},  // 103: K 5376: 1 slice a warp; K 21504 (672): 4
     {2, 24, 4},  // 104: K 1536: 1 slice a warp
     {4, 24, 4},  // 105: K 21504: 7 slices a warp
