@@ -1,4 +1,5 @@
 // The streaming single-row GEMV (gemv_stream_kernels.h describes the method).
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -63,11 +64,12 @@ __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
   return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
 }
 
-template <ActType XT, int W, int KC, int S>
+template <ActType XT, int W, int KC, int S, int P>
 __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
-  static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, 16-bit indices");
+  static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, at most 32 chunks");
   static_assert(S >= 2, "a ring needs a stage in flight");
-  constexpr GemvStreamTiling kTiling = {W, KC, S};
+  static_assert(P >= 1 && P <= 8, "a portable cluster");
+  constexpr GemvStreamTiling kTiling = {W, KC, S, P};
   constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
   constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
   constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
@@ -79,19 +81,28 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   const int64_t cpr = a.chunks_per_row;
   const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
   const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
-  // This warp's run of K: whole quads, the warps' runs differing by at most one quad.
+  // This block's part of K (split = its rank in the cluster, blockIdx.y) and this warp's run of
+  // it: whole quads, the parts and the runs differing by at most one quad.
+  namespace cg = cooperative_groups;
+  const int split = P > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
   const int64_t quads = cpr / 4;
-  const int64_t k_begin = 4 * (quads * warp / W);
-  const int64_t k_end = 4 * (quads * (warp + 1) / W);
+  const int64_t part_begin = quads * split / P;
+  const int64_t part_quads = quads * (split + 1) / P - part_begin;
+  const int64_t block_k = 4 * part_begin;  // the block's first chunk
+  const int64_t block_chunks = 4 * part_quads;
+  const int64_t k_begin = block_k + 4 * (part_quads * warp / W);
+  const int64_t k_end = block_k + 4 * (part_quads * (warp + 1) / W);
   const int slices = static_cast<int>((k_end - k_begin + KC - 1) / KC);
   const int items = my_tiles * slices;
 
   extern __shared__ uint4 stream_shared[];
-  uint4* staged_x = stream_shared;  // (cpr + 1) · 4 words: chunk c at 4c, zeros at 4·cpr
+  float* partial = reinterpret_cast<float*>(stream_shared);  // [2][W][16]
+  // (block_chunks + 1) · 4 words: the block's chunk c at 4 · (c − block_k), then zeros.
+  uint4* staged_x = stream_shared + 2 * W * kTileRows / 4;
+  uint4* zero_chunk = staged_x + 4 * block_chunks;
   // −136 · Σx per chunk: a biased chunk sum Σ(128 + u)·x plus this is Σ(u − 8)·x.
-  float* x_biases = reinterpret_cast<float*>(staged_x + 4 * (cpr + 1));
-  float* partial = x_biases + (cpr + 3) / 4 * 4;  // [2][W][16]
-  uint8_t* ring = reinterpret_cast<uint8_t*>(partial + 2 * W * kTileRows) +
+  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
+  uint8_t* ring = reinterpret_cast<uint8_t*>(x_biases + (block_chunks + 3) / 4 * 4) +
                   static_cast<int64_t>(warp) * S * kStageBytes;
 
   // Slice `item` of this warp's sequence (tile item / slices, slice item % slices) into its stage:
@@ -135,21 +146,22 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   for (int item = 0; item < S - 1; ++item) issue(item);
   pdl_wait_for_predecessors();
 
-  // Stage the activation row: one 8-element piece a thread, the chunk sums over 4 lanes.
+  // Stage the block's part of the activation row: one 8-element piece a thread, the chunk sums
+  // over 4 lanes.
   {
-    const int64_t pieces = 4 * cpr;
+    const int64_t pieces = 4 * block_chunks;
     const int64_t rounds = (pieces + W * 32 - 1) / (W * 32);
 #pragma unroll 8
     for (int64_t round = 0; round < rounds; ++round) {
       const int64_t p = round * W * 32 + threadIdx.x;
       float sum = 0.0f;
-      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, p, sum);
+      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, 4 * block_k + p, sum);
       // pieces is a multiple of 4, so a quad of lanes is valid or not as a whole.
       sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
       sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
       if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
     }
-    if (threadIdx.x < 4) staged_x[4 * cpr + threadIdx.x] = make_uint4(0, 0, 0, 0);
+    if (threadIdx.x < 4) zero_chunk[threadIdx.x] = make_uint4(0, 0, 0, 0);
     __syncthreads();
   }
 
@@ -170,13 +182,14 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
         const int chunk = 4 * step + t;  // in the stage
         const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
         const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
-        const uint4* x_words = g == t ? staged_x + 4 * (kc0 + chunk) : staged_x + 4 * cpr;
+        const uint4* x_words = g == t ? staged_x + 4 * (kc0 - block_k + chunk) : zero_chunk;
         const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
         const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
         // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
         // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
         const int column_chunk = 4 * step + 2 * (t & 1);
-        const float2 bias = *reinterpret_cast<const float2*>(x_biases + kc0 + column_chunk);
+        const float2 bias =
+            *reinterpret_cast<const float2*>(x_biases + (kc0 - block_k) + column_chunk);
         // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
         // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
         float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
@@ -206,9 +219,10 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
         for (int step = 0; step < steps; ++step) multiply_step(step);
       }
     }
-    // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the warps' runs added in
-    // shared memory (two buffers by tile parity: a warp writes this buffer again only after the
-    // next tile's barrier, which warp 0 passes after reading it).
+    // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the runs of the block's
+    // warps (and of the cluster's blocks) added in shared memory by warp 0 of rank 0. Two
+    // buffers by tile parity: a warp writes this buffer again only after the next tile's barrier,
+    // which the reader passes after reading it.
     acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
     acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
     float* tile_partial = partial + (j & 1) * W * kTileRows;
@@ -216,17 +230,28 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
       tile_partial[warp * kTileRows + g] = acc_g;
       tile_partial[warp * kTileRows + g + 8] = acc_g8;
     }
-    __syncthreads();
-    if (warp == 0 && lane < kTileRows / 2) {
+    if constexpr (P > 1) {
+      cg::this_cluster().sync();
+    } else {
+      __syncthreads();
+    }
+    if (split == 0 && warp == 0 && lane < kTileRows / 2) {
       float pair[2] = {0.0f, 0.0f};
 #pragma unroll
-      for (int w = 0; w < W; ++w) {
-        pair[0] += tile_partial[w * kTileRows + 2 * lane];
-        pair[1] += tile_partial[w * kTileRows + 2 * lane + 1];
+      for (int rank = 0; rank < P; ++rank) {
+        const float* source =
+            P > 1 ? cg::this_cluster().map_shared_rank(tile_partial, rank) : tile_partial;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          pair[0] += source[w * kTileRows + 2 * lane];
+          pair[1] += source[w * kTileRows + 2 * lane + 1];
+        }
       }
       gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
     }
   }
+  // No block leaves while rank 0 may still read its shared memory.
+  if constexpr (P > 1) cg::this_cluster().sync();
   wait_copies<0>();  // no copy outlives the block
 }
 
@@ -236,7 +261,7 @@ template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages>;
+    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits>;
   } else {
     return nullptr;
   }
@@ -258,36 +283,41 @@ KernelFn select_kernel(ActType x_type, int index) {
   return nullptr;
 }
 
-// Blocks of `kernel` that the GPU holds at once with `shared` bytes each (after opting the kernel
-// into kGemvStreamMaxSharedBytes); 0 where the runtime refuses. Asked once per (kernel, shared
-// bytes, device).
-int resident_blocks(KernelFn kernel, int threads, size_t shared) {
+// Clusters of `config` (blocks, for one-block clusters) that the GPU holds at once, after opting
+// the kernel into kGemvStreamMaxSharedBytes; 0 where the runtime refuses. Asked once per (kernel,
+// shared bytes, device).
+int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  const auto key = std::make_tuple(kernel, shared, device);
+  const auto key = std::make_tuple(kernel, config.dynamicSmemBytes, device);
   static std::mutex mutex;
   static std::map<std::tuple<KernelFn, size_t, int>, int> known;
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto found = known.find(key); found != known.end()) return found->second;
-  int per_sm = 0, sms = 0;
+  int clusters = 0;
   cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                             static_cast<int>(kGemvStreamMaxSharedBytes));
   if (status == cudaSuccess) {  // the rings want shared memory, not L1
     status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   cudaSharedmemCarveoutMaxShared);
   }
-  if (status == cudaSuccess) {
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, shared);
-  }
-  if (status == cudaSuccess) {
-    status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+  if (status == cudaSuccess && splits > 1) {
+    status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  } else if (status == cudaSuccess) {
+    int per_sm = 0, sms = 0;
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, config.blockDim.x,
+                                                           config.dynamicSmemBytes);
+    if (status == cudaSuccess) {
+      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    clusters = per_sm * sms;
   }
   if (status != cudaSuccess) {
-    per_sm = 0;
+    clusters = 0;
     cudaGetLastError();  // the refusal is this answer, not an error left for the caller
   }
-  known.emplace(key, per_sm * sms);
-  return per_sm * sms;
+  known.emplace(key, clusters);
+  return clusters;
 }
 
 }  // namespace gemv_stream_detail
@@ -297,13 +327,31 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   const gemv_stream_detail::KernelFn kernel = gemv_stream_detail::select_kernel(x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvStreamTiling& t = kGemvStreamTilings[index];
-  const auto shared = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  const int threads = 32 * t.warps;
-  const int resident = gemv_stream_detail::resident_blocks(kernel, threads, shared);
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(32 * t.warps);
+  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  // The occupancy query's configuration: one cluster, no stream (a stream being captured is
+  // left out of it).
+  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
+  config.attrs = attributes;
+  config.numAttrs = t.splits > 1 ? 1 : 0;
+  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(tiles, resident)));
-  return launch_kernel(kernel, grid, dim3(threads), shared, launch, args);
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
+                        static_cast<unsigned>(t.splits));
+  config.stream = launch.stream;
+  // The cluster attribute only for clusters, PDL's only with PDL.
+  config.attrs = t.splits > 1 ? attributes : attributes + 1;
+  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  return cudaLaunchKernelEx(&config, kernel, args);
 }
 
 }  // namespace gemma4::cuda

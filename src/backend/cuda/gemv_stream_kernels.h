@@ -32,6 +32,11 @@ struct GemvStreamTiling {
   int warps;         // warps per block, each streaming a 1/warps share of a tile's K range
   int stage_chunks;  // chunks of each of the 16 rows per ring stage: a multiple of 4, <= 32
   int stages;        // ring stages per warp (stages - 1 slices in flight)
+  // Blocks along K (a thread-block cluster, at most 8): each owns 1/splits of K's quads and the
+  // cluster adds its blocks' sums through distributed shared memory, in rank order (deterministic).
+  // More, shorter work units: with few tiles (5,376-row matrices: 336) the last round of tiles
+  // then leaves less of the GPU idle.
+  int splits = 1;
 };
 
 // Weight rows per tile: the mma A fragment's.
@@ -42,14 +47,18 @@ inline constexpr int kGemvStreamTileRows = 16;
 inline constexpr int kGemvStreamTilingBase = 100;
 // A warp's run of K is best a whole number of slices (full slices are unrolled).
 inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
-    {2, 28, 3},  // 100: K 5376 (168 chunks): 3 slices a warp, 3 blocks per SM
-    {3, 28, 4},  // 101: K 5376: 2 slices a warp, 2 blocks per SM
-    {3, 16, 4},  // 102: K 1536 (48 chunks): 1 slice a warp, 3 blocks per SM
-    {6, 28, 3},  // 103: K 5376: 1 slice a warp; K 21504 (672): 4
-    {2, 24, 4},  // 104: K 1536: 1 slice a warp
-    {4, 24, 4},  // 105: K 21504: 7 slices a warp
-    {8, 16, 3},  // 106: K 8192 (256): 2 slices a warp
-    {4, 28, 3},  // 107: K 21504: 6 slices a warp
+    {2, 28, 3},     // 100: K 5376 (168 chunks): 3 slices a warp, 3 blocks per SM
+    {3, 28, 4},     // 101: K 5376: 2 slices a warp, 2 blocks per SM
+    {3, 16, 4},     // 102: K 1536 (48 chunks): 1 slice a warp, 3 blocks per SM
+    {6, 28, 3},     // 103: K 5376: 1 slice a warp; K 21504 (672): 4
+    {2, 24, 4},     // 104: K 1536: 1 slice a warp
+    {4, 24, 4},     // 105: K 21504: 7 slices a warp
+    {8, 16, 3},     // 106: K 8192 (256): 2 slices a warp
+    {4, 28, 3},     // 107: K 21504: 6 slices a warp
+    {4, 24, 3, 7},  // 108: K 21504: clusters of 7 blocks, 1 slice a warp
+    {2, 24, 4, 7},  // 109: K 21504: clusters of 7 blocks, 2 slices a warp
+    {4, 16, 3, 4},  // 110: K 8192: clusters of 4 blocks, 1 slice a warp
+    {2, 16, 4, 8},  // 111: K 8192: clusters of 8 blocks, 1 slice a warp
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -84,12 +93,18 @@ constexpr int64_t gemv_stream_stage_bytes(const GemvStreamTiling& t) {
   return kGemvStreamTileRows * (gemv_stream_row_pitch(t) + 2 * t.stage_chunks);
 }
 
-// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the staged activations
-// (64 bytes a chunk, then 64 bytes of zeros), their per-chunk sums (fp32, padded to 16 bytes), the
-// warps' partial row sums (two tiles' worth), then the warps' rings.
+// The most chunks of a row that one block of a cluster owns: ceil(quads / splits) quads.
+constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t chunks_per_row) {
+  return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
+}
+
+// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
+// sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
+// activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
+// biases (fp32, padded to 16 bytes), then the warps' rings.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
-  return 64 * (chunks_per_row + 1) + (4 * chunks_per_row + 15) / 16 * 16 +
-         4 * 2 * t.warps * kGemvStreamTileRows +
+  const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
+  return 4 * 2 * t.warps * kGemvStreamTileRows + 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16 +
          int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
 }
 
