@@ -102,17 +102,23 @@ std::span<const GemvTiling> gemv_tilings() {
   return kGemvTilings;
 }
 
-// Per shape, from the H200 measurements (bench/RESULTS.md, run 4, graph replays with PDL; the
-// 31B and 26B dense shapes: session 5, kernel_bench --filter '31b|26b&M=1'): the fastest
-// bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner loop
-// from shared memory); except, by reasoning not yet measured, where staging changes the
-// trade-off (marked).
 namespace {
 
-// The register kernel's tiling (gemv_kernel.cuh) for a shape.
+// The register kernel's tiling (gemv_kernel.cuh) for a shape. Per shape, from the H200
+// measurements (bench/RESULTS.md, run 4, graph replays with PDL; the 31B and 26B dense shapes:
+// session 5, kernel_bench --filter '31b|26b&M=1'; the E2B w4g32 shapes at bf16 activations:
+// session 7, /work/notes/s7/timeline/kernels.txt): the fastest bf16-activation tiling, which the
+// kF32 activations rounded to bf16 share (the same inner loop from shared memory); except, by
+// reasoning not yet measured, where staging changes the trade-off (marked).
 int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
   if (m > 1) return m == 2 && chunks <= 48 ? 11 : 12;
+  // E2B's 1536-row o_proj / down (K 2048, 6144, 12288) and 2560-row QKV, w4g32 with bf16
+  // products (session 7): tiling 9 (o_proj 2.90 -> 2.44 µs, down 5.39 -> 3.93 and 9.65 -> 6.21)
+  // and 7 (QKV 3.34 -> 2.49). kQ8 activations keep the older choices (not re-measured).
+  const bool e2b_bf16 = w.format == WeightFormat::kW4G32 && x_type != ActType::kQ8;
+  if (e2b_bf16 && w.rows == 1536 && chunks >= 64) return 9;
+  if (e2b_bf16 && w.rows == 2560 && chunks == 48) return 7;
   if (chunks <= 24) return 2;  // 26B expert down (K 704), PLE projection (K 256)
   if (chunks <= 48) {
     if (w.rows >= 131072) return 4;  // lm_head
@@ -166,17 +172,19 @@ bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
 
 }  // namespace
 
-// The streaming kernel where it beats the register kernel: one activation row of large w4g32
-// matrices with bf16 products (gemv() falls back to the register kernel for what it does not
-// take) — unmeasured, by the bandwidth it is built for.
+// The streaming kernel where it measured faster than the register kernel: one activation row of
+// large w4g32 matrices with bf16 products (gemv() falls back to the register kernel for what it
+// does not take).
 int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW4G32 &&
       w.scale_type != quant::ScaleType::kF32) {
     const int64_t chunks = w.cols / 32;
-    // 31B K 5376 (QKV, gate+up, lm_head): three warps split the 168 chunks exactly.
-    if (chunks == 168 && w.rows >= 16384) return 101;
-    // E2B K 1536 (the double-wide gate+up, the lm_head): three warps of one 16-chunk slice.
-    if (chunks == 48 && w.rows >= 24576) return 102;
+    // 31B K 5376 (session 7, kernel_bench, PDL µs): QKV 20.4 -> 19.6, gate+up 49.6 -> 43.0,
+    // lm_head 282 -> 260 (four warps of 16-chunk slices; three: slower everywhere).
+    if (chunks == 168 && w.rows >= 16384) return 112;
+    // E2B double-wide gate+up 24576x1536: 10.8 -> 10.5 µs (three warps of one 16-chunk slice).
+    // Not the E2B lm_head: the register kernel's 78 µs beat this kernel's 83-87.
+    if (chunks == 48 && w.rows >= 24576 && w.rows < 131072) return 102;
   }
   return default_register_tiling(w, m, x_type);
 }

@@ -59,13 +59,16 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {2, 24, 4, 7},  // 109: K 21504: clusters of 7 blocks, 2 slices a warp
     {4, 16, 3, 4},  // 110: K 8192: clusters of 4 blocks, 1 slice a warp
     {2, 16, 4, 8},  // 111: K 8192: clusters of 8 blocks, 1 slice a warp
+    {4, 16, 4},     // 112: K 5376: 40 or 44 chunks a warp (session 7's best at the 31B shapes)
+    {6, 16, 3},     // 113: K 5376: 28 chunks a warp, 12 warps per SM
+    {7, 12, 3},     // 114: K 5376: 2 slices a warp, 14 warps per SM
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {101, 102};
+inline constexpr int kDefaultGemvStreamTilings[] = {102, 112};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
