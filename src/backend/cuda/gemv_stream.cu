@@ -64,12 +64,12 @@ __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
   return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
 }
 
-template <ActType XT, int W, int KC, int S, int P>
+template <ActType XT, int W, int KC, int S, int P, bool B>
 __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, at most 32 chunks");
   static_assert(S >= 2, "a ring needs a stage in flight");
   static_assert(P >= 1 && P <= 8, "a portable cluster");
-  constexpr GemvStreamTiling kTiling = {W, KC, S, P};
+  constexpr GemvStreamTiling kTiling = {W, KC, S, P, B};
   constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
   constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
   constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
@@ -102,8 +102,17 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   uint4* zero_chunk = staged_x + 4 * block_chunks;
   // −136 · Σx per chunk: a biased chunk sum Σ(128 + u)·x plus this is Σ(u − 8)·x.
   float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
-  uint8_t* ring = reinterpret_cast<uint8_t*>(x_biases + (block_chunks + 3) / 4 * 4) +
-                  static_cast<int64_t>(warp) * S * kStageBytes;
+  uint8_t* rings = reinterpret_cast<uint8_t*>(x_biases + (block_chunks + 3) / 4 * 4);
+  uint8_t* ring = rings + static_cast<int64_t>(warp) * S * kStageBytes;
+  // Bulk copies: the warp's S stage barriers; phase i / S of stage i % S is item i's.
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(rings + int64_t{W} * S * kStageBytes) + warp * S;
+  if constexpr (B) {
+    if (lane == 0) {
+      for (int stage = 0; stage < S; ++stage) init_barrier(barriers + stage);
+      fence_barrier_init();
+    }
+    __syncwarp();
+  }
 
   // Slice `item` of this warp's sequence (tile item / slices, slice item % slices) into its stage:
   // lane l copies the 16-byte chunks l, l + 32, ... of the 16 × KC (row-major) and the 8-byte
@@ -118,13 +127,26 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
       const int64_t kc0 = k_begin + static_cast<int64_t>(item % slices) * KC;
       const int kc = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0));
       uint8_t* stage = ring + (item % S) * kStageBytes;
-      constexpr int kCopies = kTileRows * KC;
+      if constexpr (B) {
+        // Lane r < 16 copies row r's piece; lane 0 first announces the bytes of them all.
+        uint64_t* barrier = barriers + item % S;
+        const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
+        if (lane == 0) arrive_expect_bytes(barrier, static_cast<uint32_t>(valid_rows * kc * 16));
+        __syncwarp();
+        if (lane < valid_rows) {
+          fence_proxy_async();  // after the warp's reads of this stage (the __syncwarp before)
+          copy_bulk(stage + lane * kPitch, weights + ((row0 + lane) * cpr + kc0) * 16,
+                    static_cast<uint32_t>(kc * 16), barrier);
+        }
+      } else {
+        constexpr int kCopies = kTileRows * KC;
 #pragma unroll
-      for (int pass = 0; pass < (kCopies + 31) / 32; ++pass) {
-        const int index = 32 * pass + lane;
-        const int r = index / KC, c = index % KC;
-        if (index < kCopies && c < kc && row0 + r < a.rows) {
-          copy_async16(stage + r * kPitch + c * 16, weights + ((row0 + r) * cpr + kc0 + c) * 16);
+        for (int pass = 0; pass < (kCopies + 31) / 32; ++pass) {
+          const int index = 32 * pass + lane;
+          const int r = index / KC, c = index % KC;
+          if (index < kCopies && c < kc && row0 + r < a.rows) {
+            copy_async16(stage + r * kPitch + c * 16, weights + ((row0 + r) * cpr + kc0 + c) * 16);
+          }
         }
       }
       constexpr int kPieces = kTileRows * KC / 4;
@@ -172,7 +194,8 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
     float acc_g = 0.0f, acc_g8 = 0.0f;
     for (int slice = 0; slice < slices; ++slice, ++item) {
       wait_copies<S - 2>();  // this lane's copies of `item` have landed
-      __syncwarp();          // and every lane's; the stage read last is free
+      if constexpr (B) wait_barrier(barriers + item % S, (item / S) & 1);  // and the bulk ones
+      __syncwarp();  // and every lane's; the stage read last is free
       issue(item + S - 1);
       const uint8_t* stage = ring + (item % S) * kStageBytes;
       const int64_t kc0 = k_begin + static_cast<int64_t>(slice) * KC;
@@ -261,7 +284,7 @@ template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits>;
+    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk>;
   } else {
     return nullptr;
   }

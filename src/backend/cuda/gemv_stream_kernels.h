@@ -37,6 +37,9 @@ struct GemvStreamTiling {
   // More, shorter work units: with few tiles (5,376-row matrices: 336) the last round of tiles
   // then leaves less of the GPU idle.
   int splits = 1;
+  // The weight slices by bulk copies (one per row, through the TMA unit, completing on a
+  // barrier per stage) instead of per-lane cp.async; the scales stay on cp.async.
+  bool bulk = false;
 };
 
 // Weight rows per tile: the mma A fragment's.
@@ -62,6 +65,9 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {4, 16, 4},     // 112: K 5376: 40 or 44 chunks a warp (session 7's best at the 31B shapes)
     {6, 16, 3},     // 113: K 5376: 28 chunks a warp, 12 warps per SM
     {7, 12, 3},     // 114: K 5376: 2 slices a warp, 14 warps per SM
+    {4, 16, 4, 1, true},  // 115: 112 with bulk copies
+    {3, 28, 4, 1, true},  // 116: 101 with bulk copies (448-byte row pieces)
+    {6, 16, 3, 1, true},  // 117: 113 with bulk copies
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -96,6 +102,11 @@ constexpr int64_t gemv_stream_stage_bytes(const GemvStreamTiling& t) {
   return kGemvStreamTileRows * (gemv_stream_row_pitch(t) + 2 * t.stage_chunks);
 }
 
+// The bulk copies' barriers, one per stage and warp, after the rings (padded to 16 bytes).
+constexpr int64_t gemv_stream_barrier_bytes(const GemvStreamTiling& t) {
+  return t.bulk ? (int64_t{8} * t.warps * t.stages + 15) / 16 * 16 : 0;
+}
+
 // The most chunks of a row that one block of a cluster owns: ceil(quads / splits) quads.
 constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t chunks_per_row) {
   return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
@@ -104,11 +115,11 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 // A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
 // sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
 // activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
-// biases (fp32, padded to 16 bytes), then the warps' rings.
+// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
   return 4 * 2 * t.warps * kGemvStreamTileRows + 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16 +
-         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
+         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t) + gemv_stream_barrier_bytes(t);
 }
 
 // Dynamic shared memory a block may opt into on sm_90 (227 KB).
