@@ -19,6 +19,14 @@ __device__ __forceinline__ void copy_async16(void* shared, const void* global) {
                : "memory");
 }
 
+// copy_async16 that has L2 fetch the whole aligned 256 bytes around the address from DRAM (a
+// hint: the neighbouring bytes are read soon).
+__device__ __forceinline__ void copy_async16_l2_256(void* shared, const void* global) {
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
+               "l"(global)
+               : "memory");
+}
+
 // 8 bytes (through L1: cp.async.cg takes 16 only). Both addresses 8-byte aligned.
 __device__ __forceinline__ void copy_async8(void* shared, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(shared)),

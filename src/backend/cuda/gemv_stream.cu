@@ -64,12 +64,12 @@ __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
   return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
 }
 
-template <ActType XT, int W, int KC, int S, int P, bool B>
+template <ActType XT, int W, int KC, int S, int P, bool B, bool L2>
 __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, at most 32 chunks");
   static_assert(S >= 2, "a ring needs a stage in flight");
   static_assert(P >= 1 && P <= 8, "a portable cluster");
-  constexpr GemvStreamTiling kTiling = {W, KC, S, P, B};
+  constexpr GemvStreamTiling kTiling = {W, KC, S, P, B, L2};
   constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
   constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
   constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
@@ -145,7 +145,13 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
           const int index = 32 * pass + lane;
           const int r = index / KC, c = index % KC;
           if (index < kCopies && c < kc && row0 + r < a.rows) {
-            copy_async16(stage + r * kPitch + c * 16, weights + ((row0 + r) * cpr + kc0 + c) * 16);
+            uint8_t* to = stage + r * kPitch + c * 16;
+            const uint8_t* from = weights + ((row0 + r) * cpr + kc0 + c) * 16;
+            if constexpr (L2) {
+              copy_async16_l2_256(to, from);
+            } else {
+              copy_async16(to, from);
+            }
           }
         }
       }
@@ -284,7 +290,8 @@ template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk>;
+    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
+                              t.l2_prefetch>;
   } else {
     return nullptr;
   }

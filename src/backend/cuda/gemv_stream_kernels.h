@@ -40,6 +40,8 @@ struct GemvStreamTiling {
   // The weight slices by bulk copies (one per row, through the TMA unit, completing on a
   // barrier per stage) instead of per-lane cp.async; the scales stay on cp.async.
   bool bulk = false;
+  // cp.async weight copies with the L2 256-byte prefetch-size hint.
+  bool l2_prefetch = false;
 };
 
 // Weight rows per tile: the mma A fragment's.
@@ -65,9 +67,11 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {4, 16, 4},     // 112: K 5376: 40 or 44 chunks a warp (session 7's best at the 31B shapes)
     {6, 16, 3},     // 113: K 5376: 28 chunks a warp, 12 warps per SM
     {7, 12, 3},     // 114: K 5376: 2 slices a warp, 14 warps per SM
-    {4, 16, 4, 1, true},  // 115: 112 with bulk copies
-    {3, 28, 4, 1, true},  // 116: 101 with bulk copies (448-byte row pieces)
-    {6, 16, 3, 1, true},  // 117: 113 with bulk copies
+    {4, 16, 4, 1, true},         // 115: 112 with bulk copies
+    {3, 28, 4, 1, true},         // 116: 101 with bulk copies (448-byte row pieces)
+    {6, 16, 3, 1, true},         // 117: 113 with bulk copies
+    {4, 16, 4, 1, false, true},  // 118: 112 with the L2 prefetch hint
+    {3, 16, 4, 1, false, true},  // 119: 102 with the L2 prefetch hint
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
