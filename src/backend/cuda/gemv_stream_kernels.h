@@ -72,6 +72,9 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {6, 16, 3, 1, true},         // 117: 113 with bulk copies
     {4, 16, 4, 1, false, true},  // 118: 112 with the L2 prefetch hint
     {3, 16, 4, 1, false, true},  // 119: 102 with the L2 prefetch hint
+    {3, 16, 4, 1, true},         // 120: 102 with bulk copies
+    {4, 24, 3, 7, true},         // 121: 108 with bulk copies
+    {4, 16, 3, 4, true},         // 122: 110 with bulk copies
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
