@@ -106,19 +106,21 @@ namespace {
 
 // The register kernel's tiling (gemv_kernel.cuh) for a shape. Per shape, from the H200
 // measurements (bench/RESULTS.md, run 4, graph replays with PDL; the 31B and 26B dense shapes:
-// session 5, kernel_bench --filter '31b|26b&M=1'; the E2B w4g32 shapes at bf16 activations:
-// session 7, /work/notes/s7/timeline/kernels.txt): the fastest bf16-activation tiling, which the
+// session 5, kernel_bench --filter '31b|26b&M=1'; the E2B w4g32 shapes: session 7, kernel_bench
+// at bf16 and fp32-as-bf16 activations): the fastest bf16-activation tiling, which the
 // kF32 activations rounded to bf16 share (the same inner loop from shared memory); except, by
 // reasoning not yet measured, where staging changes the trade-off (marked).
 int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
   if (m > 1) return m == 2 && chunks <= 48 ? 11 : 12;
-  // E2B's 1536-row o_proj / down (K 2048, 6144, 12288) and 2560-row QKV, w4g32 with bf16
-  // products (session 7): tiling 9 (o_proj 2.90 -> 2.44 µs, down 5.39 -> 3.93 and 9.65 -> 6.21)
-  // and 7 (QKV 3.34 -> 2.49). kQ8 activations keep the older choices (not re-measured).
-  const bool e2b_bf16 = w.format == WeightFormat::kW4G32 && x_type != ActType::kQ8;
-  if (e2b_bf16 && w.rows == 1536 && chunks >= 64) return 9;
-  if (e2b_bf16 && w.rows == 2560 && chunks == 48) return 7;
+  // E2B's 1536-row o_proj / down (K 2048, 6144, 12288) and 2560-row QKV, w4g32 (session 7, PDL
+  // µs): bf16 activations tiling 9 (o_proj 2.90 -> 2.42, down 5.39 -> 3.95 and 9.65 -> 6.21), fp32
+  // rounded to bf16 (staged) tiling 27 (o_proj 3.86 -> 2.60, down 8.33 -> 5.29 and 15.46 ->
+  // 8.96); QKV tiling 7 with either (3.34 -> 2.50, 4.57 -> 2.90). kQ8 activations keep the older
+  // choices (not re-measured).
+  const bool e2b_w4 = w.format == WeightFormat::kW4G32 && x_type != ActType::kQ8;
+  if (e2b_w4 && w.rows == 1536 && chunks >= 64) return x_type == ActType::kBF16 ? 9 : 27;
+  if (e2b_w4 && w.rows == 2560 && chunks == 48) return 7;
   if (chunks <= 24) return 2;  // 26B expert down (K 704), PLE projection (K 256)
   if (chunks <= 48) {
     if (w.rows >= 131072) return 4;  // lm_head
