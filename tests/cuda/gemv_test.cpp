@@ -357,8 +357,11 @@ TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
         for (int m : {1, 2, 8, 64}) {
           for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
             const int tiling = default_gemv_tiling(w, m, x_type);
-            EXPECT_TRUE(std::find(std::begin(kDefaultGemvTilings), std::end(kDefaultGemvTilings),
-                                  tiling) != std::end(kDefaultGemvTilings))
+            EXPECT_TRUE(is_gemv_stream_tiling(tiling)
+                            ? gemv_stream_tiling_compiled(tiling)
+                            : std::find(std::begin(kDefaultGemvTilings),
+                                        std::end(kDefaultGemvTilings),
+                                        tiling) != std::end(kDefaultGemvTilings))
                 << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m
                 << ": tiling " << tiling;
           }
@@ -551,6 +554,75 @@ TEST(Gemv, EpilogueAloneMatchesTheFormula) {
   EXPECT_EQ(gemv_epilogue(products_device.get(), 1, n, stride,
                           {y.get(), n, GemvEpilogue::kGeluPairs}, Launch{}),
             cudaErrorInvalidValue);  // odd width: no pairs
+}
+
+// The streaming kernel (gemv_stream_kernels.h), every compiled tiling: row counts that leave a
+// partial last tile, K runs that split into whole and partial slices (K 5376: 168 chunks; K 1536;
+// K 21504), a K too short for every warp to get a quad (K 256: empty runs), more tiles than the
+// GPU holds blocks (each block loops), both activation types, every epilogue, fp16 scales.
+TEST(Gemv, StreamTilings) {
+  uint32_t seed = 2000;
+  const Shape shapes[] = {{72, 5376}, {40, 1536}, {24, 21504}, {20000, 256}, {12304, 1536}};
+  for (const Shape& s : shapes) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
+      if (!gemv_stream_tiling_compiled(t)) continue;
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++, GemvEpilogue::kGeluPairs);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kGeluMul, true);
+    }
+  }
+  const HostMatrix f16_scales =
+      random_matrix(WeightFormat::kW4G32, 88, 5376, seed++, ScaleType::kF16);
+  const DeviceMatrix f16_device(f16_scales);
+  for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
+    if (gemv_stream_tiling_compiled(t))
+      check_gemv(f16_scales, f16_device, 1, ActType::kBF16, t, seed++);
+  }
+}
+
+// The streaming kernel's bf16 companion is y rounded to bf16, and it takes only what it can:
+// w4g32 with 16-bit scales, one activation row with bf16 products, no kQ8 companion.
+TEST(Gemv, StreamCompanionsAndLimits) {
+  const int tiling = kDefaultGemvStreamTilings[0];
+  const int64_t n = 1056, k = 5376;
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, 2100);
+  const DeviceMatrix device(host);
+  const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, 2101));
+  DeviceArray<float> y(2 * n);
+  DeviceArray<uint16_t> y_bf16(n);
+  GemvOutput out = {y.get(), n};
+  out.companions = {y_bf16.get(), nullptr, n};
+  const GemvInput rounded = {x.get(), ActType::kF32, 1, k, true};
+  CUDA_ASSERT_OK(gemv(device.view, rounded, out, Launch{}, tiling));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = y.download();
+  const std::vector<uint16_t> got_bf16 = y_bf16.download();
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got_bf16[i], float_to_bf16(got[i])) << i;
+    ASSERT_TRUE(std::isfinite(got[i])) << i;
+  }
+
+  const GemvOutput plain = {y.get(), n};
+  // Exact fp32 products, two rows, NVFP4 weights, fp32 scales: not this kernel's.
+  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 1, k}, plain, Launch{}, tiling),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      gemv(device.view, GemvInput{x.get(), ActType::kF32, 2, k, true}, plain, Launch{}, tiling),
+      cudaErrorInvalidValue);
+  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, 2102);
+  EXPECT_EQ(gemv(DeviceMatrix(nv).view, rounded, plain, Launch{}, tiling), cudaErrorInvalidValue);
+  const HostMatrix f32_scales = random_matrix(WeightFormat::kW4G32, n, k, 2103, ScaleType::kF32);
+  EXPECT_EQ(gemv(DeviceMatrix(f32_scales).view, rounded, plain, Launch{}, tiling),
+            cudaErrorInvalidValue);
+  // The default falls back to the register kernel where the streaming one does not apply.
+  const HostMatrix tall = random_matrix(WeightFormat::kW4G32, 16384, k, 2104);
+  const DeviceMatrix tall_device(tall);
+  ASSERT_TRUE(is_gemv_stream_tiling(default_gemv_tiling(tall_device.view, 1, ActType::kF32)));
+  check_gemv(tall, tall_device, 1, ActType::kF32, -1, 2105);  // exact fp32 products
+  check_gemv(tall, tall_device, 1, ActType::kBF16, -1, 2106);
 }
 
 TEST(Gemv, RejectsUnsupportedShapes) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/gemv_stream_kernels.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -101,14 +102,25 @@ std::span<const GemvTiling> gemv_tilings() {
   return kGemvTilings;
 }
 
-// Per shape, from the H200 measurements (bench/RESULTS.md, run 4, graph replays with PDL; the
-// 31B and 26B dense shapes: session 5, kernel_bench --filter '31b|26b&M=1'): the fastest
-// bf16-activation tiling, which the kF32 activations rounded to bf16 share (the same inner loop
-// from shared memory); except, by reasoning not yet measured, where staging changes the
-// trade-off (marked).
-int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
+namespace {
+
+// The register kernel's tiling (gemv_kernel.cuh) for a shape. Per shape, from the H200
+// measurements (bench/RESULTS.md, run 4, graph replays with PDL; the 31B and 26B dense shapes:
+// session 5, kernel_bench --filter '31b|26b&M=1'; the E2B w4g32 shapes: session 7, kernel_bench
+// at bf16 and fp32-as-bf16 activations): the fastest bf16-activation tiling, which the
+// kF32 activations rounded to bf16 share (the same inner loop from shared memory); except, by
+// reasoning not yet measured, where staging changes the trade-off (marked).
+int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   const int64_t chunks = w.cols / chunk_elements(w.format);
   if (m > 1) return m == 2 && chunks <= 48 ? 11 : 12;
+  // E2B's 1536-row o_proj / down (K 2048, 6144, 12288) and 2560-row QKV, w4g32 (session 7, PDL
+  // µs): bf16 activations tiling 9 (o_proj 2.90 -> 2.42, down 5.39 -> 3.95 and 9.65 -> 6.21), fp32
+  // rounded to bf16 (staged) tiling 27 (o_proj 3.86 -> 2.60, down 8.33 -> 5.29 and 15.46 ->
+  // 8.96); QKV tiling 7 with either (3.34 -> 2.50, 4.57 -> 2.90). kQ8 activations keep the older
+  // choices (not re-measured).
+  const bool e2b_w4 = w.format == WeightFormat::kW4G32 && x_type != ActType::kQ8;
+  if (e2b_w4 && w.rows == 1536 && chunks >= 64) return x_type == ActType::kBF16 ? 9 : 27;
+  if (e2b_w4 && w.rows == 2560 && chunks == 48) return 7;
   if (chunks <= 24) return 2;  // 26B expert down (K 704), PLE projection (K 256)
   if (chunks <= 48) {
     if (w.rows >= 131072) return 4;  // lm_head
@@ -148,6 +160,37 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   return 8;                    // down projections
 }
 
+// Whether the streaming kernel (gemv_stream_kernels.h) takes this GEMV at `tiling`.
+bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y, int tiling) {
+  const int64_t chunks = w.cols / 32;
+  return gemv_stream_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 &&
+         w.scale_type != quant::ScaleType::kF32 && chunks % 4 == 0 &&
+         (reinterpret_cast<uintptr_t>(w.scales) & 7) == 0 && x.rows == 1 &&
+         (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
+         x.residual_norm.residual == nullptr && y.companions.q8 == nullptr &&
+         gemv_stream_shared_bytes(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks) <=
+             kGemvStreamMaxSharedBytes;
+}
+
+}  // namespace
+
+// The streaming kernel where it measured faster than the register kernel: one activation row of
+// large w4g32 matrices with bf16 products (gemv() falls back to the register kernel for what it
+// does not take).
+int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
+  if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW4G32 &&
+      w.scale_type != quant::ScaleType::kF32) {
+    const int64_t chunks = w.cols / 32;
+    // 31B K 5376 (session 7, kernel_bench, PDL µs): QKV 20.4 -> 19.6, gate+up 49.6 -> 43.0,
+    // lm_head 282 -> 260 (four warps of 16-chunk slices; three: slower everywhere).
+    if (chunks == 168 && w.rows >= 16384) return 112;
+    // E2B double-wide gate+up 24576x1536: 10.8 -> 10.5 µs (three warps of one 16-chunk slice).
+    // Not the E2B lm_head: the register kernel's 78 µs beat this kernel's 83-87.
+    if (chunks == 48 && w.rows >= 24576 && w.rows < 131072) return 102;
+  }
+  return default_register_tiling(w, m, x_type);
+}
+
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling) {
   PackedFormat format;
@@ -163,7 +206,9 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                         output_ok(y, w.rows, x.rows);
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
-  if (!shape_ok || !pointers_ok || tiling >= kNumGemvTilings) return cudaErrorInvalidValue;
+  if (!shape_ok || !pointers_ok || (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling))) {
+    return cudaErrorInvalidValue;
+  }
   const GemvResidualNorm& step = x.residual_norm;
   const bool residual_step = step.residual != nullptr;
   if (residual_step &&
@@ -177,12 +222,19 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   }
   if (y.companions.q8 != nullptr) {
     if (tiling < 0) tiling = kGemvQ8PairsTiling;
-    if (y.epilogue != GemvEpilogue::kGeluPairs ||
+    if (y.epilogue != GemvEpilogue::kGeluPairs || is_gemv_stream_tiling(tiling) ||
         !gemv_tiling_emits_q8_pairs(kGemvTilings[tiling])) {
       return cudaErrorInvalidValue;
     }
   }
-  if (tiling < 0) tiling = default_gemv_tiling(w, x.rows, x.type);
+  if (tiling < 0) {
+    tiling = default_gemv_tiling(w, x.rows, x.type);
+    if (is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) {
+      tiling = default_register_tiling(w, x.rows, x.type);
+    }
+  }
+  const bool stream = is_gemv_stream_tiling(tiling);
+  if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
 
   GemvArgs args = {};
   args.weights = w.data;
@@ -197,7 +249,11 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.x_stride = x.stride;
   args.m = x.rows;
   args.f32_products = F32Products::kExact;
-  if (x.round_to_bf16) {
+  if (stream) {
+    // The streaming kernel stages every activation row it takes as bf16.
+    args.f32_products = F32Products::kBF16Staged;
+    args.staged_rows = 1;
+  } else if (x.round_to_bf16) {
     // Stage a block's m tile of activations in shared memory when it fits.
     const GemvTiling& t = kGemvTilings[tiling];
     args.staged_rows = std::min(t.m_tile, x.rows);
@@ -215,6 +271,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
+  if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
 }
 

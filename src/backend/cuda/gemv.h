@@ -13,6 +13,7 @@
 #include <span>
 
 #include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/gemv_stream_kernels.h"
 #include "backend/cuda/launch.h"
 #include "quant/qmatrix.h"
 
@@ -79,18 +80,24 @@ cudaError_t write_activation_companions(const float* x, int rows, int64_t cols, 
                                         const ActivationCompanions& companions,
                                         const Launch& launch);
 
-// Every tiling; an index into this list selects one explicitly (the benchmark does). Only those
-// with gemv_tiling_compiled(index) have kernels in this build (gemv_kernels.h).
+// Every tiling of the register kernel; an index into this list selects one explicitly (the
+// benchmark does). Only those with gemv_tiling_compiled(index) have kernels in this build
+// (gemv_kernels.h). Indices kGemvStreamTilingBase + i select the streaming kernel's
+// kGemvStreamTilings[i] (gemv_stream_kernels.h: one activation row of w4g32 weights with 16-bit
+// scales, bf16 products; those with gemv_stream_tiling_compiled(index)).
 std::span<const GemvTiling> gemv_tilings();
 
 // The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).
+// A streaming tiling is chosen only for what that kernel takes given the shape, the format and the
+// activation type; gemv() falls back to the register kernel where the call's other details
+// (exact fp32 products, a residual step, a kQ8 companion) rule it out.
 int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type);
 
 // Enqueues y = epilogue(W x). Returns cudaErrorInvalidValue, before enqueuing anything, for an
 // unsupported format (fp32; kW4G32A / kW8 / kF16 with other than fp32 activations) or a shape the
 // kernels do not handle (K must be a multiple of 32, M in 1..64, aligned pointers, N even for
-// kGeluPairs, round_to_bf16 with kF32 only), else the launch status. tiling < 0 picks
-// default_gemv_tiling.
+// kGeluPairs, round_to_bf16 with kF32 only; a streaming tiling for what it does not take), else
+// the launch status. tiling < 0 picks default_gemv_tiling.
 cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                  const Launch& launch, int tiling = -1);
 

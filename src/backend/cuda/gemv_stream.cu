@@ -1,0 +1,387 @@
+// The streaming single-row GEMV (gemv_stream_kernels.h describes the method).
+#include <cooperative_groups.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <utility>
+
+#include "backend/cuda/cp_async.cuh"
+#include "backend/cuda/gemv_kernel.cuh"
+#include "backend/cuda/gemv_stream_kernels.h"
+
+namespace gemma4::cuda {
+namespace gemv_stream_detail {
+
+constexpr int kTileRows = kGemvStreamTileRows;
+
+// The pairs (128 + u_s, 128 + u_{s+4}), s = 0..3, of the nibbles of a packed word as exact bf16
+// (u ORed into the low mantissa bits of bf16 128.0, 0x4300): the A slots of two mma steps.
+__device__ __forceinline__ void biased_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
+  const uint32_t magic = 0x43004300u;
+  pairs[0] = and_or<0x000F000Fu>(word, magic);
+  pairs[1] = and_or<0x000F000Fu>(word >> 4, magic);
+  pairs[2] = and_or<0x000F000Fu>(word >> 8, magic);
+  pairs[3] = and_or<0x000F000Fu>(word >> 12, magic);
+}
+
+// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
+__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Activations 8p .. 8p + 7 as bf16 (kF32: rounded, ties to even) in the B order, pairs
+// (v0, v4), (v1, v5), (v2, v6), (v3, v7); `sum` gets Σ of the 8 bf16 values in fp32.
+template <ActType XT>
+__device__ __forceinline__ uint4 staged_piece(const void* x, int64_t p, float& sum) {
+  uint4 word;
+  if constexpr (XT == ActType::kBF16) {
+    const uint4 v = __ldg(reinterpret_cast<const uint4*>(x) + p);
+    word = make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                      __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+  } else {
+    const float4* source = reinterpret_cast<const float4*>(x) + 2 * p;
+    const float4 lo = __ldg(source), hi = __ldg(source + 1);
+    word = make_uint4(pack_bf16x2(lo.x, hi.x), pack_bf16x2(lo.y, hi.y), pack_bf16x2(lo.z, hi.z),
+                      pack_bf16x2(lo.w, hi.w));
+  }
+  float values[8];
+  unpack_bf16x8(word, values);
+  sum = ((values[0] + values[1]) + (values[2] + values[3])) +
+        ((values[4] + values[5]) + (values[6] + values[7]));
+  return word;
+}
+
+// Two adjacent bf16 or fp16 scales (quant::ScaleType 0 or 1), the low half first, as fp32.
+__device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
+  if (scale_type == kScaleF16) return __half22float2(*reinterpret_cast<const __half2*>(&bits));
+  return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+}
+
+template <ActType XT, int W, int KC, int S, int P, bool B, bool L2>
+__global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
+  static_assert(KC % 4 == 0 && KC <= 32, "slices of whole quads, at most 32 chunks");
+  static_assert(S >= 2, "a ring needs a stage in flight");
+  static_assert(P >= 1 && P <= 8, "a portable cluster");
+  constexpr GemvStreamTiling kTiling = {W, KC, S, P, B, L2};
+  constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
+  constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
+  constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
+  pdl_trigger_dependents();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
+  const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  // This block's part of K (split = its rank in the cluster, blockIdx.y) and this warp's run of
+  // it: whole quads, the parts and the runs differing by at most one quad.
+  namespace cg = cooperative_groups;
+  const int split = P > 1 ? static_cast<int>(cg::this_cluster().block_rank()) : 0;
+  const int64_t quads = cpr / 4;
+  const int64_t part_begin = quads * split / P;
+  const int64_t part_quads = quads * (split + 1) / P - part_begin;
+  const int64_t block_k = 4 * part_begin;  // the block's first chunk
+  const int64_t block_chunks = 4 * part_quads;
+  const int64_t k_begin = block_k + 4 * (part_quads * warp / W);
+  const int64_t k_end = block_k + 4 * (part_quads * (warp + 1) / W);
+  const int slices = static_cast<int>((k_end - k_begin + KC - 1) / KC);
+  const int items = my_tiles * slices;
+
+  extern __shared__ uint4 stream_shared[];
+  float* partial = reinterpret_cast<float*>(stream_shared);  // [2][W][16]
+  // (block_chunks + 1) · 4 words: the block's chunk c at 4 · (c − block_k), then zeros.
+  uint4* staged_x = stream_shared + 2 * W * kTileRows / 4;
+  uint4* zero_chunk = staged_x + 4 * block_chunks;
+  // −136 · Σx per chunk: a biased chunk sum Σ(128 + u)·x plus this is Σ(u − 8)·x.
+  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
+  uint8_t* rings = reinterpret_cast<uint8_t*>(x_biases + (block_chunks + 3) / 4 * 4);
+  uint8_t* ring = rings + static_cast<int64_t>(warp) * S * kStageBytes;
+  // Bulk copies: the warp's S stage barriers; phase i / S of stage i % S is item i's.
+  uint64_t* barriers = reinterpret_cast<uint64_t*>(rings + int64_t{W} * S * kStageBytes) + warp * S;
+  if constexpr (B) {
+    if (lane == 0) {
+      for (int stage = 0; stage < S; ++stage) init_barrier(barriers + stage);
+      fence_barrier_init();
+    }
+    __syncwarp();
+  }
+
+  // Slice `item` of this warp's sequence (tile item / slices, slice item % slices) into its stage:
+  // lane l copies the 16-byte chunks l, l + 32, ... of the 16 × KC (row-major) and the 8-byte
+  // scale pieces (4 chunks) l, l + 32, ... of the 16 × KC / 4. Rows past a.rows are not copied
+  // (their sums are never stored).
+  const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
+  const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
+  auto issue = [&](int item) {
+    if (item < items) {
+      const int64_t row0 =
+          (blockIdx.x + static_cast<int64_t>(item / slices) * gridDim.x) * kTileRows;
+      const int64_t kc0 = k_begin + static_cast<int64_t>(item % slices) * KC;
+      const int kc = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0));
+      uint8_t* stage = ring + (item % S) * kStageBytes;
+      if constexpr (B) {
+        // Lane r < 16 copies row r's piece; lane 0 first announces the bytes of them all.
+        uint64_t* barrier = barriers + item % S;
+        const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
+        if (lane == 0) arrive_expect_bytes(barrier, static_cast<uint32_t>(valid_rows * kc * 16));
+        __syncwarp();
+        if (lane < valid_rows) {
+          fence_proxy_async();  // after the warp's reads of this stage (the __syncwarp before)
+          copy_bulk(stage + lane * kPitch, weights + ((row0 + lane) * cpr + kc0) * 16,
+                    static_cast<uint32_t>(kc * 16), barrier);
+        }
+      } else {
+        constexpr int kCopies = kTileRows * KC;
+#pragma unroll
+        for (int pass = 0; pass < (kCopies + 31) / 32; ++pass) {
+          const int index = 32 * pass + lane;
+          const int r = index / KC, c = index % KC;
+          if (index < kCopies && c < kc && row0 + r < a.rows) {
+            uint8_t* to = stage + r * kPitch + c * 16;
+            const uint8_t* from = weights + ((row0 + r) * cpr + kc0 + c) * 16;
+            if constexpr (L2) {
+              copy_async16_l2_256(to, from);
+            } else {
+              copy_async16(to, from);
+            }
+          }
+        }
+      }
+      constexpr int kPieces = kTileRows * KC / 4;
+#pragma unroll
+      for (int pass = 0; pass < (kPieces + 31) / 32; ++pass) {
+        const int index = 32 * pass + lane;
+        const int r = index / (KC / 4), c = 4 * (index % (KC / 4));
+        if (index < kPieces && c < kc && row0 + r < a.rows) {
+          copy_async8(stage + kScalesOffset + (r * KC + c) * 2,
+                      scales + ((row0 + r) * cpr + kc0 + c) * 2);
+        }
+      }
+    }
+    commit_copies();  // one group per item, empty past the end: the waits count items
+  };
+
+  // Weights never depend on the previous kernel: the first slices go out before the wait.
+#pragma unroll
+  for (int item = 0; item < S - 1; ++item) issue(item);
+  pdl_wait_for_predecessors();
+
+  // Stage the block's part of the activation row: one 8-element piece a thread, the chunk sums
+  // over 4 lanes.
+  {
+    const int64_t pieces = 4 * block_chunks;
+    const int64_t rounds = (pieces + W * 32 - 1) / (W * 32);
+#pragma unroll 8
+    for (int64_t round = 0; round < rounds; ++round) {
+      const int64_t p = round * W * 32 + threadIdx.x;
+      float sum = 0.0f;
+      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, 4 * block_k + p, sum);
+      // pieces is a multiple of 4, so a quad of lanes is valid or not as a whole.
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+      if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
+    }
+    if (threadIdx.x < 4) zero_chunk[threadIdx.x] = make_uint4(0, 0, 0, 0);
+    __syncthreads();
+  }
+
+  int item = 0;
+  for (int j = 0; j < my_tiles; ++j) {
+    const int64_t row0 = (blockIdx.x + static_cast<int64_t>(j) * gridDim.x) * kTileRows;
+    // Lanes t = 0, 1: rows g and g + 8 over the chunks of columns 2t, 2t + 1.
+    float acc_g = 0.0f, acc_g8 = 0.0f;
+    for (int slice = 0; slice < slices; ++slice, ++item) {
+      wait_copies<S - 2>();  // this lane's copies of `item` have landed
+      if constexpr (B) wait_barrier(barriers + item % S, (item / S) & 1);  // and the bulk ones
+      __syncwarp();  // and every lane's; the stage read last is free
+      issue(item + S - 1);
+      const uint8_t* stage = ring + (item % S) * kStageBytes;
+      const int64_t kc0 = k_begin + static_cast<int64_t>(slice) * KC;
+      const int steps = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0)) / 4;
+      // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
+      auto multiply_step = [&](int step) {
+        const int chunk = 4 * step + t;  // in the stage
+        const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
+        const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
+        const uint4* x_words = g == t ? staged_x + 4 * (kc0 - block_k + chunk) : zero_chunk;
+        const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
+        const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
+        // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
+        // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
+        const int column_chunk = 4 * step + 2 * (t & 1);
+        const float2 bias =
+            *reinterpret_cast<const float2*>(x_biases + (kc0 - block_k) + column_chunk);
+        // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
+        // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
+        float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const uint4 xw = x_words[i];
+          uint32_t pg[4], pg8[4];
+          biased_nibble_pairs(row_g[i], pg);
+          biased_nibble_pairs(row_g8[i], pg8);
+          mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
+          mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+        }
+        const uint8_t* scales_g = stage + kScalesOffset + (g * KC + column_chunk) * 2;
+        const float2 scale_g =
+            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), a.scale_type);
+        const float2 scale_g8 =
+            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 16 * KC), a.scale_type);
+        acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
+        acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
+        acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
+        acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
+      };
+      if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
+#pragma unroll
+        for (int step = 0; step < KC / 4; ++step) multiply_step(step);
+      } else {
+        for (int step = 0; step < steps; ++step) multiply_step(step);
+      }
+    }
+    // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the runs of the block's
+    // warps (and of the cluster's blocks) added in shared memory by warp 0 of rank 0. Two
+    // buffers by tile parity: a warp writes this buffer again only after the next tile's barrier,
+    // which the reader passes after reading it.
+    acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
+    acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
+    float* tile_partial = partial + (j & 1) * W * kTileRows;
+    if (t == 0) {
+      tile_partial[warp * kTileRows + g] = acc_g;
+      tile_partial[warp * kTileRows + g + 8] = acc_g8;
+    }
+    if constexpr (P > 1) {
+      cg::this_cluster().sync();
+    } else {
+      __syncthreads();
+    }
+    if (split == 0 && warp == 0 && lane < kTileRows / 2) {
+      float pair[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int rank = 0; rank < P; ++rank) {
+        const float* source =
+            P > 1 ? cg::this_cluster().map_shared_rank(tile_partial, rank) : tile_partial;
+#pragma unroll
+        for (int w = 0; w < W; ++w) {
+          pair[0] += source[w * kTileRows + 2 * lane];
+          pair[1] += source[w * kTileRows + 2 * lane + 1];
+        }
+      }
+      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    }
+  }
+  // No block leaves while rank 0 may still read its shared memory.
+  if constexpr (P > 1) cg::this_cluster().sync();
+  wait_copies<0>();  // no copy outlives the block
+}
+
+using KernelFn = void (*)(GemvArgs);
+
+template <ActType XT, int I>
+constexpr KernelFn kernel_for() {
+  if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
+    constexpr GemvStreamTiling t = kGemvStreamTilings[I];
+    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
+                              t.l2_prefetch>;
+  } else {
+    return nullptr;
+  }
+}
+
+template <ActType XT, size_t... I>
+constexpr std::array<KernelFn, kNumGemvStreamTilings> kernel_table(std::index_sequence<I...>) {
+  return {kernel_for<XT, static_cast<int>(I)>()...};
+}
+
+KernelFn select_kernel(ActType x_type, int index) {
+  static constexpr auto kBF16 =
+      kernel_table<ActType::kBF16>(std::make_index_sequence<kNumGemvStreamTilings>());
+  static constexpr auto kF32 =
+      kernel_table<ActType::kF32>(std::make_index_sequence<kNumGemvStreamTilings>());
+  if (index < 0 || index >= kNumGemvStreamTilings) return nullptr;
+  if (x_type == ActType::kBF16) return kBF16[index];
+  if (x_type == ActType::kF32) return kF32[index];
+  return nullptr;
+}
+
+// Clusters of `config` (blocks, for one-block clusters) that the GPU holds at once, after opting
+// the kernel into kGemvStreamMaxSharedBytes; 0 where the runtime refuses. Asked once per (kernel,
+// shared bytes, device).
+int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const auto key = std::make_tuple(kernel, config.dynamicSmemBytes, device);
+  static std::mutex mutex;
+  static std::map<std::tuple<KernelFn, size_t, int>, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (const auto found = known.find(key); found != known.end()) return found->second;
+  int clusters = 0;
+  cudaError_t status = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                            static_cast<int>(kGemvStreamMaxSharedBytes));
+  if (status == cudaSuccess) {  // the rings want shared memory, not L1
+    status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                  cudaSharedmemCarveoutMaxShared);
+  }
+  if (status == cudaSuccess && splits > 1) {
+    status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+  } else if (status == cudaSuccess) {
+    int per_sm = 0, sms = 0;
+    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, config.blockDim.x,
+                                                           config.dynamicSmemBytes);
+    if (status == cudaSuccess) {
+      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    }
+    clusters = per_sm * sms;
+  }
+  if (status != cudaSuccess) {
+    clusters = 0;
+    cudaGetLastError();  // the refusal is this answer, not an error left for the caller
+  }
+  known.emplace(key, clusters);
+  return clusters;
+}
+
+}  // namespace gemv_stream_detail
+
+cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
+                               const Launch& launch) {
+  const gemv_stream_detail::KernelFn kernel = gemv_stream_detail::select_kernel(x_type, index);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const GemvStreamTiling& t = kGemvStreamTilings[index];
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(32 * t.warps);
+  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  // The occupancy query's configuration: one cluster, no stream (a stream being captured is
+  // left out of it).
+  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
+  config.attrs = attributes;
+  config.numAttrs = t.splits > 1 ? 1 : 0;
+  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits);
+  if (resident == 0) return cudaErrorInvalidValue;
+  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
+                        static_cast<unsigned>(t.splits));
+  config.stream = launch.stream;
+  // The cluster attribute only for clusters, PDL's only with PDL.
+  config.attrs = t.splits > 1 ? attributes : attributes + 1;
+  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  return cudaLaunchKernelEx(&config, kernel, args);
+}
+
+}  // namespace gemma4::cuda

@@ -1,0 +1,148 @@
+// The streaming single-row GEMV (gemv_stream.cu) for large w4g32 matrices: its tilings and launch.
+// Plain header (no checkpoint types), like gemv_kernels.h, whose GemvArgs it takes.
+//
+// Why: the register GEMV (gemv_kernel.cuh) multiplies in fp32 on the CUDA cores, ~3 warp
+// instructions per 16-byte weight chunk, and loads a pass, then computes it: at the 31B shapes and
+// the lm_heads it reaches 60-68 % of the read bandwidth. This kernel streams the weights through a
+// shared-memory ring with cp.async (stages - 1 slices in flight per warp, always) and multiplies
+// on the tensor cores (~1.5 warp instructions per chunk in the SASS).
+// Measured (session 7, H200, PDL µs): 31B gate+up 43008x5376 49.6 -> 44.7, lm_head 262144x5376
+// 280 -> 262, QKV 16384x5376 20.4 -> 20.2 (tiling 112), E2B double-wide gate+up 10.85 -> 10.7;
+// still only ~70 % of the read ceiling, faster with more warps per SM, slower than the register
+// kernel at the E2B lm_head and the 5,376-row o_proj / down. The bulk-copy, prefetch-hint, cluster
+// and more-warps tilings (108-122) were not measured yet.
+//
+// Method. A block owns 16-row tiles blockIdx.x + gridDim.x · i (a persistent grid: as many blocks
+// as fit the GPU, or one per tile); its `warps` warps split each tile's K range into equal runs of
+// whole 4-chunk quads, each warp streaming its run, slice by slice (stage_chunks chunks of the 16
+// rows plus their scales), through its own ring. mma.sync m16n8k16 (bf16, fp32 accumulation),
+// weights as A: lane (g, t) takes chunk 4s + t of rows g and g + 8 in step s, whole (one 16-byte
+// shared-memory load each): its 32 nibbles, as the exact bf16 integers 128 + u (one LOP3 per pair),
+// fill the lane's A slots of 8 mma, pairs (e, e + 4) as in gemv_mma_kernel.cuh. The 4 lanes of a
+// quad thus hold 4 different groups (scales) in one mma. The B operand separates them: lane (g, t)
+// supplies column g, the activations of its chunk when g == t and zeros otherwise, so column n of
+// the product is the sum over quad lane n's chunk alone, Σ(128 + u)·x; the group scale then
+// applies in fp32 after adding −136·Σx (the chunk's bf16 activation sum, staged): the same
+// exact products as the CUDA-core GEMV with bf16 activations, summed in another order. The warps'
+// partial row sums meet in shared memory at the tile's end, and the GEMV epilogues apply.
+#pragma once
+
+#include <cstdint>
+
+#include "backend/cuda/gemv_kernels.h"
+
+namespace gemma4::cuda {
+
+struct GemvStreamTiling {
+  int warps;         // warps per block, each streaming a 1/warps share of a tile's K range
+  int stage_chunks;  // chunks of each of the 16 rows per ring stage: a multiple of 4, <= 32
+  int stages;        // ring stages per warp (stages - 1 slices in flight)
+  // Blocks along K (a thread-block cluster, at most 8): each owns 1/splits of K's quads and the
+  // cluster adds its blocks' sums through distributed shared memory, in rank order (deterministic).
+  // More, shorter work units: with few tiles (5,376-row matrices: 336) the last round of tiles
+  // then leaves less of the GPU idle.
+  int splits = 1;
+  // The weight slices by bulk copies (one per row, through the TMA unit, completing on a
+  // barrier per stage) instead of per-lane cp.async; the scales stay on cp.async.
+  bool bulk = false;
+  // cp.async weight copies with the L2 256-byte prefetch-size hint.
+  bool l2_prefetch = false;
+};
+
+// Weight rows per tile: the mma A fragment's.
+inline constexpr int kGemvStreamTileRows = 16;
+
+// Tiling indices that gemv() takes for the streaming kernel: kGemvStreamTilingBase + i selects
+// kGemvStreamTilings[i] (register tilings are 0 .. kNumGemvTilings − 1).
+inline constexpr int kGemvStreamTilingBase = 100;
+// A warp's run of K is best a whole number of slices (full slices are unrolled).
+inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
+    {2, 28, 3},     // 100: K 5376 (168 chunks): 3 slices a warp, 3 blocks per SM
+    {3, 28, 4},     // 101: K 5376: 2 slices a warp, 2 blocks per SM
+    {3, 16, 4},     // 102: K 1536 (48 chunks): 1 slice a warp, 3 blocks per SM
+    {6, 28, 3},     // 103: K 5376: 1 slice a warp; K 21504 (672): 4
+    {2, 24, 4},     // 104: K 1536: 1 slice a warp
+    {4, 24, 4},     // 105: K 21504: 7 slices a warp
+    {8, 16, 3},     // 106: K 8192 (256): 2 slices a warp
+    {4, 28, 3},     // 107: K 21504: 6 slices a warp
+    {4, 24, 3, 7},  // 108: K 21504: clusters of 7 blocks, 1 slice a warp
+    {2, 24, 4, 7},  // 109: K 21504: clusters of 7 blocks, 2 slices a warp
+    {4, 16, 3, 4},  // 110: K 8192: clusters of 4 blocks, 1 slice a warp
+    {2, 16, 4, 8},  // 111: K 8192: clusters of 8 blocks, 1 slice a warp
+    {4, 16, 4},     // 112: K 5376: 40 or 44 chunks a warp (session 7's best at the 31B shapes)
+    {6, 16, 3},     // 113: K 5376: 28 chunks a warp, 12 warps per SM
+    {7, 12, 3},     // 114: K 5376: 2 slices a warp, 14 warps per SM
+    {4, 16, 4, 1, true},         // 115: 112 with bulk copies
+    {3, 28, 4, 1, true},         // 116: 101 with bulk copies (448-byte row pieces)
+    {6, 16, 3, 1, true},         // 117: 113 with bulk copies
+    {4, 16, 4, 1, false, true},  // 118: 112 with the L2 prefetch hint
+    {3, 16, 4, 1, false, true},  // 119: 102 with the L2 prefetch hint
+    {3, 16, 4, 1, true},         // 120: 102 with bulk copies
+    {4, 24, 3, 7, true},         // 121: 108 with bulk copies
+    {4, 16, 3, 4, true},         // 122: 110 with bulk copies
+};
+inline constexpr int kNumGemvStreamTilings =
+    sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
+
+// The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
+// GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
+inline constexpr int kDefaultGemvStreamTilings[] = {102, 112};
+
+constexpr bool is_gemv_stream_tiling(int tiling) {
+  return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
+}
+
+constexpr bool gemv_stream_tiling_compiled(int tiling) {
+#ifdef GEMMA4_GEMV_ALL_TILINGS
+  return is_gemv_stream_tiling(tiling);
+#else
+  for (int t : kDefaultGemvStreamTilings) {
+    if (t == tiling) return true;
+  }
+  return false;
+#endif
+}
+
+// Bytes of a row of a ring stage's weight slice: padded to 64 mod 128 bytes, so that the 8 lanes
+// of a shared-memory load phase (rows g, g + 1, four chunks each) hit 32 distinct banks.
+constexpr int64_t gemv_stream_row_pitch(const GemvStreamTiling& t) {
+  const int64_t bytes = int64_t{16} * t.stage_chunks;
+  return bytes + (64 - bytes % 128 + 128) % 128;
+}
+// A ring stage: the weight slice, then the slice's 16-bit scales ([16][stage_chunks]).
+constexpr int64_t gemv_stream_stage_bytes(const GemvStreamTiling& t) {
+  return kGemvStreamTileRows * (gemv_stream_row_pitch(t) + 2 * t.stage_chunks);
+}
+
+// The bulk copies' barriers, one per stage and warp, after the rings (padded to 16 bytes).
+constexpr int64_t gemv_stream_barrier_bytes(const GemvStreamTiling& t) {
+  return t.bulk ? (int64_t{8} * t.warps * t.stages + 15) / 16 * 16 : 0;
+}
+
+// The most chunks of a row that one block of a cluster owns: ceil(quads / splits) quads.
+constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t chunks_per_row) {
+  return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
+}
+
+// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
+// sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
+// activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
+// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
+constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
+  const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
+  return 4 * 2 * t.warps * kGemvStreamTileRows + 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16 +
+         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t) + gemv_stream_barrier_bytes(t);
+}
+
+// Dynamic shared memory a block may opt into on sm_90 (227 KB).
+inline constexpr int64_t kGemvStreamMaxSharedBytes = 227 * 1024;
+
+// Enqueues the streaming kernel of tiling kGemvStreamTilings[index] for one activation row:
+// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), chunks_per_row a multiple of
+// 4, args.scales 8-byte aligned, activations kBF16 or kF32 (rounded to bf16 as staged), no q8
+// companions, no residual step, shared bytes within kGemvStreamMaxSharedBytes; gemv() validates
+// that. cudaErrorInvalidValue for a tiling this build did not compile.
+cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
+                               const Launch& launch);
+
+}  // namespace gemma4::cuda
