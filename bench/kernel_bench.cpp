@@ -753,13 +753,14 @@ int main(int argc, char** argv) {
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
   // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 and fp8 have a
   // tensor-core kernel ("attention/bf16") beside the CUDA-core one ("attention/bf16-cc") that
-  // fp32 uses; "attention/bf16-tc" is the tensor-core kernel on thread copies.
+  // fp32 uses; "-tc" is the tensor-core kernel on thread copies instead of bulk copies.
   const AttentionVariant attention_variants[] = {
       {gemma4::cuda::KvType::kF32, true, "attention/fp32"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-tc", true},
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
+      {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
   };
   for (const AttentionVariant& variant : attention_variants) {

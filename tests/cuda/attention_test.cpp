@@ -27,8 +27,8 @@ struct Case {
   KvType type;
 };
 
-// The kernel a case runs on: the default (tensor cores for bf16 and e4m3 caches, bulk copies for
-// bf16), AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
+// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches),
+// AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
 enum class Kernel { kDefault, kCudaCores, kThreadCopies };
 
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
@@ -183,8 +183,10 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
   };
   for (const Case& c : cases) {
     run_case(c);
-    if (c.type != KvType::kF32) run_case(c, Kernel::kCudaCores);
-    if (c.type == KvType::kBF16) run_case(c, Kernel::kThreadCopies);
+    if (c.type != KvType::kF32) {
+      run_case(c, Kernel::kCudaCores);
+      run_case(c, Kernel::kThreadCopies);
+    }
   }
 }
 
@@ -207,8 +209,10 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
       };
       for (const Case& c : cases) {
         run_case(c);
-        if (type != KvType::kF32) run_case(c, Kernel::kCudaCores);
-        if (type == KvType::kBF16) run_case(c, Kernel::kThreadCopies);
+        if (type != KvType::kF32) {
+          run_case(c, Kernel::kCudaCores);
+          run_case(c, Kernel::kThreadCopies);
+        }
       }
     }
     run_case({"e2b-full", 8, 1, 512, 5000, 0, depths, 160, type});
@@ -218,13 +222,12 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 // Deep contexts with the splits the engine picks at batch 1 (one per 32 keys up to
 // kDecodeAttentionBlocks / kv heads): a 33000-position full cache (E2B's 8 q heads on 1 kv head,
 // 26B's 16 on 2), sliding rings wrapped 64 times, and 8 sequences of one row each at depths 1 to
-// 5000 in one launch; bf16 and fp8 on both kernels, bf16's tensor-core one by bulk and by
-// thread copies.
+// 5000 in one launch; bf16 and fp8 on both kernels, the tensor-core one by bulk and by thread
+// copies.
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
     for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies}) {
-      if (kernel == Kernel::kThreadCopies && type != KvType::kBF16) continue;
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -253,7 +256,7 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
       for (const Case& c : cases) {
         run_case(c, Kernel::kDefault, true);
         run_case(c, Kernel::kCudaCores, true);
-        if (type == KvType::kBF16) run_case(c, Kernel::kThreadCopies, true);
+        run_case(c, Kernel::kThreadCopies, true);
       }
     }
   }

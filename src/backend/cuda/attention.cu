@@ -606,14 +606,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 // q and p enter the products as bf16 pairs hi + lo (each a bf16, hi + lo within 2^-16 of the fp32
 // value), so the only roundings are the cache's own, as in the CUDA-core kernel. K/V tiles stream
 // through shared memory with cp.async as above, each row's 16-byte chunks XOR-swizzled by the row's
-// low 3 bits so that ldmatrix's 8 rows hit distinct banks; or, on a bf16 cache (kBulk), one bulk
-// copy per row into rows padded by 16 bytes, landing on a per-stage mbarrier. With 16-byte cp.async
-// pieces from every thread an SM read ~19 GB/s at depth 32K (kernel_bench: 132 splits on one block
-// per SM as fast as 264 on two), well below its 32 GB/s share of the DRAM bandwidth: the load path,
-// not the bytes in flight, looked to be the limit. A block serves every q head of its kv head (no
-// q-head parts: the mma does all 8 at once). At shallow depths its cost is a chain of dependent
-// steps, so what needs no predecessor runs before the PDL wait: the query position, the RoPE
-// angles, and the copies of the keys older than the query (attention.h says why that is safe);
+// low 3 bits so that ldmatrix's 8 rows hit distinct banks; or (kBulk) one bulk copy per row,
+// landing on a per-stage mbarrier, bf16 rows padded by 16 bytes instead of swizzled. With 16-byte
+// cp.async pieces from every thread an SM read ~19 GB/s at depth 32K (kernel_bench: 132 splits on
+// one block per SM as fast as 264 on two), well below its 32 GB/s share of the DRAM bandwidth: the
+// load path, not the bytes in flight, looked to be the limit. A block serves every q head of its kv
+// head (no q-head parts: the mma does all 8 at once). At shallow depths its cost is a chain of
+// dependent steps, so what needs no predecessor runs before the PDL wait: the query position, the
+// RoPE angles, and the copies of the keys older than the query (attention.h says why that is safe);
 // after it only q, k, v (loaded together), the query's own key and the chain from the scores to the
 // output remain.
 constexpr int kMmaTileKeys = 16;
@@ -623,21 +623,22 @@ constexpr int kMmaMaxGroup = 8;
 // still fit an SM.
 constexpr size_t kBulkPipelineBytes = 100 << 10;
 
-// kBulk (bf16 caches): each K/V row of a tile lands by one bulk copy (copy_bulk) instead of
-// every thread's 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
+// kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
+// 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
 template <int HD, typename KvT, bool kBulk>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
   static constexpr bool kWidens = !std::is_same_v<KvT, __nv_bfloat16>;
-  static_assert(!kBulk || !kWidens);
   static constexpr int kElementBytes = static_cast<int>(sizeof(KvT));
   static constexpr int kRowBytes = HD * kElementBytes;  // a row as cached
   static constexpr int kRowChunks = kRowBytes / kChunkBytes;
   static constexpr int kTileRowChunks = HD * 2 / kChunkBytes;  // a bf16 row
-  // A bf16 tile row in shared memory: a bulk copy cannot swizzle, so its rows are padded by one
-  // chunk instead (ldmatrix's 8 rows then start 4 banks apart).
-  static constexpr int kTileRowBytes = HD * 2 + (kBulk ? kChunkBytes : 0);
+  // A bf16 tile row in shared memory: a bulk copy cannot swizzle, so the rows it writes for
+  // ldmatrix are padded by one chunk instead (the 8 rows then start 4 banks apart). Widened tiles
+  // are written by the threads, swizzled.
+  static constexpr bool kPadded = kBulk && !kWidens;
+  static constexpr int kTileRowBytes = HD * 2 + (kPadded ? kChunkBytes : 0);
   static constexpr int kStageBytes =
       2 * kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);  // K rows, then V rows
   static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
@@ -657,7 +658,7 @@ struct MmaTiling {
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
-    if constexpr (kBulk) return key * kTileRowBytes + chunk * kChunkBytes;
+    if constexpr (kPadded) return key * kTileRowBytes + chunk * kChunkBytes;
     return (key * kTileRowChunks + (chunk ^ (key & 7))) * kChunkBytes;
   }
   // The same within a stage: the bf16 tile itself, or plain rows to be widened.
@@ -895,7 +896,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           const int key = lane % kMmaTileKeys;
           const bool is_value = lane >= kMmaTileKeys;
           if (key < rows) {
-            copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::offset(key, 0),
+            copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
                       (is_value ? values : keys) + slot_of(first_key + key) * row_stride,
                       T::kRowBytes, &stage_landed[stage]);
           }
@@ -1337,16 +1338,23 @@ MmaKernel select_mma_kernel(int head_dim, bool prepare) {
   return {};
 }
 
+template <typename KvT>
+MmaKernel select_mma_kernel(int head_dim, bool prepare, bool thread_copies) {
+  return thread_copies ? select_mma_kernel<KvT, false>(head_dim, prepare)
+                       : select_mma_kernel<KvT, true>(head_dim, prepare);
+}
+
 // The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
-// kv head; bf16 rows by bulk copies unless `thread_copies` (AttentionQuery::thread_copies).
+// kv head; rows by bulk copies unless `thread_copies` (AttentionQuery::thread_copies).
 MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
                             bool thread_copies) {
   if (group > kMmaMaxGroup) return {};
   if (type == KvType::kBF16) {
-    return thread_copies ? select_mma_kernel<__nv_bfloat16, false>(head_dim, prepare)
-                         : select_mma_kernel<__nv_bfloat16, true>(head_dim, prepare);
+    return select_mma_kernel<__nv_bfloat16>(head_dim, prepare, thread_copies);
   }
-  if (type == KvType::kFP8) return select_mma_kernel<__nv_fp8_e4m3, false>(head_dim, prepare);
+  if (type == KvType::kFP8) {
+    return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare, thread_copies);
+  }
   return {};
 }
 
