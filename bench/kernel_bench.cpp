@@ -340,11 +340,13 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
 }
 
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
-// the CUDA-core one (AttentionQuery::cuda_core_kernel).
+// the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
+// loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
   const char* name;
+  bool thread_copies = false;
 };
 
 // Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
@@ -406,6 +408,7 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   kv.sequence_stride = static_cast<int64_t>(kv_elems);
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
+  query.thread_copies = variant.thread_copies;
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   for (int option : split_options) {
@@ -769,12 +772,14 @@ int main(int argc, char** argv) {
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
   // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 and fp8 have a
   // tensor-core kernel ("attention/bf16") beside the CUDA-core one ("attention/bf16-cc") that
-  // fp32 uses.
+  // fp32 uses; "-tc" is the tensor-core kernel on thread copies instead of bulk copies.
   const AttentionVariant attention_variants[] = {
       {gemma4::cuda::KvType::kF32, true, "attention/fp32"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16"},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-tc", true},
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
+      {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
   };
   for (const AttentionVariant& variant : attention_variants) {

@@ -27,15 +27,20 @@ struct Case {
   KvType type;
 };
 
-// cuda_core_kernel: AttentionQuery::cuda_core_kernel (bf16 and e4m3 caches have a tensor-core
-// kernel too). own_slot_unwritten: the slot of each query's own position holds -1 (never
-// written), so that key is invisible as any empty slot.
-void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwritten = false) {
+// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches),
+// AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
+enum class Kernel { kDefault, kCudaCores, kThreadCopies };
+
+// own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
+// key is invisible as any empty slot.
+void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unwritten = false) {
   const char* type_name = c.type == KvType::kBF16  ? " bf16"
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
-               (cuda_core_kernel ? " cuda cores" : "") +
+               (kernel == Kernel::kCudaCores      ? " cuda cores"
+                : kernel == Kernel::kThreadCopies ? " thread copies"
+                                                  : "") +
                (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
@@ -100,7 +105,8 @@ void run_case(const Case& c, bool cuda_core_kernel = false, bool own_slot_unwrit
   kv.head_dim = c.head_dim;
   kv.sequence_stride = per_sequence;
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
-  query.cuda_core_kernel = cuda_core_kernel;
+  query.cuda_core_kernel = kernel == Kernel::kCudaCores;
+  query.thread_copies = kernel == Kernel::kThreadCopies;
   const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
                                         counter_count};
   CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
@@ -177,7 +183,10 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
   };
   for (const Case& c : cases) {
     run_case(c);
-    if (c.type != KvType::kF32) run_case(c, true);
+    if (c.type != KvType::kF32) {
+      run_case(c, Kernel::kCudaCores);
+      run_case(c, Kernel::kThreadCopies);
+    }
   }
 }
 
@@ -200,7 +209,10 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
       };
       for (const Case& c : cases) {
         run_case(c);
-        if (type != KvType::kF32) run_case(c, true);
+        if (type != KvType::kF32) {
+          run_case(c, Kernel::kCudaCores);
+          run_case(c, Kernel::kThreadCopies);
+        }
       }
     }
     run_case({"e2b-full", 8, 1, 512, 5000, 0, depths, 160, type});
@@ -210,11 +222,12 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 // Deep contexts with the splits the engine picks at batch 1 (one per 32 keys up to
 // kDecodeAttentionBlocks / kv heads): a 33000-position full cache (E2B's 8 q heads on 1 kv head,
 // 26B's 16 on 2), sliding rings wrapped 64 times, and 8 sequences of one row each at depths 1 to
-// 5000 in one launch; bf16 and fp8 on both kernels.
+// 5000 in one launch; bf16 and fp8 on both kernels, the tensor-core one by bulk and by thread
+// copies.
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const bool cuda_core_kernel : {false, true}) {
+    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies}) {
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -223,7 +236,7 @@ TEST(DecodeAttention, DeepContextsOnEveryKernel) {
           {"e2b-full-8-rows", 8, 1, 512, 5000, 0, eight_rows, 33, type},
           {"e2b-sliding-8-rows", 8, 1, 256, 600, 512, eight_rows, 4, type},
       };
-      for (const Case& c : cases) run_case(c, cuda_core_kernel);
+      for (const Case& c : cases) run_case(c, kernel);
     }
   }
 }
@@ -241,8 +254,9 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
           {"26b-sliding", 16, 8, 256, 1100, 1024, depths, splits, type},
       };
       for (const Case& c : cases) {
-        run_case(c, false, true);
-        run_case(c, true, true);
+        run_case(c, Kernel::kDefault, true);
+        run_case(c, Kernel::kCudaCores, true);
+        run_case(c, Kernel::kThreadCopies, true);
       }
     }
   }

@@ -125,6 +125,55 @@ __device__ __forceinline__ void wait_copies() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
 }
 
+// Bulk copies (the tensor-memory-access unit, not the load/store path of the threads) completing
+// on an mbarrier: one arrival per phase announces the bytes, the copies count them down.
+__device__ __forceinline__ void init_barrier(uint64_t* barrier) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier))
+               : "memory");
+}
+
+// Makes the initialised barriers visible to the bulk copies (the async proxy).
+__device__ __forceinline__ void fence_barrier_init() {
+  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void arrive_expecting_bytes(uint64_t* barrier, uint32_t bytes) {
+  asm volatile(
+      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
+      "r"(bytes)
+      : "memory");
+}
+
+__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile(
+        "{\n.reg .pred complete;\n"
+        "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
+        "selp.u32 %0, 1, 0, complete;\n}\n"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(parity)
+        : "memory");
+  }
+}
+
+// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on
+// `barrier`.
+__device__ __forceinline__ void copy_bulk(void* shared, const void* global, uint32_t bytes,
+                                          uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(shared_address(shared)),
+      "l"(global), "r"(bytes), "r"(shared_address(barrier))
+      : "memory");
+}
+
+// Orders this thread's generic-proxy shared-memory writes before later bulk copies into the same
+// bytes (issued after a barrier).
+__device__ __forceinline__ void fence_proxy_async() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // The floats of N 32-bit words of K/V elements: 1, 2 or 4 per word (fp32, bf16, e4m3).
 template <typename KvT, int N>
 __device__ __forceinline__ void unpack_words(const uint32_t (&words)[N], float* v) {
@@ -547,26 +596,36 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 }
 
 // ---- The tensor-core kernel: bf16 and e4m3 caches, up to 8 q heads per kv head ----
-// The CUDA-core kernel above spends ~140 instructions per key and warp (bf16 unpacking, a
-// 5-step shuffle reduction per head, a dependent FMA chain) and reaches ~1.2 TB/s at depth 32K:
-// it is bound by issue and latency, not by the reads. Here the block's 8 warps split the head
-// dims (warp w owns HD / 8 of them) and do q·kᵀ and p·v with mma.sync m16n8k16 (bf16 in, fp32
-// accumulate) over tiles of 16 keys: Sᵀ = K·Qᵀ (keys × heads, the group's heads in n = 8) over
-// the warp's dims, summed over the warps in shared memory; every warp then runs the same online
-// softmax on the sums and accumulates Oᵀ += Vᵀ·Pᵀ for its own dims, Pᵀ being the transposed
-// (movmatrix) score fragment. q and p enter the products as bf16 pairs hi + lo (each a bf16, hi +
-// lo within 2^-16 of the fp32 value), so the only roundings are the cache's own, as in the
-// CUDA-core kernel. K/V tiles stream through shared memory with cp.async as above, each row's
-// 16-byte chunks XOR-swizzled by the row's low 3 bits so that ldmatrix's 8 rows hit distinct
-// banks. A block serves every q head of its kv head (no q-head parts: the mma does all 8 at
-// once). At shallow depths its cost is a chain of dependent steps, so what needs no predecessor
-// runs before the PDL wait: the query position, the RoPE angles, and the copies of the keys older
-// than the query (attention.h says why that is safe); after it only q, k, v (loaded together),
-// the query's own key and the chain from the scores to the output remain.
+// The CUDA-core kernel above spends ~140 instructions per key and warp (bf16 unpacking, a 5-step
+// shuffle reduction per head, a dependent FMA chain) and reaches ~1.2 TB/s at depth 32K: it is
+// bound by issue and latency, not by the reads. Here the block's 8 warps split the head dims (warp
+// w owns HD / 8 of them) and do q·kᵀ and p·v with mma.sync m16n8k16 (bf16 in, fp32 accumulate) over
+// tiles of 16 keys: Sᵀ = K·Qᵀ (keys × heads, the group's heads in n = 8) over the warp's dims,
+// summed over the warps in shared memory; every warp then runs the same online softmax on the sums
+// and accumulates Oᵀ += Vᵀ·Pᵀ for its own dims, Pᵀ being the transposed (movmatrix) score fragment.
+// q and p enter the products as bf16 pairs hi + lo (each a bf16, hi + lo within 2^-16 of the fp32
+// value), so the only roundings are the cache's own, as in the CUDA-core kernel. K/V tiles stream
+// through shared memory with cp.async as above, each row's 16-byte chunks XOR-swizzled by the row's
+// low 3 bits so that ldmatrix's 8 rows hit distinct banks; or (kBulk) one bulk copy per row,
+// landing on a per-stage mbarrier, bf16 rows padded by 16 bytes instead of swizzled. With 16-byte
+// cp.async pieces from every thread an SM read ~19 GB/s at depth 32K (kernel_bench: 132 splits on
+// one block per SM as fast as 264 on two), well below its 32 GB/s share of the DRAM bandwidth: the
+// load path, not the bytes in flight, looked to be the limit. A block serves every q head of its kv
+// head (no q-head parts: the mma does all 8 at once). At shallow depths its cost is a chain of
+// dependent steps, so what needs no predecessor runs before the PDL wait: the query position, the
+// RoPE angles, and the copies of the keys older than the query (attention.h says why that is safe);
+// after it only q, k, v (loaded together), the query's own key and the chain from the scores to the
+// output remain.
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
-template <int HD, typename KvT>
+// The bulk-copy kernels' pipeline: their padded rows make a stage 3 % larger, and two blocks
+// still fit an SM.
+constexpr size_t kBulkPipelineBytes = 100 << 10;
+
+// kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
+// 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
+template <int HD, typename KvT, bool kBulk>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
@@ -574,10 +633,19 @@ struct MmaTiling {
   static constexpr int kElementBytes = static_cast<int>(sizeof(KvT));
   static constexpr int kRowBytes = HD * kElementBytes;  // a row as cached
   static constexpr int kRowChunks = kRowBytes / kChunkBytes;
-  static constexpr int kStageBytes = 2 * kMmaTileKeys * kRowBytes;  // K rows, then V rows
-  static constexpr int kTileRowChunks = HD * 2 / kChunkBytes;       // a bf16 row
+  static constexpr int kTileRowChunks = HD * 2 / kChunkBytes;  // a bf16 row
+  // A bf16 tile row in shared memory: a bulk copy cannot swizzle, so the rows it writes for
+  // ldmatrix are padded by one chunk instead (the 8 rows then start 4 banks apart). Widened tiles
+  // are written by the threads, swizzled.
+  static constexpr bool kPadded = kBulk && !kWidens;
+  static constexpr int kTileRowBytes = HD * 2 + (kPadded ? kChunkBytes : 0);
+  static constexpr int kStageBytes =
+      2 * kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);  // K rows, then V rows
   static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
-  static constexpr int kStages = static_cast<int>((kPipelineBytes - kWidenedBytes) / kStageBytes);
+  static constexpr size_t kBudgetBytes = kBulk ? kBulkPipelineBytes : kPipelineBytes;
+  static constexpr int kStages = static_cast<int>((kBudgetBytes - kWidenedBytes) / kStageBytes);
+  // The dynamic shared memory a block uses.
+  static constexpr size_t kSharedBytes = size_t{kStages} * kStageBytes + kWidenedBytes;
   static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
   static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
   static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
@@ -586,10 +654,11 @@ struct MmaTiling {
   // The prepared q heads (fp32) fit the stage the prologue writes them to.
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
   // The epilogue's staged outputs fit the pipeline.
-  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kPipelineBytes);
+  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kSharedBytes);
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
+    if constexpr (kPadded) return key * kTileRowBytes + chunk * kChunkBytes;
     return (key * kTileRowChunks + (chunk ^ (key & 7))) * kChunkBytes;
   }
   // The same within a stage: the bf16 tile itself, or plain rows to be widened.
@@ -742,14 +811,16 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
 }
 
-template <int HD, typename KvT, bool kPrepare>
+template <int HD, typename KvT, bool kPrepare, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD, KvT>;
+  using T = MmaTiling<HD, KvT, kBulk>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
   pdl_trigger_dependents();
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
+  // kBulk: a stage's rows have landed (phase parity (tile / kStages) & 1 for its tile).
+  __shared__ uint64_t stage_landed[kBulk ? kStages : 1];
   // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
   __shared__ float4 partial_scores[2][kWarps][32];
   // The query position's K/V rows (key scanned − 1) and the position its slot holds: made by the
@@ -805,23 +876,42 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
+  // kBulk: warp 0 instead, lane 0 announcing the tile's bytes on the stage's barrier, then lane
+  // l copying K row l (l < 16) or V row l − 16 whole.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
   static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
+  static_assert(!kBulk || 2 * kMmaTileKeys == 32);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
       const int stage = static_cast<int>(tile % kStages);
       unsigned char* base = pipeline + stage * T::kStageBytes;
       const int64_t first_key = begin + tile * kMmaTileKeys;
+      if constexpr (kBulk) {
+        if (warp == 0) {
+          const int rows = static_cast<int>(
+              min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
+          if (lane == 0) arrive_expecting_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+          __syncwarp();
+          const int key = lane % kMmaTileKeys;
+          const bool is_value = lane >= kMmaTileKeys;
+          if (key < rows) {
+            copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+                      (is_value ? values : keys) + slot_of(first_key + key) * row_stride,
+                      T::kRowBytes, &stage_landed[stage]);
+          }
+        }
+      } else {
 #pragma unroll
-      for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
-        const int64_t j = first_key + key;
-        if (j < loaded_end) {
-          const int64_t element =
-              slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
-          const int offset = T::stage_offset(key, copy_chunk);
-          copy_async16(base + offset, keys + element);
-          copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+        for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
+          const int64_t j = first_key + key;
+          if (j < loaded_end) {
+            const int64_t element =
+                slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+            const int offset = T::stage_offset(key, copy_chunk);
+            copy_async16(base + offset, keys + element);
+            copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+          }
         }
       }
       if (threadIdx.x < kMmaTileKeys) {
@@ -835,6 +925,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
     commit_copies();
   };
+  if constexpr (kBulk) {
+    if (threadIdx.x == 0) {
+      for (int stage = 0; stage < kStages; ++stage) init_barrier(&stage_landed[stage]);
+      fence_barrier_init();
+    }
+    __syncthreads();
+  }
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
   HeadRotation<HD / 256> rotation;
   if constexpr (kPrepare) rotation = head_rotation(constants.q, HD / 2, query_position, lane);
@@ -903,11 +1000,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int key_row = (lane & 7) + (matrix & 1) * 8, key_chunk = matrix >> 1;
   const int value_row = (lane & 7) + (matrix >> 1) * 8, value_chunk = matrix & 1;
 
+  // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
+  // own key or zeroed rows): those writes must come before that stage's bulk copies.
+  [[maybe_unused]] bool wrote_stage = true;
   for (int64_t tile = 0; tile < tiles; ++tile) {
-    wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
-    __syncthreads();             // everyone's have, and the stage loaded next is free again
-    load_tile(tile + kStages - 1);
     const int stage = static_cast<int>(tile % kStages);
+    wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
+    if constexpr (kBulk) {
+      wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
+      if (wrote_stage) fence_proxy_async();
+    }
+    __syncthreads();  // everyone's have, and the stage loaded next is free again
+    load_tile(tile + kStages - 1);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
     // The own key, when this tile holds it (its index in the tile, else −1).
@@ -934,6 +1038,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
             reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
       }
     }
+    wrote_stage = own_key >= 0 || visible != 0xFFFFu;
     if (visible != 0xFFFFu) {
       for (int c = lane; c < kMmaTileKeys * T::kWarpRowChunks; c += 32) {
         const int key = c / T::kWarpRowChunks;
@@ -1213,26 +1318,44 @@ AttentionKernel select_kernel(int head_dim) {
   return nullptr;
 }
 
-// The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
-// kv head.
-template <typename KvT>
-AttentionKernel select_mma_kernel(int head_dim, bool prepare) {
-  if (head_dim == 256) {
-    return prepare ? decode_attention_mma_kernel<256, KvT, true>
-                   : decode_attention_mma_kernel<256, KvT, false>;
-  }
-  if (head_dim == 512) {
-    return prepare ? decode_attention_mma_kernel<512, KvT, true>
-                   : decode_attention_mma_kernel<512, KvT, false>;
-  }
-  return nullptr;
+// A tensor-core kernel and the dynamic shared memory it launches with.
+struct MmaKernel {
+  AttentionKernel kernel = nullptr;
+  size_t shared_bytes = 0;
+};
+
+template <int HD, typename KvT, bool kBulk>
+MmaKernel mma_kernel_for(bool prepare) {
+  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk>
+                  : decode_attention_mma_kernel<HD, KvT, false, kBulk>,
+          MmaTiling<HD, KvT, kBulk>::kSharedBytes};
 }
 
-AttentionKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare) {
-  if (group > kMmaMaxGroup) return nullptr;
-  if (type == KvType::kBF16) return select_mma_kernel<__nv_bfloat16>(head_dim, prepare);
-  if (type == KvType::kFP8) return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare);
-  return nullptr;
+template <typename KvT, bool kBulk>
+MmaKernel select_mma_kernel(int head_dim, bool prepare) {
+  if (head_dim == 256) return mma_kernel_for<256, KvT, kBulk>(prepare);
+  if (head_dim == 512) return mma_kernel_for<512, KvT, kBulk>(prepare);
+  return {};
+}
+
+template <typename KvT>
+MmaKernel select_mma_kernel(int head_dim, bool prepare, bool thread_copies) {
+  return thread_copies ? select_mma_kernel<KvT, false>(head_dim, prepare)
+                       : select_mma_kernel<KvT, true>(head_dim, prepare);
+}
+
+// The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
+// kv head; rows by bulk copies unless `thread_copies` (AttentionQuery::thread_copies).
+MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
+                            bool thread_copies) {
+  if (group > kMmaMaxGroup) return {};
+  if (type == KvType::kBF16) {
+    return select_mma_kernel<__nv_bfloat16>(head_dim, prepare, thread_copies);
+  }
+  if (type == KvType::kFP8) {
+    return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare, thread_copies);
+  }
+  return {};
 }
 
 constexpr int heads_per_warp(int head_dim) {
@@ -1293,8 +1416,10 @@ int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv
   if (splits <= 1) return 1;
   if (kv.kv_heads < 1) return 2;
   const int group = query.q_heads / kv.kv_heads;
-  const bool mma = !query.cuda_core_kernel &&
-                   select_mma_kernel(kv.type, kv.head_dim, group, query.prepare != nullptr);
+  const bool mma =
+      !query.cuda_core_kernel &&
+      select_mma_kernel(kv.type, kv.head_dim, group, query.prepare != nullptr, query.thread_copies)
+              .kernel != nullptr;
   const int batch = kv.sequences != nullptr ? kv.sequences->count : query.batch;
   return merges_in_kernel(mma, workspace, splits, batch, kv.kv_heads, group, kv.head_dim) ? 1 : 2;
 }
@@ -1364,9 +1489,11 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   // (split, q head) within the blocks the GPU runs at once (block_work: a cache shallower than the
   // splits gives the unused ones q heads). The tensor-core kernel serves all heads of a group
   // in every block.
-  const AttentionKernel mma_kernel =
-      query.cuda_core_kernel ? nullptr
-                             : select_mma_kernel(kv.type, kv.head_dim, group, prepare != nullptr);
+  const MmaKernel mma =
+      query.cuda_core_kernel
+          ? MmaKernel{}
+          : select_mma_kernel(kv.type, kv.head_dim, group, prepare != nullptr, query.thread_copies);
+  const AttentionKernel mma_kernel = mma.kernel;
   const int64_t head_blocks =
       mma_kernel != nullptr
           ? 1
@@ -1375,16 +1502,20 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                 std::max<int64_t>(1, kDecodeAttentionBlocks / (int64_t{kv.kv_heads} * batch)));
   const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
-  if (mma_kernel != nullptr) kernel = mma_kernel;
+  size_t shared_bytes = kPipelineBytes;
+  if (mma_kernel != nullptr) {
+    kernel = mma_kernel;
+    shared_bytes = mma.shared_bytes;
+  }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
                                                  kv.kv_heads, group, kv.head_dim);
   if (merged_in_kernel) args.merge_counters = workspace.merge_counters;
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
-      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kPipelineBytes);
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
   if (status != cudaSuccess) return status;
-  status = launch_kernel(kernel, grid, dim3(kThreads), kPipelineBytes, launch, args);
+  status = launch_kernel(kernel, grid, dim3(kThreads), shared_bytes, launch, args);
   if (status != cudaSuccess || splits == 1 || merged_in_kernel) return status;
   // Dim slices (a power of two, at most one per 32 dims) so that the merge fills about the
   // blocks the GPU runs at once.

@@ -102,6 +102,9 @@ struct AttentionQuery {
   // The CUDA-core kernel even where the tensor-core one applies (bf16 and e4m3 caches, at most 8
   // q heads per kv head): benchmarks and tests compare the two.
   bool cuda_core_kernel = false;
+  // The tensor-core kernel loads its K/V tiles by every thread's 16-byte cp.async pieces instead
+  // of one bulk copy per row: benchmarks and tests compare the two.
+  bool thread_copies = false;
 };
 constexpr int kMaxPreparedGroupFloats = 4096;
 
