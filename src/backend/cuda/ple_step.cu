@@ -3,7 +3,7 @@
 // rows (= hidden columns) [c · H/C, (c + 1) · H/C). The launch's cost is the chain of dependent
 // steps after the PDL wait, so everything else happens before it, and the blocks exchange what
 // they share by pushing it into their peers' shared memory (st.async, completing on the peer's
-// mbarrier: one one-way trip per exchange, no cluster barrier after the wait):
+// mbarrier: one one-way trip per exchange, no cluster barrier on the way):
 //  0. before the wait: every weight load, the norm weights, the mbarriers and one cluster
 //     barrier (every block has started and initialized its mbarriers before any peer sends);
 //  1. every block builds v = acc + rms_norm(x) for the whole row (the gate's K) in shared memory:
@@ -15,10 +15,11 @@
 //     block;
 //  4. its hidden columns: acc = (v + norm(projected)) · scalar; with a next norm, each warp pushes
 //     its Σ acc² to every block, and next = norm(acc) with the companions of its 32-column chunks.
-// A block never exits before everything its peers send it has arrived (it waits for all of it),
-// so no exit barrier. Each product rounds as the unfused kernels round it (add_rms_norm_kernel,
-// the GEMV's staging); the sums (of squares, of a chunk's offset) run in another order, so the
-// last bits may differ from them.
+// A block exits once all it receives has arrived and its peers have received all it sent (a
+// cluster barrier whose arrival comes right after the last receipt, long before the wait). Each
+// product rounds as the unfused kernels round it (add_rms_norm_kernel, the GEMV's staging); the
+// sums (of squares, of a chunk's offset) run in another order, so the last bits may differ from
+// them.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
@@ -365,8 +366,11 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
     send(cluster, &projected_squares_in[rank * L::kWarps + warp], p_squares,
          &arrivals[kProjectedSquares], lane, lane == rank);
   }
-  __syncthreads();             // projected[] whole
-  if (!column_thread) return;  // nothing left to receive that a column warp does not wait for
+  __syncthreads();  // projected[] whole
+  // The other warps are done: the column warps keep the block (its shared memory) until all its
+  // peers send it has arrived, and until every peer has received all it sent (the closing
+  // cluster barrier, which counts only threads that have not exited).
+  if (!column_thread) return;
 
   // 4. This block's columns of acc, then next.
   wait_for(&arrivals[kProjectedSquares]);
@@ -377,8 +381,10 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
       v[column] + __fmul_rn(__fmul_rn(projected[t], p_inv), projected_scale), a.spec.scalar);
   a.acc.data[column] = updated;
   if (!has_next) {
+    ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // all this block receives is in
     const float values[1] = {updated};
     store_companions<1>(a.spec.residual_companions, 0, column, values);
+    ptx::barrier_cluster_wait();  // and what it sent: no st.async of its own still in flight
     return;
   }
   const float acc_squares = warp_sum(updated * updated);
@@ -387,6 +393,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
          &arrivals[kAccSquares], lane, lane == rank);
   }
   wait_for(&arrivals[kAccSquares]);
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // as above
   const float next_inv =
       1.0f / sqrtf(slots_total<kClusterBlocks * L::kColumnWarps>(acc_squares_in) /
                        static_cast<float>(kHidden) +
@@ -394,6 +401,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
   a.next.data[column] = values[0];
   store_companions<1>(a.spec.next_companions, 0, column, values);
+  ptx::barrier_cluster_wait();
 }
 
 bool aligned_16(const void* p) {
