@@ -423,9 +423,17 @@ template <int kClusterBlocks>
 cudaError_t launch_ple_step(const PleStepArgs& a, const Launch& launch) {
   using L = Layout<kClusterBlocks>;
   if constexpr (kClusterBlocks > 8) {
-    // Clusters past 8 blocks are non-portable: allowed once per process.
-    static const cudaError_t allowed = cudaFuncSetAttribute(
-        ple_step_kernel<kClusterBlocks>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+    // Clusters past 8 blocks are non-portable: allowed once per process, maybe while this thread
+    // captures a graph (CudaBackend records decode steps), hence the relaxed capture mode for
+    // the call (it enqueues nothing).
+    static const cudaError_t allowed = [] {
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      const cudaError_t status = cudaFuncSetAttribute(
+          ple_step_kernel<kClusterBlocks>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      return status;
+    }();
     if (allowed != cudaSuccess) return allowed;
   }
   return launch_kernel(ple_step_kernel<kClusterBlocks>, dim3(kClusterBlocks), dim3(L::kThreads), 0,
