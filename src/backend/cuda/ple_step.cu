@@ -4,7 +4,7 @@
 // steps after the PDL wait, so everything else happens before it, and the blocks exchange what
 // they share by pushing it into their peers' shared memory (st.async, completing on the peer's
 // mbarrier: one one-way trip per exchange, no cluster barrier on the way):
-//  0. before the wait: every weight load, the norm weights, the mbarriers and one cluster
+//  0. before the wait: every weight load, the norm weights, then the mbarriers and one cluster
 //     barrier (every block has started and initialized its mbarriers before any peer sends);
 //  1. every block builds v = acc + rms_norm(x) for the whole row (the gate's K) in shared memory:
 //     fp32, and rounded to bf16 (kept as fp32, piece-major, with each 32-element chunk's offset
@@ -203,29 +203,8 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   const int rank = static_cast<int>(cluster.block_rank());
   const bool has_next = a.next.data != nullptr;
 
-  // 0. Nothing here depends on a predecessor. First the mbarriers: one arrival per warp that
-  // sends to this block from here (its own), one for the bytes the peers' st.async bring; then a
-  // cluster barrier, so that every block has started and initialized them before any peer sends
-  // (relaxed: the mbarrier fence publishes the initialization, nothing else needs a memory fence).
-  if (t == 0) {
-    constexpr uint32_t kPeers = kClusterBlocks - 1;
-    ptx::mbarrier_init(&arrivals[kGated], L::kWarps + 1);
-    ptx::mbarrier_init(&arrivals[kProjectedSquares], L::kWarps + 1);
-    ptx::mbarrier_init(&arrivals[kAccSquares], L::kColumnWarps + 1);
-    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                   &arrivals[kGated], kPeers * L::kWarps * 2 * sizeof(float));
-    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                   &arrivals[kProjectedSquares],
-                                   kPeers * L::kWarps * sizeof(float));
-    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                   &arrivals[kAccSquares],
-                                   kPeers * L::kColumnWarps * sizeof(float));
-    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
-  }
-  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
-  ptx::barrier_cluster_wait();
-  // The weights: a half warp's gate row, 3 chunks a lane; 3 projection rows a lane, one chunk
-  // each.
+  // 0. Nothing here depends on a predecessor. First the weights (their DRAM latency is the
+  // longest): a half warp's gate row, 3 chunks a lane; 3 projection rows a lane, one chunk each.
   const int gate_row = rank * L::kGateRowsPerBlock + 2 * warp + (lane >> 4);
   uint4 gate_words[kGateChunksPerLane];
   uint32_t gate_scales[kGateChunksPerLane];
@@ -272,6 +251,27 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   if (column_thread && has_next && a.spec.next_weight != nullptr) {
     next_scale = weight_offset + a.spec.next_weight[column];
   }
+  // The mbarriers: one arrival per warp that sends to this block from here (its own), one for
+  // the bytes the peers' st.async bring; then a cluster barrier, so that every block has started
+  // and initialized them before any peer sends (relaxed: the mbarrier fence publishes the
+  // initialization, nothing else needs a memory fence).
+  if (t == 0) {
+    constexpr uint32_t kPeers = kClusterBlocks - 1;
+    ptx::mbarrier_init(&arrivals[kGated], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kProjectedSquares], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kAccSquares], L::kColumnWarps + 1);
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kGated], kPeers * L::kWarps * 2 * sizeof(float));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kProjectedSquares],
+                                   kPeers * L::kWarps * sizeof(float));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kAccSquares],
+                                   kPeers * L::kColumnWarps * sizeof(float));
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+  }
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
+  ptx::barrier_cluster_wait();
   pdl_wait_for_predecessors();
 
   // 1. Everything a predecessor wrote that this block reads goes out at once: x, acc and the
