@@ -127,22 +127,16 @@ __device__ __forceinline__ void wait_for(uint64_t* arrival) {
   }
 }
 
-// 32 activations staged as fp32 float4 pieces (`pitch` float4s apart) as the dot's XChunk; the
-// offset precomputed (step 1) or, when `offset` is null, summed here.
-__device__ __forceinline__ XChunk<32> staged_chunk(const float4* pieces, int pitch,
-                                                   const float* offset) {
+// 32 activations staged as fp32 float4 pieces (`pitch` float4s apart) as the dot's XChunk, its
+// offset and sum left to the caller.
+__device__ __forceinline__ XChunk<32> staged_chunk(const float4* pieces, int pitch) {
   XChunk<32> x;
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
     const float4 q = pieces[i * pitch];
     x.v[4 * i] = q.x, x.v[4 * i + 1] = q.y, x.v[4 * i + 2] = q.z, x.v[4 * i + 3] = q.w;
   }
-  if (offset != nullptr) {
-    x.offset = *offset;
-    x.sum = 0.0f;  // dot_w4g32 reads only the offset
-  } else {
-    finish_x_chunk(x);
-  }
+  x.offset = x.sum = 0.0f;
   return x;
 }
 
@@ -324,8 +318,8 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
 #pragma unroll
   for (int j = 0; j < kGateChunksPerLane; ++j) {
     const int chunk = (lane & 15) + 16 * j;
-    const XChunk<32> xc = staged_chunk(reinterpret_cast<const float4*>(v_rounded) + chunk,
-                                       kStagedPitch, &v_offsets[chunk]);
+    XChunk<32> xc = staged_chunk(reinterpret_cast<const float4*>(v_rounded) + chunk, kStagedPitch);
+    xc.offset = v_offsets[chunk];  // dot_w4g32 reads no sum
     dot += dot_w4g32(gate_words[j], scale_from_bits(a.gate, gate_scales[j]), xc);
   }
 #pragma unroll
@@ -346,8 +340,9 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   // 3. This block's projection rows: a team of lanes per row, one chunk (32 of K) each; the
   // row's sum lands in every lane of the team and lane r of the team keeps row r.
   wait_for(&arrivals[kGated]);
-  const XChunk<32> gated_chunk = staged_chunk(
-      reinterpret_cast<const float4*>(gated_in) + chunk_in_row, kProjectionChunks, nullptr);
+  XChunk<32> gated_chunk =
+      staged_chunk(reinterpret_cast<const float4*>(gated_in) + chunk_in_row, kProjectionChunks);
+  finish_x_chunk(gated_chunk);
   float p = 0.0f;
 #pragma unroll
   for (int r = 0; r < kProjectionRowsPerThread; ++r) {
