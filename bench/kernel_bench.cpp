@@ -330,14 +330,15 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
 // E2B's per-layer-input step of one decode row (ple_step.h) as CudaBackend runs it: a chain of
 // launches with distinct gate and projection weights per link (successive layers'), each updating
 // the same residual row in place and writing next with its bf16 companion (the next GEMV's
-// input). One variant per cluster size (the "tiling" column); MB: both matrices.
-Result bench_ple_step(cudaStream_t stream) {
+// input). One variant per cluster size (the "tiling" column); MB: both matrices. Then the same
+// after a down GEMV each (ple_step/after-down).
+std::vector<Result> bench_ple_step(cudaStream_t stream) {
   constexpr int64_t kHidden = 1536, kPle = 256;
   Result r;
   r.kernel = "ple_step";
   r.shape = "e2b 256x1536+1536x256";
   r.skipped = !selected(r.kernel, r.shape.c_str(), r.m);
-  if (r.skipped) return r;
+  if (r.skipped) return {r};
   Weights gate, projection;
   make_weights(Format(WeightFormat::kW4G32), kPle, kHidden, gate);
   make_weights(Format(WeightFormat::kW4G32), kHidden, kPle, projection);
@@ -389,9 +390,55 @@ Result bench_ple_step(cudaStream_t stream) {
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  clusters(plain/pdl us): %s\n", r.kernel.c_str(),
               r.shape.c_str(), r.m, r.mbytes, r.all.c_str());
+  // As in the E2B token: each step after the feed-forward's down GEMV (1536x6144 from bf16
+  // activations) that writes its x. Reported: a pair's time minus the GEMV's alone in the same
+  // chain, the step's cost on the critical path (where the GEMV's blocks fill the GPU when the
+  // step's cluster wants to start).
+  Result after_down = r;
+  after_down.kernel = "ple_step/after-down";
+  after_down.all.clear();
+  after_down.best_pdl_us = 1e30;
+  Weights down;
+  make_weights(Format(WeightFormat::kW4G32), kHidden, 6144, down);
+  void* down_x = nullptr;
+  CHECK(cudaMalloc(&down_x, 6144 * 2));
+  fill(down_x, 6144 * 2, 9, 0x3B7F3B7F);  // small finite bf16 pairs
+  const GemvInput down_input = {down_x, ActType::kBF16, 1, 6144};
+  const GemvOutput down_output = {row(1), kHidden};
+  const int down_links = std::min(links, static_cast<int>(down.copies.size()));
+  double down_us[2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    down_us[pdl] = time_chain(
+        down_links,
+        [&](int i) {
+          return gemma4::cuda::gemv(down.copies[i], down_input, down_output, {stream, pdl == 1});
+        },
+        stream);
+  }
+  for (int cluster_blocks : {8, 16}) {
+    double pair_us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      pair_us[pdl] =
+          2 *
+          time_chain(
+              2 * down_links,
+              [&](int i) {
+                return i % 2 == 0
+                           ? gemma4::cuda::gemv(down.copies[i / 2], down_input, down_output, launch)
+                           : gemma4::cuda::ple_step(args_of(i / 2), launch, cluster_blocks);
+              },
+              stream);
+    }
+    after_down.add_measurement(cluster_blocks, pair_us[0] - down_us[0], pair_us[1] - down_us[1]);
+  }
+  std::printf("%-14s %-22s M=%-2d down alone %.2f/%.2f us, step's cost (plain/pdl us): %s\n",
+              after_down.kernel.c_str(), r.shape.c_str(), r.m, down_us[0], down_us[1],
+              after_down.all.c_str());
   std::fflush(stdout);
+  CHECK(cudaFree(down_x));
   CHECK(cudaFree(rows));
-  return r;
+  return {r, after_down};
 }
 
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
@@ -787,7 +834,7 @@ int main(int argc, char** argv) {
                                  "e2b ple gate 256x1536", stream, quick, e));
   }
 
-  results.push_back(bench_ple_step(stream));
+  for (const Result& r : bench_ple_step(stream)) results.push_back(r);
 
   // The GGUF repacks with fp32 activations (the engine's): Gemma 3 270M (Q4_K_M: w4g32a, w8 g16
   // f32 from Q6_K, w8 g32 f16 from Q8_0) and E2B shapes.
