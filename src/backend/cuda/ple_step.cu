@@ -24,9 +24,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cuda/ptx>
-#include <string_view>
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
@@ -448,13 +446,6 @@ cudaError_t ple_step(const PleStepArgs& a, const Launch& launch, int cluster_blo
       (cluster_blocks != 8 && cluster_blocks != 16)) {
     return cudaErrorInvalidValue;
   }
-  // TEMPORARY, for this session's GPU measurement only (removed before the branch's last commit):
-  // GEMMA4_PLE_CLUSTER_BLOCKS=16 turns the default launches (CudaBackend's) into 16-block ones.
-  static const bool sixteen_by_default = [] {
-    const char* value = std::getenv("GEMMA4_PLE_CLUSTER_BLOCKS");
-    return value != nullptr && std::string_view(value) == "16";
-  }();
-  if (cluster_blocks == kPleStepDefaultClusterBlocks && sixteen_by_default) cluster_blocks = 16;
   return cluster_blocks == 16 ? launch_ple_step<16>(a, launch) : launch_ple_step<8>(a, launch);
 }
 

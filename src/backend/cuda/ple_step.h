@@ -31,7 +31,9 @@ struct PleStepArgs {
 };
 
 // The cluster sizes compiled: 8 blocks of 16 warps (portable) or 16 of 8 (non-portable: half the
-// per-block work, when the GPU places such clusters).
+// per-block work and registers). On the H200 (session 7) 16 blocks won in kernel_bench's chains
+// (4.2 against 4.7-5.2 µs a step) but lost in `gemma4 bench` E2B b1 (554 against 575 tok/s), so
+// CudaBackend launches 8.
 constexpr int kPleStepDefaultClusterBlocks = 8;
 
 // Enqueues the step on a cluster of `cluster_blocks` blocks (8 or 16). cudaErrorInvalidValue,
