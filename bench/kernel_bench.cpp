@@ -3,7 +3,7 @@
 // plain launches and PDL side by side, every compiled tiling per shape: every weight format (the
 // GGUF repacks with the engine's fp32 activations) and the GELU epilogues. Also decode attention
 // and prefill attention (a pass's queries against a cache, or against a ring plus the pass's
-// staged K/V).
+// staged K/V). And E2B's per-layer-input step (ple_step.h) chained the same way.
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
 // Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]]
@@ -24,6 +24,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/sample_logits.h"
 #include "bench_util.h"
@@ -337,6 +338,120 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   CHECK(cudaFree(y));
   CHECK(cudaFree(multiplier));
   return r;
+}
+
+// E2B's per-layer-input step of one decode row (ple_step.h) as CudaBackend runs it: a chain of
+// launches with distinct gate and projection weights per link (successive layers'), each updating
+// the same residual row in place and writing next with its bf16 companion (the next GEMV's
+// input). One variant per cluster size (the "tiling" column); MB: both matrices. Then the same
+// after a down GEMV each (ple_step/after-down).
+std::vector<Result> bench_ple_step(cudaStream_t stream) {
+  constexpr int64_t kHidden = 1536, kPle = 256;
+  Result r;
+  r.kernel = "ple_step";
+  r.shape = "e2b 256x1536+1536x256";
+  r.skipped = !selected(r.kernel, r.shape.c_str(), r.m);
+  if (r.skipped) return {r};
+  Weights gate, projection;
+  make_weights(Format(WeightFormat::kW4G32), kPle, kHidden, gate);
+  make_weights(Format(WeightFormat::kW4G32), kHidden, kPle, projection);
+  const auto view_of = [](const QMatrix& m) {
+    return gemma4::cuda::MatrixView{
+        gemma4::cuda::MatrixFormat::kW4G32, m.rows, m.cols, m.data, m.scales,
+        static_cast<int>(m.scale_type)};
+  };
+  // Rows of the hidden width: acc, x, projected, next, the three norm weights; then the ple
+  // width: multiplier, gated; then next's bf16 companion.
+  float* rows = nullptr;
+  CHECK(cudaMalloc(&rows, (7 * kHidden + 2 * kPle) * 4 + kHidden * 2));
+  const auto row = [&](int i) { return rows + i * kHidden; };
+  float* multiplier = row(7);
+  float* gated = multiplier + kPle;
+  auto* next_bf16 = reinterpret_cast<uint16_t*>(gated + kPle);
+  fill(rows, 7 * kHidden * 4, 7, 0x3F7FFFFF);  // finite floats below 2
+  fill(multiplier, kPle * 4, 8, 0x3F7FFFFF);
+  gemma4::cuda::AddNormSpec spec;
+  spec.weight = row(5);
+  spec.next_weight = row(6);
+  spec.scalar = 0.5f;  // keeps the chained residual bounded
+  spec.next_companions = {next_bf16, nullptr, kHidden};
+  const auto one_row = [&](float* data) {
+    return gemma4::cuda::RowsView{data, 1, kHidden, kHidden};
+  };
+  const int links = static_cast<int>(std::min(gate.copies.size(), projection.copies.size()));
+  r.mbytes = (gate.bytes + projection.bytes) / 1e6;
+  r.default_tiling = gemma4::cuda::kPleStepDefaultClusterBlocks;
+  const auto args_of = [&](int i) {
+    return gemma4::cuda::PleStepArgs{one_row(row(0)),
+                                     one_row(row(1)),
+                                     row(4),
+                                     view_of(gate.copies[i]),
+                                     multiplier,
+                                     gated,
+                                     view_of(projection.copies[i]),
+                                     row(2),
+                                     one_row(row(3)),
+                                     spec};
+  };
+  for (int cluster_blocks : {8, 16}) {
+    // Once outside the graph capture: the 16-block variant sets its function attribute there.
+    CHECK(gemma4::cuda::ple_step(args_of(0), Launch{stream, false}, cluster_blocks));
+    CHECK(cudaStreamSynchronize(stream));
+    r.measure(cluster_blocks, links, stream, [&](int i, const Launch& launch) {
+      return gemma4::cuda::ple_step(args_of(i), launch, cluster_blocks);
+    });
+  }
+  std::printf("%-14s %-22s M=%-2d %8.2f MB  clusters(plain/pdl us): %s\n", r.kernel.c_str(),
+              r.shape.c_str(), r.m, r.mbytes, r.all.c_str());
+  // As in the E2B token: each step after the feed-forward's down GEMV (1536x6144 from bf16
+  // activations) that writes its x. Reported: a pair's time minus the GEMV's alone in the same
+  // chain, the step's cost on the critical path (where the GEMV's blocks fill the GPU when the
+  // step's cluster wants to start).
+  Result after_down = r;
+  after_down.kernel = "ple_step/after-down";
+  after_down.all.clear();
+  after_down.best_pdl_us = 1e30;
+  Weights down;
+  make_weights(Format(WeightFormat::kW4G32), kHidden, 6144, down);
+  void* down_x = nullptr;
+  CHECK(cudaMalloc(&down_x, 6144 * 2));
+  fill(down_x, 6144 * 2, 9, 0x3B7F3B7F);  // small finite bf16 pairs
+  const GemvInput down_input = {down_x, ActType::kBF16, 1, 6144};
+  const GemvOutput down_output = {row(1), kHidden};
+  const int down_links = std::min(links, static_cast<int>(down.copies.size()));
+  double down_us[2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    down_us[pdl] = time_chain(
+        down_links,
+        [&](int i) {
+          return gemma4::cuda::gemv(down.copies[i], down_input, down_output, {stream, pdl == 1});
+        },
+        stream);
+  }
+  for (int cluster_blocks : {8, 16}) {
+    double pair_us[2];
+    for (int pdl = 0; pdl < 2; ++pdl) {
+      const Launch launch = {stream, pdl == 1};
+      pair_us[pdl] =
+          2 *
+          time_chain(
+              2 * down_links,
+              [&](int i) {
+                return i % 2 == 0
+                           ? gemma4::cuda::gemv(down.copies[i / 2], down_input, down_output, launch)
+                           : gemma4::cuda::ple_step(args_of(i / 2), launch, cluster_blocks);
+              },
+              stream);
+    }
+    after_down.add_measurement(cluster_blocks, pair_us[0] - down_us[0], pair_us[1] - down_us[1]);
+  }
+  std::printf("%-14s %-22s M=%-2d down alone %.2f/%.2f us, step's cost (plain/pdl us): %s\n",
+              after_down.kernel.c_str(), r.shape.c_str(), r.m, down_us[0], down_us[1],
+              after_down.all.c_str());
+  std::fflush(stdout);
+  CHECK(cudaFree(down_x));
+  CHECK(cudaFree(rows));
+  return {r, after_down};
 }
 
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
@@ -745,6 +860,8 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv(WeightFormat::kW4G32, 256, 1536, 1, ActType::kF32,
                                  "e2b ple gate 256x1536", stream, quick, e));
   }
+
+  for (const Result& r : bench_ple_step(stream)) results.push_back(r);
 
   // The GGUF repacks with fp32 activations (the engine's): Gemma 3 270M (Q4_K_M: w4g32a, w8 g16
   // f32 from Q6_K, w8 g32 f16 from Q8_0) and E2B shapes.

@@ -21,6 +21,7 @@
 #include "backend/cuda/cuda_backend.h"
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
+#include "backend/cuda/ple_step.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "engine/backend.h"
@@ -225,7 +226,7 @@ void expect_within(const std::vector<float>& got, const std::vector<double>& exp
 // reference applied to the previous stage's device output (what the next kernel read), so that the
 // bounds stay those of one stage. One row outside kF32 mode fuses: E2B's widths (hidden 1536) in
 // one launch (ple_step.h) instead of four kernels, others in three (the residual step folded
-// into the gate GEMV).
+// into the gate GEMV). ple_step is also called directly in each of its cluster sizes.
 void check_ple_step(ActivationMode mode, int64_t hidden) {
   SCOPED_TRACE("hidden " + std::to_string(hidden));
   auto gpu = testing::make_gpu_in_mode(mode);
@@ -352,6 +353,40 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
         expect_within(run.acc, acc, acc_bound, "acc");
         expect_within(run.next, next, next_bound, "next");
       };
+      // ple_step itself on the same inputs with `cluster_blocks` (the backend launches the
+      // default size), one row.
+      auto run_ple_step = [&](int cluster_blocks) {
+        SCOPED_TRACE("ple_step on " + std::to_string(cluster_blocks) + " blocks");
+        const std::vector<float> layer_inputs(ple_values.begin() + ple,
+                                              ple_values.begin() + 2 * ple);  // layer 1's
+        const DeviceArray<float> acc(acc_values), x(x_values), multiplier(layer_inputs);
+        const DeviceArray<float> gated(ple), projected(hidden), next(hidden);
+        const auto one_row = [&](float* data) { return RowsView{data, 1, hidden, hidden}; };
+        const auto view_of = [](const quant::QMatrix& m) {
+          return MatrixView{MatrixFormat::kW4G32,          m.rows, m.cols, m.data, m.scales,
+                            static_cast<int>(m.scale_type)};
+        };
+        AddNormSpec spec;
+        spec.weight = projected_weight.get();
+        spec.next_weight = next_weight.get();
+        spec.weight_offset = norm.weight_offset;
+        spec.eps = norm.eps;
+        spec.scalar = scalar;
+        const PleStepArgs args = {one_row(acc.get()),
+                                  one_row(x.get()),
+                                  weight.get(),
+                                  view_of(gate.view),
+                                  multiplier.get(),
+                                  gated.get(),
+                                  view_of(projection.view),
+                                  projected.get(),
+                                  with_next ? one_row(next.get()) : RowsView{},
+                                  spec};
+        EXPECT_EQ(ple_step(args, Launch{}, cluster_blocks), cudaSuccess);
+        EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        return Run{acc.download(), with_next ? next.download() : zeros, gated.download(),
+                   projected.download(), 1};
+      };
       const Run unfused = run_on(false), fused = run_on(true);
       ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
       check(unfused, false);
@@ -359,6 +394,7 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
       const bool fuses = mode != ActivationMode::kF32 && n == 1;
       if (fuses && hidden == 1536) {
         EXPECT_EQ(fused.kernels, 1);
+        for (const int cluster_blocks : {8, 16}) check(run_ple_step(cluster_blocks), true);
       } else {
         EXPECT_EQ(fused.kernels, unfused.kernels - (fuses ? 1 : 0));
       }

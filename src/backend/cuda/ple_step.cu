@@ -1,18 +1,30 @@
-// ple_step (ple_step.h): one cluster of kClusterBlocks blocks. Block c owns gate rows
-// [c · P/C, (c + 1) · P/C) and projection rows (= hidden columns) [c · H/C, (c + 1) · H/C):
-//  1. every block loads its weights (before the PDL wait), then builds v = acc + rms_norm(x) for
-//     the whole row (the gate's K; cheap next to the weights) in shared memory, fp32 and bf16;
-//  2. its gate rows: gated = gelu_tanh(dot) · multiplier, kept as bf16 in shared memory;
-//  3. cluster barrier; every block gathers the whole bf16 gated vector from its peers (DSMEM);
-//  4. its projection rows, their sum of squares; cluster barrier; the total from every peer;
-//  5. its hidden columns: acc = (v + norm(projected)) · scalar, the sum of squares again across
-//     the cluster, next = norm(acc), and the companions of its 32-column chunks.
-// Each product rounds as the unfused kernels round it (add_rms_norm_kernel, the GEMV's staging);
-// the sums of squares run in another order, so the last bits may differ from them.
+// ple_step (ple_step.h): one cluster of kClusterBlocks blocks (8, or 16 as a non-portable
+// cluster), two gate rows per warp. Block c owns gate rows [c · P/C, (c + 1) · P/C) and projection
+// rows (= hidden columns) [c · H/C, (c + 1) · H/C). The launch's cost is the chain of dependent
+// steps after the PDL wait, so everything else happens before it, and the blocks exchange what
+// they share by pushing it into their peers' shared memory (st.async, completing on the peer's
+// mbarrier: one one-way trip per exchange, no cluster barrier on the way):
+//  0. before the wait: every weight load, the norm weights, then the mbarriers and one cluster
+//     barrier (every block has started and initialized its mbarriers before any peer sends);
+//  1. every block builds v = acc + rms_norm(x) for the whole row (the gate's K) in shared memory:
+//     fp32, and rounded to bf16 (kept as fp32, piece-major, with each 32-element chunk's offset
+//     for dot_w4g32, so that the gate's lanes read ready operands);
+//  2. its gate rows, a half warp per row (16 lanes x 3 chunks: no idle lane): gated =
+//     gelu_tanh(dot) · multiplier; each warp pushes its two bf16-rounded values to every block;
+//  3. once all 256 have arrived, its projection rows; each warp pushes its Σ projected² to every
+//     block;
+//  4. its hidden columns: acc = (v + norm(projected)) · scalar; with a next norm, each warp pushes
+//     its Σ acc² to every block, and next = norm(acc) with the companions of its 32-column chunks.
+// A block exits once all it receives has arrived and its peers have received all it sent (a
+// cluster barrier whose arrival comes right after the last receipt, long before the wait). Each
+// product rounds as the unfused kernels round it (add_rms_norm_kernel, the GEMV's staging); the
+// sums (of squares, of a chunk's offset) run in another order, so the last bits may differ from
+// them.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cuda/ptx>
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
@@ -23,32 +35,39 @@ namespace gemma4::cuda {
 namespace {
 
 namespace cg = cooperative_groups;
+namespace ptx = ::cuda::ptx;
 
-constexpr int kClusterBlocks = 8;
-constexpr int kWarps = 16;
-constexpr int kThreads = kWarps * 32;
 // E2B's widths: the only shape compiled (see the static_asserts for what another must satisfy).
 constexpr int kHidden = 1536;
 constexpr int kPle = 256;
 
-constexpr int kGateChunks = kHidden / 32;                          // 16-byte chunks of a gate row
-constexpr int kGateRowsPerBlock = kPle / kClusterBlocks;           // 32
-constexpr int kGateRowsPerWarp = kGateRowsPerBlock / kWarps;       // 2: a warp's lanes split K
-constexpr int kGateChunksPerLane = (kGateChunks + 31) / 32;        // 2
-constexpr int kProjectionChunks = kPle / 32;                       // 8: one per lane of a team
-constexpr int kProjectionRowsPerBlock = kHidden / kClusterBlocks;  // 192
-constexpr int kProjectionTeams = 32 / kProjectionChunks;           // 4 rows at a time per warp
-constexpr int kProjectionRowsPerThread =
-    kProjectionRowsPerBlock / (kWarps * kProjectionTeams);  // 3
-static_assert(kGateRowsPerWarp * kWarps == kGateRowsPerBlock);
-static_assert(32 % kProjectionChunks == 0);
-static_assert(kProjectionRowsPerThread * kWarps * kProjectionTeams == kProjectionRowsPerBlock);
-// Step 5: one thread per column of the block, whole warps of whole kQ8 chunks.
-static_assert(kProjectionRowsPerBlock % 32 == 0 && kProjectionRowsPerBlock <= kThreads);
-static_assert(kHidden % 4 == 0 && kHidden / 4 <= kThreads);  // step 1: a float4 per thread
-static_assert(kGateRowsPerBlock % 8 == 0);  // whole 16-byte words of bf16 gated values a block
+constexpr int kGateChunks = kHidden / 32;  // 48 chunks of 32 in a gate row
+constexpr int kGateChunksPerLane = 3;      // a half warp's 16 lanes take a row's 48
+constexpr int kQuads = kHidden / 4;        // step 1: float4s of the row
+// v rounded, piece-major: float4 i of chunk c at [i · kStagedPitch + c]. Lanes reading
+// consecutive chunks read consecutive float4s; the pad spreads step 1's stores over the banks.
+constexpr int kStagedPitch = kGateChunks + 1;
+constexpr int kProjectionChunks = kPle / 32;  // 8: one per lane of a team
+constexpr int kProjectionTeams = 32 / kProjectionChunks;
+constexpr int kProjectionRowsPerThread = 3;  // the lanes of a team split K, each row's sum
+                                             // ends in lane (its index) of the team
+static_assert(16 * kGateChunksPerLane == kGateChunks);
+static_assert(32 % kProjectionChunks == 0 && kProjectionRowsPerThread <= kProjectionChunks);
 
-constexpr int kColumnWarps = kProjectionRowsPerBlock / 32;
+template <int kClusterBlocks>
+struct Layout {
+  static constexpr int kWarps = kPle / 2 / kClusterBlocks;  // two gate rows each
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kGateRowsPerBlock = kPle / kClusterBlocks;
+  static constexpr int kColumns = kHidden / kClusterBlocks;  // projection rows of a block
+  static constexpr int kColumnWarps = kColumns / 32;         // step 4: a thread per column
+  static constexpr int kQuadsPerThread = (kQuads + kThreads - 1) / kThreads;
+  static_assert(kProjectionRowsPerThread * kProjectionTeams * kWarps == kColumns);
+  static_assert(kColumns % 32 == 0 && kQuads % 32 == 0 && kThreads % 8 == 0);
+};
+
+// The three exchanges, each with its own mbarrier (used for one phase).
+enum Exchange { kGated, kProjectedSquares, kAccSquares, kExchanges };
 
 __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
@@ -57,214 +76,327 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
-// Σ over the block of one value per thread of warps [0, warps): every thread gets the same total
-// (summed in warp order). `scratch`: kWarps floats; the caller syncs before it is reused.
-__device__ __forceinline__ float block_sum(float value, int warps, float* scratch) {
-  const int warp = threadIdx.x >> 5;
-  if (warp < warps) {
-    value = warp_sum(value);
-    if ((threadIdx.x & 31) == 0) scratch[warp] = value;
-  }
+// Σ over the block of one value per thread: every thread gets the same total (summed in warp
+// order). `scratch`: one float per warp, not reused.
+template <int kWarps>
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  value = warp_sum(value);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = value;
   __syncthreads();
   float total = 0.0f;
-  for (int w = 0; w < warps; ++w) total += scratch[w];
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
   return total;
 }
 
-// 32 bf16 activations (four 16-byte words) as the dot's XChunk.
-__device__ __forceinline__ XChunk<32> bf16_chunk(const uint4* words) {
+// Σ of kSlots floats in shared memory (16-byte aligned, kSlots a multiple of 4, at most 128), the
+// same in every lane of the warp and in every block holding the same values.
+template <int kSlots>
+__device__ __forceinline__ float slots_total(const float* slots) {
+  static_assert(kSlots % 4 == 0 && kSlots <= 128);
+  const int lane = threadIdx.x & 31;
+  float sum = 0.0f;
+  if (lane < kSlots / 4) {
+    const float4 q = reinterpret_cast<const float4*>(slots)[lane];
+    sum = (q.x + q.y) + (q.z + q.w);
+  }
+  return warp_sum(sum);
+}
+
+// Puts `value` at `slot` in block `peer`'s shared memory and completes it on the peer's
+// `arrival`: st.async to another block (its bytes counted by the peer's expect_tx), a store and
+// an arrival (release: the store first) to this one (`own`: peer is this block's rank).
+template <typename T>
+__device__ __forceinline__ void send(const cg::cluster_group& cluster, T* slot, const T& value,
+                                     uint64_t* arrival, int peer, bool own) {
+  if (own) {
+    *slot = value;
+    ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, arrival);
+  } else {
+    ptx::st_async(cluster.map_shared_rank(slot, peer), value,
+                  cluster.map_shared_rank(arrival, peer));
+  }
+}
+
+// Waits until everything sent to this block for an exchange has arrived (acquire at cluster
+// scope: the peers' stores are visible after it).
+__device__ __forceinline__ void wait_for(uint64_t* arrival) {
+  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, arrival, 0u)) {
+  }
+}
+
+// 32 activations staged as fp32 float4 pieces (`pitch` float4s apart) as the dot's XChunk, its
+// offset and sum left to the caller.
+__device__ __forceinline__ XChunk<32> staged_chunk(const float4* pieces, int pitch) {
   XChunk<32> x;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) unpack_bf16x8(words[i], x.v + 8 * i);
-  finish_x_chunk(x);
+  for (int i = 0; i < 8; ++i) {
+    const float4 q = pieces[i * pitch];
+    x.v[4 * i] = q.x, x.v[4 * i + 1] = q.y, x.v[4 * i + 2] = q.z, x.v[4 * i + 3] = q.w;
+  }
+  x.offset = x.sum = 0.0f;
   return x;
 }
 
-// The cluster total of one float each block put at `slot` in its shared memory (read after a
-// cluster barrier), summed in rank order: every block gets the same value.
-__device__ __forceinline__ float cluster_total(const cg::cluster_group& cluster, float* slot) {
-  float total = 0.0f;
-#pragma unroll
-  for (int rank = 0; rank < kClusterBlocks; ++rank) total += *cluster.map_shared_rank(slot, rank);
-  return total;
+// Where gate row `row`'s value sits in the projection's staging: piece-major like v's (float4 i
+// of chunk c at float4 [i · kProjectionChunks + c]).
+__device__ __forceinline__ int gated_index(int row) {
+  return ((row % 32) / 4 * kProjectionChunks + row / 32) * 4 + row % 4;
 }
 
-__global__ void __cluster_dims__(kClusterBlocks, 1, 1) __launch_bounds__(kThreads)
-    ple_step_kernel(PleStepArgs a) {
+// A 16-byte weight word, loaded before the PDL wait. Not ld.global.nc (load_weights_nc): ptxas
+// moves .nc loads (read-only memory: nothing orders them) past griddepcontrol.wait, down to their
+// first use, which puts the weights' DRAM latency after the wait (the SASS of the .nc version
+// issues them after ACQBULK); a plain load stays before it.
+__device__ __forceinline__ uint4 load_weights_before_wait(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+
+// The raw bits of a w4g32 group scale (bf16, fp16 or fp32: m.scale_type), loaded before the PDL
+// wait (a plain load, as load_weights_before_wait).
+__device__ __forceinline__ uint32_t load_scale_before_wait(const MatrixView& m, int64_t index) {
+  uint32_t bits;
+  if (m.scale_type == kScaleF32) {
+    asm volatile("ld.global.u32 %0, [%1];"
+                 : "=r"(bits)
+                 : "l"(static_cast<const uint32_t*>(m.scales) + index));
+  } else {
+    uint16_t half_bits;
+    asm volatile("ld.global.u16 %0, [%1];"
+                 : "=h"(half_bits)
+                 : "l"(static_cast<const uint16_t*>(m.scales) + index));
+    bits = half_bits;
+  }
+  return bits;
+}
+
+template <int kClusterBlocks>
+__global__ void __cluster_dims__(kClusterBlocks, 1, 1)
+    __launch_bounds__(Layout<kClusterBlocks>::kThreads) ple_step_kernel(PleStepArgs a) {
+  using L = Layout<kClusterBlocks>;
   pdl_trigger_dependents();
   const cg::cluster_group cluster = cg::this_cluster();
-  __shared__ __align__(16) float v[kHidden];          // acc + norm(x), fp32 (read as float4)
-  __shared__ uint4 v_bf16[kHidden / 8];               // the same rounded, 8 per word
-  __shared__ uint4 own_gated[kGateRowsPerBlock / 8];  // this block's gated values, bf16
-  __shared__ uint4 gated_bf16[kPle / 8];              // all of them
-  __shared__ float projected[kProjectionRowsPerBlock];
-  __shared__ float warp_sums[kWarps];
-  __shared__ float block_totals[2];  // Σ projected², Σ acc² of this block's columns (peers read)
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  __shared__ __align__(16) float v[kHidden];                       // acc + norm(x), fp32
+  __shared__ __align__(16) float v_rounded[8 * kStagedPitch * 4];  // the same as bf16, staged
+  __shared__ float v_offsets[kGateChunks];                         // dot_w4g32's, per chunk
+  __shared__ __align__(16) float gated_in[kPle];                   // every block's, bf16, staged
+  __shared__ __align__(16) float projected_squares_in[kClusterBlocks * L::kWarps];
+  __shared__ __align__(16) float acc_squares_in[kClusterBlocks * L::kColumnWarps];
+  __shared__ float projected[L::kColumns];
+  __shared__ float warp_sums[L::kWarps];
+  __shared__ uint64_t arrivals[kExchanges];
+  const int t = threadIdx.x;
+  const int lane = t & 31;
+  const int warp = t >> 5;
   const int rank = static_cast<int>(cluster.block_rank());
+  const bool has_next = a.next.data != nullptr;
 
-  // 1. The weights depend on no predecessor: every load goes out before the wait.
-  const int first_gate_row = rank * kGateRowsPerBlock + warp * kGateRowsPerWarp;
-  uint4 gate_words[kGateRowsPerWarp][kGateChunksPerLane];
-  uint32_t gate_scales[kGateRowsPerWarp][kGateChunksPerLane];
+  // 0. Nothing here depends on a predecessor. First the weights (their DRAM latency is the
+  // longest): a half warp's gate row, 3 chunks a lane; 3 projection rows a lane, one chunk each.
+  const int gate_row = rank * L::kGateRowsPerBlock + 2 * warp + (lane >> 4);
+  uint4 gate_words[kGateChunksPerLane];
+  uint32_t gate_scales[kGateChunksPerLane];
 #pragma unroll
-  for (int r = 0; r < kGateRowsPerWarp; ++r) {
-#pragma unroll
-    for (int j = 0; j < kGateChunksPerLane; ++j) {
-      const int chunk = lane + 32 * j;
-      const int64_t index = int64_t{first_gate_row + r} * kGateChunks + chunk;
-      const bool valid = chunk < kGateChunks;
-      gate_words[r][j] = valid ? load_weights_nc(static_cast<const uint4*>(a.gate.data) + index)
-                               : make_uint4(0, 0, 0, 0);
-      gate_scales[r][j] = valid ? load_group_scale_bits(a.gate, index) : 0;
-    }
+  for (int j = 0; j < kGateChunksPerLane; ++j) {
+    const int64_t index = int64_t{gate_row} * kGateChunks + (lane & 15) + 16 * j;
+    gate_words[j] = load_weights_before_wait(static_cast<const uint4*>(a.gate.data) + index);
+    gate_scales[j] = load_scale_before_wait(a.gate, index);
   }
   const int team = lane / kProjectionChunks;
   const int chunk_in_row = lane % kProjectionChunks;
   const int first_local_row = (warp * kProjectionTeams + team) * kProjectionRowsPerThread;
-  const int first_column = rank * kProjectionRowsPerBlock;
+  const int first_column = rank * L::kColumns;
   uint4 projection_words[kProjectionRowsPerThread];
   uint32_t projection_scales[kProjectionRowsPerThread];
 #pragma unroll
   for (int r = 0; r < kProjectionRowsPerThread; ++r) {
     const int64_t index =
         int64_t{first_column + first_local_row + r} * kProjectionChunks + chunk_in_row;
-    projection_words[r] = load_weights_nc(static_cast<const uint4*>(a.projection.data) + index);
-    projection_scales[r] = load_group_scale_bits(a.projection, index);
+    projection_words[r] =
+        load_weights_before_wait(static_cast<const uint4*>(a.projection.data) + index);
+    projection_scales[r] = load_scale_before_wait(a.projection, index);
   }
-  // The norm weights too: the residual step's (a float4 per thread) and, for this block's
-  // columns (one per thread of the first warps), the projection's and the next norm's factors.
-  const int t = threadIdx.x;
-  constexpr int kQuads = kHidden / 4;
+  // The norm weights: the residual step's (a float4 per quad) and, for this block's columns (a
+  // thread each in the first warps), the projection's and the next norm's factors.
   const float weight_offset = a.spec.weight_offset;
-  float4 s4 = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
-  if (a.step_weight != nullptr && t < kQuads) {
-    const float4 w4 = reinterpret_cast<const float4*>(a.step_weight)[t];
-    s4 = make_float4(weight_offset + w4.x, weight_offset + w4.y, weight_offset + w4.z,
-                     weight_offset + w4.w);
+  float4 s4[L::kQuadsPerThread];
+#pragma unroll
+  for (int k = 0; k < L::kQuadsPerThread; ++k) {
+    const int quad = t + k * L::kThreads;
+    s4[k] = make_float4(1.0f, 1.0f, 1.0f, 1.0f);
+    if (a.step_weight != nullptr && quad < kQuads) {
+      const float4 w4 = reinterpret_cast<const float4*>(a.step_weight)[quad];
+      s4[k] = make_float4(weight_offset + w4.x, weight_offset + w4.y, weight_offset + w4.z,
+                          weight_offset + w4.w);
+    }
   }
-  const bool column_thread = t < kProjectionRowsPerBlock;
+  const bool column_thread = t < L::kColumns;  // whole warps
   const int column = first_column + t;
-  const bool has_next = a.next.data != nullptr;
   float projected_scale = 1.0f, next_scale = 1.0f;
-  if (column_thread && a.spec.weight != nullptr)
+  if (column_thread && a.spec.weight != nullptr) {
     projected_scale = weight_offset + a.spec.weight[column];
+  }
   if (column_thread && has_next && a.spec.next_weight != nullptr) {
     next_scale = weight_offset + a.spec.next_weight[column];
   }
+  // The mbarriers: one arrival per warp that sends to this block from here (its own), one for
+  // the bytes the peers' st.async bring; then a cluster barrier, so that every block has started
+  // and initialized them before any peer sends (relaxed: the mbarrier fence publishes the
+  // initialization, nothing else needs a memory fence).
+  if (t == 0) {
+    constexpr uint32_t kPeers = kClusterBlocks - 1;
+    ptx::mbarrier_init(&arrivals[kGated], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kProjectedSquares], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kAccSquares], L::kColumnWarps + 1);
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kGated], kPeers * L::kWarps * 2 * sizeof(float));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kProjectedSquares],
+                                   kPeers * L::kWarps * sizeof(float));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kAccSquares],
+                                   kPeers * L::kColumnWarps * sizeof(float));
+    ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
+  }
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);
+  ptx::barrier_cluster_wait();
   pdl_wait_for_predecessors();
 
-  // Everything a predecessor wrote that this block reads goes out at once: x, acc and the
-  // multipliers of this warp's gate rows.
-  float4 x4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f), r4 = x4;
-  if (t < kQuads) {
-    x4 = reinterpret_cast<const float4*>(a.x.data)[t];
-    r4 = reinterpret_cast<const float4*>(a.acc.data)[t];
-  }
-  float multipliers[kGateRowsPerWarp];
+  // 1. Everything a predecessor wrote that this block reads goes out at once: x, acc and the
+  // multiplier of this half warp's gate row.
+  float4 x4[L::kQuadsPerThread], r4[L::kQuadsPerThread];
 #pragma unroll
-  for (int r = 0; r < kGateRowsPerWarp; ++r) multipliers[r] = a.multiplier[first_gate_row + r];
+  for (int k = 0; k < L::kQuadsPerThread; ++k) {
+    const int quad = t + k * L::kThreads;
+    x4[k] = r4[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (quad < kQuads) {
+      x4[k] = reinterpret_cast<const float4*>(a.x.data)[quad];
+      r4[k] = reinterpret_cast<const float4*>(a.acc.data)[quad];
+    }
+  }
+  const float multiplier = a.multiplier[gate_row];
 
-  // v = acc + rms_norm(x; step_weight).
-  const float x_total = block_sum(x4.x * x4.x + x4.y * x4.y + x4.z * x4.z + x4.w * x4.w,
-                                  (kQuads + 31) / 32, warp_sums);
+  // v = acc + rms_norm(x; step_weight); its bf16 rounding staged with each chunk's offset
+  // (264·Σeven + 24·Σodd, finish_x_chunk's), a chunk's 8 float4s in 8 aligned lanes.
+  float x_squares = 0.0f;
+#pragma unroll
+  for (int k = 0; k < L::kQuadsPerThread; ++k) {
+    x_squares += x4[k].x * x4[k].x + x4[k].y * x4[k].y + x4[k].z * x4[k].z + x4[k].w * x4[k].w;
+  }
+  const float x_total = block_sum<L::kWarps>(x_squares, warp_sums);
   const float x_inv = 1.0f / sqrtf(x_total / static_cast<float>(kHidden) + a.spec.eps);
-  if (t < kQuads) {
-    const float4 v4 = make_float4(r4.x + __fmul_rn(__fmul_rn(x4.x, x_inv), s4.x),
-                                  r4.y + __fmul_rn(__fmul_rn(x4.y, x_inv), s4.y),
-                                  r4.z + __fmul_rn(__fmul_rn(x4.z, x_inv), s4.z),
-                                  r4.w + __fmul_rn(__fmul_rn(x4.w, x_inv), s4.w));
-    reinterpret_cast<float4*>(v)[t] = v4;
-    reinterpret_cast<uint2*>(v_bf16)[t] =
-        make_uint2(pack_bf16x2(v4.x, v4.y), pack_bf16x2(v4.z, v4.w));
+#pragma unroll
+  for (int k = 0; k < L::kQuadsPerThread; ++k) {
+    const int quad = t + k * L::kThreads;
+    if (quad >= kQuads) continue;  // whole warps: kQuads and kThreads are multiples of 32
+    const float4 v4 = make_float4(r4[k].x + __fmul_rn(__fmul_rn(x4[k].x, x_inv), s4[k].x),
+                                  r4[k].y + __fmul_rn(__fmul_rn(x4[k].y, x_inv), s4[k].y),
+                                  r4[k].z + __fmul_rn(__fmul_rn(x4[k].z, x_inv), s4[k].z),
+                                  r4[k].w + __fmul_rn(__fmul_rn(x4[k].w, x_inv), s4[k].w));
+    reinterpret_cast<float4*>(v)[quad] = v4;
+    const float4 rounded =
+        make_float4(bf16_rounded(v4.x), bf16_rounded(v4.y), bf16_rounded(v4.z), bf16_rounded(v4.w));
+    reinterpret_cast<float4*>(v_rounded)[(quad % 8) * kStagedPitch + quad / 8] = rounded;
+    float even = rounded.x + rounded.z, odd = rounded.y + rounded.w;
+#pragma unroll
+    for (int offset = 4; offset > 0; offset /= 2) {
+      even += __shfl_xor_sync(0xFFFFFFFFu, even, offset);
+      odd += __shfl_xor_sync(0xFFFFFFFFu, odd, offset);
+    }
+    if (quad % 8 == 0) v_offsets[quad / 8] = 264.0f * even + 24.0f * odd;
   }
   __syncthreads();
 
-  // 2. This block's gate rows: a warp's lanes split K, each row summed across the warp.
-  float gate_dots[kGateRowsPerWarp] = {};
+  // 2. The half warp's gate row: its 16 lanes split K, 3 chunks each.
+  float dot = 0.0f;
 #pragma unroll
   for (int j = 0; j < kGateChunksPerLane; ++j) {
-    const int chunk = lane + 32 * j;
-    if (chunk >= kGateChunks) continue;
-    const XChunk<32> xc = bf16_chunk(v_bf16 + 4 * chunk);
-#pragma unroll
-    for (int r = 0; r < kGateRowsPerWarp; ++r) {
-      gate_dots[r] += dot_w4g32(gate_words[r][j], scale_from_bits(a.gate, gate_scales[r][j]), xc);
-    }
+    const int chunk = (lane & 15) + 16 * j;
+    XChunk<32> xc = staged_chunk(reinterpret_cast<const float4*>(v_rounded) + chunk, kStagedPitch);
+    xc.offset = v_offsets[chunk];  // dot_w4g32 reads no sum
+    dot += dot_w4g32(gate_words[j], scale_from_bits(a.gate, gate_scales[j]), xc);
   }
-  auto* own_gated_values = reinterpret_cast<__nv_bfloat16*>(own_gated);
 #pragma unroll
-  for (int r = 0; r < kGateRowsPerWarp; ++r) {
-    const float dot = warp_sum(gate_dots[r]);
-    if (lane == 0) {
-      const int row = first_gate_row + r;
-      const float gated = gelu_tanh(dot) * multipliers[r];
-      a.gated[row] = gated;
-      own_gated_values[warp * kGateRowsPerWarp + r] = __float2bfloat16_rn(gated);
-    }
+  for (int offset = 8; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
+  const float gated = gelu_tanh(dot) * multiplier;
+  if ((lane & 15) == 0) a.gated[gate_row] = gated;
+  // The warp's two rows (2·warp, 2·warp + 1 of the block: adjacent in one float4 of the
+  // staging) to every block, lane p sending to block p.
+  const float rounded = bf16_rounded(gated);
+  const float2 pair =
+      make_float2(__shfl_sync(0xFFFFFFFFu, rounded, 0), __shfl_sync(0xFFFFFFFFu, rounded, 16));
+  if (lane < kClusterBlocks) {
+    const int first_row = rank * L::kGateRowsPerBlock + 2 * warp;
+    send(cluster, reinterpret_cast<float2*>(&gated_in[gated_index(first_row)]), pair,
+         &arrivals[kGated], lane, lane == rank);
   }
 
-  // 3. Every block's gated values, once every block has written them.
-  cluster.sync();
-  constexpr int kWordsPerBlock = kGateRowsPerBlock / 8;
-  if (t < kPle / 8) {
-    gated_bf16[t] = *cluster.map_shared_rank(own_gated + t % kWordsPerBlock, t / kWordsPerBlock);
-  }
-  __syncthreads();
-
-  // 4. This block's projection rows: a team of lanes per row, one chunk (32 of K) each.
-  const XChunk<32> gated_chunk = bf16_chunk(gated_bf16 + 4 * chunk_in_row);
+  // 3. This block's projection rows: a team of lanes per row, one chunk (32 of K) each; the
+  // row's sum lands in every lane of the team and lane r of the team keeps row r.
+  wait_for(&arrivals[kGated]);
+  XChunk<32> gated_chunk =
+      staged_chunk(reinterpret_cast<const float4*>(gated_in) + chunk_in_row, kProjectionChunks);
+  finish_x_chunk(gated_chunk);
+  float p = 0.0f;
 #pragma unroll
   for (int r = 0; r < kProjectionRowsPerThread; ++r) {
-    float dot = dot_w4g32(projection_words[r], scale_from_bits(a.projection, projection_scales[r]),
-                          gated_chunk);
+    float row_dot = dot_w4g32(projection_words[r],
+                              scale_from_bits(a.projection, projection_scales[r]), gated_chunk);
 #pragma unroll
     for (int offset = kProjectionChunks / 2; offset > 0; offset /= 2)
-      dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
-    if (chunk_in_row == 0) {
-      projected[first_local_row + r] = dot;
-      a.projected[first_column + first_local_row + r] = dot;
-    }
+      row_dot += __shfl_xor_sync(0xFFFFFFFFu, row_dot, offset);
+    if (chunk_in_row == r) p = row_dot;
   }
-  __syncthreads();
-  const float p = column_thread ? projected[t] : 0.0f;
-  const float p_squares = block_sum(p * p, kColumnWarps, warp_sums);
-  if (t == 0) block_totals[0] = p_squares;
-  cluster.sync();
-  const float p_inv =
-      1.0f /
-      sqrtf(cluster_total(cluster, &block_totals[0]) / static_cast<float>(kHidden) + a.spec.eps);
-  // No block may leave while a peer still reads its shared memory: each arrives at the exit
-  // barrier after its last read of a peer's (here without a next norm) and waits at the end.
-  if (!has_next) cluster.barrier_arrive();
+  const bool owns_row = chunk_in_row < kProjectionRowsPerThread;
+  if (owns_row) {
+    projected[first_local_row + chunk_in_row] = p;
+    a.projected[first_column + first_local_row + chunk_in_row] = p;
+  }
+  const float p_squares = warp_sum(owns_row ? p * p : 0.0f);
+  if (lane < kClusterBlocks) {
+    send(cluster, &projected_squares_in[rank * L::kWarps + warp], p_squares,
+         &arrivals[kProjectedSquares], lane, lane == rank);
+  }
+  __syncthreads();  // projected[] whole
+  // The other warps are done: the column warps keep the block (its shared memory) until all its
+  // peers send it has arrived, and until every peer has received all it sent (the closing
+  // cluster barrier, which counts only threads that have not exited).
+  if (!column_thread) return;
 
-  // 5. This block's columns of acc, then next.
-  float updated = 0.0f;
-  if (column_thread) {
-    updated = __fmul_rn(v[column] + __fmul_rn(__fmul_rn(p, p_inv), projected_scale), a.spec.scalar);
-    a.acc.data[column] = updated;
-  }
-  if (warp < kColumnWarps && !has_next) {
+  // 4. This block's columns of acc, then next.
+  wait_for(&arrivals[kProjectedSquares]);
+  const float p_inv = 1.0f / sqrtf(slots_total<kClusterBlocks * L::kWarps>(projected_squares_in) /
+                                       static_cast<float>(kHidden) +
+                                   a.spec.eps);
+  const float updated = __fmul_rn(
+      v[column] + __fmul_rn(__fmul_rn(projected[t], p_inv), projected_scale), a.spec.scalar);
+  a.acc.data[column] = updated;
+  if (!has_next) {
+    ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // all this block receives is in
     const float values[1] = {updated};
     store_companions<1>(a.spec.residual_companions, 0, column, values);
+    ptx::barrier_cluster_wait();  // and what it sent: no st.async of its own still in flight
+    return;
   }
-  if (has_next) {     // the same in every block: all of them take part in the cluster barrier
-    __syncthreads();  // warp_sums reused
-    const float acc_squares = block_sum(updated * updated, kColumnWarps, warp_sums);
-    if (t == 0) block_totals[1] = acc_squares;
-    cluster.sync();
-    const float next_inv =
-        1.0f /
-        sqrtf(cluster_total(cluster, &block_totals[1]) / static_cast<float>(kHidden) + a.spec.eps);
-    cluster.barrier_arrive();
-    if (warp < kColumnWarps) {
-      const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
-      a.next.data[column] = values[0];
-      store_companions<1>(a.spec.next_companions, 0, column, values);
-    }
+  const float acc_squares = warp_sum(updated * updated);
+  if (lane < kClusterBlocks) {
+    send(cluster, &acc_squares_in[rank * L::kColumnWarps + warp], acc_squares,
+         &arrivals[kAccSquares], lane, lane == rank);
   }
-  cluster.barrier_wait();
+  wait_for(&arrivals[kAccSquares]);
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // as above
+  const float next_inv =
+      1.0f / sqrtf(slots_total<kClusterBlocks * L::kColumnWarps>(acc_squares_in) /
+                       static_cast<float>(kHidden) +
+                   a.spec.eps);
+  const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
+  a.next.data[column] = values[0];
+  store_companions<1>(a.spec.next_companions, 0, column, values);
+  ptx::barrier_cluster_wait();
 }
 
 bool aligned_16(const void* p) {
@@ -280,19 +412,41 @@ bool one_row(const RowsView& r) {
   return r.data != nullptr && r.rows == 1 && r.width == kHidden && aligned_16(r.data);
 }
 
+template <int kClusterBlocks>
+cudaError_t launch_ple_step(const PleStepArgs& a, const Launch& launch) {
+  using L = Layout<kClusterBlocks>;
+  if constexpr (kClusterBlocks > 8) {
+    // Clusters past 8 blocks are non-portable: allowed once per process, maybe while this thread
+    // captures a graph (CudaBackend records decode steps), hence the relaxed capture mode for
+    // the call (it enqueues nothing).
+    static const cudaError_t allowed = [] {
+      cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      const cudaError_t status = cudaFuncSetAttribute(
+          ple_step_kernel<kClusterBlocks>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
+      cudaThreadExchangeStreamCaptureMode(&mode);
+      return status;
+    }();
+    if (allowed != cudaSuccess) return allowed;
+  }
+  return launch_kernel(ple_step_kernel<kClusterBlocks>, dim3(kClusterBlocks), dim3(L::kThreads), 0,
+                       launch, a);
+}
+
 }  // namespace
 
-cudaError_t ple_step(const PleStepArgs& a, const Launch& launch) {
+cudaError_t ple_step(const PleStepArgs& a, const Launch& launch, int cluster_blocks) {
   const bool has_next = a.next.data != nullptr;
   if (!one_row(a.acc) || !one_row(a.x) || (has_next && !one_row(a.next)) ||
       !e2b_w4g32(a.gate, kPle, kHidden) || !e2b_w4g32(a.projection, kHidden, kPle) ||
       a.multiplier == nullptr || a.gated == nullptr || a.projected == nullptr ||
       !aligned_16(a.step_weight) || !companions_fit(a.spec.residual_companions, kHidden) ||
       !companions_fit(a.spec.next_companions, kHidden) ||
-      (!has_next && has_companions(a.spec.next_companions))) {
+      (!has_next && has_companions(a.spec.next_companions)) ||
+      (cluster_blocks != 8 && cluster_blocks != 16)) {
     return cudaErrorInvalidValue;
   }
-  return launch_kernel(ple_step_kernel, dim3(kClusterBlocks), dim3(kThreads), 0, launch, a);
+  return cluster_blocks == 16 ? launch_ple_step<16>(a, launch) : launch_ple_step<8>(a, launch);
 }
 
 }  // namespace gemma4::cuda

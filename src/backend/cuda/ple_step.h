@@ -30,9 +30,17 @@ struct PleStepArgs {
   AddNormSpec spec;          // weight: the projection's norm; next_weight, scalar, companions
 };
 
-// Enqueues the step. cudaErrorInvalidValue, with nothing enqueued, for what the kernel does not
-// take: other than one row, a shape other than E2B's (hidden 1536, ple width 256), other weight
-// formats, unaligned rows or weights (16 bytes), companions that do not fit.
-cudaError_t ple_step(const PleStepArgs& args, const Launch& launch);
+// The cluster sizes compiled: 8 blocks of 16 warps (portable) or 16 of 8 (non-portable: half the
+// per-block work and registers). On the H200 (session 7) 16 blocks won in kernel_bench's chains
+// (4.2 against 4.7-5.2 µs a step) but lost in `gemma4 bench` E2B b1 (554 against 575 tok/s), so
+// CudaBackend launches 8.
+constexpr int kPleStepDefaultClusterBlocks = 8;
+
+// Enqueues the step on a cluster of `cluster_blocks` blocks (8 or 16). cudaErrorInvalidValue,
+// with nothing enqueued, for what the kernel does not take: other than one row, a shape other
+// than E2B's (hidden 1536, ple width 256), other weight formats, unaligned rows or weights (16
+// bytes), companions that do not fit, another cluster size.
+cudaError_t ple_step(const PleStepArgs& args, const Launch& launch,
+                     int cluster_blocks = kPleStepDefaultClusterBlocks);
 
 }  // namespace gemma4::cuda
