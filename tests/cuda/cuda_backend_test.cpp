@@ -863,6 +863,7 @@ INSTANTIATE_TEST_SUITE_P(
     Tiny, CudaVsCpuEngine,
     ::testing::Values(EngineCase{"tiny", "tiny", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_moe", "tiny-moe", model::SynthFormat::kW4A16},
+                      EngineCase{"tiny_dense", "tiny-dense", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_gguf_q4_k", "tiny", model::SynthFormat::kGgufQ4_K},
                       EngineCase{"tiny_gguf_formats", "tiny", model::SynthFormat::kBF16, true}),
     [](const auto& info) { return info.param.name; });
