@@ -136,6 +136,13 @@ struct Gemma4Engine::Impl {
       backend->matmul(w, a, y);
     }
   }
+  // The pending residual step on its own (several matmuls read its result).
+  void run_pending_step(int64_t n) {
+    if (pending.x.data == nullptr) return;
+    backend->add_rms_norm(pending.acc, pending.x, pending.weight, pending.scalar,
+                          pending.next_weight, rows(normed, n, config.hidden_size), norm_params);
+    pending = {};
+  }
 
   void forward(std::span<const Segment> segments, int64_t total_rows);
   // forward(), then the logits of every segment that ends its input, in rows of `logits` in
@@ -187,6 +194,7 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
     values = stacked.columns(q_width + kv_width, kv_width);
   } else {
     queries = Rows::dense(qkv.floats(), n, q_width);
+    if (g.owns_kv()) run_pending_step(n);  // k_proj and v_proj read its result too
     matmul_normed(lw.q_proj, n, queries, /*gelu_pairs=*/false);
     if (g.owns_kv()) {
       keys = Rows::dense(qkv.floats() + max_rows() * config.max_q_width(), n, kv_width);
