@@ -788,9 +788,15 @@ void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, flo
                                       Rows y, bool gelu_pairs, const engine::NormParams& norm) {
   const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
-  // Batched rows go to the tensor-core GEMV (gemv_mma.h), which stages no residual step.
+  // Batched rows go to the tensor-core GEMV (gemv_mma.h), which stages no residual step; so does
+  // any one-row kernel other than the register GEMV of gemv_tilings() (a streaming kernel chosen
+  // for large shapes is faster than the step's own kernel costs: the fold would forgo it).
+  const auto register_gemv = [&] {
+    const int tiling = default_gemv_tiling(w, 1, ActType::kF32);
+    return tiling >= 0 && static_cast<size_t>(tiling) < gemv_tilings().size();
+  };
   if (fold_residual_steps_ && activation_mode_ != ActivationMode::kF32 && acc.count == 1 &&
-      next.data != nullptr) {
+      next.data != nullptr && register_gemv()) {
     auto counter = fold_counters_.find(acc.data);
     if (counter == fold_counters_.end()) {
       // Zero-filled; made by the unrecorded pass before a decode step is recorded.

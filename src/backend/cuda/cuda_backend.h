@@ -188,10 +188,10 @@ class CudaBackend final : public engine::Backend {
                         const quant::QMatrix& projection, engine::Rows projected,
                         const float* projected_weight, float scalar, const float* next_weight,
                         engine::Rows next, const engine::NormParams& norm) override;
-  // One decode row outside kF32 mode: the step rides in the GEMV's prologue (GemvResidualNorm:
-  // every block stages the step's normed result itself; the block that finishes staging last
-  // writes acc and next), one kernel fewer. Anything else, and with set_fold_residual_steps(false):
-  // the default (add_rms_norm, then the matmul).
+  // One decode row outside kF32 mode, where the register GEMV serves the matmul: the step rides
+  // in the GEMV's prologue (GemvResidualNorm: every block stages the step's normed result itself;
+  // the block that finishes staging last writes acc and next), one kernel fewer. Anything else,
+  // and with set_fold_residual_steps(false): the default (add_rms_norm, then the matmul).
   void add_rms_norm_matmul(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
                            const float* next_weight, engine::Rows next, const quant::QMatrix& w,
                            engine::Rows y, bool gelu_pairs,
