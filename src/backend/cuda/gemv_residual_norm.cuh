@@ -113,6 +113,9 @@ __device__ __forceinline__ StepNorms step_norms(const GemvResidualNorm& n, const
                                                 float* warp_sums) {
   const float cols = 8.0f * static_cast<float>(row_words);
   float sum = 0.0f;
+  // Unrolled so that several L2 round trips for x (the previous kernel's output) overlap; the
+  // later passes read L1 (x, the prefetched residual and weights).
+#pragma unroll 4
   for (int piece = threadIdx.x; piece < row_words; piece += blockDim.x) {
     float v[8];
     load_piece<true>(x_row, piece, v);
@@ -123,6 +126,7 @@ __device__ __forceinline__ StepNorms step_norms(const GemvResidualNorm& n, const
   StepNorms norms = {1.0f / sqrtf(block_total<kWarps>(sum, warp_sums) / cols + n.eps), 1.0f};
   if (!n.next_norm) return norms;
   float v_sum = 0.0f;
+#pragma unroll 2
   for (int piece = threadIdx.x; piece < row_words; piece += blockDim.x) {
     float v[8];
     step_piece(n, x_row, residual_row, piece, norms.x_inv, v);
@@ -177,6 +181,7 @@ __device__ __forceinline__ void stage_residual_norm_rows(const GemvArgs& a, int 
     const float* x_row = static_cast<const float*>(a.x) + (m0 + row) * a.x_stride;
     const float* residual_row = n.residual + (m0 + row) * n.residual_stride;
     const StepNorms norms = step_norms<kWarps>(n, x_row, residual_row, row_words, warp_sums);
+#pragma unroll 2
     for (int piece = threadIdx.x; piece < row_words; piece += blockDim.x) {
       float v[8];
       step_piece(n, x_row, residual_row, piece, norms.x_inv, v);
