@@ -205,6 +205,7 @@ TEST_P(ResidualMatmulInMode, MatchesTheDefaultOrderWithOneKernelFewer) {
   const ActivationMode mode = GetParam();
   auto gpu = testing::make_gpu_in_mode(mode);
   ASSERT_TRUE(gpu);
+  gpu->set_fold_residual_steps(true);
   const int64_t hidden = 1536;
   const float scalar = 0.5f;
   const engine::NormParams norm = {0.0f, 1e-6f};
@@ -263,7 +264,8 @@ INSTANTIATE_TEST_SUITE_P(Modes, ResidualMatmulInMode,
                            return std::string(activation_mode_name(info.param));
                          });
 
-// set_fold_residual_steps(false) (the bench's --no-fold) keeps the default order.
+// set_fold_residual_steps(false) (the default; the bench's --fold sets true) keeps the default
+// order.
 TEST(ResidualMatmul, FoldingCanBeSwitchedOff) {
   auto gpu = testing::make_gpu_in_mode(ActivationMode::kBF16);
   ASSERT_TRUE(gpu);
@@ -311,6 +313,7 @@ TEST_P(FoldedDecode, MatchesTheCpuEngineWithOneKernelFewerPerFoldedStep) {
   std::unique_ptr<CudaBackend> folding_backend = testing::make_gpu_in_mode(ActivationMode::kBF16);
   std::unique_ptr<CudaBackend> plain_backend = testing::make_gpu_in_mode(ActivationMode::kBF16);
   ASSERT_TRUE(folding_backend && plain_backend);
+  folding_backend->set_fold_residual_steps(true);
   plain_backend->set_fold_residual_steps(false);
   const CudaBackend& folding_gpu = *folding_backend;
   const CudaBackend& plain_gpu = *plain_backend;

@@ -789,18 +789,14 @@ void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, flo
   const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   // Batched rows go to the tensor-core GEMV (gemv_mma.h), which stages no residual step; so does
-  // any one-row kernel other than the register GEMV of gemv_tilings(), e.g. a streaming kernel
-  // chosen for large shapes: the fold then runs on the register GEMV instead. Worth it while K is
-  // short (the blocks' prologue is short, and the streaming kernel gained ~0.3 of the 10.8 µs of
-  // E2B's double-wide gate+up, against the step kernel's ~1.8 µs on the critical path), not at
-  // the 31B's K 5376 (gate+up 49.6 -> 43.0 µs streaming; the step kernel ~3.6). Unmeasured.
+  // any one-row kernel other than the register GEMV of gemv_tilings() (a streaming kernel chosen
+  // for large shapes): those keep the step's own kernel.
   const auto register_gemv = [&] {
     const int tiling = default_gemv_tiling(w, 1, ActType::kF32);
     return tiling >= 0 && static_cast<size_t>(tiling) < gemv_tilings().size();
   };
-  constexpr int64_t kShortFoldedK = 2048;
   if (fold_residual_steps_ && activation_mode_ != ActivationMode::kF32 && acc.count == 1 &&
-      next.data != nullptr && (w.cols <= kShortFoldedK || register_gemv())) {
+      next.data != nullptr && register_gemv()) {
     auto counter = fold_counters_.find(acc.data);
     if (counter == fold_counters_.end()) {
       // Zero-filled; made by the unrecorded pass before a decode step is recorded.
