@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "backend/cuda/attention.h"
+#include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
 #include "backend/cuda/ple_step.h"
@@ -270,6 +271,65 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   CHECK(cudaFree(x));
   CHECK(cudaFree(y));
   CHECK(cudaFree(multiplier));
+  return r;
+}
+
+// The residual step before a GEMV at one row (engine::Backend::add_rms_norm_matmul), w4g32 weights:
+// variant 0 the add_rms_norm kernel (writing next's bf16 companion) then the GEMV reading it, the
+// engine's order unfolded (both kernels per link); variant 1 (the default) the GEMV with the step
+// folded into its staging (GemvResidualNorm with a done counter: one kernel per link).
+Result bench_residual_fold(int64_t rows, int64_t cols, GemvEpilogue epilogue, const char* label,
+                           cudaStream_t stream) {
+  Result r;
+  r.kernel = std::string("w4g32/residual-fold") +
+             (epilogue == GemvEpilogue::kGeluPairs ? "/gelu-pairs" : "");
+  r.shape = label;
+  r.skipped = !selected(r.kernel, label, 1);
+  if (r.skipped) return r;
+  Weights w;
+  make_weights(Format(WeightFormat::kW4G32), rows, cols, w);
+  const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
+  float *x = nullptr, *residual = nullptr, *norm_weight = nullptr, *next = nullptr, *y = nullptr;
+  uint16_t* next_bf16 = nullptr;
+  unsigned int* counter = nullptr;
+  for (float** p : {&x, &residual, &norm_weight, &next}) CHECK(cudaMalloc(p, size_t(cols) * 4));
+  CHECK(cudaMalloc(&y, size_t(rows) * 4));
+  CHECK(cudaMalloc(&next_bf16, size_t(cols) * 2));
+  CHECK(cudaMalloc(&counter, sizeof(unsigned int)));
+  CHECK(cudaMemset(counter, 0, sizeof(unsigned int)));
+  fill(x, size_t(cols) * 4, 7, 0x3F7F3F7F);  // finite floats
+  fill(residual, size_t(cols) * 4, 8, 0x3F7F3F7F);
+  fill(norm_weight, size_t(cols) * 4, 9, 0x3F7F3F7F);
+  const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
+  const GemvOutput output = {y, width, epilogue};
+
+  r.mbytes = w.bytes / 1e6;
+  r.default_tiling = 1;
+  r.measure(0, links, stream, [&](int i, const Launch& launch) {
+    gemma4::cuda::AddNormSpec spec;
+    spec.weight = norm_weight;
+    spec.next_weight = norm_weight;
+    spec.next_companions = {next_bf16, nullptr, cols};
+    const cudaError_t status = gemma4::cuda::add_rms_norm(
+        {x, 1, cols, cols}, {residual, 1, cols, cols}, {next, 1, cols, cols}, spec, launch);
+    if (status != cudaSuccess) return status;
+    return gemma4::cuda::gemv(w.copies[i % w.copies.size()], {next_bf16, ActType::kBF16, 1, cols},
+                              output, launch);
+  });
+  GemvInput folded = {x, ActType::kF32, 1, cols, true};
+  folded.residual_norm = {residual, cols,        norm_weight, 0.0f, 1e-6f, 1.0f,
+                          true,     norm_weight, counter,     next, cols};
+  r.measure(1, links, stream, [&](int i, const Launch& launch) {
+    return gemma4::cuda::gemv(w.copies[i % w.copies.size()], folded, output, launch);
+  });
+  std::printf("%-14s %-22s M=1  %8.2f MB  variants(0 unfolded, 1 folded; plain/pdl us): %s\n",
+              r.kernel.c_str(), label, r.mbytes, r.all.c_str());
+  std::fflush(stdout);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(residual),
+                  static_cast<void*>(norm_weight), static_cast<void*>(next), static_cast<void*>(y),
+                  static_cast<void*>(next_bf16), static_cast<void*>(counter)}) {
+    CHECK(cudaFree(p));
+  }
   return r;
 }
 
@@ -862,6 +922,16 @@ int main(int argc, char** argv) {
   }
 
   for (const Result& r : bench_ple_step(stream)) results.push_back(r);
+  // The residual step folded into the GEMV after it against add_rms_norm + that GEMV: E2B's
+  // gate+up (and double-wide), the 31B's QKV and gate+up.
+  results.push_back(
+      bench_residual_fold(12288, 1536, GemvEpilogue::kGeluPairs, dense[1].label, stream));
+  results.push_back(
+      bench_residual_fold(24576, 1536, GemvEpilogue::kGeluPairs, dense[2].label, stream));
+  results.push_back(
+      bench_residual_fold(16384, 5376, GemvEpilogue::kNone, big_dense[0].label, stream));
+  results.push_back(
+      bench_residual_fold(43008, 5376, GemvEpilogue::kGeluPairs, big_dense[1].label, stream));
 
   // The GGUF repacks with fp32 activations (the engine's): Gemma 3 270M (Q4_K_M: w4g32a, w8 g16
   // f32 from Q6_K, w8 g32 f16 from Q8_0) and E2B shapes.

@@ -68,6 +68,17 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
+void Backend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
+                                  const float* next_weight, Rows next, const quant::QMatrix& w,
+                                  Rows y, bool gelu_pairs, const NormParams& norm) {
+  add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
+  if (gelu_pairs) {
+    matmul_gelu_pairs(w, next, y);
+  } else {
+    matmul(w, next, y);
+  }
+}
+
 void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
                                   const float* weight, float scalar, const float* next_weight,
                                   Rows next, const NormParams& norm) {

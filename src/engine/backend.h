@@ -279,6 +279,14 @@ class Backend {
   virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                             const float* next_weight, Rows next, const NormParams& norm);
 
+  // A residual step whose result (next) the following matmul reads first and nothing else reads
+  // before: add_rms_norm(acc, x, weight, scalar, next_weight, next, norm) (next.data != nullptr),
+  // then y = next · Wᵀ, or with gelu_pairs y = matmul_gelu_pairs(w, next). A device backend can
+  // fold the step into that matmul's input (no kernel of its own). Default: those two calls.
+  virtual void add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
+                                   const float* next_weight, Rows next, const quant::QMatrix& w,
+                                   Rows y, bool gelu_pairs, const NormParams& norm);
+
   // The router of a MoE layer: logits = x · router_projᵀ (kept: the engine's router trace reads
   // them), then route_experts(logits, router, expert_ids, weights). Default: those two calls.
   virtual void matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,

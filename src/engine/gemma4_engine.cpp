@@ -39,6 +39,17 @@ struct DecodeRecording {
   std::unique_ptr<RecordedWork> work;
 };
 
+// A residual step (Backend::add_rms_norm into acc, with its next norm into the engine's `normed`)
+// whose result the next matmul reads first: the engine hands it to that matmul
+// (Backend::add_rms_norm_matmul) instead of running it alone. None while x.data is null.
+struct PendingStep {
+  Rows acc;
+  Rows x;
+  const float* weight = nullptr;
+  float scalar = 1.0f;
+  const float* next_weight = nullptr;
+};
+
 struct SequenceState {
   bool open = false;
   int64_t length = 0;
@@ -102,10 +113,43 @@ struct Gemma4Engine::Impl {
     backend->rms_norm(x_in, weight, norm_params.weight_offset, norm_params.eps, y);
   }
 
+  // Where the last layer's residual step puts the final norm of the pass's rows: last_hidden when
+  // every row is the last of its input (a decode pass: the rows the logits are taken of, in
+  // order), so that forward_to_logits copies and norms nothing; else none (forward_to_logits
+  // sets it around forward()).
+  Rows final_normed;
+
+  // The dense layers' residual steps wait here for the matmul that reads their result first (the
+  // next gate/up, or the next layer's QKV without per-layer inputs).
+  PendingStep pending;
+  // y = normed · Wᵀ (gelu_pairs: Backend::matmul_gelu_pairs) over the pass's n rows, after the
+  // pending residual step, which makes `normed`, if there is one.
+  void matmul_normed(const quant::QMatrix& w, int64_t n, Rows y, bool gelu_pairs) {
+    const Rows a = rows(normed, n, config.hidden_size);
+    if (pending.x.data != nullptr) {
+      backend->add_rms_norm_matmul(pending.acc, pending.x, pending.weight, pending.scalar,
+                                   pending.next_weight, a, w, y, gelu_pairs, norm_params);
+      pending = {};
+    } else if (gelu_pairs) {
+      backend->matmul_gelu_pairs(w, a, y);
+    } else {
+      backend->matmul(w, a, y);
+    }
+  }
+  // The pending residual step on its own (several matmuls read its result).
+  void run_pending_step(int64_t n) {
+    if (pending.x.data == nullptr) return;
+    backend->add_rms_norm(pending.acc, pending.x, pending.weight, pending.scalar,
+                          pending.next_weight, rows(normed, n, config.hidden_size), norm_params);
+    pending = {};
+  }
+
   void forward(std::span<const Segment> segments, int64_t total_rows);
   // forward(), then the logits of every segment that ends its input, in rows of `logits` in
   // segment order; returns how many.
   int64_t forward_to_logits(std::span<const Segment> segments, int64_t total_rows);
+  // The logits of the first `count` rows of last_hidden (final-normed), into logits; returns count.
+  int64_t forward_logits(int64_t count);
   // forward_to_logits of a decode pass (one row per segment) through its recording.
   void decode_recorded(const std::vector<Segment>& segments);
   void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
@@ -136,20 +180,22 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   const ResidentLayer& lw = weights.layers[l];
   const int hd = g.head_dim;
   const int64_t q_width = g.q_width(), kv_width = g.kv_width();
-  const Rows a = rows(normed, n, config.hidden_size);  // input_layernorm(hidden), made before
+  // input_layernorm(hidden): made before, or by the pending residual step in the first matmul.
+  const Rows a = rows(normed, n, config.hidden_size);
 
   // q, k, v: column views of one [n, q + k + v] matrix when the projections are stacked (one
   // matmul), else three dense matrices. A KV-shared layer has no k/v of its own.
   Rows queries, keys, values;
   if (model::present(lw.qkv)) {
     const Rows stacked = Rows::dense(qkv.floats(), n, q_width + 2 * kv_width);
-    backend->matmul(lw.qkv, a, stacked.columns(0, lw.qkv.rows));
+    matmul_normed(lw.qkv, n, stacked.columns(0, lw.qkv.rows), /*gelu_pairs=*/false);
     queries = stacked.columns(0, q_width);
     keys = stacked.columns(q_width, kv_width);
     values = stacked.columns(q_width + kv_width, kv_width);
   } else {
     queries = Rows::dense(qkv.floats(), n, q_width);
-    backend->matmul(lw.q_proj, a, queries);
+    if (g.owns_kv()) run_pending_step(n);  // k_proj and v_proj read its result too
+    matmul_normed(lw.q_proj, n, queries, /*gelu_pairs=*/false);
     if (g.owns_kv()) {
       keys = Rows::dense(qkv.floats() + max_rows() * config.max_q_width(), n, kv_width);
       values = Rows::dense(keys.data + max_rows() * config.max_kv_width(), n, kv_width);
@@ -185,8 +231,8 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   Rows projected = rows(proj, n, H);
   backend->matmul(lw.o_proj, out, projected);
   if (!config.moe) {
-    backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
-                          lw.pre_feedforward_layernorm, rows(normed, n, H), norm_params);
+    // hidden += norm(projected); normed = pre_feedforward_layernorm(hidden): in the gate/up matmul.
+    pending = {hidden, projected, lw.post_attention_layernorm, 1.0f, lw.pre_feedforward_layernorm};
     return;
   }
   // arch spec 3: the router's and the experts' inputs are norms of the same residual as the dense
@@ -205,15 +251,17 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const int64_t H = config.hidden_size;
 
   // Dense MLP (the always-on shared expert in MoE models).
-  const Rows m = rows(normed, n, H);  // pre_feedforward_layernorm(hidden), made before
+  // pre_feedforward_layernorm(hidden): made before (MoE layers), or by the pending residual step
+  // in the first matmul.
+  const Rows m = rows(normed, n, H);
   Rows dense_out = rows(branch, n, H);
   const auto dense_mlp = [&] {
     Rows gates = rows(gate, n, g.ffn_width);
     if (model::present(lw.gate_up)) {
-      backend->matmul_gelu_pairs(lw.gate_up, m, gates);
+      matmul_normed(lw.gate_up, n, gates, /*gelu_pairs=*/true);
     } else {
       Rows ups = rows(up, n, g.ffn_width);
-      backend->matmul(lw.gate_proj, m, gates);
+      matmul_normed(lw.gate_proj, n, gates, /*gelu_pairs=*/false);
       backend->matmul(lw.up_proj, m, ups);
       backend->gelu_tanh_mul(gates, ups, gates);
     }
@@ -245,10 +293,13 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   } else {
     dense_mlp();
   }
-  // The layer ends by norming its output for the next layer's attention (none after the last).
+  // The layer ends by norming its output for the next layer's attention; the last layer for the
+  // logits when forward() asked for it (final_normed).
   const bool last = l + 1 == config.num_layers;
-  const float* next_norm = last ? nullptr : weights.layers[l + 1].input_layernorm;
-  const Rows next = last ? Rows{} : rows(normed, n, H);
+  const float* next_norm = !last                          ? weights.layers[l + 1].input_layernorm
+                           : final_normed.data != nullptr ? weights.final_norm
+                                                          : nullptr;
+  const Rows next = last ? final_normed : rows(normed, n, H);
   // The feed-forward residual step; a MoE layer's expert output joins the dense one in it
   // (dense_out + norm(expert_out; post_feedforward_layernorm_2) is what post_feedforward_layernorm
   // norms).
@@ -257,9 +308,12 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
       backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
                                    lw.post_feedforward_layernorm, lw.layer_scalar, next_norm, next,
                                    norm_params);
-    } else {
+    } else if (last) {
       backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
                             next_norm, next, norm_params);
+    } else {
+      // In the next layer's QKV matmul.
+      pending = {hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar, next_norm};
     }
     return;
   }
@@ -307,8 +361,16 @@ void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
 }
 
 int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments, int64_t n) {
-  forward(segments, n);
   const int64_t H = config.hidden_size;
+  // A decode pass (every row its input's last): the last layer norms its rows for the logits
+  // into last_hidden itself.
+  const bool every_row_last = std::all_of(segments.begin(), segments.end(), [](const Segment& s) {
+    return s.count == 1 && s.last_of_input;
+  });
+  final_normed = every_row_last ? rows(last_hidden, n, H) : Rows{};
+  forward(segments, n);
+  final_normed = {};
+  if (every_row_last) return forward_logits(n);
   Rows hidden = rows(x, n, H);
   int64_t count = 0;
   for (const Segment& s : segments) {
@@ -320,6 +382,11 @@ int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments,
   if (count == 0) return 0;
   Rows last = rows(last_hidden, count, H);
   norm(last, weights.final_norm, last);
+  return forward_logits(count);
+}
+
+int64_t Gemma4Engine::Impl::forward_logits(int64_t count) {
+  Rows last = rows(last_hidden, count, config.hidden_size);
   Rows out = rows(logits, count, config.vocab_size);
   backend->matmul(weights.lm_head, last, out);
   if (config.final_logit_softcap > 0) backend->softcap(out, config.final_logit_softcap);

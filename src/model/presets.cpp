@@ -91,6 +91,8 @@ const std::vector<std::pair<std::string, PresetShape>>& presets() {
        {64, 5, 3, 4, 2, nullptr, 32, 64, false, 128, true, 2, 32, 8, 131072, 0, 0, 0, nullptr}},
       {"tiny-moe",
        {64, 6, 3, 4, 2, 1, 32, 64, true, 64, false, 0, 0, 8, 262144, 8, 2, 32, "vision"}},
+      {"tiny-dense",
+       {64, 5, 3, 4, 2, 1, 32, 64, true, 128, false, 0, 0, 8, 262144, 0, 0, 0, "vision"}},
       {"e2b",
        {1536, 35, 5, 8, 1, nullptr, 256, 512, false, 6144, true, 20, 256, 512, 131072, 0, 0, 0,
         nullptr}},

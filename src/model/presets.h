@@ -1,5 +1,5 @@
 // Model shapes that `gemma4 synth` writes: the four released sizes with their real config values
-// (gemma4-architecture.md 1.1, weight-formats.md 6.2) and two tiny configs that keep every
+// (gemma4-architecture.md 1.1, weight-formats.md 6.2) and three tiny configs that keep every
 // feature of the real ones at a size CI can run through transformers.
 #pragma once
 
@@ -13,7 +13,7 @@
 
 namespace gemma4::model {
 
-// "tiny", "tiny-moe", "e2b", "e4b", "26b-a4b", "31b".
+// "tiny", "tiny-moe", "tiny-dense", "e2b", "e4b", "26b-a4b", "31b".
 const std::vector<std::string>& preset_names();
 
 // The HF text config (the keys of Gemma4TextConfig, as in `text_config` of a released
@@ -24,7 +24,9 @@ const std::vector<std::string>& preset_names();
 //   32 sliding / 64 full with proportional rope (8 of 32 pairs rotate), 4 q heads, 2 kv heads.
 // tiny-moe: 26B-style: hidden 64, 6 layers ((sliding, sliding, full) x 2), k_eq_v full layers
 //   with 1 global kv head, 8 experts top-2 of width 32 beside a dense MLP of width 64.
-// Both keep the real 262,144-token vocabulary, and every matrix K is a multiple of 32.
+// tiny-dense: 31B-style: tiny-moe's attention (k_eq_v full layers, 1 global kv head) with a
+//   dense MLP of width 128 only: no experts, no per-layer inputs, no KV sharing.
+// All keep the real 262,144-token vocabulary, and every matrix K is a multiple of 32.
 Expected<nlohmann::json> preset_text_config(std::string_view name);
 
 enum class ConfigLayout : uint8_t {

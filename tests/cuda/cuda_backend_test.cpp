@@ -695,6 +695,8 @@ INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,
                                            GoldenCase{"tiny_w4g32", model::SynthFormat::kW4A16},
                                            GoldenCase{"tiny_nvfp4", model::SynthFormat::kNVFP4},
                                            GoldenCase{"tiny_moe_w4g32",
+                                                      model::SynthFormat::kW4A16},
+                                           GoldenCase{"tiny_dense_w4g32",
                                                       model::SynthFormat::kW4A16}),
                          [](const auto& info) { return info.param.fixture; });
 
@@ -863,6 +865,7 @@ INSTANTIATE_TEST_SUITE_P(
     Tiny, CudaVsCpuEngine,
     ::testing::Values(EngineCase{"tiny", "tiny", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_moe", "tiny-moe", model::SynthFormat::kW4A16},
+                      EngineCase{"tiny_dense", "tiny-dense", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_gguf_q4_k", "tiny", model::SynthFormat::kGgufQ4_K},
                       EngineCase{"tiny_gguf_formats", "tiny", model::SynthFormat::kBF16, true}),
     [](const auto& info) { return info.param.name; });

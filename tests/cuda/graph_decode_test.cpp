@@ -90,7 +90,7 @@ TEST_P(GraphDecode, ReplayedStepsMatchPlainLaunchesBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, GraphDecode, ::testing::Values("tiny", "tiny-moe"),
+INSTANTIATE_TEST_SUITE_P(Tiny, GraphDecode, ::testing::Values("tiny", "tiny-moe", "tiny-dense"),
                          gemma4::testing::preset_test_name);
 
 }  // namespace

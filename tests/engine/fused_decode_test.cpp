@@ -35,7 +35,8 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
   int64_t top_level_ops = 0;
   int64_t primitive_ops = 0;
   int64_t gelu_pairs_calls = 0;
-  int64_t embed_calls = 0;  // one per forward pass (two with per-layer embeddings)
+  int64_t embed_calls = 0;            // one per forward pass (two with per-layer embeddings)
+  int64_t residual_step_matmuls = 0;  // add_rms_norm_matmul calls
 
   const char* name() const override { return "cpu-fusing"; }
   bool reads_host_memory() const override { return !fuse_; }
@@ -102,6 +103,13 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
                     Rows next, const NormParams& norm) override {
     Op op(*this, Op::kFused);
     Backend::add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
+  }
+  void add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
+                           const float* next_weight, Rows next, const QMatrix& w, Rows y,
+                           bool gelu_pairs, const NormParams& norm) override {
+    Op op(*this, Op::kFused);
+    ++residual_step_matmuls;
+    Backend::add_rms_norm_matmul(acc, x, weight, scalar, next_weight, next, w, y, gelu_pairs, norm);
   }
   void prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
                          bool norm_v, int head_dim, const int32_t* positions,
@@ -207,11 +215,13 @@ TEST_P(FusedDecode, FusedPathGivesThePlainCpuLogitsBitForBit) {
     EXPECT_TRUE(fused_logits == plain_logits) << "step " << step;
   }
   EXPECT_GT(fused_backend.gelu_pairs_calls, 0);  // the interleaved gate/up path ran
+  // Dense layers hand their residual steps to the matmuls after them (MoE layers do not).
+  EXPECT_EQ(fused_backend.residual_step_matmuls > 0, !tiny_model(GetParam()).config.moe);
 }
 
 TEST_P(FusedDecode, OperationsPerDecodeStep) {
   const model::ModelConfig& config = tiny_model(GetParam()).config;
-  std::map<bool, int64_t> top_level, primitives;
+  std::map<bool, int64_t> top_level, primitives, residual_step_matmuls;
   for (bool fuse : {false, true}) {
     auto backend = std::make_unique<FusingCountingBackend>(fuse);
     FusingCountingBackend& counter = *backend;
@@ -221,12 +231,25 @@ TEST_P(FusedDecode, OperationsPerDecodeStep) {
     const auto prompt = prompt_ids(6, 4);
     const StepInput prefill{s, prompt};
     ASSERT_TRUE(engine->step({&prefill, 1}, logits).ok());
-    counter.top_level_ops = counter.primitive_ops = 0;
+    counter.top_level_ops = counter.primitive_ops = counter.residual_step_matmuls = 0;
     const int32_t next = 1234;
     const StepInput decode{s, std::span(&next, 1)};
     ASSERT_TRUE(engine->step({&decode, 1}, logits).ok());
     top_level[fuse] = counter.top_level_ops;
     primitives[fuse] = counter.primitive_ops;
+    residual_step_matmuls[fuse] = counter.residual_step_matmuls;
+  }
+  // A dense layer's post-attention step goes into its gate/up matmul; without per-layer inputs
+  // the post-feed-forward step also goes into the next layer's QKV matmul, unless separate q, k
+  // and v matmuls (unstacked: the plain CPU's weights) all read its result.
+  for (bool fuse : {false, true}) {
+    int64_t dense_steps = 0;
+    for (const model::LayerGeometry& g : config.layers) {
+      if (config.moe) continue;
+      ++dense_steps;
+      if (config.ple_dim == 0 && g.layer_index > 0 && (fuse || !g.owns_kv())) ++dense_steps;
+    }
+    EXPECT_EQ(residual_step_matmuls[fuse], dense_steps) << fuse;
   }
   // The primitives the fused path runs on the CPU are the unfused ones, less the matmuls that
   // stacking saves: k (and v) with q, and gate + up + gelu_tanh_mul as one matmul_gelu_pairs.
@@ -273,7 +296,7 @@ TEST(PrefillPasses, ALongPromptTakesOnePassUnlessSharedLayersNeedTheRing) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(Tiny, FusedDecode, ::testing::Values("tiny", "tiny-moe"),
+INSTANTIATE_TEST_SUITE_P(Tiny, FusedDecode, ::testing::Values("tiny", "tiny-moe", "tiny-dense"),
                          testing::preset_test_name);
 
 }  // namespace

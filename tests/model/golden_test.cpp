@@ -71,8 +71,9 @@ INSTANTIATE_TEST_SUITE_P(Tiny, Golden,
                                            GoldenCase{"tiny_w4g32", model::SynthFormat::kW4A16},
                                            GoldenCase{"tiny_nvfp4", model::SynthFormat::kNVFP4},
                                            GoldenCase{"tiny_moe_w4g32", model::SynthFormat::kW4A16},
-                                           GoldenCase{"tiny_moe_nvfp4",
-                                                      model::SynthFormat::kNVFP4}),
+                                           GoldenCase{"tiny_moe_nvfp4", model::SynthFormat::kNVFP4},
+                                           GoldenCase{"tiny_dense_w4g32",
+                                                      model::SynthFormat::kW4A16}),
                          [](const auto& info) { return case_name(info.param); });
 
 }  // namespace

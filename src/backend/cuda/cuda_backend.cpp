@@ -797,6 +797,52 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   residual_step_wrote(acc, next, spec);
 }
 
+void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
+                                      const float* next_weight, Rows next, const quant::QMatrix& w,
+                                      Rows y, bool gelu_pairs, const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (acc.count == 0) return;
+  // Batched rows go to the tensor-core GEMV (gemv_mma.h), which stages no residual step; so does
+  // any one-row kernel other than the register GEMV of gemv_tilings() (a streaming kernel chosen
+  // for large shapes): those keep the step's own kernel.
+  const auto register_gemv = [&] {
+    const int tiling = default_gemv_tiling(w, 1, ActType::kF32);
+    return tiling >= 0 && static_cast<size_t>(tiling) < gemv_tilings().size();
+  };
+  if (fold_residual_steps_ && activation_mode_ != ActivationMode::kF32 && acc.count == 1 &&
+      next.data != nullptr && register_gemv()) {
+    auto counter = fold_counters_.find(acc.data);
+    if (counter == fold_counters_.end()) {
+      // Zero-filled; made by the unrecorded pass before a decode step is recorded.
+      counter = fold_counters_.emplace(acc.data, allocate(sizeof(unsigned int))).first;
+    }
+    GemvInput input = {x.data, ActType::kF32, 1, x.stride, true};
+    input.residual_norm = {
+        acc.data,           acc.stride,  weight,
+        norm.weight_offset, norm.eps,    scalar,
+        /*next_norm=*/true, next_weight, static_cast<unsigned int*>(counter->second.data()),
+        next.data,          next.stride};
+    GemvOutput out = {y.data, y.stride};
+    if (gelu_pairs) {
+      // The companions matmul_gelu_pairs writes for one row.
+      out.epilogue = GemvEpilogue::kGeluPairs;
+      const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
+                      w.rows % 64 == 0;
+      out.companions = companion_storage(y, true, q8);
+    }
+    const cudaError_t status =
+        counter->second.data() == nullptr ? cudaErrorInvalidValue : gemv(w, input, out, launch());
+    if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the default below
+      launched(status, "add_rms_norm_matmul (gemv)");
+      wrote(acc);
+      wrote(next);
+      produced(y, out.companions);
+      return;
+    }
+  }
+  Backend::add_rms_norm_matmul(acc, x, weight, scalar, next_weight, next, w, y, gelu_pairs, norm);
+}
+
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
 // the PLE gate GEMV stages acc + norm(x) itself (GemvResidualNorm) and the closing
 // add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes.
@@ -1143,6 +1189,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
   }
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
   backend->set_activation_mode(options.activations);
+  backend->set_fold_residual_steps(options.fold_residual_steps);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

@@ -188,6 +188,19 @@ class CudaBackend final : public engine::Backend {
                         const quant::QMatrix& projection, engine::Rows projected,
                         const float* projected_weight, float scalar, const float* next_weight,
                         engine::Rows next, const engine::NormParams& norm) override;
+  // With set_fold_residual_steps(true), one decode row outside kF32 mode where the register GEMV
+  // serves the matmul: the step rides in the GEMV's prologue (GemvResidualNorm: every block stages
+  // the step's normed result itself; the block that finishes staging last writes acc and next),
+  // one kernel fewer. Anything else: the default (add_rms_norm, then the matmul).
+  // Off by default: measured on the H200 (session 7), every block re-reducing the row cost far
+  // more than the step's kernel saves (E2B b1 574.6 tok/s folded vs 698.1; the folded double-wide
+  // gate+up ~26 µs on the critical path against the streaming GEMV's 10.7; 31B 73.7 vs 130.2).
+  void add_rms_norm_matmul(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
+                           const float* next_weight, engine::Rows next, const quant::QMatrix& w,
+                           engine::Rows y, bool gelu_pairs,
+                           const engine::NormParams& norm) override;
+  // Whether add_rms_norm_matmul folds (default off; on for measurements and tests).
+  void set_fold_residual_steps(bool fold) { fold_residual_steps_ = fold; }
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
@@ -324,7 +337,11 @@ class CudaBackend final : public engine::Backend {
     ActivationCompanions companions;
   };
   std::vector<LiveCompanions> live_companions_;
-  int reporting_writes_ = 0;               // ReportingWrites held now
+  int reporting_writes_ = 0;          // ReportingWrites held now
+  bool fold_residual_steps_ = false;  // set_fold_residual_steps
+  // add_rms_norm_matmul's done counters (GemvResidualNorm), one per residual it updates (two
+  // folded GEMVs updating the same residual never run at once), zero between launches.
+  std::map<const float*, engine::Buffer> fold_counters_;
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
@@ -337,6 +354,7 @@ class CudaBackend final : public engine::Backend {
 struct CudaOptions {
   bool pdl = true;  // false: kernels launched plainly (for A/B measurements)
   ActivationMode activations = kDefaultActivationMode;  // set_activation_mode
+  bool fold_residual_steps = false;                     // set_fold_residual_steps
 };
 
 // "f32", "bf16", "q8".

@@ -211,9 +211,16 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   }
   const GemvResidualNorm& step = x.residual_norm;
   const bool residual_step = step.residual != nullptr;
+  // A write-back (done_counter) stores whole rows of the residual and of next: each its own
+  // aligned rows (next only with next_norm).
+  const bool writes_back = residual_step && step.done_counter != nullptr;
   if (residual_step &&
       (!x.round_to_bf16 || !aligned16(step.residual) || step.residual_stride % 4 != 0 ||
-       (x.rows > 1 && step.residual_stride < w.cols) || !aligned16(step.weight))) {
+       (x.rows > 1 && step.residual_stride < w.cols) || !aligned16(step.weight) ||
+       (step.next_norm && !aligned16(step.next_weight)) ||
+       (writes_back && step.next_norm &&
+        (step.next == nullptr || !aligned16(step.next) || step.next_stride % 4 != 0 ||
+         (x.rows > 1 && step.next_stride < w.cols))))) {
     return cudaErrorInvalidValue;
   }
   // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included.
@@ -262,8 +269,11 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                             ? F32Products::kBF16Staged
                             : F32Products::kBF16InRegisters;
   }
-  // The folded residual step exists only as staged rows.
-  if (residual_step && args.f32_products != F32Products::kBF16Staged) return cudaErrorInvalidValue;
+  // The folded residual step exists only as staged rows; its write-back only for one m tile.
+  if (residual_step && (args.f32_products != F32Products::kBF16Staged ||
+                        (writes_back && x.rows > args.staged_rows))) {
+    return cudaErrorInvalidValue;
+  }
   args.residual_norm = step;
   args.y = y.data;
   args.y_stride = y.stride;

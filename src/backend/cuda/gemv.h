@@ -30,8 +30,9 @@ struct GemvInput {
   int rows = 1;
   int64_t stride = 0;
   bool round_to_bf16 = false;
-  // A residual step folded in (gemv_kernels.h): the GEMV multiplies residual + rms_norm(x) (kF32
-  // rows rounded to bf16, staged; residual rows and the weight 16-byte aligned), writing neither.
+  // A residual step folded in (gemv_kernels.h): the GEMV multiplies the step's result (kF32 rows
+  // rounded to bf16, staged; residual rows, next rows and the weights 16-byte aligned), written
+  // back by the last block when the step has a done counter (then M <= the tiling's m tile).
   GemvResidualNorm residual_norm = {};
 };
 

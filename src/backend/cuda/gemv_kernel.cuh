@@ -79,6 +79,8 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
 template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P>
 __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   static_assert(!P || MT == 1, "prefetching tilings are single-row");
+  static_assert(W == 1 || gemv_partial_floats({R, T, W, G, MT}) >= 2 * W,
+                "the residual-step prologue sums across warps in the partials' first 2·W floats");
   pdl_trigger_dependents();
   constexpr int kTeams = 32 / T;
   constexpr int kRowsPerBlock = kTeams * R;

@@ -209,17 +209,29 @@ constexpr int64_t gemv_shared_bytes(const GemvTiling& t, int64_t staged_rows, in
   return 4 * gemv_partial_floats(t) + 2 * staged_rows * cols;
 }
 
-// A residual step folded into the GEMV's input (the PLE gate reads the residual right after the
-// feed-forward step adds to it): every block stages, for its activation rows m,
-//   residual[m] + rms_norm(x[m]; weight)      (weight_offset + weight; no factor for a null weight)
-// rounded to bf16, instead of x[m] itself, and writes nothing back: add_rms_norm_deferred
-// (elementwise.h) performs the step later. Products kBF16Staged only.
+// A residual step folded into the GEMV's input: every block stages, for its activation rows m,
+//   v[m] = (residual[m] + rms_norm(x[m]; weight)) · scalar
+//   (weight_offset + weight; no factor for a null weight), or with next_norm
+//   rms_norm(v[m]; next_weight)
+// rounded to bf16, instead of x[m] itself (each product rounded as add_rms_norm_kernel rounds it).
+// Without done_counter it writes nothing back (the PLE gate: add_rms_norm_deferred, elementwise.h,
+// performs the step later). With done_counter (a device counter at zero) the block that finishes
+// staging last (every other block has read the residual by then: no race) stores v into residual
+// and, with next_norm, the normed rows into next (fp32), then sets the counter back to zero: the
+// whole add_rms_norm step without a kernel of its own (engine::Backend::add_rms_norm_matmul). One m
+// tile only (m <= staged rows). Products kBF16Staged only.
 struct GemvResidualNorm {
-  const float* residual = nullptr;  // null: no step, the GEMV multiplies x
+  float* residual = nullptr;  // null: no step, the GEMV multiplies x; written only at done_counter
   int64_t residual_stride = 0;
   const float* weight = nullptr;
   float weight_offset = 0.0f;
   float eps = 1e-6f;
+  float scalar = 1.0f;
+  bool next_norm = false;
+  const float* next_weight = nullptr;
+  unsigned int* done_counter = nullptr;
+  float* next = nullptr;  // with next_norm and done_counter
+  int64_t next_stride = 0;
 };
 
 struct GemvArgs {
