@@ -63,7 +63,10 @@ void register_synth(CLI::App& app, int& exit_code) {
   auto options = std::make_shared<SynthCliOptions>();
   CLI::App* command = app.add_subcommand(
       "synth", "Write a deterministic synthetic checkpoint (HF layout) from a seed");
-  command->add_option("--config", options->config, "tiny, tiny-moe, e2b, e4b, 26b-a4b, 31b")
+  command
+      ->add_option("--config", options->config,
+                   "tiny, tiny-moe, e2b, e4b, 26b-a4b, 31b, or a config.json file (a "
+                   "name ending in .json: its text config, e.g. a preset's with fewer layers)")
       ->required();
   command->add_option("--format", options->format,
                       "bf16, w4a16 (compressed-tensors), nvfp4, gguf-q4_0, gguf-q4_k (one GGUF "

@@ -261,5 +261,34 @@ TEST(Synth, WritesConfigsAndCopiesTokenizerFiles) {
   EXPECT_NE(bad.error().message.find("tiny-xl"), std::string::npos);
 }
 
+// --config FILE.json: the shapes of that config (here a tiny checkpoint's own config.json with
+// fewer layers and a smaller vocabulary, nested as a multimodal config.json nests them).
+TEST(Synth, ConfigFileGivesItsShapes) {
+  const auto tiny = synth("tiny", SynthFormat::kW4A16, SynthGrid::kW4G32, "config_source");
+  auto config = nlohmann::json::parse(read_file(tiny / "config.json"));
+  config["num_hidden_layers"] = 3;
+  config["layer_types"] = {"sliding_attention", "sliding_attention", "full_attention"};
+  config["num_kv_shared_layers"] = 0;
+  config["vocab_size"] = 4096;
+  config["vocab_size_per_layer_input"] = 4096;
+  const auto file = testing::scratch_dir("synth_config_file") / "small.json";
+  std::ofstream(file) << nlohmann::json{{"text_config", config}}.dump();
+
+  auto dir = synth(file.string(), SynthFormat::kW4A16, SynthGrid::kW4G32, "from_config_file");
+  auto model = LoadedModel::open(dir);
+  ASSERT_TRUE(model.ok()) << model.error().to_string();
+  EXPECT_EQ(model->config.num_layers, 3);
+  EXPECT_EQ(model->config.vocab_size, 4096);
+  EXPECT_EQ(model->weights.embed_tokens.rows, 4096);
+  EXPECT_EQ(model->quantization.weight_format, WeightFormat::kW4G32);
+
+  SynthOptions missing;
+  missing.config = (dir / "no-such-config.json").string();
+  missing.output = dir;
+  Status bad = synthesize_checkpoint(missing);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("no-such-config.json"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace gemma4::model
