@@ -11,6 +11,9 @@ matches transformers float64 as closely as transformers float32 does) as the com
   cpu engine     gemma4 --device cpu --prompt-chunk C (C-token steps: the CPU engine is slow)
   hf cuda        transformers float32 on the GPU (device_check's twin)
   hf cpu         transformers float32 on the CPU (--twin-devices cuda,cpu)
+  hf cuda float64  transformers float64 on the GPU (--twin-devices cuda,cuda:float64): the
+                 exact math, up to float64 rounding; how far every float32 run is from it says
+                 how much float32 rounding the model itself amplifies
 
 max / median |dlogit| over the positions where a C-token step ends (C - 1, 2C - 1, ..., the
 last), for each pair; and cuda decode vs hf cuda over every position (device_check's figure).
@@ -62,8 +65,8 @@ def main():
     parser.add_argument("--prompt-length", type=int, default=0,
                         help="default: sliding window + 100 (device_check's prompt)")
     parser.add_argument("--twin-devices", default="cuda",
-                        help="comma-separated devices to run transformers float32 on "
-                             "(cuda, cpu; empty: none)")
+                        help="comma-separated devices to run transformers on, float32 unless "
+                             "DEVICE:float64 (cuda, cpu, cuda:float64; empty: none)")
     parser.add_argument("--out", default=os.environ.get("OUT", tempfile.gettempdir()))
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
@@ -93,12 +96,17 @@ def main():
     }
     shutil.rmtree(dumps)
     positions = step_end_positions(len(at_steps["cpu engine"]), args.chunk, len(ids))
-    for device in filter(None, args.twin_devices.split(",")):
+    for twin in filter(None, args.twin_devices.split(",")):
+        device, _, dtype = twin.partition(":")
+        label = f"hf {device}" + (f" {dtype}" if dtype else "")
         started = time.time()
-        model, _ = device_check.build_model(args.checkpoint, device, torch.float32)
-        full[f"hf {device}"], _ = router_trace.reference_logits(model, ids, device)
+        model, _ = device_check.build_model(args.checkpoint, device,
+                                            getattr(torch, dtype or "float32"))
+        full[label], _ = router_trace.reference_logits(model, ids, device)
         del model
-        seconds[f"hf {device}"] = time.time() - started
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        seconds[label] = time.time() - started
     for label, logits in full.items():
         at_steps[label] = logits[positions]
 
