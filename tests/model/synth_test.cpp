@@ -167,14 +167,22 @@ TEST(Synth, SameSeedSameBytesForAnyThreadCount) {
   EXPECT_NE(read_file(one / "model.safetensors"), read_file(options.output / "model.safetensors"));
 }
 
+// Synthesizes `config` in the quantized `format` and as its bf16 twin on `grid`, expects both to
+// compute the same function, and returns the quantized checkpoint.
+std::filesystem::path expect_bf16_twin_is_the_same_function(const char* config, SynthFormat format,
+                                                            SynthGrid grid) {
+  auto packed = synth(config, format, grid, "packed");
+  auto twin = synth(config, SynthFormat::kBF16, grid, "twin");
+  int64_t quantized = 0;
+  expect_same_values(packed, twin, &quantized);
+  EXPECT_GT(quantized, 10);
+  return packed;
+}
+
 TEST(Synth, W4A16TwinsAreTheSameFunction) {
   for (const char* config : {"tiny", "tiny-moe"}) {
     SCOPED_TRACE(config);
-    auto packed = synth(config, SynthFormat::kW4A16, SynthGrid::kW4G32, "w4_packed");
-    auto twin = synth(config, SynthFormat::kBF16, SynthGrid::kW4G32, "w4_twin");
-    int64_t quantized = 0;
-    expect_same_values(packed, twin, &quantized);
-    EXPECT_GT(quantized, 10);
+    expect_bf16_twin_is_the_same_function(config, SynthFormat::kW4A16, SynthGrid::kW4G32, "w4");
   }
 }
 
@@ -206,11 +214,8 @@ TEST(Synth, TablesAreOnTheInt4GridOnlyForTheW4G32Grid) {
 TEST(Synth, NvFp4TwinsAreTheSameFunction) {
   for (const char* config : {"tiny", "tiny-moe"}) {
     SCOPED_TRACE(config);
-    auto packed = synth(config, SynthFormat::kNVFP4, SynthGrid::kNVFP4, "nv_packed");
-    auto twin = synth(config, SynthFormat::kBF16, SynthGrid::kNVFP4, "nv_twin");
-    int64_t quantized = 0;
-    expect_same_values(packed, twin, &quantized);
-    EXPECT_GT(quantized, 10);
+    auto packed =
+        expect_bf16_twin_is_the_same_function(config, SynthFormat::kNVFP4, SynthGrid::kNVFP4, "nv");
     // Global scales are powers of two (exact in bf16 and as divisors).
     auto model = LoadedModel::open(packed);
     ASSERT_TRUE(model.ok());
