@@ -168,11 +168,12 @@ TEST(Synth, SameSeedSameBytesForAnyThreadCount) {
 }
 
 // Synthesizes `config` in the quantized `format` and as its bf16 twin on `grid`, expects both to
-// compute the same function, and returns the quantized checkpoint.
+// compute the same function, and returns the quantized checkpoint (scratch dirs named by `tag`).
 std::filesystem::path expect_bf16_twin_is_the_same_function(const char* config, SynthFormat format,
-                                                            SynthGrid grid) {
-  auto packed = synth(config, format, grid, "packed");
-  auto twin = synth(config, SynthFormat::kBF16, grid, "twin");
+                                                            SynthGrid grid,
+                                                            const std::string& tag) {
+  auto packed = synth(config, format, grid, tag + "_packed");
+  auto twin = synth(config, SynthFormat::kBF16, grid, tag + "_twin");
   int64_t quantized = 0;
   expect_same_values(packed, twin, &quantized);
   EXPECT_GT(quantized, 10);
