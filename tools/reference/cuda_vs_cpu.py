@@ -102,6 +102,8 @@ def main():
         started = time.time()
         model, _ = device_check.build_model(args.checkpoint, device,
                                             getattr(torch, dtype or "float32"))
+        if dtype == "float64":  # transformers' default grouped_mm experts take no float64
+            model.config._experts_implementation = "eager"
         full[label], _ = router_trace.reference_logits(model, ids, device)
         del model
         if device.startswith("cuda"):

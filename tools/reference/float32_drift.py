@@ -37,6 +37,8 @@ def prompt(config, length):
 def twin_forward(checkpoint, ids, dtype):
     """transformers' logits and hidden states (embeddings, then after each layer), float64."""
     model, _ = device_check.build_model(checkpoint, "cpu", dtype, stream_layers=True)
+    if dtype == torch.float64:  # transformers' default grouped_mm experts take no float64
+        model.config._experts_implementation = "eager"
     out = model(input_ids=torch.tensor([ids]), use_cache=False, output_hidden_states=True)
     return (out.logits[0].double().numpy(),
             [h[0].double().numpy() for h in out.hidden_states])
