@@ -65,7 +65,8 @@ void register_synth(CLI::App& app, int& exit_code) {
       "synth", "Write a deterministic synthetic checkpoint (HF layout) from a seed");
   command
       ->add_option("--config", options->config,
-                   "tiny, tiny-moe, tiny-dense, e2b, e4b, 26b-a4b, 31b")
+                   "tiny, tiny-moe, tiny-dense, e2b, e4b, 26b-a4b, 31b, or a config.json file (a "
+                   "name ending in .json: its text config, e.g. a preset's with fewer layers)")
       ->required();
   command->add_option("--format", options->format,
                       "bf16, w4a16 (compressed-tensors), nvfp4, gguf-q4_0, gguf-q4_k (one GGUF "

@@ -776,11 +776,33 @@ Expected<SynthGrid> parse_synth_grid(std::string_view name) {
                     name);
 }
 
+namespace {
+
+// The text config of `config`: a preset's, or that of a config.json file (its text_config when
+// nested; the keys a checkpoint's config.json adds around the text model are dropped).
+Expected<json> synth_text_config(const std::string& config) {
+  if (!config.ends_with(".json")) return preset_text_config(config);
+  std::ifstream in(config, std::ios::binary);
+  if (!in) return make_error(ErrorCode::kNotFound, "synth: cannot open config {}", config);
+  json parsed = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (!parsed.is_object()) {
+    return make_error(ErrorCode::kInvalidArgument, "synth: {} is not a JSON object", config);
+  }
+  json text = parsed.contains("text_config") ? parsed["text_config"] : parsed;
+  for (const char* key :
+       {"architectures", "quantization_config", "gemma4_synthetic", "transformers_version"}) {
+    text.erase(key);
+  }
+  return text;
+}
+
+}  // namespace
+
 Status synthesize_checkpoint(const SynthOptions& options) {
   if (options.output.empty()) {
     return make_error(ErrorCode::kInvalidArgument, "synth: no output directory");
   }
-  GEMMA4_ASSIGN_OR_RETURN(json text, preset_text_config(options.config));
+  GEMMA4_ASSIGN_OR_RETURN(json text, synth_text_config(options.config));
   json config_json = hf_config_json(text, options.layout);
   GEMMA4_ASSIGN_OR_RETURN(ModelConfig config, ModelConfig::from_hf_json(config_json));
   if (is_gguf(options.format)) return synthesize_gguf(options, config);

@@ -43,7 +43,8 @@ inline bool is_gguf(SynthFormat format) {
 enum class SynthGrid : uint8_t { kNone, kW4G32, kNVFP4, kQ4K };
 
 struct SynthOptions {
-  std::string config = "tiny";  // a preset name (presets.h)
+  // A preset name (presets.h), or a config.json file (name ending in .json) for other shapes.
+  std::string config = "tiny";
   SynthFormat format = SynthFormat::kBF16;
   // Only for kBF16; kW4A16 always uses kW4G32 and kNVFP4 kNVFP4.
   SynthGrid grid = SynthGrid::kW4G32;

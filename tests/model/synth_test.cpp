@@ -167,14 +167,23 @@ TEST(Synth, SameSeedSameBytesForAnyThreadCount) {
   EXPECT_NE(read_file(one / "model.safetensors"), read_file(options.output / "model.safetensors"));
 }
 
+// Synthesizes `config` in the quantized `format` and as its bf16 twin on `grid`, expects both to
+// compute the same function, and returns the quantized checkpoint (scratch dirs named by `tag`).
+std::filesystem::path expect_bf16_twin_is_the_same_function(const char* config, SynthFormat format,
+                                                            SynthGrid grid,
+                                                            const std::string& tag) {
+  auto packed = synth(config, format, grid, tag + "_packed");
+  auto twin = synth(config, SynthFormat::kBF16, grid, tag + "_twin");
+  int64_t quantized = 0;
+  expect_same_values(packed, twin, &quantized);
+  EXPECT_GT(quantized, 10);
+  return packed;
+}
+
 TEST(Synth, W4A16TwinsAreTheSameFunction) {
   for (const char* config : {"tiny", "tiny-moe"}) {
     SCOPED_TRACE(config);
-    auto packed = synth(config, SynthFormat::kW4A16, SynthGrid::kW4G32, "w4_packed");
-    auto twin = synth(config, SynthFormat::kBF16, SynthGrid::kW4G32, "w4_twin");
-    int64_t quantized = 0;
-    expect_same_values(packed, twin, &quantized);
-    EXPECT_GT(quantized, 10);
+    expect_bf16_twin_is_the_same_function(config, SynthFormat::kW4A16, SynthGrid::kW4G32, "w4");
   }
 }
 
@@ -206,11 +215,8 @@ TEST(Synth, TablesAreOnTheInt4GridOnlyForTheW4G32Grid) {
 TEST(Synth, NvFp4TwinsAreTheSameFunction) {
   for (const char* config : {"tiny", "tiny-moe"}) {
     SCOPED_TRACE(config);
-    auto packed = synth(config, SynthFormat::kNVFP4, SynthGrid::kNVFP4, "nv_packed");
-    auto twin = synth(config, SynthFormat::kBF16, SynthGrid::kNVFP4, "nv_twin");
-    int64_t quantized = 0;
-    expect_same_values(packed, twin, &quantized);
-    EXPECT_GT(quantized, 10);
+    auto packed =
+        expect_bf16_twin_is_the_same_function(config, SynthFormat::kNVFP4, SynthGrid::kNVFP4, "nv");
     // Global scales are powers of two (exact in bf16 and as divisors).
     auto model = LoadedModel::open(packed);
     ASSERT_TRUE(model.ok());
@@ -259,6 +265,35 @@ TEST(Synth, WritesConfigsAndCopiesTokenizerFiles) {
   Status bad = synthesize_checkpoint(options);
   ASSERT_FALSE(bad.ok());
   EXPECT_NE(bad.error().message.find("tiny-xl"), std::string::npos);
+}
+
+// --config FILE.json: the shapes of that config (here a tiny checkpoint's own config.json with
+// fewer layers and a smaller vocabulary, nested as a multimodal config.json nests them).
+TEST(Synth, ConfigFileGivesItsShapes) {
+  const auto tiny = synth("tiny", SynthFormat::kW4A16, SynthGrid::kW4G32, "config_source");
+  auto config = nlohmann::json::parse(read_file(tiny / "config.json"));
+  config["num_hidden_layers"] = 3;
+  config["layer_types"] = {"sliding_attention", "sliding_attention", "full_attention"};
+  config["num_kv_shared_layers"] = 0;
+  config["vocab_size"] = 4096;
+  config["vocab_size_per_layer_input"] = 4096;
+  const auto file = testing::scratch_dir("synth_config_file") / "small.json";
+  std::ofstream(file) << nlohmann::json{{"text_config", config}}.dump();
+
+  auto dir = synth(file.string(), SynthFormat::kW4A16, SynthGrid::kW4G32, "from_config_file");
+  auto model = LoadedModel::open(dir);
+  ASSERT_TRUE(model.ok()) << model.error().to_string();
+  EXPECT_EQ(model->config.num_layers, 3);
+  EXPECT_EQ(model->config.vocab_size, 4096);
+  EXPECT_EQ(model->weights.embed_tokens.rows, 4096);
+  EXPECT_EQ(model->quantization.weight_format, WeightFormat::kW4G32);
+
+  SynthOptions missing;
+  missing.config = (dir / "no-such-config.json").string();
+  missing.output = dir;
+  Status bad = synthesize_checkpoint(missing);
+  ASSERT_FALSE(bad.ok());
+  EXPECT_NE(bad.error().message.find("no-such-config.json"), std::string::npos);
 }
 
 }  // namespace
