@@ -14,11 +14,11 @@ constexpr int64_t kSms = 132;
 constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
-// Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
-// activation rows a pass, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and by shared memory.
+// Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 32
+// activation rows a pass, the kernel's bound for two blocks of 8 warps; 242-255 up to 64, of 64 K
+// an SM) and by shared memory.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int pass_rows = mma_gemv_pass_rows(tiling, m);
-  const int64_t registers = pass_rows <= 16 ? 128 : pass_rows <= 32 ? 224 : 255;
+  const int64_t registers = mma_gemv_pass_rows(tiling, m) <= 32 ? 128 : 255;
   const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
   const int64_t by_shared =
       (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups) + 1024);
@@ -79,7 +79,11 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
                                                                      : 1.25;
   const int warps = rows >= 8192 ? 8 : 4;
   const int k_warps = warps == 4 ? 2 : 1;
-  const int m_passes = 1;
+  // 33-64 rows as two passes of 32 (MmaGemvTiling::m_passes): one 8-n-tile block per SM is
+  // latency-bound (ncu: 12.5 % occupancy, issue 10-19 %, DRAM 1-8 %); two passes give twice the
+  // blocks at twice the blocks per SM. A tile's time is counted the same at 4 n tiles as at 8
+  // (latency, not issue, bound), so the passes cost tiles, not time per tile.
+  const int m_passes = m > 32 ? 2 : 1;
   const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps) * m_passes;
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
   MmaGemvTiling best = {warps, max_splits, k_warps, 0, m_passes};

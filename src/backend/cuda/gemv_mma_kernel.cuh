@@ -34,11 +34,13 @@ namespace cg = cooperative_groups;
 
 // Groups per quad: the 4 lanes of an mma quad load consecutive groups (module comment).
 inline constexpr int kQuadGroups = 4;
-// Blocks per SM the kernel is built for: up to 2 n tiles 2 (at most 128 registers a thread at 8
-// warps: 16 warps per SM hide the load latency the short mma loop leaves exposed), else 1.
+// Blocks per SM the kernel is built for: up to 4 n tiles 2 (at most 128 registers a thread at 8
+// warps: 16 warps per SM hide the load and shared-memory latency the short mma loop leaves
+// exposed); at 8 n tiles 1 (64 accumulators: 242-255 registers; 64 rows run as 2 passes of 4
+// n tiles where the tiling says so).
 template <int NT>
 constexpr int min_blocks_per_sm() {
-  return NT <= 2 ? 2 : 1;
+  return NT <= 4 ? 2 : 1;
 }
 // Quads whose weights (16 bytes a row and lane) and scales a warp has in flight ahead of the one
 // it multiplies: at one block per SM 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB

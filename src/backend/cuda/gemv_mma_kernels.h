@@ -22,6 +22,8 @@
 // thread-block cluster that adds its partial sums through distributed shared memory in a fixed
 // order (deterministic) before the epilogue. Looping blocks keep their partial sums past the
 // staged activations in two buffers used alternately, so one cluster barrier per tile suffices.
+// Passes along the activation rows (gridDim.z, MmaGemvTiling::m_passes) repeat this grid for
+// each slice of the rows (by default 2 of 32 at 33-64 rows).
 #pragma once
 
 #include <cstdint>
@@ -55,8 +57,9 @@ struct MmaGemvTiling {
   // wave of a few clusters) become one wave, and a block stages its activations once.
   int row_blocks = 0;
   // Passes along the activation rows (gridDim.z): each block multiplies ceil(m / m_passes) rows
-  // (rounded up to its n tiles) and re-reads its weights (mostly from L2): more blocks with
-  // fewer accumulators each.
+  // (rounded up to its n tiles) and re-reads its weights (mostly from L2). At 33-64 rows, 2
+  // passes of 32 rows run the 4-n-tile kernel, 2 blocks of 8 warps per SM instead of 1 block of
+  // the 8-n-tile kernel (255 registers), twice the blocks: latency hidden and every SM busy.
   int m_passes = 1;
 };
 
