@@ -56,7 +56,10 @@ constexpr int kTilesPerWarp = 2;
 // OR-ed into the low mantissa bits of bf16 128.0 (0x4300: 128 + u exactly), then 136 subtracted.
 __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
   const uint32_t magic = 0x43004300u;
-  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
+  // bf16 136.0 twice, as bits: a constant ptxas can fold into the subtraction (a converted float
+  // pair is computed at run time and, short of registers, rebuilt by PRMT before each use).
+  const uint32_t bias_bits = 0x43084308u;
+  const __nv_bfloat162 bias = *reinterpret_cast<const __nv_bfloat162*>(&bias_bits);
   const uint32_t biased[4] = {
       and_or<0x000F000Fu>(word, magic), and_or<0x000F000Fu>(word >> 4, magic),
       and_or<0x000F000Fu>(word >> 8, magic), and_or<0x000F000Fu>(word >> 12, magic)};
