@@ -32,6 +32,7 @@
 #include "backend/cuda/attention.h"
 #include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/attention_prepare.cuh"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
 
@@ -96,82 +97,6 @@ __device__ __forceinline__ int64_t keys_per_split(int64_t scanned, int splits) {
 __device__ __forceinline__ int used_splits(int64_t scanned, int splits) {
   const int64_t per_split = keys_per_split(scanned, splits);
   return static_cast<int>(max(int64_t{1}, (scanned + per_split - 1) / per_split));
-}
-
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global -> shared, bypassing L1 (each K/V byte is read once).
-__device__ __forceinline__ void copy_async16(void* shared, const void* global) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
-               "l"(global)
-               : "memory");
-}
-
-__device__ __forceinline__ void copy_async4(void* shared, const void* global) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(shared_address(shared)),
-               "l"(global)
-               : "memory");
-}
-
-__device__ __forceinline__ void commit_copies() {
-  asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most `Pending` of this thread's committed copy groups are still in flight.
-template <int Pending>
-__device__ __forceinline__ void wait_copies() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(Pending) : "memory");
-}
-
-// Bulk copies (the tensor-memory-access unit, not the load/store path of the threads) completing
-// on an mbarrier: one arrival per phase announces the bytes, the copies count them down.
-__device__ __forceinline__ void init_barrier(uint64_t* barrier) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(shared_address(barrier))
-               : "memory");
-}
-
-// Makes the initialised barriers visible to the bulk copies (the async proxy).
-__device__ __forceinline__ void fence_barrier_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
-}
-
-__device__ __forceinline__ void arrive_expecting_bytes(uint64_t* barrier, uint32_t bytes) {
-  asm volatile(
-      "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
-      "r"(bytes)
-      : "memory");
-}
-
-__device__ __forceinline__ void wait_barrier(uint64_t* barrier, uint32_t parity) {
-  uint32_t done = 0;
-  while (!done) {
-    asm volatile(
-        "{\n.reg .pred complete;\n"
-        "mbarrier.try_wait.parity.shared::cta.b64 complete, [%1], %2;\n"
-        "selp.u32 %0, 1, 0, complete;\n}\n"
-        : "=r"(done)
-        : "r"(shared_address(barrier)), "r"(parity)
-        : "memory");
-  }
-}
-
-// `bytes` (a multiple of 16, both addresses 16-byte aligned) global -> shared, counted on
-// `barrier`.
-__device__ __forceinline__ void copy_bulk(void* shared, const void* global, uint32_t bytes,
-                                          uint64_t* barrier) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
-          "r"(shared_address(shared)),
-      "l"(global), "r"(bytes), "r"(shared_address(barrier))
-      : "memory");
-}
-
-// Orders this thread's generic-proxy shared-memory writes before later bulk copies into the same
-// bytes (issued after a barrier).
-__device__ __forceinline__ void fence_proxy_async() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
 // The floats of N 32-bit words of K/V elements: 1, 2 or 4 per word (fp32, bf16, e4m3).
@@ -891,7 +816,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         if (warp == 0) {
           const int rows = static_cast<int>(
               min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-          if (lane == 0) arrive_expecting_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+          if (lane == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
           __syncwarp();
           const int key = lane % kMmaTileKeys;
           const bool is_value = lane >= kMmaTileKeys;
