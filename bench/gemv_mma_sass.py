@@ -3,7 +3,7 @@
 
 For every gemv_mma_kernel<F, XT, NT, WR, WK> instance in one or two cubins: the SASS instructions of
 its innermost loop holding HMMA (the k loop: one prefetch round, prefetch_quads<NT>() quads of 4
-weight groups: 8 groups at 8 n tiles, else 4) per weight group, those that are not HMMA, and the local-memory
+weight groups: 8 groups at 4+ n tiles, else 4) per weight group, those that are not HMMA, and the local-memory
 (spill) accesses in it. Two cubins (before, after) print side by side.
 
 Build a cubin of one format's instances with the flags of build/compile_commands.json, e.g.
@@ -37,7 +37,7 @@ def k_loops(cubin):
         name = INSTANCE.search(function.split('\n', 1)[0])
         if not name:
             continue
-        groups = 8 if int(name.group(3)) >= 8 else 4  # prefetch_quads<NT>() · 4
+        groups = 8 if int(name.group(3)) >= 4 else 4
         code = [(int(a, 16), text.strip()) for a, text in INSTRUCTION.findall(function)]
         at = {address: i for i, (address, _) in enumerate(code)}
         innermost = None

@@ -334,10 +334,9 @@ Result bench_residual_fold(int64_t rows, int64_t cols, GemvEpilogue epilogue, co
 }
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
-// and 8 splits, each with one block per row tile and with resident looping blocks, in 1, 2 and 4
-// passes along the rows (those that differ), beside the default (default_mma_gemv_tiling's
-// choice), else the default alone. The tiling column reads
-// (m_passes − 1)·10000 + looping·1000 + k_warps·100 + warps·10 + splits.
+// and 8 splits, each with one block per row tile and with resident looping blocks, beside the
+// default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
+// looping·1000 + k_warps·100 + warps·10 + splits.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -370,34 +369,25 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return 10000 * (t.m_passes - 1) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
-           10 * t.warps + t.splits;
+    return (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps + 10 * t.warps + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        for (int m_passes : {1, 2, 4}) {
-          const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps,
-                                                      row_blocks, m_passes};
-          const int id = tiling_id(tiling);
-          // 1, 2, 4, 8 splits; passes that split the rows differently from half as many
-          const bool swept =
-              sweep && (splits & (splits - 1)) == 0 &&
-              (m_passes == 1 ||
-               gemma4::cuda::mma_gemv_pass_rows(tiling, m) <
-                   gemma4::cuda::mma_gemv_pass_rows(
-                       {layout.warps, splits, layout.k_warps, row_blocks, m_passes / 2}, m));
-          if (!swept && id != r.default_tiling) continue;
-          if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
-              gemma4::cuda::kMmaGemvMaxSharedBytes) {
-            continue;
-          }
-          r.measure(id, links, stream, [&](int i, const Launch& launch) {
-            return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
-                                          tiling);
-          });
+        const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps,
+                                                    row_blocks};
+        const int id = tiling_id(tiling);
+        const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
+        if (!swept && id != r.default_tiling) continue;
+        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
+            gemma4::cuda::kMmaGemvMaxSharedBytes) {
+          continue;
         }
+        r.measure(id, links, stream, [&](int i, const Launch& launch) {
+          return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
+                                        tiling);
+        });
       }
     }
   }

@@ -57,8 +57,7 @@ std::string describe(const HostMatrix& w, const Case& c) {
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
          " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
          " splits=" + std::to_string(c.tiling.splits) +
-         " row_blocks=" + std::to_string(c.tiling.row_blocks) +
-         " m_passes=" + std::to_string(c.tiling.m_passes);
+         " row_blocks=" + std::to_string(c.tiling.row_blocks);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -208,43 +207,6 @@ TEST(GemvMma, LoopingBlocks) {
   }
 }
 
-// Passes along the activation rows (MmaGemvTiling::m_passes), the last one partial or padded at
-// most row counts, at every n-tile size of a pass: one block per row tile, a fixed count of
-// looping blocks and the resident count, every warp layout, epilogue and activation type; NVFP4
-// too.
-TEST(GemvMma, RowPasses) {
-  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1000, 1472, 25);
-  const DeviceMatrix device(host);
-  uint32_t seed = 1300;
-  int index = 0;
-  for (int passes : {2, 3, 4, kMmaGemvMaxPasses}) {
-    for (int m : {9, 33, 40, 57, 64}) {
-      for (int row_blocks : {0, 3, kMmaGemvResidentRowBlocks}) {
-        const MmaGemvWarpLayout& layout = kMmaGemvWarpLayouts[index % kNumMmaGemvWarpLayouts];
-        Case c;
-        c.m = m;
-        c.x_type = kActivationTypes[index % 3];
-        c.epilogue = static_cast<GemvEpilogue>(index / 3 % 3);
-        c.tiling = {layout.warps, 1 + index % 8, layout.k_warps, row_blocks, passes};
-        c.seed = seed++;
-        ++index;
-        if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32) > kMmaGemvMaxSharedBytes) continue;
-        check(host, device, c);
-      }
-    }
-  }
-  const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 2600, 2816, 26);
-  const DeviceMatrix nvfp4_device(nvfp4);
-  for (int m : {40, 64}) {
-    Case c;
-    c.m = m;
-    c.x_type = m == 40 ? ActType::kBF16 : ActType::kF32;
-    c.tiling = {4, 4, 2, 0, 2};
-    c.seed = seed++;
-    check(nvfp4, nvfp4_device, c);
-  }
-}
-
 TEST(GemvMma, EveryTilingEveryEpilogue) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1040, 1536, 12);
   const DeviceMatrix device(host);
@@ -382,10 +344,8 @@ TEST(GemvMma, Deterministic) {
   const std::vector<float> first = check(host, device, c);
   const std::vector<float> second = check(host, device, c);
   EXPECT_EQ(first, second);
-  // Looping blocks add the same partial sums in the same order, and so do two passes of 32 rows.
+  // Looping blocks add the same partial sums in the same order.
   c.tiling.row_blocks = 5;
-  EXPECT_EQ(check(host, device, c), first);
-  c.tiling.m_passes = 2;
   EXPECT_EQ(check(host, device, c), first);
 }
 
@@ -404,8 +364,6 @@ TEST(GemvMma, DefaultTilingsAreValid) {
         EXPECT_GE(mma_gemv_warp_layout(t), 0);
         EXPECT_GE(t.splits, 1);
         EXPECT_LE(t.splits, std::min<int64_t>(kMmaGemvMaxSplits, shape[1] / 32));
-        EXPECT_GE(t.m_passes, 1);
-        EXPECT_LE(t.m_passes, kMmaGemvMaxPasses);
         EXPECT_LE(mma_gemv_shared_bytes(t, m, shape[1] / 32), kMmaGemvMaxSharedBytes);
       }
     }
@@ -522,10 +480,7 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
-  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);    // no such count
-  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, 0, 0}), cudaErrorInvalidValue);  // no passes
-  EXPECT_EQ(run(64, ActType::kF32, true, {4, 2, 1, 0, kMmaGemvMaxPasses + 1}),
-            cudaErrorInvalidValue);
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),

@@ -14,11 +14,10 @@ constexpr int64_t kSms = 132;
 constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
-// Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 32
-// activation rows a pass, the kernel's bound for two blocks of 8 warps; 242-255 up to 64, of 64 K
-// an SM) and by shared memory.
+// Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
+// activation rows, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and by shared memory.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int64_t registers = mma_gemv_pass_rows(tiling, m) <= 32 ? 128 : 255;
+  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 224 : 255;
   const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
   const int64_t by_shared =
       (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups) + 1024);
@@ -79,24 +78,18 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
                                                                      : 1.25;
   const int warps = rows >= 8192 ? 8 : 4;
   const int k_warps = warps == 4 ? 2 : 1;
-  // 33-64 rows as two passes of 32 (MmaGemvTiling::m_passes): one 8-n-tile block per SM is
-  // latency-bound (ncu: 12.5 % occupancy, issue 10-19 %, DRAM 1-8 %); two passes give twice the
-  // blocks at twice the blocks per SM. A tile's time is counted the same at 4 n tiles as at 8
-  // (latency, not issue, bound), so the passes cost tiles, not time per tile.
-  const int m_passes = m > 32 ? 2 : 1;
-  const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps) * m_passes;
+  const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps);
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
-  MmaGemvTiling best = {warps, max_splits, k_warps, 0, m_passes};
+  MmaGemvTiling best = {warps, max_splits, k_warps};
   double best_cost = 0.0;
   for (int splits = 1; splits <= max_splits; ++splits) {
     for (const int row_blocks : {0, kMmaGemvResidentRowBlocks}) {
-      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks, m_passes};
+      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks};
       if (mma_gemv_shared_bytes(tiling, m, groups) > kMmaGemvMaxSharedBytes) continue;
       const int64_t clusters = resident_clusters(tiling, m, groups);
       const auto per_split = static_cast<double>(mma_gemv_groups_per_split(groups, splits));
       const double per_tile = per_split + kReductionGroups;
-      const double staging =
-          per_split * mma_gemv_pass_rows(tiling, m) / 64.0 * staged_bytes_per_element / 4.0;
+      const double staging = per_split * m / 64.0 * staged_bytes_per_element / 4.0;
       const auto rounds = static_cast<double>((row_tiles + clusters - 1) / clusters);
       const double cost = row_blocks == 0 ? rounds * (per_tile + staging)  // waves
                                           : rounds * per_tile + staging;   // tiles per block
@@ -130,7 +123,6 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
       tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
-      tiling.m_passes < 1 || tiling.m_passes > kMmaGemvMaxPasses ||
       mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
       w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;

@@ -68,9 +68,7 @@ int resident_clusters(MmaKernel kernel, const cudaLaunchConfig_t& config, int sp
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch) {
   MmaGemvArgs args = given;
-  const int pass_rows = mma_gemv_pass_rows(tiling, args.m);
-  const int passes = (args.m + pass_rows - 1) / pass_rows;
-  const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(pass_rows));
+  const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
   const int layout = mma_gemv_warp_layout(tiling);
   if (n_tiles < 0 || layout < 0 ||
       (format != PackedFormat::kW4G32 && format != PackedFormat::kNVFP4)) {
@@ -113,7 +111,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
 
   // Blocks along the rows; looping blocks keep two partial-sum buffers past the activations.
   const MmaGemvTiling looping_tiling = {tiling.warps, tiling.splits, tiling.k_warps,
-                                        kMmaGemvResidentRowBlocks, tiling.m_passes};
+                                        kMmaGemvResidentRowBlocks};
   int64_t row_blocks = tiling.row_blocks > 0 ? tiling.row_blocks : row_tiles;
   if (tiling.row_blocks == kMmaGemvResidentRowBlocks) {
     // The query's configuration: the cluster alone, no stream (the current context's GPU; a
@@ -125,8 +123,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
         static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups));
     query.attrs = tiling.splits > 1 ? &attributes[count - 1] : nullptr;
     query.numAttrs = tiling.splits > 1 ? 1 : 0;
-    // The passes share the GPU.
-    const int clusters = resident_clusters(kernel, query, tiling.splits) / passes;
+    const int clusters = resident_clusters(kernel, query, tiling.splits);
     if (clusters > 0) {
       // The fewest blocks for the least tiles per block.
       const int64_t tiles_per_block = (row_tiles + clusters - 1) / clusters;
@@ -136,13 +133,11 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   row_blocks = std::min(row_blocks, row_tiles);
   const int64_t groups_per_split = mma_gemv_groups_per_split(args.groups, tiling.splits);
   args.partial_offset =
-      row_blocks < row_tiles ? mma_gemv_staged_bytes(pass_rows, groups_per_split) : 0;
-  config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits),
-                        static_cast<unsigned>(passes));
+      row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split) : 0;
+  config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
-      args.partial_offset != 0
-          ? looping_tiling
-          : MmaGemvTiling{tiling.warps, tiling.splits, tiling.k_warps, 0, tiling.m_passes},
+      args.partial_offset != 0 ? looping_tiling
+                               : MmaGemvTiling{tiling.warps, tiling.splits, tiling.k_warps},
       args.m, args.groups));
   return cudaLaunchKernelEx(&config, kernel, args);
 }

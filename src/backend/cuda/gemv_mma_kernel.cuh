@@ -34,21 +34,13 @@ namespace cg = cooperative_groups;
 
 // Groups per quad: the 4 lanes of an mma quad load consecutive groups (module comment).
 inline constexpr int kQuadGroups = 4;
-// Blocks per SM the kernel is built for: up to 4 n tiles 2 (at most 128 registers a thread at 8
-// warps: 16 warps per SM hide the load and shared-memory latency the short mma loop leaves
-// exposed); at 8 n tiles 1 (64 accumulators: 242-255 registers; 64 rows run as 2 passes of 4
-// n tiles where the tiling says so).
-template <int NT>
-constexpr int min_blocks_per_sm() {
-  return NT <= 4 ? 2 : 1;
-}
 // Quads whose weights (16 bytes a row and lane) and scales a warp has in flight ahead of the one
-// it multiplies: at one block per SM 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB
-// per SM at 8 warps: about what the read bandwidth times the load latency needs; 40 registers);
-// at two 1 (the same bytes per SM, within 128 registers without spills).
+// it multiplies: at 4+ n tiles 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB per SM
+// at 8 warps: about what the read bandwidth times the load latency needs; 40 registers); at 1-2
+// n tiles 1 (two blocks per SM: the same bytes per SM, within 128 registers without spills).
 template <int NT>
 constexpr int prefetch_quads() {
-  return min_blocks_per_sm<NT>() == 1 ? 2 : 1;
+  return NT >= 4 ? 2 : 1;
 }
 // 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
 constexpr int kTilesPerWarp = 2;
@@ -56,10 +48,7 @@ constexpr int kTilesPerWarp = 2;
 // OR-ed into the low mantissa bits of bf16 128.0 (0x4300: 128 + u exactly), then 136 subtracted.
 __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
   const uint32_t magic = 0x43004300u;
-  // bf16 136.0 twice, as bits: a constant ptxas can fold into the subtraction (a converted float
-  // pair is computed at run time and, short of registers, rebuilt by PRMT before each use).
-  const uint32_t bias_bits = 0x43084308u;
-  const __nv_bfloat162 bias = *reinterpret_cast<const __nv_bfloat162*>(&bias_bits);
+  const __nv_bfloat162 bias = __floats2bfloat162_rn(136.0f, 136.0f);
   const uint32_t biased[4] = {
       and_or<0x000F000Fu>(word, magic), and_or<0x000F000Fu>(word >> 4, magic),
       and_or<0x000F000Fu>(word >> 8, magic), and_or<0x000F000Fu>(word >> 12, magic)};
@@ -162,10 +151,10 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
 // (32 · WR weight rows per row tile), WK along the block's K range (every WK-th quad of groups);
 // gridDim.y blocks along K form one cluster; a block multiplies the row tiles blockIdx.x +
-// gridDim.x · i for the activation rows 8 · NT · blockIdx.z onwards (one pass of gridDim.z).
+// gridDim.x · i. Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps):
+// the 16 warps per SM hide the load latency the short mma loop leaves exposed.
 template <PackedFormat F, ActType XT, int NT, int WR, int WK>
-__global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
-    gemv_mma_kernel(MmaGemvArgs a) {
+__global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
@@ -180,9 +169,6 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
   const int t = lane & 3;
   const int splits = static_cast<int>(gridDim.y);
   const int split = static_cast<int>(blockIdx.y);
-  // This pass's activation rows: m_base .. m_base + m_count − 1 of a.m.
-  const int m_base = kPaddedRows * static_cast<int>(blockIdx.z);
-  const int m_count = min(a.m - m_base, kPaddedRows);
   const int64_t groups_per_split = mma_gemv_groups_per_split(a.groups, splits);
   const int64_t group_begin = split * groups_per_split;
   const int group_count =
@@ -224,9 +210,9 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
       kPrefetchQuads * max(1, (warp_quads + kPrefetchQuads - 1) / kPrefetchQuads);
   int load_tile = 0;  // the round the loads of slot s fetch next: its tile and first j
   int load_j0 = 0;
-  // Each row's group of the round: as pointers with registers to spare (one block per SM), as a
-  // 32-bit element index under the 128-register bound of two (an address per load).
-  constexpr bool kRoundPointers = min_blocks_per_sm<NT>() == 1;
+  // Each row's group of the round: as pointers with registers to spare (4+ n tiles), as a 32-bit
+  // element index under the 128-register bound of 1-2 n tiles (an address per load).
+  constexpr bool kRoundPointers = NT >= 4;
   constexpr int kRoundRows = 2 * kTilesPerWarp;
   uint32_t round_index[kRoundPointers ? 1 : kRoundRows];
   const uint8_t* round_words[kRoundPointers ? kRoundRows : 1];
@@ -309,10 +295,10 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
   next_load_round();
   pdl_wait_for_predecessors();
 
-  // The block's K range of every activation row of the pass (rows m >= m_count and groups past the
-  // range as zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 ·
-  // quad + t of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n
-  // tile and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
+  // The block's K range of every activation row (rows m >= a.m and groups past the range as
+  // zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 · quad + t
+  // of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n tile
+  // and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
   extern __shared__ uint4 shared_words[];
   constexpr int kWordRowWords = 4 * kPaddedRows;  // one j of one quad, every row and t
   const int staged_words = kWordRowWords * kQuadGroups * quad_count;
@@ -322,10 +308,9 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
     const int word_row = i / kWordRowWords;  // 4 · quad + j
     const int m = (i / 4) % kPaddedRows;
     const int group = kQuadGroups * (word_row / 4) + i % 4;
-    shared_words[i] =
-        m < m_count && group < group_count
-            ? staged_word<XT>(a, m_base + m, 32 * (group_begin + group) + 8 * (word_row % 4))
-            : make_uint4(0, 0, 0, 0);
+    shared_words[i] = m < a.m && group < group_count
+                          ? staged_word<XT>(a, m, 32 * (group_begin + group) + 8 * (word_row % 4))
+                          : make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
 
@@ -442,24 +427,20 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
     }
     const int64_t block_row = tile_row(tile);
     constexpr int kPairs = kRowsPerBlock / 2;
-    for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < m_count * kPairs;
+    for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
          i += splits * kThreads) {
       const int m = i / kPairs;
       const int row = 2 * (i % kPairs);
-      // Unrolled over the largest cluster, so that the loads of every rank are in flight at once;
-      // a rank's k warps summed as they arrive (8 pairs live, not 8 · WK: the 128-register bound).
-      float2 parts[kMmaGemvMaxSplits];
+      // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+      float2 parts[kMmaGemvMaxSplits][WK];
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
         if (rank < splits) {
           const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
-          parts[rank] = *reinterpret_cast<const float2*>(source + m * kStride + row);
 #pragma unroll
-          for (int k = 1; k < WK; ++k) {
-            const float2 part =
+          for (int k = 0; k < WK; ++k) {
+            parts[rank][k] =
                 *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
-            parts[rank].x += part.x;
-            parts[rank].y += part.y;
           }
         }
       }
@@ -467,12 +448,14 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
         if (rank < splits) {
-          sums[0] += parts[rank].x;
-          sums[1] += parts[rank].y;
+#pragma unroll
+          for (int k = 0; k < WK; ++k) {
+            sums[0] += parts[rank][k].x;
+            sums[1] += parts[rank][k].y;
+          }
         }
       }
-      // y and its bf16 companion
-      gemv_detail::store_rows<2>(a, m_base + m, block_row + row, sums);
+      gemv_detail::store_rows<2>(a, m, block_row + row, sums);  // y and its bf16 companion
       if (a.y_companions.q8 != nullptr) {
         // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are
         // whole chunks of 32, so the lanes of a warp hold one chunk (lane l its element l):
@@ -480,7 +463,7 @@ __global__ void __launch_bounds__(WR* WK * 32, min_blocks_per_sm<NT>())
         const int64_t output = (block_row + row) / 2;
         if (output - lane < a.rows / 2) {
           const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
-          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m_base + m), a.y_companions.stride,
+          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
                             output / 32);
         }
       }

@@ -22,8 +22,6 @@
 // thread-block cluster that adds its partial sums through distributed shared memory in a fixed
 // order (deterministic) before the epilogue. Looping blocks keep their partial sums past the
 // staged activations in two buffers used alternately, so one cluster barrier per tile suffices.
-// Passes along the activation rows (gridDim.z, MmaGemvTiling::m_passes) repeat this grid for
-// each slice of the rows (by default 2 of 32 at 33-64 rows).
 #pragma once
 
 #include <cstdint>
@@ -56,15 +54,7 @@ struct MmaGemvTiling {
   // balanced (the fewest blocks for the same tiles per block). Wave-quantized grids (a second
   // wave of a few clusters) become one wave, and a block stages its activations once.
   int row_blocks = 0;
-  // Passes along the activation rows (gridDim.z): each block multiplies ceil(m / m_passes) rows
-  // (rounded up to its n tiles) and re-reads its weights (mostly from L2). At 33-64 rows, 2
-  // passes of 32 rows run the 4-n-tile kernel, 2 blocks of 8 warps per SM instead of 1 block of
-  // the 8-n-tile kernel (255 registers), twice the blocks: latency hidden and every SM busy.
-  int m_passes = 1;
 };
-
-// Most passes a tiling may ask for (8 rows each at 64 rows).
-inline constexpr int kMmaGemvMaxPasses = 8;
 
 // The compiled warp layouts {warps, k_warps}: 4 or 8 warps of 32 rows, or 4 of them twice along
 // K (twice the warps for the shapes with few rows: 1,536-row down / o_proj).
@@ -92,13 +82,6 @@ constexpr int mma_gemv_n_tiles(int m) {
   return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
 }
 
-// Activation rows one pass of this tiling covers (its n tiles' padded rows, at most m): the last
-// pass may have fewer; the passes are ceil(m / pass rows).
-constexpr int mma_gemv_pass_rows(const MmaGemvTiling& tiling, int m) {
-  const int rows = 8 * mma_gemv_n_tiles((m + tiling.m_passes - 1) / tiling.m_passes);
-  return rows < m ? rows : m;
-}
-
 // K groups one block of a cluster multiplies (the last one may have fewer, and a block past the
 // end none): whole quads of 4 groups, the kernel's unit along K (gemv_mma_kernel.cuh).
 constexpr int64_t mma_gemv_groups_per_split(int64_t groups, int splits) {
@@ -111,24 +94,23 @@ constexpr int64_t mma_gemv_partial_stride(int warps) {
   return 32 * warps + 4;
 }
 
-// Bytes of the staged activations of a block's K range (whole quads) for `m` rows (of one pass):
-// 64 (bf16) per group and padded row, whatever the activation type; a multiple of 16.
+// Bytes of the staged activations of a block's K range (whole quads) for `m` rows: 64 (bf16) per
+// group and padded row, whatever the activation type; a multiple of 16.
 constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split) {
   return int64_t{8} * mma_gemv_n_tiles(m) * 64 * groups_per_split;
 }
 
 // Bytes of one buffer of a block's partial sums [k warp][activation row][tile row].
 constexpr int64_t mma_gemv_partial_bytes(const MmaGemvTiling& tiling, int m) {
-  return int64_t{tiling.k_warps} * 8 * mma_gemv_n_tiles(mma_gemv_pass_rows(tiling, m)) *
-         mma_gemv_partial_stride(tiling.warps) * 4;
+  return int64_t{tiling.k_warps} * 8 * mma_gemv_n_tiles(m) * mma_gemv_partial_stride(tiling.warps) *
+         4;
 }
 
 // Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
 // and this tiling: the staged activations, reused for the partial sums by a block of one row
 // tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0).
 constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int64_t staged = mma_gemv_staged_bytes(mma_gemv_pass_rows(tiling, m),
-                                               mma_gemv_groups_per_split(groups, tiling.splits));
+  const int64_t staged = mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits));
   const int64_t partial = mma_gemv_partial_bytes(tiling, m);
   if (tiling.row_blocks != 0) return staged + 2 * partial;
   return staged > partial ? staged : partial;
