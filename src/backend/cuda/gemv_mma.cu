@@ -1,6 +1,7 @@
 // Launch of the tensor-core batched GEMV (gemv_mma_kernels.h; the kernel template is in
 // gemv_mma_kernel.cuh, its instantiations in gemv_mma_<format>.cu).
 #include "backend/cuda/gemv_mma_kernel.cuh"
+#include "backend/cuda/occupancy.cuh"
 
 #include <algorithm>
 #include <map>
@@ -42,23 +43,7 @@ int resident_clusters(MmaKernel kernel, const cudaLaunchConfig_t& config, int sp
   static std::map<Key, int> known;
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto found = known.find(key); found != known.end()) return found->second;
-  int clusters = 0;
-  cudaError_t status;
-  if (splits > 1) {
-    status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-  } else {
-    int per_sm = 0, sms = 0;
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, config.blockDim.x,
-                                                           config.dynamicSmemBytes);
-    if (status == cudaSuccess) {
-      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    clusters = per_sm * sms;
-  }
-  if (status != cudaSuccess) {
-    clusters = 0;
-    cudaGetLastError();  // the refusal is this answer, not an error left for the caller
-  }
+  const int clusters = occupancy_clusters(kernel, config, splits, device);
   known.emplace(key, clusters);
   return clusters;
 }

@@ -11,6 +11,7 @@
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/occupancy.cuh"
 
 namespace gemma4::cuda {
 namespace gemv_stream_detail {
@@ -331,19 +332,9 @@ int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int spl
     status = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
                                   cudaSharedmemCarveoutMaxShared);
   }
-  if (status == cudaSuccess && splits > 1) {
-    status = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
-  } else if (status == cudaSuccess) {
-    int per_sm = 0, sms = 0;
-    status = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, config.blockDim.x,
-                                                           config.dynamicSmemBytes);
-    if (status == cudaSuccess) {
-      status = cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
-    }
-    clusters = per_sm * sms;
-  }
-  if (status != cudaSuccess) {
-    clusters = 0;
+  if (status == cudaSuccess) {
+    clusters = occupancy_clusters(kernel, config, splits, device);
+  } else {
     cudaGetLastError();  // the refusal is this answer, not an error left for the caller
   }
   known.emplace(key, clusters);
