@@ -367,6 +367,77 @@ TEST(CudaBackend, MatmulGeluMulAndPairsEveryFormat) {
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
+// The --fp32 mode's w4g32 matmuls at E2B's shapes (QKV, o_proj, down; gate+up with its GELU
+// pairs) for a decode row, batched decode rows, a full GEMV slice and a prefill chunk of several
+// slices, against the products in double (quant::dequantize_row's weights, weight-formats.md 2.3):
+// within fp32 accumulation error, 4 ulp of Σ|w·x| (the CPU reference's own order differs from
+// exact by about that much), plus 4 ulp of each GELU pair for its evaluation. Normed hidden states
+// have a nonzero mean: the activations here too (what the biased nibble products of the bf16
+// paths, device_math.cuh NibbleDot, get wrong).
+TEST(CudaBackend, Fp32ModeW4G32MatmulsAtFp32Accuracy) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  constexpr double kFp32Tolerance = 4.0 / (1 << 24), kGeluSlope = 1.2;
+  struct Fp32Case {
+    MatrixCase matrix;
+    bool gelu_pairs;
+  };
+  const Fp32Case cases[] = {
+      {{"qkv", WeightFormat::kW4G32, ScaleType::kBF16, false, 2560, 1536}, false},
+      {{"o_proj", WeightFormat::kW4G32, ScaleType::kBF16, false, 1536, 2048}, false},
+      {{"down", WeightFormat::kW4G32, ScaleType::kBF16, false, 1536, 6144}, false},
+      {{"gate+up", WeightFormat::kW4G32, ScaleType::kBF16, false, 12288, 1536}, true},
+  };
+  uint32_t seed = 1300;
+  for (const Fp32Case& c : cases) {
+    TwinMatrix w(*gpu, make_matrix(c.matrix, seed++));
+    const int64_t n = c.matrix.rows, k = c.matrix.cols;
+    for (int64_t tokens : {1, 5, 64, 130}) {
+      SCOPED_TRACE(::testing::Message() << c.matrix.name << ", " << tokens << " tokens");
+      TwinRows x = random_rows(*gpu, tokens, k, k, seed++, -0.5f, 1.5f);
+      const std::vector<float> xs = x.cpu_values();
+      // The products in double and Σ|w·x|, [tokens][n].
+      std::vector<double> exact(tokens * n), magnitude(tokens * n);
+      testing::parallel_for(n, [&](int64_t row) {
+        std::vector<float> weights(k);
+        quant::dequantize_row(w.cpu, row, weights.data());
+        for (int64_t t = 0; t < tokens; ++t) {
+          double sum = 0.0, abs_sum = 0.0;
+          for (int64_t i = 0; i < k; ++i) {
+            const double product = double{weights[i]} * xs[t * k + i];
+            sum += product;
+            abs_sum += std::fabs(product);
+          }
+          exact[t * n + row] = sum;
+          magnitude[t * n + row] = abs_sum;
+        }
+      });
+      if (c.gelu_pairs) {
+        TwinRows y = output_rows(*gpu, tokens, n / 2, n / 2);
+        gpu->matmul_gelu_pairs(w.device, x.gpu(), y.gpu());
+        std::vector<double> expected(tokens * n / 2), bound(tokens * n / 2);
+        for (int64_t t = 0; t < tokens; ++t) {
+          for (int64_t i = 0; i < n / 2; ++i) {
+            const int64_t gate = t * n + 2 * i, up = gate + 1;
+            const double u = exact[gate];
+            const double gelu =
+                0.5 * u * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (u + 0.044715 * u * u * u)));
+            expected[t * n / 2 + i] = gelu * exact[up];
+            bound[t * n / 2 + i] = kGeluSlope * magnitude[gate] * std::fabs(exact[up]) +
+                                   std::fabs(gelu) * magnitude[up] + std::fabs(gelu * exact[up]);
+          }
+        }
+        testing::expect_close(y.gpu_values(), expected, bound, kFp32Tolerance, "matmul_gelu_pairs");
+      } else {
+        TwinRows y = output_rows(*gpu, tokens, n, n);
+        gpu->matmul(w.device, x.gpu(), y.gpu());
+        testing::expect_close(y.gpu_values(), exact, magnitude, kFp32Tolerance, "matmul");
+      }
+    }
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
 TEST(CudaBackend, RmsNormWeightedPlainAliasedAndPerHead) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);

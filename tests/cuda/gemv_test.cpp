@@ -134,12 +134,19 @@ Products reference_products(const HostMatrix& host, const std::vector<float>& x,
   return p;
 }
 
+// The activations check_gemv draws (uniform in [lo, hi)) and the bound it checks.
+struct GemvCheckOptions {
+  float x_lo = -1.0f, x_hi = 1.0f;
+  double tolerance = kTolerance;
+};
+
 // Runs y = epilogue(W x) for M activation rows and checks every output against the reference
-// (the bound: kTolerance on each product, carried through the epilogue). Returns the outputs.
+// (the bound: options.tolerance on each product, carried through the epilogue). Returns the
+// outputs.
 std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device, int m,
                               ActType x_type, int tiling, uint32_t seed,
                               GemvEpilogue epilogue = GemvEpilogue::kNone,
-                              bool round_to_bf16 = false) {
+                              bool round_to_bf16 = false, const GemvCheckOptions& options = {}) {
   SCOPED_TRACE(std::string(quant::weight_format_name(host.format)) + " " +
                std::to_string(host.rows) + "x" + std::to_string(host.cols) +
                " M=" + std::to_string(m) + " x=" + act_name(x_type) +
@@ -148,7 +155,8 @@ std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device
   const int64_t n = host.rows;
   const int64_t k = host.cols;
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? n / 2 : n;
-  const std::vector<float> x_source = testing::random_floats(m * k, -1.0f, 1.0f, seed);
+  const std::vector<float> x_source =
+      testing::random_floats(m * k, options.x_lo, options.x_hi, seed);
   const std::vector<float> multiplier = testing::random_floats(m * n, -2.0f, 2.0f, seed + 1);
   DeviceArray<uint8_t> x_device(m * k * 4);
   DeviceArray<float> multiplier_device(multiplier);
@@ -186,7 +194,7 @@ std::vector<float> check_gemv(const HostMatrix& host, const DeviceMatrix& device
                      std::fabs(gelu) * p.magnitude[up];
     }
   }
-  testing::expect_close(got, expected, magnitude, kTolerance, "gemv");
+  testing::expect_close(got, expected, magnitude, options.tolerance, "gemv");
   return got;
 }
 
@@ -216,6 +224,38 @@ TEST(Gemv, W4G32LmHead) {
   check_gemv(host, device, 1, ActType::kF32, -1, 9);
   check_gemv(host, device, 2, ActType::kF32, -1, 10);
   check_gemv(host, device, 1, ActType::kQ8, -1, 11);
+}
+
+// fp32 activations multiplied as they are (CudaBackend's --fp32 mode) by w4g32 weights: within
+// fp32 accumulation error, 4 ulp of Σ|w·x| (a plain fp32 dot product: the CPU reference's
+// order differs by about that much), at E2B's shapes (QKV, o_proj, gate+up, down, the PLE gate
+// and projection) through the default dispatch at 1, 2 and 64 rows and a ragged M tile, then on
+// every compiled tiling. The activations have a nonzero mean, as normed hidden states do: there
+// the bf16 paths' biased nibble products (device_math.cuh NibbleDot) exceed the bound by up to
+// ~10×.
+TEST(Gemv, W4G32F32ActivationsAtFp32Accuracy) {
+  const GemvCheckOptions fp32_accuracy = {-0.5f, 1.5f, 4.0 / (1 << 24)};
+  uint32_t seed = 1900;
+  const Shape e2b[] = {{2560, 1536}, {1536, 2048}, {12288, 1536},
+                       {1536, 6144}, {256, 1536},  {1536, 256}};
+  for (const Shape& s : e2b) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int m : {1, 2, 37, 64}) {
+      check_gemv(host, device, m, ActType::kF32, -1, seed++, GemvEpilogue::kNone, false,
+                 fp32_accuracy);
+    }
+  }
+  const auto tilings = gemv_tilings();
+  for (ScaleType scale_type : {ScaleType::kBF16, ScaleType::kF32}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, 2560, 1536, seed++, scale_type);
+    const DeviceMatrix device(host);
+    for (int t = 0; t < static_cast<int>(tilings.size()); ++t) {
+      if (!gemv_tiling_compiled(t)) continue;
+      check_gemv(host, device, tilings[t].m_tile == 1 ? 1 : 11, ActType::kF32, t, seed++,
+                 GemvEpilogue::kNone, false, fp32_accuracy);
+    }
+  }
 }
 
 // int8 activations (dp4a): exact against the quantized values, every tiling, real shapes.

@@ -578,6 +578,78 @@ TEST(MoeExperts, ExactF32PrefillMatchesTightly) {
   }
 }
 
+// MoePrecision::kExactF32 with w4g32 experts at real widths (26B-A4B W4A16 in the --fp32 mode; 16
+// experts: the test stays short) against the experts in double (quant::dequantize_row's weights):
+// within fp32 accumulation error at every stage, 4 ulp (kFp32Tolerance) of Σ|w·x| per gate / up
+// product carried through GELU (slope below 1.2) and the gating, plus 4 ulp of each activation;
+// 4 ulp of Σ|d·a| per down product plus the activations' bounds times |d|; the routing weight's
+// product. Activations with a nonzero mean, as normed hidden states have.
+TEST(MoeExperts, ExactF32W4G32AtFp32Accuracy) {
+  CpuBackend cpu(0);
+  constexpr double kFp32Tolerance = 4.0 / (1 << 24), kGeluSlope = 1.2;
+  constexpr int kFewExperts = 16;
+  uint32_t seed = 760;
+  const ExpertSet set = make_experts(kW4G32Bf16, kFewExperts, kHidden, kInner, seed++);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  for (int tokens : {1, 8}) {
+    SCOPED_TRACE("tokens=" + std::to_string(tokens));
+    const std::vector<float> x = testing::random_floats(tokens * kHidden, -0.5f, 1.5f, seed++);
+    const Routing routing = cpu_route(cpu, tokens, kFewExperts, kTopK, seed++);
+    DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * kHidden);
+    DeviceArray<int32_t> ids(routing.ids);
+    DeviceArray<uint8_t> workspace(
+        moe_workspace_bytes(table, tokens, kTopK, MoePrecision::kExactF32));
+    ASSERT_TRUE(x_device.ok() && weights.ok() && out.ok() && ids.ok() && workspace.ok());
+    CUDA_ASSERT_OK(run_experts(table, x_device.get(), kHidden, tokens, kTopK, ids.get(),
+                               weights.get(), out.get(), kHidden, workspace.get(), Launch{},
+                               MoePrecision::kExactF32));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+
+    std::vector<double> expected(tokens * kHidden, 0.0), bound(tokens * kHidden, 0.0);
+    for (int t = 0; t < tokens; ++t) {
+      for (int k = 0; k < kTopK; ++k) {
+        const model::ExpertMatrices& e = set.host_views[routing.ids[t * kTopK + k]];
+        const double routing_weight = routing.weights[t * kTopK + k];
+        // The gated activations and their bounds.
+        std::vector<double> a(kInner), a_bound(kInner);
+        testing::parallel_for(kInner, [&](int64_t j) {
+          std::vector<float> gate_row(kHidden), up_row(kHidden);
+          quant::dequantize_row(e.gate, j, gate_row.data());
+          quant::dequantize_row(e.up, j, up_row.data());
+          double g = 0.0, g_magnitude = 0.0, u = 0.0, u_magnitude = 0.0;
+          for (int64_t i = 0; i < kHidden; ++i) {
+            const double xi = x[t * kHidden + i];
+            g += gate_row[i] * xi;
+            g_magnitude += std::fabs(gate_row[i] * xi);
+            u += up_row[i] * xi;
+            u_magnitude += std::fabs(up_row[i] * xi);
+          }
+          const double gelu =
+              0.5 * g * (1.0 + std::tanh(std::sqrt(2.0 / M_PI) * (g + 0.044715 * g * g * g)));
+          a[j] = gelu * u;
+          a_bound[j] = kFp32Tolerance * (kGeluSlope * g_magnitude * std::fabs(u) +
+                                         std::fabs(gelu) * u_magnitude + std::fabs(a[j]));
+        });
+        testing::parallel_for(kHidden, [&](int64_t n) {
+          std::vector<float> down_row(kInner);
+          quant::dequantize_row(e.down, n, down_row.data());
+          double sum = 0.0, magnitude = 0.0, carried = 0.0;
+          for (int64_t j = 0; j < kInner; ++j) {
+            sum += down_row[j] * a[j];
+            magnitude += std::fabs(down_row[j] * a[j]);
+            carried += std::fabs(down_row[j]) * a_bound[j];
+          }
+          expected[t * kHidden + n] += routing_weight * sum;
+          bound[t * kHidden + n] +=
+              std::fabs(routing_weight) * (kFp32Tolerance * (magnitude + std::fabs(sum)) + carried);
+        });
+      }
+    }
+    testing::expect_close(out.download(), expected, bound, 1.0, "run_experts");
+  }
+}
+
 // CudaBackend::run_experts in ActivationMode::kF32 against the CPU backend over prefill-sized
 // chunks: fp32 rounding only (1e-4 of the row's largest magnitude); the default mode on the same
 // inputs stays within the grouped path's bf16 budget. Real widths (16 experts) at

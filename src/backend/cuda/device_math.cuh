@@ -210,10 +210,22 @@ __device__ __forceinline__ float nvfp4_factor(const Params& a, uint32_t e4m3_bit
 // Σ_k (u_k − 8) x_k over the 32 nibbles u of a w4g32 / w4g32a chunk. Each byte of a word is
 // shifted to bits 15..22, the mantissa of 0x43000000 (fp32 128.0): masked with one LOP3, the even
 // element becomes the fp32 128 + u/2 and the odd one 128 + 8u, with no integer-to-float
-// conversion. Then Σ(u−8)x = 2·Σ(128 + u_e/2)x_e + Σ(128 + 8u_o)x_o / 8 − offset, exact up to fp32
-// accumulation (the products are exact: small integers times bf16 or fp32 activations).
+// conversion.
+//   kBiased (bf16-valued activations): Σ(u−8)x = 2·Σ(128 + u_e/2)x_e + Σ(128 + 8u_o)x_o / 8 −
+//     offset. The products are exact only while x has at most 15 significant bits (bf16's 8), and
+//     the sums are ~256× the result's terms, so their fp32 roundings cancel into errors ~50–100×
+//     a plain fp32 dot product's: fine under bf16 products, not for fp32 activations.
+//   kCentered (fp32 activations): one FADD per element re-centres the value first: (u−8)/2 and
+//     8(u−8), both exact, so each product is rounded once (in the FMA) and the sums have the
+//     magnitude of the result's terms: a plain fp32 dot product, as the CPU reference computes.
+enum class NibbleDot : uint8_t { kBiased, kCentered };
+
+template <NibbleDot D>
 __device__ __forceinline__ float dot_centered_nibbles(const uint4& q, const XChunk<32>& x) {
   const uint32_t magic = 0x43000000u;
+  // kCentered: 128 + u/2 − 132 = (u − 8)/2 and 128 + 8u − 192 = 8(u − 8).
+  constexpr float kEvenBias = D == NibbleDot::kCentered ? 132.0f : 0.0f;
+  constexpr float kOddBias = D == NibbleDot::kCentered ? 192.0f : 0.0f;
   const uint32_t words[4] = {q.x, q.y, q.z, q.w};
   float even0 = 0.0f, even1 = 0.0f, odd0 = 0.0f, odd1 = 0.0f;
 #pragma unroll
@@ -223,8 +235,12 @@ __device__ __forceinline__ float dot_centered_nibbles(const uint4& q, const XChu
     const uint32_t bytes[4] = {w << 15, w << 7, w >> 1, w >> 9};
 #pragma unroll
     for (int b = 0; b < 4; ++b) {
-      const float lo = __uint_as_float(and_or<0x00078000u>(bytes[b], magic));
-      const float hi = __uint_as_float(and_or<0x00780000u>(bytes[b], magic));
+      float lo = __uint_as_float(and_or<0x00078000u>(bytes[b], magic));
+      float hi = __uint_as_float(and_or<0x00780000u>(bytes[b], magic));
+      if constexpr (D == NibbleDot::kCentered) {
+        lo -= kEvenBias;
+        hi -= kOddBias;
+      }
       const int k = 8 * i + 2 * b;
       if (b & 1) {
         even1 = fmaf(lo, x.v[k], even1);
@@ -235,19 +251,22 @@ __device__ __forceinline__ float dot_centered_nibbles(const uint4& q, const XChu
       }
     }
   }
-  return 2.0f * (even0 + even1) + 0.125f * (odd0 + odd1) - x.offset;
+  const float sum = 2.0f * (even0 + even1) + 0.125f * (odd0 + odd1);
+  return D == NibbleDot::kCentered ? sum : sum - x.offset;
 }
 
 // w4g32: w = (u − 8) · scale.
+template <NibbleDot D = NibbleDot::kBiased>
 __device__ __forceinline__ float dot_w4g32(const uint4& q, float scale, const XChunk<32>& x) {
-  return scale * dot_centered_nibbles(q, x);
+  return scale * dot_centered_nibbles<D>(q, x);
 }
 
 // w4g32a: w = scale · u − min, so Σwx = scale · Σ(u − 8)x + (8 · scale − min) · Σx.
+template <NibbleDot D = NibbleDot::kBiased>
 __device__ __forceinline__ float dot_w4g32a(const uint4& q, uint2 scale_min, const XChunk<32>& x) {
   const float scale = __uint_as_float(scale_min.x);
   const float min = __uint_as_float(scale_min.y);
-  return fmaf(scale, dot_centered_nibbles(q, x), (8.0f * scale - min) * x.sum);
+  return fmaf(scale, dot_centered_nibbles<D>(q, x), (8.0f * scale - min) * x.sum);
 }
 
 // w8: Σ q·x over 16 int8, times the group scale. q + 128 (the sign bit flipped) is placed by one
@@ -349,13 +368,15 @@ __device__ __forceinline__ float dot_chunk(const uint4& q, uint32_t scale_bits, 
   return dot_w4g32_q8(q, scale_from_bits(a, scale_bits), x);
 }
 
-template <PackedFormat F, typename Params>
+// D: how w4g32 / w4g32a nibbles meet the activations (NibbleDot: kBiased for bf16-valued x,
+// kCentered for fp32 x); the other formats' products are exact either way.
+template <PackedFormat F, NibbleDot D = NibbleDot::kBiased, typename Params>
 __device__ __forceinline__ float dot_chunk(const uint4& q, ScaleBits<F> scale_bits, const Params& a,
                                            const XChunk<kChunkElems<F>>& x) {
   if constexpr (F == PackedFormat::kW4G32) {
-    return dot_w4g32(q, scale_from_bits(a, scale_bits), x);
+    return dot_w4g32<D>(q, scale_from_bits(a, scale_bits), x);
   } else if constexpr (F == PackedFormat::kW4G32A) {
-    return dot_w4g32a(q, scale_bits, x);
+    return dot_w4g32a<D>(q, scale_bits, x);
   } else if constexpr (F == PackedFormat::kW8) {
     return dot_w8(q, scale_from_bits(a, scale_bits), x);
   } else if constexpr (F == PackedFormat::kNVFP4) {

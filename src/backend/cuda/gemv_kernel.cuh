@@ -151,6 +151,11 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   constexpr int64_t kPartialWords = gemv_partial_floats({R, T, W, G, MT}) / 4;
   uint4* staged = shared_words + kPartialWords;
   const bool staged_x = XT == ActType::kF32 && a.f32_products == F32Products::kBF16Staged;
+  // Exact fp32 activations meet w4g32 / w4g32a nibbles re-centred (NibbleDot::kCentered): the
+  // biased products of the bf16 paths would lose ~6 bits to cancellation here.
+  constexpr bool kNibbleFormat = F == WeightFormat::kW4G32 || F == WeightFormat::kW4G32A;
+  const bool centered_nibbles =
+      kNibbleFormat && XT == ActType::kF32 && a.f32_products == F32Products::kExact;
   for (int m0 = 0; m0 < a.m; m0 += MT) {
     if (staged_x) {
       // Rows m0 .. m0 + staged_rows − 1 of x, rounded to bf16; the previous m tile's reads of
@@ -233,6 +238,10 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
           for (int r = 0; r < R; ++r) {
             if constexpr (F == WeightFormat::kNVFP4 && XT != ActType::kQ8) {
               acc[mi][r] += dot_nvfp4_factors(weights[j][r], factors[r][0], factors[r][1], x);
+            } else if constexpr (kNibbleFormat && XT == ActType::kF32) {
+              acc[mi][r] += centered_nibbles ? dot_chunk<F, NibbleDot::kCentered>(
+                                                   weights[j][r], scale_bits[j][r], a, x)
+                                             : dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
             } else {
               acc[mi][r] += dot_chunk<F>(weights[j][r], scale_bits[j][r], a, x);
             }

@@ -246,7 +246,8 @@ struct DecodeGateUpArgs {
 };
 
 // Four blocks per SM (128 registers, no spills): one token's 704 blocks in 1.3 waves, not 1.8.
-template <PackedFormat F>
+// D: how w4g32 nibbles meet the (fp32) activations, NibbleDot::kCentered on the exact-fp32 path.
+template <PackedFormat F, NibbleDot D = NibbleDot::kBiased>
 __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(DecodeGateUpArgs a) {
   constexpr int R = kDecodeRows;
   constexpr int G = kGateUpChunksPerLane;
@@ -306,7 +307,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           acc[mat][r] +=
-              dot_chunk_unscaled<F>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
+              dot_chunk_unscaled<F, D>(weights[j][mat][r], scale_bits[j][mat][r], mats[mat], xc);
         }
       }
     }
@@ -336,7 +337,8 @@ struct DecodeDownArgs {
   int64_t out_stride;
 };
 
-template <PackedFormat F>
+// D: as decode_gate_up_kernel's.
+template <PackedFormat F, NibbleDot D = NibbleDot::kBiased>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDownArgs a) {
   constexpr int R = kDecodeRows;
   constexpr int G = kDownChunksPerLane;
@@ -410,7 +412,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         acc[r] += pick_weights[pick[j]] *
-                  dot_chunk_unscaled<F>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
+                  dot_chunk_unscaled<F, D>(weights[j][r], scale_bits[j][r], downs[pick[j]], xc);
       }
     }
   }
@@ -714,6 +716,9 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
       args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
   const bool mma_down =
       args.path == MoePath::kDecodeTensorCores && shape.down_format == PackedFormat::kNVFP4;
+  // MoePrecision::kExactF32's path multiplies w4g32 weights by the fp32 activations exactly
+  // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
+  const bool centered_nibbles = args.path == MoePath::kDecode;
   const int pairs = args.tokens * args.top_k;
   const DecodeGateUpArgs gate_up = {
       args.experts, shape.num_experts, args.expert_ids,
@@ -733,7 +738,11 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
     const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
     const size_t shared = decode_gate_up_shared_bytes(shape);
     status = for_format(shape.gate_up_format, [&](auto format) {
-      const auto kernel = decode_gate_up_kernel<decltype(format)::value>;
+      constexpr PackedFormat F = decltype(format)::value;
+      auto kernel = decode_gate_up_kernel<F>;
+      if constexpr (F == PackedFormat::kW4G32) {
+        if (centered_nibbles) kernel = decode_gate_up_kernel<F, NibbleDot::kCentered>;
+      }
       const cudaError_t allowed = allow_shared_bytes(kernel, shared);
       if (allowed != cudaSuccess) return allowed;
       return launch_kernel(kernel, grid, dim3(kDecodeWarps * 32), shared, launch, gate_up);
@@ -764,7 +773,11 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                        blocks(shape.hidden, kDecodeRowsPerBlock));
   const size_t down_shared = decode_down_shared_bytes(shape, args.top_k);
   return for_format(shape.down_format, [&](auto format) {
-    const auto kernel = decode_down_kernel<decltype(format)::value>;
+    constexpr PackedFormat F = decltype(format)::value;
+    auto kernel = decode_down_kernel<F>;
+    if constexpr (F == PackedFormat::kW4G32) {
+      if (centered_nibbles) kernel = decode_down_kernel<F, NibbleDot::kCentered>;
+    }
     const cudaError_t allowed = allow_shared_bytes(kernel, down_shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(kernel, down_grid, dim3(kDecodeWarps * 32), down_shared, launch, down);

@@ -43,15 +43,15 @@ __device__ __forceinline__ float apply_global_scale(const MoeMatrix& m, float su
 
 // dot_chunk without NVFP4's global scale: the decode kernels apply it once per output (its
 // division per group was ~10 % of their instructions). The sums then differ from the per-group
-// convention by fp32 rounding only.
-template <PackedFormat F>
+// convention by fp32 rounding only. D: dot_chunk's.
+template <PackedFormat F, NibbleDot D = NibbleDot::kBiased>
 __device__ __forceinline__ float dot_chunk_unscaled(const uint4& q, uint32_t scale_bits,
                                                     const MoeMatrix& m,
                                                     const XChunk<kChunkElems<F>>& x) {
   if constexpr (F == PackedFormat::kNVFP4) {
     return dot_nvfp4(q, scale_bits, NoGlobalScale{}, x);
   } else {
-    return dot_chunk<F>(q, scale_bits, m, x);
+    return dot_chunk<F, D>(q, scale_bits, m, x);
   }
 }
 
