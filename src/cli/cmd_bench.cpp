@@ -45,9 +45,6 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_pdl = false;
   bool fold = false;
-  double l2_prefetch_mb = -1;  // < 0: the engine's default (EngineOptions::prefetch_bytes)
-  double l2_prefetch_skip_mb = 0;
-  bool l2_prefetch_at_qkv = false;
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
@@ -462,10 +459,6 @@ Status Bench::write_report() const {
   std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
               args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on", activations_.c_str(),
               engine::kv_type_name(memory_plan_.options.kv_type));
-  const engine::EngineOptions& engine_options = memory_plan_.options;
-  std::printf("l2 prefetch: %.1f MB per layer (skip %.1f MB, issued at %s)\n",
-              engine_options.prefetch_bytes / 1e6, engine_options.prefetch_skip_bytes / 1e6,
-              engine_options.prefetch_at_qkv ? "qkv" : "attention");
   std::printf("sampling: %s\n", kGreedySampling);
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
@@ -513,9 +506,6 @@ Status Bench::write_report() const {
   json["graphs"] = !args_.no_graphs;
   json["pdl"] = !args_.no_pdl;
   json["fold_residual_steps"] = args_.fold;
-  json["l2_prefetch_bytes"] = memory_plan_.options.prefetch_bytes;
-  json["l2_prefetch_skip_bytes"] = memory_plan_.options.prefetch_skip_bytes;
-  json["l2_prefetch_at_qkv"] = memory_plan_.options.prefetch_at_qkv;
   json["activations"] = activations_;
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
   json["decode"] = nlohmann::ordered_json::array();
@@ -595,13 +585,6 @@ Status bench(BenchArgs args) {
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.fold_residual_steps = args.fold;
-  if (args.l2_prefetch_mb >= 0) {
-    load.engine.prefetch_bytes = static_cast<int64_t>(args.l2_prefetch_mb * 1e6);
-  }
-  if (args.l2_prefetch_skip_mb < 0)
-    return make_error(ErrorCode::kInvalidArgument, "--l2-prefetch-skip must be >= 0");
-  load.engine.prefetch_skip_bytes = static_cast<int64_t>(args.l2_prefetch_skip_mb * 1e6);
-  load.engine.prefetch_at_qkv = args.l2_prefetch_at_qkv;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
   load.threads = args.threads;
@@ -634,14 +617,6 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fold", args->fold,
                 "CUDA: fold residual steps into the next matmul's prologue instead of running "
                 "their own kernel (slower as measured; for A/B measurements)");
-  cmd->add_option("--l2-prefetch", args->l2_prefetch_mb,
-                  "MB of weights each decode layer asks to have pulled into the GPU's L2 ahead of "
-                  "their reads, from its o_proj on (0 = none; default: the engine's)");
-  cmd->add_option("--l2-prefetch-skip", args->l2_prefetch_skip_mb,
-                  "MB of those weights skipped before the prefetched ones (for measurements)");
-  cmd->add_flag("--l2-prefetch-at-qkv", args->l2_prefetch_at_qkv,
-                "issue each layer's prefetch as its QKV matmul starts instead of its attention "
-                "(for measurements)");
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);

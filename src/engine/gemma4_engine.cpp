@@ -150,7 +150,8 @@ struct Gemma4Engine::Impl {
   // L2 prefetch (Backend::prefetch_weights): per layer, the weight ranges a decode pass asks for at
   // the layer's issue point, and where that point is. Empty lists: none.
   std::vector<std::vector<WeightRange>> layer_prefetch;
-  void plan_l2_prefetch();
+  bool prefetch_before_attention = false;  // else after the attention kernel, before o_proj
+  void plan_l2_prefetch(int64_t skip_bytes, int64_t budget_bytes);
   void prefetch_layer(int l, std::span<const Segment> segments, int64_t n) {
     if (layer_prefetch.empty() || layer_prefetch[l].empty()) return;
     if (n != std::ssize(segments)) return;  // decode passes only: prefill reuses each weight
@@ -174,10 +175,10 @@ struct Gemma4Engine::Impl {
 
 // The decode pass reads its weights in one order: per layer the attention input projections, then
 // (from the layer's issue point on) o_proj, the dense MLP, the router and the PLE matrices, and
-// after the last layer lm_head. Layer l's list (EngineOptions::prefetch_bytes): the weights from
-// its o_proj on, prefetch_skip_bytes of them skipped, the next prefetch_bytes of them, in whole
-// rows (a matrix cut short contributes the head of its data and of its scales).
-void Gemma4Engine::Impl::plan_l2_prefetch() {
+// after the last layer lm_head (MoE experts are not known ahead). Layer l's list: the weights from
+// its issue point on, `skip_bytes` of them skipped, the next `budget_bytes` of them (whole rows:
+// a matrix cut short contributes the head of its data and of its scales).
+void Gemma4Engine::Impl::plan_l2_prefetch(int64_t skip_bytes, int64_t budget_bytes) {
   std::vector<const quant::QMatrix*> order;
   std::vector<size_t> window_start(config.num_layers);
   const auto read = [&](const quant::QMatrix& m) {
@@ -211,7 +212,7 @@ void Gemma4Engine::Impl::plan_l2_prefetch() {
 
   layer_prefetch.assign(config.num_layers, {});
   for (int l = 0; l < config.num_layers; ++l) {
-    int64_t skip = options.prefetch_skip_bytes, budget = options.prefetch_bytes;
+    int64_t skip = skip_bytes, budget = budget_bytes;
     for (size_t i = window_start[l]; i < order.size() && budget > 0; ++i) {
       const quant::QMatrix& m = *order[i];
       const int64_t data_row = quant::row_data_bytes(m), scale_row = quant::row_scale_bytes(m);
@@ -282,8 +283,8 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   if (g.owns_kv() && g.k_eq_v) backend->copy(keys, values);
 
   // The L2 prefetch's issue point (plan_l2_prefetch): its kernel starts with the QKV GEMV
-  // (EngineOptions::prefetch_at_qkv) or with the attention kernel.
-  if (options.prefetch_at_qkv) prefetch_layer(l, segments, n);
+  // (prefetch_before_attention) or with the attention kernel.
+  if (prefetch_before_attention) prefetch_layer(l, segments, n);
   std::vector<SequenceRows> sequence_rows;
   sequence_rows.reserve(segments.size());
   for (const Segment& s : segments) {
@@ -305,7 +306,7 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
         g.rope, sequence_rows, norm_params, g.window, config.attention_scale, out, chunk_limit);
   }
 
-  if (!options.prefetch_at_qkv) prefetch_layer(l, segments, n);
+  if (!prefetch_before_attention) prefetch_layer(l, segments, n);
   const int64_t H = config.hidden_size;
   Rows projected = rows(proj, n, H);
   backend->matmul(lw.o_proj, out, projected);
@@ -518,10 +519,6 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
                       "engine options: max_sequences, max_context and max_pass_tokens must all be "
                       ">= 1, ring_history >= 0");
   }
-  if (options.prefetch_bytes < 0 || options.prefetch_skip_bytes < 0) {
-    return make_error(ErrorCode::kInvalidArgument,
-                      "engine options: prefetch_bytes and prefetch_skip_bytes must be >= 0");
-  }
   if (!backend->supports_kv_type(options.kv_type)) {
     return make_error(ErrorCode::kUnsupported, "the {} backend does not keep a {} KV cache",
                       backend->name(), kv_type_name(options.kv_type));
@@ -536,7 +533,18 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
                           ? std::min(options.max_context, config.max_position_embeddings)
                           : options.max_context;
   impl->ring_history = ring_history_for(config, options);
-  if (options.prefetch_bytes > 0) impl->plan_l2_prefetch();
+  // Probe switch (session 8): GEMMA4_L2_PREFETCH=budget_MB[,skip_MB[,attn]].
+  if (const char* prefetch = std::getenv("GEMMA4_L2_PREFETCH"); prefetch != nullptr) {
+    const std::string spec = prefetch;
+    double budget_mb = 0, skip_mb = 0;
+    char point[16] = {};
+    if (std::sscanf(spec.c_str(), "%lf,%lf,%15s", &budget_mb, &skip_mb, point) >= 1 &&
+        budget_mb > 0) {
+      impl->prefetch_before_attention = std::string_view(point) == "attn";
+      impl->plan_l2_prefetch(static_cast<int64_t>(skip_mb * 1e6),
+                             static_cast<int64_t>(budget_mb * 1e6));
+    }
+  }
   // A KV-shared layer attends after its source layer wrote the whole pass: the pass must fit.
   impl->sequence_pass_limit = options.max_pass_tokens;
   for (const LayerGeometry& g : config.layers) {

@@ -70,15 +70,6 @@ struct EngineOptions {
   // The element type of every KV cache (the backend must support it: supports_kv_type). The CLI
   // picks bf16 on CUDA unless activations are exact fp32 (cli/model_loader.h).
   KvType kv_type = KvType::kF32;
-  // Decode passes ask the backend to pull weights into its cache before their reads
-  // (Backend::prefetch_weights): at each layer's issue point (as its attention kernel starts, or
-  // with prefetch_at_qkv as its QKV matmul starts) the next prefetch_bytes of the weights in
-  // read order from the layer's o_proj on (o_proj, dense MLP, router, PLE matrices, then the next
-  // layer's QKV and so on; MoE experts are not known ahead), after skipping prefetch_skip_bytes
-  // of them. 0: none.
-  int64_t prefetch_bytes = 0;
-  int64_t prefetch_skip_bytes = 0;
-  bool prefetch_at_qkv = false;
   // Debugging only (`gemma4 run --router-trace`): called after every MoE layer's routing with
   // what the backend computed. Each call downloads (a device sync per layer), so decode steps are
   // not recorded while it is set.
