@@ -156,12 +156,6 @@ class RecordedWork {
   virtual ~RecordedWork() = default;
 };
 
-// Bytes [data, data + bytes) of backend memory holding weights (Backend::prefetch_weights).
-struct WeightRange {
-  const void* data = nullptr;
-  int64_t bytes = 0;
-};
-
 // One row of Backend::summarize_logits: row `row` of the logits, summarised as `request` asks
 // (request.candidates > 0).
 struct LogitRowRequest {
@@ -222,11 +216,6 @@ class Backend {
   // then second().
   virtual void concurrently(int64_t rows, const std::function<void()>& first,
                             const std::function<void()>& second);
-
-  // A hint that the weights in `ranges` are read soon (by the operations enqueued after the next
-  // few): a device backend may start pulling them into a cache now, while the operations enqueued
-  // before it keep the memory bus idle. Changes no result. Default: nothing.
-  virtual void prefetch_weights(std::span<const WeightRange> ranges) { (void)ranges; }
 
   // Memory. allocate() zero-fills. upload/download copy between host memory and a buffer.
   virtual Buffer allocate(size_t bytes) = 0;

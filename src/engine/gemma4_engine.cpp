@@ -2,11 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdio>
-#include <cstdlib>
 #include <limits>
 #include <map>
-#include <string>
 
 #include "engine/resident_weights.h"
 
@@ -147,17 +144,6 @@ struct Gemma4Engine::Impl {
     pending = {};
   }
 
-  // L2 prefetch (Backend::prefetch_weights): per layer, the weight ranges a decode pass asks for at
-  // the layer's issue point, and where that point is. Empty lists: none.
-  std::vector<std::vector<WeightRange>> layer_prefetch;
-  bool prefetch_before_attention = false;  // else after the attention kernel, before o_proj
-  void plan_l2_prefetch(int64_t skip_bytes, int64_t budget_bytes);
-  void prefetch_layer(int l, std::span<const Segment> segments, int64_t n) {
-    if (layer_prefetch.empty() || layer_prefetch[l].empty()) return;
-    if (n != std::ssize(segments)) return;  // decode passes only: prefill reuses each weight
-    backend->prefetch_weights(layer_prefetch[l]);
-  }
-
   void forward(std::span<const Segment> segments, int64_t total_rows);
   // forward(), then the logits of every segment that ends its input, in rows of `logits` in
   // segment order; returns how many.
@@ -172,68 +158,6 @@ struct Gemma4Engine::Impl {
   void trace_routing(int l, int64_t n);
   void per_layer_inputs(int64_t n, Rows h0);
 };
-
-// The decode pass reads its weights in one order: per layer the attention input projections, then
-// (from the layer's issue point on) o_proj, the dense MLP, the router and the PLE matrices, and
-// after the last layer lm_head (MoE experts are not known ahead). Layer l's list: the weights from
-// its issue point on, `skip_bytes` of them skipped, the next `budget_bytes` of them (whole rows:
-// a matrix cut short contributes the head of its data and of its scales).
-void Gemma4Engine::Impl::plan_l2_prefetch(int64_t skip_bytes, int64_t budget_bytes) {
-  std::vector<const quant::QMatrix*> order;
-  std::vector<size_t> window_start(config.num_layers);
-  const auto read = [&](const quant::QMatrix& m) {
-    if (model::present(m)) order.push_back(&m);
-  };
-  for (int l = 0; l < config.num_layers; ++l) {
-    const ResidentLayer& lw = weights.layers[l];
-    if (model::present(lw.qkv)) {
-      read(lw.qkv);
-    } else {
-      read(lw.q_proj);
-      if (config.layers[l].owns_kv()) {
-        read(lw.k_proj);
-        if (!config.layers[l].k_eq_v) read(lw.v_proj);
-      }
-    }
-    window_start[l] = order.size();
-    read(lw.o_proj);
-    if (model::present(lw.gate_up)) {
-      read(lw.gate_up);
-    } else {
-      read(lw.gate_proj);
-      read(lw.up_proj);
-    }
-    read(lw.down_proj);
-    read(lw.router_proj);
-    read(lw.per_layer_input_gate);
-    read(lw.per_layer_projection);
-  }
-  read(weights.lm_head);
-
-  layer_prefetch.assign(config.num_layers, {});
-  for (int l = 0; l < config.num_layers; ++l) {
-    int64_t skip = skip_bytes, budget = budget_bytes;
-    for (size_t i = window_start[l]; i < order.size() && budget > 0; ++i) {
-      const quant::QMatrix& m = *order[i];
-      const int64_t data_row = quant::row_data_bytes(m), scale_row = quant::row_scale_bytes(m);
-      const int64_t row_bytes = data_row + scale_row;
-      if (skip >= m.rows * row_bytes) {
-        skip -= m.rows * row_bytes;
-        continue;
-      }
-      const int64_t first_row = skip / row_bytes;
-      skip = 0;
-      const int64_t take = std::min(m.rows - first_row, (budget + row_bytes - 1) / row_bytes);
-      budget -= take * row_bytes;
-      layer_prefetch[l].push_back(
-          {static_cast<const char*>(m.data) + first_row * data_row, take * data_row});
-      if (m.scales != nullptr && scale_row > 0) {
-        layer_prefetch[l].push_back(
-            {static_cast<const char*>(m.scales) + first_row * scale_row, take * scale_row});
-      }
-    }
-  }
-}
 
 void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
   // arch spec 2.3: ple[l] = (RMSNorm(h0 · Wplmᵀ · H^-1/2) + Eple[tok] · √P) · 2^-1/2
@@ -282,9 +206,6 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   // V is the raw K projection (before k_norm and RoPE).
   if (g.owns_kv() && g.k_eq_v) backend->copy(keys, values);
 
-  // The L2 prefetch's issue point (plan_l2_prefetch): its kernel starts with the QKV GEMV
-  // (prefetch_before_attention) or with the attention kernel.
-  if (prefetch_before_attention) prefetch_layer(l, segments, n);
   std::vector<SequenceRows> sequence_rows;
   sequence_rows.reserve(segments.size());
   for (const Segment& s : segments) {
@@ -306,7 +227,6 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
         g.rope, sequence_rows, norm_params, g.window, config.attention_scale, out, chunk_limit);
   }
 
-  if (!prefetch_before_attention) prefetch_layer(l, segments, n);
   const int64_t H = config.hidden_size;
   Rows projected = rows(proj, n, H);
   backend->matmul(lw.o_proj, out, projected);
@@ -533,18 +453,6 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
                           ? std::min(options.max_context, config.max_position_embeddings)
                           : options.max_context;
   impl->ring_history = ring_history_for(config, options);
-  // Probe switch (session 8): GEMMA4_L2_PREFETCH=budget_MB[,skip_MB[,attn]].
-  if (const char* prefetch = std::getenv("GEMMA4_L2_PREFETCH"); prefetch != nullptr) {
-    const std::string spec = prefetch;
-    double budget_mb = 0, skip_mb = 0;
-    char point[16] = {};
-    if (std::sscanf(spec.c_str(), "%lf,%lf,%15s", &budget_mb, &skip_mb, point) >= 1 &&
-        budget_mb > 0) {
-      impl->prefetch_before_attention = std::string_view(point) == "attn";
-      impl->plan_l2_prefetch(static_cast<int64_t>(skip_mb * 1e6),
-                             static_cast<int64_t>(budget_mb * 1e6));
-    }
-  }
   // A KV-shared layer attends after its source layer wrote the whole pass: the pass must fit.
   impl->sequence_pass_limit = options.max_pass_tokens;
   for (const LayerGeometry& g : config.layers) {

@@ -4,9 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <numeric>
-#include <string_view>
 #include <tuple>
 
 #include "backend/cuda/attention.h"
@@ -15,7 +13,6 @@
 #include "backend/cuda/fused_ops.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
-#include "backend/cuda/l2_prefetch.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
@@ -139,9 +136,6 @@ CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
             "attention merge counters");
   }
   active_stream_ = stream_;
-  // Probe switch (session 8): prefetched lines marked evict_last.
-  const char* evict_last = std::getenv("GEMMA4_L2_PREFETCH_EVICT_LAST");
-  l2_prefetch_evict_last_ = evict_last != nullptr && std::string_view(evict_last) == "1";
 }
 
 CudaBackend::~CudaBackend() {
@@ -323,26 +317,6 @@ void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
   check(cudaStreamWaitEvent(stream_, join_event_, 0), "concurrently (join)");
   // Each branch's bookkeeping missed the other's writes.
   live_companions_.clear();
-}
-
-void CudaBackend::prefetch_weights(std::span<const engine::WeightRange> ranges) {
-  if (!status_.ok() || ranges.empty()) return;
-  if (l2_prefetch_blocks_ == 0) {
-    check(cudaDeviceGetAttribute(&l2_prefetch_blocks_, cudaDevAttrMultiProcessorCount, device_),
-          "multiprocessor count");
-    if (!status_.ok()) return;
-  }
-  const ReportingWrites reporting(*this);  // it writes nothing: live companions stay live
-  for (size_t first = 0; first < ranges.size(); first += L2PrefetchRanges::kMaxRanges) {
-    L2PrefetchRanges batch;
-    batch.evict_last = l2_prefetch_evict_last_;
-    for (size_t i = first; i < ranges.size() && batch.count < L2PrefetchRanges::kMaxRanges; ++i) {
-      batch.begin[batch.count] = ranges[i].data;
-      batch.bytes[batch.count] = static_cast<uint64_t>(ranges[i].bytes);
-      ++batch.count;
-    }
-    launched(prefetch_l2(batch, l2_prefetch_blocks_, launch()), "L2 prefetch");
-  }
 }
 
 // The synchronisation keeps work enqueued before the range out of it (and work enqueued inside

@@ -94,9 +94,6 @@ class CudaBackend final : public engine::Backend {
   void concurrently(int64_t rows, const std::function<void()>& first,
                     const std::function<void()>& second) override;
 
-  // One l2_prefetch kernel (l2_prefetch.h) per 32 ranges, a block per SM.
-  void prefetch_weights(std::span<const engine::WeightRange> ranges) override;
-
   engine::Buffer allocate(size_t bytes) override;
   void upload(void* dst, const void* src, size_t bytes) override;
   // Waits for everything enqueued before it.
@@ -345,8 +342,6 @@ class CudaBackend final : public engine::Backend {
   // add_rms_norm_matmul's done counters (GemvResidualNorm), one per residual it updates (two
   // folded GEMVs updating the same residual never run at once), zero between launches.
   std::map<const float*, engine::Buffer> fold_counters_;
-  int l2_prefetch_blocks_ = 0;  // prefetch_weights' grid: the SM count, queried on first use
-  bool l2_prefetch_evict_last_ = false;
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
