@@ -45,6 +45,7 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_pdl = false;
   bool fold = false;
+  bool step_times = false;
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
@@ -125,7 +126,8 @@ class ProfilerRange {
 struct DecodeResult {
   int batch = 0;
   int64_t depth = 0;
-  double tok_per_s = 0;  // all streams together
+  double tok_per_s = 0;                           // all streams together
+  std::optional<engine::ReplayTimes> step_times;  // --step-times, where the backend times them
 };
 
 struct PrefillResult {
@@ -266,8 +268,10 @@ class Bench {
     for (int64_t depth : depths) {
       progress(fmt::format("decode at depth {} (prefill first)", depth));
       const auto* profiled = profiled_backend("decode", depth == depths.back(), loaded);
-      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(engine, 1, depth, profiled));
-      decode_.push_back({1, depth, rate});
+      std::optional<engine::ReplayTimes> step_times;
+      GEMMA4_ASSIGN_OR_RETURN(
+          double rate, decode_rate(engine, 1, depth, profiled, *loaded.backend, &step_times));
+      decode_.push_back({1, depth, rate, step_times});
       sample_memory();  // backend scratch grows with the depth
     }
     std::vector<int64_t> lengths;
@@ -306,8 +310,10 @@ class Bench {
       if (batch < 2) continue;
       progress(fmt::format("decode of {} streams", batch));
       const auto* profiled = profiled_backend("batched", batch == batches.back(), loaded);
-      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, depth, profiled));
-      decode_.push_back({batch, depth, rate});
+      std::optional<engine::ReplayTimes> step_times;
+      GEMMA4_ASSIGN_OR_RETURN(double rate, decode_rate(*loaded.engine, batch, depth, profiled,
+                                                       *loaded.backend, &step_times));
+      decode_.push_back({batch, depth, rate, step_times});
     }
     return Status::ok_status();
   }
@@ -331,8 +337,11 @@ class Bench {
   // Opens `batch` sequences, prefills each to `depth` (at least 1 token), decodes two untimed
   // steps, then times decode_tokens steps of one token per stream (in `profiled`'s profiler range
   // when given).
+  // With --step-times, the device's view of those steps (Backend::time_replays) goes to
+  // *step_times.
   Expected<double> decode_rate(engine::Engine& engine, int batch, int64_t depth,
-                               const engine::Backend* profiled) {
+                               const engine::Backend* profiled, const engine::Backend& backend,
+                               std::optional<engine::ReplayTimes>* step_times) {
     TokenStream tokens(engine.vocab_size());
     std::vector<engine::SequenceId> sequences;
     for (int b = 0; b < batch; ++b) {
@@ -358,12 +367,17 @@ class Bench {
                           batch == 1 ? fmt::format("decode depth {}", depth)
                                      : fmt::format("decode of {} streams at depth {}", batch,
                                                    std::max<int64_t>(depth, 1)));
+      if (args_.step_times) backend.time_replays(true);
       const auto start = Clock::now();
       for (int i = 0; i < args_.decode_tokens; ++i) {
         range.mark_step();
         GEMMA4_RETURN_IF_ERROR(step());
       }
       elapsed = seconds_since(start);
+      if (args_.step_times) {
+        backend.time_replays(false);
+        *step_times = backend.replay_times();
+      }
     }
     sample_memory();
     for (auto sequence : sequences) engine.close_sequence(sequence);
@@ -479,6 +493,17 @@ Status Bench::write_report() const {
                 static_cast<long long>(d.depth), d.tok_per_s, 1e3 * d.batch / d.tok_per_s,
                 weights_gbs(d), 100 * weights_gbs(d) / args_.bandwidth_gbs);
   }
+  for (const auto& d : decode_) {
+    if (!d.step_times || d.step_times->replays == 0) continue;
+    const engine::ReplayTimes& t = *d.step_times;
+    const double n = static_cast<double>(t.replays);
+    const double step_us = 1e6 * d.batch / d.tok_per_s;
+    std::printf(
+        "step times (batch %d, depth %lld, %lld replays): device idle before the graph %.1f us "
+        "(%.1f%% of the step), graph %.1f us, after it %.1f us\n",
+        d.batch, static_cast<long long>(d.depth), static_cast<long long>(t.replays), t.idle_us / n,
+        100 * t.idle_us / n / step_us, t.replay_us / n, t.tail_us / n);
+  }
   std::printf("%-8s %6s %8s %12s %10s\n", "prefill", "", "tokens", "tok/s", "ms");
   for (const auto& p : prefill_) {
     std::printf("%-8s %6s %8lld %12.1f %10.2f\n", "", "", static_cast<long long>(p.tokens),
@@ -515,6 +540,14 @@ Status Bench::write_report() const {
                               {"tok_per_s", d.tok_per_s},
                               {"weights_gbs", weights_gbs(d)},
                               {"bandwidth_pct", 100 * weights_gbs(d) / args_.bandwidth_gbs}});
+    if (d.step_times && d.step_times->replays > 0) {
+      const engine::ReplayTimes& t = *d.step_times;
+      const double n = static_cast<double>(t.replays);
+      json["decode"].back()["step_times_us"] = {{"replays", t.replays},
+                                                {"idle_before_graph", t.idle_us / n},
+                                                {"graph", t.replay_us / n},
+                                                {"after_graph", t.tail_us / n}};
+    }
   }
   json["prefill"] = nlohmann::ordered_json::array();
   for (const auto& p : prefill_)
@@ -617,6 +650,10 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fold", args->fold,
                 "CUDA: fold residual steps into the next matmul's prologue instead of running "
                 "their own kernel (slower as measured; for A/B measurements)");
+  cmd->add_flag("--step-times", args->step_times,
+                "CUDA: time the timed decode steps with device events and print, per step, how "
+                "long the device sat idle before the step's graph (host work between steps), the "
+                "graph and what runs after it");
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);

@@ -156,6 +156,18 @@ class RecordedWork {
   virtual ~RecordedWork() = default;
 };
 
+// Device time around replayed recordings (Backend::time_replays), summed over the replays that
+// followed a synchronising read (download, summarize_logits): idle is the device's time from that
+// read's end to the replay's start (host work, uploads, the launch call: the host's gap between
+// steps), replay from its start to its end, tail from its end to the next synchronising read's
+// end (work enqueued after it: the logits summary and its copy).
+struct ReplayTimes {
+  int64_t replays = 0;
+  double idle_us = 0;
+  double replay_us = 0;
+  double tail_us = 0;
+};
+
 // One row of Backend::summarize_logits: row `row` of the logits, summarised as `request` asks
 // (request.candidates > 0).
 struct LogitRowRequest {
@@ -194,6 +206,13 @@ class Backend {
   // diagnostic that leaves the computation alone. No-op on backends no such profiler sees.
   virtual void begin_profiler_range() const {}
   virtual void end_profiler_range() const {}
+
+  // Diagnostic (`gemma4 bench --step-times`): time_replays(true) starts (from zero) timing
+  // replays with device events, time_replays(false) stops; replay_times() is what was timed, or
+  // nullopt where the backend cannot time them. Const like kernels_launched: the computation
+  // stays the same (each timed step records a few events).
+  virtual void time_replays(bool on) const { (void)on; }
+  virtual std::optional<ReplayTimes> replay_times() const { return std::nullopt; }
 
   // Recording, for decode steps whose launches would otherwise cost more than their kernels.
   // record() captures the operations `enqueue` issues WITHOUT running them; replay() runs them,

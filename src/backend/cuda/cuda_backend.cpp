@@ -17,6 +17,7 @@
 #include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/prefill_matmul.h"
+#include "backend/cuda/replay_timer.h"
 #include "quant/qmatrix.h"
 
 namespace gemma4::cuda {
@@ -239,7 +240,9 @@ void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
   const ReportingWrites reporting(*this);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
+  if (timing_replays_) replay_timer_->before_sync(stream_);
   check(cudaStreamSynchronize(stream_), "download (synchronize)");
+  if (timing_replays_) replay_timer_->after_sync();
 }
 
 namespace {
@@ -287,8 +290,25 @@ std::unique_ptr<engine::RecordedWork> CudaBackend::record(const std::function<vo
 
 void CudaBackend::replay(engine::RecordedWork& work) {
   auto& graph = static_cast<CudaGraph&>(work);
-  launched(cudaGraphLaunch(graph.exec(), launch().stream), "graph replay",
+  const cudaStream_t stream = launch().stream;
+  if (timing_replays_) replay_timer_->before_replay(stream);
+  launched(cudaGraphLaunch(graph.exec(), stream), "graph replay",
            static_cast<int>(graph.kernels()));
+  if (timing_replays_) replay_timer_->after_replay(stream);
+}
+
+void CudaBackend::time_replays(bool on) const {
+  if (on) {
+    cudaSetDevice(device_);
+    replay_timer_ = std::make_unique<ReplayTimer>();
+    if (!replay_timer_->start()) replay_timer_.reset();
+  }
+  timing_replays_ = on && replay_timer_ != nullptr;
+}
+
+std::optional<engine::ReplayTimes> CudaBackend::replay_times() const {
+  if (replay_timer_ == nullptr) return std::nullopt;
+  return replay_timer_->times();
 }
 
 void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,

@@ -59,6 +59,7 @@ enum class ActivationMode : uint8_t { kF32, kBF16, kQ8 };
 inline constexpr ActivationMode kDefaultActivationMode = ActivationMode::kBF16;
 
 class CublasContext;  // prefill_matmul.h
+class ReplayTimer;    // replay_timer.h
 struct MatrixView;    // backend_kernels.h
 struct RowsView;      // elementwise.h
 
@@ -80,6 +81,10 @@ class CudaBackend final : public engine::Backend {
   // cudaProfilerStart / cudaProfilerStop, each after a stream synchronisation.
   void begin_profiler_range() const override;
   void end_profiler_range() const override;
+
+  // ReplayTimer (replay_timer.h) around every replay and synchronising read while on.
+  void time_replays(bool on) const override;
+  std::optional<engine::ReplayTimes> replay_times() const override;
 
   // Stream capture into a CUDA graph (thread-local mode: another thread's allocations stay
   // legal while this one captures), replayed with one cudaGraphLaunch.
@@ -342,6 +347,10 @@ class CudaBackend final : public engine::Backend {
   // add_rms_norm_matmul's done counters (GemvResidualNorm), one per residual it updates (two
   // folded GEMVs updating the same residual never run at once), zero between launches.
   std::map<const float*, engine::Buffer> fold_counters_;
+  // time_replays: the timer of the last timing (kept after it stops, for replay_times) and
+  // whether it runs now.
+  mutable std::unique_ptr<ReplayTimer> replay_timer_;
+  mutable bool timing_replays_ = false;
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile

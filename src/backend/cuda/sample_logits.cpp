@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/replay_timer.h"
 
 namespace gemma4::cuda {
 
@@ -101,7 +102,9 @@ void CudaBackend::summarize_logits(engine::Rows logits,
   check(cudaMemcpyAsync(host + layout.keys, keys, layout.scratch - layout.keys,
                         cudaMemcpyDeviceToHost, on.stream),
         "summarize_logits (download)");
+  if (timing_replays_) replay_timer_->before_sync(on.stream);
   check(cudaStreamSynchronize(on.stream), "summarize_logits (synchronize)");
+  if (timing_replays_) replay_timer_->after_sync();
   if (!status_.ok()) return;
 
   const auto* top_keys = reinterpret_cast<const uint64_t*>(host + layout.keys);
