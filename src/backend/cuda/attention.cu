@@ -34,6 +34,7 @@
 #include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
@@ -75,28 +76,36 @@ struct AttentionArgs {
   int* merge_counters;
 };
 
-// How many keys a query at `query_position` scans: the slots of positions (P − n, P], n = P + 1
-// capped by the slots and the window. Key j is slot (scan_start + j) % slots, so key n − 1 holds
-// P itself; the recorded positions still decide what is visible (a slot may be empty or stale).
-__device__ __forceinline__ int64_t scanned_keys(int64_t slots, int32_t query_position, int window) {
-  const int64_t keys = min(slots, static_cast<int64_t>(query_position) + 1);
-  return window > 0 ? min(keys, static_cast<int64_t>(window)) : keys;
-}
+// The keys a query at `query_position` scans, n = P + 1 capped by the slots and the window: the
+// slots of positions (P − n, P]. Key j is slot (first_slot + j) % slots, so key n − 1 holds P
+// itself; the recorded positions still decide what is visible (a slot may be empty or stale). The
+// keys are cut into split ranges of `per_split` (at least kMinKeysPerSplit, so a shallow cache uses
+// few of the launch's splits); `splits` of them hold keys (at least one, which writes zeros when
+// nothing is visible).
+struct ScannedKeys {
+  int64_t count, first_slot, slots, per_split;
+  int splits;
 
-__device__ __forceinline__ int64_t scan_start(int64_t slots, int32_t query_position,
-                                              int64_t scanned) {
-  return (query_position + 1 - scanned) % slots;
-}
+  __device__ __forceinline__ int64_t slot_of(int64_t j) const {
+    const int64_t slot = first_slot + j;  // j < count <= slots
+    return slot < slots ? slot : slot - slots;
+  }
+  __device__ __forceinline__ int64_t split_begin(int split) const { return split * per_split; }
+  __device__ __forceinline__ int64_t split_end(int split) const {
+    return min(count, split_begin(split) + per_split);
+  }
+};
 
-// Keys per split block: at least kMinKeysPerSplit, so a shallow cache uses few of the splits.
-__device__ __forceinline__ int64_t keys_per_split(int64_t scanned, int splits) {
-  return max(kMinKeysPerSplit, (scanned + splits - 1) / splits);
-}
-
-// The split blocks that hold keys (at least one, which writes zeros when nothing is visible).
-__device__ __forceinline__ int used_splits(int64_t scanned, int splits) {
-  const int64_t per_split = keys_per_split(scanned, splits);
-  return static_cast<int>(max(int64_t{1}, (scanned + per_split - 1) / per_split));
+__device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query_position,
+                                                    int window, int max_splits) {
+  ScannedKeys k;
+  k.slots = slots;
+  k.count = min(slots, static_cast<int64_t>(query_position) + 1);
+  if (window > 0) k.count = min(k.count, static_cast<int64_t>(window));
+  k.first_slot = (query_position + 1 - k.count) % slots;
+  k.per_split = max(kMinKeysPerSplit, (k.count + max_splits - 1) / max_splits);
+  k.splits = static_cast<int>(max(int64_t{1}, (k.count + k.per_split - 1) / k.per_split));
+  return k;
 }
 
 // The floats of N 32-bit words of K/V elements: 1, 2 or 4 per word (fp32, bf16, e4m3).
@@ -164,7 +173,7 @@ struct Tiling {
   }
 };
 
-// How the blocks of one (sequence, kv head) share its work: `splits` key ranges (used_splits) ×
+// How the blocks of one (sequence, kv head) share its work: `splits` key ranges (ScannedKeys) ×
 // `parts` subsets of `heads_per_part` q heads of the group. A shallow cache uses few key ranges,
 // so the launch's other blocks take q heads instead: every head's chain of loads then runs on its
 // own SM rather than all of them one after another through one block.
@@ -172,9 +181,7 @@ struct BlockWork {
   int splits, parts, heads_per_part;
 };
 
-__device__ __forceinline__ BlockWork block_work(int64_t scanned, int max_splits, int blocks,
-                                                int group) {
-  const int splits = used_splits(scanned, max_splits);
+__device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
   const int parts = max(1, min(group, blocks / splits));
   const int heads_per_part = (group + parts - 1) / parts;
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
@@ -300,17 +307,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
-  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
-  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
-  const BlockWork work = block_work(scanned, a.splits, gridDim.x, a.group);
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
+  const int64_t scanned = scan.count;
+  const BlockWork work = block_work(scan.splits, gridDim.x, a.group);
   if (static_cast<int>(blockIdx.x) >= work.splits * work.parts) return;  // the merge skips it
   const int split = blockIdx.x / work.parts;
   const int part = blockIdx.x % work.parts;
   const int first_head = part * work.heads_per_part;  // of the group
   const int heads = min(work.heads_per_part, a.group - first_head);
-  const int64_t per_split = keys_per_split(scanned, a.splits);
-  const int64_t begin = split * per_split;
-  const int64_t end = min(scanned, begin + per_split);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
   // every block of its split takes it from shared memory, never from the cache, which the part-0
   // block writes meanwhile. The tiles stop before it.
@@ -321,11 +327,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
-  // The slot of key j (< scanned <= slots).
-  auto slot_of = [&](int64_t j) {
-    const int64_t slot = first_slot + j;
-    return slot < sequence.slots ? slot : slot - sequence.slots;
-  };
   // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past
   // loaded_end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
@@ -342,15 +343,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
         const int chunk = c % T::kRowChunks;
         const int64_t j = first_key + key;
         if (j < loaded_end) {
-          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
-                              chunk * T::kChunkElems;
+          const KvT* source = (is_value ? values : keys) +
+                              (scan.slot_of(j) * a.kv_heads + kv) * HD + chunk * T::kChunkElems;
           copy_async16(base + c * kChunkBytes, source);
         }
       }
       if (threadIdx.x < T::kTileKeys) {
         const int64_t j = first_key + threadIdx.x;
         if (j < loaded_end) {
-          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + slot_of(j));
+          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + scan.slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
         }
@@ -366,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   if constexpr (kPrepare) {
     run_prologue<HD>(a, sequence, constants,
                      head_rotation(constants.q, HD / 2, query_position, lane), row, kv, first_head,
-                     heads, query_position, makes_new_key, part == 0, slot_of(scanned - 1),
+                     heads, query_position, makes_new_key, part == 0, scan.slot_of(scanned - 1),
                      const_cast<float*>(prepared_q), new_kv, warp, lane);
   }
 
@@ -592,39 +593,11 @@ struct MmaTiling {
   }
 };
 
-// Four 8×8 b16 matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8;
-// lane (g = l / 4, t = l % 4) receives row g, elements 2t and 2t + 1 of each (transposed first
-// with kTranspose). volatile, with a memory clobber: it reads what cp.async and other lanes wrote
-// before a barrier.
-template <bool kTranspose>
-__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const void* p) {
-  if constexpr (kTranspose) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p))
-                 : "memory");
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p))
-                 : "memory");
-  }
-}
-
 // The transpose of an 8×8 b16 matrix held as one fragment (lane (g, t): row g, elements 2t, 2t+1).
 __device__ __forceinline__ uint32_t transpose_fragment(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
-}
-
-// d += a · b, m16n8k16, bf16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // x0, x1 as two bf16 pairs hi + lo (the first value in the low halves): hi rounds x, lo rounds
@@ -639,12 +612,119 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
   return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
+// The records that merge_in_last_block combines: head g's record of split s at
+// records + (g · a.splits + s) · (HD + 2), read from L2, where the other blocks wrote them. Thread
+// x combines outputs (head · HD + dim) x, x + kThreads, ... of the group's heads · HD, kDims of
+// them and kSplits splits of each at a time: kDims · kSplits loads in flight (one SM reads the
+// records at the L2's pace, not one round trip per split). heads · HD is a multiple of the block's
+// threads, so each step is warp-uniform and a warp's 32 outputs are consecutive dims of one head
+// (the q8 companion's chunk).
+template <int HD, int kDims, int kSplits>
+struct SplitRecords {
+  const AttentionArgs& a;
+  const float* records;
+  int splits, outputs;
+
+  // The values of batch (first_idx, first_split) (0 past the outputs or the splits).
+  __device__ __forceinline__ void load(int first_idx, int first_split,
+                                       float (&loaded)[kDims][kSplits]) const {
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      const int idx = first_idx + i * kThreads;
+      const float* values =
+          records + (idx / HD * a.splits + first_split) * int64_t{HD + 2} + 2 + idx % HD;
+#pragma unroll
+      for (int u = 0; u < kSplits; ++u) {
+        loaded[i][u] =
+            idx < outputs && first_split + u < splits ? __ldcg(values + u * (HD + 2)) : 0.0f;
+      }
+    }
+  }
+
+  // Weighs and combines the splits (`weight`: [heads][splits], `total`: [heads] in shared
+  // memory) into the outputs and their companions. The first batch is `first` (loaded before the
+  // weights were known, so that its round trip overlaps theirs).
+  __device__ __forceinline__ void combine(int64_t row, int kv, const float* weight,
+                                          const float* total,
+                                          float (&first)[kDims][kSplits]) const {
+    for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
+      float value[kDims] = {};
+      for (int first_split = 0; first_split < splits; first_split += kSplits) {
+        if (first_idx != static_cast<int>(threadIdx.x) || first_split != 0) {
+          load(first_idx, first_split, first);
+        }
+#pragma unroll
+        for (int i = 0; i < kDims; ++i) {
+          const int idx = first_idx + i * kThreads;
+          const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
+#pragma unroll
+          for (int u = 0; u < kSplits; ++u) {
+            if (first_split + u < splits) value[i] = fmaf(w[u], first[i][u], value[i]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        if (idx >= outputs) break;  // warp-uniform
+        const int g = idx / HD;
+        const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
+        const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
+        a.out[row * a.out_stride + column] = result[0];
+        store_companions<1>(a.out_companions, row, column, result);
+      }
+    }
+  }
+};
+
+// The last block's merge (merge_in_last_block) with SplitRecords<HD, kDims, kSplits>: the first
+// batch of values in flight while warp w weighs the splits of heads w, w + kWarps, ... (lane l
+// taking splits l and l + 32: one round trip for the records' (max, sum), two warp reductions).
+// `scratch`: shared memory for heads · (splits + 1) floats.
+template <int HD, int kDims, int kSplits>
+__device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t row, int kv,
+                                              int heads, int splits, const float* records,
+                                              float* scratch) {
+  const SplitRecords<HD, kDims, kSplits> merge = {a, records, splits, heads * HD};
+  float first[kDims][kSplits];
+  merge.load(threadIdx.x, 0, first);
+  float* weight = scratch;                  // [heads][splits]: exp(max_s − max)
+  float* total = scratch + heads * splits;  // [heads]: Σ_s weight_s · sum_s
+  static_assert(kMaxMergedInKernelSplits <= 64);
+  const int lane = threadIdx.x & 31;
+  for (int g = threadIdx.x >> 5; g < heads; g += kWarps) {
+    float split_max[2], split_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      const float* record = records + (g * a.splits + s) * int64_t{HD + 2};
+      split_max[i] = s < splits ? __ldcg(record) : -INFINITY;
+      split_sum[i] = s < splits ? __ldcg(record + 1) : 0.0f;
+    }
+    const float head_max = chunk_reduce<32>(fmaxf(split_max[0], split_max[1]),
+                                            [](float x, float y) { return fmaxf(x, y); });
+    float head_total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      const float w =
+          head_max == -INFINITY || split_max[i] == -INFINITY ? 0.0f : expf(split_max[i] - head_max);
+      if (s < splits) weight[g * splits + s] = w;
+      head_total = fmaf(w, split_sum[i], head_total);
+    }
+    head_total = chunk_reduce<32>(head_total, [](float x, float y) { return x + y; });
+    if (lane == 0) total[g] = head_total;
+  }
+  __syncthreads();
+  merge.combine(row, kv, weight, total, first);
+}
+
 // The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
 // written its partial records: each split block of a (sequence, kv head) counts itself in; the
 // last to arrive (all the others' records are then visible: each fenced them before counting)
 // resets the counter for the next launch and combines the records of the group's q heads as
 // merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
-// heads · (2 · splits + 1) floats; `last`: a shared flag.
+// heads · (splits + 1) floats; `last`: a shared flag.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
                                                     int heads, int splits, float* scratch,
@@ -662,77 +742,14 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
   __syncthreads();
   if (!last) return;
-  constexpr int64_t kRecord = HD + 2;
-  // Head g's record of split s at group_records + (g · a.splits + s) · kRecord; read from L2,
-  // where the other blocks wrote them.
-  const float* group_records =
+  const float* records =
       a.partials +
-      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * kRecord;
-  float* weight = scratch;                      // [heads][splits]: first each split's max
-  float* split_sum = scratch + heads * splits;  // [heads][splits]
-  float* total = scratch + 2 * heads * splits;  // [heads]
-  for (int i = threadIdx.x; i < heads * splits; i += kThreads) {
-    const float* record = group_records + (i / splits * a.splits + i % splits) * kRecord;
-    weight[i] = __ldcg(record);
-    split_sum[i] = __ldcg(record + 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < heads) {
-    const int g = threadIdx.x;
-    float* w = weight + g * splits;
-    float global_max = -INFINITY;
-    for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, w[s]);
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float m = w[s];
-      w[s] = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
-      sum += w[s] * split_sum[g * splits + s];
-    }
-    total[g] = sum;
-  }
-  __syncthreads();
-  // Thread x combines dims x, x + kThreads, ... of the group's heads · HD outputs, kDims of them
-  // and kSplits splits of each at a time (kDims · kSplits loads in flight: one SM reads the
-  // records at the L2's pace, not one round trip per split). heads · HD is a multiple of the
-  // block's threads, so each step is warp-uniform and a warp's 32 dims are consecutive dims of
-  // one head (the q8 companion's chunk).
-  constexpr int kDims = 4, kSplits = 16;
-  const int outputs = heads * HD;
-  for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
-    float value[kDims] = {};
-    for (int first_split = 0; first_split < splits; first_split += kSplits) {
-      float loaded[kDims][kSplits];
-#pragma unroll
-      for (int i = 0; i < kDims; ++i) {
-        const int idx = first_idx + i * kThreads;
-        const float* records =
-            group_records + (idx / HD * a.splits + first_split) * kRecord + 2 + idx % HD;
-#pragma unroll
-        for (int u = 0; u < kSplits; ++u) {
-          loaded[i][u] =
-              idx < outputs && first_split + u < splits ? __ldcg(records + u * kRecord) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kDims; ++i) {
-        const int idx = first_idx + i * kThreads;
-        const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
-#pragma unroll
-        for (int u = 0; u < kSplits; ++u) {
-          if (first_split + u < splits) value[i] = fmaf(w[u], loaded[i][u], value[i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kDims; ++i) {
-      const int idx = first_idx + i * kThreads;
-      if (idx >= outputs) break;  // warp-uniform
-      const int g = idx / HD;
-      const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
-      const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
-      a.out[row * a.out_stride + column] = result[0];
-      store_companions<1>(a.out_companions, row, column, result);
-    }
+      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * int64_t{HD + 2};
+  // 64 values in flight per thread: a small group's few outputs take more splits at once.
+  if (heads * HD <= 2 * kThreads) {
+    merge_records<HD, 2, 32>(a, row, kv, heads, splits, records, scratch);
+  } else {
+    merge_records<HD, 4, 16>(a, row, kv, heads, splits, records, scratch);
   }
 }
 
@@ -771,15 +788,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
-  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
-  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
-  const int splits = used_splits(scanned, a.splits);
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
+  const int64_t scanned = scan.count;
+  const int splits = scan.splits;
   const int split = blockIdx.x;
   if (split >= splits) return;  // the merge skips it
   const int heads = a.group;
-  const int64_t per_split = keys_per_split(scanned, a.splits);
-  const int64_t begin = split * per_split;
-  const int64_t end = min(scanned, begin + per_split);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The split holding the query's own key never copies it into the tiles: the block puts it
   // into its tile's rows from new_kv (never reading it from the cache while the prologue writes
   // it there, nor before the wait).
@@ -788,15 +804,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int64_t loaded_end = has_own_key ? end - 1 : end;
   const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
 
-  // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
+  // This kv head's rows (row stride kv_heads · HD).
   const KvT* keys = static_cast<const KvT*>(sequence.keys) + kv * HD;
   const KvT* values = static_cast<const KvT*>(sequence.values) + kv * HD;
   const int64_t row_stride = int64_t{a.kv_heads} * HD;
-  const int64_t slots = sequence.slots;
-  auto slot_of = [&](int64_t j) {
-    const int64_t slot = first_slot + j;
-    return slot < slots ? slot : slot - slots;
-  };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
   // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
@@ -822,7 +833,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           const bool is_value = lane >= kMmaTileKeys;
           if (key < rows) {
             copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
-                      (is_value ? values : keys) + slot_of(first_key + key) * row_stride,
+                      (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
                       T::kRowBytes, &stage_landed[stage]);
           }
         }
@@ -832,7 +843,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           const int64_t j = first_key + key;
           if (j < loaded_end) {
             const int64_t element =
-                slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+                scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
             const int offset = T::stage_offset(key, copy_chunk);
             copy_async16(base + offset, keys + element);
             copy_async16(base + T::kStageBytes / 2 + offset, values + element);
@@ -842,7 +853,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       if (threadIdx.x < kMmaTileKeys) {
         const int64_t j = first_key + threadIdx.x;
         if (j < loaded_end) {
-          copy_async4(&tile_positions[stage][threadIdx.x], sequence.slot_positions + slot_of(j));
+          copy_async4(&tile_positions[stage][threadIdx.x],
+                      sequence.slot_positions + scan.slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
         }
@@ -867,7 +879,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kOwnChunks = 2 * T::kRowChunks;  // K row, then V row
   static_assert(kOwnChunks <= kThreads);
   const bool loads_own_key = has_own_key && !makes_new_key;
-  const int64_t own_slot = slot_of(scanned - 1);
+  const int64_t own_slot = scan.slot_of(scanned - 1);
   uint4 own_chunk = {};
   int32_t cached_own_position = -1;
   if (loads_own_key) {
@@ -1155,8 +1167,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   const int head = blockIdx.x;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
-  const int splits =
-      used_splits(scanned_keys(sequence.slots, a.positions[row], a.window), a.splits);
+  const int splits = scanned_keys(sequence.slots, a.positions[row], a.window, a.splits).splits;
   // Even with nothing to merge, the wait: the kernels after this one count on its completion
   // meaning the attention kernel's too.
   pdl_wait_for_predecessors();
