@@ -812,11 +812,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
-  // kBulk: warp 0 instead, lane 0 announcing the tile's bytes on the stage's barrier, then lane
-  // l copying K row l (l < 16) or V row l − 16 whole.
+  // kBulk: one bulk copy per K or V row instead, kBulkRowsPerWarp rows from each warp (lane l <
+  // kBulkRowsPerWarp of warp w copies row w · kBulkRowsPerWarp + l of the tile's K rows, then V
+  // rows), thread 0 announcing the tile's bytes on the stage's barrier. A bulk copy takes uniform
+  // operands, so a warp issues its lanes' copies one after another (~30 cycles each): all 32 rows
+  // from one warp held the whole block ~1 µs per tile. A copy may land before the announcement
+  // (the barrier's tx-count goes below zero), but the phase completes only after it, its one
+  // arrival.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
   static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
-  static_assert(!kBulk || 2 * kMmaTileKeys == 32);
+  constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
+  static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
   auto load_tile = [&](int64_t tile) {
     if (tile < tiles) {
@@ -824,18 +830,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       unsigned char* base = pipeline + stage * T::kStageBytes;
       const int64_t first_key = begin + tile * kMmaTileKeys;
       if constexpr (kBulk) {
-        if (warp == 0) {
-          const int rows = static_cast<int>(
-              min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-          if (lane == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
-          __syncwarp();
-          const int key = lane % kMmaTileKeys;
-          const bool is_value = lane >= kMmaTileKeys;
-          if (key < rows) {
-            copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
-                      (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
-                      T::kRowBytes, &stage_landed[stage]);
-          }
+        const int rows = static_cast<int>(
+            min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
+        if (threadIdx.x == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+        const int row = warp * kBulkRowsPerWarp + lane;
+        const int key = row % kMmaTileKeys;
+        const bool is_value = row >= kMmaTileKeys;
+        if (lane < kBulkRowsPerWarp && key < rows) {
+          copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+                    (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
+                    T::kRowBytes, &stage_landed[stage]);
         }
       } else {
 #pragma unroll
