@@ -1063,11 +1063,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, offset));
       }
       const float new_max = fmaxf(running_max[c], tile_max);
-      if (new_max == -INFINITY) {  // nothing visible yet
-        p[c] = p[2 + c] = 0.0f;
-        continue;
-      }
-      const float rescale = expf(running_max[c] - new_max);
+      // Nothing visible yet: new_max is −∞, and exponents taken from 0 instead keep every weight
+      // 0 (no NaN) without a branch, so the two heads' chains interleave.
+      const float base = new_max == -INFINITY ? 0.0f : new_max;
+      const float rescale = expf(running_max[c] - base);
       running_max[c] = new_max;
       running_sum[c] *= rescale;
 #pragma unroll
@@ -1075,8 +1074,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         acc[i][c] *= rescale;
         acc[i][2 + c] *= rescale;
       }
-      p[c] = expf(low - new_max);
-      p[2 + c] = expf(high - new_max);
+      p[c] = expf(low - base);
+      p[2 + c] = expf(high - base);
       running_sum[c] += p[c] + p[2 + c];
     }
     // Pᵀ as the B operand of Oᵀ += Vᵀ·Pᵀ: the score fragments of keys 0-7 and 8-15 transposed
