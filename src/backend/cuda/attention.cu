@@ -100,11 +100,17 @@ __device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query
                                                     int window, int max_splits) {
   ScannedKeys k;
   k.slots = slots;
-  k.count = min(slots, static_cast<int64_t>(query_position) + 1);
-  if (window > 0) k.count = min(k.count, static_cast<int64_t>(window));
-  k.first_slot = (query_position + 1 - k.count) % slots;
-  k.per_split = max(kMinKeysPerSplit, (k.count + max_splits - 1) / max_splits);
-  k.splits = static_cast<int>(max(int64_t{1}, (k.count + k.per_split - 1) / k.per_split));
+  const int64_t keys = min(slots, static_cast<int64_t>(query_position) + 1);
+  k.count = max(int64_t{0}, window > 0 ? min(keys, static_cast<int64_t>(window)) : keys);
+  // 32-bit divisions from here (count and the oldest position are below 2^31): a 64-bit one is a
+  // slow subroutine, and this runs before the PDL wait, on the path to the first copies.
+  const auto count = static_cast<uint32_t>(k.count);
+  const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
+  k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
+  const uint32_t per_split =
+      max(static_cast<uint32_t>(kMinKeysPerSplit), (count + max_splits - 1) / max_splits);
+  k.per_split = per_split;
+  k.splits = static_cast<int>(max(1u, (count + per_split - 1) / per_split));
   return k;
 }
 
