@@ -517,13 +517,16 @@ std::vector<Result> bench_ple_step(cudaStream_t stream) {
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
 // the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
-// split-merge counters (the merge kernel merges every split count).
+// split-merge counters (the merge kernel merges every split count), or with the fused prologue
+// the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the new K/V
+// stored).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
   const char* name;
   bool thread_copies = false;
   bool merge_kernel = false;
+  bool prepare = false;
 };
 
 // Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
@@ -590,6 +593,25 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
   query.thread_copies = variant.thread_copies;
+  // The prologue's raw k and v rows, norm scales and RoPE frequencies (Gemma's 1/10000^(2i/d)).
+  float *new_kv = nullptr, *norms = nullptr;
+  gemma4::cuda::DecodePrepare prepare;
+  if (variant.prepare) {
+    const size_t row_floats = size_t(kv_heads) * head_dim;
+    CHECK(cudaMalloc(&new_kv, 2 * row_floats * 4));
+    CHECK(cudaMalloc(&norms, size_t(5) * head_dim / 2 * 4));
+    fill(new_kv, 2 * row_floats * 4, 4, 0x3C7FFFFF);
+    fill(norms, size_t(2) * head_dim * 4, 5, 0x3C7FFFFF);
+    std::vector<float> inv_freq(head_dim / 2);
+    for (int i = 0; i < head_dim / 2; ++i) {
+      inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / head_dim));
+    }
+    CHECK(cudaMemcpy(norms + 2 * head_dim, inv_freq.data(), inv_freq.size() * 4,
+                     cudaMemcpyHostToDevice));
+    prepare = {new_kv, 0,     new_kv + row_floats, 0, norms, norms + head_dim, true,
+               1.0f,   1e-6f, norms + 2 * head_dim};
+    query.prepare = &prepare;
+  }
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   const gemma4::cuda::AttentionWorkspace workspace = {
@@ -605,9 +627,10 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   }
   std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
               r.mbytes, r.all.c_str());
-  for (void* p : {keys, values, static_cast<void*>(q), static_cast<void*>(out),
-                  static_cast<void*>(partials), static_cast<void*>(merge_counters),
-                  static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
+  for (void* p :
+       {keys, values, static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
+        static_cast<void*>(merge_counters), static_cast<void*>(new_kv), static_cast<void*>(norms),
+        static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
     CHECK(cudaFree(p));
   }
   return r;
@@ -976,6 +999,7 @@ int main(int argc, char** argv) {
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-tc", true},
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-mk", false, true},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep", false, false, true},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
