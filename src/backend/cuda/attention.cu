@@ -328,7 +328,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // block writes meanwhile. The tiles stop before it.
   const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
   const int64_t loaded_end = makes_new_key ? end - 1 : end;
-  const int64_t tiles = max(int64_t{0}, (loaded_end - begin + T::kTileKeys - 1) / T::kTileKeys);
+  // 32-bit tile counts (a split has fewer than 2^31 keys): the stage and phase of a tile are then
+  // cheap divisions by a constant.
+  const int tiles =
+      static_cast<int>(max(int64_t{0}, (loaded_end - begin + T::kTileKeys - 1) / T::kTileKeys));
 
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
@@ -336,11 +339,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past
   // loaded_end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
-  auto load_tile = [&](int64_t tile) {
+  auto load_tile = [&](int tile) {
     if (tile < tiles) {
-      const int stage = static_cast<int>(tile % kStages);
+      const int stage = tile % kStages;
       unsigned char* base = pipeline + stage * kStageBytes;
-      const int64_t first_key = begin + tile * T::kTileKeys;
+      const int64_t first_key = begin + int64_t{tile} * T::kTileKeys;
 #pragma unroll
       for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
         const int c = threadIdx.x + n * kThreads;
@@ -450,11 +453,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     }
   };
 
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  for (int tile = 0; tile < tiles; ++tile) {
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     __syncthreads();             // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
-    const int stage = static_cast<int>(tile % kStages);
+    const int stage = tile % kStages;
     const KvT* tile_keys = reinterpret_cast<const KvT*>(pipeline + stage * kStageBytes);
     const KvT* tile_values = tile_keys + T::kTileKeys * HD;
     for (int t = active ? ks : T::kTileKeys; t < T::kTileKeys; t += key_slices) {
@@ -751,11 +754,12 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   const float* records =
       a.partials +
       (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * int64_t{HD + 2};
-  // 64 values in flight per thread: a small group's few outputs take more splits at once.
+  // 32 values in flight per thread (more spills the prologue's registers across the PDL wait): a
+  // small group's few outputs take more splits at once.
   if (heads * HD <= 2 * kThreads) {
-    merge_records<HD, 2, 32>(a, row, kv, heads, splits, records, scratch);
+    merge_records<HD, 2, 16>(a, row, kv, heads, splits, records, scratch);
   } else {
-    merge_records<HD, 4, 16>(a, row, kv, heads, splits, records, scratch);
+    merge_records<HD, 4, 8>(a, row, kv, heads, splits, records, scratch);
   }
 }
 
@@ -808,7 +812,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const bool has_own_key = end == scanned;
   const bool makes_new_key = kPrepare && prepare.k != nullptr && has_own_key;
   const int64_t loaded_end = has_own_key ? end - 1 : end;
-  const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
+  const int tiles = static_cast<int>((end - begin + kMmaTileKeys - 1) / kMmaTileKeys);
 
   // This kv head's rows (row stride kv_heads · HD).
   const KvT* keys = static_cast<const KvT*>(sequence.keys) + kv * HD;
@@ -830,11 +834,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
   static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
-  auto load_tile = [&](int64_t tile) {
+  auto load_tile = [&](int tile) {
     if (tile < tiles) {
-      const int stage = static_cast<int>(tile % kStages);
+      const int stage = tile % kStages;
       unsigned char* base = pipeline + stage * T::kStageBytes;
-      const int64_t first_key = begin + tile * kMmaTileKeys;
+      const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
       if constexpr (kBulk) {
         const int rows = static_cast<int>(
             min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
@@ -950,8 +954,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
   // own key or zeroed rows): those writes must come before that stage's bulk copies.
   [[maybe_unused]] bool wrote_stage = true;
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int stage = static_cast<int>(tile % kStages);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int stage = tile % kStages;
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     if constexpr (kBulk) {
       wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
@@ -962,7 +966,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
     // The own key, when this tile holds it (its index in the tile, else −1).
-    const int64_t first_key = begin + tile * kMmaTileKeys;
+    const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
     const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
                             ? static_cast<int>(end - 1 - first_key)
                             : -1;
@@ -1040,7 +1044,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
-    const int parity = static_cast<int>(tile & 1);
+    const int parity = tile & 1;
     partial_scores[parity][warp][lane] =
         make_float4(partial[0][0] + partial[1][0], partial[0][1] + partial[1][1],
                     partial[0][2] + partial[1][2], partial[0][3] + partial[1][3]);
