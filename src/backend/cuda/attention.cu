@@ -1125,17 +1125,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       staged[(2 * t + (c & 1)) * T::kWarpDims + 16 * i + g + (c >> 1) * 8] = acc[i][c];
     }
   }
+  // Head h's max and sum live in the lanes of column h / 2: every head's fetched at once (the
+  // shuffles pipeline) before the writes.
+  float head_max[kMmaMaxGroup], head_sum[kMmaMaxGroup];
+#pragma unroll
+  for (int h = 0; h < kMmaMaxGroup; ++h) {
+    head_max[h] = __shfl_sync(0xFFFFFFFFu, running_max[h & 1], h >> 1);
+    head_sum[h] = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], h >> 1);
+  }
   __syncwarp();
-  for (int h = 0; h < heads; ++h) {
-    // Head h's max and sum live in the lanes of column h / 2.
-    const float head_max = __shfl_sync(0xFFFFFFFFu, running_max[h & 1], (h >> 1));
-    const float head_sum = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], (h >> 1));
+#pragma unroll
+  for (int h = 0; h < kMmaMaxGroup; ++h) {
+    if (h >= heads) break;  // warp-uniform
     const int head = kv * a.group + h;
 #pragma unroll
     for (int part = 0; part < T::kWarpDims / 32; ++part) {
       const int d = first_dim + 32 * part + lane;
       const float value = staged[h * T::kWarpDims + 32 * part + lane];
-      write_head_output<HD>(a, row, head, d, splits, split, value, head_max, head_sum);
+      write_head_output<HD>(a, row, head, d, splits, split, value, head_max[h], head_sum[h]);
     }
   }
   if (splits > 1 && a.merge_counters != nullptr) {
