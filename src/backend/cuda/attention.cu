@@ -1166,24 +1166,18 @@ struct MergeArgs {
 };
 
 constexpr int kMergeWarps = 8;
-constexpr int kMergeThreads = kMergeWarps * 32;
-// The value loads a merge lane keeps in flight: kDimsPerLane dims of 32 / kDimsPerLane splits.
-constexpr int kMergeLoadsInFlight = 32;
-// The (max, sum) pairs a merge thread holds: every split's, read once.
-constexpr int kMergeSplitsPerThread = kMaxSplits / kMergeThreads;
-static_assert(kMergeSplitsPerThread * kMergeThreads == kMaxSplits);
+// The loads a merge lane keeps in flight: kDimsPerLane dims of 16 / kDimsPerLane splits.
+constexpr int kMergeLoadsInFlight = 16;
 
 // Block (head, sequence, slice of block_dims dims) of 8 warps, over the splits the attention
-// kernel used (none when it used one: it then wrote the output itself). Thread x reads the
-// (max, sum) of splits x, x + kMergeThreads, ... once into registers while warp w's first batch of
-// values is in flight (one round trip for both); the splits' weights exp(max_s − max) go to shared
-// memory; warp w then accumulates the splits w, w + 8, ... (kMergeLoadsInFlight / kDimsPerLane at
-// a time) for the slice's dims (lane l owns dims l + 32i, kDimsPerLane = block_dims / 32 of them),
-// and the 8 partial vectors are summed in shared memory. Slicing the dims gives a single deep
-// sequence enough blocks to read its partials at the L2's pace rather than one round trip after
-// another.
+// kernel used (none when it used one: it then wrote the output itself). The splits' weights
+// exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ...
+// (kMergeLoadsInFlight / kDimsPerLane at a time) for the slice's dims (lane l owns dims l + 32i,
+// kDimsPerLane = block_dims / 32 of them), and the 8 partial
+// vectors are summed in shared memory. Slicing the dims gives a single deep sequence enough
+// blocks to read its partials at the L2's pace rather than one round trip after another.
 template <int kDimsPerLane>
-__global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(MergeArgs a) {
+__global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
   __shared__ float split_weight[kMaxSplits];
   __shared__ float warp_partial[kMergeWarps][512];
@@ -1203,12 +1197,42 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(MergeArgs a
       a.partials + (static_cast<int64_t>(blockIdx.y) * a.q_heads + head) * a.splits * record;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int first_dim = blockIdx.z * a.block_dims;
 
-  // Warp w's splits w + kMergeWarps · (u + kUnroll · round) for round 0, 1, ...
+  float local_max = -INFINITY;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    local_max = fmaxf(local_max, base[s * record]);
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local_max = fmaxf(local_max, __shfl_xor_sync(0xFFFFFFFFu, local_max, offset));
+  }
+  if (lane == 0) scratch[warp] = local_max;
+  __syncthreads();
+  float global_max = -INFINITY;
+  for (int w = 0; w < kMergeWarps; ++w) global_max = fmaxf(global_max, scratch[w]);
+  __syncthreads();
+
+  float local_sum = 0.0f;
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    const float m = base[s * record];
+    const float w = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
+    split_weight[s] = w;
+    local_sum += w * base[s * record + 1];
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2) {
+    local_sum += __shfl_xor_sync(0xFFFFFFFFu, local_sum, offset);
+  }
+  if (lane == 0) scratch[warp] = local_sum;
+  __syncthreads();
+  float total = 0.0f;
+  for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
+
   constexpr int kUnroll = kMergeLoadsInFlight / kDimsPerLane;
-  float values[kUnroll][kDimsPerLane];
-  auto load_values = [&](int first) {
+  const int first_dim = blockIdx.z * a.block_dims;
+  float acc[kDimsPerLane] = {};
+  for (int first = warp; first < splits; first += kMergeWarps * kUnroll) {
+    float values[kUnroll][kDimsPerLane];
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
@@ -1218,42 +1242,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(MergeArgs a
         values[u][i] = s < splits ? split_values[lane + 32 * i] : 0.0f;
       }
     }
-  };
-  load_values(warp);
-
-  float split_max[kMergeSplitsPerThread], split_sum[kMergeSplitsPerThread];
-  float local_max = -INFINITY;
-#pragma unroll
-  for (int k = 0; k < kMergeSplitsPerThread; ++k) {
-    const int s = static_cast<int>(threadIdx.x) + k * kMergeThreads;
-    split_max[k] = s < splits ? base[s * record] : -INFINITY;
-    split_sum[k] = s < splits ? base[s * record + 1] : 0.0f;
-    local_max = fmaxf(local_max, split_max[k]);
-  }
-  local_max = chunk_reduce<32>(local_max, [](float x, float y) { return fmaxf(x, y); });
-  if (lane == 0) scratch[warp] = local_max;
-  __syncthreads();
-  float global_max = -INFINITY;
-  for (int w = 0; w < kMergeWarps; ++w) global_max = fmaxf(global_max, scratch[w]);
-  __syncthreads();
-
-  float local_sum = 0.0f;
-#pragma unroll
-  for (int k = 0; k < kMergeSplitsPerThread; ++k) {
-    const int s = static_cast<int>(threadIdx.x) + k * kMergeThreads;
-    const float m = split_max[k];
-    const float w = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
-    if (s < splits) split_weight[s] = w;
-    local_sum = fmaf(w, split_sum[k], local_sum);
-  }
-  local_sum = chunk_reduce<32>(local_sum, [](float x, float y) { return x + y; });
-  if (lane == 0) scratch[warp] = local_sum;
-  __syncthreads();
-  float total = 0.0f;
-  for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
-
-  float acc[kDimsPerLane] = {};
-  for (int first = warp;;) {
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
@@ -1261,9 +1249,6 @@ __global__ void __launch_bounds__(kMergeThreads) merge_splits_kernel(MergeArgs a
 #pragma unroll
       for (int i = 0; i < kDimsPerLane; ++i) acc[i] = fmaf(w, values[u][i], acc[i]);
     }
-    first += kMergeWarps * kUnroll;
-    if (first >= splits) break;
-    load_values(first);
   }
 #pragma unroll
   for (int i = 0; i < kDimsPerLane; ++i) warp_partial[warp][lane + 32 * i] = acc[i];
@@ -1525,7 +1510,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   return launch_kernel(merge_kernel,
                        dim3(static_cast<unsigned>(query.q_heads), static_cast<unsigned>(batch),
                             static_cast<unsigned>(slices)),
-                       dim3(kMergeThreads), 0, launch, merge);
+                       dim3(kMergeWarps * 32), 0, launch, merge);
 }
 
 }  // namespace gemma4::cuda
