@@ -516,19 +516,26 @@ std::vector<Result> bench_ple_step(cudaStream_t stream) {
 
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
 // the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
-// loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies).
+// loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
+// split-merge counters (the merge kernel merges every split count), or with the fused prologue
+// the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the new K/V
+// stored).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
   const char* name;
   bool thread_copies = false;
+  bool merge_kernel = false;
+  bool prepare = false;
 };
 
 // Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
 // `split_options` (the first one is reported as the default); the fastest with PDL is "best".
+// `cold`: each link of the chain reads its own copy of the cache, so that (as in the engine, where
+// the other layers' weights pass between two reads of a layer's cache) it comes from DRAM, not L2.
 Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_heads, int head_dim,
                        int64_t depth, int window, const std::vector<int>& split_options,
-                       const char* label, cudaStream_t stream) {
+                       const char* label, cudaStream_t stream, bool cold = false) {
   const gemma4::cuda::KvType type = variant.type;
   Result r;
   r.kernel = variant.name;
@@ -542,11 +549,13 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
                             : type == gemma4::cuda::KvType::kBF16 ? 2
                                                                   : 1;
   const size_t kv_bytes = kv_elems * element_bytes;
+  constexpr int kLinks = 16;
+  const int copies = cold ? kLinks : 1;
   void *keys, *values;
   float *q, *out, *partials;
   int32_t *slot_positions, *position;
-  CHECK(cudaMalloc(&keys, kv_bytes));
-  CHECK(cudaMalloc(&values, kv_bytes));
+  CHECK(cudaMalloc(&keys, kv_bytes * copies));
+  CHECK(cudaMalloc(&values, kv_bytes * copies));
   CHECK(cudaMalloc(&q, size_t(q_heads) * head_dim * 4));
   CHECK(cudaMalloc(&out, size_t(q_heads) * head_dim * 4));
   const size_t partial_floats =
@@ -562,8 +571,8 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   const uint32_t kv_mask = element_bytes == 4   ? 0x3C7FFFFF
                            : element_bytes == 2 ? 0x3B7F3B7F
                                                 : 0x37373737;
-  fill(keys, kv_bytes, 1, kv_mask);
-  fill(values, kv_bytes, 2, kv_mask);
+  fill(keys, kv_bytes * copies, 1, kv_mask);
+  fill(values, kv_bytes * copies, 2, kv_mask);
   fill(q, size_t(q_heads) * head_dim * 4, 3, 0x3C7FFFFF);
   std::vector<int32_t> host_positions(slots);
   const int32_t query_position = static_cast<int32_t>(depth - 1);
@@ -584,20 +593,44 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
   query.thread_copies = variant.thread_copies;
+  // The prologue's raw k and v rows, norm scales and RoPE frequencies (Gemma's 1/10000^(2i/d)).
+  float *new_kv = nullptr, *norms = nullptr;
+  gemma4::cuda::DecodePrepare prepare;
+  if (variant.prepare) {
+    const size_t row_floats = size_t(kv_heads) * head_dim;
+    CHECK(cudaMalloc(&new_kv, 2 * row_floats * 4));
+    CHECK(cudaMalloc(&norms, size_t(5) * head_dim / 2 * 4));
+    fill(new_kv, 2 * row_floats * 4, 4, 0x3C7FFFFF);
+    fill(norms, size_t(2) * head_dim * 4, 5, 0x3C7FFFFF);
+    std::vector<float> inv_freq(head_dim / 2);
+    for (int i = 0; i < head_dim / 2; ++i) {
+      inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / head_dim));
+    }
+    CHECK(cudaMemcpy(norms + 2 * head_dim, inv_freq.data(), inv_freq.size() * 4,
+                     cudaMemcpyHostToDevice));
+    prepare = {new_kv, 0,     new_kv + row_floats, 0, norms, norms + head_dim, true,
+               1.0f,   1e-6f, norms + 2 * head_dim};
+    query.prepare = &prepare;
+  }
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
+  const gemma4::cuda::AttentionWorkspace workspace = {
+      partials, splits, variant.merge_kernel ? nullptr : merge_counters, kv_heads};
   for (int option : split_options) {
-    r.measure(option, 16, stream, [&](int, const Launch& launch) {
-      return gemma4::cuda::decode_attention(query, kv, window, 1.0f, out, q_heads * head_dim,
-                                            {partials, splits, merge_counters, kv_heads}, option,
-                                            launch);
+    r.measure(option, kLinks, stream, [&](int link, const Launch& launch) {
+      gemma4::cuda::KvCacheView link_kv = kv;
+      link_kv.keys = static_cast<char*>(keys) + (link % copies) * kv_bytes;
+      link_kv.values = static_cast<char*>(values) + (link % copies) * kv_bytes;
+      return gemma4::cuda::decode_attention(query, link_kv, window, 1.0f, out, q_heads * head_dim,
+                                            workspace, option, launch);
     });
   }
   std::printf("%-14s %-22s      %8.2f MB  splits(plain/pdl us): %s\n", r.kernel.c_str(), label,
               r.mbytes, r.all.c_str());
-  for (void* p : {keys, values, static_cast<void*>(q), static_cast<void*>(out),
-                  static_cast<void*>(partials), static_cast<void*>(merge_counters),
-                  static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
+  for (void* p :
+       {keys, values, static_cast<void*>(q), static_cast<void*>(out), static_cast<void*>(partials),
+        static_cast<void*>(merge_counters), static_cast<void*>(new_kv), static_cast<void*>(norms),
+        static_cast<void*>(slot_positions), static_cast<void*>(position)}) {
     CHECK(cudaFree(p));
   }
   return r;
@@ -965,6 +998,8 @@ int main(int argc, char** argv) {
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-tc", true},
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-mk", false, true},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep", false, false, true},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},
@@ -974,6 +1009,8 @@ int main(int argc, char** argv) {
         bench_attention(variant, 8, 1, 256, 4096, 512, {16, 2, 4, 8}, "e2b sliding w512", stream));
     results.push_back(bench_attention(variant, 16, 8, 256, 32768, 1024, {32, 8, 16},
                                       "26b sliding w1024", stream));
+    results.push_back(bench_attention(variant, 16, 8, 256, 32768, 1024, {32, 8, 16},
+                                      "26b sliding cold w1024", stream, true));
     results.push_back(bench_attention(variant, 8, 1, 512, 4096, 0, {128, 16, 32, 64},
                                       "e2b full depth 4K", stream));
     results.push_back(bench_attention(variant, 8, 1, 512, 32768, 0, {264, 66, 128, 132, 528},
@@ -988,6 +1025,8 @@ int main(int argc, char** argv) {
     // context (most of them idle; the CUDA-core kernel's blocks take q heads instead).
     results.push_back(
         bench_attention(variant, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
+    results.push_back(
+        bench_attention(variant, 16, 8, 256, 8, 1024, {32}, "26b sliding depth 8", stream));
     results.push_back(bench_attention(variant, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
     results.push_back(
         bench_attention(variant, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));

@@ -173,6 +173,10 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
       // use one q head per kv head.
       {"group-of-5", 10, 2, 512, 700, 0, {650, 77}, 5, KvType::kF32},
       {"group-of-1", 4, 4, 256, 300, 0, {299}, 1, KvType::kBF16},
+      // Few enough records per kv head that the tensor-core kernel merges the splits itself, for
+      // heads of 512 (few outputs per thread, many splits at a time, and the other way round).
+      {"group-of-1-merged", 4, 4, 512, 600, 0, {599}, 8, KvType::kBF16},
+      {"e2b-full-merged", 8, 1, 512, 4096, 0, {3000}, 2, KvType::kBF16},
       // e4m3 caches (8-byte lane pieces for rows of 256, 16 for 512; 32 / 16 keys per tile).
       {"fp8-e2b-full", 8, 1, 512, 4096, 0, {3000}, 37, KvType::kFP8},
       {"fp8-e2b-full-one-split", 8, 1, 512, 4096, 0, {3000}, 1, KvType::kFP8},
@@ -262,8 +266,9 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
   }
 }
 
-// Which launches merge their splits in the tensor-core kernel: E2B's sliding layers at the splits
-// the engine picks (16 of 256 dims for 8 heads: 132 KB of records), and short full ones; not a
+// Which launches merge their splits in the tensor-core kernel: few records per kv head (at most
+// kMaxMergedInKernelBytes: 16 splits of 2 heads of 256 dims, 33 KB, or 4 splits of 8 heads of
+// 256); not E2B's sliding layer at the splits the engine picks (16 splits of 8 heads: 132 KB), a
 // deep full layer's 264 splits, the CUDA-core kernel, nor a workspace without counters.
 TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   int counters[4] = {};
@@ -275,16 +280,20 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   kv.head_dim = 256;
   AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
   EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 4, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 4, without_counters), 2);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 2);
+  query.q_heads = 2;
   EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
-  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
+  query.q_heads = 8;
   kv.head_dim = 512;
-  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 264, with_counters), 2);
   query.cuda_core_kernel = true;
-  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
+  EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
   query.cuda_core_kernel = false;
   query.batch = 5;  // more (sequence, kv head) pairs than counters
-  EXPECT_EQ(decode_attention_launches(query, kv, 9, with_counters), 2);
+  EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

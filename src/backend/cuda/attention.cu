@@ -34,6 +34,7 @@
 #include "backend/cuda/attention_prepare.cuh"
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
@@ -75,28 +76,42 @@ struct AttentionArgs {
   int* merge_counters;
 };
 
-// How many keys a query at `query_position` scans: the slots of positions (P − n, P], n = P + 1
-// capped by the slots and the window. Key j is slot (scan_start + j) % slots, so key n − 1 holds
-// P itself; the recorded positions still decide what is visible (a slot may be empty or stale).
-__device__ __forceinline__ int64_t scanned_keys(int64_t slots, int32_t query_position, int window) {
+// The keys a query at `query_position` scans, n = P + 1 capped by the slots and the window: the
+// slots of positions (P − n, P]. Key j is slot (first_slot + j) % slots, so key n − 1 holds P
+// itself; the recorded positions still decide what is visible (a slot may be empty or stale). The
+// keys are cut into split ranges of `per_split` (at least kMinKeysPerSplit, so a shallow cache uses
+// few of the launch's splits); `splits` of them hold keys (at least one, which writes zeros when
+// nothing is visible).
+struct ScannedKeys {
+  int64_t count, first_slot, slots, per_split;
+  int splits;
+
+  __device__ __forceinline__ int64_t slot_of(int64_t j) const {
+    const int64_t slot = first_slot + j;  // j < count <= slots
+    return slot < slots ? slot : slot - slots;
+  }
+  __device__ __forceinline__ int64_t split_begin(int split) const { return split * per_split; }
+  __device__ __forceinline__ int64_t split_end(int split) const {
+    return min(count, split_begin(split) + per_split);
+  }
+};
+
+__device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query_position,
+                                                    int window, int max_splits) {
+  ScannedKeys k;
+  k.slots = slots;
   const int64_t keys = min(slots, static_cast<int64_t>(query_position) + 1);
-  return window > 0 ? min(keys, static_cast<int64_t>(window)) : keys;
-}
-
-__device__ __forceinline__ int64_t scan_start(int64_t slots, int32_t query_position,
-                                              int64_t scanned) {
-  return (query_position + 1 - scanned) % slots;
-}
-
-// Keys per split block: at least kMinKeysPerSplit, so a shallow cache uses few of the splits.
-__device__ __forceinline__ int64_t keys_per_split(int64_t scanned, int splits) {
-  return max(kMinKeysPerSplit, (scanned + splits - 1) / splits);
-}
-
-// The split blocks that hold keys (at least one, which writes zeros when nothing is visible).
-__device__ __forceinline__ int used_splits(int64_t scanned, int splits) {
-  const int64_t per_split = keys_per_split(scanned, splits);
-  return static_cast<int>(max(int64_t{1}, (scanned + per_split - 1) / per_split));
+  k.count = max(int64_t{0}, window > 0 ? min(keys, static_cast<int64_t>(window)) : keys);
+  // 32-bit divisions from here (count and the oldest position are below 2^31): a 64-bit one is a
+  // slow subroutine, and this runs before the PDL wait, on the path to the first copies.
+  const auto count = static_cast<uint32_t>(k.count);
+  const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
+  k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
+  const uint32_t per_split =
+      max(static_cast<uint32_t>(kMinKeysPerSplit), (count + max_splits - 1) / max_splits);
+  k.per_split = per_split;
+  k.splits = static_cast<int>(max(1u, (count + per_split - 1) / per_split));
+  return k;
 }
 
 // The floats of N 32-bit words of K/V elements: 1, 2 or 4 per word (fp32, bf16, e4m3).
@@ -164,7 +179,7 @@ struct Tiling {
   }
 };
 
-// How the blocks of one (sequence, kv head) share its work: `splits` key ranges (used_splits) ×
+// How the blocks of one (sequence, kv head) share its work: `splits` key ranges (ScannedKeys) ×
 // `parts` subsets of `heads_per_part` q heads of the group. A shallow cache uses few key ranges,
 // so the launch's other blocks take q heads instead: every head's chain of loads then runs on its
 // own SM rather than all of them one after another through one block.
@@ -172,9 +187,7 @@ struct BlockWork {
   int splits, parts, heads_per_part;
 };
 
-__device__ __forceinline__ BlockWork block_work(int64_t scanned, int max_splits, int blocks,
-                                                int group) {
-  const int splits = used_splits(scanned, max_splits);
+__device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
   const int parts = max(1, min(group, blocks / splits));
   const int heads_per_part = (group + parts - 1) / parts;
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
@@ -300,40 +313,37 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
-  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
-  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
-  const BlockWork work = block_work(scanned, a.splits, gridDim.x, a.group);
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
+  const int64_t scanned = scan.count;
+  const BlockWork work = block_work(scan.splits, gridDim.x, a.group);
   if (static_cast<int>(blockIdx.x) >= work.splits * work.parts) return;  // the merge skips it
   const int split = blockIdx.x / work.parts;
   const int part = blockIdx.x % work.parts;
   const int first_head = part * work.heads_per_part;  // of the group
   const int heads = min(work.heads_per_part, a.group - first_head);
-  const int64_t per_split = keys_per_split(scanned, a.splits);
-  const int64_t begin = split * per_split;
-  const int64_t end = min(scanned, begin + per_split);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
   // every block of its split takes it from shared memory, never from the cache, which the part-0
   // block writes meanwhile. The tiles stop before it.
   const bool makes_new_key = kPrepare && prepare.k != nullptr && end == scanned;
   const int64_t loaded_end = makes_new_key ? end - 1 : end;
-  const int64_t tiles = max(int64_t{0}, (loaded_end - begin + T::kTileKeys - 1) / T::kTileKeys);
+  // 32-bit tile counts (a split has fewer than 2^31 keys): the stage and phase of a tile are then
+  // cheap divisions by a constant.
+  const int tiles =
+      static_cast<int>(max(int64_t{0}, (loaded_end - begin + T::kTileKeys - 1) / T::kTileKeys));
 
   const KvT* keys = static_cast<const KvT*>(sequence.keys);
   const KvT* values = static_cast<const KvT*>(sequence.values);
   const int32_t* slot_positions = sequence.slot_positions;
-  // The slot of key j (< scanned <= slots).
-  auto slot_of = [&](int64_t j) {
-    const int64_t slot = first_slot + j;
-    return slot < sequence.slots ? slot : slot - sequence.slots;
-  };
   // Tile `tile` into stage tile % kStages: its K rows, V rows and slot positions; keys past
   // loaded_end are not read and get position -1 (never visible). Every thread commits one group
   // per call, empty or not, so the group count tells which tiles have landed.
-  auto load_tile = [&](int64_t tile) {
+  auto load_tile = [&](int tile) {
     if (tile < tiles) {
-      const int stage = static_cast<int>(tile % kStages);
+      const int stage = tile % kStages;
       unsigned char* base = pipeline + stage * kStageBytes;
-      const int64_t first_key = begin + tile * T::kTileKeys;
+      const int64_t first_key = begin + int64_t{tile} * T::kTileKeys;
 #pragma unroll
       for (int n = 0; n < T::kTileChunks / kThreads; ++n) {
         const int c = threadIdx.x + n * kThreads;
@@ -342,15 +352,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
         const int chunk = c % T::kRowChunks;
         const int64_t j = first_key + key;
         if (j < loaded_end) {
-          const KvT* source = (is_value ? values : keys) + (slot_of(j) * a.kv_heads + kv) * HD +
-                              chunk * T::kChunkElems;
+          const KvT* source = (is_value ? values : keys) +
+                              (scan.slot_of(j) * a.kv_heads + kv) * HD + chunk * T::kChunkElems;
           copy_async16(base + c * kChunkBytes, source);
         }
       }
       if (threadIdx.x < T::kTileKeys) {
         const int64_t j = first_key + threadIdx.x;
         if (j < loaded_end) {
-          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + slot_of(j));
+          copy_async4(&tile_positions[stage][threadIdx.x], slot_positions + scan.slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
         }
@@ -366,7 +376,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   if constexpr (kPrepare) {
     run_prologue<HD>(a, sequence, constants,
                      head_rotation(constants.q, HD / 2, query_position, lane), row, kv, first_head,
-                     heads, query_position, makes_new_key, part == 0, slot_of(scanned - 1),
+                     heads, query_position, makes_new_key, part == 0, scan.slot_of(scanned - 1),
                      const_cast<float*>(prepared_q), new_kv, warp, lane);
   }
 
@@ -443,11 +453,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     }
   };
 
-  for (int64_t tile = 0; tile < tiles; ++tile) {
+  for (int tile = 0; tile < tiles; ++tile) {
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     __syncthreads();             // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
-    const int stage = static_cast<int>(tile % kStages);
+    const int stage = tile % kStages;
     const KvT* tile_keys = reinterpret_cast<const KvT*>(pipeline + stage * kStageBytes);
     const KvT* tile_values = tile_keys + T::kTileKeys * HD;
     for (int t = active ? ks : T::kTileKeys; t < T::kTileKeys; t += key_slices) {
@@ -592,39 +602,11 @@ struct MmaTiling {
   }
 };
 
-// Four 8×8 b16 matrices from shared memory, lane l giving the address of row l % 8 of matrix l / 8;
-// lane (g = l / 4, t = l % 4) receives row g, elements 2t and 2t + 1 of each (transposed first
-// with kTranspose). volatile, with a memory clobber: it reads what cp.async and other lanes wrote
-// before a barrier.
-template <bool kTranspose>
-__device__ __forceinline__ void load_matrices(uint32_t (&r)[4], const void* p) {
-  if constexpr (kTranspose) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p))
-                 : "memory");
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p))
-                 : "memory");
-  }
-}
-
 // The transpose of an 8×8 b16 matrix held as one fragment (lane (g, t): row g, elements 2t, 2t+1).
 __device__ __forceinline__ uint32_t transpose_fragment(uint32_t x) {
   uint32_t y;
   asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
   return y;
-}
-
-// d += a · b, m16n8k16, bf16 operands, fp32 accumulators.
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-      "{%8,%9}, {%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // x0, x1 as two bf16 pairs hi + lo (the first value in the low halves): hi rounds x, lo rounds
@@ -639,12 +621,119 @@ __device__ __forceinline__ SplitPair split_pair(float x0, float x1) {
   return {*reinterpret_cast<const uint32_t*>(&hi), *reinterpret_cast<const uint32_t*>(&lo)};
 }
 
+// The records that merge_in_last_block combines: head g's record of split s at
+// records + (g · a.splits + s) · (HD + 2), read from L2, where the other blocks wrote them. Thread
+// x combines outputs (head · HD + dim) x, x + kThreads, ... of the group's heads · HD, kDims of
+// them and kSplits splits of each at a time: kDims · kSplits loads in flight (one SM reads the
+// records at the L2's pace, not one round trip per split). heads · HD is a multiple of the block's
+// threads, so each step is warp-uniform and a warp's 32 outputs are consecutive dims of one head
+// (the q8 companion's chunk).
+template <int HD, int kDims, int kSplits>
+struct SplitRecords {
+  const AttentionArgs& a;
+  const float* records;
+  int splits, outputs;
+
+  // The values of batch (first_idx, first_split) (0 past the outputs or the splits).
+  __device__ __forceinline__ void load(int first_idx, int first_split,
+                                       float (&loaded)[kDims][kSplits]) const {
+#pragma unroll
+    for (int i = 0; i < kDims; ++i) {
+      const int idx = first_idx + i * kThreads;
+      const float* values =
+          records + (idx / HD * a.splits + first_split) * int64_t{HD + 2} + 2 + idx % HD;
+#pragma unroll
+      for (int u = 0; u < kSplits; ++u) {
+        loaded[i][u] =
+            idx < outputs && first_split + u < splits ? __ldcg(values + u * (HD + 2)) : 0.0f;
+      }
+    }
+  }
+
+  // Weighs and combines the splits (`weight`: [heads][splits], `total`: [heads] in shared
+  // memory) into the outputs and their companions. The first batch is `first` (loaded before the
+  // weights were known, so that its round trip overlaps theirs).
+  __device__ __forceinline__ void combine(int64_t row, int kv, const float* weight,
+                                          const float* total,
+                                          float (&first)[kDims][kSplits]) const {
+    for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
+      float value[kDims] = {};
+      for (int first_split = 0; first_split < splits; first_split += kSplits) {
+        if (first_idx != static_cast<int>(threadIdx.x) || first_split != 0) {
+          load(first_idx, first_split, first);
+        }
+#pragma unroll
+        for (int i = 0; i < kDims; ++i) {
+          const int idx = first_idx + i * kThreads;
+          const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
+#pragma unroll
+          for (int u = 0; u < kSplits; ++u) {
+            if (first_split + u < splits) value[i] = fmaf(w[u], first[i][u], value[i]);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < kDims; ++i) {
+        const int idx = first_idx + i * kThreads;
+        if (idx >= outputs) break;  // warp-uniform
+        const int g = idx / HD;
+        const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
+        const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
+        a.out[row * a.out_stride + column] = result[0];
+        store_companions<1>(a.out_companions, row, column, result);
+      }
+    }
+  }
+};
+
+// The last block's merge (merge_in_last_block) with SplitRecords<HD, kDims, kSplits>: the first
+// batch of values in flight while warp w weighs the splits of heads w, w + kWarps, ... (lane l
+// taking splits l and l + 32: one round trip for the records' (max, sum), two warp reductions).
+// `scratch`: shared memory for heads · (splits + 1) floats.
+template <int HD, int kDims, int kSplits>
+__device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t row, int kv,
+                                              int heads, int splits, const float* records,
+                                              float* scratch) {
+  const SplitRecords<HD, kDims, kSplits> merge = {a, records, splits, heads * HD};
+  float first[kDims][kSplits];
+  merge.load(threadIdx.x, 0, first);
+  float* weight = scratch;                  // [heads][splits]: exp(max_s − max)
+  float* total = scratch + heads * splits;  // [heads]: Σ_s weight_s · sum_s
+  static_assert(kMaxMergedInKernelSplits <= 64);
+  const int lane = threadIdx.x & 31;
+  for (int g = threadIdx.x >> 5; g < heads; g += kWarps) {
+    float split_max[2], split_sum[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      const float* record = records + (g * a.splits + s) * int64_t{HD + 2};
+      split_max[i] = s < splits ? __ldcg(record) : -INFINITY;
+      split_sum[i] = s < splits ? __ldcg(record + 1) : 0.0f;
+    }
+    const float head_max = chunk_reduce<32>(fmaxf(split_max[0], split_max[1]),
+                                            [](float x, float y) { return fmaxf(x, y); });
+    float head_total = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int s = lane + 32 * i;
+      const float w =
+          head_max == -INFINITY || split_max[i] == -INFINITY ? 0.0f : expf(split_max[i] - head_max);
+      if (s < splits) weight[g * splits + s] = w;
+      head_total = fmaf(w, split_sum[i], head_total);
+    }
+    head_total = chunk_reduce<32>(head_total, [](float x, float y) { return x + y; });
+    if (lane == 0) total[g] = head_total;
+  }
+  __syncthreads();
+  merge.combine(row, kv, weight, total, first);
+}
+
 // The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
 // written its partial records: each split block of a (sequence, kv head) counts itself in; the
 // last to arrive (all the others' records are then visible: each fenced them before counting)
 // resets the counter for the next launch and combines the records of the group's q heads as
 // merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
-// heads · (2 · splits + 1) floats; `last`: a shared flag.
+// heads · (splits + 1) floats; `last`: a shared flag.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
                                                     int heads, int splits, float* scratch,
@@ -662,77 +751,15 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
   __syncthreads();
   if (!last) return;
-  constexpr int64_t kRecord = HD + 2;
-  // Head g's record of split s at group_records + (g · a.splits + s) · kRecord; read from L2,
-  // where the other blocks wrote them.
-  const float* group_records =
+  const float* records =
       a.partials +
-      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * kRecord;
-  float* weight = scratch;                      // [heads][splits]: first each split's max
-  float* split_sum = scratch + heads * splits;  // [heads][splits]
-  float* total = scratch + 2 * heads * splits;  // [heads]
-  for (int i = threadIdx.x; i < heads * splits; i += kThreads) {
-    const float* record = group_records + (i / splits * a.splits + i % splits) * kRecord;
-    weight[i] = __ldcg(record);
-    split_sum[i] = __ldcg(record + 1);
-  }
-  __syncthreads();
-  if (threadIdx.x < heads) {
-    const int g = threadIdx.x;
-    float* w = weight + g * splits;
-    float global_max = -INFINITY;
-    for (int s = 0; s < splits; ++s) global_max = fmaxf(global_max, w[s]);
-    float sum = 0.0f;
-    for (int s = 0; s < splits; ++s) {
-      const float m = w[s];
-      w[s] = global_max == -INFINITY || m == -INFINITY ? 0.0f : expf(m - global_max);
-      sum += w[s] * split_sum[g * splits + s];
-    }
-    total[g] = sum;
-  }
-  __syncthreads();
-  // Thread x combines dims x, x + kThreads, ... of the group's heads · HD outputs, kDims of them
-  // and kSplits splits of each at a time (kDims · kSplits loads in flight: one SM reads the
-  // records at the L2's pace, not one round trip per split). heads · HD is a multiple of the
-  // block's threads, so each step is warp-uniform and a warp's 32 dims are consecutive dims of
-  // one head (the q8 companion's chunk).
-  constexpr int kDims = 4, kSplits = 16;
-  const int outputs = heads * HD;
-  for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
-    float value[kDims] = {};
-    for (int first_split = 0; first_split < splits; first_split += kSplits) {
-      float loaded[kDims][kSplits];
-#pragma unroll
-      for (int i = 0; i < kDims; ++i) {
-        const int idx = first_idx + i * kThreads;
-        const float* records =
-            group_records + (idx / HD * a.splits + first_split) * kRecord + 2 + idx % HD;
-#pragma unroll
-        for (int u = 0; u < kSplits; ++u) {
-          loaded[i][u] =
-              idx < outputs && first_split + u < splits ? __ldcg(records + u * kRecord) : 0.0f;
-        }
-      }
-#pragma unroll
-      for (int i = 0; i < kDims; ++i) {
-        const int idx = first_idx + i * kThreads;
-        const float* w = weight + (idx < outputs ? idx / HD : 0) * splits + first_split;
-#pragma unroll
-        for (int u = 0; u < kSplits; ++u) {
-          if (first_split + u < splits) value[i] = fmaf(w[u], loaded[i][u], value[i]);
-        }
-      }
-    }
-#pragma unroll
-    for (int i = 0; i < kDims; ++i) {
-      const int idx = first_idx + i * kThreads;
-      if (idx >= outputs) break;  // warp-uniform
-      const int g = idx / HD;
-      const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
-      const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
-      a.out[row * a.out_stride + column] = result[0];
-      store_companions<1>(a.out_companions, row, column, result);
-    }
+      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * int64_t{HD + 2};
+  // 32 values in flight per thread (more spills the prologue's registers across the PDL wait): a
+  // small group's few outputs take more splits at once.
+  if (heads * HD <= 2 * kThreads) {
+    merge_records<HD, 2, 16>(a, row, kv, heads, splits, records, scratch);
+  } else {
+    merge_records<HD, 4, 8>(a, row, kv, heads, splits, records, scratch);
   }
 }
 
@@ -771,60 +798,58 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
   const int32_t query_position = a.positions[row];
-  const int64_t scanned = scanned_keys(sequence.slots, query_position, a.window);
-  const int64_t first_slot = scan_start(sequence.slots, query_position, scanned);
-  const int splits = used_splits(scanned, a.splits);
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
+  const int64_t scanned = scan.count;
+  const int splits = scan.splits;
   const int split = blockIdx.x;
   if (split >= splits) return;  // the merge skips it
   const int heads = a.group;
-  const int64_t per_split = keys_per_split(scanned, a.splits);
-  const int64_t begin = split * per_split;
-  const int64_t end = min(scanned, begin + per_split);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The split holding the query's own key never copies it into the tiles: the block puts it
   // into its tile's rows from new_kv (never reading it from the cache while the prologue writes
   // it there, nor before the wait).
   const bool has_own_key = end == scanned;
   const bool makes_new_key = kPrepare && prepare.k != nullptr && has_own_key;
   const int64_t loaded_end = has_own_key ? end - 1 : end;
-  const int64_t tiles = (end - begin + kMmaTileKeys - 1) / kMmaTileKeys;
+  const int tiles = static_cast<int>((end - begin + kMmaTileKeys - 1) / kMmaTileKeys);
 
-  // This kv head's rows (row stride kv_heads · HD) and the slot of key j (< scanned <= slots).
+  // This kv head's rows (row stride kv_heads · HD).
   const KvT* keys = static_cast<const KvT*>(sequence.keys) + kv * HD;
   const KvT* values = static_cast<const KvT*>(sequence.values) + kv * HD;
   const int64_t row_stride = int64_t{a.kv_heads} * HD;
-  const int64_t slots = sequence.slots;
-  auto slot_of = [&](int64_t j) {
-    const int64_t slot = first_slot + j;
-    return slot < slots ? slot : slot - slots;
-  };
   // As the CUDA-core kernel's load_tile, into T::stage_offset's rows; keys past loaded_end are
   // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
-  // kBulk: warp 0 instead, lane 0 announcing the tile's bytes on the stage's barrier, then lane
-  // l copying K row l (l < 16) or V row l − 16 whole.
+  // kBulk: one bulk copy per K or V row instead, kBulkRowsPerWarp rows from each warp (lane l <
+  // kBulkRowsPerWarp of warp w copies row w · kBulkRowsPerWarp + l of the tile's K rows, then V
+  // rows), thread 0 announcing the tile's bytes on the stage's barrier. A bulk copy takes uniform
+  // operands, so a warp issues its lanes' copies one after another (~30 cycles each): all 32 rows
+  // from one warp held the whole block ~1 µs per tile. A copy may land before the announcement
+  // (the barrier's tx-count goes below zero), but the phase completes only after it, its one
+  // arrival.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
   static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
-  static_assert(!kBulk || 2 * kMmaTileKeys == 32);
+  constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
+  static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
-  auto load_tile = [&](int64_t tile) {
+  auto load_tile = [&](int tile) {
     if (tile < tiles) {
-      const int stage = static_cast<int>(tile % kStages);
+      const int stage = tile % kStages;
       unsigned char* base = pipeline + stage * T::kStageBytes;
-      const int64_t first_key = begin + tile * kMmaTileKeys;
+      const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
       if constexpr (kBulk) {
-        if (warp == 0) {
-          const int rows = static_cast<int>(
-              min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-          if (lane == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
-          __syncwarp();
-          const int key = lane % kMmaTileKeys;
-          const bool is_value = lane >= kMmaTileKeys;
-          if (key < rows) {
-            copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
-                      (is_value ? values : keys) + slot_of(first_key + key) * row_stride,
-                      T::kRowBytes, &stage_landed[stage]);
-          }
+        const int rows = static_cast<int>(
+            min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
+        if (threadIdx.x == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+        const int row = warp * kBulkRowsPerWarp + lane;
+        const int key = row % kMmaTileKeys;
+        const bool is_value = row >= kMmaTileKeys;
+        if (lane < kBulkRowsPerWarp && key < rows) {
+          copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+                    (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
+                    T::kRowBytes, &stage_landed[stage]);
         }
       } else {
 #pragma unroll
@@ -832,7 +857,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           const int64_t j = first_key + key;
           if (j < loaded_end) {
             const int64_t element =
-                slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+                scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
             const int offset = T::stage_offset(key, copy_chunk);
             copy_async16(base + offset, keys + element);
             copy_async16(base + T::kStageBytes / 2 + offset, values + element);
@@ -842,7 +867,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       if (threadIdx.x < kMmaTileKeys) {
         const int64_t j = first_key + threadIdx.x;
         if (j < loaded_end) {
-          copy_async4(&tile_positions[stage][threadIdx.x], sequence.slot_positions + slot_of(j));
+          copy_async4(&tile_positions[stage][threadIdx.x],
+                      sequence.slot_positions + scan.slot_of(j));
         } else {
           tile_positions[stage][threadIdx.x] = -1;
         }
@@ -867,7 +893,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kOwnChunks = 2 * T::kRowChunks;  // K row, then V row
   static_assert(kOwnChunks <= kThreads);
   const bool loads_own_key = has_own_key && !makes_new_key;
-  const int64_t own_slot = slot_of(scanned - 1);
+  const int64_t own_slot = scan.slot_of(scanned - 1);
   uint4 own_chunk = {};
   int32_t cached_own_position = -1;
   if (loads_own_key) {
@@ -928,8 +954,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
   // own key or zeroed rows): those writes must come before that stage's bulk copies.
   [[maybe_unused]] bool wrote_stage = true;
-  for (int64_t tile = 0; tile < tiles; ++tile) {
-    const int stage = static_cast<int>(tile % kStages);
+  for (int tile = 0; tile < tiles; ++tile) {
+    const int stage = tile % kStages;
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     if constexpr (kBulk) {
       wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
@@ -940,7 +966,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
     // The own key, when this tile holds it (its index in the tile, else −1).
-    const int64_t first_key = begin + tile * kMmaTileKeys;
+    const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
     const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
                             ? static_cast<int>(end - 1 - first_key)
                             : -1;
@@ -1018,7 +1044,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
-    const int parity = static_cast<int>(tile & 1);
+    const int parity = tile & 1;
     partial_scores[parity][warp][lane] =
         make_float4(partial[0][0] + partial[1][0], partial[0][1] + partial[1][1],
                     partial[0][2] + partial[1][2], partial[0][3] + partial[1][3]);
@@ -1047,11 +1073,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         tile_max = fmaxf(tile_max, __shfl_xor_sync(0xFFFFFFFFu, tile_max, offset));
       }
       const float new_max = fmaxf(running_max[c], tile_max);
-      if (new_max == -INFINITY) {  // nothing visible yet
-        p[c] = p[2 + c] = 0.0f;
-        continue;
-      }
-      const float rescale = expf(running_max[c] - new_max);
+      // Nothing visible yet: new_max is −∞, and exponents taken from 0 instead keep every weight
+      // 0 (no NaN) without a branch, so the two heads' chains interleave.
+      const float base = new_max == -INFINITY ? 0.0f : new_max;
+      const float rescale = expf(running_max[c] - base);
       running_max[c] = new_max;
       running_sum[c] *= rescale;
 #pragma unroll
@@ -1059,8 +1084,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         acc[i][c] *= rescale;
         acc[i][2 + c] *= rescale;
       }
-      p[c] = expf(low - new_max);
-      p[2 + c] = expf(high - new_max);
+      p[c] = expf(low - base);
+      p[2 + c] = expf(high - base);
       running_sum[c] += p[c] + p[2 + c];
     }
     // Pᵀ as the B operand of Oᵀ += Vᵀ·Pᵀ: the score fragments of keys 0-7 and 8-15 transposed
@@ -1100,17 +1125,24 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       staged[(2 * t + (c & 1)) * T::kWarpDims + 16 * i + g + (c >> 1) * 8] = acc[i][c];
     }
   }
+  // Head h's max and sum live in the lanes of column h / 2: every head's fetched at once (the
+  // shuffles pipeline) before the writes.
+  float head_max[kMmaMaxGroup], head_sum[kMmaMaxGroup];
+#pragma unroll
+  for (int h = 0; h < kMmaMaxGroup; ++h) {
+    head_max[h] = __shfl_sync(0xFFFFFFFFu, running_max[h & 1], h >> 1);
+    head_sum[h] = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], h >> 1);
+  }
   __syncwarp();
-  for (int h = 0; h < heads; ++h) {
-    // Head h's max and sum live in the lanes of column h / 2.
-    const float head_max = __shfl_sync(0xFFFFFFFFu, running_max[h & 1], (h >> 1));
-    const float head_sum = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], (h >> 1));
+#pragma unroll
+  for (int h = 0; h < kMmaMaxGroup; ++h) {
+    if (h >= heads) break;  // warp-uniform
     const int head = kv * a.group + h;
 #pragma unroll
     for (int part = 0; part < T::kWarpDims / 32; ++part) {
       const int d = first_dim + 32 * part + lane;
       const float value = staged[h * T::kWarpDims + 32 * part + lane];
-      write_head_output<HD>(a, row, head, d, splits, split, value, head_max, head_sum);
+      write_head_output<HD>(a, row, head, d, splits, split, value, head_max[h], head_sum[h]);
     }
   }
   if (splits > 1 && a.merge_counters != nullptr) {
@@ -1155,8 +1187,7 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   const int head = blockIdx.x;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.y];
   const int64_t row = sequence.first_row;
-  const int splits =
-      used_splits(scanned_keys(sequence.slots, a.positions[row], a.window), a.splits);
+  const int splits = scanned_keys(sequence.slots, a.positions[row], a.window, a.splits).splits;
   // Even with nothing to merge, the wait: the kernels after this one count on its completion
   // meaning the attention kernel's too.
   pdl_wait_for_predecessors();

@@ -135,11 +135,14 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
 // The kernels decode_attention launches for these arguments: 1, or 2 when the splits need the merge
 // kernel. The tensor-core kernel merges the splits itself when `workspace` has merge counters for
 // every (sequence, kv head) and the partials to merge are few (at most kMaxMergedInKernelSplits
-// splits, kMaxMergedInKernelBytes of records per kv head: a sliding layer's, or a short
-// context's): the last of a kv head's split blocks to finish combines them, and the merge kernel's
-// place in the chain of dependent kernels is saved.
+// splits, kMaxMergedInKernelBytes of records per kv head): the last of a kv head's split blocks to
+// finish combines them, and the merge kernel's place in the chain of dependent kernels is saved.
+// That one block reads all of its kv head's records, so the bound is low: measured on the H200
+// (kernel_bench, sliding windows full, s8 early batch), 26B's sliding layer (32 splits x 2 heads
+// x 256: 66 KB) took 10.5 us merged in the kernel vs 9.1 with the merge kernel, E2B's (16 x 8 x
+// 256: 132 KB) 11.1 vs 6.8.
 constexpr int kMaxMergedInKernelSplits = 64;
-constexpr int64_t kMaxMergedInKernelBytes = 160 << 10;
+constexpr int64_t kMaxMergedInKernelBytes = 40 << 10;
 int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
                               const AttentionWorkspace& workspace);
 

@@ -21,6 +21,14 @@ __device__ __forceinline__ void copy_async16(void* shared, const void* global) {
 
 // copy_async16 that has L2 fetch the whole aligned 256 bytes around the address from DRAM (a
 // hint: the neighbouring bytes are read soon).
+// copy_async16, or 16 zero bytes (nothing read) where !valid.
+__device__ __forceinline__ void copy_async16_or_zeros(void* shared, const void* global,
+                                                      bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+
 __device__ __forceinline__ void copy_async16_l2_256(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
                "l"(global)

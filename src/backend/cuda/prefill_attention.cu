@@ -33,7 +33,9 @@
 #include <type_traits>
 
 #include "backend/cuda/attention_kv.cuh"
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/prefill_kernels.h"
 
 namespace gemma4::cuda {
@@ -107,48 +109,6 @@ __device__ __forceinline__ bool visible(int32_t key_position, int32_t query_posi
          (window == 0 || query_position - key_position < window);
 }
 
-__device__ __forceinline__ uint32_t shared_address(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-// 16 bytes global → shared, asynchronously; zeros when !valid (nothing is read then).
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(dst)),
-               "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() {
-  asm volatile("cp.async.commit_group;\n" ::);
-}
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
-
-// Four 8x8 bf16 matrices from shared memory (lane l gives the address of row l % 8 of matrix
-// l / 8); `transposed` delivers them transposed (V as the B operand).
-template <bool kTransposed>
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], const bf16* p) {
-  if constexpr (kTransposed) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p)));
-  } else {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(shared_address(p)));
-  }
-}
-
-// c += a · b for a 16x16 bf16 A (row major), a 16x8 bf16 B (column major), fp32 C.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, "
-      "{%8, %9}, {%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // Two floats as the bf16 pair of an mma fragment (the lower column in the low half).
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   const __nv_bfloat162 pair = __floats2bfloat162_rn(lo, hi);
@@ -215,9 +175,7 @@ __device__ void load_tile(const PrefillArgs& a, const TileSpace& space, int kv_h
   if (threadIdx.x < L::kKeys) {
     const int64_t slot = first_slot + threadIdx.x;
     if (slot < at.source.slots) {
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(
-                       shared_address(key_position + threadIdx.x)),
-                   "l"(at.source.slot_positions + slot));
+      copy_async4(key_position + threadIdx.x, at.source.slot_positions + slot);
     } else {
       key_position[threadIdx.x] = -1;
     }
@@ -233,8 +191,8 @@ __device__ void load_tile(const PrefillArgs& a, const TileSpace& space, int kv_h
       const int column = i % kChunksPerKey * kElementsPerChunk;
       const bool valid = (loaded >> key) & 1u;
       const int64_t offset = valid ? (first_slot + key) * row_elements + column : 0;
-      cp_async16(k_tile + key * L::kLd + column, keys + offset, valid);
-      cp_async16(v_tile + key * L::kLd + column, values + offset, valid);
+      copy_async16_or_zeros(k_tile + key * L::kLd + column, keys + offset, valid);
+      copy_async16_or_zeros(v_tile + key * L::kLd + column, values + offset, valid);
     }
   } else {
     constexpr int kBatch = 4;  // float4s of K and of V in flight per thread
@@ -365,16 +323,16 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
     if (count == 0) continue;
 
     load_tile<HD, Kv>(a, space, kv_head, tile_list[0], tile_loaded[0], 0, shared);
-    cp_async_commit();
+    commit_copies();
     for (int i = 0; i < count; ++i) {
       const int buffer = i % 2;
       if (i + 1 < count) {
         load_tile<HD, Kv>(a, space, kv_head, tile_list[i + 1], tile_loaded[i + 1], 1 - buffer,
                           shared);
-        cp_async_commit();
-        cp_async_wait<1>();
+        commit_copies();
+        wait_copies<1>();
       } else {
-        cp_async_wait<0>();
+        wait_copies<0>();
       }
       __syncthreads();  // tile i complete and visible to every warp
       const bf16* k_tile = reinterpret_cast<const bf16*>(shared + L::kK + buffer * L::kTileBytes);
@@ -388,13 +346,13 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
 #pragma unroll 4  // (fully unrolled, the prefetched fragments spill the accumulators)
       for (int kk = 0; kk < kWarpDims; kk += 16) {
         uint32_t q_fragment[4];
-        ldmatrix_x4<false>(q_fragment, q_tile + (row_tile * kWarpRows + lane % 16) * L::kLd + dim0 +
-                                           kk + lane / 16 * 8);
+        load_matrices<false>(q_fragment, q_tile + (row_tile * kWarpRows + lane % 16) * L::kLd +
+                                             dim0 + kk + lane / 16 * 8);
 #pragma unroll
         for (int n = 0; n < kKeyTiles; n += 2) {
           uint32_t k_fragment[4];
-          ldmatrix_x4<false>(k_fragment, k_tile + (n * 8 + lane % 8 + lane / 16 * 8) * L::kLd +
-                                             dim0 + kk + lane / 8 % 2 * 8);
+          load_matrices<false>(k_fragment, k_tile + (n * 8 + lane % 8 + lane / 16 * 8) * L::kLd +
+                                               dim0 + kk + lane / 8 % 2 * 8);
           mma_bf16(s[n], q_fragment, k_fragment[0], k_fragment[1]);
           mma_bf16(s[n + 1], q_fragment, k_fragment[2], k_fragment[3]);
         }
@@ -465,8 +423,8 @@ __global__ void __launch_bounds__(kThreads, 2) prefill_attention_kernel(PrefillA
 #pragma unroll
         for (int n = 0; n < kDimTiles; n += 2) {
           uint32_t v_fragment[4];
-          ldmatrix_x4<true>(v_fragment, v_tile + (kk * 8 + lane % 8 + lane / 8 % 2 * 8) * L::kLd +
-                                            dim0 + n * 8 + lane / 16 * 8);
+          load_matrices<true>(v_fragment, v_tile + (kk * 8 + lane % 8 + lane / 8 % 2 * 8) * L::kLd +
+                                              dim0 + n * 8 + lane / 16 * 8);
           mma_bf16(o[n], p, v_fragment[0], v_fragment[1]);
           mma_bf16(o[n + 1], p, v_fragment[2], v_fragment[3]);
         }
