@@ -480,6 +480,22 @@ TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
 
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
+// The tensor-core decode path's down kernel splits K (top_k · inner / 32 chunks) between the
+// blocks of a cluster: an odd number of chunks (uneven shares), a single chunk (a block with
+// none), several tokens (a cluster row each), strided rows and an invalid pick.
+TEST(MoeExperts, DecodeTensorCoresSplitK) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1400;
+  const ExpertSet one_chunk = make_experts(kNvfp4Multiplier, 8, 64, 32, seed++);
+  check_run(cpu, one_chunk, 1, 1, seed++, {.path = MoePath::kDecodeTensorCores});
+  check_run(cpu, one_chunk, 3, 2, seed++, {.strided = true, .path = MoePath::kDecodeTensorCores});
+  const ExpertSet odd = make_experts(kNvfp4Divisor, 16, 96, 96, seed++);
+  for (int top_k : {1, 3, 5}) {
+    check_run(cpu, odd, 2, top_k, seed++, {.path = MoePath::kDecodeTensorCores});
+  }
+  check_run(cpu, odd, 1, 3, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+}
+
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {
   const ExpertSet set = make_experts(kW4G32Bf16, 16, 96, 64, 1350);
   MoeExpertTable table;

@@ -444,7 +444,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 // NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
 
 constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
-constexpr int kMmaDownWarps = 8;
+constexpr int kMmaDownWarps = 4;
+constexpr int kMmaDownSplit = 2;       // blocks (one cluster) that split a down tile's K
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
 constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
 constexpr int kMmaDownRows = 16;       // down rows per block
@@ -456,7 +457,7 @@ size_t mma_staged_bytes(int64_t chunks) {
 }
 
 // Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
-// read again): 4 cover hidden 4096 over 128 threads and 8 · 704 over 256.
+// read again): 4 cover hidden 4096 over 128 threads, as a down block's half of 8 · 704.
 constexpr int kCachedPieces = 4;
 
 // Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
@@ -615,19 +616,32 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   }
 }
 
-// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
-// of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
-// each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
-__global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(DecodeDownArgs a) {
+// Grid (kMmaDownSplit, ⌈hidden / 16⌉, tokens), clusters of kMmaDownSplit blocks along x: cluster
+// (y, t) computes out[t][16y .. 16y + 15], A rows g and g + 8 of the picks' down matrices over K =
+// the concatenation of the token's top_k activation rows, each staged times its pick's routing
+// weight (NVFP4's global scale folded in). Its blocks split K into consecutive chunk ranges (each
+// its own staging exponent), their warps split a block's range; rank 0 adds the blocks' scaled
+// sums in rank order (deterministic). Splitting K over a cluster, not over more warps of one
+// block, gives one token's 2816 rows 352 blocks of 4 warps (every SM busy, each block half the
+// activations to stage) instead of 176 blocks of 8 warps.
+__global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDownWarps * 32)
+    decode_down_mma_kernel(DecodeDownArgs a) {
+  namespace cg = cooperative_groups;
   constexpr int R = kMmaRoundsInFlight;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
   __shared__ float scratch[kMmaDownWarps];
+  __shared__ float block_sums[kMmaDownSplit][kMmaDownRows];  // rank 0's: every rank's sums
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
-  const int token = blockIdx.x;
+  const cg::cluster_group cluster = cg::this_cluster();
+  // Every block of the cluster must have started before another writes its shared memory: the
+  // arrival now, the wait only before those writes.
+  cluster.barrier_arrive();
+  const int rank = static_cast<int>(blockIdx.x);  // gridDim.x == kMmaDownSplit: the cluster rank
+  const int token = static_cast<int>(blockIdx.z);
   // The router's output before the wait, as decode_down_kernel (see there).
   for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
     const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
@@ -643,7 +657,11 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   const int t = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + g;
   const int per_pick = static_cast<int>(a.chunks_per_row);
-  const int chunks = a.top_k * per_pick;
+  // This block's chunks of K: [first_chunk, first_chunk + chunks) (none for a rank past K).
+  const int k_chunks = a.top_k * per_pick;
+  const int share = (k_chunks + kMmaDownSplit - 1) / kMmaDownSplit;
+  const int first_chunk = min(rank * share, k_chunks);
+  const int chunks = min(share, k_chunks - first_chunk);
   const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps);
 
   uint4 weights[R][2];
@@ -653,8 +671,8 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     for (int i = 0; i < R; ++i) {
       const int chunk = 4 * (first + i) + t;
       const bool in_k = first + i < rounds.end && chunk < chunks;
-      const int pick = in_k ? chunk / per_pick : 0;
-      const int in_row = chunk - pick * per_pick;
+      const int pick = in_k ? (first_chunk + chunk) / per_pick : 0;
+      const int in_row = first_chunk + chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -673,8 +691,9 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   pdl_wait_for_predecessors();
   int p = 0;
   stage_mma_activations(
-      a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
-      [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
+      a.activations + (static_cast<int64_t>(token) * a.top_k * a.inner + 32 * first_chunk), chunks,
+      [&](int chunk) { return pick_weights[(first_chunk + chunk) / per_pick]; }, staged, scratch,
+      p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int first = rounds.begin; first < rounds.end; first += R) {
@@ -694,12 +713,21 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     partial[warp][g + 8] = acc[2];
   }
   __syncthreads();
+  cluster.barrier_wait();
   if (threadIdx.x < kMmaDownRows) {
-    const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kMmaWeightShift - p);
+    cluster.map_shared_rank(&block_sums[0][0], 0)[rank * kMmaDownRows + threadIdx.x] =
+        sum * ldexpf(1.0f, kMmaWeightShift - p);
+  }
+  cluster.sync();
+  if (rank == 0 && threadIdx.x < kMmaDownRows) {
+    const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMmaDownSplit; ++r) sum += block_sums[r][threadIdx.x];
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum;
   }
 }
 
@@ -752,12 +780,13 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                args.out,
                                args.out_stride};
   if (mma_down) {
-    const size_t shared = mma_staged_bytes(args.top_k * (shape.inner / 32));
+    const size_t shared =
+        mma_staged_bytes((args.top_k * (shape.inner / 32) + kMmaDownSplit - 1) / kMmaDownSplit);
     const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(
         decode_down_mma_kernel,
-        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
+        dim3(kMmaDownSplit, blocks(shape.hidden, kMmaDownRows), static_cast<unsigned>(args.tokens)),
         dim3(kMmaDownWarps * 32), shared, launch, down);
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
