@@ -34,6 +34,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_decode.cuh"
@@ -445,10 +446,15 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 
 constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
 constexpr int kMmaDownWarps = 4;
-constexpr int kMmaDownSplit = 2;       // blocks (one cluster) that split a down tile's K
-constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
-constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
-constexpr int kMmaDownRows = 16;       // down rows per block
+constexpr int kMmaDownSplit = 2;  // blocks (one cluster) that split a down tile's K
+// Rounds a lane copies to shared memory per pass: all of a warp's share of K at 26B-A4B shapes.
+constexpr int kMmaRoundsPerPass = 6;
+// Blocks per SM the registers must allow: one token's 704 gate/up blocks in one wave on 132 SMs,
+// and a down block beside five of them (its weights in flight while gate/up still runs).
+constexpr int kMmaGateUpBlocksPerSm = 6;
+constexpr int kMmaDownBlocksPerSm = 7;
+constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per block: A rows g, g + 8
+constexpr int kMmaDownRows = 16;   // down rows per block
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // lanes of g != 0 and for chunks past the row).
@@ -532,13 +538,29 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
   return {begin, min(begin + per_warp, rounds)};
 }
 
+// A lane's 16-byte weight chunk to its shared-memory slot by cp.async, or zeros where it is not
+// `live` (past K or the matrix: the products then add nothing; stale bits could be inf or NaN).
+__device__ __forceinline__ void copy_chunk_or_zero(uint4* slot, const uint4* chunk, bool live) {
+  if (live) {
+    copy_async16(slot, chunk);
+  } else {
+    *slot = make_uint4(0, 0, 0, 0);
+  }
+}
+
 // Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
 // (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
-__global__ void __launch_bounds__(kMmaGateUpWarps * 32)
+// A lane's weight chunks travel to shared memory by cp.async (its own slots: no barrier), not to
+// registers: every round of a warp's share of K (6 of a 26B-A4B row) is in flight at once while
+// the kernel still fits kMmaGateUpBlocksPerSm blocks per SM, i.e. one token's 704 blocks in one
+// wave (with the chunks in registers, 124 registers allowed 4 blocks per SM: 1.33 waves).
+__global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
+  constexpr int R = kMmaRoundsPerPass;
   __shared__ float partial[kMmaGateUpWarps][kMmaGateUpRows][2];
   __shared__ float scratch[kMmaGateUpWarps];
+  // Slot [warp][i][mat][lane]: the lane's chunk of round i of the pass, gate (mat 0) or up row.
+  __shared__ uint4 weight_slots[kMmaGateUpWarps][R][2][32];
   extern __shared__ uint4 staged_x_words[];
   uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
   // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
@@ -550,6 +572,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
   const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + g;
@@ -557,24 +580,26 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   const int chunks = static_cast<int>(a.chunks_per_row);
   const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps);
 
-  uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto copy_rounds = [&](int first) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int chunk = 4 * (first + i) + t;
       const bool live = first + i < rounds.end && chunk < chunks && row_live;
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
-        weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
-                                                 row * a.chunks_per_row + chunk)
-                               : make_uint4(0, 0, 0, 0);
+        copy_chunk_or_zero(
+            &weight_slots[warp][i][mat][lane],
+            live ? static_cast<const uint4*>(mats[mat].weights) + row * a.chunks_per_row + chunk
+                 : nullptr,
+            live);
         scale_bits[i][mat] =
             live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
       }
     }
+    commit_copies();
   };
-  load_rounds(rounds.begin);
+  copy_rounds(rounds.begin);
   int p = 0;
   stage_mma_activations(
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
@@ -582,18 +607,20 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
+    // A pass's slots are rewritten only after the lane's products of the previous pass read them.
+    if (first != rounds.begin) copy_rounds(first);
+    wait_copies<0>();
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
       const int chunk = 4 * (first + i) + t;
       const uint32_t* staged =
           staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], staged);
+      const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
+      mma_round(acc, rows, scale_bits[i], staged);
     }
   }
   // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
-  const int warp = threadIdx.x >> 5;
   if (t == 0) {
     partial[warp][g][0] = acc[0];
     partial[warp][g][1] = acc[2];
@@ -624,15 +651,18 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
 // sums in rank order (deterministic). Splitting K over a cluster, not over more warps of one
 // block, gives one token's 2816 rows 352 blocks of 4 warps (every SM busy, each block half the
 // activations to stage) instead of 176 blocks of 8 warps.
-__global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDownWarps * 32)
-    decode_down_mma_kernel(DecodeDownArgs a) {
+__global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
+    __launch_bounds__(kMmaDownWarps * 32, kMmaDownBlocksPerSm)
+        decode_down_mma_kernel(DecodeDownArgs a) {
   namespace cg = cooperative_groups;
-  constexpr int R = kMmaRoundsInFlight;
+  constexpr int R = kMmaRoundsPerPass;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
   __shared__ float scratch[kMmaDownWarps];
   __shared__ float block_sums[kMmaDownSplit][kMmaDownRows];  // rank 0's: every rank's sums
+  // Slot [warp][i][half][lane]: the lane's chunk of round i of the pass, A row g or g + 8.
+  __shared__ uint4 weight_slots[kMmaDownWarps][R][2][32];
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
@@ -653,6 +683,7 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDown
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + g;
@@ -664,9 +695,8 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDown
   const int chunks = min(share, k_chunks - first_chunk);
   const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps);
 
-  uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto copy_rounds = [&](int first) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int chunk = 4 * (first + i) + t;
@@ -678,16 +708,19 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDown
       for (int half = 0; half < 2; ++half) {
         const int64_t row = row0 + 8 * half;
         const bool load = live && row < a.hidden;
-        weights[i][half] = load ? load_weights_nc(static_cast<const uint4*>(downs[pick].weights) +
-                                                  row * a.chunks_per_row + in_row)
-                                : make_uint4(0, 0, 0, 0);
+        copy_chunk_or_zero(
+            &weight_slots[warp][i][half][lane],
+            load ? static_cast<const uint4*>(downs[pick].weights) + row * a.chunks_per_row + in_row
+                 : nullptr,
+            load);
         scale_bits[i][half] =
             load ? load_scale_bits<PackedFormat::kNVFP4>(downs[pick], row, in_row) : 0u;
       }
     }
+    commit_copies();
   };
   // The weights depend on the router only: in flight before the wait for the activations.
-  load_rounds(rounds.begin);
+  copy_rounds(rounds.begin);
   pdl_wait_for_predecessors();
   int p = 0;
   stage_mma_activations(
@@ -697,17 +730,19 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDown
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
+    // As the gate/up kernel: a lane's own slots, rewritten after its products read them.
+    if (first != rounds.begin) copy_rounds(first);
+    wait_copies<0>();
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
       const int chunk = 4 * (first + i) + t;
       const uint32_t* x =
           staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], x);
+      const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
+      mma_round(acc, rows, scale_bits[i], x);
     }
   }
-  const int warp = threadIdx.x >> 5;
   if (t == 0) {
     partial[warp][g] = acc[0];
     partial[warp][g + 8] = acc[2];
@@ -731,6 +766,20 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1) __launch_bounds__(kMmaDown
   }
 }
 
+// The shared-memory attributes of a kernel with weight slots (the tensor-core decode kernels):
+// its `dynamic_bytes` of staged activations always allowed (beside the 24 KB of slots, more than
+// 24 KB of them exceed the default 48 KB of static + dynamic shared memory), and the largest
+// shared-memory carveout (room for several blocks' slots per SM, beside each other's kernel).
+// Not stream operations: allowed during graph capture.
+template <typename Kernel>
+cudaError_t allow_slot_kernel_shared_bytes(Kernel kernel, size_t dynamic_bytes) {
+  const cudaError_t status = cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_bytes));
+  if (status != cudaSuccess) return status;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                              cudaSharedmemCarveoutMaxShared);
+}
+
 int64_t chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 ? 8 : 32;
 }
@@ -750,7 +799,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
-    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
+    status = allow_slot_kernel_shared_bytes(decode_gate_up_mma_kernel, shared);
     if (status == cudaSuccess) {
       status =
           launch_kernel(decode_gate_up_mma_kernel,
@@ -782,7 +831,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   if (mma_down) {
     const size_t shared =
         mma_staged_bytes((args.top_k * (shape.inner / 32) + kMmaDownSplit - 1) / kMmaDownSplit);
-    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
+    const cudaError_t allowed = allow_slot_kernel_shared_bytes(decode_down_mma_kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(
         decode_down_mma_kernel,
