@@ -586,6 +586,19 @@ __device__ __forceinline__ void copy_chunk_or_zero(uint4* slot, const uint4* chu
   }
 }
 
+// Waits until at most `pending` of the thread's copy groups are in flight; `pending` <= Max, a
+// constant once the caller's loop is unrolled (then one wait_group instruction).
+template <int Max>
+__device__ __forceinline__ void wait_copies_at_most(int pending) {
+  if constexpr (Max == 0) {
+    wait_copies<0>();
+  } else if (pending >= Max) {
+    wait_copies<Max>();
+  } else {
+    wait_copies_at_most<Max - 1>(pending);
+  }
+}
+
 // Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
 // (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
 // A lane's weight chunks travel to shared memory by cp.async (its own slots: no barrier), not to
@@ -634,8 +647,8 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
         scale_bits[i][mat] =
             live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
       }
+      commit_copies();  // one group per round: its products wait for it alone
     }
-    commit_copies();
   };
   copy_rounds(rounds.begin);
   int p = 0;
@@ -647,10 +660,10 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
   for (int first = rounds.begin; first < rounds.end; first += R) {
     // A pass's slots are rewritten only after the lane's products of the previous pass read them.
     if (first != rounds.begin) copy_rounds(first);
-    wait_copies<0>();
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
+      wait_copies_at_most<R - 1>(R - 1 - i);
       const int chunk = 4 * (first + i) + t;
       const uint32_t* staged =
           staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
@@ -735,12 +748,21 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
 
   uint32_t scale_bits[R][2];
   auto copy_rounds = [&](int first) {
+    // Chunk first_chunk + 4 · (first + i) + t of K is chunk in_row of pick's row: one division,
+    // then steps of 4 chunks.
+    int pick = (first_chunk + 4 * first + t) / per_pick;
+    int in_row = first_chunk + 4 * first + t - pick * per_pick;
 #pragma unroll
     for (int i = 0; i < R; ++i) {
+      if (i > 0) {
+        in_row += 4;
+        while (in_row >= per_pick) {
+          in_row -= per_pick;
+          ++pick;
+        }
+      }
       const int chunk = 4 * (first + i) + t;
       const bool in_k = first + i < rounds.end && chunk < chunks;
-      const int pick = in_k ? (first_chunk + chunk) / per_pick : 0;
-      const int in_row = first_chunk + chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
@@ -754,8 +776,8 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
         scale_bits[i][half] =
             load ? load_scale_bits<PackedFormat::kNVFP4>(downs[pick], row, in_row) : 0u;
       }
+      commit_copies();  // one group per round, as the gate/up kernel
     }
-    commit_copies();
   };
   // The weights depend on the router only: in flight before the wait for the activations.
   copy_rounds(rounds.begin);
@@ -770,10 +792,10 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
   for (int first = rounds.begin; first < rounds.end; first += R) {
     // As the gate/up kernel: a lane's own slots, rewritten after its products read them.
     if (first != rounds.begin) copy_rounds(first);
-    wait_copies<0>();
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
+      wait_copies_at_most<R - 1>(R - 1 - i);
       const int chunk = 4 * (first + i) + t;
       const uint32_t* x =
           staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
