@@ -319,6 +319,16 @@ TEST(MoeRouter, RejectsBadArguments) {
       cudaErrorInvalidValue);
   EXPECT_EQ(route_experts(logits.get(), 8, 0, 8, 2, scale.get(), ids.get(), weights.get(), launch),
             cudaErrorInvalidValue);
+  // The fused decode router: x wider than it stages (the caller then routes apart).
+  DeviceArray<float> wide(kFusedRouterMaxHidden + 8);
+  quant::QMatrix router;
+  router.format = WeightFormat::kBF16;
+  router.rows = 8;
+  router.cols = kFusedRouterMaxHidden + 8;
+  router.data = wide.get();
+  EXPECT_EQ(route_token(router, wide.get(), true, 2, scale.get(), logits.get(), ids.get(),
+                        weights.get(), launch),
+            cudaErrorInvalidValue);
 }
 
 // Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes,
@@ -946,8 +956,10 @@ TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
         make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
     ASSERT_TRUE(made.ok()) << made.error().to_string();
     engine::Backend& gpu = **made;
-    for (const Case& c : {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1},
-                          Case{13, 64, 5, 1}, Case{kExperts, kHidden, kTopK, 2}}) {
+    // hidden 5120: x staged in more pieces (1280) than the router's threads load at once (1024).
+    for (const Case& c :
+         {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1}, Case{13, 64, 5, 1},
+          Case{64, 5120, 4, 1}, Case{kExperts, kHidden, kTopK, 2}}) {
       SCOPED_TRACE("experts=" + std::to_string(c.experts) + " hidden=" + std::to_string(c.hidden) +
                    " tokens=" + std::to_string(c.tokens) + (fp32 ? " fp32" : " bf16 x"));
       const HostMatrix w = random_matrix(WeightFormat::kBF16, c.experts, c.hidden, seed++);
