@@ -487,9 +487,10 @@ constexpr int kMmaDownWarps = 4;
 constexpr int kMmaDownSplit = 2;  // blocks (one cluster) that split a down tile's K
 // Rounds a lane copies to shared memory per pass: all of a warp's share of K at 26B-A4B shapes.
 constexpr int kMmaRoundsPerPass = 6;
-// Blocks per SM the registers must allow: one token's 704 gate/up blocks in one wave on 132 SMs,
-// and a down block beside five of them (its weights in flight while gate/up still runs).
-constexpr int kMmaGateUpBlocksPerSm = 6;
+// Blocks per SM the registers must allow (72 registers each): one token's 704 gate/up blocks in
+// one wave on 132 SMs (5 or 6 per SM), and beside 6 of them (5) one (two) down blocks, whose
+// weights are then in flight while gate/up still runs.
+constexpr int kMmaGateUpBlocksPerSm = 7;
 constexpr int kMmaDownBlocksPerSm = 7;
 constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per block: A rows g, g + 8
 constexpr int kMmaDownRows = 16;   // down rows per block
