@@ -465,22 +465,22 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 //
 // The same two launches as above, for NVFP4 experts outside exact-fp32 mode: the CUDA-core
 // kernels spend ~4 instructions per weight (decode, fp16 → fp32, FMA); here a weight costs its
-// decode and one fp16 multiply by its block scale, and mma.sync m16n8k16 (fp16 inputs, fp32
-// accumulation) does the products, 16 weight rows against the activations in column 0.
+// decode, and mma.sync m16n8k16 (fp16 inputs, fp32 accumulation) does the products, 16 weight
+// rows against the activations.
 // Fragment order (PTX ISA, m16n8k16): lane (g = lane / 4, t = lane % 4) holds the A elements of
-// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, and the B elements of column g
-// at the same slots. The sum over k does not care which K element sits in which slot as long as
-// A and B agree, so in round r lane t takes whole chunk 4r + t of its two rows (one 16-byte load
-// each): step j of the chunk's eight feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of
-// word j / 2, s = 2 (j % 2), and slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of
-// word >> 4s extracts, device_math.cuh's dot_nvfp4). Every pair lies in one 16-element block.
-// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds) times the e4m3 block scale · 2^7 (at
-// most 448 · 2^7, in fp16 range), i.e. e2m1 · scale · 2^-7: exact in fp16 (at most 6 significant
-// bits, a multiple of 2^-17) and a normal number unless the block scale is an e4m3 subnormal.
+// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, the B elements of column g at
+// the same slots, and the results of rows g and g + 8 in columns 2t and 2t + 1. The sum over k
+// does not care which K element sits in which slot as long as A and B agree, so in round r lane
+// t takes whole chunk 4r + t of its two rows (one 16-byte copy each): step j of the chunk's eight
+// feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of word j / 2, s = 2 (j % 2), and
+// slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of word >> 4s extracts, device_math.cuh's
+// dot_nvfp4). Every pair lies in one 16-element block; "Block scales on the accumulators" below
+// says which B column takes which block and where the e4m3 block scales enter.
+// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds: exact, code 1 an fp16 subnormal).
 // Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
 // rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
-// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
-// NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
+// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p) and
+// NVFP4's global scale.
 
 constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
 constexpr int kMmaDownWarps = 4;
@@ -577,6 +577,64 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
   return {begin, min(begin + per_warp, rounds)};
 }
 
+// Block scales on the accumulators (both kernels below): moe_decode.cuh's mma_round multiplies
+// every weight pair by its block scale (4 HMUL2 per 8 weights, ~20 % of a round's instructions).
+// Here the 8 columns of B tell a round's blocks apart instead: column 2t + b holds the staged
+// activations of block b of lane t's chunk (zeros elsewhere), so after a round's 8 products the
+// accumulators c[0], c[1] (c[2], c[3]) of lane (g, t) are row g's (g + 8's) unscaled sums over
+// blocks 0 and 1 of the lane's own chunk: each is multiplied by its e4m3 scale in fp32 and added
+// to the lane's running sums. Weights enter as e2m1 · 2^-14 (nvfp4_decode.cuh's exact fp16 bits),
+// so the sums come back by 2^(kBlockColumnShift − p) (p: the activations' staging exponent).
+// Products stay exact; only the fp32 summation order differs from mma_round's.
+constexpr int kBlockColumnShift = 14;
+
+// sums[0] (row g) and sums[1] (row g + 8) += one round of lane (g, t): `rows` = its chunk of A rows
+// g and g + 8 (their block scale bits alongside), x_blocks[b] = the staged words of its chunk
+// when g == 2t + b, else a staged chunk of zeros.
+__device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const uint4 (&rows)[2],
+                                                        const uint32_t (&scale_bits)[2],
+                                                        const uint32_t* const (&x_blocks)[2]) {
+  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
+                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // words 0, 1: block 0; words 2, 3: block 1
+    const uint4 x = *reinterpret_cast<const uint4*>(x_blocks[i / 2] + 4 * i);
+    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
+    e2m1_half2_bits(words[0][i], a[0]);
+    e2m1_half2_bits(words[1][i], a[1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * half;
+      mma_f16(c, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __half2 scales = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(scale_bits[r] & 0xFFFF), __NV_E4M3);
+    const float2 scale = __half22float2(scales);
+    sums[r] = fmaf(c[2 * r + 1], scale.y, fmaf(c[2 * r], scale.x, sums[r]));
+  }
+}
+
+// The B words of lane (g, t) for a round whose chunk is `chunk` (past K: none), as
+// mma_round_block_columns takes them.
+__device__ __forceinline__ void block_column_x(const uint32_t* staged, int chunk, int chunks, int g,
+                                               int t, const uint32_t* (&x_blocks)[2]) {
+  const uint32_t* zeros = staged + kStagedWordsPerChunk * chunks;
+  const uint32_t* mine = chunk < chunks ? staged + kStagedWordsPerChunk * chunk : zeros;
+  x_blocks[0] = g == 2 * t ? mine : zeros;
+  x_blocks[1] = g == 2 * t + 1 ? mine : zeros;
+}
+
+// The sum of `v` over the 4 lanes of a quad (the t of one g), the same bits in each.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+  return v + __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+}
+
 // A lane's 16-byte weight chunk to its shared-memory slot by cp.async, or zeros where it is not
 // `live` (past K or the matrix: the products then add nothing; stale bits could be inf or NaN).
 __device__ __forceinline__ void copy_chunk_or_zero(uint4* slot, const uint4* chunk, bool live) {
@@ -657,7 +715,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
       staged_x, scratch, p);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
   for (int first = rounds.begin; first < rounds.end; first += R) {
     // A pass's slots are rewritten only after the lane's products of the previous pass read them.
     if (first != rounds.begin) copy_rounds(first);
@@ -665,17 +723,17 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
       wait_copies_at_most<R - 1>(R - 1 - i);
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* staged =
-          staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      const uint32_t* x_blocks[2];
+      block_column_x(staged_x, 4 * (first + i) + t, chunks, g, t, x_blocks);
       const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
-      mma_round(acc, rows, scale_bits[i], staged);
+      mma_round_block_columns(sums, rows, scale_bits[i], x_blocks);
     }
   }
-  // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
+  const float gate_sum = quad_sum(sums[0]);
+  const float up_sum = quad_sum(sums[1]);
   if (t == 0) {
-    partial[warp][g][0] = acc[0];
-    partial[warp][g][1] = acc[2];
+    partial[warp][g][0] = gate_sum;
+    partial[warp][g][1] = up_sum;
   }
   __syncthreads();
   if (threadIdx.x < kMmaGateUpRows) {
@@ -686,7 +744,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
       gate += partial[w][threadIdx.x][0];
       up += partial[w][threadIdx.x][1];
     }
-    const float back = ldexpf(1.0f, kMmaWeightShift - p);
+    const float back = ldexpf(1.0f, kBlockColumnShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
     if (out_row < a.inner) {
@@ -789,7 +847,7 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
       [&](int chunk) { return pick_weights[(first_chunk + chunk) / per_pick]; }, staged, scratch,
       p);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
   for (int first = rounds.begin; first < rounds.end; first += R) {
     // As the gate/up kernel: a lane's own slots, rewritten after its products read them.
     if (first != rounds.begin) copy_rounds(first);
@@ -797,16 +855,17 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
       wait_copies_at_most<R - 1>(R - 1 - i);
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* x =
-          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      const uint32_t* x_blocks[2];
+      block_column_x(staged, 4 * (first + i) + t, chunks, g, t, x_blocks);
       const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
-      mma_round(acc, rows, scale_bits[i], x);
+      mma_round_block_columns(sums, rows, scale_bits[i], x_blocks);
     }
   }
+  const float row_sum = quad_sum(sums[0]);
+  const float row8_sum = quad_sum(sums[1]);
   if (t == 0) {
-    partial[warp][g] = acc[0];
-    partial[warp][g + 8] = acc[2];
+    partial[warp][g] = row_sum;
+    partial[warp][g + 8] = row8_sum;
   }
   __syncthreads();
   cluster.barrier_wait();
@@ -815,7 +874,7 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
 #pragma unroll
     for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
     cluster.map_shared_rank(&block_sums[0][0], 0)[rank * kMmaDownRows + threadIdx.x] =
-        sum * ldexpf(1.0f, kMmaWeightShift - p);
+        sum * ldexpf(1.0f, kBlockColumnShift - p);
   }
   cluster.sync();
   if (rank == 0 && threadIdx.x < kMmaDownRows) {
