@@ -490,10 +490,9 @@ TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
 
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
-// The tensor-core decode path's down kernel splits K (top_k · inner / 32 chunks) between the
-// blocks of a cluster: an odd number of chunks (uneven shares), a single chunk (a block with
-// none), several tokens (a cluster row each), strided rows and an invalid pick.
-TEST(MoeExperts, DecodeTensorCoresSplitK) {
+// The tensor-core decode path at shapes off the real ones: one chunk of K per pick (inner 32), an
+// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick.
+TEST(MoeExperts, DecodeTensorCoresOddShapes) {
   CpuBackend cpu(0);
   uint32_t seed = 1400;
   const ExpertSet one_chunk = make_experts(kNvfp4Multiplier, 8, 64, 32, seed++);

@@ -34,7 +34,6 @@
 #include <cmath>
 #include <type_traits>
 
-#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_decode.cuh"
@@ -465,35 +464,28 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 //
 // The same two launches as above, for NVFP4 experts outside exact-fp32 mode: the CUDA-core
 // kernels spend ~4 instructions per weight (decode, fp16 → fp32, FMA); here a weight costs its
-// decode, and mma.sync m16n8k16 (fp16 inputs, fp32 accumulation) does the products, 16 weight
-// rows against the activations.
+// decode and one fp16 multiply by its block scale, and mma.sync m16n8k16 (fp16 inputs, fp32
+// accumulation) does the products, 16 weight rows against the activations in column 0.
 // Fragment order (PTX ISA, m16n8k16): lane (g = lane / 4, t = lane % 4) holds the A elements of
-// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, the B elements of column g at
-// the same slots, and the results of rows g and g + 8 in columns 2t and 2t + 1. The sum over k
-// does not care which K element sits in which slot as long as A and B agree, so in round r lane
-// t takes whole chunk 4r + t of its two rows (one 16-byte copy each): step j of the chunk's eight
-// feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of word j / 2, s = 2 (j % 2), and
-// slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of word >> 4s extracts, device_math.cuh's
-// dot_nvfp4). Every pair lies in one 16-element block; "Block scales on the accumulators" below
-// says which B column takes which block and where the e4m3 block scales enter.
-// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds: exact, code 1 an fp16 subnormal).
+// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, and the B elements of column g
+// at the same slots. The sum over k does not care which K element sits in which slot as long as
+// A and B agree, so in round r lane t takes whole chunk 4r + t of its two rows (one 16-byte load
+// each): step j of the chunk's eight feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of
+// word j / 2, s = 2 (j % 2), and slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of
+// word >> 4s extracts, device_math.cuh's dot_nvfp4). Every pair lies in one 16-element block.
+// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds) times the e4m3 block scale · 2^7 (at
+// most 448 · 2^7, in fp16 range), i.e. e2m1 · scale · 2^-7: exact in fp16 (at most 6 significant
+// bits, a multiple of 2^-17) and a normal number unless the block scale is an e4m3 subnormal.
 // Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
 // rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
-// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p) and
-// NVFP4's global scale.
+// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
+// NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
 
 constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
-constexpr int kMmaDownWarps = 4;
-constexpr int kMmaDownSplit = 2;  // blocks (one cluster) that split a down tile's K
-// Rounds a lane copies to shared memory per pass: all of a warp's share of K at 26B-A4B shapes.
-constexpr int kMmaRoundsPerPass = 6;
-// Blocks per SM the registers must allow (72 registers each): one token's 704 gate/up blocks in
-// one wave on 132 SMs (5 or 6 per SM), and beside 6 of them (5) one (two) down blocks, whose
-// weights are then in flight while gate/up still runs.
-constexpr int kMmaGateUpBlocksPerSm = 7;
-constexpr int kMmaDownBlocksPerSm = 7;
-constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per block: A rows g, g + 8
-constexpr int kMmaDownRows = 16;   // down rows per block
+constexpr int kMmaDownWarps = 8;
+constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
+constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
+constexpr int kMmaDownRows = 16;       // down rows per block
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // lanes of g != 0 and for chunks past the row).
@@ -502,7 +494,7 @@ size_t mma_staged_bytes(int64_t chunks) {
 }
 
 // Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
-// read again): 4 cover hidden 4096 over 128 threads, as a down block's half of 8 · 704.
+// read again): 4 cover hidden 4096 over 128 threads and 8 · 704 over 256.
 constexpr int kCachedPieces = 4;
 
 // Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
@@ -577,100 +569,13 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
   return {begin, min(begin + per_warp, rounds)};
 }
 
-// Block scales on the accumulators (both kernels below): moe_decode.cuh's mma_round multiplies
-// every weight pair by its block scale (4 HMUL2 per 8 weights, ~20 % of a round's instructions).
-// Here the 8 columns of B tell a round's blocks apart instead: column 2t + b holds the staged
-// activations of block b of lane t's chunk (zeros elsewhere), so after a round's 8 products the
-// accumulators c[0], c[1] (c[2], c[3]) of lane (g, t) are row g's (g + 8's) unscaled sums over
-// blocks 0 and 1 of the lane's own chunk: each is multiplied by its e4m3 scale in fp32 and added
-// to the lane's running sums. Weights enter as e2m1 · 2^-14 (nvfp4_decode.cuh's exact fp16 bits),
-// so the sums come back by 2^(kBlockColumnShift − p) (p: the activations' staging exponent).
-// Products stay exact; only the fp32 summation order differs from mma_round's.
-constexpr int kBlockColumnShift = 14;
-
-// sums[0] (row g) and sums[1] (row g + 8) += one round of lane (g, t): `rows` = its chunk of A rows
-// g and g + 8 (their block scale bits alongside), x_blocks[b] = the staged words of its chunk
-// when g == 2t + b, else a staged chunk of zeros.
-__device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const uint4 (&rows)[2],
-                                                        const uint32_t (&scale_bits)[2],
-                                                        const uint32_t* const (&x_blocks)[2]) {
-  float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
-                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {  // words 0, 1: block 0; words 2, 3: block 1
-    const uint4 x = *reinterpret_cast<const uint4*>(x_blocks[i / 2] + 4 * i);
-    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
-    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
-    e2m1_half2_bits(words[0][i], a[0]);
-    e2m1_half2_bits(words[1][i], a[1]);
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int s = 2 * half;
-      mma_f16(c, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
-    }
-  }
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const __half2 scales = __nv_cvt_fp8x2_to_halfraw2(
-        static_cast<__nv_fp8x2_storage_t>(scale_bits[r] & 0xFFFF), __NV_E4M3);
-    const float2 scale = __half22float2(scales);
-    sums[r] = fmaf(c[2 * r + 1], scale.y, fmaf(c[2 * r], scale.x, sums[r]));
-  }
-}
-
-// The B words of lane (g, t) for a round whose chunk is `chunk` (past K: none), as
-// mma_round_block_columns takes them.
-__device__ __forceinline__ void block_column_x(const uint32_t* staged, int chunk, int chunks, int g,
-                                               int t, const uint32_t* (&x_blocks)[2]) {
-  const uint32_t* zeros = staged + kStagedWordsPerChunk * chunks;
-  const uint32_t* mine = chunk < chunks ? staged + kStagedWordsPerChunk * chunk : zeros;
-  x_blocks[0] = g == 2 * t ? mine : zeros;
-  x_blocks[1] = g == 2 * t + 1 ? mine : zeros;
-}
-
-// The sum of `v` over the 4 lanes of a quad (the t of one g), the same bits in each.
-__device__ __forceinline__ float quad_sum(float v) {
-  v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
-  return v + __shfl_xor_sync(0xFFFFFFFFu, v, 2);
-}
-
-// A lane's 16-byte weight chunk to its shared-memory slot by cp.async, or zeros where it is not
-// `live` (past K or the matrix: the products then add nothing; stale bits could be inf or NaN).
-__device__ __forceinline__ void copy_chunk_or_zero(uint4* slot, const uint4* chunk, bool live) {
-  if (live) {
-    copy_async16(slot, chunk);
-  } else {
-    *slot = make_uint4(0, 0, 0, 0);
-  }
-}
-
-// Waits until at most `pending` of the thread's copy groups are in flight; `pending` <= Max, a
-// constant once the caller's loop is unrolled (then one wait_group instruction).
-template <int Max>
-__device__ __forceinline__ void wait_copies_at_most(int pending) {
-  if constexpr (Max == 0) {
-    wait_copies<0>();
-  } else if (pending >= Max) {
-    wait_copies<Max>();
-  } else {
-    wait_copies_at_most<Max - 1>(pending);
-  }
-}
-
 // Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
 // (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
-// A lane's weight chunks travel to shared memory by cp.async (its own slots: no barrier), not to
-// registers: every round of a warp's share of K (6 of a 26B-A4B row) is in flight at once while
-// the kernel still fits kMmaGateUpBlocksPerSm blocks per SM, i.e. one token's 704 blocks in one
-// wave (with the chunks in registers, 124 registers allowed 4 blocks per SM: 1.33 waves).
-__global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
+__global__ void __launch_bounds__(kMmaGateUpWarps * 32)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
-  constexpr int R = kMmaRoundsPerPass;
+  constexpr int R = kMmaRoundsInFlight;
   __shared__ float partial[kMmaGateUpWarps][kMmaGateUpRows][2];
   __shared__ float scratch[kMmaGateUpWarps];
-  // Slot [warp][i][mat][lane]: the lane's chunk of round i of the pass, gate (mat 0) or up row.
-  __shared__ uint4 weight_slots[kMmaGateUpWarps][R][2][32];
   extern __shared__ uint4 staged_x_words[];
   uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
   // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
@@ -682,7 +587,6 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
   if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
   const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + g;
@@ -690,50 +594,46 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
   const int chunks = static_cast<int>(a.chunks_per_row);
   const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps);
 
+  uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto copy_rounds = [&](int first) {
+  auto load_rounds = [&](int first) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       const int chunk = 4 * (first + i) + t;
       const bool live = first + i < rounds.end && chunk < chunks && row_live;
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
-        copy_chunk_or_zero(
-            &weight_slots[warp][i][mat][lane],
-            live ? static_cast<const uint4*>(mats[mat].weights) + row * a.chunks_per_row + chunk
-                 : nullptr,
-            live);
+        weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
+                                                 row * a.chunks_per_row + chunk)
+                               : make_uint4(0, 0, 0, 0);
         scale_bits[i][mat] =
             live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
       }
-      commit_copies();  // one group per round: its products wait for it alone
     }
   };
-  copy_rounds(rounds.begin);
+  load_rounds(rounds.begin);
   int p = 0;
   stage_mma_activations(
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
       staged_x, scratch, p);
   __syncthreads();
-  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    // A pass's slots are rewritten only after the lane's products of the previous pass read them.
-    if (first != rounds.begin) copy_rounds(first);
+    if (first != rounds.begin) load_rounds(first);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
-      wait_copies_at_most<R - 1>(R - 1 - i);
-      const uint32_t* x_blocks[2];
-      block_column_x(staged_x, 4 * (first + i) + t, chunks, g, t, x_blocks);
-      const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
-      mma_round_block_columns(sums, rows, scale_bits[i], x_blocks);
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* staged =
+          staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], staged);
     }
   }
-  const float gate_sum = quad_sum(sums[0]);
-  const float up_sum = quad_sum(sums[1]);
+  // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
+  const int warp = threadIdx.x >> 5;
   if (t == 0) {
-    partial[warp][g][0] = gate_sum;
-    partial[warp][g][1] = up_sum;
+    partial[warp][g][0] = acc[0];
+    partial[warp][g][1] = acc[2];
   }
   __syncthreads();
   if (threadIdx.x < kMmaGateUpRows) {
@@ -744,7 +644,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
       gate += partial[w][threadIdx.x][0];
       up += partial[w][threadIdx.x][1];
     }
-    const float back = ldexpf(1.0f, kBlockColumnShift - p);
+    const float back = ldexpf(1.0f, kMmaWeightShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
     if (out_row < a.inner) {
@@ -753,35 +653,19 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32, kMmaGateUpBlocksPerSm)
   }
 }
 
-// Grid (kMmaDownSplit, ⌈hidden / 16⌉, tokens), clusters of kMmaDownSplit blocks along x: cluster
-// (y, t) computes out[t][16y .. 16y + 15], A rows g and g + 8 of the picks' down matrices over K =
-// the concatenation of the token's top_k activation rows, each staged times its pick's routing
-// weight (NVFP4's global scale folded in). Its blocks split K into consecutive chunk ranges (each
-// its own staging exponent), their warps split a block's range; rank 0 adds the blocks' scaled
-// sums in rank order (deterministic). Splitting K over a cluster, not over more warps of one
-// block, gives one token's 2816 rows 352 blocks of 4 warps (every SM busy, each block half the
-// activations to stage) instead of 176 blocks of 8 warps.
-__global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
-    __launch_bounds__(kMmaDownWarps * 32, kMmaDownBlocksPerSm)
-        decode_down_mma_kernel(DecodeDownArgs a) {
-  namespace cg = cooperative_groups;
-  constexpr int R = kMmaRoundsPerPass;
+// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
+// of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
+// each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
+__global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(DecodeDownArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
   __shared__ float scratch[kMmaDownWarps];
-  __shared__ float block_sums[kMmaDownSplit][kMmaDownRows];  // rank 0's: every rank's sums
-  // Slot [warp][i][half][lane]: the lane's chunk of round i of the pass, A row g or g + 8.
-  __shared__ uint4 weight_slots[kMmaDownWarps][R][2][32];
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
-  const cg::cluster_group cluster = cg::this_cluster();
-  // Every block of the cluster must have started before another writes its shared memory: the
-  // arrival now, the wait only before those writes.
-  cluster.barrier_arrive();
-  const int rank = static_cast<int>(blockIdx.x);  // gridDim.x == kMmaDownSplit: the cluster rank
-  const int token = static_cast<int>(blockIdx.z);
+  const int token = blockIdx.x;
   // The router's output before the wait, as decode_down_kernel (see there).
   for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
     const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
@@ -793,111 +677,68 @@ __global__ void __cluster_dims__(kMmaDownSplit, 1, 1)
   }
   __syncthreads();
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + g;
   const int per_pick = static_cast<int>(a.chunks_per_row);
-  // This block's chunks of K: [first_chunk, first_chunk + chunks) (none for a rank past K).
-  const int k_chunks = a.top_k * per_pick;
-  const int share = (k_chunks + kMmaDownSplit - 1) / kMmaDownSplit;
-  const int first_chunk = min(rank * share, k_chunks);
-  const int chunks = min(share, k_chunks - first_chunk);
+  const int chunks = a.top_k * per_pick;
   const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps);
 
+  uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto copy_rounds = [&](int first) {
-    // Chunk first_chunk + 4 · (first + i) + t of K is chunk in_row of pick's row: one division,
-    // then steps of 4 chunks.
-    int pick = (first_chunk + 4 * first + t) / per_pick;
-    int in_row = first_chunk + 4 * first + t - pick * per_pick;
+  auto load_rounds = [&](int first) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      if (i > 0) {
-        in_row += 4;
-        while (in_row >= per_pick) {
-          in_row -= per_pick;
-          ++pick;
-        }
-      }
       const int chunk = 4 * (first + i) + t;
       const bool in_k = first + i < rounds.end && chunk < chunks;
+      const int pick = in_k ? chunk / per_pick : 0;
+      const int in_row = chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int64_t row = row0 + 8 * half;
         const bool load = live && row < a.hidden;
-        copy_chunk_or_zero(
-            &weight_slots[warp][i][half][lane],
-            load ? static_cast<const uint4*>(downs[pick].weights) + row * a.chunks_per_row + in_row
-                 : nullptr,
-            load);
+        weights[i][half] = load ? load_weights_nc(static_cast<const uint4*>(downs[pick].weights) +
+                                                  row * a.chunks_per_row + in_row)
+                                : make_uint4(0, 0, 0, 0);
         scale_bits[i][half] =
             load ? load_scale_bits<PackedFormat::kNVFP4>(downs[pick], row, in_row) : 0u;
       }
-      commit_copies();  // one group per round, as the gate/up kernel
     }
   };
   // The weights depend on the router only: in flight before the wait for the activations.
-  copy_rounds(rounds.begin);
+  load_rounds(rounds.begin);
   pdl_wait_for_predecessors();
   int p = 0;
   stage_mma_activations(
-      a.activations + (static_cast<int64_t>(token) * a.top_k * a.inner + 32 * first_chunk), chunks,
-      [&](int chunk) { return pick_weights[(first_chunk + chunk) / per_pick]; }, staged, scratch,
-      p);
+      a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
+      [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
   __syncthreads();
-  float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    // As the gate/up kernel: a lane's own slots, rewritten after its products read them.
-    if (first != rounds.begin) copy_rounds(first);
+    if (first != rounds.begin) load_rounds(first);
 #pragma unroll
     for (int i = 0; i < R; ++i) {
       if (first + i >= rounds.end) break;  // warp-uniform
-      wait_copies_at_most<R - 1>(R - 1 - i);
-      const uint32_t* x_blocks[2];
-      block_column_x(staged, 4 * (first + i) + t, chunks, g, t, x_blocks);
-      const uint4 rows[2] = {weight_slots[warp][i][0][lane], weight_slots[warp][i][1][lane]};
-      mma_round_block_columns(sums, rows, scale_bits[i], x_blocks);
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* x =
+          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], x);
     }
   }
-  const float row_sum = quad_sum(sums[0]);
-  const float row8_sum = quad_sum(sums[1]);
+  const int warp = threadIdx.x >> 5;
   if (t == 0) {
-    partial[warp][g] = row_sum;
-    partial[warp][g + 8] = row8_sum;
+    partial[warp][g] = acc[0];
+    partial[warp][g + 8] = acc[2];
   }
   __syncthreads();
-  cluster.barrier_wait();
   if (threadIdx.x < kMmaDownRows) {
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    cluster.map_shared_rank(&block_sums[0][0], 0)[rank * kMmaDownRows + threadIdx.x] =
-        sum * ldexpf(1.0f, kBlockColumnShift - p);
-  }
-  cluster.sync();
-  if (rank == 0 && threadIdx.x < kMmaDownRows) {
     const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
     float sum = 0.0f;
 #pragma unroll
-    for (int r = 0; r < kMmaDownSplit; ++r) sum += block_sums[r][threadIdx.x];
-    if (row < a.hidden) a.out[token * a.out_stride + row] = sum;
+    for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kMmaWeightShift - p);
   }
-}
-
-// The shared-memory attributes of a kernel with weight slots (the tensor-core decode kernels):
-// its `dynamic_bytes` of staged activations always allowed (beside the 24 KB of slots, more than
-// 24 KB of them exceed the default 48 KB of static + dynamic shared memory), and the largest
-// shared-memory carveout (room for several blocks' slots per SM, beside each other's kernel).
-// Not stream operations: allowed during graph capture.
-template <typename Kernel>
-cudaError_t allow_slot_kernel_shared_bytes(Kernel kernel, size_t dynamic_bytes) {
-  const cudaError_t status = cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dynamic_bytes));
-  if (status != cudaSuccess) return status;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                              cudaSharedmemCarveoutMaxShared);
 }
 
 int64_t chunk_elements(PackedFormat format) {
@@ -919,7 +760,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
-    status = allow_slot_kernel_shared_bytes(decode_gate_up_mma_kernel, shared);
+    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
     if (status == cudaSuccess) {
       status =
           launch_kernel(decode_gate_up_mma_kernel,
@@ -949,13 +790,12 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                args.out,
                                args.out_stride};
   if (mma_down) {
-    const size_t shared =
-        mma_staged_bytes((args.top_k * (shape.inner / 32) + kMmaDownSplit - 1) / kMmaDownSplit);
-    const cudaError_t allowed = allow_slot_kernel_shared_bytes(decode_down_mma_kernel, shared);
+    const size_t shared = mma_staged_bytes(args.top_k * (shape.inner / 32));
+    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(
         decode_down_mma_kernel,
-        dim3(kMmaDownSplit, blocks(shape.hidden, kMmaDownRows), static_cast<unsigned>(args.tokens)),
+        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
         dim3(kMmaDownWarps * 32), shared, launch, down);
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
