@@ -319,6 +319,16 @@ TEST(MoeRouter, RejectsBadArguments) {
       cudaErrorInvalidValue);
   EXPECT_EQ(route_experts(logits.get(), 8, 0, 8, 2, scale.get(), ids.get(), weights.get(), launch),
             cudaErrorInvalidValue);
+  // The fused decode router: x wider than it stages (the caller then routes apart).
+  DeviceArray<float> wide(kFusedRouterMaxHidden + 8);
+  quant::QMatrix router;
+  router.format = WeightFormat::kBF16;
+  router.rows = 8;
+  router.cols = kFusedRouterMaxHidden + 8;
+  router.data = wide.get();
+  EXPECT_EQ(route_token(router, wide.get(), true, 2, scale.get(), logits.get(), ids.get(),
+                        weights.get(), launch),
+            cudaErrorInvalidValue);
 }
 
 // Decode (one token), batches of streams and prefill chunks (grouped by expert) at real shapes,
@@ -480,6 +490,21 @@ TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
 
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
+// The tensor-core decode path at shapes off the real ones: one chunk of K per pick (inner 32), an
+// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick.
+TEST(MoeExperts, DecodeTensorCoresOddShapes) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1400;
+  const ExpertSet one_chunk = make_experts(kNvfp4Multiplier, 8, 64, 32, seed++);
+  check_run(cpu, one_chunk, 1, 1, seed++, {.path = MoePath::kDecodeTensorCores});
+  check_run(cpu, one_chunk, 3, 2, seed++, {.strided = true, .path = MoePath::kDecodeTensorCores});
+  const ExpertSet odd = make_experts(kNvfp4Divisor, 16, 96, 96, seed++);
+  for (int top_k : {1, 3, 5}) {
+    check_run(cpu, odd, 2, top_k, seed++, {.path = MoePath::kDecodeTensorCores});
+  }
+  check_run(cpu, odd, 1, 3, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+}
+
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {
   const ExpertSet set = make_experts(kW4G32Bf16, 16, 96, 64, 1350);
   MoeExpertTable table;
@@ -1002,8 +1027,10 @@ TEST(MoeRouter, FusedDecodeRouterMatchesTheComposition) {
         make_cuda_backend(0, {.activations = fp32 ? ActivationMode::kF32 : kDefaultActivationMode});
     ASSERT_TRUE(made.ok()) << made.error().to_string();
     engine::Backend& gpu = **made;
-    for (const Case& c : {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1},
-                          Case{13, 64, 5, 1}, Case{kExperts, kHidden, kTopK, 2}}) {
+    // hidden 5120: x staged in more pieces (1280) than the router's threads load at once (1024).
+    for (const Case& c :
+         {Case{kExperts, kHidden, kTopK, 1}, Case{256, 3200, 32, 1}, Case{13, 64, 5, 1},
+          Case{64, 5120, 4, 1}, Case{kExperts, kHidden, kTopK, 2}}) {
       SCOPED_TRACE("experts=" + std::to_string(c.experts) + " hidden=" + std::to_string(c.hidden) +
                    " tokens=" + std::to_string(c.tokens) + (fp32 ? " fp32" : " bf16 x"));
       const HostMatrix w = random_matrix(WeightFormat::kBF16, c.experts, c.hidden, seed++);

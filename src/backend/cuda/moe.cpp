@@ -174,10 +174,11 @@ cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x
                         float* weights, const Launch& launch) {
   const int64_t num_experts = router_proj.rows;
   if (router_proj.format != WeightFormat::kBF16 || router_proj.cols <= 0 ||
-      router_proj.cols % 8 != 0 || !aligned16(router_proj.data) || x == nullptr || !aligned16(x) ||
-      num_experts < 1 || num_experts > kMaxRouterExperts || top_k < 1 || top_k > num_experts ||
-      top_k > kMaxTopK || per_expert_scale == nullptr || logits == nullptr ||
-      expert_ids == nullptr || weights == nullptr) {
+      router_proj.cols % 8 != 0 || router_proj.cols > kFusedRouterMaxHidden ||
+      !aligned16(router_proj.data) || x == nullptr || !aligned16(x) || num_experts < 1 ||
+      num_experts > kMaxRouterExperts || top_k < 1 || top_k > num_experts || top_k > kMaxTopK ||
+      per_expert_scale == nullptr || logits == nullptr || expert_ids == nullptr ||
+      weights == nullptr) {
     return cudaErrorInvalidValue;
   }
   const FusedRouterArgs args = {router_proj.data,

@@ -141,7 +141,10 @@ __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a)
 // 26B-A4B's router alone, bandwidth-bound on one SM); each block puts its logits into block 0's
 // shared memory, and after the cluster barrier block 0 routes. No atomics, no host round-trip.
 // 16 warps per block give 128 experts one row per warp; every row's loads of a pass go out before
-// any product (one memory round trip per pass, not one per row).
+// any product (one memory round trip per pass, not one per row). x is staged in shared memory
+// (piece-major, as stage_activations) by all threads at once after the wait: loaded per chunk
+// beside the products, its loads went out one chunk at a time (the weights hold the registers),
+// 12 round trips to L2 per pass.
 constexpr int kRouterClusterBlocks = 8;
 constexpr int kRouterGemvWarps = 16;
 // 16-byte chunks (8 bf16) per lane per pass: 12 cover hidden 3072 in one pass.
@@ -149,10 +152,43 @@ constexpr int kRouterChunksPerLane = 12;
 // Rows of one warp: kMaxRouterExperts over the cluster's warps.
 constexpr int kRouterRowsPerWarp = kMaxRouterExperts / (kRouterClusterBlocks * kRouterGemvWarps);
 
+// Pieces of x (4 floats) a router thread loads at once, before storing any: 2 cover hidden 4096.
+constexpr int kRouterPiecesPerThread = 2;
+
+// x's `chunks` chunks of 8 floats (rounded to bf16 when the GEMV's mode asks) to `staged`, piece
+// i of chunk c at staged[i · chunks + c] (stage_activations' layout: load_staged_chunk reads it).
+// A thread's first pieces are all loaded before it stores any (one round trip to L2).
+__device__ __forceinline__ void stage_router_x(const FusedRouterArgs& a, int chunks,
+                                               float4* staged) {
+  const float4* pieces = reinterpret_cast<const float4*>(a.x);
+  const int count = 2 * chunks;
+  auto store = [&](int i, float4 v) {
+    if (a.round_x_to_bf16 != 0) {
+      v = make_float4(bf16_rounded(v.x), bf16_rounded(v.y), bf16_rounded(v.z), bf16_rounded(v.w));
+    }
+    staged[(i % 2) * chunks + i / 2] = v;
+  };
+  float4 first[kRouterPiecesPerThread];
+#pragma unroll
+  for (int j = 0; j < kRouterPiecesPerThread; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < count) first[j] = __ldg(pieces + i);
+  }
+#pragma unroll
+  for (int j = 0; j < kRouterPiecesPerThread; ++j) {
+    const int i = threadIdx.x + j * blockDim.x;
+    if (i < count) store(i, first[j]);
+  }
+  for (int i = threadIdx.x + kRouterPiecesPerThread * blockDim.x; i < count; i += blockDim.x) {
+    store(i, __ldg(pieces + i));
+  }
+}
+
 __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
     __launch_bounds__(kRouterGemvWarps * 32) fused_router_kernel(FusedRouterArgs a) {
   namespace cg = cooperative_groups;
   __shared__ float cluster_logits[kMaxRouterExperts];
+  extern __shared__ float4 staged_x[];  // hidden / 4 pieces
   pdl_trigger_dependents();
   const cg::cluster_group cluster = cg::this_cluster();
   // Every block of the cluster must have started before another writes its shared memory: the
@@ -183,13 +219,15 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
     if (!waited) {
       pdl_wait_for_predecessors();
       waited = true;
+      stage_router_x(a, static_cast<int>(chunks), staged_x);
+      __syncthreads();
     }
 #pragma unroll
     for (int j = 0; j < kRouterChunksPerLane; ++j) {
       const int64_t chunk = base + 32 * j + lane;
       if (chunk >= chunks) continue;
       XChunk<8> xc;
-      load_x_chunk<ActType::kF32>(a.x, chunk * 8, xc, a.round_x_to_bf16 != 0);
+      load_staged_chunk<8>(staged_x, static_cast<int>(chunks), static_cast<int>(chunk), xc);
 #pragma unroll
       for (int i = 0; i < kRouterRowsPerWarp; ++i) acc[i] += dot_bf16(q[i][j], xc);
     }
@@ -445,7 +483,10 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 // staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
 // NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
 
-constexpr int kMmaGateUpWarps = 4;  // split one tile's K (rounds) between them
+// Gate/up warps split one tile's K (rounds) between them. 2, not 4: at 124 registers 4-warp blocks
+// fit 4 per SM, one token's 704 blocks 1.33 waves; 2-warp blocks (11 rounds each, two passes)
+// take them in one (moe_bench T=1 experts 20.73 -> 20.10 µs per layer, session 8).
+constexpr int kMmaGateUpWarps = 2;
 constexpr int kMmaDownWarps = 8;
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
 constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
@@ -792,8 +833,11 @@ cudaError_t launch_router(const RouterArgs& args, const Launch& launch) {
 }
 
 cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launch) {
+  const size_t shared = sizeof(float) * static_cast<size_t>(args.hidden);  // staged x
+  const cudaError_t allowed = allow_shared_bytes(fused_router_kernel, shared);
+  if (allowed != cudaSuccess) return allowed;
   return launch_kernel(fused_router_kernel, dim3(kRouterClusterBlocks), dim3(kRouterGemvWarps * 32),
-                       0, launch, args);
+                       shared, launch, args);
 }
 
 MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int top_k,

@@ -68,8 +68,9 @@ cudaError_t route_experts(const float* logits, int64_t logits_stride, int tokens
 // One token's router in one launch (decode): logits = x · router_projᵀ (bf16 weights
 // [num_experts, hidden], device pointers; x fp32, rounded to bf16 first when round_x_to_bf16, as
 // the GEMV's bf16-activation mode does), then route_experts' picks from them. Nothing is enqueued
-// and cudaErrorInvalidValue returned when the weights are not bf16, hidden is not a multiple of 8,
-// w or x is not 16-byte aligned, or num_experts / top_k are outside route_experts' range.
+// and cudaErrorInvalidValue returned when the weights are not bf16, hidden is not a multiple of 8
+// or above kFusedRouterMaxHidden, w or x is not 16-byte aligned, or num_experts / top_k are
+// outside route_experts' range.
 cudaError_t route_token(const quant::QMatrix& router_proj, const float* x, bool round_x_to_bf16,
                         int top_k, const float* per_expert_scale, float* logits,
                         int32_t* expert_ids, float* weights, const Launch& launch);

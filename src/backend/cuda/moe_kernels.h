@@ -69,6 +69,9 @@ struct FusedRouterArgs {
   float* weights;       // [top_k]
 };
 cudaError_t launch_fused_router(const FusedRouterArgs& args, const Launch& launch);
+// The widest x the fused router stages in shared memory (192 KB of fp32); route_token refuses
+// wider ones (the caller then runs the GEMV and the router apart).
+inline constexpr int64_t kFusedRouterMaxHidden = 48 * 1024;
 
 // The ways launch_moe runs the experts (moe.cu describes them).
 enum class MoePath : uint8_t {
