@@ -43,7 +43,6 @@ namespace gemma4::cuda {
 namespace {
 
 constexpr int kTilePairs = 8;  // pairs per tile: the N of m16n8k16
-constexpr int kPresenceWords = kMaxRouterExperts / 32;
 // A staged pair's expert id when the router's is out of range (valid ids are < 256).
 constexpr uint16_t kNoExpert = 0xFFFF;
 
@@ -64,50 +63,76 @@ struct ByExpertArgs {
   int64_t out_stride;
 };
 
-// The block's view of the routing (shared memory): which experts some pair picked, and the
-// current tile of pairs of one of them.
+// The block's view of the routing (shared memory): how many pairs picked each expert, where
+// each expert's units start, and the current tile of pairs of one expert.
 struct ExpertTile {
-  uint32_t present[kPresenceWords];  // bit e: some pair picked expert e
-  int count;                         // pairs in the current tile
-  int more;                          // whether the expert has pairs after the current tile
+  int expert_pairs[kMaxRouterExperts];
+  // Units of experts 0 .. e-1: an expert's units are (row block, pair tile) in ascending order,
+  // row_blocks x its tiles of pairs; the last entry is every expert's.
+  int first_unit[kMaxRouterExperts + 1];
+  int count;  // pairs in the current tile
   int pairs[kTilePairs];
 };
 
-// The number of distinct experts the pairs picked (the same in every thread of the block), their
-// presence bitmap in tile.present, and every pair's expert id in `pair_experts` (shared memory,
-// kNoExpert when out of range) for collect_tile: one coalesced read of the ids per block.
-__device__ int find_experts(const ByExpertArgs& a, ExpertTile& tile, uint16_t* pair_experts) {
-  if (threadIdx.x < static_cast<unsigned>(kPresenceWords)) tile.present[threadIdx.x] = 0;
+__device__ __forceinline__ int pair_tiles(int pairs) {
+  return (pairs + kTilePairs - 1) / kTilePairs;
+}
+
+// Every pair's expert id in `pair_experts` (shared memory, kNoExpert when out of range) for
+// collect_tile, one coalesced read of the ids per block; tile.expert_pairs and tile.first_unit.
+// Returns the number of units (the same in every thread of the block).
+__device__ int find_units(const ByExpertArgs& a, int row_blocks, ExpertTile& tile,
+                          uint16_t* pair_experts) {
+  for (int e = static_cast<int>(threadIdx.x); e < kMaxRouterExperts;
+       e += static_cast<int>(blockDim.x)) {
+    tile.expert_pairs[e] = 0;
+  }
   __syncthreads();
   for (int p = static_cast<int>(threadIdx.x); p < a.pairs; p += static_cast<int>(blockDim.x)) {
     const int e = a.expert_ids[p];
     const bool valid = e >= 0 && e < a.num_experts;
     pair_experts[p] = valid ? static_cast<uint16_t>(e) : kNoExpert;
-    if (valid) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
+    if (valid) atomicAdd(&tile.expert_pairs[e], 1);
   }
   __syncthreads();
-  int experts = 0;
-  for (int w = 0; w < kPresenceWords; ++w) experts += __popc(tile.present[w]);
-  return experts;
+  if (threadIdx.x < 32) {  // an exclusive scan, 32 experts a step
+    const int lane = static_cast<int>(threadIdx.x);
+    int before = 0;
+    for (int base = 0; base < kMaxRouterExperts; base += 32) {
+      const int units = row_blocks * pair_tiles(tile.expert_pairs[base + lane]);
+      int sum = units;  // inclusive scan within the step
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int other = __shfl_up_sync(0xFFFFFFFFu, sum, offset);
+        if (lane >= offset) sum += other;
+      }
+      tile.first_unit[base + lane] = before + sum - units;
+      before += __shfl_sync(0xFFFFFFFFu, sum, 31);
+    }
+    if (lane == 0) tile.first_unit[kMaxRouterExperts] = before;
+  }
+  __syncthreads();
+  return tile.first_unit[kMaxRouterExperts];
 }
 
-// The n-th smallest expert id some pair picked, n < find_experts' count.
-__device__ int nth_expert(const ExpertTile& tile, int n) {
-  for (int w = 0; w < kPresenceWords; ++w) {
-    uint32_t bits = tile.present[w];
-    const int count = __popc(bits);
-    if (n < count) {
-      for (int i = 0; i < n; ++i) bits &= bits - 1;  // drop the lower set bits
-      return 32 * w + __ffs(bits) - 1;
+// The expert whose units include `unit` (< find_units' count): the last with first_unit <= unit
+// (experts without pairs have no units: the next expert's first_unit equals theirs).
+__device__ int unit_expert(const ExpertTile& tile, int unit) {
+  int low = 0, high = kMaxRouterExperts;  // first_unit[low] <= unit < first_unit[high]
+  while (high - low > 1) {
+    const int middle = (low + high) / 2;
+    if (tile.first_unit[middle] <= unit) {
+      low = middle;
+    } else {
+      high = middle;
     }
-    n -= count;
   }
-  return 0;  // not reached for n < find_experts' count
+  return low;
 }
 
 // Tile `pair_tile` of `expert`'s pairs (its kTilePairs · pair_tile-th pair on, in ascending pair
-// order) into tile.pairs, their count and whether more follow. Every thread of the block calls
-// it; the first __syncthreads lets the previous tile's readers finish.
+// order) into tile.pairs and their count into tile.count. Every thread of the block calls it; the
+// first __syncthreads lets the previous tile's readers finish.
 __device__ void collect_tile(const ByExpertArgs& a, int expert, int pair_tile,
                              const uint16_t* pair_experts, ExpertTile& tile) {
   __syncthreads();
@@ -115,8 +140,7 @@ __device__ void collect_tile(const ByExpertArgs& a, int expert, int pair_tile,
     const int lane = static_cast<int>(threadIdx.x);
     const int first = kTilePairs * pair_tile;
     int seen = 0;  // matches before this step's pairs
-    // Until the pairs past the tile show whether one more exists (warp-uniform).
-    for (int base = 0; base < a.pairs && seen <= first + kTilePairs; base += 32) {
+    for (int base = 0; base < a.pairs && seen < first + kTilePairs; base += 32) {  // warp-uniform
       const int p = base + lane;
       const bool match = p < a.pairs && pair_experts[p] == expert;
       const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
@@ -124,10 +148,7 @@ __device__ void collect_tile(const ByExpertArgs& a, int expert, int pair_tile,
       if (match && in_tile >= 0 && in_tile < kTilePairs) tile.pairs[in_tile] = p;
       seen += __popc(matches);
     }
-    if (lane == 0) {
-      tile.count = min(max(seen - first, 0), kTilePairs);
-      tile.more = seen > first + kTilePairs ? 1 : 0;
-    }
+    if (lane == 0) tile.count = min(max(seen - first, 0), kTilePairs);
   }
   __syncthreads();
 }
@@ -196,7 +217,7 @@ __host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
 __host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
   return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks);
 }
-// The staged words, then every pair's expert id (find_experts).
+// The staged words, then every pair's expert id (find_units).
 size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
   return sizeof(uint32_t) * static_cast<size_t>(mma_staged_words(chunks, pairs)) +
          sizeof(uint16_t) * static_cast<size_t>(pairs);
@@ -343,21 +364,24 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) 
   }
 }
 
-// One piece of a block's work: row block `block_row` / kMmaBlockRows of unit `unit`'s expert
-// (gate/up: inner rows, gate and up each; down: hidden rows), for tile `pair_tile` of its pairs.
+// A unit of work: rows block_row ... + kMmaBlockRows - 1 of `expert` (gate/up: inner rows, gate
+// and up each; down: hidden rows) for tile `pair_tile` of its pairs.
 struct Work {
   int unit;
-  int pair_tile;
   int expert;
+  int pair_tile;
   int64_t block_row;
 };
 
 // The grid is sized to the blocks the GPU holds at once (launch_projection), not to the routing:
-// the units of work present, (picked expert, row block) in ascending order, are split into
-// gridDim.x contiguous ranges, one per block. A block thus finds the routing once, stages a
-// tile's columns once for all the row blocks of its range that share them (ranges span 1-2
-// experts at 26B shapes), and keeps its warps' loads running from one unit's last rounds into
-// the next unit's first; no block waits in a tail wave or exits idle after finding no expert.
+// the units of work present, (picked expert, row block, tile of its pairs) in ascending order,
+// are split into gridDim.x contiguous ranges, one per block, of equal size to a unit. A block
+// thus finds the routing once, stages a tile's columns once for all the row blocks of its range
+// that share them (ranges span 1-2 experts at 26B shapes), and keeps its warps' loads running
+// from one unit's last rounds into the next unit's first; no block waits in a tail wave or exits
+// idle after finding no expert, and an expert picked by more than kTilePairs pairs weighs as its
+// tiles of pairs do. An expert's tiles of one row block follow each other: the second one's
+// weights come from L2.
 // Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
 // (every warp's first tile, then its second).
 template <bool kGateUp>
@@ -381,13 +405,16 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     pdl_trigger_dependents();
   }
   const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
-  const int64_t units = static_cast<int64_t>(find_experts(a, tile, pair_experts)) * row_blocks;
+  const int64_t units = find_units(a, row_blocks, tile, pair_experts);
   const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
   const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
   if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
   auto unit_work = [&](int unit) {
-    return Work{unit, 0, nth_expert(tile, unit / row_blocks),
-                static_cast<int64_t>(unit % row_blocks) * kBlockRows};
+    const int expert = unit_expert(tile, unit);
+    const int tiles = pair_tiles(tile.expert_pairs[expert]);
+    const int in_expert = unit - tile.first_unit[expert];
+    return Work{unit, expert, in_expert % tiles,
+                static_cast<int64_t>(in_expert / tiles) * kBlockRows};
   };
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
@@ -433,8 +460,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     }
   };
   Work work = unit_work(first_unit);
-  // The weights depend on the routing only: in flight while the first tile is found and staged
-  // (down: before the wait for the activations).
   // A unit's rows of each matrix it reads (gate and up, or down) are one contiguous range, their
   // scales another: lane 0 of warps 0-3 (gate/up) or 0-1 (down) asks L2 for one range each.
   auto prefetch_unit = [&](const Work& w) {
@@ -457,6 +482,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // would leave only after the wait: the first unit is fetched into L2 here, before the wait, and
   // the loads after it hit L2.
   if constexpr (!kGateUp) prefetch_unit(work);
+  // The weights depend on the routing only: in flight while the first tile is found and staged
+  // (down: before the wait for the activations).
   load_tile(work, 0);
 #pragma unroll
   for (int i = 0; i < R; ++i) load_round(i, i);
@@ -466,7 +493,10 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   for (;;) {
     // Every unit but down's first (fetched above) is asked of L2 whole as it starts: DRAM then
     // streams its 90 KB in large requests while the warps' loads, R rounds ahead, follow in L2.
-    if (kPrefetchUnits && work.pair_tile == 0 && (kGateUp || work.unit != first_unit)) {
+    // An expert's later tiles of pairs read the rows of its first one again: already there,
+    // unless the range starts with them.
+    const bool fetched = !kGateUp && work.unit == first_unit;
+    if (kPrefetchUnits && !fetched && (work.pair_tile == 0 || work.unit == first_unit)) {
       prefetch_unit(work);
     }
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
@@ -476,17 +506,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       staged_expert = work.expert;
       staged_pair_tile = work.pair_tile;
     }
-    // The work whose first rounds this one's last pass loads: the expert's next tile of pairs
-    // (the same rows again, from L2), else the range's next unit.
-    Work next = work;
-    bool has_next = true;
-    if (tile.more) {
-      ++next.pair_tile;
-    } else if (work.unit + 1 < end_unit) {
-      next = unit_work(work.unit + 1);
-    } else {
-      has_next = false;
-    }
+    // The unit whose first rounds this one's last pass loads.
+    const bool has_next = work.unit + 1 < end_unit;
+    const Work next = has_next ? unit_work(work.unit + 1) : work;
     // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
     // lanes read its last column: mma output column g depends on B column g alone, and those
     // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
