@@ -177,7 +177,9 @@ template <bool kGateUp>
 constexpr int kMmaWarps = kGateUp ? 4 : 8;
 template <bool kGateUp>
 constexpr int kMmaBlocksPerSm = kGateUp ? 4 : 2;
-constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
+// Rounds (4 chunks of the two A rows) a lane loads ahead.
+template <bool kGateUp>
+constexpr int kMmaRoundsInFlight = 6;
 // Whether each unit's weights are asked of L2 whole when a block starts it (by_expert_mma_kernel):
 // bytes in flight beyond the R rounds the registers hold.
 constexpr bool kPrefetchUnits = true;
@@ -387,7 +389,7 @@ struct Work {
 template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
+  constexpr int R = kMmaRoundsInFlight<kGateUp>;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
   constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
   __shared__ ExpertTile tile;
