@@ -187,19 +187,16 @@ constexpr bool kPrefetchUnits = true;
 // 16 rows.
 template <bool kGateUp>
 constexpr int kMmaTileRows = kGateUp ? 8 : 16;
-// Row tiles per warp in a unit of work, one after the other, the loads running on from one tile's
-// last rounds into the next one's first: gate/up 1 (32 inner rows of gate and up a unit, K =
-// hidden 2816), down 2 (256 hidden rows, K = inner 704): 90 KB of weights a unit either way.
+// Row tiles per warp, one after the other, the loads running on from one tile's last rounds into
+// the next one's first. A block's fixed costs (finding its expert and pairs, staging their
+// activations) are then paid once per 90 KB of weights in both kernels: gate/up 4 warps x 1 tile
+// (32 inner rows of gate and up, K = hidden 2816), down 8 warps x 2 tiles (256 hidden rows of
+// K = inner 704; with 1 tile it paid them per 45 KB, its prologue about as long as its k loop).
+// Gate/up keeps 1 tile: 2 would halve its blocks to ~2.3 waves at 32 tokens.
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
-// Warps that share one row tile, each multiplying its own part of K (whole rounds), their sums
-// added in shared memory: units that many times smaller, so that the blocks' ranges balance
-// better when there are few units (a block's time is its range's whole units).
 template <bool kGateUp>
-constexpr int kMmaKSplits = 1;
-template <bool kGateUp>
-constexpr int kMmaBlockRows =
-    kMmaWarps<kGateUp> / kMmaKSplits<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+constexpr int kMmaBlockRows = kMmaWarps<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 // Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
 __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
@@ -395,9 +392,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   constexpr int R = kMmaRoundsInFlight<kGateUp>;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
   constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
-  constexpr int kSplits = kMmaKSplits<kGateUp>;
-  constexpr int kRowGroups = kMmaWarps<kGateUp> / kSplits;  // warps with rows of their own
-  static_assert(kRowGroups * kSplits == kMmaWarps<kGateUp>);
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
@@ -428,22 +422,18 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int row_group = warp / kSplits;
-  const int split = warp % kSplits;
   // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
   // or two down rows.
   auto a_row = [&](const Work& w, int row_tile, int h) {
     return w.block_row +
-           static_cast<int64_t>(row_tile * kRowGroups + row_group) * kMmaTileRows<kGateUp> + g +
+           static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) * kMmaTileRows<kGateUp> + g +
            (kGateUp ? 0 : 8 * h);
   };
   auto matrix = [&](int expert, int h) -> const MoeMatrix& {
     const MoeExpert& e = a.experts[expert];
     return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
   };
-  // This warp's rounds of K: [first_round, first_round + rounds) of the row's (chunks + 3) / 4.
-  const int first_round = (chunks + 3) / 4 * split / kSplits;
-  const int rounds = (chunks + 3) / 4 * (split + 1) / kSplits - first_round;
+  const int rounds = (chunks + 3) / 4;
 
   // Chunk t of each A row of the row tile being loaded, and its scales (load_scale_bits' layout:
   // one 16-bit pair per chunk); round r is 4r chunks on, an immediate offset within a pass. A row
@@ -454,8 +444,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const MoeMatrix& m = matrix(w.expert, h);
-      const int64_t chunk =
-          std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + 4 * first_round + t;
+      const int64_t chunk = std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
       row_chunks[h] = static_cast<const uint4*>(m.weights) + chunk;
       row_scales[h] = static_cast<const uint16_t*>(m.scales) + chunk;
     }
@@ -464,8 +453,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // the row's end keep an earlier round's weights; both multiply zeros in B (stage_mma_tile).
   uint4 weights[R][2] = {};
   uint32_t scale_bits[R][2] = {};
-  auto load_round = [&](int slot, int round) {  // round of this warp's part of K
-    if (round >= rounds || 4 * (first_round + round) + t >= chunks) return;
+  auto load_round = [&](int slot, int round) {
+    if (4 * round + t >= chunks) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       weights[slot][h] = load_weights_nc_l2_256(row_chunks[h] + 4 * round);
@@ -501,9 +490,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 #pragma unroll
   for (int i = 0; i < R; ++i) load_round(i, i);
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  // Each warp's sums of a row tile when kSplits warps share it (two buffers, alternating).
-  __shared__ float4 partials[2][kSplits > 1 ? kMmaWarps<kGateUp> : 1][32];
-  int reductions = 0;
   int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
@@ -530,8 +516,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
     // (mma_column_words): even pieces 4 words on, odd ones 4 words back.
     const int column_count = tile.count;
-    const uint32_t* column = staged + min(g, column_count - 1) * mma_column_words(chunks) +
-                             (4 * first_round + t) * kStagedWordsPerChunk;
+    const uint32_t* column =
+        staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
     const int swap_words = 4 * ((t >> 1) & 1);
     const uint32_t* even_pieces = column + swap_words;
     const uint32_t* odd_pieces = column - swap_words;
@@ -564,24 +550,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
           }
         }
       }
-      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (sum[0], sum[1]) and g + 8 (sum[2],
-      // sum[3]).
-      float4 sum = {acc[0][0] + acc[1][0], acc[0][1] + acc[1][1], acc[0][2] + acc[1][2],
-                    acc[0][3] + acc[1][3]};
-      if constexpr (kSplits > 1) {
-        // The row group's first warp adds the others' sums, in split order (deterministic).
-        // Two buffers: a warp writes this one again only after the next reduction's barrier,
-        // which the adding warp reaches after it has read this one.
-        float4(&partial)[kMmaWarps<kGateUp>][32] = partials[reductions++ & 1];
-        partial[warp][lane] = sum;
-        __syncthreads();
-        if (split != 0) continue;
-        for (int other = 1; other < kSplits; ++other) {
-          const float4 more = partial[warp + other][lane];
-          sum = {sum.x + more.x, sum.y + more.y, sum.z + more.z, sum.w + more.w};
-        }
-      }
-      const float sums[4] = {sum.x, sum.y, sum.z, sum.w};
+      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
+      // (acc[.][2], acc[.][3]).
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -590,15 +560,17 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const int64_t p = tile.pairs[c];
         const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
         if constexpr (kGateUp) {
-          const float gate =
-              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 0), sums[j] * back);
-          const float up =
-              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 1), sums[2 + j] * back);
+          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
+          const float up = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
           if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = sums[2 * h + j] * back;
+            if (rows[h] < a.rows) {
+              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
+            }
           }
         }
       }
