@@ -10,11 +10,11 @@
 //   3. combine: out[t] = Σ_k expert_outputs[t · top_k + k], in ascending (expert id, k) order (the
 //      CPU reference's and the grouped combine's): deterministic, no atomics.
 // The grid never depends on the routing (graph-capturable, no host round-trip): it is as many
-// blocks as the GPU holds at once, and every block finds the picked experts on the device (a
-// presence bitmap in shared memory) and takes its contiguous share of the units, in ascending
-// (expert id, row block) order (by_expert_mma_kernel). An expert's pairs are collected in
-// ascending pair order, kTilePairs at a time (the mma N dimension); an expert with more pairs
-// loops over tiles, reading its weights again (L2).
+// blocks as the GPU holds at once, and every block counts each expert's pairs on the device (in
+// shared memory) and takes its contiguous share of the units, in ascending (expert id, row block,
+// tile of pairs) order (by_expert_mma_kernel). An expert's pairs are collected in ascending pair
+// order, kTilePairs at a time (the mma N dimension): an expert with more pairs has a unit per
+// tile of them, the later ones reading its weights again (from L2).
 //
 // Arithmetic per pair as moe.cu's "Decode path on tensor cores": weights as the A operand (16
 // rows), the tile's pairs as the 8 columns of B, each column's activations staged as fp16 under
