@@ -50,8 +50,8 @@ constexpr double kTolerance = 1e-3;
 constexpr double kDecodeTensorCoreTolerance = 2e-3;
 // Decode path by expert (NVFP4): per pair the arithmetic of the decode path on tensor cores, so
 // its tolerance against the CPU. Against that path itself: gate/up activations differ by fp32
-// summation order only (one mma chain over all of K per warp instead of four summed; K = 2816
-// terms: ~1e-6 of the row's largest activation), 2e-5 leaves room.
+// summation order only (two mma chains over all of K per warp, even and odd rounds, instead of
+// four summed; K = 2816 terms: ~1e-6 of the row's largest activation), 2e-5 leaves room.
 constexpr double kByExpertActivationsAgainstPerPair = 2e-5;
 // The outputs then differ where such an activation crosses an fp16 rounding boundary when down
 // stages it (probability ~ its fp32 difference over half an fp16 ulp, ~1 %): that product moves

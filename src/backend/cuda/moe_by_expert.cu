@@ -2,19 +2,19 @@
 // arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeGroupedMinTokens − 1) of NVFP4
 // experts, with each selected expert's weights read ONCE for every pair that picked it. The
 // per-pair kernels (moe.cu) launch a block set per (token, expert) pair, so at 32 tokens a layer
-// reads its ~111 distinct experts 256 times; here there is one block set per expert slot. Three
-// launches after the router:
-//   1. gate/up: grid (expert slots, inner-row tiles); activations[p] = gelu_tanh(gate · x) ⊙ up · x
-//      (fp32) for every pair p of the slot's expert.
-//   2. down: grid (expert slots, hidden-row tiles); expert_outputs[p] = w_p · down ·
-//   activations[p].
+// reads its ~111 distinct experts 256 times; here the units of work are (picked expert, row
+// block). Three launches after the router:
+//   1. gate/up: units (expert, 64 inner rows); activations[p] = gelu_tanh(gate · x) ⊙ up · x
+//      (fp32) for every pair p of the unit's expert.
+//   2. down: units (expert, 256 hidden rows); expert_outputs[p] = w_p · down · activations[p].
 //   3. combine: out[t] = Σ_k expert_outputs[t · top_k + k], in ascending (expert id, k) order (the
 //      CPU reference's and the grouped combine's): deterministic, no atomics.
-// The grid never depends on the routing (graph-capturable, no host round-trip): there are
-// min(pairs, num_experts) slots, and every block finds its own expert on the device: slot s takes
-// the s-th smallest expert id any pair picked (a presence bitmap in shared memory), or exits when
-// fewer were picked. Its pairs are collected in ascending pair order, kTilePairs at a time (the
-// mma N dimension); an expert with more pairs loops over tiles, reading its weights again (L2).
+// The grid never depends on the routing (graph-capturable, no host round-trip): it is as many
+// blocks as the GPU holds at once, and every block counts each expert's pairs on the device (in
+// shared memory) and takes its contiguous share of the units, in ascending (expert id, row block,
+// tile of pairs) order (by_expert_mma_kernel). An expert's pairs are collected in ascending pair
+// order, kTilePairs at a time (the mma N dimension): an expert with more pairs has a unit per
+// tile of them, the later ones reading its weights again (from L2).
 //
 // Arithmetic per pair as moe.cu's "Decode path on tensor cores": weights as the A operand (16
 // rows), the tile's pairs as the 8 columns of B, each column's activations staged as fp16 under
@@ -29,18 +29,20 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <type_traits>
+#include <map>
+#include <mutex>
+#include <tuple>
 
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_decode.cuh"
 #include "backend/cuda/moe_kernels.h"
+#include "backend/cuda/occupancy.cuh"
 
 namespace gemma4::cuda {
 namespace {
 
 constexpr int kTilePairs = 8;  // pairs per tile: the N of m16n8k16
-constexpr int kPresenceWords = kMaxRouterExperts / 32;
 // A staged pair's expert id when the router's is out of range (valid ids are < 256).
 constexpr uint16_t kNoExpert = 0xFFFF;
 
@@ -61,78 +63,94 @@ struct ByExpertArgs {
   int64_t out_stride;
 };
 
-// One block's expert and its current tile of pairs (shared memory).
+// The block's view of the routing (shared memory): how many pairs picked each expert, where
+// each expert's units start, and the current tile of pairs of one expert.
 struct ExpertTile {
-  uint32_t present[kPresenceWords];  // bit e: some pair picked expert e
-  int cursor;                        // the next pair to examine
-  int count;                         // pairs in the current tile
+  int expert_pairs[kMaxRouterExperts];
+  // Units of experts 0 .. e-1: an expert's units are (row block, pair tile) in ascending order,
+  // row_blocks x its tiles of pairs; the last entry is every expert's.
+  int first_unit[kMaxRouterExperts + 1];
+  int count;  // pairs in the current tile
   int pairs[kTilePairs];
 };
 
-// The expert of slot `slot` (the slot-th smallest id any pair picked), or -1 when fewer experts
-// were picked. Every thread of the block calls it and gets the same answer. It also stages every
-// pair's expert id in `pair_experts` (shared memory, kNoExpert when out of range) for next_tile:
-// one coalesced read of the ids per block, where next_tile's scan read them from global memory
-// one dependent 32-pair step at a time (pairs / 32 L2 round trips per tile, ~8 at 32 tokens).
-__device__ int find_slot_expert(const ByExpertArgs& a, int slot, ExpertTile& tile,
-                                uint16_t* pair_experts) {
-  if (threadIdx.x < static_cast<unsigned>(kPresenceWords)) tile.present[threadIdx.x] = 0;
-  if (threadIdx.x == 0) tile.cursor = 0;
+__device__ __forceinline__ int pair_tiles(int pairs) {
+  return (pairs + kTilePairs - 1) / kTilePairs;
+}
+
+// Every pair's expert id in `pair_experts` (shared memory, kNoExpert when out of range) for
+// collect_tile, one coalesced read of the ids per block; tile.expert_pairs and tile.first_unit.
+// Returns the number of units (the same in every thread of the block).
+__device__ int find_units(const ByExpertArgs& a, int row_blocks, ExpertTile& tile,
+                          uint16_t* pair_experts) {
+  for (int e = static_cast<int>(threadIdx.x); e < kMaxRouterExperts;
+       e += static_cast<int>(blockDim.x)) {
+    tile.expert_pairs[e] = 0;
+  }
   __syncthreads();
   for (int p = static_cast<int>(threadIdx.x); p < a.pairs; p += static_cast<int>(blockDim.x)) {
     const int e = a.expert_ids[p];
     const bool valid = e >= 0 && e < a.num_experts;
     pair_experts[p] = valid ? static_cast<uint16_t>(e) : kNoExpert;
-    if (valid) atomicOr(&tile.present[e >> 5], 1u << (e & 31));
+    if (valid) atomicAdd(&tile.expert_pairs[e], 1);
   }
   __syncthreads();
-  int remaining = slot;
-  for (int w = 0; w < kPresenceWords; ++w) {
-    uint32_t bits = tile.present[w];
-    const int count = __popc(bits);
-    if (remaining < count) {
-      for (int i = 0; i < remaining; ++i) bits &= bits - 1;  // drop the lower set bits
-      return 32 * w + __ffs(bits) - 1;
+  if (threadIdx.x < 32) {  // an exclusive scan, 32 experts a step
+    const int lane = static_cast<int>(threadIdx.x);
+    int before = 0;
+    for (int base = 0; base < kMaxRouterExperts; base += 32) {
+      const int units = row_blocks * pair_tiles(tile.expert_pairs[base + lane]);
+      int sum = units;  // inclusive scan within the step
+#pragma unroll
+      for (int offset = 1; offset < 32; offset *= 2) {
+        const int other = __shfl_up_sync(0xFFFFFFFFu, sum, offset);
+        if (lane >= offset) sum += other;
+      }
+      tile.first_unit[base + lane] = before + sum - units;
+      before += __shfl_sync(0xFFFFFFFFu, sum, 31);
     }
-    remaining -= count;
+    if (lane == 0) tile.first_unit[kMaxRouterExperts] = before;
   }
-  return -1;
+  __syncthreads();
+  return tile.first_unit[kMaxRouterExperts];
 }
 
-// The next (at most kTilePairs) pairs of `expert` in ascending order into tile.pairs; returns
-// their count, 0 when none are left. Every thread of the block calls it; the first __syncthreads
-// lets the previous tile's readers finish. `pair_experts`: as find_slot_expert staged them.
-__device__ int next_tile(const ByExpertArgs& a, int expert, const uint16_t* pair_experts,
-                         ExpertTile& tile) {
+// The expert whose units include `unit` (< find_units' count): the last with first_unit <= unit
+// (experts without pairs have no units: the next expert's first_unit equals theirs).
+__device__ int unit_expert(const ExpertTile& tile, int unit) {
+  int low = 0, high = kMaxRouterExperts;  // first_unit[low] <= unit < first_unit[high]
+  while (high - low > 1) {
+    const int middle = (low + high) / 2;
+    if (tile.first_unit[middle] <= unit) {
+      low = middle;
+    } else {
+      high = middle;
+    }
+  }
+  return low;
+}
+
+// Tile `pair_tile` of `expert`'s pairs (its kTilePairs · pair_tile-th pair on, in ascending pair
+// order) into tile.pairs and their count into tile.count. Every thread of the block calls it; the
+// first __syncthreads lets the previous tile's readers finish.
+__device__ void collect_tile(const ByExpertArgs& a, int expert, int pair_tile,
+                             const uint16_t* pair_experts, ExpertTile& tile) {
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
-    int cursor = tile.cursor;
-    int count = 0;
-    while (cursor < a.pairs && count < kTilePairs) {  // warp-uniform
-      const int p = cursor + lane;
+    const int first = kTilePairs * pair_tile;
+    int seen = 0;  // matches before this step's pairs
+    for (int base = 0; base < a.pairs && seen < first + kTilePairs; base += 32) {  // warp-uniform
+      const int p = base + lane;
       const bool match = p < a.pairs && pair_experts[p] == expert;
       const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
-      const int rank = __popc(matches & ((1u << lane) - 1u));
-      const int room = kTilePairs - count;
-      if (match && rank < room) tile.pairs[count + rank] = p;
-      // The first match that does not fit starts the next tile.
-      const uint32_t overflow = __ballot_sync(0xFFFFFFFFu, match && rank == room);
-      if (overflow != 0) {
-        cursor += __ffs(overflow) - 1;
-        count = kTilePairs;
-      } else {
-        cursor += 32;
-        count += __popc(matches);
-      }
+      const int in_tile = seen + __popc(matches & ((1u << lane) - 1u)) - first;
+      if (match && in_tile >= 0 && in_tile < kTilePairs) tile.pairs[in_tile] = p;
+      seen += __popc(matches);
     }
-    if (lane == 0) {
-      tile.cursor = cursor;
-      tile.count = count;
-    }
+    if (lane == 0) tile.count = min(max(seen - first, 0), kTilePairs);
   }
   __syncthreads();
-  return tile.count;
 }
 
 // The activation row of pair p and the factor its staged values carry: gate/up the token's x
@@ -153,23 +171,27 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 
 // ---- NVFP4 on tensor cores ----
 
-// Warps per block, each with its own rows and all of K, and blocks per SM (128 registers a thread
-// either way).
+// Warps per block, each with its own rows and all of K, and blocks per SM: gate/up 24 warps an SM
+// at 80 registers a thread (moe_bench, H200, µs per layer at 8 / 32 tokens: 107.8 / 212.0, with
+// 16 warps at 128 registers and 6 rounds in flight 116.5 / 220.5), down 16 at 128.
 template <bool kGateUp>
-constexpr int kMmaWarps = kGateUp ? 4 : 8;
+constexpr int kMmaWarps = 8;
 template <bool kGateUp>
-constexpr int kMmaBlocksPerSm = kGateUp ? 4 : 2;
-constexpr int kMmaRoundsInFlight = 6;  // rounds (4 chunks of the two A rows) a lane loads ahead
+constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
+// Rounds (4 chunks of the two A rows) a lane loads ahead. Gate/up's 3 wait for L2 (its units are
+// asked of L2 whole: kPrefetchUnits), and its registers go to more warps.
+template <bool kGateUp>
+constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
+// Whether each unit's weights are asked of L2 whole when a block starts it (by_expert_mma_kernel):
+// bytes in flight beyond the R rounds the registers hold.
+constexpr bool kPrefetchUnits = true;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
 constexpr int kMmaTileRows = kGateUp ? 8 : 16;
-// Row tiles per warp, one after the other, the loads running on from one tile's last rounds into
-// the next one's first. A block's fixed costs (finding its expert and pairs, staging their
-// activations) are then paid once per 90 KB of weights in both kernels: gate/up 4 warps x 1 tile
-// (32 inner rows of gate and up, K = hidden 2816), down 8 warps x 2 tiles (256 hidden rows of
-// K = inner 704; with 1 tile it paid them per 45 KB, its prologue about as long as its k loop).
-// Gate/up keeps 1 tile: 2 would halve its blocks to ~2.3 waves at 32 tokens.
+// Row tiles per warp in a unit of work, one after the other, the loads running on from one tile's
+// last rounds into the next one's first: gate/up 1 (64 inner rows of gate and up a unit, K =
+// hidden 2816: 180 KB of weights), down 2 (256 hidden rows, K = inner 704: 90 KB).
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
 template <bool kGateUp>
@@ -196,7 +218,7 @@ __host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
 __host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
   return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks);
 }
-// The staged words, then every pair's expert id (find_slot_expert).
+// The staged words, then every pair's expert id (find_units).
 size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
   return sizeof(uint32_t) * static_cast<size_t>(mma_staged_words(chunks, pairs)) +
          sizeof(uint16_t) * static_cast<size_t>(pairs);
@@ -212,7 +234,7 @@ struct ColumnStaging {
 };
 
 // Pieces of 8 activations a thread keeps in registers between the two passes (the rest is read
-// again): gate/up 4 per thread cover 1.45 columns of hidden 2816 over 128 threads, down 2 cover
+// again): gate/up 4 per thread cover 2.9 columns of hidden 2816 over 256 threads, down 2 cover
 // 5.8 columns of inner 704 over 256 (the first rounds of the weights are live meanwhile; down
 // spilled 64 bytes with 4).
 template <bool kGateUp>
@@ -343,13 +365,32 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) 
   }
 }
 
-// Block (s, y): rows y · kMmaBlockRows ... of slot s's expert (gate/up: inner rows, gate and up
-// each; down: hidden rows) for every pair of the expert, row tile i of warp w at rows
-// (i · kMmaWarps + w) · kMmaTileRows on (the block's first tile of each warp, then its second).
+// A unit of work: rows block_row ... + kMmaBlockRows - 1 of `expert` (gate/up: inner rows, gate
+// and up each; down: hidden rows) for tile `pair_tile` of its pairs.
+struct Work {
+  int unit;
+  int expert;
+  int pair_tile;
+  int64_t block_row;
+};
+
+// The grid is sized to the blocks the GPU holds at once (launch_projection), not to the routing:
+// the units of work present, (picked expert, row block, tile of its pairs) in ascending order,
+// are split into gridDim.x contiguous ranges, one per block, of equal size to a unit. A block
+// thus finds the routing once, stages a tile's columns once for all the row blocks of its range
+// that share them (ranges span 1-2 experts at 26B shapes), and keeps its warps' loads running
+// from one unit's last rounds into the next unit's first; no block waits in a tail wave or exits
+// idle after finding no expert, and an expert picked by more than kTilePairs pairs weighs as its
+// tiles of pairs do. An expert's tiles of one row block follow each other: the second one's
+// weights come from L2.
+// Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
+// (every warp's first tile, then its second).
 template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
+  constexpr int R = kMmaRoundsInFlight<kGateUp>;
+  constexpr int kTiles = kMmaRowTiles<kGateUp>;
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
@@ -364,22 +405,32 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   } else {
     pdl_trigger_dependents();
   }
-  const int expert = find_slot_expert(a, static_cast<int>(blockIdx.x), tile, pair_experts);
-  if (expert < 0) return;  // the whole block: fewer experts were picked
-  const MoeExpert& e = a.experts[expert];
-  const MoeMatrix mats[2] = {kGateUp ? e.gate : e.down, kGateUp ? e.up : e.down};
+  const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
+  const int64_t units = find_units(a, row_blocks, tile, pair_experts);
+  const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
+  const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
+  if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
+  auto unit_work = [&](int unit) {
+    const int expert = unit_expert(tile, unit);
+    const int tiles = pair_tiles(tile.expert_pairs[expert]);
+    const int in_expert = unit - tile.first_unit[expert];
+    return Work{unit, expert, in_expert % tiles,
+                static_cast<int64_t>(in_expert / tiles) * kBlockRows};
+  };
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
-  constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  const int64_t block_row = static_cast<int64_t>(blockIdx.y) * kMmaBlockRows<kGateUp>;
-  // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile`: gate and up of one inner row, or two
-  // down rows.
-  auto a_row = [&](int row_tile, int h) {
-    const int64_t first = block_row + static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) *
-                                          kMmaTileRows<kGateUp>;
-    return first + g + (kGateUp ? 0 : 8 * h);
+  // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
+  // or two down rows.
+  auto a_row = [&](const Work& w, int row_tile, int h) {
+    return w.block_row +
+           static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) * kMmaTileRows<kGateUp> + g +
+           (kGateUp ? 0 : 8 * h);
+  };
+  auto matrix = [&](int expert, int h) -> const MoeMatrix& {
+    const MoeExpert& e = a.experts[expert];
+    return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
   };
   const int rounds = (chunks + 3) / 4;
 
@@ -388,12 +439,13 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // past the matrix reads the last one: its products land in A rows whose outputs are not stored.
   const uint4* row_chunks[2];
   const uint16_t* row_scales[2];
-  auto load_tile = [&](int row_tile) {
+  auto load_tile = [&](const Work& w, int row_tile) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t chunk = std::min(a_row(row_tile, h), a.rows - 1) * a.chunks_per_row + t;
-      row_chunks[h] = static_cast<const uint4*>(mats[h].weights) + chunk;
-      row_scales[h] = static_cast<const uint16_t*>(mats[h].scales) + chunk;
+      const MoeMatrix& m = matrix(w.expert, h);
+      const int64_t chunk = std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
+      row_chunks[h] = static_cast<const uint4*>(m.weights) + chunk;
+      row_scales[h] = static_cast<const uint16_t*>(m.scales) + chunk;
     }
   };
   // Zeros until loaded: slots of rounds past the last keep them, or the last round's lanes past
@@ -408,37 +460,56 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       scale_bits[slot][h] = load_scale_pair_l2_256(row_scales[h] + 4 * round);
     }
   };
-  auto load_first_rounds = [&] {
-    load_tile(0);
-#pragma unroll
-    for (int i = 0; i < R; ++i) load_round(i, i);
-  };
-  // The weights depend on the routing only: in flight while the first tile is found and staged
-  // (down: before the wait for the activations).
-  if constexpr (!kGateUp) {
-    // ptxas sinks load_first_rounds' loads below griddepcontrol.wait (their registers are not
-    // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
-    // would leave only after the wait. The block's rows and their scales are each one contiguous
-    // range: fetched into L2 here, before the wait, the loads after it hit L2.
-    const int64_t block_rows = std::min<int64_t>(kMmaBlockRows<kGateUp>, a.rows - block_row);
-    const int64_t first_chunk = block_row * a.chunks_per_row;
+  Work work = unit_work(first_unit);
+  // A unit's rows of each matrix it reads (gate and up, or down) are one contiguous range, their
+  // scales another: lane 0 of warps 0-3 (gate/up) or 0-1 (down) asks L2 for one range each.
+  auto prefetch_unit = [&](const Work& w) {
+    const int range = warp;  // matrix range / 2; weights (even) or scales (odd)
+    if (lane != 0 || range >= (kGateUp ? 4 : 2)) return;
+    const int64_t block_rows = std::min<int64_t>(kBlockRows, a.rows - w.block_row);
+    const int64_t first_chunk = w.block_row * a.chunks_per_row;
     const int64_t end_chunk = first_chunk + block_rows * a.chunks_per_row;
-    if (threadIdx.x == 0) {
-      const uint4* chunk_words = static_cast<const uint4*>(mats[0].weights);
+    const MoeMatrix& m = matrix(w.expert, range / 2);
+    if (range % 2 == 0) {
+      const uint4* chunk_words = static_cast<const uint4*>(m.weights);
       prefetch_l2(chunk_words + first_chunk, chunk_words + end_chunk);
-    } else if (threadIdx.x == 32) {
-      const uint16_t* scales = static_cast<const uint16_t*>(mats[0].scales);  // load_scale_bits
+    } else {
+      const uint16_t* scales = static_cast<const uint16_t*>(m.scales);  // load_scale_bits
       prefetch_l2(scales + first_chunk, scales + end_chunk);
     }
-  }
-  load_first_rounds();
+  };
+  // ptxas sinks down's first rounds' loads below griddepcontrol.wait (their registers are not
+  // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
+  // would leave only after the wait: the first unit is fetched into L2 here, before the wait, and
+  // the loads after it hit L2.
+  if constexpr (!kGateUp) prefetch_unit(work);
+  // The weights depend on the routing only: in flight while the first tile is found and staged
+  // (down: before the wait for the activations).
+  load_tile(work, 0);
+#pragma unroll
+  for (int i = 0; i < R; ++i) load_round(i, i);
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  bool first_tile = true;
-  while (next_tile(a, expert, pair_experts, tile) > 0) {
-    if (!first_tile) load_first_rounds();  // again (from L2), in flight during the staging
-    first_tile = false;
-    stage_mma_tile<kGateUp>(a, mats[0], tile, chunks, staged, columns);
-    __syncthreads();
+  int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
+  int staged_pair_tile = 0;
+  for (;;) {
+    // Every unit but down's first (fetched above) is asked of L2 whole as it starts: DRAM then
+    // streams it (90-180 KB) in large requests while the warps' loads, R rounds ahead, follow in
+    // L2. An expert's later tiles of pairs read the rows of its first one again: already there,
+    // unless the range starts with them.
+    const bool fetched = !kGateUp && work.unit == first_unit;
+    if (kPrefetchUnits && !fetched && (work.pair_tile == 0 || work.unit == first_unit)) {
+      prefetch_unit(work);
+    }
+    if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
+      collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
+      stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
+      __syncthreads();
+      staged_expert = work.expert;
+      staged_pair_tile = work.pair_tile;
+    }
+    // The unit whose first rounds this one's last pass loads.
+    const bool has_next = work.unit + 1 < end_unit;
+    const Work next = has_next ? unit_work(work.unit + 1) : work;
     // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
     // lanes read its last column: mma output column g depends on B column g alone, and those
     // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
@@ -450,32 +521,37 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     const uint32_t* even_pieces = column + swap_words;
     const uint32_t* odd_pieces = column - swap_words;
     for (int row_tile = 0; row_tile < kTiles; ++row_tile) {
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // Even and odd rounds accumulate apart: two independent mma chains, so one round's
+      // products need not wait for the previous round's last mma.
+      float acc[2][4] = {};
       // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
       // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
       // the top of each pass instead leaves the pass's first products a full memory latency
-      // behind. In a tile's last pass every slot takes round i of the next row tile.
+      // behind. In a tile's last pass every slot takes round i of the next row tile: this work's
+      // next one, else the next work's first.
       for (int first = 0; first < rounds; first += R) {
         const bool last_pass = first + R >= rounds;
         const bool next_row_tile = last_pass && row_tile + 1 < kTiles;
-        if (next_row_tile) load_tile(row_tile + 1);
+        const bool next_work = last_pass && !next_row_tile && has_next;
+        if (next_row_tile) load_tile(work, row_tile + 1);
+        if (next_work) load_tile(next, 0);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
           if (first + i < rounds) {  // warp-uniform
             const int round_words = 4 * kStagedWordsPerChunk * (first + i);
-            mma_round(acc, weights[i], scale_bits[i], even_pieces + round_words,
+            mma_round(acc[i % 2], weights[i], scale_bits[i], even_pieces + round_words,
                       odd_pieces + round_words);
           }
           if (!last_pass) {
             if (first + R + i < rounds) load_round(i, first + R + i);
-          } else if (next_row_tile) {
+          } else if (next_row_tile || next_work) {
             load_round(i, i);
           }
         }
       }
-      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[0], acc[1]) and g + 8 (acc[2],
-      // acc[3]).
-      const int64_t rows[2] = {a_row(row_tile, 0), a_row(row_tile, 1)};
+      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
+      // (acc[.][2], acc[.][3]).
+      const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const int c = 2 * t + j;
@@ -483,17 +559,23 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const int64_t p = tile.pairs[c];
         const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
         if constexpr (kGateUp) {
-          const float gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], acc[j] * back);
-          const float up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], acc[2 + j] * back);
+          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
+          const float up = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
           if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            if (rows[h] < a.rows) a.out[p * a.out_stride + rows[h]] = acc[2 * h + j] * back;
+            if (rows[h] < a.rows) {
+              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
+            }
           }
         }
       }
     }
+    if (!has_next) break;
+    work = next;
   }
 }
 
@@ -547,15 +629,45 @@ __global__ void __launch_bounds__(kCombineThreads) by_expert_combine_kernel(ByEx
   a.out[token * a.out_stride + j] = sum;
 }
 
-// One projection (gate/up or down) of every slot.
+// Blocks of `kernel` (with `shared` dynamic bytes) the current GPU holds at once, 0 where the
+// occupancy calculator refuses; asked once per kernel, size and device (a host query each launch
+// would cost every graph-less decode step ~60 of them).
+template <typename Kernel>
+int resident_blocks(Kernel kernel, int threads, size_t shared) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  using Key = std::tuple<const void*, size_t, int>;
+  static std::mutex mutex;
+  static std::map<Key, int> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const Key key = {reinterpret_cast<const void*>(kernel), shared, device};
+  if (const auto found = known.find(key); found != known.end()) return found->second;
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(static_cast<unsigned>(threads));
+  config.dynamicSmemBytes = shared;
+  const int resident = occupancy_clusters(kernel, config, 1, device);
+  known.emplace(key, resident);
+  return resident;
+}
+
+// One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
+// once, or as units of work could be present (slots x row blocks) when fewer.
 template <bool kGateUp>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
   const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
   const auto kernel = by_expert_mma_kernel<kGateUp>;
-  const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+  // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
+  // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
+  const cudaError_t allowed =
+      allow_shared_bytes(kernel, shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
-  const dim3 grid(static_cast<unsigned>(slots), blocks(args.rows, kMmaBlockRows<kGateUp>));
-  return launch_kernel(kernel, grid, dim3(kMmaWarps<kGateUp> * 32), shared, launch, args);
+  constexpr int kThreads = kMmaWarps<kGateUp> * 32;
+  const int64_t most_units =
+      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
+  const int resident = resident_blocks(kernel, kThreads, shared);
+  const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared, launch,
+                       args);
 }
 
 }  // namespace
