@@ -99,10 +99,10 @@ inline constexpr int kMoeGroupedMinTokens = 40;
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 
 // Tokens from which run_experts reads each selected NVFP4 expert once (kDecodeByExpert) instead
-// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, µs per layer, decode on tensor cores /
-// by expert): T=2 36 / 45, T=4 62 / 73, T=8 113 / 111, T=32 415 / 252: below 8 tokens the
-// per-pair kernels' finer grid wins (few pairs share an expert anyway).
-inline constexpr int kMoeByExpertMinTokens = 8;
+// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, PDL µs per layer, session 8, decode on
+// tensor cores / by expert): T=8 96.1 / 107.8, T=16 178.0 / 149.4, T=32 346.5 / 212.0: below
+// ~12 tokens the per-pair kernels' finer grid wins (few pairs share an expert anyway).
+inline constexpr int kMoeByExpertMinTokens = 12;
 
 constexpr MoePath moe_path_for(int tokens,
                                MoePrecision precision = MoePrecision::kBf16TensorCores) {
