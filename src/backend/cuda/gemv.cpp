@@ -164,8 +164,11 @@ int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
 bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y, int tiling) {
   const int64_t chunks = w.cols / 32;
   return gemv_stream_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 &&
-         w.scale_type != quant::ScaleType::kF32 && chunks % 4 == 0 &&
-         (reinterpret_cast<uintptr_t>(w.scales) & 7) == 0 && x.rows == 1 &&
+         w.scale_type != quant::ScaleType::kF32 &&
+         gemv_stream_layout_ok(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks,
+                               reinterpret_cast<uintptr_t>(w.data),
+                               reinterpret_cast<uintptr_t>(w.scales)) &&
+         x.rows == 1 &&
          (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
          x.residual_norm.residual == nullptr && y.companions.q8 == nullptr &&
          gemv_stream_shared_bytes(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks) <=

@@ -59,10 +59,84 @@ __device__ __forceinline__ uint4 staged_piece(const void* x, int64_t p, float& s
   return word;
 }
 
+// Stages `chunks` chunks of the activation row from chunk `first` on (kF32: rounded to bf16) in
+// the B order of staged_piece, 64 bytes a chunk, with each chunk's bias −136 · Σx, and zeroes
+// zero_chunk (64 bytes), by threads thread = 0 .. threads − 1 (whole warps, so that a chunk's 4
+// pieces are a lane quad's). The caller synchronizes the threads.
+template <ActType XT>
+__device__ __forceinline__ void stage_activations(const void* x, int64_t first, int64_t chunks,
+                                                  uint4* staged_x, float* x_biases,
+                                                  uint4* zero_chunk, int thread, int threads) {
+  const int64_t pieces = 4 * chunks;
+  const int64_t rounds = (pieces + threads - 1) / threads;
+#pragma unroll 8
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t p = round * threads + thread;
+    float sum = 0.0f;
+    if (p < pieces) staged_x[p] = staged_piece<XT>(x, 4 * first + p, sum);
+    // pieces and threads are multiples of 4, so a quad of lanes is valid or not as a whole.
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
+  }
+  if (thread < 4) zero_chunk[thread] = make_uint4(0, 0, 0, 0);
+}
+
 // Two adjacent bf16 or fp16 scales (quant::ScaleType 0 or 1), the low half first, as fp32.
 __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
   if (scale_type == kScaleF16) return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+}
+
+// Adds the products of one ring stage (`steps` quads of the 16 rows' slice, stage layout of
+// gemv_stream_stage_bytes at row pitch kPitch) to lane (g, t)'s partial sums of rows g and g + 8
+// (the quad's lanes t = 0, 1 hold them; t = 2, 3 hold discarded values). x_slice: the staged
+// activations of the slice's first chunk (64 bytes a chunk), bias_slice its first chunk's bias.
+template <int KC, int kPitch>
+__device__ __forceinline__ void multiply_slice(const uint8_t* stage, int steps,
+                                               const uint4* x_slice, const uint4* zero_chunk,
+                                               const float* bias_slice, int scale_type, int g,
+                                               int t, float& acc_g, float& acc_g8) {
+  constexpr int kScalesOffset = kTileRows * kPitch;
+  // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
+  auto multiply_step = [&](int step) {
+    const int chunk = 4 * step + t;  // in the stage
+    const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
+    const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
+    const uint4* x_words = g == t ? x_slice + 4 * chunk : zero_chunk;
+    const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
+    const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
+    // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
+    // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
+    const int column_chunk = 4 * step + 2 * (t & 1);
+    const float2 bias = *reinterpret_cast<const float2*>(bias_slice + column_chunk);
+    // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
+    // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
+    float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 xw = x_words[i];
+      uint32_t pg[4], pg8[4];
+      biased_nibble_pairs(row_g[i], pg);
+      biased_nibble_pairs(row_g8[i], pg8);
+      mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
+      mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+    }
+    const uint8_t* scales_g = stage + kScalesOffset + (g * KC + column_chunk) * 2;
+    const float2 scale_g = scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), scale_type);
+    const float2 scale_g8 =
+        scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 16 * KC), scale_type);
+    acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
+    acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
+    acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
+    acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
+  };
+  if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
+#pragma unroll
+    for (int step = 0; step < KC / 4; ++step) multiply_step(step);
+  } else {
+    for (int step = 0; step < steps; ++step) multiply_step(step);
+  }
 }
 
 template <ActType XT, int W, int KC, int S, int P, bool B, bool L2>
@@ -175,24 +249,9 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   for (int item = 0; item < S - 1; ++item) issue(item);
   pdl_wait_for_predecessors();
 
-  // Stage the block's part of the activation row: one 8-element piece a thread, the chunk sums
-  // over 4 lanes.
-  {
-    const int64_t pieces = 4 * block_chunks;
-    const int64_t rounds = (pieces + W * 32 - 1) / (W * 32);
-#pragma unroll 8
-    for (int64_t round = 0; round < rounds; ++round) {
-      const int64_t p = round * W * 32 + threadIdx.x;
-      float sum = 0.0f;
-      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, 4 * block_k + p, sum);
-      // pieces is a multiple of 4, so a quad of lanes is valid or not as a whole.
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-      if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
-    }
-    if (threadIdx.x < 4) zero_chunk[threadIdx.x] = make_uint4(0, 0, 0, 0);
-    __syncthreads();
-  }
+  stage_activations<XT>(a.x, block_k, block_chunks, staged_x, x_biases, zero_chunk, threadIdx.x,
+                        W * 32);
+  __syncthreads();
 
   int item = 0;
   for (int j = 0; j < my_tiles; ++j) {
@@ -204,50 +263,11 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
       if constexpr (B) wait_barrier(barriers + item % S, (item / S) & 1);  // and the bulk ones
       __syncwarp();  // and every lane's; the stage read last is free
       issue(item + S - 1);
-      const uint8_t* stage = ring + (item % S) * kStageBytes;
       const int64_t kc0 = k_begin + static_cast<int64_t>(slice) * KC;
       const int steps = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0)) / 4;
-      // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
-      auto multiply_step = [&](int step) {
-        const int chunk = 4 * step + t;  // in the stage
-        const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
-        const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
-        const uint4* x_words = g == t ? staged_x + 4 * (kc0 - block_k + chunk) : zero_chunk;
-        const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
-        const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
-        // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
-        // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
-        const int column_chunk = 4 * step + 2 * (t & 1);
-        const float2 bias =
-            *reinterpret_cast<const float2*>(x_biases + (kc0 - block_k) + column_chunk);
-        // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
-        // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
-        float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 xw = x_words[i];
-          uint32_t pg[4], pg8[4];
-          biased_nibble_pairs(row_g[i], pg);
-          biased_nibble_pairs(row_g8[i], pg8);
-          mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
-          mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
-        }
-        const uint8_t* scales_g = stage + kScalesOffset + (g * KC + column_chunk) * 2;
-        const float2 scale_g =
-            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), a.scale_type);
-        const float2 scale_g8 =
-            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 16 * KC), a.scale_type);
-        acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
-        acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
-        acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
-        acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
-      };
-      if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
-#pragma unroll
-        for (int step = 0; step < KC / 4; ++step) multiply_step(step);
-      } else {
-        for (int step = 0; step < steps; ++step) multiply_step(step);
-      }
+      multiply_slice<KC, kPitch>(ring + (item % S) * kStageBytes, steps,
+                                 staged_x + 4 * (kc0 - block_k), zero_chunk,
+                                 x_biases + (kc0 - block_k), a.scale_type, g, t, acc_g, acc_g8);
     }
     // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the runs of the block's
     // warps (and of the cluster's blocks) added in shared memory by warp 0 of rank 0. Two
@@ -285,14 +305,140 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   wait_copies<0>();  // no copy outlives the block
 }
 
+// One arrival on a barrier of arrival count 1 (completing its phase), release semantics: this
+// thread's earlier reads of the stage it guards are done.
+__device__ __forceinline__ void arrive_barrier(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier))
+               : "memory");
+}
+
+// The producer-warp kernel (GemvStreamTiling::producer). A block owns tiles blockIdx.x +
+// gridDim.x · i, i < my_tiles; consumer warp w (of W) multiplies tiles i ≡ w (mod W), each over
+// all of K, slice by slice (KC chunks of the 16 rows plus their scales) from its own ring of S
+// stages; warp W, the producer, fills the rings by bulk copies (one per row piece) in the order the
+// consumers need them: round r (tiles rW .. rW + W − 1), slice s, warp w. Each stage has a full
+// barrier (the copies' bytes) and an empty one (its consumer's arrival). A consumer only ever
+// waits on its own stages, in order, so a barrier's phase it waits on is never two ahead.
+template <ActType XT, int W, int KC, int S>
+__global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) {
+  static_assert(KC % 8 == 0 && KC <= 64, "slices of 16-byte scale pieces, at most 64 chunks");
+  static_assert(S >= 2, "a ring needs a stage in flight");
+  constexpr GemvStreamTiling kTiling = {
+      .warps = W, .stage_chunks = KC, .stages = S, .producer = true};
+  constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
+  constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
+  constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
+  pdl_trigger_dependents();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
+  const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  const int slices = static_cast<int>((cpr + KC - 1) / KC);
+
+  extern __shared__ uint4 stream_shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(stream_shared);              // [W][S]
+  uint64_t* empty = full + W * S;                                           // [W][S]
+  uint8_t* rings = reinterpret_cast<uint8_t*>(empty + W * S);               // [W][S] stages
+  uint4* staged_x = reinterpret_cast<uint4*>(rings + W * S * kStageBytes);  // 4 words a chunk
+  uint4* zero_chunk = staged_x + 4 * cpr;
+  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < 2 * W * S; ++i) init_barrier(full + i);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp == W) {
+    // The producer: item v of the block's sequence is slice s of consumer w's j-th tile-slice,
+    // j = r · slices + s. The last round has only my_tiles % W tiles (warps).
+    const int full_rounds = my_tiles / W;
+    const int items = my_tiles * slices;
+    const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
+    const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
+    for (int v = 0; v < items; ++v) {
+      const int r = v / (W * slices);
+      const int width = r < full_rounds ? W : my_tiles % W;
+      const int rest = v - r * W * slices;
+      const int s = rest / width, w = rest % width;
+      const int j = r * slices + s;
+      const int stage = w * S + j % S;
+      // The stage's previous slice (the consumer's j − S) has been multiplied.
+      if (j >= S) wait_barrier(empty + stage, (j / S - 1) & 1);
+      fence_proxy_async();  // the consumer's reads of the stage before the copies' writes
+      const int64_t row0 = (blockIdx.x + static_cast<int64_t>(r * W + w) * gridDim.x) * kTileRows;
+      const int64_t kc0 = static_cast<int64_t>(s) * KC;
+      const int kc = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0));
+      const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
+      // Lane 0 announces the bytes; lanes r < 16 copy row r's weights, lanes 16 + r its scales.
+      // Rows past a.rows are not copied (their sums are never stored).
+      if (lane == 0) arrive_expect_bytes(full + stage, static_cast<uint32_t>(valid_rows * kc * 18));
+      __syncwarp();
+      uint8_t* to = rings + stage * kStageBytes;
+      const int row = lane % kTileRows;
+      if (row < valid_rows) {
+        if (lane < kTileRows) {
+          copy_bulk(to + row * kPitch, weights + ((row0 + row) * cpr + kc0) * 16,
+                    static_cast<uint32_t>(kc * 16), full + stage);
+        } else {
+          copy_bulk(to + kScalesOffset + row * KC * 2, scales + ((row0 + row) * cpr + kc0) * 2,
+                    static_cast<uint32_t>(kc * 2), full + stage);
+        }
+      }
+    }
+    return;  // every copy lands on a barrier that a consumer waits on
+  }
+
+  // The consumers: stage all of the activation row (named barrier 1: the producer is not in it).
+  pdl_wait_for_predecessors();
+  stage_activations<XT>(a.x, 0, cpr, staged_x, x_biases, zero_chunk, threadIdx.x, W * 32);
+  asm volatile("bar.sync 1, %0;" ::"n"(W * 32) : "memory");
+
+  const int g = lane >> 2, t = lane & 3;
+  for (int tile = warp; tile < my_tiles; tile += W) {
+    const int r = tile / W;
+    float acc_g = 0.0f, acc_g8 = 0.0f;
+    for (int s = 0; s < slices; ++s) {
+      const int j = r * slices + s;
+      const int stage = warp * S + j % S;
+      wait_barrier(full + stage, (j / S) & 1);
+      const int64_t kc0 = static_cast<int64_t>(s) * KC;
+      const int steps = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0)) / 4;
+      multiply_slice<KC, kPitch>(rings + stage * kStageBytes, steps, staged_x + 4 * kc0, zero_chunk,
+                                 x_biases + kc0, a.scale_type, g, t, acc_g, acc_g8);
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) arrive_barrier(empty + stage);
+    }
+    // Rows g, g + 8 in lane (g, 0); lane l < 8 stores rows 2l, 2l + 1 (whole gate/up pairs):
+    // row q's sum is in lane 4 · (q mod 8), as acc_g for q < 8, as acc_g8 from 8 on.
+    acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
+    acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
+    const int source = (8 * lane) & 31;  // lane 4 · (2l mod 8), then the next row's (+ 4)
+    const float even_g = __shfl_sync(0xFFFFFFFFu, acc_g, source);
+    const float even_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source);
+    const float odd_g = __shfl_sync(0xFFFFFFFFu, acc_g, source + 4);
+    const float odd_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source + 4);
+    if (lane < kTileRows / 2) {
+      const float pair[2] = {lane < 4 ? even_g : even_g8, lane < 4 ? odd_g : odd_g8};
+      const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
+      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    }
+  }
+}
+
 using KernelFn = void (*)(GemvArgs);
 
 template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
-                              t.l2_prefetch>;
+    if constexpr (t.producer) {
+      return gemv_ring_kernel<XT, t.warps, t.stage_chunks, t.stages>;
+    } else {
+      return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
+                                t.l2_prefetch>;
+    }
   } else {
     return nullptr;
   }
@@ -349,7 +495,7 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvStreamTiling& t = kGemvStreamTilings[index];
   cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(32 * t.warps);
+  config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;

@@ -25,6 +25,11 @@
 // applies in fp32 after adding −136·Σx (the chunk's bf16 activation sum, staged): the same
 // exact products as the CUDA-core GEMV with bf16 activations, summed in another order. The warps'
 // partial row sums meet in shared memory at the tile's end, and the GEMV epilogues apply.
+//
+// The producer-warp tilings (GemvStreamTiling::producer, session 8) take the per-chunk copy work
+// out of the multiplying warps: one warp per block issues 1-D bulk copies (a row's piece of a
+// slice, its scales) into the consumer warps' rings, completing on mbarriers; each consumer warp
+// multiplies whole 16-row tiles with the same tensor-core step and stores them itself.
 #pragma once
 
 #include <cstdint>
@@ -47,6 +52,12 @@ struct GemvStreamTiling {
   bool bulk = false;
   // cp.async weight copies with the L2 256-byte prefetch-size hint.
   bool l2_prefetch = false;
+  // The producer-warp design (gemv_stream.cu, gemv_ring_kernel): one extra warp per block issues
+  // every weight and scale slice by bulk copies into the consumer warps' rings (`stages` each),
+  // and each consumer warp multiplies whole tiles (all of K) alone: no cp.async address work in
+  // the consumers, no cross-warp reduction, one block per SM. `splits`, `bulk` and `l2_prefetch`
+  // do not apply; stage_chunks a multiple of 8 (16-byte scale pieces).
+  bool producer = false;
 };
 
 // Weight rows per tile: the mma A fragment's.
@@ -80,6 +91,13 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {3, 16, 4, 1, true},         // 120: 102 with bulk copies
     {4, 24, 3, 7, true},         // 121: 108 with bulk copies
     {4, 16, 3, 4, true},         // 122: 110 with bulk copies
+    // Producer-warp tilings: consumer warps, chunks a stage, stages a consumer warp.
+    {.warps = 4, .stage_chunks = 56, .stages = 3, .producer = true},  // 123: K 5376: 3 slices
+    {.warps = 6, .stage_chunks = 56, .stages = 2, .producer = true},  // 124: K 5376: 3 slices
+    {.warps = 4, .stage_chunks = 24, .stages = 6, .producer = true},  // 125: K 5376: 7; K 1536: 2
+    {.warps = 8, .stage_chunks = 24, .stages = 3, .producer = true},  // 126: K 5376: 7; K 1536: 2
+    {.warps = 4, .stage_chunks = 48, .stages = 3, .producer = true},  // 127: K 1536: 1 slice
+    {.warps = 7, .stage_chunks = 48, .stages = 2, .producer = true},  // 128: K 1536: 1 slice
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -128,20 +146,33 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 // sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
 // activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
 // biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
+// Producer tilings: the rings' full and empty barriers (16 bytes a stage), the rings, then the
+// staged activations of all of K, their zeros and biases.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
-  return 4 * 2 * t.warps * kGemvStreamTileRows + 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16 +
-         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t) + gemv_stream_barrier_bytes(t);
+  const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
+  const int64_t rings = int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
+  if (t.producer) return 16 * t.warps * t.stages + rings + staged_x;
+  return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x + rings + gemv_stream_barrier_bytes(t);
+}
+
+// Whether the layout of a w4g32 matrix (chunks_per_row, the addresses of its weights and 16-bit
+// scales) suits tiling t: whole quads a row, 8-byte aligned scales; producer tilings copy rows'
+// pieces in bulk: 16-byte aligned weights, scales and scale row pieces (chunks_per_row % 8 == 0).
+constexpr bool gemv_stream_layout_ok(const GemvStreamTiling& t, int64_t chunks_per_row,
+                                     uintptr_t weights, uintptr_t scales) {
+  if (t.producer) return chunks_per_row % 8 == 0 && weights % 16 == 0 && scales % 16 == 0;
+  return chunks_per_row % 4 == 0 && scales % 8 == 0;
 }
 
 // Dynamic shared memory a block may opt into on sm_90 (227 KB).
 inline constexpr int64_t kGemvStreamMaxSharedBytes = 227 * 1024;
 
 // Enqueues the streaming kernel of tiling kGemvStreamTilings[index] for one activation row:
-// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), chunks_per_row a multiple of
-// 4, args.scales 8-byte aligned, activations kBF16 or kF32 (rounded to bf16 as staged), no q8
-// companions, no residual step, shared bytes within kGemvStreamMaxSharedBytes; gemv() validates
-// that. cudaErrorInvalidValue for a tiling this build did not compile.
+// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), gemv_stream_layout_ok,
+// activations kBF16 or kF32 (rounded to bf16 as staged), no q8 companions, no residual step,
+// shared bytes within kGemvStreamMaxSharedBytes; gemv() validates that. cudaErrorInvalidValue for a
+// tiling this build did not compile.
 cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch);
 
