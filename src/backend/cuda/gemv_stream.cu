@@ -462,8 +462,11 @@ KernelFn select_kernel(ActType x_type, int index) {
 
 // Clusters of `config` (blocks, for one-block clusters) that the GPU holds at once, after opting
 // the kernel into kGemvStreamMaxSharedBytes; 0 where the runtime refuses. Asked once per (kernel,
-// shared bytes, device).
-int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits) {
+// shared bytes, device). one_per_sm: at most one block per SM (the producer kernels: a block
+// that leaves half an SM's shared memory free lets the next kernel's block start its copies there
+// while this one drains).
+int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits,
+                      bool one_per_sm) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   const auto key = std::make_tuple(kernel, config.dynamicSmemBytes, device);
@@ -480,6 +483,11 @@ int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int spl
   }
   if (status == cudaSuccess) {
     clusters = occupancy_clusters(kernel, config, splits, device);
+    int sms = 0;
+    if (one_per_sm && clusters > 0 &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+      clusters = std::min(clusters, sms);
+    }
   } else {
     cudaGetLastError();  // the refusal is this answer, not an error left for the caller
   }
@@ -509,7 +517,7 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
   config.attrs = attributes;
   config.numAttrs = t.splits > 1 ? 1 : 0;
-  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits);
+  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits, t.producer);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),

@@ -98,6 +98,10 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {.warps = 8, .stage_chunks = 24, .stages = 3, .producer = true},  // 126: K 5376: 7; K 1536: 2
     {.warps = 4, .stage_chunks = 48, .stages = 3, .producer = true},  // 127: K 1536: 1 slice
     {.warps = 7, .stage_chunks = 48, .stages = 2, .producer = true},  // 128: K 1536: 1 slice
+    // At most ~113 KB of shared memory: the next kernel's block fits beside this one.
+    {.warps = 4, .stage_chunks = 24, .stages = 3, .producer = true},  // 129: K 5376: 7; K 1536: 2
+    {.warps = 4, .stage_chunks = 16, .stages = 4, .producer = true},  // 130: K 1536: 3 slices
+    {.warps = 3, .stage_chunks = 48, .stages = 2, .producer = true},  // 131: K 1536: 1 slice
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
