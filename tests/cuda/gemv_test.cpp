@@ -564,11 +564,12 @@ bool stream_tiling_fits(int t, int64_t cols) {
 
 // The streaming kernel (gemv_stream_kernels.h), every compiled tiling: row counts that leave a
 // partial last tile, K runs that split into whole and partial slices (K 5376: 168 chunks; K 1536;
-// K 21504), a K too short for every warp to get a quad (K 256: empty runs), more tiles than the
-// GPU holds blocks (each block loops), both activation types, every epilogue, fp16 scales.
+// K 21504; K 8192), a K too short for every warp to get a quad (K 256: empty runs), more tiles than
+// the GPU holds blocks (each block loops), both activation types, every epilogue, fp16 scales.
 TEST(Gemv, StreamTilings) {
   uint32_t seed = 2000;
-  const Shape shapes[] = {{72, 5376}, {40, 1536}, {24, 21504}, {20000, 256}, {12304, 1536}};
+  const Shape shapes[] = {{72, 5376},   {40, 1536},    {24, 21504},
+                          {20000, 256}, {12304, 1536}, {200, 8192}};
   for (const Shape& s : shapes) {
     const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
     const DeviceMatrix device(host);

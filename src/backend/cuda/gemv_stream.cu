@@ -313,18 +313,21 @@ __device__ __forceinline__ void arrive_barrier(uint64_t* barrier) {
 }
 
 // The producer-warp kernel (GemvStreamTiling::producer). A block owns tiles blockIdx.x +
-// gridDim.x · i, i < my_tiles; consumer warp w (of W) multiplies tiles i ≡ w (mod W), each over
-// all of K, slice by slice (KC chunks of the 16 rows plus their scales) from its own ring of S
-// stages; warp W, the producer, fills the rings by bulk copies (one per row piece) in the order the
-// consumers need them: round r (tiles rW .. rW + W − 1), slice s, warp w. Each stage has a full
-// barrier (the copies' bytes) and an empty one (its consumer's arrival). A consumer only ever
-// waits on its own stages, in order, so a barrier's phase it waits on is never two ahead.
-template <ActType XT, int W, int KC, int S>
+// gridDim.x · i, i < my_tiles. Its W consumer warps form W / KS groups of KS warps: group q
+// multiplies tiles i ≡ q (mod W / KS), one a round, its warp p (part p of KS) taking the tile's
+// slices (KC chunks of the 16 rows plus their scales) p · slices / KS .. (p + 1) · slices / KS − 1
+// from its own ring of S stages. Warp W, the producer, fills the rings by bulk copies (one per
+// row piece) in the order the consumers need them: round, slice of a part, warp. Each stage has a
+// full barrier (the copies' bytes) and an empty one (its consumer's arrival). A consumer waits
+// only on its own stages, in order, so a barrier's phase it waits on is never two ahead.
+template <ActType XT, int W, int KC, int S, int KS>
 __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) {
   static_assert(KC % 8 == 0 && KC <= 64, "slices of 16-byte scale pieces, at most 64 chunks");
   static_assert(S >= 2, "a ring needs a stage in flight");
+  static_assert(W % KS == 0 && W / KS <= 14, "whole groups, a named barrier each");
+  constexpr int kGroups = W / KS;
   constexpr GemvStreamTiling kTiling = {
-      .warps = W, .stage_chunks = KC, .stages = S, .producer = true};
+      .warps = W, .stage_chunks = KC, .stages = S, .producer = true, .tile_warps = KS};
   constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
   constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
   constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
@@ -335,13 +338,17 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) 
   const int64_t cpr = a.chunks_per_row;
   const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
   const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  const int rounds = (my_tiles + kGroups - 1) / kGroups;
   const int slices = static_cast<int>((cpr + KC - 1) / KC);
+  // Part p of a tile: slices part_begin(p) .. part_begin(p + 1) − 1.
+  auto part_begin = [&](int p) { return p * slices / KS; };
 
   extern __shared__ uint4 stream_shared[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(stream_shared);              // [W][S]
-  uint64_t* empty = full + W * S;                                           // [W][S]
-  uint8_t* rings = reinterpret_cast<uint8_t*>(empty + W * S);               // [W][S] stages
-  uint4* staged_x = reinterpret_cast<uint4*>(rings + W * S * kStageBytes);  // 4 words a chunk
+  uint64_t* full = reinterpret_cast<uint64_t*>(stream_shared);               // [W][S]
+  uint64_t* empty = full + W * S;                                            // [W][S]
+  float* partial = reinterpret_cast<float*>(empty + W * S);                  // [2][W][16]
+  uint8_t* rings = reinterpret_cast<uint8_t*>(partial + 2 * W * kTileRows);  // [W][S] stages
+  uint4* staged_x = reinterpret_cast<uint4*>(rings + W * S * kStageBytes);   // 4 words a chunk
   uint4* zero_chunk = staged_x + 4 * cpr;
   float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
   if (threadIdx.x == 0) {
@@ -351,39 +358,44 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) 
   __syncthreads();
 
   if (warp == W) {
-    // The producer: item v of the block's sequence is slice s of consumer w's j-th tile-slice,
-    // j = r · slices + s. The last round has only my_tiles % W tiles (warps).
-    const int full_rounds = my_tiles / W;
-    const int items = my_tiles * slices;
+    // The producer. Consumer c's j-th slice is slice q of its part of the tile of round r,
+    // j = r · (its part's slices) + q.
     const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
     const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
-    for (int v = 0; v < items; ++v) {
-      const int r = v / (W * slices);
-      const int width = r < full_rounds ? W : my_tiles % W;
-      const int rest = v - r * W * slices;
-      const int s = rest / width, w = rest % width;
-      const int j = r * slices + s;
-      const int stage = w * S + j % S;
-      // The stage's previous slice (the consumer's j − S) has been multiplied.
-      if (j >= S) wait_barrier(empty + stage, (j / S - 1) & 1);
-      fence_proxy_async();  // the consumer's reads of the stage before the copies' writes
-      const int64_t row0 = (blockIdx.x + static_cast<int64_t>(r * W + w) * gridDim.x) * kTileRows;
-      const int64_t kc0 = static_cast<int64_t>(s) * KC;
-      const int kc = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0));
-      const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
-      // Lane 0 announces the bytes; lanes r < 16 copy row r's weights, lanes 16 + r its scales.
-      // Rows past a.rows are not copied (their sums are never stored).
-      if (lane == 0) arrive_expect_bytes(full + stage, static_cast<uint32_t>(valid_rows * kc * 18));
-      __syncwarp();
-      uint8_t* to = rings + stage * kStageBytes;
-      const int row = lane % kTileRows;
-      if (row < valid_rows) {
-        if (lane < kTileRows) {
-          copy_bulk(to + row * kPitch, weights + ((row0 + row) * cpr + kc0) * 16,
-                    static_cast<uint32_t>(kc * 16), full + stage);
-        } else {
-          copy_bulk(to + kScalesOffset + row * KC * 2, scales + ((row0 + row) * cpr + kc0) * 2,
-                    static_cast<uint32_t>(kc * 2), full + stage);
+    const int most_part_slices = (slices + KS - 1) / KS;
+    for (int r = 0; r < rounds; ++r) {
+      for (int q = 0; q < most_part_slices; ++q) {
+        for (int c = 0; c < W; ++c) {
+          const int tile = r * kGroups + c / KS;
+          const int p = c % KS;
+          const int part_slices = part_begin(p + 1) - part_begin(p);
+          if (tile >= my_tiles || q >= part_slices) continue;
+          const int j = r * part_slices + q;
+          const int stage = c * S + j % S;
+          // The stage's previous slice (the consumer's j − S) has been multiplied.
+          if (j >= S) wait_barrier(empty + stage, (j / S - 1) & 1);
+          fence_proxy_async();  // the consumer's reads of the stage before the copies' writes
+          const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
+          const int64_t kc0 = static_cast<int64_t>(part_begin(p) + q) * KC;
+          const int kc = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0));
+          const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
+          // Lane 0 announces the bytes; lanes r < 16 copy row r's weights, lanes 16 + r its
+          // scales. Rows past a.rows are not copied (their sums are never stored).
+          if (lane == 0) {
+            arrive_expect_bytes(full + stage, static_cast<uint32_t>(valid_rows * kc * 18));
+          }
+          __syncwarp();
+          uint8_t* to = rings + stage * kStageBytes;
+          const int row = lane % kTileRows;
+          if (row < valid_rows) {
+            if (lane < kTileRows) {
+              copy_bulk(to + row * kPitch, weights + ((row0 + row) * cpr + kc0) * 16,
+                        static_cast<uint32_t>(kc * 16), full + stage);
+            } else {
+              copy_bulk(to + kScalesOffset + row * KC * 2, scales + ((row0 + row) * cpr + kc0) * 2,
+                        static_cast<uint32_t>(kc * 2), full + stage);
+            }
+          }
         }
       }
     }
@@ -396,33 +408,59 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) 
   asm volatile("bar.sync 1, %0;" ::"n"(W * 32) : "memory");
 
   const int g = lane >> 2, t = lane & 3;
-  for (int tile = warp; tile < my_tiles; tile += W) {
-    const int r = tile / W;
+  const int group = warp / KS, part = warp % KS;
+  const int first_slice = part_begin(part);
+  const int part_slices = part_begin(part + 1) - first_slice;
+  for (int r = 0; r < rounds; ++r) {
+    const int tile = r * kGroups + group;
+    if (tile >= my_tiles) break;  // the group's warps all leave together
     float acc_g = 0.0f, acc_g8 = 0.0f;
-    for (int s = 0; s < slices; ++s) {
-      const int j = r * slices + s;
+    for (int q = 0; q < part_slices; ++q) {
+      const int j = r * part_slices + q;
       const int stage = warp * S + j % S;
       wait_barrier(full + stage, (j / S) & 1);
-      const int64_t kc0 = static_cast<int64_t>(s) * KC;
+      const int64_t kc0 = static_cast<int64_t>(first_slice + q) * KC;
       const int steps = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0)) / 4;
       multiply_slice<KC, kPitch>(rings + stage * kStageBytes, steps, staged_x + 4 * kc0, zero_chunk,
                                  x_biases + kc0, a.scale_type, g, t, acc_g, acc_g8);
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) arrive_barrier(empty + stage);
     }
-    // Rows g, g + 8 in lane (g, 0); lane l < 8 stores rows 2l, 2l + 1 (whole gate/up pairs):
-    // row q's sum is in lane 4 · (q mod 8), as acc_g for q < 8, as acc_g8 from 8 on.
+    // Rows g, g + 8 of this part in lane (g, 0).
     acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
     acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
-    const int source = (8 * lane) & 31;  // lane 4 · (2l mod 8), then the next row's (+ 4)
-    const float even_g = __shfl_sync(0xFFFFFFFFu, acc_g, source);
-    const float even_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source);
-    const float odd_g = __shfl_sync(0xFFFFFFFFu, acc_g, source + 4);
-    const float odd_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source + 4);
-    if (lane < kTileRows / 2) {
-      const float pair[2] = {lane < 4 ? even_g : even_g8, lane < 4 ? odd_g : odd_g8};
-      const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
-      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
+    if constexpr (KS == 1) {
+      // Lane l < 8 stores rows 2l, 2l + 1 (whole gate/up pairs): row q's sum is in lane
+      // 4 · (q mod 8), as acc_g for q < 8, as acc_g8 from 8 on.
+      const int source = (8 * lane) & 31;  // lane 4 · (2l mod 8); the next row's is 4 on
+      const float even_g = __shfl_sync(0xFFFFFFFFu, acc_g, source);
+      const float even_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source);
+      const float odd_g = __shfl_sync(0xFFFFFFFFu, acc_g, source + 4);
+      const float odd_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source + 4);
+      if (lane < kTileRows / 2) {
+        const float pair[2] = {lane < 4 ? even_g : even_g8, lane < 4 ? odd_g : odd_g8};
+        gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+      }
+    } else {
+      // The parts meet in shared memory (named barrier 2 + group); part 0 adds them in order
+      // and stores. Two buffers by round parity: a part writes this buffer again only after the
+      // next round's barrier, which part 0 passes after reading it.
+      float* round_partial = partial + (r & 1) * W * kTileRows;
+      if (t == 0) {
+        round_partial[warp * kTileRows + g] = acc_g;
+        round_partial[warp * kTileRows + g + 8] = acc_g8;
+      }
+      asm volatile("bar.sync %0, %1;" ::"r"(2 + group), "n"(KS * 32) : "memory");
+      if (part == 0 && lane < kTileRows / 2) {
+        float pair[2] = {0.0f, 0.0f};
+#pragma unroll
+        for (int p = 0; p < KS; ++p) {
+          pair[0] += round_partial[(warp + p) * kTileRows + 2 * lane];
+          pair[1] += round_partial[(warp + p) * kTileRows + 2 * lane + 1];
+        }
+        gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+      }
     }
   }
 }
@@ -434,7 +472,7 @@ constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
     if constexpr (t.producer) {
-      return gemv_ring_kernel<XT, t.warps, t.stage_chunks, t.stages>;
+      return gemv_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
     } else {
       return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
                                 t.l2_prefetch>;

@@ -58,6 +58,9 @@ struct GemvStreamTiling {
   // the consumers, no cross-warp reduction, one block per SM. `splits`, `bulk` and `l2_prefetch`
   // do not apply; stage_chunks a multiple of 8 (16-byte scale pieces).
   bool producer = false;
+  // Producer tilings: consumer warps that share a tile (split-K: each multiplies 1/tile_warps of
+  // its slices; their sums meet in shared memory), for matrices of few tiles (5,376 rows).
+  int tile_warps = 1;
 };
 
 // Weight rows per tile: the mma A fragment's.
@@ -102,6 +105,15 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {.warps = 4, .stage_chunks = 24, .stages = 3, .producer = true},  // 129: K 5376: 7; K 1536: 2
     {.warps = 4, .stage_chunks = 16, .stages = 4, .producer = true},  // 130: K 1536: 3 slices
     {.warps = 3, .stage_chunks = 48, .stages = 2, .producer = true},  // 131: K 1536: 1 slice
+    // Split-K over a tile's warps: 5,376-row o_proj (K 8192: 256 chunks) and down (K 21504: 672).
+    {.warps = 8, .stage_chunks = 32, .stages = 2, .producer = true, .tile_warps = 4},  // 132
+    {.warps = 8, .stage_chunks = 24, .stages = 2, .producer = true, .tile_warps = 8},  // 133
+    {.warps = 8, .stage_chunks = 16, .stages = 3, .producer = true, .tile_warps = 4},  // 134
+    {.warps = 8,
+     .stage_chunks = 24,
+     .stages = 3,
+     .producer = true,
+     .tile_warps = 2},  // 135: K 5376
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -150,13 +162,15 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 // sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
 // activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
 // biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
-// Producer tilings: the rings' full and empty barriers (16 bytes a stage), the rings, then the
-// staged activations of all of K, their zeros and biases.
+// Producer tilings: the rings' full and empty barriers (16 bytes a stage), the warps' partial row
+// sums (two rounds' worth), the rings, then the staged activations of all of K, their zeros and
+// biases.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
   const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
   const int64_t rings = int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
-  if (t.producer) return 16 * t.warps * t.stages + rings + staged_x;
+  if (t.producer)
+    return 16 * t.warps * t.stages + 2 * 4 * t.warps * kGemvStreamTileRows + rings + staged_x;
   return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x + rings + gemv_stream_barrier_bytes(t);
 }
 
