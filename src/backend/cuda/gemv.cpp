@@ -184,12 +184,14 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW4G32 &&
       w.scale_type != quant::ScaleType::kF32) {
     const int64_t chunks = w.cols / 32;
-    // 31B K 5376 (session 7, kernel_bench, PDL µs): QKV 20.4 -> 19.6, gate+up 49.6 -> 43.0,
-    // lm_head 282 -> 260 (four warps of 16-chunk slices; three: slower everywhere).
-    if (chunks == 168 && w.rows >= 16384) return 112;
-    // E2B double-wide gate+up 24576x1536: 10.8 -> 10.5 µs (three warps of one 16-chunk slice).
-    // Not the E2B lm_head: the register kernel's 78 µs beat this kernel's 83-87.
-    if (chunks == 48 && w.rows >= 24576 && w.rows < 131072) return 102;
+    // Session 8, kernel_bench M=1, PDL µs, every tiling (register kernel's best / streaming
+    // tiling): 31B K 5376 QKV 20.4 / 18.3 (113: six warps of 16-chunk slices), gate+up 49.5 /
+    // 42.9 (113), lm_head 280 / 254.8 (107: four warps of 28-chunk slices, three stages); E2B
+    // K 1536 (fp32 rows as bf16) double-wide gate+up 11.5 / 10.5 and lm_head 86.9 / 73.9 (100:
+    // two warps of 28-chunk slices, i.e. one 48-chunk run a warp in two slices).
+    if (chunks == 168 && w.rows >= 131072) return 107;
+    if (chunks == 168 && w.rows >= 16384) return 113;
+    if (chunks == 48 && w.rows >= 24576) return 100;
   }
   return default_register_tiling(w, m, x_type);
 }

@@ -372,9 +372,11 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) 
           if (tile >= my_tiles || q >= part_slices) continue;
           const int j = r * part_slices + q;
           const int stage = c * S + j % S;
-          // The stage's previous slice (the consumer's j − S) has been multiplied.
+          // The stage's previous slice (the consumer's j − S) has been multiplied: its reads
+          // precede its release arrival, which this wait acquires. No proxy fence (as in CUTLASS's
+          // TMA pipelines): one per slice drained this thread's bulk copies in flight first, a
+          // DRAM round trip per slice (session 8: every producer tiling at ~1.5 µs a slice).
           if (j >= S) wait_barrier(empty + stage, (j / S - 1) & 1);
-          fence_proxy_async();  // the consumer's reads of the stage before the copies' writes
           const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
           const int64_t kc0 = static_cast<int64_t>(part_begin(p) + q) * KC;
           const int kc = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0));
