@@ -598,19 +598,22 @@ TEST(Gemv, StreamTilings) {
   }
 }
 
-// The producer-warp tilings over many tiles a block (each consumer warp's ring wraps around,
-// the last round of tiles is short) and a partial last tile.
+// The producer-warp tilings over many tiles a block (each ring wraps around, the last round of
+// tiles is short) and a partial last tile, at K 5376 and 1536.
 TEST(Gemv, StreamProducerRings) {
   uint32_t seed = 2200;
-  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 16392, 5376, seed++);
-  const DeviceMatrix device(host);
-  for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
-    if (!gemv_stream_tiling_compiled(t) ||
-        !kGemvStreamTilings[t - kGemvStreamTilingBase].producer) {
-      continue;
+  for (const Shape& s : {Shape{16392, 5376}, Shape{40008, 1536}}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
+      if (!gemv_stream_tiling_compiled(t) ||
+          !kGemvStreamTilings[t - kGemvStreamTilingBase].producer ||
+          !stream_tiling_fits(t, s.cols)) {
+        continue;
+      }
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kGeluPairs, true);
     }
-    check_gemv(host, device, 1, ActType::kBF16, t, seed++);
-    check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kGeluPairs, true);
   }
 }
 

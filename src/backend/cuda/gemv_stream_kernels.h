@@ -61,7 +61,22 @@ struct GemvStreamTiling {
   // Producer tilings: consumer warps that share a tile (split-K: each multiplies 1/tile_warps of
   // its slices; their sums meet in shared memory), for matrices of few tiles (5,376 rows).
   int tile_warps = 1;
+  // Producer tilings: stages of whole 16-row tiles as they lie in memory (all of K: two bulk
+  // copies a tile), `stages` a group of tile_warps warps, consumed in stage_chunks pieces.
+  bool whole_tiles = false;
 };
+
+// A producer-warp tiling: `warps` consumer warps, `chunks` a ring stage (a multiple of 8; whole
+// tiles: a consumer's piece, a multiple of 4), `stages` a ring, `tile_warps` warps a tile.
+constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stages,
+                                                int tile_warps = 1, bool whole_tiles = false) {
+  return {.warps = warps,
+          .stage_chunks = chunks,
+          .stages = stages,
+          .producer = true,
+          .tile_warps = tile_warps,
+          .whole_tiles = whole_tiles};
+}
 
 // Weight rows per tile: the mma A fragment's.
 inline constexpr int kGemvStreamTileRows = 16;
@@ -94,26 +109,28 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {3, 16, 4, 1, true},         // 120: 102 with bulk copies
     {4, 24, 3, 7, true},         // 121: 108 with bulk copies
     {4, 16, 3, 4, true},         // 122: 110 with bulk copies
-    // Producer-warp tilings: consumer warps, chunks a stage, stages a consumer warp.
-    {.warps = 4, .stage_chunks = 56, .stages = 3, .producer = true},  // 123: K 5376: 3 slices
-    {.warps = 6, .stage_chunks = 56, .stages = 2, .producer = true},  // 124: K 5376: 3 slices
-    {.warps = 4, .stage_chunks = 24, .stages = 6, .producer = true},  // 125: K 5376: 7; K 1536: 2
-    {.warps = 8, .stage_chunks = 24, .stages = 3, .producer = true},  // 126: K 5376: 7; K 1536: 2
-    {.warps = 4, .stage_chunks = 48, .stages = 3, .producer = true},  // 127: K 1536: 1 slice
-    {.warps = 7, .stage_chunks = 48, .stages = 2, .producer = true},  // 128: K 1536: 1 slice
+    // Producer-warp tilings (gemv_stream_producer: consumer warps, chunks a stage, stages a
+    // ring, warps a tile, whole-tile stages).
+    gemv_stream_producer(4, 56, 3),  // 123: K 5376: 3 slices
+    gemv_stream_producer(6, 56, 2),  // 124: K 5376: 3 slices
+    gemv_stream_producer(4, 24, 6),  // 125: K 5376: 7; K 1536: 2
+    gemv_stream_producer(8, 24, 3),  // 126: K 5376: 7; K 1536: 2
+    gemv_stream_producer(4, 48, 3),  // 127: K 1536: 1 slice
+    gemv_stream_producer(7, 48, 2),  // 128: K 1536: 1 slice
     // At most ~113 KB of shared memory: the next kernel's block fits beside this one.
-    {.warps = 4, .stage_chunks = 24, .stages = 3, .producer = true},  // 129: K 5376: 7; K 1536: 2
-    {.warps = 4, .stage_chunks = 16, .stages = 4, .producer = true},  // 130: K 1536: 3 slices
-    {.warps = 3, .stage_chunks = 48, .stages = 2, .producer = true},  // 131: K 1536: 1 slice
+    gemv_stream_producer(4, 24, 3),  // 129: K 5376: 7; K 1536: 2
+    gemv_stream_producer(4, 16, 4),  // 130: K 1536: 3 slices
+    gemv_stream_producer(3, 48, 2),  // 131: K 1536: 1 slice
     // Split-K over a tile's warps: 5,376-row o_proj (K 8192: 256 chunks) and down (K 21504: 672).
-    {.warps = 8, .stage_chunks = 32, .stages = 2, .producer = true, .tile_warps = 4},  // 132
-    {.warps = 8, .stage_chunks = 24, .stages = 2, .producer = true, .tile_warps = 8},  // 133
-    {.warps = 8, .stage_chunks = 16, .stages = 3, .producer = true, .tile_warps = 4},  // 134
-    {.warps = 8,
-     .stage_chunks = 24,
-     .stages = 3,
-     .producer = true,
-     .tile_warps = 2},  // 135: K 5376
+    gemv_stream_producer(8, 32, 2, 4),  // 132
+    gemv_stream_producer(8, 24, 2, 8),  // 133
+    gemv_stream_producer(8, 16, 3, 4),  // 134
+    gemv_stream_producer(8, 24, 3, 2),  // 135: K 5376
+    // Whole-tile stages (K 5376: 48 KB a stage; K 1536: 14 KB).
+    gemv_stream_producer(8, 24, 4, 8, true),  // 136: K 5376: 21 chunks a warp
+    gemv_stream_producer(8, 24, 2, 4, true),  // 137: K 5376: two tiles at once, 42 chunks a warp
+    gemv_stream_producer(4, 12, 7, 4, true),  // 138: K 1536: 12 chunks a warp; <= 113 KB
+    gemv_stream_producer(8, 24, 4, 2, true),  // 139: K 1536: four tiles at once, 24 chunks a warp
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
@@ -165,12 +182,28 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 // Producer tilings: the rings' full and empty barriers (16 bytes a stage), the warps' partial row
 // sums (two rounds' worth), the rings, then the staged activations of all of K, their zeros and
 // biases.
+// Whole-tile stages: a tile's weights and scales (16 · chunks_per_row · 18 bytes), padded to 128.
+constexpr int64_t gemv_stream_whole_tile_bytes(int64_t chunks_per_row) {
+  return (kGemvStreamTileRows * chunks_per_row * 18 + 127) / 128 * 128;
+}
+// Whole-tile shared memory before the stages: the full and empty barriers of `stages` stages
+// and the partial row sums of `warps` warps (two rounds' worth), padded to 128 bytes.
+constexpr int64_t gemv_stream_whole_tile_header_bytes(int stages, int warps) {
+  return (16 * stages + 2 * 4 * warps * kGemvStreamTileRows + 127) / 128 * 128;
+}
+
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
   const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
   const int64_t rings = int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
-  if (t.producer)
+  if (t.producer && t.whole_tiles) {
+    const int stages = t.warps / t.tile_warps * t.stages;
+    return gemv_stream_whole_tile_header_bytes(stages, t.warps) +
+           stages * gemv_stream_whole_tile_bytes(chunks_per_row) + staged_x;
+  }
+  if (t.producer) {
     return 16 * t.warps * t.stages + 2 * 4 * t.warps * kGemvStreamTileRows + rings + staged_x;
+  }
   return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x + rings + gemv_stream_barrier_bytes(t);
 }
 
