@@ -9,8 +9,10 @@
 // Measured (session 7, H200, PDL µs): 31B gate+up 43008x5376 49.6 -> 44.7, lm_head 262144x5376
 // 280 -> 262, QKV 16384x5376 20.4 -> 20.2 (tiling 112), E2B double-wide gate+up 10.85 -> 10.7;
 // still only ~70 % of the read ceiling, faster with more warps per SM, slower than the register
-// kernel at the E2B lm_head and the 5,376-row o_proj / down. The bulk-copy, prefetch-hint, cluster
-// and more-warps tilings (108-122) were not measured yet.
+// kernel at the E2B lm_head and the 5,376-row o_proj / down. Session 8 (all tilings): 113 (six
+// warps) QKV 18.3, gate+up 42.9; 107 lm_head 254.8; 100 E2B double-wide 10.5, E2B lm_head 73.9
+// (register kernel 87.2); the per-warp bulk copies (115-117, 120-122), the L2 hint (118-119) and
+// the clusters (108-111) were no faster anywhere.
 //
 // Method. A block owns 16-row tiles blockIdx.x + gridDim.x · i (a persistent grid: as many blocks
 // as fit the GPU, or one per tile); its `warps` warps split each tile's K range into equal runs of
@@ -28,8 +30,10 @@
 //
 // The producer-warp tilings (GemvStreamTiling::producer, session 8) take the per-chunk copy work
 // out of the multiplying warps: one warp per block issues 1-D bulk copies (a row's piece of a
-// slice, its scales) into the consumer warps' rings, completing on mbarriers; each consumer warp
-// multiplies whole 16-row tiles with the same tensor-core step and stores them itself.
+// slice, its scales; or a whole tile in two copies) into the consumer warps' rings, completing on
+// mbarriers; consumer warps multiply whole 16-row tiles (or a 1/tile_warps share of one's K) with
+// the same tensor-core step and store them. First measured with a proxy fence per slice, which
+// serialized the slices (~1.5 µs each per SM: 2-2.5x slower than 113); without it: not yet.
 #pragma once
 
 #include <cstdint>
