@@ -141,7 +141,7 @@ inline constexpr int kNumGemvStreamTilings =
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {100, 107, 113};
+inline constexpr int kDefaultGemvStreamTilings[] = {106, 136, 137, 139};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
