@@ -185,16 +185,16 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
       w.scale_type != quant::ScaleType::kF32) {
     const int64_t chunks = w.cols / 32;
     // Session 8, kernel_bench M=1, PDL µs, every tiling (MID batch; previous default -> new).
-    // Whole-tile producer tilings: 31B K 5376 QKV 18.3 -> 17.9, gate+up 43.1 -> 35.9 (137 over
+    // The producer-warp kernel: 31B K 5376 QKV 18.3 -> 17.9, gate+up 43.1 -> 35.9 (124 over
     // 113; the lm_head by the same reasoning: its sweep timed out); E2B K 1536 double-wide
-    // gate+up 10.4 -> 8.4, lm_head 73.3 -> 56.1 (139 over 100). The cp.async kernel over the
-    // register kernel at E2B's 1536 rows, the engine's fp32 rows as bf16: o_proj (K 2048) 2.65 ->
-    // 2.40 (136), down (K 6144 / 12288) 5.48 -> 4.58 and 9.31 -> 7.40 (106); 31B o_proj
-    // 5376x8192, bf16 rows: 11.83 -> 11.04 (106; down 5376x21504: tiling 9 stays best).
-    if (chunks == 168 && w.rows >= 16384) return 137;
-    if (chunks == 48 && w.rows >= 24576) return 139;
+    // gate+up 10.4 -> 8.4, lm_head 73.3 -> 56.1 (126 over 100); E2B o_proj 1536x2048 at the
+    // engine's fp32 rows as bf16, 2.65 -> 2.40 (123 over register 27). The cp.async kernel over the
+    // register kernel: E2B down 1536x6144 / 1536x12288 (fp32 rows) 5.48 -> 4.58 and 9.31 -> 7.40,
+    // 31B o_proj 5376x8192 (bf16 rows) 11.83 -> 11.04 (106; down 5376x21504: tiling 9 stays best).
+    if (chunks == 168 && w.rows >= 16384) return 124;
+    if (chunks == 48 && w.rows >= 24576) return 126;
     if (w.rows == 1536 && x_type == ActType::kF32) {
-      if (chunks == 64) return 136;
+      if (chunks == 64) return 123;
       if (chunks == 192 || chunks == 384) return 106;
     }
     if (w.rows == 5376 && chunks == 256 && x_type == ActType::kBF16) return 106;

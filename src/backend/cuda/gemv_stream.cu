@@ -362,136 +362,17 @@ __device__ __forceinline__ void store_tile(const GemvArgs& a, float acc_g, float
   }
 }
 
-// The producer-warp kernel (GemvStreamTiling::producer). A block owns tiles blockIdx.x +
-// gridDim.x · i, i < my_tiles. Its W consumer warps form W / KS groups of KS warps: group q
-// multiplies tiles i ≡ q (mod W / KS), one a round, its warp p (part p of KS) taking the tile's
-// slices (KC chunks of the 16 rows plus their scales) p · slices / KS .. (p + 1) · slices / KS − 1
-// from its own ring of S stages. Warp W, the producer, fills the rings by bulk copies (one per
-// row piece) in the order the consumers need them: round, slice of a part, warp. Each stage has a
-// full barrier (the copies' bytes) and an empty one (its consumer's arrival). A consumer waits
-// only on its own stages, in order, so a barrier's phase it waits on is never two ahead.
-template <ActType XT, int W, int KC, int S, int KS>
-__global__ void __launch_bounds__((W + 1) * 32, 1) gemv_ring_kernel(GemvArgs a) {
-  static_assert(KC % 8 == 0 && KC <= 64, "slices of 16-byte scale pieces, at most 64 chunks");
-  static_assert(S >= 2, "a ring needs a stage in flight");
-  static_assert(W % KS == 0 && W / KS <= 14, "whole groups, a named barrier each");
-  constexpr int kGroups = W / KS;
-  constexpr GemvStreamTiling kTiling = {
-      .warps = W, .stage_chunks = KC, .stages = S, .producer = true, .tile_warps = KS};
-  constexpr int kPitch = static_cast<int>(gemv_stream_row_pitch(kTiling));
-  constexpr int kStageBytes = static_cast<int>(gemv_stream_stage_bytes(kTiling));
-  constexpr int kScalesOffset = kTileRows * kPitch;  // within a stage
-  pdl_trigger_dependents();
-
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int64_t cpr = a.chunks_per_row;
-  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
-  const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
-  const int rounds = (my_tiles + kGroups - 1) / kGroups;
-  const int slices = static_cast<int>((cpr + KC - 1) / KC);
-  // Part p of a tile: slices part_begin(p) .. part_begin(p + 1) − 1.
-  auto part_begin = [&](int p) { return p * slices / KS; };
-
-  extern __shared__ uint4 stream_shared[];
-  uint64_t* full = reinterpret_cast<uint64_t*>(stream_shared);               // [W][S]
-  uint64_t* empty = full + W * S;                                            // [W][S]
-  float* partial = reinterpret_cast<float*>(empty + W * S);                  // [2][W][16]
-  uint8_t* rings = reinterpret_cast<uint8_t*>(partial + 2 * W * kTileRows);  // [W][S] stages
-  uint4* staged_x = reinterpret_cast<uint4*>(rings + W * S * kStageBytes);   // 4 words a chunk
-  uint4* zero_chunk = staged_x + 4 * cpr;
-  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < 2 * W * S; ++i) init_barrier(full + i);
-    fence_barrier_init();
-  }
-  __syncthreads();
-
-  if (warp == W) {
-    // The producer. Consumer c's j-th slice is slice q of its part of the tile of round r,
-    // j = r · (its part's slices) + q.
-    const uint8_t* weights = static_cast<const uint8_t*>(a.weights);
-    const uint8_t* scales = static_cast<const uint8_t*>(a.scales);
-    const int most_part_slices = (slices + KS - 1) / KS;
-    for (int r = 0; r < rounds; ++r) {
-      for (int q = 0; q < most_part_slices; ++q) {
-        for (int c = 0; c < W; ++c) {
-          const int tile = r * kGroups + c / KS;
-          const int p = c % KS;
-          const int part_slices = part_begin(p + 1) - part_begin(p);
-          if (tile >= my_tiles || q >= part_slices) continue;
-          const int j = r * part_slices + q;
-          const int stage = c * S + j % S;
-          // The stage's previous slice (the consumer's j − S) has been multiplied: its reads
-          // precede its release arrival, which this wait acquires. No proxy fence (as in CUTLASS's
-          // TMA pipelines): one per slice drained this thread's bulk copies in flight first, a
-          // DRAM round trip per slice (session 8: every producer tiling at ~1.5 µs a slice).
-          if (j >= S) wait_barrier(empty + stage, (j / S - 1) & 1);
-          const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
-          const int64_t kc0 = static_cast<int64_t>(part_begin(p) + q) * KC;
-          const int kc = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0));
-          const int valid_rows = static_cast<int>(min(int64_t{kTileRows}, a.rows - row0));
-          // Lane 0 announces the bytes; lanes r < 16 copy row r's weights, lanes 16 + r its
-          // scales. Rows past a.rows are not copied (their sums are never stored).
-          if (lane == 0) {
-            arrive_expect_bytes(full + stage, static_cast<uint32_t>(valid_rows * kc * 18));
-          }
-          __syncwarp();
-          uint8_t* to = rings + stage * kStageBytes;
-          const int row = lane % kTileRows;
-          if (row < valid_rows) {
-            if (lane < kTileRows) {
-              copy_bulk(to + row * kPitch, weights + ((row0 + row) * cpr + kc0) * 16,
-                        static_cast<uint32_t>(kc * 16), full + stage);
-            } else {
-              copy_bulk(to + kScalesOffset + row * KC * 2, scales + ((row0 + row) * cpr + kc0) * 2,
-                        static_cast<uint32_t>(kc * 2), full + stage);
-            }
-          }
-        }
-      }
-    }
-    return;  // every copy lands on a barrier that a consumer waits on
-  }
-
-  // The consumers: stage all of the activation row (named barrier 1: the producer is not in it).
-  pdl_wait_for_predecessors();
-  stage_activations<XT>(a.x, 0, cpr, staged_x, x_biases, zero_chunk, threadIdx.x, W * 32);
-  asm volatile("bar.sync 1, %0;" ::"n"(W * 32) : "memory");
-
-  const int g = lane >> 2, t = lane & 3;
-  const int group = warp / KS, part = warp % KS;
-  const int first_slice = part_begin(part);
-  const int part_slices = part_begin(part + 1) - first_slice;
-  for (int r = 0; r < rounds; ++r) {
-    const int tile = r * kGroups + group;
-    if (tile >= my_tiles) break;  // the group's warps all leave together
-    float acc_g = 0.0f, acc_g8 = 0.0f;
-    for (int q = 0; q < part_slices; ++q) {
-      const int j = r * part_slices + q;
-      const int stage = warp * S + j % S;
-      wait_barrier(full + stage, (j / S) & 1);
-      const int64_t kc0 = static_cast<int64_t>(first_slice + q) * KC;
-      const int steps = static_cast<int>(min(static_cast<int64_t>(KC), cpr - kc0)) / 4;
-      const uint8_t* slice = rings + stage * kStageBytes;
-      multiply_slice<KC>(slice, kPitch, slice + kScalesOffset, 2 * KC, steps, staged_x + 4 * kc0,
-                         zero_chunk, x_biases + kc0, a.scale_type, g, t, acc_g, acc_g8);
-      __syncwarp();  // every lane's reads of the stage are done
-      if (lane == 0) arrive_barrier(empty + stage);
-    }
-    store_tile<W, KS>(a, acc_g, acc_g8,
-                      (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows,
-                      partial + (r & 1) * W * kTileRows, warp, lane);
-  }
-}
-
-// The producer kernel with whole-tile stages (GemvStreamTiling::whole_tiles): a stage holds a
-// 16-row tile's weights and scales as they lie in memory (two bulk copies: 16 · K/2 and
-// 16 · K/16 contiguous bytes), and belongs to a group of KS consumer warps, each multiplying its
-// 1/KS of K (whole quads) in KC-chunk pieces. Group q (of W / KS) multiplies tiles i ≡ q (mod
-// W / KS) through its ring of S stages; every warp of the group consumes every stage in order, and
-// the stage's empty barrier counts KS arrivals. The row pitch is K/2 bytes (a multiple of 128 at
-// K 1536 and 5376: the weight loads of rows g and g + 1 meet in the same banks, two wavefronts).
+// The producer-warp kernel (GemvStreamTiling::producer): a block (one per SM, persistent) owns
+// tiles blockIdx.x + gridDim.x · i, i < my_tiles; warp W, the producer, copies each tile's
+// weights and scales as they lie in memory (two bulk copies: 16 · K/2 and 16 · K/16 contiguous
+// bytes) into a ring stage, completing on the stage's full barrier. The W consumer warps form
+// W / KS groups of KS: group q multiplies tiles i ≡ q (mod W / KS) through its ring of S stages,
+// each of its warps its 1/KS of K (whole quads) in KC-chunk pieces; every warp of the group
+// consumes every stage in order (so a barrier phase it waits on is never two ahead), and the
+// stage's empty barrier counts the group's KS arrivals. The row pitch is K/2 bytes (a multiple of
+// 128 at K 1536 and 5376: the weight loads of rows g and g + 1 meet in the same banks, two
+// wavefronts). Per-row-piece bulk copies (session 8, tilings since removed) were 2x slower: the
+// copies' count, not their bytes, limited them.
 template <ActType XT, int W, int KC, int S, int KS>
 __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_tile_ring_kernel(GemvArgs a) {
   static_assert(KC % 4 == 0 && KC <= 64, "pieces of whole quads, at most 64 chunks");
@@ -589,10 +470,8 @@ template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    if constexpr (t.producer && t.whole_tiles) {
+    if constexpr (t.producer) {
       return gemv_tile_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
-    } else if constexpr (t.producer) {
-      return gemv_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
     } else {
       return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
                                 t.l2_prefetch>;

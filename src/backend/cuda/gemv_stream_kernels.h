@@ -28,12 +28,11 @@
 // exact products as the CUDA-core GEMV with bf16 activations, summed in another order. The warps'
 // partial row sums meet in shared memory at the tile's end, and the GEMV epilogues apply.
 //
-// The producer-warp tilings (GemvStreamTiling::producer, session 8) take the per-chunk copy work
-// out of the multiplying warps: one warp per block issues 1-D bulk copies (a row's piece of a
-// slice, its scales; or a whole tile in two copies) into the consumer warps' rings, completing on
-// mbarriers; consumer warps multiply whole 16-row tiles (or a 1/tile_warps share of one's K) with
-// the same tensor-core step and store them. First measured with a proxy fence per slice, which
-// serialized the slices (~1.5 µs each per SM: 2-2.5x slower than 113); without it: not yet.
+// The producer-warp tilings (GemvStreamTiling::producer, session 8) take the copy work out of the
+// multiplying warps: one warp per block copies whole 16-row tiles (two 1-D bulk copies each) into
+// rings completing on mbarriers; groups of consumer warps multiply a tile with the same
+// tensor-core step and store it. Session 8 (MID, PDL µs): 31B QKV 17.9, gate+up 35.9 (113: 18.3,
+// 43.1); E2B double-wide gate+up 8.4, lm_head 56.1 (100: 10.4, 73.3) — 95 % of the read ceiling.
 #pragma once
 
 #include <cstdint>
@@ -56,30 +55,23 @@ struct GemvStreamTiling {
   bool bulk = false;
   // cp.async weight copies with the L2 256-byte prefetch-size hint.
   bool l2_prefetch = false;
-  // The producer-warp design (gemv_stream.cu, gemv_ring_kernel): one extra warp per block issues
-  // every weight and scale slice by bulk copies into the consumer warps' rings (`stages` each),
-  // and each consumer warp multiplies whole tiles (all of K) alone: no cp.async address work in
-  // the consumers, no cross-warp reduction, one block per SM. `splits`, `bulk` and `l2_prefetch`
-  // do not apply; stage_chunks a multiple of 8 (16-byte scale pieces).
+  // The producer-warp design (gemv_stream.cu, gemv_tile_ring_kernel): one extra warp per block
+  // copies whole 16-row tiles (all of K: two bulk copies) into rings of `stages` stages, one per
+  // group of tile_warps consumer warps, which multiply a tile together (each 1/tile_warps of K,
+  // in stage_chunks pieces; their sums meet in shared memory) and store it; one block per SM.
+  // `splits`, `bulk` and `l2_prefetch` do not apply.
   bool producer = false;
-  // Producer tilings: consumer warps that share a tile (split-K: each multiplies 1/tile_warps of
-  // its slices; their sums meet in shared memory), for matrices of few tiles (5,376 rows).
   int tile_warps = 1;
-  // Producer tilings: stages of whole 16-row tiles as they lie in memory (all of K: two bulk
-  // copies a tile), `stages` a group of tile_warps warps, consumed in stage_chunks pieces.
-  bool whole_tiles = false;
 };
 
-// A producer-warp tiling: `warps` consumer warps, `chunks` a ring stage (a multiple of 8; whole
-// tiles: a consumer's piece, a multiple of 4), `stages` a ring, `tile_warps` warps a tile.
-constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stages,
-                                                int tile_warps = 1, bool whole_tiles = false) {
+// A producer-warp tiling: `warps` consumer warps, `chunks` a consumer's piece (a multiple of 4),
+// `stages` a ring, `tile_warps` warps a tile.
+constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stages, int tile_warps) {
   return {.warps = warps,
           .stage_chunks = chunks,
           .stages = stages,
           .producer = true,
-          .tile_warps = tile_warps,
-          .whole_tiles = whole_tiles};
+          .tile_warps = tile_warps};
 }
 
 // Weight rows per tile: the mma A fragment's.
@@ -113,35 +105,19 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {3, 16, 4, 1, true},         // 120: 102 with bulk copies
     {4, 24, 3, 7, true},         // 121: 108 with bulk copies
     {4, 16, 3, 4, true},         // 122: 110 with bulk copies
-    // Producer-warp tilings (gemv_stream_producer: consumer warps, chunks a stage, stages a
-    // ring, warps a tile, whole-tile stages).
-    gemv_stream_producer(4, 56, 3),  // 123: K 5376: 3 slices
-    gemv_stream_producer(6, 56, 2),  // 124: K 5376: 3 slices
-    gemv_stream_producer(4, 24, 6),  // 125: K 5376: 7; K 1536: 2
-    gemv_stream_producer(8, 24, 3),  // 126: K 5376: 7; K 1536: 2
-    gemv_stream_producer(4, 48, 3),  // 127: K 1536: 1 slice
-    gemv_stream_producer(7, 48, 2),  // 128: K 1536: 1 slice
-    // At most ~113 KB of shared memory: the next kernel's block fits beside this one.
-    gemv_stream_producer(4, 24, 3),  // 129: K 5376: 7; K 1536: 2
-    gemv_stream_producer(4, 16, 4),  // 130: K 1536: 3 slices
-    gemv_stream_producer(3, 48, 2),  // 131: K 1536: 1 slice
-    // Split-K over a tile's warps: 5,376-row o_proj (K 8192: 256 chunks) and down (K 21504: 672).
-    gemv_stream_producer(8, 32, 2, 4),  // 132
-    gemv_stream_producer(8, 24, 2, 8),  // 133
-    gemv_stream_producer(8, 16, 3, 4),  // 134
-    gemv_stream_producer(8, 24, 3, 2),  // 135: K 5376
-    // Whole-tile stages (K 5376: 48 KB a stage; K 1536: 14 KB).
-    gemv_stream_producer(8, 24, 4, 8, true),  // 136: K 5376: 21 chunks a warp
-    gemv_stream_producer(8, 24, 2, 4, true),  // 137: K 5376: two tiles at once, 42 chunks a warp
-    gemv_stream_producer(4, 12, 7, 4, true),  // 138: K 1536: 12 chunks a warp; <= 113 KB
-    gemv_stream_producer(8, 24, 4, 2, true),  // 139: K 1536: four tiles at once, 24 chunks a warp
+    // Producer-warp tilings (gemv_stream_producer: consumer warps, chunks a piece, stages a
+    // ring, warps a tile). K 5376: 48 KB a stage; K 1536: 14 KB.
+    gemv_stream_producer(8, 24, 4, 8),  // 123: one tile at once, 21 chunks a warp at K 5376
+    gemv_stream_producer(8, 24, 2, 4),  // 124: K 5376: two tiles at once, 42 chunks a warp
+    gemv_stream_producer(4, 12, 7, 4),  // 125: K 1536: 12 chunks a warp; <= 113 KB
+    gemv_stream_producer(8, 24, 4, 2),  // 126: K 1536: four tiles at once, 24 chunks a warp
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {106, 136, 137, 139};
+inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
@@ -179,41 +155,39 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
   return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
 }
 
-// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
-// sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
-// activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
-// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
-// Producer tilings: the rings' full and empty barriers (16 bytes a stage), the warps' partial row
-// sums (two rounds' worth), the rings, then the staged activations of all of K, their zeros and
-// biases.
-// Whole-tile stages: a tile's weights and scales (16 · chunks_per_row · 18 bytes), padded to 128.
+// Producer tilings' stages: a tile's weights and scales (16 · chunks_per_row · 18 bytes), padded
+// to 128 bytes.
 constexpr int64_t gemv_stream_whole_tile_bytes(int64_t chunks_per_row) {
   return (kGemvStreamTileRows * chunks_per_row * 18 + 127) / 128 * 128;
 }
-// Whole-tile shared memory before the stages: the full and empty barriers of `stages` stages
-// and the partial row sums of `warps` warps (two rounds' worth), padded to 128 bytes.
+// Producer tilings' shared memory before the stages: the full and empty barriers of `stages`
+// stages and the partial row sums of `warps` warps (two rounds' worth), padded to 128 bytes.
 constexpr int64_t gemv_stream_whole_tile_header_bytes(int stages, int warps) {
   return (16 * stages + 2 * 4 * warps * kGemvStreamTileRows + 127) / 128 * 128;
 }
 
+// A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
+// sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
+// activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
+// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers. Producer
+// tilings: the header (barriers, partial sums), the groups' stages, then the staged activations
+// of all of K, their zeros and biases.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
   const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
-  const int64_t rings = int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t);
-  if (t.producer && t.whole_tiles) {
+  if (t.producer) {
     const int stages = t.warps / t.tile_warps * t.stages;
     return gemv_stream_whole_tile_header_bytes(stages, t.warps) +
            stages * gemv_stream_whole_tile_bytes(chunks_per_row) + staged_x;
   }
-  if (t.producer) {
-    return 16 * t.warps * t.stages + 2 * 4 * t.warps * kGemvStreamTileRows + rings + staged_x;
-  }
-  return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x + rings + gemv_stream_barrier_bytes(t);
+  return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x +
+         int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t) + gemv_stream_barrier_bytes(t);
 }
 
 // Whether the layout of a w4g32 matrix (chunks_per_row, the addresses of its weights and 16-bit
-// scales) suits tiling t: whole quads a row, 8-byte aligned scales; producer tilings copy rows'
-// pieces in bulk: 16-byte aligned weights, scales and scale row pieces (chunks_per_row % 8 == 0).
+// scales) suits tiling t: whole quads a row, 8-byte aligned scales; producer tilings copy tiles
+// in bulk: 16-byte aligned weights and scales, and a partial last tile's scales a multiple of
+// 16 bytes (chunks_per_row % 8 == 0).
 constexpr bool gemv_stream_layout_ok(const GemvStreamTiling& t, int64_t chunks_per_row,
                                      uintptr_t weights, uintptr_t scales) {
   if (t.producer) return chunks_per_row % 8 == 0 && weights % 16 == 0 && scales % 16 == 0;
