@@ -314,14 +314,14 @@ __device__ __forceinline__ void init_barrier_arrivals(uint64_t* barrier, int arr
                : "memory");
 }
 
-// One arrival on a barrier (with arrival count 1: completing its phase), release semantics:
-// this thread's earlier reads of the stage it guards are done.
+// One arrival on a barrier, release semantics: this thread's earlier reads of the stage it guards
+// are done.
 __device__ __forceinline__ void arrive_barrier(uint64_t* barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier))
                : "memory");
 }
 
-// The end of a consumer warp's tile (rows row0 .. row0 + 15) in the producer kernels: rows g,
+// The end of a consumer warp's tile (rows row0 .. row0 + 15) in the producer kernel: rows g,
 // g + 8 of its part (warp % KS) of K in lane (g, 0) after a quad reduction. KS == 1: lane l < 8
 // stores rows 2l, 2l + 1 (whole gate/up pairs). Otherwise the parts meet in round_partial
 // ([W][16], this round's buffer of two by round parity: a part writes a buffer again only after
