@@ -596,18 +596,33 @@ TEST(Gemv, EpilogueAloneMatchesTheFormula) {
             cudaErrorInvalidValue);  // odd width: no pairs
 }
 
+// Whether streaming tiling t stages a row of `cols` in shared memory (gemv refuses it otherwise).
+bool stream_tiling_fits(int t, int64_t cols) {
+  return gemv_stream_shared_bytes(kGemvStreamTilings[t - kGemvStreamTilingBase], cols / 32) <=
+         kGemvStreamMaxSharedBytes;
+}
+
 // The streaming kernel (gemv_stream_kernels.h), every compiled tiling: row counts that leave a
 // partial last tile, K runs that split into whole and partial slices (K 5376: 168 chunks; K 1536;
-// K 21504), a K too short for every warp to get a quad (K 256: empty runs), more tiles than the
-// GPU holds blocks (each block loops), both activation types, every epilogue, fp16 scales.
+// K 21504; K 8192), a K too short for every warp to get a quad (K 256: empty runs), more tiles than
+// the GPU holds blocks (each block loops), both activation types, every epilogue, fp16 scales.
 TEST(Gemv, StreamTilings) {
   uint32_t seed = 2000;
-  const Shape shapes[] = {{72, 5376}, {40, 1536}, {24, 21504}, {20000, 256}, {12304, 1536}};
+  const Shape shapes[] = {{72, 5376},   {40, 1536},    {24, 21504},
+                          {20000, 256}, {12304, 1536}, {200, 8192}};
   for (const Shape& s : shapes) {
     const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
     const DeviceMatrix device(host);
     for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
       if (!gemv_stream_tiling_compiled(t)) continue;
+      if (!stream_tiling_fits(t, s.cols)) {
+        DeviceArray<float> x(s.cols), y(s.rows);
+        EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kBF16, 1, s.cols},
+                       GemvOutput{y.get(), s.rows}, Launch{}, t),
+                  cudaErrorInvalidValue)
+            << t;
+        continue;
+      }
       check_gemv(host, device, 1, ActType::kBF16, t, seed++);
       check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
       check_gemv(host, device, 1, ActType::kBF16, t, seed++, GemvEpilogue::kGeluPairs);
@@ -618,8 +633,28 @@ TEST(Gemv, StreamTilings) {
       random_matrix(WeightFormat::kW4G32, 88, 5376, seed++, ScaleType::kF16);
   const DeviceMatrix f16_device(f16_scales);
   for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
-    if (gemv_stream_tiling_compiled(t))
+    if (gemv_stream_tiling_compiled(t) && stream_tiling_fits(t, 5376)) {
       check_gemv(f16_scales, f16_device, 1, ActType::kBF16, t, seed++);
+    }
+  }
+}
+
+// The producer-warp tilings over many tiles a block (each ring wraps around, the last round of
+// tiles is short) and a partial last tile, at K 5376 and 1536.
+TEST(Gemv, StreamProducerRings) {
+  uint32_t seed = 2200;
+  for (const Shape& s : {Shape{16392, 5376}, Shape{40008, 1536}}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {
+      if (!gemv_stream_tiling_compiled(t) ||
+          !kGemvStreamTilings[t - kGemvStreamTilingBase].producer ||
+          !stream_tiling_fits(t, s.cols)) {
+        continue;
+      }
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kGeluPairs, true);
+    }
   }
 }
 

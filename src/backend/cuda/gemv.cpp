@@ -164,8 +164,11 @@ int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
 bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y, int tiling) {
   const int64_t chunks = w.cols / 32;
   return gemv_stream_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 &&
-         w.scale_type != quant::ScaleType::kF32 && chunks % 4 == 0 &&
-         (reinterpret_cast<uintptr_t>(w.scales) & 7) == 0 && x.rows == 1 &&
+         w.scale_type != quant::ScaleType::kF32 &&
+         gemv_stream_layout_ok(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks,
+                               reinterpret_cast<uintptr_t>(w.data),
+                               reinterpret_cast<uintptr_t>(w.scales)) &&
+         x.rows == 1 &&
          (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
          x.residual_norm.residual == nullptr && y.companions.q8 == nullptr &&
          gemv_stream_shared_bytes(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks) <=
@@ -181,12 +184,20 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW4G32 &&
       w.scale_type != quant::ScaleType::kF32) {
     const int64_t chunks = w.cols / 32;
-    // 31B K 5376 (session 7, kernel_bench, PDL µs): QKV 20.4 -> 19.6, gate+up 49.6 -> 43.0,
-    // lm_head 282 -> 260 (four warps of 16-chunk slices; three: slower everywhere).
-    if (chunks == 168 && w.rows >= 16384) return 112;
-    // E2B double-wide gate+up 24576x1536: 10.8 -> 10.5 µs (three warps of one 16-chunk slice).
-    // Not the E2B lm_head: the register kernel's 78 µs beat this kernel's 83-87.
-    if (chunks == 48 && w.rows >= 24576 && w.rows < 131072) return 102;
+    // Session 8, kernel_bench M=1, PDL µs, every tiling (MID batch; previous default -> new).
+    // The producer-warp kernel: 31B K 5376 QKV 18.3 -> 17.9, gate+up 43.1 -> 35.9 (124 over
+    // 113; the lm_head by the same reasoning: its sweep timed out); E2B K 1536 double-wide
+    // gate+up 10.4 -> 8.4, lm_head 73.3 -> 56.1 (126 over 100); E2B o_proj 1536x2048 at the
+    // engine's fp32 rows as bf16, 2.65 -> 2.40 (123 over register 27). The cp.async kernel over the
+    // register kernel: E2B down 1536x6144 / 1536x12288 (fp32 rows) 5.48 -> 4.58 and 9.31 -> 7.40,
+    // 31B o_proj 5376x8192 (bf16 rows) 11.83 -> 11.04 (106; down 5376x21504: tiling 9 stays best).
+    if (chunks == 168 && w.rows >= 16384) return 124;
+    if (chunks == 48 && w.rows >= 24576) return 126;
+    if (w.rows == 1536 && x_type == ActType::kF32) {
+      if (chunks == 64) return 123;
+      if (chunks == 192 || chunks == 384) return 106;
+    }
+    if (w.rows == 5376 && chunks == 256 && x_type == ActType::kBF16) return 106;
   }
   return default_register_tiling(w, m, x_type);
 }

@@ -59,10 +59,85 @@ __device__ __forceinline__ uint4 staged_piece(const void* x, int64_t p, float& s
   return word;
 }
 
+// Stages `chunks` chunks of the activation row from chunk `first` on (kF32: rounded to bf16) in
+// the B order of staged_piece, 64 bytes a chunk, with each chunk's bias −136 · Σx, and zeroes
+// zero_chunk (64 bytes), by threads thread = 0 .. threads − 1 (whole warps, so that a chunk's 4
+// pieces are a lane quad's). The caller synchronizes the threads.
+template <ActType XT>
+__device__ __forceinline__ void stage_activations(const void* x, int64_t first, int64_t chunks,
+                                                  uint4* staged_x, float* x_biases,
+                                                  uint4* zero_chunk, int thread, int threads) {
+  const int64_t pieces = 4 * chunks;
+  const int64_t rounds = (pieces + threads - 1) / threads;
+#pragma unroll 8
+  for (int64_t round = 0; round < rounds; ++round) {
+    const int64_t p = round * threads + thread;
+    float sum = 0.0f;
+    if (p < pieces) staged_x[p] = staged_piece<XT>(x, 4 * first + p, sum);
+    // pieces and threads are multiples of 4, so a quad of lanes is valid or not as a whole.
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
+    sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
+    if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
+  }
+  if (thread < 4) zero_chunk[thread] = make_uint4(0, 0, 0, 0);
+}
+
 // Two adjacent bf16 or fp16 scales (quant::ScaleType 0 or 1), the low half first, as fp32.
 __device__ __forceinline__ float2 scale_pair(uint32_t bits, int scale_type) {
   if (scale_type == kScaleF16) return __half22float2(*reinterpret_cast<const __half2*>(&bits));
   return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xFFFF0000u));
+}
+
+// Adds the products of `steps` quads of a 16-row slice in shared memory (the weights of row r at
+// weights + r · pitch, its scales at scales + r · scale_pitch, both from the slice's first chunk)
+// to lane (g, t)'s partial sums of rows g and g + 8 (the quad's lanes t = 0, 1 hold them; t = 2,
+// 3 hold discarded values). x_slice: the staged activations of the slice's first chunk (64 bytes
+// a chunk), bias_slice its first chunk's bias. KC: the steps a whole slice has (unrolled).
+template <int KC>
+__device__ __forceinline__ void multiply_slice(const uint8_t* weights, int pitch,
+                                               const uint8_t* scales, int scale_pitch, int steps,
+                                               const uint4* x_slice, const uint4* zero_chunk,
+                                               const float* bias_slice, int scale_type, int g,
+                                               int t, float& acc_g, float& acc_g8) {
+  // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
+  auto multiply_step = [&](int step) {
+    const int chunk = 4 * step + t;  // in the stage
+    const uint4 w_g = *reinterpret_cast<const uint4*>(weights + g * pitch + chunk * 16);
+    const uint4 w_g8 = *reinterpret_cast<const uint4*>(weights + (g + 8) * pitch + chunk * 16);
+    const uint4* x_words = g == t ? x_slice + 4 * chunk : zero_chunk;
+    const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
+    const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
+    // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
+    // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
+    const int column_chunk = 4 * step + 2 * (t & 1);
+    const float2 bias = *reinterpret_cast<const float2*>(bias_slice + column_chunk);
+    // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
+    // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
+    float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint4 xw = x_words[i];
+      uint32_t pg[4], pg8[4];
+      biased_nibble_pairs(row_g[i], pg);
+      biased_nibble_pairs(row_g8[i], pg8);
+      mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
+      mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+    }
+    const uint8_t* scales_g = scales + g * scale_pitch + column_chunk * 2;
+    const float2 scale_g = scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), scale_type);
+    const float2 scale_g8 =
+        scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 8 * scale_pitch), scale_type);
+    acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
+    acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
+    acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
+    acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
+  };
+  if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
+#pragma unroll
+    for (int step = 0; step < KC / 4; ++step) multiply_step(step);
+  } else {
+    for (int step = 0; step < steps; ++step) multiply_step(step);
+  }
 }
 
 template <ActType XT, int W, int KC, int S, int P, bool B, bool L2>
@@ -175,24 +250,9 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   for (int item = 0; item < S - 1; ++item) issue(item);
   pdl_wait_for_predecessors();
 
-  // Stage the block's part of the activation row: one 8-element piece a thread, the chunk sums
-  // over 4 lanes.
-  {
-    const int64_t pieces = 4 * block_chunks;
-    const int64_t rounds = (pieces + W * 32 - 1) / (W * 32);
-#pragma unroll 8
-    for (int64_t round = 0; round < rounds; ++round) {
-      const int64_t p = round * W * 32 + threadIdx.x;
-      float sum = 0.0f;
-      if (p < pieces) staged_x[p] = staged_piece<XT>(a.x, 4 * block_k + p, sum);
-      // pieces is a multiple of 4, so a quad of lanes is valid or not as a whole.
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 1);
-      sum += __shfl_xor_sync(0xFFFFFFFFu, sum, 2);
-      if (p < pieces && (p & 3) == 0) x_biases[p / 4] = -136.0f * sum;
-    }
-    if (threadIdx.x < 4) zero_chunk[threadIdx.x] = make_uint4(0, 0, 0, 0);
-    __syncthreads();
-  }
+  stage_activations<XT>(a.x, block_k, block_chunks, staged_x, x_biases, zero_chunk, threadIdx.x,
+                        W * 32);
+  __syncthreads();
 
   int item = 0;
   for (int j = 0; j < my_tiles; ++j) {
@@ -204,50 +264,12 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
       if constexpr (B) wait_barrier(barriers + item % S, (item / S) & 1);  // and the bulk ones
       __syncwarp();  // and every lane's; the stage read last is free
       issue(item + S - 1);
-      const uint8_t* stage = ring + (item % S) * kStageBytes;
       const int64_t kc0 = k_begin + static_cast<int64_t>(slice) * KC;
       const int steps = static_cast<int>(min(static_cast<int64_t>(KC), k_end - kc0)) / 4;
-      // Step `step` of the slice: chunks 4·step .. 4·step + 3 of the 16 rows.
-      auto multiply_step = [&](int step) {
-        const int chunk = 4 * step + t;  // in the stage
-        const uint4 w_g = *reinterpret_cast<const uint4*>(stage + g * kPitch + chunk * 16);
-        const uint4 w_g8 = *reinterpret_cast<const uint4*>(stage + (g + 8) * kPitch + chunk * 16);
-        const uint4* x_words = g == t ? staged_x + 4 * (kc0 - block_k + chunk) : zero_chunk;
-        const uint32_t row_g[4] = {w_g.x, w_g.y, w_g.z, w_g.w};
-        const uint32_t row_g8[4] = {w_g8.x, w_g8.y, w_g8.z, w_g8.w};
-        // Column n = 2t + h of the product holds quad lane n's chunk 4·step + n; lanes t >= 2
-        // hold the zero columns 4..7 and read lane t − 2's scales and biases (discarded).
-        const int column_chunk = 4 * step + 2 * (t & 1);
-        const float2 bias =
-            *reinterpret_cast<const float2*>(x_biases + (kc0 - block_k) + column_chunk);
-        // Two accumulator chains (packed words 0-1 and 2-3) halve the dependent mma latency; the
-        // first starts from the bias, so each column ends as Σ(u − 8)·x over its chunk.
-        float c[2][4] = {{bias.x, bias.y, bias.x, bias.y}, {0.0f, 0.0f, 0.0f, 0.0f}};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          const uint4 xw = x_words[i];
-          uint32_t pg[4], pg8[4];
-          biased_nibble_pairs(row_g[i], pg);
-          biased_nibble_pairs(row_g8[i], pg8);
-          mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
-          mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
-        }
-        const uint8_t* scales_g = stage + kScalesOffset + (g * KC + column_chunk) * 2;
-        const float2 scale_g =
-            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), a.scale_type);
-        const float2 scale_g8 =
-            scale_pair(*reinterpret_cast<const uint32_t*>(scales_g + 16 * KC), a.scale_type);
-        acc_g = fmaf(scale_g.x, c[0][0] + c[1][0], acc_g);
-        acc_g = fmaf(scale_g.y, c[0][1] + c[1][1], acc_g);
-        acc_g8 = fmaf(scale_g8.x, c[0][2] + c[1][2], acc_g8);
-        acc_g8 = fmaf(scale_g8.y, c[0][3] + c[1][3], acc_g8);
-      };
-      if (steps == KC / 4) {  // a whole slice: unrolled, so that steps overlap
-#pragma unroll
-        for (int step = 0; step < KC / 4; ++step) multiply_step(step);
-      } else {
-        for (int step = 0; step < steps; ++step) multiply_step(step);
-      }
+      const uint8_t* stage = ring + (item % S) * kStageBytes;
+      multiply_slice<KC>(stage, kPitch, stage + kScalesOffset, 2 * KC, steps,
+                         staged_x + 4 * (kc0 - block_k), zero_chunk, x_biases + (kc0 - block_k),
+                         a.scale_type, g, t, acc_g, acc_g8);
     }
     // The tile's end: rows g, g + 8 of this warp's run in lane (g, 0), the runs of the block's
     // warps (and of the cluster's blocks) added in shared memory by warp 0 of rank 0. Two
@@ -285,14 +307,175 @@ __global__ void __launch_bounds__(W * 32) gemv_stream_kernel(GemvArgs a) {
   wait_copies<0>();  // no copy outlives the block
 }
 
+// A barrier whose phases complete at `arrivals` arrivals (and no transaction bytes pending).
+__device__ __forceinline__ void init_barrier_arrivals(uint64_t* barrier, int arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)),
+               "r"(arrivals)
+               : "memory");
+}
+
+// One arrival on a barrier, release semantics: this thread's earlier reads of the stage it guards
+// are done.
+__device__ __forceinline__ void arrive_barrier(uint64_t* barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier))
+               : "memory");
+}
+
+// The end of a consumer warp's tile (rows row0 .. row0 + 15) in the producer kernel: rows g,
+// g + 8 of its part (warp % KS) of K in lane (g, 0) after a quad reduction. KS == 1: lane l < 8
+// stores rows 2l, 2l + 1 (whole gate/up pairs). Otherwise the parts meet in round_partial
+// ([W][16], this round's buffer of two by round parity: a part writes a buffer again only after
+// the next round's barrier, which part 0 passes after reading it) at named barrier 2 + group;
+// part 0 adds them in order and stores.
+template <int W, int KS>
+__device__ __forceinline__ void store_tile(const GemvArgs& a, float acc_g, float acc_g8,
+                                           int64_t row0, float* round_partial, int warp, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
+  acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
+  if constexpr (KS == 1) {
+    // Row q's sum is in lane 4 · (q mod 8), as acc_g for q < 8, as acc_g8 from 8 on.
+    const int source = (8 * lane) & 31;  // lane 4 · (2l mod 8); the next row's is 4 on
+    const float even_g = __shfl_sync(0xFFFFFFFFu, acc_g, source);
+    const float even_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source);
+    const float odd_g = __shfl_sync(0xFFFFFFFFu, acc_g, source + 4);
+    const float odd_g8 = __shfl_sync(0xFFFFFFFFu, acc_g8, source + 4);
+    if (lane < kTileRows / 2) {
+      const float pair[2] = {lane < 4 ? even_g : even_g8, lane < 4 ? odd_g : odd_g8};
+      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    }
+  } else {
+    if (t == 0) {
+      round_partial[warp * kTileRows + g] = acc_g;
+      round_partial[warp * kTileRows + g + 8] = acc_g8;
+    }
+    asm volatile("bar.sync %0, %1;" ::"r"(2 + warp / KS), "n"(KS * 32) : "memory");
+    if (warp % KS == 0 && lane < kTileRows / 2) {
+      float pair[2] = {0.0f, 0.0f};
+#pragma unroll
+      for (int p = 0; p < KS; ++p) {
+        pair[0] += round_partial[(warp + p) * kTileRows + 2 * lane];
+        pair[1] += round_partial[(warp + p) * kTileRows + 2 * lane + 1];
+      }
+      gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+    }
+  }
+}
+
+// The producer-warp kernel (GemvStreamTiling::producer): a block (one per SM, persistent) owns
+// tiles blockIdx.x + gridDim.x · i, i < my_tiles; warp W, the producer, copies each tile's
+// weights and scales as they lie in memory (two bulk copies: 16 · K/2 and 16 · K/16 contiguous
+// bytes) into a ring stage, completing on the stage's full barrier. The W consumer warps form
+// W / KS groups of KS: group q multiplies tiles i ≡ q (mod W / KS) through its ring of S stages,
+// each of its warps its 1/KS of K (whole quads) in KC-chunk pieces; every warp of the group
+// consumes every stage in order (so a barrier phase it waits on is never two ahead), and the
+// stage's empty barrier counts the group's KS arrivals. The row pitch is K/2 bytes (a multiple of
+// 128 at K 1536 and 5376: the weight loads of rows g and g + 1 meet in the same banks, two
+// wavefronts). Per-row-piece bulk copies (session 8, tilings since removed) were 2x slower: the
+// copies' count, not their bytes, limited them.
+template <ActType XT, int W, int KC, int S, int KS>
+__global__ void __launch_bounds__((W + 1) * 32, 1) gemv_tile_ring_kernel(GemvArgs a) {
+  static_assert(KC % 4 == 0 && KC <= 64, "pieces of whole quads, at most 64 chunks");
+  static_assert(S >= 2, "a ring needs a stage in flight");
+  static_assert(W % KS == 0 && W / KS <= 14, "whole groups, a named barrier each");
+  constexpr int kGroups = W / KS;
+  pdl_trigger_dependents();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
+  const int my_tiles = static_cast<int>((tiles - blockIdx.x + gridDim.x - 1) / gridDim.x);
+  const int rounds = (my_tiles + kGroups - 1) / kGroups;
+  const int pitch = static_cast<int>(cpr * 16);
+  const int scales_offset = kTileRows * pitch;  // within a stage
+  const int64_t stage_bytes = gemv_stream_whole_tile_bytes(cpr);
+
+  extern __shared__ uint4 stream_shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(stream_shared);     // [groups][S]
+  uint64_t* empty = full + kGroups * S;                            // [groups][S]
+  float* partial = reinterpret_cast<float*>(empty + kGroups * S);  // [2][W][16]
+  uint8_t* stages = reinterpret_cast<uint8_t*>(stream_shared) +
+                    gemv_stream_whole_tile_header_bytes(kGroups * S, W);  // 128-byte aligned
+  uint4* staged_x = reinterpret_cast<uint4*>(stages + kGroups * S * stage_bytes);
+  uint4* zero_chunk = staged_x + 4 * cpr;
+  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kGroups * S; ++i) {
+      init_barrier(full + i);
+      init_barrier_arrivals(empty + i, KS);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  if (warp == W) {
+    // The producer: round r's tile of each group in turn, into stage r mod S of its ring.
+    for (int r = 0; r < rounds; ++r) {
+      for (int group = 0; group < kGroups; ++group) {
+        const int tile = r * kGroups + group;
+        if (tile >= my_tiles) break;
+        const int stage = group * S + r % S;
+        // The stage's previous tile (round r − S) has been multiplied by all KS warps: their
+        // reads precede their release arrivals, which this wait acquires.
+        if (r >= S) wait_barrier(empty + stage, (r / S - 1) & 1);
+        const int64_t row0 = (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows;
+        const int64_t valid_rows = min(int64_t{kTileRows}, a.rows - row0);
+        uint8_t* to = stages + stage * stage_bytes;
+        if (lane == 0) {
+          arrive_expect_bytes(full + stage, static_cast<uint32_t>(valid_rows * cpr * 18));
+          copy_bulk(to, static_cast<const uint8_t*>(a.weights) + row0 * cpr * 16,
+                    static_cast<uint32_t>(valid_rows * cpr * 16), full + stage);
+          copy_bulk(to + scales_offset, static_cast<const uint8_t*>(a.scales) + row0 * cpr * 2,
+                    static_cast<uint32_t>(valid_rows * cpr * 2), full + stage);
+        }
+      }
+    }
+    return;  // every copy lands on a barrier that the consumers wait on
+  }
+
+  // The consumers: stage all of the activation row (named barrier 1: the producer is not in it).
+  pdl_wait_for_predecessors();
+  stage_activations<XT>(a.x, 0, cpr, staged_x, x_biases, zero_chunk, threadIdx.x, W * 32);
+  asm volatile("bar.sync 1, %0;" ::"n"(W * 32) : "memory");
+
+  const int g = lane >> 2, t = lane & 3;
+  const int group = warp / KS, part = warp % KS;
+  const int64_t quads = cpr / 4;
+  const int k_begin = static_cast<int>(4 * (quads * part / KS));
+  const int k_end = static_cast<int>(4 * (quads * (part + 1) / KS));
+  for (int r = 0; r < rounds; ++r) {
+    const int tile = r * kGroups + group;
+    if (tile >= my_tiles) break;  // the group's warps all leave together
+    const int stage = group * S + r % S;
+    wait_barrier(full + stage, (r / S) & 1);
+    const uint8_t* tile_weights = stages + stage * stage_bytes;
+    float acc_g = 0.0f, acc_g8 = 0.0f;
+    for (int k = k_begin; k < k_end; k += KC) {
+      multiply_slice<KC>(tile_weights + k * 16, pitch, tile_weights + scales_offset + k * 2,
+                         static_cast<int>(2 * cpr), min(KC, k_end - k) / 4, staged_x + 4 * k,
+                         zero_chunk, x_biases + k, a.scale_type, g, t, acc_g, acc_g8);
+    }
+    __syncwarp();  // every lane's reads of the stage are done
+    if (lane == 0) arrive_barrier(empty + stage);
+    store_tile<W, KS>(a, acc_g, acc_g8,
+                      (blockIdx.x + static_cast<int64_t>(tile) * gridDim.x) * kTileRows,
+                      partial + (r & 1) * W * kTileRows, warp, lane);
+  }
+}
+
 using KernelFn = void (*)(GemvArgs);
 
 template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
-                              t.l2_prefetch>;
+    if constexpr (t.producer) {
+      return gemv_tile_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
+    } else {
+      return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
+                                t.l2_prefetch>;
+    }
   } else {
     return nullptr;
   }
@@ -316,8 +499,11 @@ KernelFn select_kernel(ActType x_type, int index) {
 
 // Clusters of `config` (blocks, for one-block clusters) that the GPU holds at once, after opting
 // the kernel into kGemvStreamMaxSharedBytes; 0 where the runtime refuses. Asked once per (kernel,
-// shared bytes, device).
-int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits) {
+// shared bytes, device). one_per_sm: at most one block per SM (the producer kernels: a block
+// that leaves half an SM's shared memory free lets the next kernel's block start its copies there
+// while this one drains).
+int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits,
+                      bool one_per_sm) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   const auto key = std::make_tuple(kernel, config.dynamicSmemBytes, device);
@@ -334,6 +520,11 @@ int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int spl
   }
   if (status == cudaSuccess) {
     clusters = occupancy_clusters(kernel, config, splits, device);
+    int sms = 0;
+    if (one_per_sm && clusters > 0 &&
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) == cudaSuccess) {
+      clusters = std::min(clusters, sms);
+    }
   } else {
     cudaGetLastError();  // the refusal is this answer, not an error left for the caller
   }
@@ -349,7 +540,7 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvStreamTiling& t = kGemvStreamTilings[index];
   cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(32 * t.warps);
+  config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;
@@ -363,7 +554,7 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
   config.attrs = attributes;
   config.numAttrs = t.splits > 1 ? 1 : 0;
-  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits);
+  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits, t.producer);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),

@@ -9,8 +9,10 @@
 // Measured (session 7, H200, PDL µs): 31B gate+up 43008x5376 49.6 -> 44.7, lm_head 262144x5376
 // 280 -> 262, QKV 16384x5376 20.4 -> 20.2 (tiling 112), E2B double-wide gate+up 10.85 -> 10.7;
 // still only ~70 % of the read ceiling, faster with more warps per SM, slower than the register
-// kernel at the E2B lm_head and the 5,376-row o_proj / down. The bulk-copy, prefetch-hint, cluster
-// and more-warps tilings (108-122) were not measured yet.
+// kernel at the E2B lm_head and the 5,376-row o_proj / down. Session 8 (all tilings): 113 (six
+// warps) QKV 18.3, gate+up 42.9; 107 lm_head 254.8; 100 E2B double-wide 10.5, E2B lm_head 73.9
+// (register kernel 87.2); the per-warp bulk copies (115-117, 120-122), the L2 hint (118-119) and
+// the clusters (108-111) were no faster anywhere.
 //
 // Method. A block owns 16-row tiles blockIdx.x + gridDim.x · i (a persistent grid: as many blocks
 // as fit the GPU, or one per tile); its `warps` warps split each tile's K range into equal runs of
@@ -25,6 +27,12 @@
 // applies in fp32 after adding −136·Σx (the chunk's bf16 activation sum, staged): the same
 // exact products as the CUDA-core GEMV with bf16 activations, summed in another order. The warps'
 // partial row sums meet in shared memory at the tile's end, and the GEMV epilogues apply.
+//
+// The producer-warp tilings (GemvStreamTiling::producer, session 8) take the copy work out of the
+// multiplying warps: one warp per block copies whole 16-row tiles (two 1-D bulk copies each) into
+// rings completing on mbarriers; groups of consumer warps multiply a tile with the same
+// tensor-core step and store it. Session 8 (MID, PDL µs): 31B QKV 17.9, gate+up 35.9 (113: 18.3,
+// 43.1); E2B double-wide gate+up 8.4, lm_head 56.1 (100: 10.4, 73.3) — 95 % of the read ceiling.
 #pragma once
 
 #include <cstdint>
@@ -47,7 +55,24 @@ struct GemvStreamTiling {
   bool bulk = false;
   // cp.async weight copies with the L2 256-byte prefetch-size hint.
   bool l2_prefetch = false;
+  // The producer-warp design (gemv_stream.cu, gemv_tile_ring_kernel): one extra warp per block
+  // copies whole 16-row tiles (all of K: two bulk copies) into rings of `stages` stages, one per
+  // group of tile_warps consumer warps, which multiply a tile together (each 1/tile_warps of K,
+  // in stage_chunks pieces; their sums meet in shared memory) and store it; one block per SM.
+  // `splits`, `bulk` and `l2_prefetch` do not apply.
+  bool producer = false;
+  int tile_warps = 1;
 };
+
+// A producer-warp tiling: `warps` consumer warps, `chunks` a consumer's piece (a multiple of 4),
+// `stages` a ring, `tile_warps` warps a tile.
+constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stages, int tile_warps) {
+  return {.warps = warps,
+          .stage_chunks = chunks,
+          .stages = stages,
+          .producer = true,
+          .tile_warps = tile_warps};
+}
 
 // Weight rows per tile: the mma A fragment's.
 inline constexpr int kGemvStreamTileRows = 16;
@@ -80,13 +105,19 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     {3, 16, 4, 1, true},         // 120: 102 with bulk copies
     {4, 24, 3, 7, true},         // 121: 108 with bulk copies
     {4, 16, 3, 4, true},         // 122: 110 with bulk copies
+    // Producer-warp tilings (gemv_stream_producer: consumer warps, chunks a piece, stages a
+    // ring, warps a tile). K 5376: 48 KB a stage; K 1536: 14 KB.
+    gemv_stream_producer(8, 24, 4, 8),  // 123: one tile at once, 21 chunks a warp at K 5376
+    gemv_stream_producer(8, 24, 2, 4),  // 124: K 5376: two tiles at once, 42 chunks a warp
+    gemv_stream_producer(4, 12, 7, 4),  // 125: K 1536: 12 chunks a warp; <= 113 KB
+    gemv_stream_producer(8, 24, 4, 2),  // 126: K 1536: four tiles at once, 24 chunks a warp
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {102, 112};
+inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
@@ -124,24 +155,53 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
   return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
 }
 
+// Producer tilings' stages: a tile's weights and scales (16 · chunks_per_row · 18 bytes), padded
+// to 128 bytes.
+constexpr int64_t gemv_stream_whole_tile_bytes(int64_t chunks_per_row) {
+  return (kGemvStreamTileRows * chunks_per_row * 18 + 127) / 128 * 128;
+}
+// Producer tilings' shared memory before the stages: the full and empty barriers of `stages`
+// stages and the partial row sums of `warps` warps (two rounds' worth), padded to 128 bytes.
+constexpr int64_t gemv_stream_whole_tile_header_bytes(int stages, int warps) {
+  return (16 * stages + 2 * 4 * warps * kGemvStreamTileRows + 127) / 128 * 128;
+}
+
 // A block's dynamic shared memory at chunks_per_row 16-byte chunks a row: the warps' partial row
 // sums (two tiles' worth; first, at the same offset in every block of a cluster), the staged
 // activations of the block's chunks (64 bytes a chunk, then 64 bytes of zeros), their per-chunk
-// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers.
+// biases (fp32, padded to 16 bytes), the warps' rings, then (bulk) their barriers. Producer
+// tilings: the header (barriers, partial sums), the groups' stages, then the staged activations
+// of all of K, their zeros and biases.
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
-  return 4 * 2 * t.warps * kGemvStreamTileRows + 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16 +
+  const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
+  if (t.producer) {
+    const int stages = t.warps / t.tile_warps * t.stages;
+    return gemv_stream_whole_tile_header_bytes(stages, t.warps) +
+           stages * gemv_stream_whole_tile_bytes(chunks_per_row) + staged_x;
+  }
+  return 4 * 2 * t.warps * kGemvStreamTileRows + staged_x +
          int64_t{t.warps} * t.stages * gemv_stream_stage_bytes(t) + gemv_stream_barrier_bytes(t);
+}
+
+// Whether the layout of a w4g32 matrix (chunks_per_row, the addresses of its weights and 16-bit
+// scales) suits tiling t: whole quads a row, 8-byte aligned scales; producer tilings copy tiles
+// in bulk: 16-byte aligned weights and scales, and a partial last tile's scales a multiple of
+// 16 bytes (chunks_per_row % 8 == 0).
+constexpr bool gemv_stream_layout_ok(const GemvStreamTiling& t, int64_t chunks_per_row,
+                                     uintptr_t weights, uintptr_t scales) {
+  if (t.producer) return chunks_per_row % 8 == 0 && weights % 16 == 0 && scales % 16 == 0;
+  return chunks_per_row % 4 == 0 && scales % 8 == 0;
 }
 
 // Dynamic shared memory a block may opt into on sm_90 (227 KB).
 inline constexpr int64_t kGemvStreamMaxSharedBytes = 227 * 1024;
 
 // Enqueues the streaming kernel of tiling kGemvStreamTilings[index] for one activation row:
-// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), chunks_per_row a multiple of
-// 4, args.scales 8-byte aligned, activations kBF16 or kF32 (rounded to bf16 as staged), no q8
-// companions, no residual step, shared bytes within kGemvStreamMaxSharedBytes; gemv() validates
-// that. cudaErrorInvalidValue for a tiling this build did not compile.
+// w4g32 weights with 16-bit scales (args.scale_type bf16 or fp16), gemv_stream_layout_ok,
+// activations kBF16 or kF32 (rounded to bf16 as staged), no q8 companions, no residual step,
+// shared bytes within kGemvStreamMaxSharedBytes; gemv() validates that. cudaErrorInvalidValue for a
+// tiling this build did not compile.
 cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch);
 
