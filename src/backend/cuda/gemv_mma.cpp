@@ -14,10 +14,15 @@ constexpr int64_t kSms = 132;
 constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
+// Activation rows from which the default tiling takes warps of one 16-row tile (twice the warps
+// per SM of two-tile warps, each multiplying half the rows; kernel_bench's sweep decides).
+constexpr int kOneTileMinRows = 33;
+
 // Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
-// activation rows, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and by shared memory.
+// activation rows and for one-tile warps, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and
+// by shared memory.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 224 : 255;
+  const int64_t registers = m <= 16 || tiling.tiles_per_warp == 1 ? 128 : m <= 32 ? 224 : 255;
   const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
   const int64_t by_shared =
       (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups) + 1024);
@@ -62,8 +67,8 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
   // Wide tiles where there are rows enough: every block re-reads the activations of its K range,
-  // so 256 rows per tile halve that traffic; else 128 rows with two warps each (few rows: more
-  // warps for the same activation traffic). Then the K splits and row blocks of the least time
+  // so 256 rows per tile halve that traffic; else 128 rows with two warps along K each (few rows:
+  // more warps for the same activation traffic). Then the K splits and row blocks of the least time
   // on a block's critical path, counted in 32-element groups of weights per row tile: its K
   // range per tile plus a reduction, and the staging of its activations (about one group per
   // group of K at 64 fp32 rows), once per block. Blocks of one tile each run in waves of clusters;
@@ -76,15 +81,18 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
   const double staged_bytes_per_element = x_type == ActType::kF32    ? 4.0
                                           : x_type == ActType::kBF16 ? 2.0
                                                                      : 1.25;
-  const int warps = rows >= 8192 ? 8 : 4;
-  const int k_warps = warps == 4 ? 2 : 1;
-  const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps);
+  // From kOneTileMinRows rows, the same row tiles with twice the warps of one 16-row tile each.
+  const int tiles_per_warp = m >= kOneTileMinRows ? 1 : 2;
+  const int tile_rows = rows >= 8192 ? 256 : 128;
+  const int warps = tile_rows / (16 * tiles_per_warp);
+  const int k_warps = tile_rows == 128 ? 2 : 1;
+  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
-  MmaGemvTiling best = {warps, max_splits, k_warps};
+  MmaGemvTiling best = {warps, max_splits, k_warps, 0, tiles_per_warp};
   double best_cost = 0.0;
   for (int splits = 1; splits <= max_splits; ++splits) {
     for (const int row_blocks : {0, kMmaGemvResidentRowBlocks}) {
-      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks};
+      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks, tiles_per_warp};
       if (mma_gemv_shared_bytes(tiling, m, groups) > kMmaGemvMaxSharedBytes) continue;
       const int64_t clusters = resident_clusters(tiling, m, groups);
       const auto per_split = static_cast<double>(mma_gemv_groups_per_split(groups, splits));
@@ -121,8 +129,10 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
-  if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
-      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
+  const int layout = mma_gemv_warp_layout(tiling);
+  if (layout < 0 || !mma_gemv_layout_compiled(kMmaGemvWarpLayouts[layout], x.rows) ||
+      tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits || tiling.splits > groups ||
+      tiling.row_blocks < kMmaGemvResidentRowBlocks ||
       mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
       w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;
