@@ -436,23 +436,36 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     }
     const int64_t block_row = tile_row(tile);
     constexpr int kPairs = kRowsPerBlock / 2;
-    for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
-         i += splits * kThreads) {
+    const int pair_count = a.m * kPairs;
+    const int pair_step = splits * kThreads;
+    // Pair i's partial sums of every rank and k warp (zeros past the ranks or the pairs).
+    // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+    auto load_parts = [&](int i, float2(&parts)[kMmaGemvMaxSplits][WK]) {
       const int m = i / kPairs;
       const int row = 2 * (i % kPairs);
-      // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
-      float2 parts[kMmaGemvMaxSplits][WK];
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-        if (rank < splits) {
-          const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
+        const bool loaded = rank < splits && i < pair_count;
+        const float* source =
+            loaded && splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
 #pragma unroll
-          for (int k = 0; k < WK; ++k) {
-            parts[rank][k] =
-                *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
-          }
+        for (int k = 0; k < WK; ++k) {
+          parts[rank][k] =
+              loaded ? *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row)
+                     : make_float2(0.0f, 0.0f);
         }
       }
+    };
+    float2 parts[kMmaGemvMaxSplits][WK];
+    const int first_pair = split * kThreads + static_cast<int>(threadIdx.x);
+    load_parts(first_pair, parts);
+    for (int i = first_pair; i < pair_count; i += pair_step) {
+      // The next pair's loads go out before this pair's sums and stores, so that their round
+      // trip to the cluster's shared memory overlaps this pair's epilogue.
+      float2 next_parts[kMmaGemvMaxSplits][WK];
+      load_parts(i + pair_step, next_parts);
+      const int m = i / kPairs;
+      const int row = 2 * (i % kPairs);
       float sums[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
@@ -475,6 +488,11 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
           store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
                             output / 32);
         }
+      }
+#pragma unroll
+      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+#pragma unroll
+        for (int k = 0; k < WK; ++k) parts[rank][k] = next_parts[rank][k];
       }
     }
   }
