@@ -382,9 +382,8 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
         const int id = tiling_id(tiling);
         const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
         if (!swept && id != r.default_tiling) continue;
-        if (!gemma4::cuda::mma_gemv_layout_compiled(layout, m) ||
-            gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
-                gemma4::cuda::kMmaGemvMaxSharedBytes) {
+        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
+            gemma4::cuda::kMmaGemvMaxSharedBytes) {
           continue;
         }
         r.measure(id, links, stream, [&](int i, const Launch& launch) {

@@ -160,10 +160,7 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     c.m = m;
     c.x_type = kActivationTypes[m % 3];
     const MmaGemvWarpLayout& layout = kMmaGemvWarpLayouts[(m / 3) % kNumMmaGemvWarpLayouts];
-    // A layout not compiled for m rows: the 32-row layout of the same warps instead.
-    c.tiling = mma_gemv_layout_compiled(layout, m)
-                   ? mma_gemv_tiling(layout, 1 + m % 5)
-                   : MmaGemvTiling{layout.warps / 2, 1 + m % 5, layout.k_warps};
+    c.tiling = mma_gemv_tiling(layout, 1 + m % 5);
     c.seed = 100 + m;
     check(host, device, c);
   }
@@ -190,8 +187,7 @@ TEST(GemvMma, LoopingBlocks) {
           c.tiling = mma_gemv_tiling(layout, splits, row_blocks);
           c.seed = seed++;
           ++index;
-          if (!mma_gemv_layout_compiled(layout, m) ||
-              mma_gemv_shared_bytes(c.tiling, m, host.cols / 32) > kMmaGemvMaxSharedBytes) {
+          if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32) > kMmaGemvMaxSharedBytes) {
             continue;
           }
           check(host, device, c);
@@ -221,8 +217,7 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
       for (GemvEpilogue e :
            {GemvEpilogue::kNone, GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
         Case c;
-        // 12 rows only where the layout is compiled for them (17+ for one-tile warps).
-        c.m = splits % 2 ? 37 : mma_gemv_layout_compiled(layout, 12) ? 12 : 25;
+        c.m = splits % 2 ? 37 : 12;
         c.x_type = kActivationTypes[(splits + layout.warps + layout.k_warps) % 3];
         c.epilogue = e;
         c.tiling = mma_gemv_tiling(layout, splits);
@@ -305,7 +300,6 @@ TEST(GemvMma, Nvfp4BothConventions) {
   for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
     for (int splits : {1, 3, 8}) {
       for (int m : {1, 64}) {  // one row: only when called directly (kernel_bench)
-        if (!mma_gemv_layout_compiled(layout, m)) continue;
         Case c;
         c.m = m;
         c.tiling = mma_gemv_tiling(layout, splits);
@@ -333,7 +327,6 @@ TEST(GemvMma, Nvfp4EveryScale) {
   for (int m : {8, 16, 32, 64}) {
     for (const MmaGemvTiling tiling :
          {MmaGemvTiling{4, 1, 1}, MmaGemvTiling{4, 2, 2}, MmaGemvTiling{16, 2, 1, 0, 1}}) {
-      if (tiling.tiles_per_warp == 1 && m < 17) continue;
       Case c;
       c.m = m;
       c.tiling = tiling;
@@ -487,9 +480,8 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
   EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // no such layout
   EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
-  // One-tile warps: compiled for 17+ rows only.
-  EXPECT_EQ(run(16, ActType::kF32, true, {8, 1, 1, 0, 1}), cudaErrorInvalidValue);
-  EXPECT_EQ(run(17, ActType::kF32, true, {8, 1, 1, 0, 1}), cudaSuccess);
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 1, 1, 0, 1}), cudaErrorInvalidValue);
+  EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 1, 0, 1}), cudaSuccess);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count

@@ -129,10 +129,8 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
-  const int layout = mma_gemv_warp_layout(tiling);
-  if (layout < 0 || !mma_gemv_layout_compiled(kMmaGemvWarpLayouts[layout], x.rows) ||
-      tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits || tiling.splits > groups ||
-      tiling.row_blocks < kMmaGemvResidentRowBlocks ||
+  if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
+      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
       mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
       w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;

@@ -36,12 +36,14 @@ namespace cg = cooperative_groups;
 inline constexpr int kQuadGroups = 4;
 // Quads whose weights (16 bytes a row and lane) and scales a warp has in flight ahead of the one
 // it multiplies: at 4+ n tiles 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB per SM
-// at 8 warps: about what the read bandwidth times the load latency needs; 40 registers; with one
-// 16-row tile per warp 2 KB a warp at 16 warps an SM); at 1-2 n tiles 1 (two blocks per SM: the
-// same bytes per SM, within 128 registers without spills).
+// at 8 warps: about what the read bandwidth times the load latency needs; 40 registers); at 1-2
+// n tiles 1 (two blocks per SM: the same bytes per SM, within 128 registers without spills).
+// Warps of one 16-row tile (16 warps an SM within 128 registers): 1 at 8 n tiles (16 KB an SM),
+// 2 at 4, and 4 at 1-2 (64 KB an SM: the rows whose time is the weights' reading).
 template <int NT, int TW>
 constexpr int prefetch_quads() {
-  return NT >= 4 && !(TW == 1 && NT == 8) ? 2 : 1;
+  if (TW == 1) return NT == 8 ? 1 : NT == 4 ? 2 : 4;
+  return NT >= 4 ? 2 : 1;
 }
 // Blocks per SM a kernel is compiled for (its register bound): two at 1-2 n tiles; 16 warps an SM
 // with one 16-row tile per warp (128 registers); else one.
@@ -159,7 +161,7 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 // (every WK-th quad of groups); gridDim.y blocks along K form one cluster; a block multiplies the
 // row tiles blockIdx.x + gridDim.x · i. Up to 2 n tiles, two blocks per SM (at most 128 registers
 // a thread at 8 warps): the 16 warps per SM hide the load latency the short mma loop leaves
-// exposed; one tile per warp gets the same 16 warps an SM at 4-8 n tiles (min_blocks_per_sm).
+// exposed; one tile per warp gets 16 warps an SM at any n tiles (min_blocks_per_sm).
 template <PackedFormat F, ActType XT, int NT, int WR, int WK, int TW>
 __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * WK>()))
     gemv_mma_kernel(MmaGemvArgs a) {
@@ -505,27 +507,17 @@ using MmaKernel = void (*)(MmaGemvArgs);
 inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
 inline constexpr int kNumKernels = 4 * kNumMmaGemvWarpLayouts;
 
-// Table entry I: the kernel of n tiles kNTileOptions[I / layouts] and layout I % layouts, or
-// nullptr where that layout is not compiled for those rows (mma_gemv_layout_compiled).
-template <PackedFormat F, ActType XT, size_t I>
-constexpr MmaKernel table_kernel() {
-  constexpr int kNT = kNTileOptions[I / kNumMmaGemvWarpLayouts];
-  constexpr MmaGemvWarpLayout kLayout = kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts];
-  if constexpr (mma_gemv_layout_compiled(kLayout, 8 * kNT)) {
-    return gemv_mma_kernel<F, XT, kNT, kLayout.warps, kLayout.k_warps, kLayout.tiles_per_warp>;
-  } else {
-    return nullptr;
-  }
-}
-
 template <PackedFormat F, ActType XT, size_t... I>
 constexpr std::array<MmaKernel, kNumKernels> kernel_table(std::index_sequence<I...>) {
-  return {table_kernel<F, XT, I>()...};
+  return {gemv_mma_kernel<F, XT, kNTileOptions[I / kNumMmaGemvWarpLayouts],
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].warps,
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].k_warps,
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].tiles_per_warp>...};
 }
 
 // The kernel of format F for x_type and index = kNumMmaGemvWarpLayouts · (index of the n tiles
 // in kNTileOptions) + (index of the warp layout in kMmaGemvWarpLayouts); nullptr for NVFP4 with
-// kQ8 activations and for a layout not compiled for those rows (none compiled).
+// kQ8 activations (none compiled).
 // Explicitly instantiated once per format in gemv_mma_<format>.cu.
 template <PackedFormat F>
 MmaKernel select_mma_kernel(ActType x_type, int index) {

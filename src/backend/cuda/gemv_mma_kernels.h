@@ -56,7 +56,7 @@ struct MmaGemvTiling {
   // balanced (the fewest blocks for the same tiles per block). Wave-quantized grids (a second
   // wave of a few clusters) become one wave, and a block stages its activations once.
   int row_blocks = 0;
-  int tiles_per_warp = 2;  // 16-row mma tiles per warp: 2, or 1 (layouts compiled for 17+ rows)
+  int tiles_per_warp = 2;  // 16-row mma tiles per warp: 2 or 1
 };
 
 // Weight rows of one row tile of the tiling.
@@ -66,9 +66,9 @@ constexpr int mma_gemv_tile_rows(const MmaGemvTiling& tiling) {
 
 // The compiled warp layouts {warps, k_warps, tiles_per_warp}: 4 or 8 warps of 32 rows, or 4 of
 // them twice along K (twice the warps for the shapes with few rows: 1,536-row down / o_proj);
-// and, for 17-64 activation rows only (mma_gemv_layout_compiled), warps of 16 rows held to 128
-// registers: 8 warps (two blocks an SM), 16 warps, 8 warps twice along K (16 warps an SM where
-// one block per SM fits shared memory: 33-64 rows over a long K range).
+// and warps of one 16-row tile held to 128 registers: 8 warps (two blocks an SM), 16 warps, 8
+// warps twice along K (16 warps an SM where one block per SM fits shared memory: 33-64 rows over
+// a long K range; up to 16 rows, the deeper weight prefetch that 16 warps leave registers for).
 struct MmaGemvWarpLayout {
   int warps;
   int k_warps;
@@ -100,12 +100,6 @@ constexpr MmaGemvTiling mma_gemv_tiling(const MmaGemvWarpLayout& layout, int spl
 // each; rows past m are zeros that are never stored).
 constexpr int mma_gemv_n_tiles(int m) {
   return m <= 8 ? 1 : m <= 16 ? 2 : m <= 32 ? 4 : 8;
-}
-
-// Whether the kernel of this layout is compiled for m activation rows: the one-tile warps only
-// at 4+ n tiles (below, two-tile warps already fit 128 registers and two blocks an SM).
-constexpr bool mma_gemv_layout_compiled(const MmaGemvWarpLayout& layout, int m) {
-  return layout.tiles_per_warp == 2 || mma_gemv_n_tiles(m) >= 4;
 }
 
 // K groups one block of a cluster multiplies (the last one may have fewer, and a block past the
