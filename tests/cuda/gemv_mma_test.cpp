@@ -355,8 +355,8 @@ TEST(GemvMma, Deterministic) {
 TEST(GemvMma, DefaultTilingsAreValid) {
   const int64_t shapes[][2] = {{2560, 1536},  {12288, 1536}, {24576, 1536},  {1536, 6144},
                                {1536, 12288}, {1536, 2048},  {262144, 1536}, {8192, 2816},
-                               {4224, 2816},  {2816, 2112},  {2816, 704},    {16, 32},
-                               {200, 96}};
+                               {4224, 2816},  {2816, 2112},  {2816, 4096},   {2816, 704},
+                               {16, 32},      {200, 96}};
   for (const auto& shape : shapes) {
     for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
       for (ActType x_type : kActivationTypes) {
