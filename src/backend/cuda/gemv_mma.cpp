@@ -22,23 +22,33 @@ constexpr int64_t kSmsPerGpc = 16;
 constexpr int kOneTileMinRows = 17;
 constexpr int64_t kOneTileMinMatrixRows = 8192;
 
-// Tilings measured faster than the cost model's choice (kernel_bench sweep, H200, PDL µs, fp32
-// rows rounded to bf16) for a weight shape and a range of activation rows.
+// Tilings measured faster than the cost model's choice (kernel_bench sweeps of session 8, H200,
+// PDL µs, fp32 rows rounded to bf16) for a weight shape and a range of activation rows.
 struct MeasuredTiling {
   int64_t rows, cols;
   int min_m, max_m;
   MmaGemvTiling tiling;
 };
 constexpr MeasuredTiling kMeasuredTilings[] = {
-    // E2B QKV: 8 splits of 256-row tiles (M=64 11.34 -> 10.69, M=32 7.62 -> 7.43).
-    {2560, 1536, 17, 64, {8, 8, 1}},
+    // E2B QKV: 8 splits of 256-row tiles (M=64 11.34 -> 10.69, M=32 7.62 -> 7.43, M=16 6.63 ->
+    // 5.86, M=8 5.42 -> 4.89); o_proj the same up to 16 rows (M=16 6.48 -> 6.00, M=8 5.31 -> 4.92).
+    {2560, 1536, 2, 64, {8, 8, 1}},
+    {1536, 2048, 2, 16, {8, 8, 1}},
+    // E2B down up to 16 rows: 16 one-tile warps (two along K) per 128-row tile, 8 splits, one
+    // block an SM (M=8 K 6144 9.16 -> 8.16, K 12288 14.85 -> 11.53; M=16 12.04 -> 9.47, 19.65 ->
+    // 14.07). The two-tile layout's two blocks an SM are faster without PDL (11.6 at K 12288, M=8)
+    // but slower in a PDL chain, as the engine launches.
+    {1536, 6144, 2, 16, {8, 8, 2, 0, 1}},
+    {1536, 12288, 2, 16, {8, 8, 2, 0, 1}},
     // E2B double-wide gate+up: looping one-tile warps over 128-row tiles, 2 splits; 8 warps a
     // block at 33-64 rows (M=64 38.7 -> 35.8), 16 (two along K) at 17-32 (M=32 28.9 -> 24.3).
     {24576, 1536, 33, 64, {8, 2, 1, kMmaGemvResidentRowBlocks, 1}},
     {24576, 1536, 17, 32, {8, 2, 2, kMmaGemvResidentRowBlocks, 1}},
     // 26B-A4B QKV (NVFP4): 16 one-tile warps (two along K) per 128-row tile, 2 splits (M=32
-    // 21.6 -> 18.9); o_proj: looping 256-row tiles, 8 splits (M=32 13.2 -> 11.2).
+    // 21.6 -> 18.9), looping up to 8 rows (M=8 14.48 -> 11.84); o_proj: looping 256-row tiles,
+    // 8 splits (M=32 13.2 -> 11.2).
     {8192, 2816, 17, 32, {8, 2, 2, 0, 1}},
+    {8192, 2816, 2, 8, {8, 2, 2, kMmaGemvResidentRowBlocks, 1}},
     {2816, 4096, 17, 32, {8, 8, 1, kMmaGemvResidentRowBlocks}},
 };
 
