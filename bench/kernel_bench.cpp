@@ -336,7 +336,8 @@ Result bench_residual_fold(int64_t rows, int64_t cols, GemvEpilogue epilogue, co
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
 // and 8 splits, each with one block per row tile and with resident looping blocks, beside the
 // default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
-// looping·1000 + k_warps·100 + warps·10 + splits.
+// looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for warps of one 16-row
+// tile (twice the warps of the two-tile layout of the same row tile).
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -369,14 +370,15 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps + 10 * t.warps + t.splits;
+    return (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
+           10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        const gemma4::cuda::MmaGemvTiling tiling = {layout.warps, splits, layout.k_warps,
-                                                    row_blocks};
+        const gemma4::cuda::MmaGemvTiling tiling =
+            gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
         const int id = tiling_id(tiling);
         const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
         if (!swept && id != r.default_tiling) continue;

@@ -56,6 +56,7 @@ std::string describe(const HostMatrix& w, const Case& c) {
                                      : " x=f32 rounded") +
          " epilogue=" + std::to_string(static_cast<int>(c.epilogue)) +
          " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
+         " tiles_per_warp=" + std::to_string(c.tiling.tiles_per_warp) +
          " splits=" + std::to_string(c.tiling.splits) +
          " row_blocks=" + std::to_string(c.tiling.row_blocks);
 }
@@ -159,7 +160,7 @@ TEST(GemvMma, EveryRowCountPartialTiles) {
     c.m = m;
     c.x_type = kActivationTypes[m % 3];
     const MmaGemvWarpLayout& layout = kMmaGemvWarpLayouts[(m / 3) % kNumMmaGemvWarpLayouts];
-    c.tiling = {layout.warps, 1 + m % 5, layout.k_warps};
+    c.tiling = mma_gemv_tiling(layout, 1 + m % 5);
     c.seed = 100 + m;
     check(host, device, c);
   }
@@ -183,7 +184,7 @@ TEST(GemvMma, LoopingBlocks) {
           c.m = m;
           c.x_type = kActivationTypes[index % 3];
           c.epilogue = static_cast<GemvEpilogue>(index % 3);
-          c.tiling = {layout.warps, splits, layout.k_warps, row_blocks};
+          c.tiling = mma_gemv_tiling(layout, splits, row_blocks);
           c.seed = seed++;
           ++index;
           if (mma_gemv_shared_bytes(c.tiling, m, host.cols / 32) > kMmaGemvMaxSharedBytes) {
@@ -195,7 +196,7 @@ TEST(GemvMma, LoopingBlocks) {
       }
     }
   }
-  EXPECT_GT(checked, 80);
+  EXPECT_GT(checked, 140);
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 2600, 2816, 22);
   const DeviceMatrix nvfp4_device(nvfp4);
   for (int m : {8, 17, 32, 64}) {
@@ -219,7 +220,7 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
         c.m = splits % 2 ? 37 : 12;
         c.x_type = kActivationTypes[(splits + layout.warps + layout.k_warps) % 3];
         c.epilogue = e;
-        c.tiling = {layout.warps, splits, layout.k_warps};
+        c.tiling = mma_gemv_tiling(layout, splits);
         c.seed = seed++;
         check(host, device, c);
       }
@@ -301,7 +302,7 @@ TEST(GemvMma, Nvfp4BothConventions) {
       for (int m : {1, 64}) {  // one row: only when called directly (kernel_bench)
         Case c;
         c.m = m;
-        c.tiling = {layout.warps, splits, layout.k_warps};
+        c.tiling = mma_gemv_tiling(layout, splits);
         c.seed = seed++;
         check(host, device, c);
       }
@@ -324,7 +325,8 @@ TEST(GemvMma, Nvfp4EveryScale) {
   const DeviceMatrix device(host);
   uint32_t seed = 960;
   for (int m : {8, 16, 32, 64}) {
-    for (const MmaGemvTiling tiling : {MmaGemvTiling{4, 1, 1}, MmaGemvTiling{4, 2, 2}}) {
+    for (const MmaGemvTiling tiling :
+         {MmaGemvTiling{4, 1, 1}, MmaGemvTiling{4, 2, 2}, MmaGemvTiling{16, 2, 1, 0, 1}}) {
       Case c;
       c.m = m;
       c.tiling = tiling;
@@ -353,8 +355,8 @@ TEST(GemvMma, Deterministic) {
 TEST(GemvMma, DefaultTilingsAreValid) {
   const int64_t shapes[][2] = {{2560, 1536},  {12288, 1536}, {24576, 1536},  {1536, 6144},
                                {1536, 12288}, {1536, 2048},  {262144, 1536}, {8192, 2816},
-                               {4224, 2816},  {2816, 2112},  {2816, 704},    {16, 32},
-                               {200, 96}};
+                               {4224, 2816},  {2816, 2112},  {2816, 4096},   {2816, 704},
+                               {16, 32},      {200, 96}};
   for (const auto& shape : shapes) {
     for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
       for (ActType x_type : kActivationTypes) {
@@ -478,6 +480,8 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kQ8, false, {}, 80), cudaErrorInvalidValue);  // q8 stride not of 32s
   EXPECT_EQ(run(8, ActType::kF32, true, {6, 1}), cudaErrorInvalidValue);  // no such layout
   EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 2}), cudaErrorInvalidValue);
+  EXPECT_EQ(run(8, ActType::kF32, true, {4, 1, 1, 0, 1}), cudaErrorInvalidValue);
+  EXPECT_EQ(run(8, ActType::kF32, true, {8, 1, 1, 0, 1}), cudaSuccess);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count

@@ -14,10 +14,49 @@ constexpr int64_t kSms = 132;
 constexpr int64_t kGpcs = 8;
 constexpr int64_t kSmsPerGpc = 16;
 
+// The default tiling takes warps of one 16-row tile (twice the warps per SM of two-tile warps,
+// each multiplying half the rows) from 17 activation rows for matrices of 8,192+ rows: there
+// they won in kernel_bench's sweep (H200, PDL µs, fp32 rows rounded to bf16: E2B gate+up
+// 12288x1536 M=64 23.7 -> 22.2, M=32 16.2 -> 15.5; lm_head M=64 312 -> 256); on fewer rows
+// (E2B down, o_proj; 26B gate+up, down) the two-tile ones were as fast or faster.
+constexpr int kOneTileMinRows = 17;
+constexpr int64_t kOneTileMinMatrixRows = 8192;
+
+// Tilings measured faster than the cost model's choice (kernel_bench sweeps of session 8, H200,
+// PDL µs, fp32 rows rounded to bf16) for a weight shape and a range of activation rows.
+struct MeasuredTiling {
+  int64_t rows, cols;
+  int min_m, max_m;
+  MmaGemvTiling tiling;
+};
+constexpr MeasuredTiling kMeasuredTilings[] = {
+    // E2B QKV: 8 splits of 256-row tiles (M=64 11.34 -> 10.69, M=32 7.62 -> 7.43, M=16 6.63 ->
+    // 5.86, M=8 5.42 -> 4.89); o_proj the same up to 16 rows (M=16 6.48 -> 6.00, M=8 5.31 -> 4.92).
+    {2560, 1536, 2, 64, {8, 8, 1}},
+    {1536, 2048, 2, 16, {8, 8, 1}},
+    // E2B down up to 16 rows: 16 one-tile warps (two along K) per 128-row tile, 8 splits, one
+    // block an SM (M=8 K 6144 9.16 -> 8.16, K 12288 14.85 -> 11.53; M=16 12.04 -> 9.47, 19.65 ->
+    // 14.07). The two-tile layout's two blocks an SM are faster without PDL (11.6 at K 12288, M=8)
+    // but slower in a PDL chain, as the engine launches.
+    {1536, 6144, 2, 16, {8, 8, 2, 0, 1}},
+    {1536, 12288, 2, 16, {8, 8, 2, 0, 1}},
+    // E2B double-wide gate+up: looping one-tile warps over 128-row tiles, 2 splits; 8 warps a
+    // block at 33-64 rows (M=64 38.7 -> 35.8), 16 (two along K) at 17-32 (M=32 28.9 -> 24.3).
+    {24576, 1536, 33, 64, {8, 2, 1, kMmaGemvResidentRowBlocks, 1}},
+    {24576, 1536, 17, 32, {8, 2, 2, kMmaGemvResidentRowBlocks, 1}},
+    // 26B-A4B QKV (NVFP4): 16 one-tile warps (two along K) per 128-row tile, 2 splits (M=32
+    // 21.6 -> 18.9), looping up to 8 rows (M=8 14.48 -> 11.84); o_proj: looping 256-row tiles,
+    // 8 splits (M=32 13.2 -> 11.2).
+    {8192, 2816, 17, 32, {8, 2, 2, 0, 1}},
+    {8192, 2816, 2, 8, {8, 2, 2, kMmaGemvResidentRowBlocks, 1}},
+    {2816, 4096, 17, 32, {8, 8, 1, kMmaGemvResidentRowBlocks}},
+};
+
 // Blocks of this tiling one SM holds at once, by registers (ptxas: at most 128 a thread up to 16
-// activation rows, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and by shared memory.
+// activation rows and for one-tile warps, 199-217 up to 32, 242-255 up to 64, of 64 K an SM) and
+// by shared memory.
 int64_t blocks_per_sm(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int64_t registers = m <= 16 ? 128 : m <= 32 ? 224 : 255;
+  const int64_t registers = m <= 16 || tiling.tiles_per_warp == 1 ? 128 : m <= 32 ? 224 : 255;
   const int64_t by_registers = 65536 / (registers * 32 * tiling.warps * tiling.k_warps);
   const int64_t by_shared =
       (kMmaGemvMaxSharedBytes + 1024) / (mma_gemv_shared_bytes(tiling, m, groups) + 1024);
@@ -61,30 +100,40 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
 }
 
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type) {
-  // Wide tiles where there are rows enough: every block re-reads the activations of its K range,
-  // so 256 rows per tile halve that traffic; else 128 rows with two warps each (few rows: more
-  // warps for the same activation traffic). Then the K splits and row blocks of the least time
-  // on a block's critical path, counted in 32-element groups of weights per row tile: its K
-  // range per tile plus a reduction, and the staging of its activations (about one group per
-  // group of K at 64 fp32 rows), once per block. Blocks of one tile each run in waves of clusters;
-  // looping blocks (the clusters that fit at once) take ceil(tiles / clusters) tiles each and
-  // stage once, where their two partial-sum buffers fit. A split more only for a clearly
-  // shorter path: each adds partial sums to the cluster's reduction.
+  // A measured tiling where there is one (kMeasuredTilings). Else wide tiles where there are rows
+  // enough: every block re-reads the activations of its K range, so 256 rows per tile halve that
+  // traffic; else 128 rows with two warps along K each (few rows: more warps for the same
+  // activation traffic). Then the K splits and row blocks of the least time on a block's critical
+  // path, counted in 32-element groups of weights per row tile: its K range per tile plus a
+  // reduction, and the staging of its activations (about one group per group of K at 64 fp32 rows),
+  // once per block. Blocks of one tile each run in waves of clusters; looping blocks (the clusters
+  // that fit at once) take ceil(tiles / clusters) tiles each and stage once, where their two
+  // partial-sum buffers fit. A split more only for a clearly shorter path: each adds partial sums
+  // to the cluster's reduction.
+  for (const MeasuredTiling& measured : kMeasuredTilings) {
+    if (measured.rows == rows && measured.cols == cols && m >= measured.min_m &&
+        m <= measured.max_m) {
+      return measured.tiling;
+    }
+  }
   constexpr double kReductionGroups = 2.0;
   const int64_t groups = cols / 32;
   // The staging reads the activations as given: fp32 twice bf16's bytes, kQ8 1.25 a value.
   const double staged_bytes_per_element = x_type == ActType::kF32    ? 4.0
                                           : x_type == ActType::kBF16 ? 2.0
                                                                      : 1.25;
-  const int warps = rows >= 8192 ? 8 : 4;
-  const int k_warps = warps == 4 ? 2 : 1;
-  const int64_t row_tiles = (rows + 32 * warps - 1) / (32 * warps);
+  // The same row tiles with twice the warps of one 16-row tile each (kOneTileMinRows).
+  const int tiles_per_warp = m >= kOneTileMinRows && rows >= kOneTileMinMatrixRows ? 1 : 2;
+  const int tile_rows = rows >= 8192 ? 256 : 128;
+  const int warps = tile_rows / (16 * tiles_per_warp);
+  const int k_warps = tile_rows == 128 ? 2 : 1;
+  const int64_t row_tiles = (rows + tile_rows - 1) / tile_rows;
   const int max_splits = static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups));
-  MmaGemvTiling best = {warps, max_splits, k_warps};
+  MmaGemvTiling best = {warps, max_splits, k_warps, 0, tiles_per_warp};
   double best_cost = 0.0;
   for (int splits = 1; splits <= max_splits; ++splits) {
     for (const int row_blocks : {0, kMmaGemvResidentRowBlocks}) {
-      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks};
+      const MmaGemvTiling tiling = {warps, splits, k_warps, row_blocks, tiles_per_warp};
       if (mma_gemv_shared_bytes(tiling, m, groups) > kMmaGemvMaxSharedBytes) continue;
       const int64_t clusters = resident_clusters(tiling, m, groups);
       const auto per_split = static_cast<double>(mma_gemv_groups_per_split(groups, splits));

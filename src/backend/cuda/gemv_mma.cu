@@ -73,7 +73,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   if (status != cudaSuccess) return status;
 
   cudaLaunchConfig_t config = {};
-  const int64_t rows_per_tile = 32 * tiling.warps;
+  const int64_t rows_per_tile = mma_gemv_tile_rows(tiling);
   const int64_t row_tiles = (args.rows + rows_per_tile - 1) / rows_per_tile;
   config.blockDim = dim3(32 * tiling.warps * tiling.k_warps);
   config.stream = launch.stream;
@@ -95,8 +95,10 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   config.numAttrs = count;
 
   // Blocks along the rows; looping blocks keep two partial-sum buffers past the activations.
-  const MmaGemvTiling looping_tiling = {tiling.warps, tiling.splits, tiling.k_warps,
-                                        kMmaGemvResidentRowBlocks};
+  MmaGemvTiling looping_tiling = tiling;
+  looping_tiling.row_blocks = kMmaGemvResidentRowBlocks;
+  MmaGemvTiling one_tile_tiling = tiling;
+  one_tile_tiling.row_blocks = 0;
   int64_t row_blocks = tiling.row_blocks > 0 ? tiling.row_blocks : row_tiles;
   if (tiling.row_blocks == kMmaGemvResidentRowBlocks) {
     // The query's configuration: the cluster alone, no stream (the current context's GPU; a
@@ -121,9 +123,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
       row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split) : 0;
   config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
-      args.partial_offset != 0 ? looping_tiling
-                               : MmaGemvTiling{tiling.warps, tiling.splits, tiling.k_warps},
-      args.m, args.groups));
+      args.partial_offset != 0 ? looping_tiling : one_tile_tiling, args.m, args.groups));
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

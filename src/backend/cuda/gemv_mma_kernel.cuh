@@ -38,12 +38,20 @@ inline constexpr int kQuadGroups = 4;
 // it multiplies: at 4+ n tiles 2 (2 · 4 rows · 16 bytes · 32 lanes = 4 KB per warp, 32 KB per SM
 // at 8 warps: about what the read bandwidth times the load latency needs; 40 registers); at 1-2
 // n tiles 1 (two blocks per SM: the same bytes per SM, within 128 registers without spills).
-template <int NT>
+// Warps of one 16-row tile (16 warps an SM within 128 registers): 1 at 8 n tiles (16 KB an SM),
+// 2 at 4, and 4 at 1-2 (64 KB an SM: the rows whose time is the weights' reading).
+template <int NT, int TW>
 constexpr int prefetch_quads() {
+  if (TW == 1) return NT == 8 ? 1 : NT == 4 ? 2 : 4;
   return NT >= 4 ? 2 : 1;
 }
-// 16-row mma tiles per warp: each activation fragment loaded from shared memory feeds both.
-constexpr int kTilesPerWarp = 2;
+// Blocks per SM a kernel is compiled for (its register bound): two at 1-2 n tiles; 16 warps an SM
+// with one 16-row tile per warp (128 registers); else one.
+template <int NT, int TW, int WARPS>
+constexpr int min_blocks_per_sm() {
+  if (TW == 1) return WARPS >= 16 ? 1 : 16 / WARPS;
+  return NT <= 2 ? 2 : 1;
+}
 // u − 8 as exact bf16 pairs for nibbles (s, s + 4), s = 0..3, of a packed word: the nibble is
 // OR-ed into the low mantissa bits of bf16 128.0 (0x4300: 128 + u exactly), then 136 subtracted.
 __device__ __forceinline__ void centered_nibble_pairs(uint32_t word, uint32_t (&pairs)[4]) {
@@ -149,19 +157,22 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
 }
 
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
-// (32 · WR weight rows per row tile), WK along the block's K range (every WK-th quad of groups);
-// gridDim.y blocks along K form one cluster; a block multiplies the row tiles blockIdx.x +
-// gridDim.x · i. Up to 2 n tiles, two blocks per SM (at most 128 registers a thread at 8 warps):
-// the 16 warps per SM hide the load latency the short mma loop leaves exposed.
-template <PackedFormat F, ActType XT, int NT, int WR, int WK>
-__global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(MmaGemvArgs a) {
+// (16 · TW · WR weight rows per row tile, TW 16-row tiles per warp), WK along the block's K range
+// (every WK-th quad of groups); gridDim.y blocks along K form one cluster; a block multiplies the
+// row tiles blockIdx.x + gridDim.x · i. Up to 2 n tiles, two blocks per SM (at most 128 registers
+// a thread at 8 warps): the 16 warps per SM hide the load latency the short mma loop leaves
+// exposed; one tile per warp gets 16 warps an SM at any n tiles (min_blocks_per_sm).
+template <PackedFormat F, ActType XT, int NT, int WR, int WK, int TW>
+__global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * WK>()))
+    gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
   pdl_trigger_dependents();
-  constexpr int kRowsPerBlock = 32 * WR;
+  constexpr int kTilesPerWarp = TW;
+  constexpr int kRowsPerBlock = 16 * TW * WR;
   constexpr int kPaddedRows = 8 * NT;
   constexpr int kThreads = 32 * WR * WK;
-  constexpr int kPrefetchQuads = prefetch_quads<NT>();
+  constexpr int kPrefetchQuads = prefetch_quads<NT, TW>();
   const int lane = threadIdx.x & 31;
   const int row_warp = (threadIdx.x >> 5) % WR;
   const int k_warp = (threadIdx.x >> 5) / WR;
@@ -212,7 +223,7 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   int load_j0 = 0;
   // Each row's group of the round: as pointers with registers to spare (4+ n tiles), as a 32-bit
   // element index under the 128-register bound of 1-2 n tiles (an address per load).
-  constexpr bool kRoundPointers = NT >= 4;
+  constexpr bool kRoundPointers = NT >= 4 && (TW == 2 || WK == 2);
   constexpr int kRoundRows = 2 * kTilesPerWarp;
   uint32_t round_index[kRoundPointers ? 1 : kRoundRows];
   const uint8_t* round_words[kRoundPointers ? kRoundRows : 1];
@@ -314,7 +325,7 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
   }
   __syncthreads();
 
-  constexpr int64_t kStride = mma_gemv_partial_stride(WR);
+  constexpr int64_t kStride = mma_gemv_partial_stride(kRowsPerBlock);
   constexpr int64_t kSlice = kPaddedRows * kStride;
   constexpr int64_t kBufferFloats = WK * kSlice;
   const bool looping = a.partial_offset != 0;
@@ -427,23 +438,36 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
     }
     const int64_t block_row = tile_row(tile);
     constexpr int kPairs = kRowsPerBlock / 2;
-    for (int i = split * kThreads + static_cast<int>(threadIdx.x); i < a.m * kPairs;
-         i += splits * kThreads) {
+    const int pair_count = a.m * kPairs;
+    const int pair_step = splits * kThreads;
+    // Pair i's partial sums of every rank and k warp (zeros past the ranks or the pairs).
+    // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+    auto load_parts = [&](int i, float2(&parts)[kMmaGemvMaxSplits][WK]) {
       const int m = i / kPairs;
       const int row = 2 * (i % kPairs);
-      // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
-      float2 parts[kMmaGemvMaxSplits][WK];
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-        if (rank < splits) {
-          const float* source = splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
+        const bool loaded = rank < splits && i < pair_count;
+        const float* source =
+            loaded && splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
 #pragma unroll
-          for (int k = 0; k < WK; ++k) {
-            parts[rank][k] =
-                *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row);
-          }
+        for (int k = 0; k < WK; ++k) {
+          parts[rank][k] =
+              loaded ? *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row)
+                     : make_float2(0.0f, 0.0f);
         }
       }
+    };
+    float2 parts[kMmaGemvMaxSplits][WK];
+    const int first_pair = split * kThreads + static_cast<int>(threadIdx.x);
+    load_parts(first_pair, parts);
+    for (int i = first_pair; i < pair_count; i += pair_step) {
+      // The next pair's loads go out before this pair's sums and stores, so that their round
+      // trip to the cluster's shared memory overlaps this pair's epilogue.
+      float2 next_parts[kMmaGemvMaxSplits][WK];
+      load_parts(i + pair_step, next_parts);
+      const int m = i / kPairs;
+      const int row = 2 * (i % kPairs);
       float sums[2] = {0.0f, 0.0f};
 #pragma unroll
       for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
@@ -467,6 +491,11 @@ __global__ void __launch_bounds__(WR* WK * 32, NT <= 2 ? 2 : 1) gemv_mma_kernel(
                             output / 32);
         }
       }
+#pragma unroll
+      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+#pragma unroll
+        for (int k = 0; k < WK; ++k) parts[rank][k] = next_parts[rank][k];
+      }
     }
   }
   // No block may leave while another still reads its shared memory.
@@ -482,7 +511,8 @@ template <PackedFormat F, ActType XT, size_t... I>
 constexpr std::array<MmaKernel, kNumKernels> kernel_table(std::index_sequence<I...>) {
   return {gemv_mma_kernel<F, XT, kNTileOptions[I / kNumMmaGemvWarpLayouts],
                           kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].warps,
-                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].k_warps>...};
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].k_warps,
+                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].tiles_per_warp>...};
 }
 
 // The kernel of format F for x_type and index = kNumMmaGemvWarpLayouts · (index of the n tiles

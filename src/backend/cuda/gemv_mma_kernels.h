@@ -14,14 +14,16 @@
 // int8 · chunk scale rounded to bf16) are staged once per block in shared memory in the fragment
 // order. Products of bf16 weights and activations are exact in fp32 and summed in fp32.
 //
-// Work split: a row tile is 32 · warps consecutive weight rows (each warp two 16-row tiles, so
-// every activation fragment read from shared memory feeds two mma; k_warps warps per row range
-// take alternate groups); a block owns 1/splits of K and one row tile, or (row_blocks != 0) loops
-// over the row tiles blockIdx.x + gridDim.x · i with its activations staged once and the next
-// tile's weights in flight while it reduces the last; the `splits` blocks of one row range form a
-// thread-block cluster that adds its partial sums through distributed shared memory in a fixed
-// order (deterministic) before the epilogue. Looping blocks keep their partial sums past the
-// staged activations in two buffers used alternately, so one cluster barrier per tile suffices.
+// Work split: a row tile is 16 · tiles_per_warp · warps consecutive weight rows (each warp one or
+// two 16-row tiles: with two, every activation fragment read from shared memory feeds two mma;
+// with one, half the accumulators and weight registers, so that at 33-64 activation rows twice
+// the warps fit an SM; k_warps warps per row range take alternate groups); a block owns 1/splits of
+// K and one row tile, or (row_blocks != 0) loops over the row tiles blockIdx.x + gridDim.x · i with
+// its activations staged once and the next tile's weights in flight while it reduces the last; the
+// `splits` blocks of one row range form a thread-block cluster that adds its partial sums through
+// distributed shared memory in a fixed order (deterministic) before the epilogue. Looping blocks
+// keep their partial sums past the staged activations in two buffers used alternately, so one
+// cluster barrier per tile suffices.
 #pragma once
 
 #include <cstdint>
@@ -46,7 +48,7 @@ inline constexpr int kMmaGemvMaxSplits = 8;
 inline constexpr int kMmaGemvResidentRowBlocks = -1;
 
 struct MmaGemvTiling {
-  int warps;        // warps along the rows: 32 · warps weight rows per row tile
+  int warps;        // warps along the rows: 16 · tiles_per_warp · warps weight rows per row tile
   int splits;       // 1..kMmaGemvMaxSplits blocks along K, one cluster
   int k_warps = 1;  // warps along the block's K range (their partial sums added in the block)
   // Blocks along the rows: 0, one per row tile; n > 0, n blocks (at most one per tile) that loop
@@ -54,26 +56,44 @@ struct MmaGemvTiling {
   // balanced (the fewest blocks for the same tiles per block). Wave-quantized grids (a second
   // wave of a few clusters) become one wave, and a block stages its activations once.
   int row_blocks = 0;
+  int tiles_per_warp = 2;  // 16-row mma tiles per warp: 2 or 1
 };
 
-// The compiled warp layouts {warps, k_warps}: 4 or 8 warps of 32 rows, or 4 of them twice along
-// K (twice the warps for the shapes with few rows: 1,536-row down / o_proj).
+// Weight rows of one row tile of the tiling.
+constexpr int mma_gemv_tile_rows(const MmaGemvTiling& tiling) {
+  return 16 * tiling.tiles_per_warp * tiling.warps;
+}
+
+// The compiled warp layouts {warps, k_warps, tiles_per_warp}: 4 or 8 warps of 32 rows, or 4 of
+// them twice along K (twice the warps for the shapes with few rows: 1,536-row down / o_proj);
+// and warps of one 16-row tile held to 128 registers: 8 warps (two blocks an SM), 16 warps, 8
+// warps twice along K (16 warps an SM where one block per SM fits shared memory: 33-64 rows over
+// a long K range; up to 16 rows, the deeper weight prefetch that 16 warps leave registers for).
 struct MmaGemvWarpLayout {
   int warps;
   int k_warps;
+  int tiles_per_warp = 2;
 };
-inline constexpr MmaGemvWarpLayout kMmaGemvWarpLayouts[] = {{4, 1}, {8, 1}, {4, 2}};
-inline constexpr int kNumMmaGemvWarpLayouts = 3;
+inline constexpr MmaGemvWarpLayout kMmaGemvWarpLayouts[] = {{4, 1},    {8, 1},     {4, 2},
+                                                            {8, 1, 1}, {16, 1, 1}, {8, 2, 1}};
+inline constexpr int kNumMmaGemvWarpLayouts = 6;
 
 // The index of the tiling's layout in kMmaGemvWarpLayouts, -1 if none.
 constexpr int mma_gemv_warp_layout(const MmaGemvTiling& tiling) {
   for (int i = 0; i < kNumMmaGemvWarpLayouts; ++i) {
     if (kMmaGemvWarpLayouts[i].warps == tiling.warps &&
-        kMmaGemvWarpLayouts[i].k_warps == tiling.k_warps) {
+        kMmaGemvWarpLayouts[i].k_warps == tiling.k_warps &&
+        kMmaGemvWarpLayouts[i].tiles_per_warp == tiling.tiles_per_warp) {
       return i;
     }
   }
   return -1;
+}
+
+// The tiling `layout` of `splits` blocks along K (row_blocks as given).
+constexpr MmaGemvTiling mma_gemv_tiling(const MmaGemvWarpLayout& layout, int splits,
+                                        int row_blocks = 0) {
+  return {layout.warps, splits, layout.k_warps, row_blocks, layout.tiles_per_warp};
 }
 
 // n tiles (8 activation rows each) a kernel covers for m rows: 1, 2, 4 or 8 (one instantiation
@@ -88,10 +108,11 @@ constexpr int64_t mma_gemv_groups_per_split(int64_t groups, int splits) {
   return ((groups + splits - 1) / splits + 3) / 4 * 4;
 }
 
-// Floats per activation row of a block's partial sums: its 32 · warps weight rows plus 4, so that
-// the 4 lanes of a quad (rows 2t, 2t + 1 apart by twice the stride) store to distinct banks.
-constexpr int64_t mma_gemv_partial_stride(int warps) {
-  return 32 * warps + 4;
+// Floats per activation row of a block's partial sums: its tile_rows weight rows (a multiple of
+// 32) plus 4, so that the 4 lanes of a quad (rows 2t, 2t + 1 apart by twice the stride) store to
+// distinct banks.
+constexpr int64_t mma_gemv_partial_stride(int tile_rows) {
+  return tile_rows + 4;
 }
 
 // Bytes of the staged activations of a block's K range (whole quads) for `m` rows: 64 (bf16) per
@@ -102,8 +123,8 @@ constexpr int64_t mma_gemv_staged_bytes(int m, int64_t groups_per_split) {
 
 // Bytes of one buffer of a block's partial sums [k warp][activation row][tile row].
 constexpr int64_t mma_gemv_partial_bytes(const MmaGemvTiling& tiling, int m) {
-  return int64_t{tiling.k_warps} * 8 * mma_gemv_n_tiles(m) * mma_gemv_partial_stride(tiling.warps) *
-         4;
+  return int64_t{tiling.k_warps} * 8 * mma_gemv_n_tiles(m) *
+         mma_gemv_partial_stride(mma_gemv_tile_rows(tiling)) * 4;
 }
 
 // Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
