@@ -79,7 +79,8 @@ __device__ __forceinline__ void residual_step_row(const GemvResidualTail& t, con
 #pragma unroll
     for (int k = 0; k < kMaxRowQuads; ++k) {
       if (lane % 8 != 0 || !in_row(p, k)) continue;
-      const float* rows[3] = {residual_row, t.weight, t.next_weight};
+      const float* rows[5] = {residual_row, t.weight, t.next_weight, t.router_scale,
+                              t.expert_weight};
       for (const float* row : rows) {
         if (row != nullptr) prefetch_l1(row + first(p, k));
       }
@@ -145,12 +146,40 @@ __device__ __forceinline__ void residual_step_row(const GemvResidualTail& t, con
     }
   };
   store_v(residual_row, t.residual_companions);
-  if (t.next == nullptr) return;
+  if (t.next == nullptr && t.router_in == nullptr) return;
   warp_totals_of(warp_totals + 32);
   const float residual_inv =
       tail_inverse_rms(virtual_block_total(warp_totals + 32, virtual_warps), width, t.eps);
 
-  // next = residual · residual_inv · next scale.
+  // The MoE inputs: router_in = (residual · residual_inv · router_scale) · router_factor,
+  // expert_in = residual · residual_inv · expert scale (add_rms_norm_kernel's order).
+  if (t.router_in != nullptr) {
+    float* router_row = t.router_in + m * t.router_in_stride;
+    float* expert_row = t.expert_in + m * t.expert_in_stride;
+#pragma unroll
+    for (int p = 0; p < kVirtualPasses; ++p) {
+#pragma unroll
+      for (int k = 0; k < kMaxRowQuads; ++k) {
+        if (!in_row(p, k)) continue;
+        const FloatQuad router_scale =
+            load_norm_scale<true>(t.router_scale, 0.0f, first(p, k), width);
+        const FloatQuad expert_scale =
+            load_norm_scale<true>(t.expert_weight, t.weight_offset, first(p, k), width);
+        FloatQuad router, expert;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float normed = __fmul_rn(v[p][k].v[e], residual_inv);
+          router.v[e] = __fmul_rn(__fmul_rn(normed, router_scale.v[e]), t.router_factor);
+          expert.v[e] = __fmul_rn(__fmul_rn(v[p][k].v[e], residual_inv), expert_scale.v[e]);
+        }
+        store_quad<true>(router_row, first(p, k), width, router);
+        store_quad<true>(expert_row, first(p, k), width, expert);
+      }
+    }
+  }
+  if (t.next == nullptr) return;
+
+    // next = residual · residual_inv · next scale.
 #pragma unroll
   for (int p = 0; p < kVirtualPasses; ++p) {
 #pragma unroll
