@@ -343,6 +343,68 @@ Result bench_residual_fold(int64_t rows, int64_t cols, GemvEpilogue epilogue, co
   return r;
 }
 
+// The residual step after a GEMV at one row (engine::Backend::matmul_add_rms_norm), w4g32
+// weights, bf16 activations: variant 0 the GEMV then the add_rms_norm kernel (writing next's bf16
+// companion), the engine's order without the tail (both kernels per link); variant 1 (the
+// default) the GEMV with the step in its tail (GemvResidualTail: one kernel per link).
+Result bench_residual_tail(int64_t rows, int64_t cols, const char* label, cudaStream_t stream) {
+  Result r;
+  r.kernel = "w4g32/residual-tail";
+  r.shape = label;
+  r.skipped = !selected(r.kernel, label, 1);
+  if (r.skipped) return r;
+  Weights w;
+  make_weights(Format(WeightFormat::kW4G32), rows, cols, w);
+  const int links = std::max<int>(static_cast<int>(w.copies.size()), 8);
+  float *residual = nullptr, *norm_weight = nullptr, *next = nullptr, *y = nullptr;
+  uint16_t *x = nullptr, *next_bf16 = nullptr;
+  unsigned int* counter = nullptr;
+  for (float** p : {&y, &residual, &norm_weight, &next}) CHECK(cudaMalloc(p, size_t(rows) * 4));
+  CHECK(cudaMalloc(&x, size_t(cols) * 2));
+  CHECK(cudaMalloc(&next_bf16, size_t(rows) * 2));
+  CHECK(cudaMalloc(&counter, sizeof(unsigned int)));
+  CHECK(cudaMemset(counter, 0, sizeof(unsigned int)));
+  fill(x, size_t(cols) * 2, 7, 0x3F7F3F7F);  // finite bf16 pairs
+  fill(residual, size_t(rows) * 4, 8, 0x3F7F3F7F);
+  fill(norm_weight, size_t(rows) * 4, 9, 0x3F7F3F7F);
+  const GemvInput input = {x, ActType::kBF16, 1, cols};
+
+  r.mbytes = w.bytes / 1e6;
+  r.default_tiling = 1;
+  gemma4::cuda::AddNormSpec spec;
+  spec.weight = norm_weight;
+  spec.next_weight = norm_weight;
+  spec.next_companions = {next_bf16, nullptr, rows};
+  r.measure(0, links, stream, [&](int i, const Launch& launch) {
+    const cudaError_t status =
+        gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, {y, rows}, launch);
+    if (status != cudaSuccess) return status;
+    return gemma4::cuda::add_rms_norm({y, 1, rows, rows}, {residual, 1, rows, rows},
+                                      {next, 1, rows, rows}, spec, launch);
+  });
+  GemvOutput tailed = {y, rows};
+  tailed.residual_tail = {.residual = residual,
+                          .residual_stride = rows,
+                          .weight = norm_weight,
+                          .next_weight = norm_weight,
+                          .next = next,
+                          .next_stride = rows,
+                          .next_companions = spec.next_companions,
+                          .done_counter = counter};
+  r.measure(1, links, stream, [&](int i, const Launch& launch) {
+    return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, tailed, launch);
+  });
+  std::printf("%-14s %-22s M=1  %8.2f MB  variants(0 separate, 1 tail; plain/pdl us): %s\n",
+              r.kernel.c_str(), label, r.mbytes, r.all.c_str());
+  std::fflush(stdout);
+  for (void* p : {static_cast<void*>(x), static_cast<void*>(residual),
+                  static_cast<void*>(norm_weight), static_cast<void*>(next), static_cast<void*>(y),
+                  static_cast<void*>(next_bf16), static_cast<void*>(counter)}) {
+    CHECK(cudaFree(p));
+  }
+  return r;
+}
+
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
 // and 8 splits, each with one block per row tile and with resident looping blocks, beside the
 // default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
@@ -942,6 +1004,11 @@ int main(int argc, char** argv) {
       bench_residual_fold(16384, 5376, GemvEpilogue::kNone, big_dense[0].label, stream));
   results.push_back(
       bench_residual_fold(43008, 5376, GemvEpilogue::kGeluPairs, big_dense[1].label, stream));
+  // The residual step in the tail of the GEMV before it against that GEMV + add_rms_norm: E2B's
+  // o_proj, the 31B's o_proj and down.
+  results.push_back(bench_residual_tail(1536, 2048, dense[5].label, stream));
+  results.push_back(bench_residual_tail(5376, 8192, big_dense[2].label, stream));
+  results.push_back(bench_residual_tail(5376, 21504, big_dense[3].label, stream));
 
   // The GGUF repacks with fp32 activations (the engine's): Gemma 3 270M (Q4_K_M: w4g32a, w8 g16
   // f32 from Q6_K, w8 g32 f16 from Q8_0) and E2B shapes.

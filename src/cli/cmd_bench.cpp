@@ -45,6 +45,7 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_pdl = false;
   bool fold = false;
+  bool tail = false;
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
@@ -506,6 +507,7 @@ Status Bench::write_report() const {
   json["graphs"] = !args_.no_graphs;
   json["pdl"] = !args_.no_pdl;
   json["fold_residual_steps"] = args_.fold;
+  json["tail_residual_steps"] = args_.tail;
   json["activations"] = activations_;
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
   json["decode"] = nlohmann::ordered_json::array();
@@ -585,6 +587,7 @@ Status bench(BenchArgs args) {
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
   load.fold_residual_steps = args.fold;
+  load.tail_residual_steps = args.tail;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
   load.threads = args.threads;
@@ -617,6 +620,9 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fold", args->fold,
                 "CUDA: fold residual steps into the next matmul's prologue instead of running "
                 "their own kernel (slower as measured; for A/B measurements)");
+  cmd->add_flag("--tail", args->tail,
+                "CUDA: run residual steps in the tail of the GEMV before them (o_proj, down) "
+                "instead of in their own kernel (for A/B measurements)");
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);

@@ -79,6 +79,14 @@ void Backend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float s
   }
 }
 
+bool Backend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                  const float* weight, float scalar, const float* next_weight,
+                                  Rows next, const NormParams& norm) {
+  (void)acc, (void)weight, (void)scalar, (void)next_weight, (void)next, (void)norm;
+  matmul(w, x, y);
+  return false;
+}
+
 void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
                                   const float* weight, float scalar, const float* next_weight,
                                   Rows next, const NormParams& norm) {

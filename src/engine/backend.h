@@ -287,6 +287,15 @@ class Backend {
                                    const float* next_weight, Rows next, const quant::QMatrix& w,
                                    Rows y, bool gelu_pairs, const NormParams& norm);
 
+  // The producer side of a residual step: y = x · Wᵀ, and when the backend can run it in that
+  // matmul's own launch (a GEMV's tail), add_rms_norm(acc, y, weight, scalar, next_weight, next,
+  // norm) too; returns whether it did. y may be overwritten then (as add_rms_norm's x). Default:
+  // the matmul alone, false: the caller runs the step itself (or hands it to the next matmul,
+  // add_rms_norm_matmul).
+  virtual bool matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                   const float* weight, float scalar, const float* next_weight,
+                                   Rows next, const NormParams& norm);
+
   // The router of a MoE layer: logits = x · router_projᵀ (kept: the engine's router trace reads
   // them), then route_experts(logits, router, expert_ids, weights). Default: those two calls.
   virtual void matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,

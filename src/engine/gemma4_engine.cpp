@@ -229,12 +229,18 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
 
   const int64_t H = config.hidden_size;
   Rows projected = rows(proj, n, H);
-  backend->matmul(lw.o_proj, out, projected);
   if (!config.moe) {
-    // hidden += norm(projected); normed = pre_feedforward_layernorm(hidden): in the gate/up matmul.
-    pending = {hidden, projected, lw.post_attention_layernorm, 1.0f, lw.pre_feedforward_layernorm};
+    // hidden += norm(projected); normed = pre_feedforward_layernorm(hidden): in o_proj's own launch
+    // where the backend can, else in the gate/up matmul.
+    if (!backend->matmul_add_rms_norm(
+            lw.o_proj, out, projected, hidden, lw.post_attention_layernorm, 1.0f,
+            lw.pre_feedforward_layernorm, rows(normed, n, H), norm_params)) {
+      pending = {hidden, projected, lw.post_attention_layernorm, 1.0f,
+                 lw.pre_feedforward_layernorm};
+    }
     return;
   }
+  backend->matmul(lw.o_proj, out, projected);
   // arch spec 3: the router's and the experts' inputs are norms of the same residual as the dense
   // MLP's. The router's input goes to proj (this step consumes projected).
   const MoeInputs moe_inputs = {lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)),
@@ -255,7 +261,8 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   // in the first matmul.
   const Rows m = rows(normed, n, H);
   Rows dense_out = rows(branch, n, H);
-  const auto dense_mlp = [&] {
+  // The gated activations, down's input.
+  const auto dense_mlp_gates = [&] {
     Rows gates = rows(gate, n, g.ffn_width);
     if (model::present(lw.gate_up)) {
       matmul_normed(lw.gate_up, n, gates, /*gelu_pairs=*/true);
@@ -265,7 +272,7 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
       backend->matmul(lw.up_proj, m, ups);
       backend->gelu_tanh_mul(gates, ups, gates);
     }
-    backend->matmul(lw.down_proj, gates, dense_out);
+    return gates;
   };
 
   Rows expert_out = rows(moe, n, H);
@@ -277,7 +284,7 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
     backend->concurrently(
         n,
         [&] {
-          dense_mlp();
+          backend->matmul(lw.down_proj, dense_mlp_gates(), dense_out);
           backend->rms_norm(dense_out, lw.post_feedforward_layernorm_1, norm_params.weight_offset,
                             norm_params.eps, dense_out);
         },
@@ -290,8 +297,6 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
           backend->run_experts(lw.experts, rows(expert_input, n, H), expert_ids.ints(),
                                expert_weights.floats(), p.top_k, expert_out);
         });
-  } else {
-    dense_mlp();
   }
   // The layer ends by norming its output for the next layer's attention; the last layer for the
   // logits when forward() asked for it (final_normed).
@@ -308,12 +313,16 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
       backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
                                    lw.post_feedforward_layernorm, lw.layer_scalar, next_norm, next,
                                    norm_params);
-    } else if (last) {
-      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
-                            next_norm, next, norm_params);
-    } else {
-      // In the next layer's QKV matmul.
-      pending = {hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar, next_norm};
+    } else if (!backend->matmul_add_rms_norm(lw.down_proj, dense_mlp_gates(), dense_out, hidden,
+                                             lw.post_feedforward_layernorm, lw.layer_scalar,
+                                             next_norm, next, norm_params)) {
+      // Not in down's own launch: here, or in the next layer's QKV matmul.
+      if (last) {
+        backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
+                              next_norm, next, norm_params);
+      } else {
+        pending = {hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar, next_norm};
+      }
     }
     return;
   }
@@ -322,6 +331,8 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   if (config.moe) {
     backend->add_rms_norm(dense_out, expert_out, lw.post_feedforward_layernorm_2, 1.0f, nullptr,
                           Rows{}, norm_params);
+  } else {
+    backend->matmul(lw.down_proj, dense_mlp_gates(), dense_out);
   }
   // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)

@@ -811,17 +811,11 @@ void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, flo
   };
   if (fold_residual_steps_ && activation_mode_ != ActivationMode::kF32 && acc.count == 1 &&
       next.data != nullptr && register_gemv()) {
-    auto counter = fold_counters_.find(acc.data);
-    if (counter == fold_counters_.end()) {
-      // Zero-filled; made by the unrecorded pass before a decode step is recorded.
-      counter = fold_counters_.emplace(acc.data, allocate(sizeof(unsigned int))).first;
-    }
+    unsigned int* counter = step_counter(acc.data);
     GemvInput input = {x.data, ActType::kF32, 1, x.stride, true};
     input.residual_norm = {
-        acc.data,           acc.stride,  weight,
-        norm.weight_offset, norm.eps,    scalar,
-        /*next_norm=*/true, next_weight, static_cast<unsigned int*>(counter->second.data()),
-        next.data,          next.stride};
+        acc.data,           acc.stride,  weight,  norm.weight_offset, norm.eps,   scalar,
+        /*next_norm=*/true, next_weight, counter, next.data,          next.stride};
     GemvOutput out = {y.data, y.stride};
     if (gelu_pairs) {
       // The companions matmul_gelu_pairs writes for one row.
@@ -831,7 +825,7 @@ void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, flo
       out.companions = companion_storage(y, true, q8);
     }
     const cudaError_t status =
-        counter->second.data() == nullptr ? cudaErrorInvalidValue : gemv(w, input, out, launch());
+        counter == nullptr ? cudaErrorInvalidValue : gemv(w, input, out, launch());
     if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the default below
       launched(status, "add_rms_norm_matmul (gemv)");
       wrote(acc);
@@ -841,6 +835,55 @@ void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, flo
     }
   }
   Backend::add_rms_norm_matmul(acc, x, weight, scalar, next_weight, next, w, y, gelu_pairs, norm);
+}
+
+unsigned int* CudaBackend::step_counter(const float* residual) {
+  auto counter = fold_counters_.find(residual);
+  if (counter == fold_counters_.end()) {
+    // Zero-filled; made by the unrecorded pass before a decode step is recorded.
+    counter = fold_counters_.emplace(residual, allocate(sizeof(unsigned int))).first;
+  }
+  return static_cast<unsigned int*>(counter->second.data());
+}
+
+bool CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                      const float* weight, float scalar, const float* next_weight,
+                                      Rows next, const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  const auto matmul_alone = [&] {
+    matmul(w, x, y);
+    return false;
+  };
+  // Batched rows go to the tensor-core GEMV, which has no tail; so does kF32 mode's exact fp32
+  // GEMV (not measured with one).
+  if (!tail_residual_steps_ || activation_mode_ == ActivationMode::kF32 || x.count != 1 ||
+      acc.count != 1) {
+    return matmul_alone();
+  }
+  unsigned int* counter = step_counter(acc.data);
+  if (counter == nullptr) return matmul_alone();  // status_ says why
+  const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
+  GemvOutput out = {y.data, y.stride};
+  out.residual_tail = {.residual = acc.data,
+                       .residual_stride = acc.stride,
+                       .weight = weight,
+                       .next_weight = next_weight,
+                       .weight_offset = norm.weight_offset,
+                       .eps = norm.eps,
+                       .scalar = scalar,
+                       .next = next.data,
+                       .next_stride = next.stride,
+                       .residual_companions = spec.residual_companions,
+                       .next_companions = spec.next_companions,
+                       .done_counter = counter};
+  const GemvInput input = gemv_input(w, x);
+  const cudaError_t status = gemv(w, input, out, launch());
+  // Nothing enqueued: a shape without a tail kernel.
+  if (status == cudaErrorInvalidValue) return matmul_alone();
+  launched(status, "matmul_add_rms_norm (gemv)");
+  wrote(y);
+  residual_step_wrote(acc, next, spec);
+  return true;
 }
 
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
@@ -1190,6 +1233,7 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
   backend->set_activation_mode(options.activations);
   backend->set_fold_residual_steps(options.fold_residual_steps);
+  backend->set_tail_residual_steps(options.tail_residual_steps);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

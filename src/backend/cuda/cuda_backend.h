@@ -201,6 +201,15 @@ class CudaBackend final : public engine::Backend {
                            const engine::NormParams& norm) override;
   // Whether add_rms_norm_matmul folds (default off; on for measurements and tests).
   void set_fold_residual_steps(bool fold) { fold_residual_steps_ = fold; }
+  // With set_tail_residual_steps(true), one row outside kF32 mode where the register GEMV of a
+  // tail tiling (kGemvTailTilings: E2B's and 31B's o_proj / down) serves the matmul: the step runs
+  // in that GEMV's tail (GemvResidualTail: the block that finishes last does add_rms_norm's work
+  // on the stored row, bit for bit), one kernel fewer. Anything else: the matmul alone (false).
+  bool matmul_add_rms_norm(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
+                           engine::Rows acc, const float* weight, float scalar,
+                           const float* next_weight, engine::Rows next,
+                           const engine::NormParams& norm) override;
+  void set_tail_residual_steps(bool tail) { tail_residual_steps_ = tail; }
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
@@ -339,9 +348,12 @@ class CudaBackend final : public engine::Backend {
   std::vector<LiveCompanions> live_companions_;
   int reporting_writes_ = 0;          // ReportingWrites held now
   bool fold_residual_steps_ = false;  // set_fold_residual_steps
-  // add_rms_norm_matmul's done counters (GemvResidualNorm), one per residual it updates (two
-  // folded GEMVs updating the same residual never run at once), zero between launches.
+  bool tail_residual_steps_ = false;  // set_tail_residual_steps
+  // The done counters of add_rms_norm_matmul (GemvResidualNorm) and matmul_add_rms_norm
+  // (GemvResidualTail), one per residual they update (two GEMVs updating the same residual never
+  // run at once), zero between launches.
   std::map<const float*, engine::Buffer> fold_counters_;
+  unsigned int* step_counter(const float* residual);
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile
@@ -355,6 +367,7 @@ struct CudaOptions {
   bool pdl = true;  // false: kernels launched plainly (for A/B measurements)
   ActivationMode activations = kDefaultActivationMode;  // set_activation_mode
   bool fold_residual_steps = false;                     // set_fold_residual_steps
+  bool tail_residual_steps = false;                     // set_tail_residual_steps
 };
 
 // "f32", "bf16", "q8".

@@ -130,10 +130,8 @@ __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a)
 }
 
 // The register-resident row kernels (add_rms_norm, rms_norm without RoPE): thread t holds quads
-// t, t + blockDim, ... (kQuads of them), every global load is issued before the first reduction
-// and every store happens once. kMaxRowQuads · kMaxRowThreads quads bound the width.
-constexpr int kMaxRowThreads = 1024;
-constexpr int kMaxRowQuads = 2;
+// t, t + blockDim, ... (kQuads of them: row_shape, float_quads.cuh), every global load is issued
+// before the first reduction and every store happens once.
 
 __device__ __forceinline__ int64_t quad_first(int k) {
   return 4 * (threadIdx.x + int64_t{k} * blockDim.x);
@@ -324,21 +322,6 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   scale_row(residual, residual_inv, next_scale);
   store_row<kQuads, kAligned>(a.next.data + r * a.next.stride, width, residual);
   store_row_companions(spec.next_companions, r, width, residual);
-}
-
-// How a register-resident row kernel takes rows of `width` (<= 4 · kMaxRowQuads ·
-// kMaxRowThreads): one quad per thread while the row fits kMaxRowThreads (E2B's 1536: 384
-// threads), else two.
-struct RowShape {
-  int quads_per_thread;
-  unsigned threads;
-};
-
-RowShape row_shape(int64_t width) {
-  const int64_t quads = (width + 3) / 4;
-  const int per_thread = quads <= kMaxRowThreads ? 1 : 2;
-  return {per_thread,
-          static_cast<unsigned>(((quads + per_thread - 1) / per_thread + 31) / 32 * 32)};
 }
 
 bool fits_registers(int64_t width) {

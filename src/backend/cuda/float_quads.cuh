@@ -55,6 +55,26 @@ __device__ __forceinline__ FloatQuad load_norm_scale(const float* weight, float 
   return q;
 }
 
+// How the register-resident row kernels (elementwise.cu: add_rms_norm, rms_norm without RoPE)
+// take rows of `width` (<= 4 · kMaxRowQuads · kMaxRowThreads): thread t of `threads` holds quads
+// t, t + threads, ... (quads_per_thread of them), one quad per thread while the row fits
+// kMaxRowThreads (E2B's 1536: 384 threads), else two. Their block sums follow this layout, so a
+// GEMV's residual-step tail (gemv_residual_tail.cuh) that sums in it gets their bits.
+inline constexpr int kMaxRowThreads = 1024;
+inline constexpr int kMaxRowQuads = 2;
+
+struct RowShape {
+  int quads_per_thread;
+  unsigned threads;
+};
+
+__host__ __device__ inline RowShape row_shape(int64_t width) {
+  const int64_t quads = (width + 3) / 4;
+  const int per_thread = quads <= kMaxRowThreads ? 1 : 2;
+  return {per_thread,
+          static_cast<unsigned>(((quads + per_thread - 1) / per_thread + 31) / 32 * 32)};
+}
+
 __device__ __forceinline__ float warp_sum(float value) {
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2)

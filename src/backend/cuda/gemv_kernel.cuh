@@ -12,6 +12,7 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/gemv_residual_norm.cuh"
+#include "backend/cuda/gemv_residual_tail.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
 
@@ -75,9 +76,11 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
 // Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
 // block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
 // consecutive lanes read T consecutive 16-byte chunks of a row (coalesced). P: the loads of pass
-// p + 1 go out before the products of pass p (GemvTiling::prefetch_next_pass; MT 1).
-template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P>
-__global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
+// p + 1 go out before the products of pass p (GemvTiling::prefetch_next_pass; MT 1). RT: the
+// residual step's tail after the stores (a.residual_tail, gemv_residual_tail.cuh).
+template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P, bool RT>
+__global__ void __launch_bounds__(W * 32, RT ? gemv_tail_min_blocks(W * 32) : 0)
+    gemv_kernel(GemvArgs a) {
   static_assert(!P || MT == 1, "prefetching tilings are single-row");
   static_assert(W == 1 || gemv_partial_floats({R, T, W, G, MT}) >= 2 * W,
                 "the residual-step prologue sums across warps in the partials' first 2·W floats");
@@ -139,6 +142,7 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   }
   if constexpr (XT == ActType::kF32)
     prefetch_residual_norm_weight(a.residual_norm, kElems * a.chunks_per_row);
+  if constexpr (RT) prefetch_tail_weights(a.residual_tail, a.rows);
   pdl_wait_for_predecessors();
 
   // Dynamic shared memory (gemv_shared_bytes): the split-K partial sums [W][MT][kRowsPerBlock]
@@ -304,22 +308,28 @@ __global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
       __syncthreads();
     }
   }
+  // The shared memory's first 64 floats (kGemvTailSharedBytes at launch) serve the tail's sums.
+  if constexpr (RT) {
+    residual_step_tail<W>(a.residual_tail, a.y, a.y_stride, a.m, a.rows,
+                          reinterpret_cast<float*>(shared_words));
+  }
 }
 
-template <WeightFormat F, ActType XT, int I>
+// RT: the kernel with the residual-step tail (kGemvTailTilings only).
+template <WeightFormat F, ActType XT, int I, bool RT>
 constexpr KernelFn kernel_for() {
-  if constexpr (gemv_tiling_compiled(I)) {
+  if constexpr (RT ? gemv_tiling_has_tail(I) : gemv_tiling_compiled(I)) {
     constexpr GemvTiling t = kGemvTilings[I];
     return gemv_kernel<F, XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
-                       t.m_tile, t.prefetch_next_pass>;
+                       t.m_tile, t.prefetch_next_pass, RT>;
   } else {
     return nullptr;
   }
 }
 
-template <WeightFormat F, ActType XT, size_t... I>
+template <WeightFormat F, ActType XT, bool RT, size_t... I>
 constexpr std::array<KernelFn, kNumGemvTilings> kernel_table(std::index_sequence<I...>) {
-  return {kernel_for<F, XT, static_cast<int>(I)>()...};
+  return {kernel_for<F, XT, static_cast<int>(I), RT>()...};
 }
 
 // Formats with bf16-activation kernels: the checkpoint formats, whose bf16-activation speed the
@@ -328,37 +338,45 @@ template <WeightFormat F>
 constexpr bool kHasBF16Activations =
     F == WeightFormat::kW4G32 || F == WeightFormat::kNVFP4 || F == WeightFormat::kBF16;
 
-// The kernel of (F, x type, tiling), or nullptr where none is compiled (kQ8 activations exist for
-// kW4G32 only, bf16 ones for kHasBF16Activations). Explicitly instantiated once per format in
-// gemv_<format>.cu.
+// The kernel of (F, x type, tiling, residual tail), or nullptr where none is compiled (kQ8
+// activations exist for kW4G32 only, bf16 ones for kHasBF16Activations; tails for the formats
+// with bf16 activations, fp32 or bf16 ones, kGemvTailTilings). Explicitly instantiated once per
+// format in gemv_<format>.cu.
 template <WeightFormat F>
-KernelFn select_kernel(ActType x_type, int tiling) {
+KernelFn select_kernel(ActType x_type, int tiling, bool tail) {
+  constexpr auto kTilings = std::make_index_sequence<kNumGemvTilings>();
+  if (tail) {
+    if constexpr (kHasBF16Activations<F>) {
+      static constexpr auto kF32Tail = kernel_table<F, ActType::kF32, true>(kTilings);
+      static constexpr auto kBF16Tail = kernel_table<F, ActType::kBF16, true>(kTilings);
+      if (x_type == ActType::kF32) return kF32Tail[tiling];
+      if (x_type == ActType::kBF16) return kBF16Tail[tiling];
+    }
+    return nullptr;
+  }
   if (x_type == ActType::kQ8) {
     if constexpr (F == WeightFormat::kW4G32) {
-      static constexpr auto kQ8 =
-          kernel_table<F, ActType::kQ8>(std::make_index_sequence<kNumGemvTilings>());
+      static constexpr auto kQ8 = kernel_table<F, ActType::kQ8, false>(kTilings);
       return kQ8[tiling];
     }
     return nullptr;
   }
   if (x_type == ActType::kBF16) {
     if constexpr (kHasBF16Activations<F>) {
-      static constexpr auto kBF16 =
-          kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumGemvTilings>());
+      static constexpr auto kBF16 = kernel_table<F, ActType::kBF16, false>(kTilings);
       return kBF16[tiling];
     }
     return nullptr;
   }
-  static constexpr auto kF32 =
-      kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumGemvTilings>());
+  static constexpr auto kF32 = kernel_table<F, ActType::kF32, false>(kTilings);
   return kF32[tiling];
 }
 
-extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int);
-extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int);
-extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int);
-extern template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int);
-extern template KernelFn select_kernel<WeightFormat::kW8>(ActType, int);
-extern template KernelFn select_kernel<WeightFormat::kF16>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kW8>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kF16>(ActType, int, bool);
 
 }  // namespace gemma4::cuda::gemv_detail

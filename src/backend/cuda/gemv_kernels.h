@@ -234,6 +234,47 @@ struct GemvResidualNorm {
   int64_t next_stride = 0;
 };
 
+// The residual step done once in the GEMV's own tail (gemv_residual_tail.cuh), on the rows y it
+// stores, instead of in a kernel of its own after it (engine::Backend::matmul_add_rms_norm):
+//   residual[m] = (residual[m] + rms_norm(y[m]; weight)) · scalar
+//   next[m] = rms_norm(residual[m]; next_weight)          (only with next non-null)
+// (weight_offset + weight; no factor for a null weight) with their companions, rounded and
+// reduced exactly as add_rms_norm (elementwise.h) does it. Every block counts its finished stores
+// on done_counter (a device counter at zero); the block that counts last runs the step and sets
+// the counter back to zero. Epilogue kNone, no companions of y; rows of y 16-byte aligned, a
+// width of at most 8192 and a multiple of 4; kernels of kGemvTailTilings only.
+struct GemvResidualTail {
+  float* residual = nullptr;  // null: no tail
+  int64_t residual_stride = 0;
+  const float* weight = nullptr;
+  const float* next_weight = nullptr;
+  float weight_offset = 0.0f;
+  float eps = 1e-6f;
+  float scalar = 1.0f;
+  float* next = nullptr;
+  int64_t next_stride = 0;
+  ActivationCompanions residual_companions = {};
+  ActivationCompanions next_companions = {};  // with next only
+  unsigned int* done_counter = nullptr;
+};
+
+// The register tilings compiled with a residual-step tail (as well as without): the one-row
+// o_proj / down tilings of E2B and 31B (default_gemv_tiling: 9 with bf16 activations, 27 with
+// fp32 ones staged as bf16).
+inline constexpr int kGemvTailTilings[] = {9, 27};
+
+constexpr bool gemv_tiling_has_tail(int tiling) {
+  for (int t : kGemvTailTilings) {
+    if (t == tiling) return gemv_tiling_compiled(t);
+  }
+  return false;
+}
+
+// Shared memory the tail's block sums take (two per virtual warp of add_rms_norm's block), and the
+// widest row it takes (add_rms_norm's: two quads in each of 1024 threads).
+inline constexpr int64_t kGemvTailSharedBytes = 2 * 32 * sizeof(float);
+inline constexpr int64_t kGemvTailMaxWidth = 8192;
+
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
   const void* scales;   // kW4G32A: fp32 {scale, min} pairs
@@ -257,6 +298,7 @@ struct GemvArgs {
   // and kGeluPairs.
   ActivationCompanions y_companions;
   GemvResidualNorm residual_norm;  // x is the step's input (fp32)
+  GemvResidualTail residual_tail;  // y is the step's input
 };
 
 // x[r] (fp32, K = `cols`) → its companions (bf16 and/or kQ8).
