@@ -397,11 +397,13 @@ TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
         for (int m : {1, 2, 8, 64}) {
           for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
             const int tiling = default_gemv_tiling(w, m, x_type);
-            EXPECT_TRUE(is_gemv_stream_tiling(tiling)
-                            ? gemv_stream_tiling_compiled(tiling)
-                            : std::find(std::begin(kDefaultGemvTilings),
-                                        std::end(kDefaultGemvTilings),
-                                        tiling) != std::end(kDefaultGemvTilings))
+            const auto listed = [&](const auto& defaults) {
+              return std::find(std::begin(defaults), std::end(defaults), tiling) !=
+                     std::end(defaults);
+            };
+            EXPECT_TRUE(is_gemv_stream_tiling(tiling)   ? gemv_stream_tiling_compiled(tiling)
+                        : is_gemv_splitk_tiling(tiling) ? listed(kDefaultGemvSplitKTilings)
+                                                        : listed(kDefaultGemvTilings))
                 << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m
                 << ": tiling " << tiling;
           }
@@ -696,7 +698,7 @@ TEST(Gemv, SplitKTilings) {
 // one activation row with bf16 products, no kQ8 companion, no residual step.
 TEST(Gemv, SplitKCompanionsAndLimits) {
   const int tiling = kDefaultGemvSplitKTilings[0];
-  const int64_t n = 1000, k = 8192;
+  const int64_t n = 1056, k = 8192;  // n: a companion stride, a multiple of 32
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, 2300);
   const DeviceMatrix device(host);
   const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, 2301));
@@ -723,6 +725,11 @@ TEST(Gemv, SplitKCompanionsAndLimits) {
       cudaErrorInvalidValue);
   const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, 2302);
   EXPECT_EQ(gemv(DeviceMatrix(nv).view, rounded, plain, Launch{}, tiling), cudaErrorInvalidValue);
+  // The default sends E2B's 1536-row down (K 6144) with bf16 activations here.
+  const HostMatrix down = random_matrix(WeightFormat::kW4G32, 1536, 6144, 2303);
+  const DeviceMatrix down_device(down);
+  ASSERT_TRUE(is_gemv_splitk_tiling(default_gemv_tiling(down_device.view, 1, ActType::kBF16)));
+  check_gemv(down, down_device, 1, ActType::kBF16, -1, 2304);
 }
 
 TEST(Gemv, RejectsUnsupportedShapes) {

@@ -214,6 +214,16 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
     // Not the E2B lm_head: the register kernel's 78 µs beat this kernel's 83-87.
     if (chunks == 48 && w.rows >= 24576 && w.rows < 131072) return 102;
   }
+  // E2B's 1536-row o_proj (K 2048) and down (K 6144) with bf16 activations, the split-K kernel
+  // (session 8, kernel_bench, PDL µs): 2.44 -> 2.26 and 3.96 -> 3.66 (tiling 217: four rows a
+  // thread, K over two blocks). Not K 12288 (register 9: 6.21 vs 6.44), not fp32 activations
+  // rounded to bf16 (217: 3.13 / 5.69, slower than the register kernel's 27 and the streaming
+  // kernel's 106 / 136), not the 31B 5,376-row shapes (217: o_proj 12.5, down 27.9 vs register
+  // 9's 11.8 / 27.05).
+  if (m == 1 && x_type == ActType::kBF16 && w.format == WeightFormat::kW4G32 && w.rows == 1536 &&
+      (w.cols == 2048 || w.cols == 6144)) {
+    return 217;
+  }
   return default_register_tiling(w, m, x_type);
 }
 

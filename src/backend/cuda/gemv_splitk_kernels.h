@@ -60,13 +60,21 @@ inline constexpr GemvSplitKTiling kGemvSplitKTilings[] = {
     {2, 8, 6, 2, 7},   // 218: 31B down, part 96, 8 rows, 192 threads, 4 loads a lane
     {2, 16, 3, 2, 7},  // 219: 31B down, part 96, 4 rows, 96 threads, 4 loads a lane
     {2, 8, 8, 2, 2},   // 220: 31B o_proj, part 128, 8 rows, 256 threads
+    // Four rows a thread (each activation chunk, unpacked once, serves four rows), as 217, which
+    // measured best at the E2B shapes (session 8): its one-pass variants, few or no splits.
+    {4, 16, 4, 3, 1},  // 221: E2B down K 6144 (192) in one pass, 8 rows
+    {4, 16, 4, 3, 2},  // 222: E2B down K 12288, part 192
+    {4, 8, 4, 2, 1},   // 223: E2B o_proj K 2048 (64) in one pass, 16 rows
+    {4, 32, 4, 2, 1},  // 224: 31B o_proj K 8192 (256) in one pass, 4 rows (tiling 9 with 4 rows)
+    {4, 16, 7, 3, 2},  // 225: 31B down, part 336 in one pass, 8 rows, 224 threads
+    {4, 32, 7, 3, 1},  // 226: 31B down K 21504 (672) in one pass, 4 rows, 224 threads
 };
 inline constexpr int kNumGemvSplitKTilings =
     sizeof(kGemvSplitKTilings) / sizeof(kGemvSplitKTilings[0]);
 
 // The split-K tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvSplitKTilings[] = {202};
+inline constexpr int kDefaultGemvSplitKTilings[] = {217};
 
 constexpr bool is_gemv_splitk_tiling(int tiling) {
   return tiling >= kGemvSplitKTilingBase && tiling < kGemvSplitKTilingBase + kNumGemvSplitKTilings;
