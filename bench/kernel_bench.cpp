@@ -252,18 +252,28 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
       return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, output, launch, t);
     });
   }
-  // The streaming kernel's tilings (100 + i), where it takes the call: one uncaptured launch
-  // says (and sets the kernel up before the capture).
-  for (int t = gemma4::cuda::kGemvStreamTilingBase;
-       t < gemma4::cuda::kGemvStreamTilingBase + gemma4::cuda::kNumGemvStreamTilings; ++t) {
-    if (!gemma4::cuda::gemv_stream_tiling_compiled(t) || (quick && t != r.default_tiling)) continue;
+  // The streaming kernel's tilings (100 + i) and the split-K kernel's (200 + i), where they take
+  // the call: one uncaptured launch says (and sets the kernel up before the capture).
+  const auto measure_if_taken = [&](int t) {
     if (gemma4::cuda::gemv(w.copies[0], input, output, Launch{stream, false}, t) != cudaSuccess) {
-      continue;
+      return;
     }
     CHECK(cudaStreamSynchronize(stream));
     r.measure(t, links, stream, [&](int i, const Launch& launch) {
       return gemma4::cuda::gemv(w.copies[i % w.copies.size()], input, output, launch, t);
     });
+  };
+  for (int t = gemma4::cuda::kGemvStreamTilingBase;
+       t < gemma4::cuda::kGemvStreamTilingBase + gemma4::cuda::kNumGemvStreamTilings; ++t) {
+    if (gemma4::cuda::gemv_stream_tiling_compiled(t) && (!quick || t == r.default_tiling)) {
+      measure_if_taken(t);
+    }
+  }
+  for (int t = gemma4::cuda::kGemvSplitKTilingBase;
+       t < gemma4::cuda::kGemvSplitKTilingBase + gemma4::cuda::kNumGemvSplitKTilings; ++t) {
+    if (gemma4::cuda::gemv_splitk_tiling_compiled(t) && (!quick || t == r.default_tiling)) {
+      measure_if_taken(t);
+    }
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
               m, r.mbytes, r.all.c_str());

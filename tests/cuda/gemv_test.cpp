@@ -397,11 +397,13 @@ TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
         for (int m : {1, 2, 8, 64}) {
           for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
             const int tiling = default_gemv_tiling(w, m, x_type);
-            EXPECT_TRUE(is_gemv_stream_tiling(tiling)
-                            ? gemv_stream_tiling_compiled(tiling)
-                            : std::find(std::begin(kDefaultGemvTilings),
-                                        std::end(kDefaultGemvTilings),
-                                        tiling) != std::end(kDefaultGemvTilings))
+            const auto listed = [&](const auto& defaults) {
+              return std::find(std::begin(defaults), std::end(defaults), tiling) !=
+                     std::end(defaults);
+            };
+            EXPECT_TRUE(is_gemv_stream_tiling(tiling)   ? gemv_stream_tiling_compiled(tiling)
+                        : is_gemv_splitk_tiling(tiling) ? listed(kDefaultGemvSplitKTilings)
+                                                        : listed(kDefaultGemvTilings))
                 << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m
                 << ": tiling " << tiling;
           }
@@ -698,6 +700,71 @@ TEST(Gemv, StreamCompanionsAndLimits) {
   ASSERT_TRUE(is_gemv_stream_tiling(default_gemv_tiling(tall_device.view, 1, ActType::kF32)));
   check_gemv(tall, tall_device, 1, ActType::kF32, -1, 2105);  // exact fp32 products
   check_gemv(tall, tall_device, 1, ActType::kBF16, -1, 2106);
+}
+
+// The split-K kernel (gemv_splitk_kernels.h), every compiled tiling: row counts that leave a
+// partial last block, K parts of unequal length (K 21504, 8192, 12288, 6144, 2048 over 1 to 8
+// blocks), parts with no chunk at all (K 32 over a cluster), both activation types, every
+// epilogue, every scale type, and a bf16 companion.
+TEST(Gemv, SplitKTilings) {
+  uint32_t seed = 2200;
+  const Shape shapes[] = {{38, 21504}, {22, 8192}, {52, 12288}, {70, 6144}, {18, 2048}, {6, 32}};
+  for (const Shape& s : shapes) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
+    const DeviceMatrix device(host);
+    for (int t = kGemvSplitKTilingBase; t < kGemvSplitKTilingBase + kNumGemvSplitKTilings; ++t) {
+      if (!gemv_splitk_tiling_compiled(t)) continue;
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kNone, true);
+      check_gemv(host, device, 1, ActType::kBF16, t, seed++, GemvEpilogue::kGeluPairs);
+      check_gemv(host, device, 1, ActType::kF32, t, seed++, GemvEpilogue::kGeluMul, true);
+    }
+  }
+  for (ScaleType scale_type : {ScaleType::kF16, ScaleType::kF32}) {
+    const HostMatrix host = random_matrix(WeightFormat::kW4G32, 40, 8192, seed++, scale_type);
+    const DeviceMatrix device(host);
+    for (int t = kGemvSplitKTilingBase; t < kGemvSplitKTilingBase + kNumGemvSplitKTilings; ++t) {
+      if (gemv_splitk_tiling_compiled(t)) check_gemv(host, device, 1, ActType::kBF16, t, seed++);
+    }
+  }
+}
+
+// The split-K kernel's bf16 companion is y rounded to bf16, and it takes only what it can: w4g32,
+// one activation row with bf16 products, no kQ8 companion, no residual step.
+TEST(Gemv, SplitKCompanionsAndLimits) {
+  const int tiling = kDefaultGemvSplitKTilings[0];
+  const int64_t n = 1056, k = 8192;  // n: a companion stride, a multiple of 32
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, 2300);
+  const DeviceMatrix device(host);
+  const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, 2301));
+  DeviceArray<float> y(2 * n);
+  DeviceArray<uint16_t> y_bf16(n);
+  GemvOutput out = {y.get(), n};
+  out.companions = {y_bf16.get(), nullptr, n};
+  const GemvInput rounded = {x.get(), ActType::kF32, 1, k, true};
+  CUDA_ASSERT_OK(gemv(device.view, rounded, out, Launch{}, tiling));
+  CUDA_ASSERT_OK(cudaDeviceSynchronize());
+  const std::vector<float> got = y.download();
+  const std::vector<uint16_t> got_bf16 = y_bf16.download();
+  for (int64_t i = 0; i < n; ++i) {
+    ASSERT_EQ(got_bf16[i], float_to_bf16(got[i])) << i;
+    ASSERT_TRUE(std::isfinite(got[i])) << i;
+  }
+
+  const GemvOutput plain = {y.get(), n};
+  // Exact fp32 products, two rows, NVFP4 weights: not this kernel's.
+  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 1, k}, plain, Launch{}, tiling),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      gemv(device.view, GemvInput{x.get(), ActType::kF32, 2, k, true}, plain, Launch{}, tiling),
+      cudaErrorInvalidValue);
+  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, 2302);
+  EXPECT_EQ(gemv(DeviceMatrix(nv).view, rounded, plain, Launch{}, tiling), cudaErrorInvalidValue);
+  // The default sends E2B's 1536-row down (K 6144) with bf16 activations here.
+  const HostMatrix down = random_matrix(WeightFormat::kW4G32, 1536, 6144, 2303);
+  const DeviceMatrix down_device(down);
+  ASSERT_TRUE(is_gemv_splitk_tiling(default_gemv_tiling(down_device.view, 1, ActType::kBF16)));
+  check_gemv(down, down_device, 1, ActType::kBF16, -1, 2304);
 }
 
 TEST(Gemv, RejectsUnsupportedShapes) {

@@ -54,6 +54,7 @@ struct TailCase {
   bool next;
   quant::WeightFormat format = quant::WeightFormat::kW4G32;
   bool moe = false;
+  int tiling = -1;  // -1: the shape's default (one row) or kGemvTailTilings[0]
 };
 
 void check_tail(const TailCase& c, uint32_t seed) {
@@ -77,8 +78,11 @@ void check_tail(const TailCase& c, uint32_t seed) {
   const float router_factor = 1.0f / std::sqrt(static_cast<float>(width));
   // One row: the shape's default tiling (the backend's choice); more: tiling 9 explicitly (the
   // batched default is a tiling of 8-row m tiles without a tail build).
-  const int tiling = c.m == 1 ? default_gemv_tiling(w.view, 1, c.x_type) : kGemvTailTilings[0];
-  ASSERT_TRUE(gemv_tiling_has_tail(tiling)) << "tiling " << tiling;
+  const int tiling = c.tiling >= 0 ? c.tiling
+                     : c.m == 1    ? default_gemv_tiling(w.view, 1, c.x_type)
+                                   : kGemvTailTilings[0];
+  // Every split-K tiling has a tail build.
+  ASSERT_TRUE(gemv_tiling_has_tail(tiling) || is_gemv_splitk_tiling(tiling)) << "tiling " << tiling;
 
   // Companions of what the step's reader takes: next's, or the residual's without next.
   const auto companion_arrays = [&](DeviceArray<uint16_t>& b16, DeviceArray<uint8_t>& q8) {
@@ -207,6 +211,21 @@ TEST(GemvResidualTail, WritesWhatTheGemvThenAddRmsNormWrite) {
                  std::to_string(c.m) + (c.next ? "" : ", no next") + (c.moe ? ", moe" : ""));
     check_tail(c, seed);
     seed += 10;
+  }
+}
+
+// The split-K GEMV's tail (gemv_splitk_kernels.h), every compiled tiling: 31B o_proj with bf16
+// activations, E2B down with fp32 ones and no next.
+TEST(GemvResidualTail, SplitKTilings) {
+  uint32_t seed = 4300;
+  for (int t = kGemvSplitKTilingBase; t < kGemvSplitKTilingBase + kNumGemvSplitKTilings; ++t) {
+    if (!gemv_splitk_tiling_compiled(t)) continue;
+    SCOPED_TRACE("tiling " + std::to_string(t));
+    check_tail({5376, 8192, ActType::kBF16, 1, 0.75f, true, quant::WeightFormat::kW4G32, false, t},
+               seed);
+    check_tail({1536, 6144, ActType::kF32, 1, 1.0f, false, quant::WeightFormat::kW4G32, false, t},
+               seed + 10);
+    seed += 20;
   }
 }
 

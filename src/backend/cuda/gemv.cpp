@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/gemv_splitk_kernels.h"
 #include "backend/cuda/gemv_stream_kernels.h"
 
 namespace gemma4::cuda {
@@ -197,6 +198,13 @@ bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
              kGemvStreamMaxSharedBytes;
 }
 
+// Whether the split-K kernel (gemv_splitk_kernels.h) takes this GEMV at `tiling`.
+bool splitk_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y, int tiling) {
+  return gemv_splitk_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 && x.rows == 1 &&
+         (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
+         x.residual_norm.residual == nullptr && y.companions.q8 == nullptr;
+}
+
 }  // namespace
 
 // The streaming kernel where it measured faster than the register kernel: one activation row of
@@ -221,6 +229,16 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
     }
     if (w.rows == 5376 && chunks == 256 && x_type == ActType::kBF16) return 106;
   }
+  // E2B's 1536-row o_proj (K 2048) and down (K 6144) with bf16 activations, the split-K kernel
+  // (session 8, kernel_bench, PDL µs): 2.44 -> 2.26 and 3.96 -> 3.66 (tiling 217: four rows a
+  // thread, K over two blocks). Not K 12288 (register 9: 6.21 vs 6.44), not fp32 activations
+  // rounded to bf16 (217: 3.13 / 5.69, slower than the register kernel's 27 and the streaming
+  // kernel's 106 / 136), not the 31B 5,376-row shapes (217: o_proj 12.5, down 27.9 vs register
+  // 9's 11.8 / 27.05).
+  if (m == 1 && x_type == ActType::kBF16 && w.format == WeightFormat::kW4G32 && w.rows == 1536 &&
+      (w.cols == 2048 || w.cols == 6144)) {
+    return 217;
+  }
   return default_register_tiling(w, m, x_type);
 }
 
@@ -239,7 +257,9 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                         output_ok(y, w.rows, x.rows);
   const bool pointers_ok = aligned16(w.data) && aligned16(x.data) &&
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
-  if (!shape_ok || !pointers_ok || (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling))) {
+  if (!shape_ok || !pointers_ok ||
+      (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling) &&
+       !is_gemv_splitk_tiling(tiling))) {
     return cudaErrorInvalidValue;
   }
   const GemvResidualNorm& step = x.residual_norm;
@@ -271,13 +291,17 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   }
   if (tiling < 0) {
     tiling = default_gemv_tiling(w, x.rows, x.type);
-    if (is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) {
+    if ((is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) ||
+        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling))) {
       tiling = default_register_tiling(w, x.rows, x.type);
     }
   }
   const bool stream = is_gemv_stream_tiling(tiling);
   if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
-  if (tail && !gemv_tiling_has_tail(tiling)) return cudaErrorInvalidValue;
+  const bool splitk = is_gemv_splitk_tiling(tiling);
+  if (splitk && !splitk_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
+  // Every split-K tiling has a tail build (gemv_splitk_kernels.h).
+  if (tail && !splitk && !gemv_tiling_has_tail(tiling)) return cudaErrorInvalidValue;
 
   GemvArgs args = {};
   args.weights = w.data;
@@ -292,7 +316,10 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.x_stride = x.stride;
   args.m = x.rows;
   args.f32_products = F32Products::kExact;
-  if (stream) {
+  if (splitk) {
+    // The split-K kernel rounds kF32 activations to bf16 in registers.
+    args.f32_products = F32Products::kBF16InRegisters;
+  } else if (stream) {
     // The streaming kernel stages every activation row it takes as bf16.
     args.f32_products = F32Products::kBF16Staged;
     args.staged_rows = 1;
@@ -318,6 +345,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
   args.residual_tail = y.residual_tail;
+  if (splitk) return launch_gemv_splitk(x.type, tiling - kGemvSplitKTilingBase, args, launch);
   if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
 }

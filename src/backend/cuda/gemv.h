@@ -13,6 +13,7 @@
 #include <span>
 
 #include "backend/cuda/gemv_kernels.h"
+#include "backend/cuda/gemv_splitk_kernels.h"
 #include "backend/cuda/gemv_stream_kernels.h"
 #include "backend/cuda/launch.h"
 #include "quant/qmatrix.h"
@@ -92,7 +93,10 @@ cudaError_t write_activation_companions(const float* x, int rows, int64_t cols, 
 // benchmark does). Only those with gemv_tiling_compiled(index) have kernels in this build
 // (gemv_kernels.h). Indices kGemvStreamTilingBase + i select the streaming kernel's
 // kGemvStreamTilings[i] (gemv_stream_kernels.h: one activation row of w4g32 weights with 16-bit
-// scales, bf16 products; those with gemv_stream_tiling_compiled(index)).
+// scales, bf16 products; those with gemv_stream_tiling_compiled(index)). Indices
+// kGemvSplitKTilingBase + i select the split-K kernel's kGemvSplitKTilings[i]
+// (gemv_splitk_kernels.h: one activation row of w4g32 weights, bf16 products; those with
+// gemv_splitk_tiling_compiled(index)).
 std::span<const GemvTiling> gemv_tilings();
 
 // The tiling used when none is given: chosen per weight shape by measurement (bench/RESULTS.md).
