@@ -120,6 +120,13 @@ void Backend::add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scal
   rms_norm(acc, moe.expert_weight, norm.weight_offset, norm.eps, moe.expert_in);
 }
 
+void Backend::matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                      const float* weight, float scalar, const float* next_weight,
+                                      Rows next, const MoeInputs& moe, const NormParams& norm) {
+  matmul(w, x, y);
+  add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm);
+}
+
 void Backend::concurrently(int64_t rows, const std::function<void()>& first,
                            const std::function<void()>& second) {
   (void)rows;

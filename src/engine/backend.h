@@ -312,6 +312,12 @@ class Backend {
   virtual void add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scalar,
                                 const float* next_weight, Rows next, const MoeInputs& moe,
                                 const NormParams& norm);
+  // y = x · Wᵀ, then add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm)
+  // (moe.router_in may be y): a MoE layer's o_proj and the step after it, which a device backend
+  // can run in the matmul's own launch (a GEMV's tail). Default: those two calls.
+  virtual void matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                       const float* weight, float scalar, const float* next_weight,
+                                       Rows next, const MoeInputs& moe, const NormParams& norm);
 
   // A MoE block's end: branch = branch + norm(x; branch_weight) (the expert output joining the
   // dense one), then add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm). x and

@@ -240,15 +240,14 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
     }
     return;
   }
-  backend->matmul(lw.o_proj, out, projected);
   // arch spec 3: the router's and the experts' inputs are norms of the same residual as the dense
   // MLP's. The router's input goes to proj (this step consumes projected).
   const MoeInputs moe_inputs = {lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)),
                                 lw.pre_feedforward_layernorm_2, rows(proj, n, H),
                                 rows(expert_input, n, H)};
-  backend->add_rms_norm_moe(hidden, projected, lw.post_attention_layernorm, 1.0f,
-                            lw.pre_feedforward_layernorm, rows(normed, n, H), moe_inputs,
-                            norm_params);
+  backend->matmul_add_rms_norm_moe(lw.o_proj, out, projected, hidden, lw.post_attention_layernorm,
+                                   1.0f, lw.pre_feedforward_layernorm, rows(normed, n, H),
+                                   moe_inputs, norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {

@@ -10,6 +10,7 @@
 //    the same bits with one kernel fewer where the tail runs (one row outside kF32 mode).
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -44,18 +45,20 @@ void expect_same_bits(const std::vector<T>& got, const std::vector<T>& want, con
 // y = W x with the step in its tail against the plain GEMV (same tiling) followed by add_rms_norm
 // (with the bf16 and kQ8 companions of next, or of the residual without next), as a graph of
 // [restore the residual; the tailed GEMV] replayed three times.
+// With moe, the MoE inputs too (add_rms_norm_moe against the tail's router_in / expert_in).
 struct TailCase {
   int64_t rows, cols;  // W: rows = the step's width
   ActType x_type;
   int m;
   float scalar;
   bool next;
+  quant::WeightFormat format = quant::WeightFormat::kW4G32;
+  bool moe = false;
   int tiling = -1;  // -1: the shape's default (one row) or kGemvTailTilings[0]
 };
 
 void check_tail(const TailCase& c, uint32_t seed) {
-  const testing::HostMatrix host =
-      testing::random_matrix(quant::WeightFormat::kW4G32, c.rows, c.cols, seed);
+  const testing::HostMatrix host = testing::random_matrix(c.format, c.rows, c.cols, seed);
   const testing::DeviceMatrix w(host);
   const int64_t width = c.rows, stride = width + 32;  // padded rows
   const std::vector<float> x_values = random_floats(c.m * c.cols, -2.0f, 2.0f, seed + 1);
@@ -70,6 +73,9 @@ void check_tail(const TailCase& c, uint32_t seed) {
   const DeviceArray<float> next_weight(random_floats(width, -1.0f, 1.5f, seed + 3));
   const std::vector<float> residual = random_floats(c.m * stride, -40.0f, 40.0f, seed + 4);
   const DeviceArray<float> pristine_residual(residual);
+  const DeviceArray<float> router_scale(random_floats(width, -2.0f, 2.0f, seed + 5));
+  const DeviceArray<float> expert_weight(random_floats(width, -1.0f, 1.5f, seed + 6));
+  const float router_factor = 1.0f / std::sqrt(static_cast<float>(width));
   // One row: the shape's default tiling (the backend's choice); more: tiling 9 explicitly (the
   // batched default is a tiling of 8-row m tiles without a tail build).
   const int tiling = c.tiling >= 0 ? c.tiling
@@ -96,15 +102,26 @@ void check_tail(const TailCase& c, uint32_t seed) {
   (c.next ? spec.next_companions : spec.residual_companions) =
       companion_arrays(plain_b16, plain_q8);
   const RowsView next_view = c.next ? RowsView{plain_next.get(), c.m, width, stride} : RowsView{};
-  CUDA_ASSERT_OK(add_rms_norm({plain_y.get(), c.m, width, width},
-                              {plain_residual.get(), c.m, width, stride}, next_view, spec,
-                              Launch{}));
+  DeviceArray<float> plain_router(c.m * width), plain_expert(c.m * width);
+  if (c.moe) {
+    const MoeInputsSpec moe = {router_scale.get(), router_factor, expert_weight.get(),
+                               RowsView{plain_router.get(), c.m, width, width},
+                               RowsView{plain_expert.get(), c.m, width, width}};
+    CUDA_ASSERT_OK(add_rms_norm_moe({plain_y.get(), c.m, width, width},
+                                    {plain_residual.get(), c.m, width, stride}, next_view, spec,
+                                    moe, Launch{}));
+  } else {
+    CUDA_ASSERT_OK(add_rms_norm({plain_y.get(), c.m, width, width},
+                                {plain_residual.get(), c.m, width, stride}, next_view, spec,
+                                Launch{}));
+  }
   CUDA_ASSERT_OK(cudaDeviceSynchronize());
 
   // The tail, captured once (with PDL, as the engine records it), replayed.
   DeviceArray<float> tail_y(c.m * width), tail_residual(residual), tail_next(c.m * stride);
   DeviceArray<uint16_t> tail_b16(bf16_count);
   DeviceArray<uint8_t> tail_q8(q8_bytes);
+  DeviceArray<float> tail_router(c.m * width), tail_expert(c.m * width);
   DeviceArray<unsigned int> counter(std::vector<unsigned int>{0u});
   GemvOutput out = {tail_y.get(), width};
   out.residual_tail = {.residual = tail_residual.get(),
@@ -117,6 +134,16 @@ void check_tail(const TailCase& c, uint32_t seed) {
                        .done_counter = counter.get()};
   (c.next ? out.residual_tail.next_companions : out.residual_tail.residual_companions) =
       companion_arrays(tail_b16, tail_q8);
+  if (c.moe) {
+    GemvResidualTail& t = out.residual_tail;
+    t.router_in = tail_router.get();
+    t.router_in_stride = width;
+    t.router_scale = router_scale.get();
+    t.router_factor = router_factor;
+    t.expert_in = tail_expert.get();
+    t.expert_in_stride = width;
+    t.expert_weight = expert_weight.get();
+  }
   cudaStream_t stream;
   CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   cudaGraph_t graph;
@@ -134,6 +161,8 @@ void check_tail(const TailCase& c, uint32_t seed) {
     tail_next.poison();
     tail_b16.poison();
     tail_q8.poison();
+    tail_router.poison();
+    tail_expert.poison();
     CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
     CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
     expect_same_bits(tail_y.download(), plain_y.download(), "y");
@@ -150,6 +179,10 @@ void check_tail(const TailCase& c, uint32_t seed) {
     }
     expect_same_bits(tail_b16.download(), plain_b16.download(), "bf16 companion");
     expect_same_bits(tail_q8.download(), plain_q8.download(), "q8 companion");
+    if (c.moe) {
+      expect_same_bits(tail_router.download(), plain_router.download(), "router_in");
+      expect_same_bits(tail_expert.download(), plain_expert.download(), "expert_in");
+    }
     EXPECT_EQ(counter.download(), std::vector<unsigned int>{0u}) << "the counter after a launch";
   }
   CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
@@ -159,18 +192,23 @@ void check_tail(const TailCase& c, uint32_t seed) {
 
 // E2B o_proj (1536 x 2048: tiling 9 with bf16 activations, 27 with fp32 ones; 384 virtual
 // threads of one quad), 31B o_proj (5376 x 8192: tiling 9; 672 virtual threads of two quads),
-// the layer scalar, two rows, and the last layer's step without a final norm (no next).
+// the layer scalar, two rows, the last layer's step without a final norm (no next), and the 26B's
+// o_proj (NVFP4 2816 x 4096: tiling 27; 704 virtual threads) with the MoE inputs.
 TEST(GemvResidualTail, WritesWhatTheGemvThenAddRmsNormWrite) {
   const TailCase cases[] = {
-      {1536, 2048, ActType::kBF16, 1, 1.0f, true},  {1536, 2048, ActType::kF32, 1, 1.0f, true},
-      {5376, 8192, ActType::kBF16, 1, 0.75f, true}, {5376, 8192, ActType::kF32, 1, 1.0f, true},
-      {1536, 2048, ActType::kBF16, 2, 0.5f, true},  {5376, 8192, ActType::kBF16, 1, 0.5f, false},
+      {1536, 2048, ActType::kBF16, 1, 1.0f, true},
+      {1536, 2048, ActType::kF32, 1, 1.0f, true},
+      {5376, 8192, ActType::kBF16, 1, 0.75f, true},
+      {5376, 8192, ActType::kF32, 1, 1.0f, true},
+      {1536, 2048, ActType::kBF16, 2, 0.5f, true},
+      {5376, 8192, ActType::kBF16, 1, 0.5f, false},
+      {2816, 4096, ActType::kBF16, 1, 1.0f, true, quant::WeightFormat::kNVFP4, true},
   };
   uint32_t seed = 4100;
   for (const TailCase& c : cases) {
     SCOPED_TRACE(std::to_string(c.rows) + " x " + std::to_string(c.cols) +
                  (c.x_type == ActType::kBF16 ? " bf16 x" : " fp32 x") + ", m " +
-                 std::to_string(c.m) + (c.next ? "" : ", no next"));
+                 std::to_string(c.m) + (c.next ? "" : ", no next") + (c.moe ? ", moe" : ""));
     check_tail(c, seed);
     seed += 10;
   }
@@ -183,8 +221,11 @@ TEST(GemvResidualTail, SplitKTilings) {
   for (int t = kGemvSplitKTilingBase; t < kGemvSplitKTilingBase + kNumGemvSplitKTilings; ++t) {
     if (!gemv_splitk_tiling_compiled(t)) continue;
     SCOPED_TRACE("tiling " + std::to_string(t));
-    check_tail({5376, 8192, ActType::kBF16, 1, 0.75f, true, t}, seed);
-    check_tail({1536, 6144, ActType::kF32, 1, 1.0f, false, t}, seed + 10);
+    TailCase o_proj = {5376, 8192, ActType::kBF16, 1, 0.75f, true};
+    TailCase down = {1536, 6144, ActType::kF32, 1, 1.0f, false};
+    o_proj.tiling = down.tiling = t;
+    check_tail(o_proj, seed);
+    check_tail(down, seed + 10);
     seed += 20;
   }
 }
@@ -300,6 +341,55 @@ TEST_P(ResidualTailInMode, MatchesTheDefaultOrderWithOneKernelFewer) {
     expect_same_bits(tailed.next_q8, plain.next_q8, "next's q8 companion");
     EXPECT_EQ(tailed.kernels, plain.kernels - (tails ? 1 : 0));
   }
+}
+
+// CudaBackend::matmul_add_rms_norm_moe against engine::Backend's default (the matmul, then
+// add_rms_norm_moe) at the 26B's o_proj shape, bf16 mode, the router's input in y as the engine
+// has it: the same acc, next, router and expert inputs, one kernel fewer.
+TEST(ResidualTail, MoeInputsMatchTheDefaultOrderWithOneKernelFewer) {
+  auto gpu = testing::make_gpu_in_mode(ActivationMode::kBF16);
+  ASSERT_TRUE(gpu);
+  gpu->set_tail_residual_steps(true);
+  const int64_t hidden = 2816, k = 4096;
+  const engine::NormParams norm = {0.0f, 1e-6f};
+  const DeviceArray<float> weight(random_floats(hidden, -1.0f, 1.5f, 4400));
+  const DeviceArray<float> next_weight(random_floats(hidden, -1.0f, 1.5f, 4401));
+  const DeviceArray<float> router_scale(random_floats(hidden, -2.0f, 2.0f, 4402));
+  const DeviceArray<float> expert_weight(random_floats(hidden, -1.0f, 1.5f, 4403));
+  const testing::HostMatrix host =
+      testing::random_matrix(quant::WeightFormat::kNVFP4, hidden, k, 4404);
+  const testing::DeviceMatrix w(host);
+  const auto acc_values = random_floats(hidden, -40.0f, 40.0f, 4405);
+  const auto x_values = random_floats(k, -2.0f, 2.0f, 4406);
+  struct Run {
+    std::vector<float> acc, next, router_in, expert_in;
+    int64_t kernels;
+  };
+  auto run_on = [&](bool tail) {
+    BackendRows acc(*gpu, 1, hidden), x(*gpu, 1, k), next(*gpu, 1, hidden), y(*gpu, 1, hidden),
+        expert_in(*gpu, 1, hidden);
+    acc.set(*gpu, acc_values);
+    x.set(*gpu, x_values);
+    const engine::MoeInputs moe = {router_scale.get(), 0.125f, expert_weight.get(), y.rows,
+                                   expert_in.rows};
+    const int64_t before = *gpu->kernels_launched();
+    if (tail) {
+      gpu->matmul_add_rms_norm_moe(w.view, x.rows, y.rows, acc.rows, weight.get(), 1.0f,
+                                   next_weight.get(), next.rows, moe, norm);
+    } else {
+      gpu->engine::Backend::matmul_add_rms_norm_moe(w.view, x.rows, y.rows, acc.rows, weight.get(),
+                                                    1.0f, next_weight.get(), next.rows, moe, norm);
+    }
+    const int64_t kernels = *gpu->kernels_launched() - before;
+    return Run{acc.get(*gpu), next.get(*gpu), y.get(*gpu), expert_in.get(*gpu), kernels};
+  };
+  const Run plain = run_on(false), tailed = run_on(true);
+  ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+  expect_same_bits(tailed.acc, plain.acc, "acc");
+  expect_same_bits(tailed.next, plain.next, "next");
+  expect_same_bits(tailed.router_in, plain.router_in, "router_in");
+  expect_same_bits(tailed.expert_in, plain.expert_in, "expert_in");
+  EXPECT_EQ(tailed.kernels, plain.kernels - 1);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, ResidualTailInMode,

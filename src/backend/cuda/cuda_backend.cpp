@@ -846,22 +846,18 @@ unsigned int* CudaBackend::step_counter(const float* residual) {
   return static_cast<unsigned int*>(counter->second.data());
 }
 
-bool CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+bool CudaBackend::gemv_with_step_tail(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
                                       const float* weight, float scalar, const float* next_weight,
-                                      Rows next, const engine::NormParams& norm) {
-  const ReportingWrites reporting(*this);
-  const auto matmul_alone = [&] {
-    matmul(w, x, y);
-    return false;
-  };
+                                      Rows next, const engine::MoeInputs* moe,
+                                      const engine::NormParams& norm) {
   // Batched rows go to the tensor-core GEMV, which has no tail; so does kF32 mode's exact fp32
   // GEMV (not measured with one).
   if (!tail_residual_steps_ || activation_mode_ == ActivationMode::kF32 || x.count != 1 ||
       acc.count != 1) {
-    return matmul_alone();
+    return false;
   }
   unsigned int* counter = step_counter(acc.data);
-  if (counter == nullptr) return matmul_alone();  // status_ says why
+  if (counter == nullptr) return false;  // status_ says why
   const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
   GemvOutput out = {y.data, y.stride};
   out.residual_tail = {.residual = acc.data,
@@ -876,14 +872,48 @@ bool CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, R
                        .residual_companions = spec.residual_companions,
                        .next_companions = spec.next_companions,
                        .done_counter = counter};
-  const GemvInput input = gemv_input(w, x);
-  const cudaError_t status = gemv(w, input, out, launch());
-  // Nothing enqueued: a shape without a tail kernel.
-  if (status == cudaErrorInvalidValue) return matmul_alone();
-  launched(status, "matmul_add_rms_norm (gemv)");
+  if (moe != nullptr) {
+    GemvResidualTail& t = out.residual_tail;
+    t.router_in = moe->router_in.data;
+    t.router_in_stride = moe->router_in.stride;
+    t.router_scale = moe->router_scale;
+    t.router_factor = moe->router_factor;
+    t.expert_in = moe->expert_in.data;
+    t.expert_in_stride = moe->expert_in.stride;
+    t.expert_weight = moe->expert_weight;
+  }
+  const cudaError_t status = gemv(w, gemv_input(w, x), out, launch());
+  if (status == cudaErrorInvalidValue) return false;  // nothing enqueued: no tail kernel for it
+  launched(status, "matmul with the residual step (gemv tail)");
   wrote(y);
+  if (moe != nullptr) {
+    wrote(moe->router_in);
+    wrote(moe->expert_in);
+  }
   residual_step_wrote(acc, next, spec);
   return true;
+}
+
+bool CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                      const float* weight, float scalar, const float* next_weight,
+                                      Rows next, const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (gemv_with_step_tail(w, x, y, acc, weight, scalar, next_weight, next, nullptr, norm)) {
+    return true;
+  }
+  matmul(w, x, y);
+  return false;
+}
+
+void CudaBackend::matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
+                                          const float* weight, float scalar,
+                                          const float* next_weight, Rows next,
+                                          const engine::MoeInputs& moe,
+                                          const engine::NormParams& norm) {
+  const ReportingWrites reporting(*this);
+  if (gemv_with_step_tail(w, x, y, acc, weight, scalar, next_weight, next, &moe, norm)) return;
+  matmul(w, x, y);
+  add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm);
 }
 
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else

@@ -209,6 +209,13 @@ class CudaBackend final : public engine::Backend {
                            engine::Rows acc, const float* weight, float scalar,
                            const float* next_weight, engine::Rows next,
                            const engine::NormParams& norm) override;
+  // The same for a MoE layer's o_proj (the 26B's: tiling 27), its step writing the router's and
+  // the experts' inputs too; else the matmul, then add_rms_norm_moe.
+  void matmul_add_rms_norm_moe(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
+                               engine::Rows acc, const float* weight, float scalar,
+                               const float* next_weight, engine::Rows next,
+                               const engine::MoeInputs& moe,
+                               const engine::NormParams& norm) override;
   void set_tail_residual_steps(bool tail) { tail_residual_steps_ = tail; }
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
@@ -354,6 +361,12 @@ class CudaBackend final : public engine::Backend {
   // run at once), zero between launches.
   std::map<const float*, engine::Buffer> fold_counters_;
   unsigned int* step_counter(const float* residual);
+  // The GEMV y = x · Wᵀ with the residual step (with `moe`, its MoE inputs too) in its tail
+  // (matmul_add_rms_norm); false where it does not take them, with nothing of either enqueued.
+  bool gemv_with_step_tail(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
+                           engine::Rows acc, const float* weight, float scalar,
+                           const float* next_weight, engine::Rows next,
+                           const engine::MoeInputs* moe, const engine::NormParams& norm);
   std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
   Scratch prefill_activations_;            // its bf16 activations
   Scratch prefill_weights_;                // its bf16 weight tile

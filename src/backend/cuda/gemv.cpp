@@ -111,7 +111,11 @@ bool tail_ok(const GemvOutput& y, int64_t width, int m) {
          (t.next == nullptr
               ? !has_companions(t.next_companions)
               : aligned16(t.next_weight) && companions_fit(t.next_companions, width)) &&
-         companions_fit(t.residual_companions, width);
+         companions_fit(t.residual_companions, width) &&
+         (t.router_in == nullptr ||
+          (t.expert_in != nullptr && rows_ok(t.router_in, t.router_in_stride) &&
+           rows_ok(t.expert_in, t.expert_in_stride) && aligned16(t.router_scale) &&
+           aligned16(t.expert_weight)));
 }
 
 }  // namespace

@@ -238,11 +238,12 @@ struct GemvResidualNorm {
 // stores, instead of in a kernel of its own after it (engine::Backend::matmul_add_rms_norm):
 //   residual[m] = (residual[m] + rms_norm(y[m]; weight)) · scalar
 //   next[m] = rms_norm(residual[m]; next_weight)          (only with next non-null)
-// (weight_offset + weight; no factor for a null weight) with their companions, rounded and
-// reduced exactly as add_rms_norm (elementwise.h) does it. Every block counts its finished stores
-// on done_counter (a device counter at zero); the block that counts last runs the step and sets
-// the counter back to zero. Epilogue kNone, no companions of y; rows of y 16-byte aligned, a
-// width of at most 8192 and a multiple of 4; kernels of kGemvTailTilings only.
+// (weight_offset + weight; no factor for a null weight) with their companions, and with router_in
+// a MoE layer's router and expert inputs from the new residual (add_rms_norm_moe's, elementwise.h:
+// MoeInputsSpec), rounded and reduced exactly as add_rms_norm / add_rms_norm_moe do it. Every block
+// counts its finished stores on done_counter (a device counter at zero); the block that counts last
+// runs the step and sets the counter back to zero. Epilogue kNone, no companions of y; rows of y
+// 16-byte aligned, a width of at most 8192 and a multiple of 4; kernels of kGemvTailTilings only.
 struct GemvResidualTail {
   float* residual = nullptr;  // null: no tail
   int64_t residual_stride = 0;
@@ -256,11 +257,19 @@ struct GemvResidualTail {
   ActivationCompanions residual_companions = {};
   ActivationCompanions next_companions = {};  // with next only
   unsigned int* done_counter = nullptr;
+  // The MoE inputs (null router_in: none): router_in may be y itself, expert_in overlaps nothing.
+  float* router_in = nullptr;
+  int64_t router_in_stride = 0;
+  const float* router_scale = nullptr;
+  float router_factor = 1.0f;
+  float* expert_in = nullptr;
+  int64_t expert_in_stride = 0;
+  const float* expert_weight = nullptr;
 };
 
 // The register tilings compiled with a residual-step tail (as well as without): the one-row
 // o_proj / down tilings of E2B and 31B (default_gemv_tiling: 9 with bf16 activations, 27 with
-// fp32 ones staged as bf16).
+// fp32 ones staged as bf16) and the 26B's o_proj (27).
 inline constexpr int kGemvTailTilings[] = {9, 27};
 
 constexpr bool gemv_tiling_has_tail(int tiling) {
