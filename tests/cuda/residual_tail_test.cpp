@@ -221,10 +221,11 @@ TEST(GemvResidualTail, SplitKTilings) {
   for (int t = kGemvSplitKTilingBase; t < kGemvSplitKTilingBase + kNumGemvSplitKTilings; ++t) {
     if (!gemv_splitk_tiling_compiled(t)) continue;
     SCOPED_TRACE("tiling " + std::to_string(t));
-    check_tail({5376, 8192, ActType::kBF16, 1, 0.75f, true, quant::WeightFormat::kW4G32, false, t},
-               seed);
-    check_tail({1536, 6144, ActType::kF32, 1, 1.0f, false, quant::WeightFormat::kW4G32, false, t},
-               seed + 10);
+    TailCase o_proj = {5376, 8192, ActType::kBF16, 1, 0.75f, true};
+    TailCase down = {1536, 6144, ActType::kF32, 1, 1.0f, false};
+    o_proj.tiling = down.tiling = t;
+    check_tail(o_proj, seed);
+    check_tail(down, seed + 10);
     seed += 20;
   }
 }
