@@ -76,11 +76,15 @@ void check_tail(const TailCase& c, uint32_t seed) {
   const DeviceArray<float> router_scale(random_floats(width, -2.0f, 2.0f, seed + 5));
   const DeviceArray<float> expert_weight(random_floats(width, -1.0f, 1.5f, seed + 6));
   const float router_factor = 1.0f / std::sqrt(static_cast<float>(width));
-  // One row: the shape's default tiling (the backend's choice); more: tiling 9 explicitly (the
-  // batched default is a tiling of 8-row m tiles without a tail build).
-  const int tiling = c.tiling >= 0 ? c.tiling
-                     : c.m == 1    ? default_gemv_tiling(w.view, 1, c.x_type)
-                                   : kGemvTailTilings[0];
+  // One row: the shape's default tiling (the backend's choice) where it has a tail build; else
+  // tiling 9 explicitly (a default without one, e.g. a streaming tiling, makes the backend run the
+  // step in its own kernel; the batched default is a tiling of 8-row m tiles without a tail build).
+  const int default_tiling = default_gemv_tiling(w.view, 1, c.x_type);
+  const bool default_has_tail =
+      gemv_tiling_has_tail(default_tiling) || is_gemv_splitk_tiling(default_tiling);
+  const int tiling = c.tiling >= 0                  ? c.tiling
+                     : c.m == 1 && default_has_tail ? default_tiling
+                                                    : kGemvTailTilings[0];
   // Every split-K tiling has a tail build.
   ASSERT_TRUE(gemv_tiling_has_tail(tiling) || is_gemv_splitk_tiling(tiling)) << "tiling " << tiling;
 

@@ -99,10 +99,11 @@ inline constexpr int kMoeGroupedMinTokens = 40;
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 
 // Tokens from which run_experts reads each selected NVFP4 expert once (kDecodeByExpert) instead
-// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, PDL µs per layer, session 8, decode on
-// tensor cores / by expert): T=8 96.1 / 107.8, T=16 178.0 / 149.4, T=32 346.5 / 212.0: below
-// ~12 tokens the per-pair kernels' finer grid wins (few pairs share an expert anyway).
-inline constexpr int kMoeByExpertMinTokens = 12;
+// of once per pair. moe_bench on the H200 (26B-A4B NVFP4, PDL µs per layer, session 8 end, decode
+// on tensor cores / by expert): T=1 20.1 / 42.0, T=8 106.1 / 107.9, T=12 148.8 / 100.8, T=16
+// 193.4 / 142.4: equal at 8 tokens, by expert well ahead from 12; below 8 the per-pair kernels'
+// finer grid wins (few pairs share an expert anyway).
+inline constexpr int kMoeByExpertMinTokens = 9;
 
 constexpr MoePath moe_path_for(int tokens,
                                MoePrecision precision = MoePrecision::kBf16TensorCores) {
