@@ -660,14 +660,14 @@ TEST(Gemv, StreamProducerRings) {
   }
 }
 
-// The streaming kernel's bf16 companion is y rounded to bf16, and it takes only what it can:
-// w4g32 with 16-bit scales, one activation row with bf16 products, no kQ8 companion.
-TEST(Gemv, StreamCompanionsAndLimits) {
-  const int tiling = kDefaultGemvStreamTilings[0];
-  const int64_t n = 1056, k = 5376;
-  const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, 2100);
+// A single-row kernel's bf16 companion is y rounded to bf16 (n: a companion stride, a multiple of
+// 32), and the kernel refuses what is not its own: exact fp32 products, two activation rows, NVFP4
+// weights and, with `w4g32_f32_scales_refused`, w4g32 weights with fp32 scales.
+void check_companion_and_limits(int tiling, int64_t n, int64_t k, uint32_t seed,
+                                bool w4g32_f32_scales_refused) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, seed);
   const DeviceMatrix device(host);
-  const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, 2101));
+  const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, seed + 1));
   DeviceArray<float> y(2 * n);
   DeviceArray<uint16_t> y_bf16(n);
   GemvOutput out = {y.get(), n};
@@ -683,17 +683,26 @@ TEST(Gemv, StreamCompanionsAndLimits) {
   }
 
   const GemvOutput plain = {y.get(), n};
-  // Exact fp32 products, two rows, NVFP4 weights, fp32 scales: not this kernel's.
   EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 1, k}, plain, Launch{}, tiling),
             cudaErrorInvalidValue);
   EXPECT_EQ(
       gemv(device.view, GemvInput{x.get(), ActType::kF32, 2, k, true}, plain, Launch{}, tiling),
       cudaErrorInvalidValue);
-  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, 2102);
+  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, seed + 2);
   EXPECT_EQ(gemv(DeviceMatrix(nv).view, rounded, plain, Launch{}, tiling), cudaErrorInvalidValue);
-  const HostMatrix f32_scales = random_matrix(WeightFormat::kW4G32, n, k, 2103, ScaleType::kF32);
-  EXPECT_EQ(gemv(DeviceMatrix(f32_scales).view, rounded, plain, Launch{}, tiling),
-            cudaErrorInvalidValue);
+  if (w4g32_f32_scales_refused) {
+    const HostMatrix f32_scales =
+        random_matrix(WeightFormat::kW4G32, n, k, seed + 3, ScaleType::kF32);
+    EXPECT_EQ(gemv(DeviceMatrix(f32_scales).view, rounded, plain, Launch{}, tiling),
+              cudaErrorInvalidValue);
+  }
+}
+
+// The streaming kernel's companion and limits (16-bit scales only).
+TEST(Gemv, StreamCompanionsAndLimits) {
+  const int tiling = kDefaultGemvStreamTilings[0];
+  const int64_t k = 5376;
+  check_companion_and_limits(tiling, 1056, k, 2100, /*w4g32_f32_scales_refused=*/true);
   // The default falls back to the register kernel where the streaming one does not apply.
   const HostMatrix tall = random_matrix(WeightFormat::kW4G32, 16384, k, 2104);
   const DeviceMatrix tall_device(tall);
@@ -729,37 +738,10 @@ TEST(Gemv, SplitKTilings) {
   }
 }
 
-// The split-K kernel's bf16 companion is y rounded to bf16, and it takes only what it can: w4g32,
-// one activation row with bf16 products, no kQ8 companion, no residual step.
+// The split-K kernel's companion and limits (it also takes no residual step).
 TEST(Gemv, SplitKCompanionsAndLimits) {
   const int tiling = kDefaultGemvSplitKTilings[0];
-  const int64_t n = 1056, k = 8192;  // n: a companion stride, a multiple of 32
-  const HostMatrix host = random_matrix(WeightFormat::kW4G32, n, k, 2300);
-  const DeviceMatrix device(host);
-  const DeviceArray<float> x(testing::random_floats(2 * k, -1.0f, 1.0f, 2301));
-  DeviceArray<float> y(2 * n);
-  DeviceArray<uint16_t> y_bf16(n);
-  GemvOutput out = {y.get(), n};
-  out.companions = {y_bf16.get(), nullptr, n};
-  const GemvInput rounded = {x.get(), ActType::kF32, 1, k, true};
-  CUDA_ASSERT_OK(gemv(device.view, rounded, out, Launch{}, tiling));
-  CUDA_ASSERT_OK(cudaDeviceSynchronize());
-  const std::vector<float> got = y.download();
-  const std::vector<uint16_t> got_bf16 = y_bf16.download();
-  for (int64_t i = 0; i < n; ++i) {
-    ASSERT_EQ(got_bf16[i], float_to_bf16(got[i])) << i;
-    ASSERT_TRUE(std::isfinite(got[i])) << i;
-  }
-
-  const GemvOutput plain = {y.get(), n};
-  // Exact fp32 products, two rows, NVFP4 weights: not this kernel's.
-  EXPECT_EQ(gemv(device.view, GemvInput{x.get(), ActType::kF32, 1, k}, plain, Launch{}, tiling),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(
-      gemv(device.view, GemvInput{x.get(), ActType::kF32, 2, k, true}, plain, Launch{}, tiling),
-      cudaErrorInvalidValue);
-  const HostMatrix nv = random_matrix(WeightFormat::kNVFP4, n, k, 2302);
-  EXPECT_EQ(gemv(DeviceMatrix(nv).view, rounded, plain, Launch{}, tiling), cudaErrorInvalidValue);
+  check_companion_and_limits(tiling, 1056, 8192, 2300, /*w4g32_f32_scales_refused=*/false);
   // The default sends E2B's 1536-row down (K 6144) with bf16 activations here.
   const HostMatrix down = random_matrix(WeightFormat::kW4G32, 1536, 6144, 2303);
   const DeviceMatrix down_device(down);
