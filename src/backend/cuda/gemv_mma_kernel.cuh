@@ -27,6 +27,7 @@
 
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_mma_kernels.h"
+#include "backend/cuda/mma.cuh"
 
 namespace gemma4::cuda::gemv_mma_detail {
 
@@ -110,15 +111,6 @@ __device__ __forceinline__ __half2 e4m3_pair(uint32_t bits) {
 // 448 · 2^119 < 2^128, the largest e4m3 below the bf16 maximum).
 __device__ __forceinline__ __nv_bfloat162 e4m3_bf16_pair(uint32_t bits) {
   return __float2bfloat162_rn(__low2float(e4m3_pair(bits)) * 0x1p119f);
-}
-
-// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                         uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // Start of kQ8 activation row m (gemv_kernels.h).

@@ -55,6 +55,7 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/gemv_mma_kernel.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe_grouped.h"
 #include "backend/cuda/moe_launch.cuh"
 
@@ -63,7 +64,6 @@ namespace {
 
 using gemv_mma_detail::centered_nibble_pairs;
 using gemv_mma_detail::e4m3_pair;
-using gemv_mma_detail::mma_bf16;
 
 constexpr int kTileM = 64;      // pairs per work item (all of one expert)
 constexpr int kTileRows = 128;  // weight rows per block: 4 warps x 4 fragments of 8
