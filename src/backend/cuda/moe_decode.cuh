@@ -86,6 +86,30 @@ __device__ __forceinline__ void load_staged_chunk(const float4* staged, int chun
   finish_x_chunk(out);
 }
 
+// Asks L2 for `bytes` bytes from `begin`, one prefetch per 128-byte line, the block's threads
+// taking lines in turn. Nothing is held or waited on: the decode kernels issue these for weights
+// they (or the next launch) read later, so those reads hit L2 instead of waiting on DRAM
+// (each line's address stays inside the range: no line outside it is touched).
+__device__ __forceinline__ void prefetch_l2(const void* begin, int64_t bytes) {
+  const uintptr_t first = reinterpret_cast<uintptr_t>(begin);
+  const uintptr_t end = first + static_cast<uintptr_t>(bytes);
+  for (uintptr_t line = (first & ~uintptr_t{127}) + 128 * threadIdx.x; line < end;
+       line += 128 * blockDim.x) {
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(line < first ? first : line));
+  }
+}
+
+// prefetch_l2 of rows [first_row, end_row) of an NVFP4 matrix: weights and block scales (two
+// bytes a chunk, row-major as load_scale_bits reads them).
+__device__ __forceinline__ void prefetch_nvfp4_rows_l2(const MoeMatrix& m, int64_t first_row,
+                                                       int64_t end_row) {
+  if (end_row <= first_row) return;
+  const int64_t first_chunk = first_row * m.chunks_per_row;
+  const int64_t chunks = (end_row - first_row) * m.chunks_per_row;
+  prefetch_l2(static_cast<const uint4*>(m.weights) + first_chunk, 16 * chunks);
+  prefetch_l2(static_cast<const uint16_t*>(m.scales) + first_chunk, 2 * chunks);
+}
+
 // fp16 pairs of one 32-element chunk, as the tensor-core decode kernels stage it.
 constexpr int kStagedWordsPerChunk = 16;
 
