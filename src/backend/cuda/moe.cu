@@ -281,9 +281,8 @@ struct DecodeGateUpArgs {
   const float* x;
   int64_t x_stride;
   float* activations;  // [pairs, inner]
-  // Rows of each pick's down matrix its gate/up blocks prefetch to L2 (split among the pair's
-  // blocks) for the down launch to read: hidden where decode_gate_up_mma_kernel runs with NVFP4
-  // down matrices, else 0.
+  // Rows of each pick's down matrix its gate/up blocks prefetch to L2 (prefetch_down_share_l2):
+  // hidden where the down matrices have the gate/up matrices' format, else 0.
   int64_t down_rows_to_prefetch;
 };
 
@@ -335,6 +334,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32, 4) decode_gate_up_kernel(De
     }
     // Staged while the first pass's weight loads are in flight.
     if (base == 0) {
+      prefetch_down_share_l2<F>(a.experts[expert].down, a.down_rows_to_prefetch);
       stage_activations<kElems>(x, chunks, staged_x);
       __syncthreads();
     }
@@ -629,14 +629,9 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   if constexpr (kMmaPrefetchTile) {
     const int64_t tile_row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows;
     const int64_t tile_end = min(tile_row + kMmaGateUpRows, a.inner);
-    for (const MoeMatrix& m : mats) prefetch_nvfp4_rows_l2(m, tile_row, tile_end);
+    for (const MoeMatrix& m : mats) prefetch_rows_l2<PackedFormat::kNVFP4>(m, tile_row, tile_end);
   }
-  if (a.down_rows_to_prefetch > 0) {
-    const int64_t share = (a.down_rows_to_prefetch + gridDim.y - 1) / gridDim.y;
-    const int64_t first = static_cast<int64_t>(blockIdx.y) * share;
-    prefetch_nvfp4_rows_l2(a.experts[expert].down, first,
-                           min(first + share, a.down_rows_to_prefetch));
-  }
+  prefetch_down_share_l2<PackedFormat::kNVFP4>(a.experts[expert].down, a.down_rows_to_prefetch);
   int p = 0;
   stage_mma_activations(
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
@@ -786,7 +781,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
       args.expert_ids, args.top_k,
       shape.inner,     shape.hidden / chunk_elements(shape.gate_up_format),
       args.x,          args.x_stride,
-      activations,     mma_gate_up && shape.down_format == PackedFormat::kNVFP4 ? shape.hidden : 0};
+      activations,     shape.down_format == shape.gate_up_format ? shape.hidden : 0};
   cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);

@@ -99,15 +99,32 @@ __device__ __forceinline__ void prefetch_l2(const void* begin, int64_t bytes) {
   }
 }
 
-// prefetch_l2 of rows [first_row, end_row) of an NVFP4 matrix: weights and block scales (two
-// bytes a chunk, row-major as load_scale_bits reads them).
-__device__ __forceinline__ void prefetch_nvfp4_rows_l2(const MoeMatrix& m, int64_t first_row,
-                                                       int64_t end_row) {
-  if (end_row <= first_row) return;
-  const int64_t first_chunk = first_row * m.chunks_per_row;
-  const int64_t chunks = (end_row - first_row) * m.chunks_per_row;
-  prefetch_l2(static_cast<const uint4*>(m.weights) + first_chunk, 16 * chunks);
-  prefetch_l2(static_cast<const uint16_t*>(m.scales) + first_chunk, 2 * chunks);
+// prefetch_l2 of rows [first_row, end_row) of a format-F matrix: its weights (16-byte chunks)
+// and scales (row-major per chunk, as load_scale_bits reads them: NVFP4's two e4m3 bytes, a
+// w4g32 group's 16- or 32-bit scale). Formats without such a layout prefetch nothing.
+template <PackedFormat F>
+__device__ __forceinline__ void prefetch_rows_l2(const MoeMatrix& m, int64_t first_row,
+                                                 int64_t end_row) {
+  if constexpr (F == PackedFormat::kNVFP4 || F == PackedFormat::kW4G32) {
+    if (end_row <= first_row) return;
+    const int64_t scale_bytes = F == PackedFormat::kW4G32 && m.scale_type == kScaleF32 ? 4 : 2;
+    const int64_t first_chunk = first_row * m.chunks_per_row;
+    const int64_t chunks = (end_row - first_row) * m.chunks_per_row;
+    prefetch_l2(static_cast<const uint4*>(m.weights) + first_chunk, 16 * chunks);
+    prefetch_l2(static_cast<const char*>(m.scales) + scale_bytes * first_chunk,
+                scale_bytes * chunks);
+  }
+}
+
+// A gate/up block's share of its pick's down matrix (`down_rows` rows, split evenly over the
+// gridDim.y blocks of the pair), prefetched to L2 for the down launch: its weights depend on the
+// router only, and gate/up alone leaves DRAM idle much of the time.
+template <PackedFormat F>
+__device__ __forceinline__ void prefetch_down_share_l2(const MoeMatrix& down, int64_t down_rows) {
+  if (down_rows <= 0) return;
+  const int64_t share = (down_rows + gridDim.y - 1) / gridDim.y;
+  const int64_t first = static_cast<int64_t>(blockIdx.y) * share;
+  prefetch_rows_l2<F>(down, first, min(first + share, down_rows));
 }
 
 // fp16 pairs of one 32-element chunk, as the tensor-core decode kernels stage it.
