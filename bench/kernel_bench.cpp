@@ -588,6 +588,75 @@ std::vector<Result> bench_ple_step(cudaStream_t stream) {
   return {r, after_down};
 }
 
+// The one-row residual step (add_rms_norm: residual updated in place, next written with its bf16
+// companion, as CudaBackend runs it at one row) of width `width`: a chain of steps alone, then
+// each after the GEMV (rows = width, `cols` from bf16 activations, distinct weights per link)
+// that writes its x: a pair's time minus the GEMV's alone, the step's cost on the critical path
+// (add_rms_norm/after-gemv).
+std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* label,
+                                       cudaStream_t stream) {
+  Result r;
+  r.kernel = "add_rms_norm";
+  r.shape = label;
+  r.skipped = !selected(r.kernel, label, 1);
+  if (r.skipped) return {r};
+  // Rows of the width: x, residual, next, the two norm weights; then next's bf16 companion.
+  float* rows = nullptr;
+  CHECK(cudaMalloc(&rows, 5 * width * 4 + width * 2));
+  const auto row = [&](int i) { return gemma4::cuda::RowsView{rows + i * width, 1, width, width}; };
+  fill(rows, 5 * width * 4, 17, 0x3F7FFFFF);  // finite floats below 2
+  gemma4::cuda::AddNormSpec spec;
+  spec.weight = row(3).data;
+  spec.next_weight = row(4).data;
+  spec.scalar = 0.5f;  // keeps the chained residual bounded
+  spec.next_companions = {reinterpret_cast<uint16_t*>(rows + 5 * width), nullptr, width};
+  const auto step = [&](const Launch& launch) {
+    return gemma4::cuda::add_rms_norm(row(0), row(1), row(2), spec, launch);
+  };
+  constexpr int kLinks = 64;
+  r.default_tiling = 0;
+  r.measure(0, kLinks, stream, [&](int, const Launch& launch) { return step(launch); });
+  std::printf("%-14s %-22s M=1  alone (plain/pdl us): %s\n", r.kernel.c_str(), label,
+              r.all.c_str());
+  Result after = r;
+  after.kernel = "add_rms_norm/after-gemv";
+  after.all.clear();
+  after.best_pdl_us = 1e30;
+  Weights w;
+  make_weights(Format(WeightFormat::kW4G32), width, cols, w);
+  const int links = static_cast<int>(w.copies.size());
+  after.mbytes = w.bytes / 1e6;
+  void* gemv_x = nullptr;
+  CHECK(cudaMalloc(&gemv_x, cols * 2));
+  fill(gemv_x, cols * 2, 18, 0x3B7F3B7F);  // small finite bf16 pairs
+  const GemvInput input = {gemv_x, ActType::kBF16, 1, cols};
+  const GemvOutput output = {row(0).data, width};
+  double gemv_us[2], pair_us[2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    const Launch launch = {stream, pdl == 1};
+    gemv_us[pdl] = time_chain(
+        links, [&](int i) { return gemma4::cuda::gemv(w.copies[i], input, output, launch); },
+        stream);
+    pair_us[pdl] = 2 * time_chain(
+                           2 * links,
+                           [&](int i) {
+                             return i % 2 == 0
+                                        ? gemma4::cuda::gemv(w.copies[i / 2], input, output, launch)
+                                        : step(launch);
+                           },
+                           stream);
+  }
+  after.add_measurement(0, pair_us[0] - gemv_us[0], pair_us[1] - gemv_us[1]);
+  std::printf(
+      "%-14s %-22s M=1  gemv %lldx%lld alone %.2f/%.2f us, step's cost (plain/pdl us): %s\n",
+      after.kernel.c_str(), label, static_cast<long long>(width), static_cast<long long>(cols),
+      gemv_us[0], gemv_us[1], after.all.c_str());
+  std::fflush(stdout);
+  CHECK(cudaFree(gemv_x));
+  CHECK(cudaFree(rows));
+  return {r, after};
+}
+
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
 // the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
@@ -1029,6 +1098,9 @@ int main(int argc, char** argv) {
   }
 
   for (const Result& r : bench_ple_step(stream)) results.push_back(r);
+  // The one-row residual step alone and after the o_proj GEMV that writes its x: E2B, 31B.
+  for (const Result& r : bench_add_rms_norm(1536, 2048, "e2b 1536", stream)) results.push_back(r);
+  for (const Result& r : bench_add_rms_norm(5376, 8192, "31b 5376", stream)) results.push_back(r);
   // The residual step folded into the GEMV after it against add_rms_norm + that GEMV: E2B's
   // gate+up (and double-wide), the 31B's QKV and gate+up.
   results.push_back(
