@@ -987,7 +987,7 @@ int main(int argc, char** argv) {
   const Shape big_dense[] = {
       {16384, 5376, "31b qkv 16384x5376"},       {43008, 5376, "31b gate+up 43008x5376"},
       {5376, 8192, "31b o_proj 5376x8192"},      {5376, 21504, "31b down 5376x21504"},
-      {262144, 5376, "31b lm_head 262144x5376"},
+      {262144, 5376, "31b lm_head 262144x5376"}, {5376, 16384, "31b full o_proj 5376x16384"},
   };
   for (const Shape& s : big_dense) {
     results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16, s.label,
