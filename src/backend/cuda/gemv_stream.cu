@@ -532,9 +532,9 @@ __device__ __forceinline__ void wait_barrier_cluster(uint64_t* barrier, uint32_t
 template <ActType XT, int W, int KC, int S, int KS, int P>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     gemv_split_ring_kernel(GemvArgs a, const __grid_constant__ SplitMaps maps) {
-  static_assert(KC % 4 == 0 && KC <= 64, "pieces of whole quads, at most 64 chunks");
+  static_assert(KC % 4 == 0 && KC <= 96, "pieces of whole quads, at most 96 chunks");
   static_assert(S >= 2, "a ring needs a stage in flight");
-  static_assert(W % KS == 0 && W / KS <= 14, "whole groups, a named barrier each");
+  static_assert(W % KS == 0, "whole groups");
   static_assert(P >= 2 && P <= 8 && P * KS * 8 <= 32 * 32, "a portable cluster");
   constexpr int kGroups = W / KS;
   constexpr int kBuffers = kGemvStreamSplitBuffers;
