@@ -637,8 +637,8 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   CHECK(cudaMalloc(&partials, partial_floats * 4));
   // The engine's split-merge counters (zero, left at zero by every launch).
   int* merge_counters;
-  CHECK(cudaMalloc(&merge_counters, kv_heads * sizeof(int)));
-  CHECK(cudaMemset(merge_counters, 0, kv_heads * sizeof(int)));
+  CHECK(cudaMalloc(&merge_counters, q_heads * sizeof(int)));
+  CHECK(cudaMemset(merge_counters, 0, q_heads * sizeof(int)));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
   // Small finite values: fp32 words, bf16 pairs or e4m3 quads of about the same magnitude.
@@ -689,7 +689,7 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   const gemma4::cuda::AttentionWorkspace workspace = {
-      partials, splits, variant.merge_kernel ? nullptr : merge_counters, kv_heads};
+      partials, splits, variant.merge_kernel ? nullptr : merge_counters, q_heads};
   for (int option : split_options) {
     r.measure(option, kLinks, stream, [&](int link, const Launch& launch) {
       gemma4::cuda::KvCacheView link_kv = kv;

@@ -50,7 +50,7 @@ bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
          gemv_mma_takes(w, {nullptr, ActType::kF32, static_cast<int>(rows), 0, true});
 }
 
-// Decode attention's split-merge counters: one per (sequence of a launch, kv head).
+// Decode attention's split-merge counters: one per (sequence of a launch, q head).
 constexpr int kAttentionMergeCounters = kMaxBatchedSequences * 64;
 
 // Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
