@@ -6,10 +6,13 @@
 // staged K/V). And E2B's per-layer-input step (ple_step.h) chained the same way.
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
-// Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]]
-//   --filter  run only the measurements whose "kernel shape M=m" line contains one of the
-//             |-separated alternatives; an alternative A&B needs both texts (e.g.
-//             --filter '31b|26b&M=1' for the 31B shapes and the 26B ones at one row)
+// Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]] [--mma-tilings ID[,ID...]]
+//   --filter       run only the measurements whose "kernel shape M=m" line contains one of the
+//                  |-separated alternatives; an alternative A&B needs both texts (e.g.
+//                  --filter '31b|26b&M=1' for the 31B shapes and the 26B ones at one row)
+//   --mma-tilings  the tensor-core GEMV's sweep measures these tiling ids only (bench_gemv_mma
+//                  says how they read; PDL trigger and SM-exclusive variants included), beside
+//                  the default, for every activation type
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +49,8 @@ constexpr double kReadCeilingGBs = 4250.0;  // measured H200 read bandwidth (h20
 
 // --filter's alternatives, each a list of texts that must all occur; empty: every measurement.
 std::vector<std::vector<std::string>> g_filters;
+// --mma-tilings: the tensor-core GEMV tiling ids to sweep; empty: every plain one.
+std::vector<int> g_mma_tilings;
 
 // `text` split at `separator`, empty parts dropped.
 std::vector<std::string> split(std::string_view text, char separator) {
@@ -407,9 +412,11 @@ Result bench_residual_tail(int64_t rows, int64_t cols, const char* label, cudaSt
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
 // and 8 splits, each with one block per row tile and with resident looping blocks, beside the
-// default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
-// looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for warps of one 16-row
-// tile (twice the warps of the two-tile layout of the same row tile).
+// default (default_mma_gemv_tiling's choice), else the default alone (--mma-tilings: the listed
+// ones, also with the PDL trigger and SM-exclusive variants, at every activation type). The
+// tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for
+// warps of one 16-row tile (twice the warps of the two-tile layout of the same row tile), plus
+// 100000 · trigger (1 after the staging, 2 after the products) and 1000000 for sm_exclusive.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -442,26 +449,34 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
+    return (t.sm_exclusive ? 1000000 : 0) + 100000 * static_cast<int>(t.trigger) +
+           (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
            10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
+  const bool listed = !g_mma_tilings.empty();
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        const gemma4::cuda::MmaGemvTiling tiling =
-            gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
-        const int id = tiling_id(tiling);
-        const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
-        if (!swept && id != r.default_tiling) continue;
-        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
-            gemma4::cuda::kMmaGemvMaxSharedBytes) {
-          continue;
+        for (int variant = 0; variant < (listed ? 6 : 1); ++variant) {
+          gemma4::cuda::MmaGemvTiling tiling =
+              gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
+          tiling.trigger = static_cast<gemma4::cuda::MmaGemvTrigger>(variant % 3);
+          tiling.sm_exclusive = variant >= 3;
+          const int id = tiling_id(tiling);
+          const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
+                                          g_mma_tilings.end()
+                                    : sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
+          if (!swept && id != r.default_tiling) continue;
+          if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
+              gemma4::cuda::kMmaGemvMaxSharedBytes) {
+            continue;
+          }
+          r.measure(id, links, stream, [&](int i, const Launch& launch) {
+            return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
+                                          tiling);
+          });
         }
-        r.measure(id, links, stream, [&](int i, const Launch& launch) {
-          return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
-                                        tiling);
-        });
       }
     }
   }
@@ -881,6 +896,8 @@ int main(int argc, char** argv) {
       for (const std::string& alternative : split(argv[++i], '|')) {
         g_filters.push_back(split(alternative, '&'));
       }
+    } else if (!std::strcmp(argv[i], "--mma-tilings") && i + 1 < argc) {
+      for (const std::string& id : split(argv[++i], ',')) g_mma_tilings.push_back(std::stoi(id));
     }
   }
   cudaDeviceProp prop;
