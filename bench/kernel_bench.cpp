@@ -1067,6 +1067,15 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv(f, 12288, 1536, 8, ActType::kF32, dense[1].label, stream, quick));
   }
 
+  // 26B-A4B's logits matrix: bf16 as NVFP4 checkpoints keep it (bf16 companions, what the
+  // engine reads by default) against the int8 copy of `--lm-head q8` (w8 g32, fp16 scales: the
+  // engine's fp32 rows rounded to bf16, the only activations w8 kernels take).
+  results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 2816, 1, ActType::kBF16,
+                               "26b lm_head 262144x2816", stream, quick));
+  results.push_back(bench_gemv(Format(WeightFormat::kW8, ScaleType::kF16, 32), 262144, 2816, 1,
+                               ActType::kF32, "26b lm_head 262144x2816", stream, quick,
+                               GemvEpilogue::kNone, true));
+
   // Split counts: the first (what CudaBackend picks for a single sequence of a context at least
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.
   // The engine's cache is bf16 by default (fp32 and fp8 on request); bf16 and fp8 have a
