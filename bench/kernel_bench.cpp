@@ -6,10 +6,13 @@
 // staged K/V). And E2B's per-layer-input step (ple_step.h) chained the same way.
 // Prints one line per measurement, a summary table last, and writes JSON (--json PATH).
 //
-// Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]]
-//   --filter  run only the measurements whose "kernel shape M=m" line contains one of the
-//             |-separated alternatives; an alternative A&B needs both texts (e.g.
-//             --filter '31b|26b&M=1' for the 31B shapes and the 26B ones at one row)
+// Usage: kernel_bench [--json PATH] [--quick] [--filter TEXT[|TEXT...]] [--mma-tilings ID[,ID...]]
+//   --filter       run only the measurements whose "kernel shape M=m" line contains one of the
+//                  |-separated alternatives; an alternative A&B needs both texts (e.g.
+//                  --filter '31b|26b&M=1' for the 31B shapes and the 26B ones at one row)
+//   --mma-tilings  the tensor-core GEMV's sweep measures these tiling ids only (bench_gemv_mma
+//                  says how they read; PDL trigger and SM-exclusive variants included), beside
+//                  the default, for every activation type
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -46,6 +49,8 @@ constexpr double kReadCeilingGBs = 4250.0;  // measured H200 read bandwidth (h20
 
 // --filter's alternatives, each a list of texts that must all occur; empty: every measurement.
 std::vector<std::vector<std::string>> g_filters;
+// --mma-tilings: the tensor-core GEMV tiling ids to sweep; empty: every plain one.
+std::vector<int> g_mma_tilings;
 
 // `text` split at `separator`, empty parts dropped.
 std::vector<std::string> split(std::string_view text, char separator) {
@@ -407,9 +412,11 @@ Result bench_residual_tail(int64_t rows, int64_t cols, const char* label, cudaSt
 
 // The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
 // and 8 splits, each with one block per row tile and with resident looping blocks, beside the
-// default (default_mma_gemv_tiling's choice), else the default alone. The tiling column reads
-// looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for warps of one 16-row
-// tile (twice the warps of the two-tile layout of the same row tile).
+// default (default_mma_gemv_tiling's choice), else the default alone (--mma-tilings: the listed
+// ones, also with the PDL trigger and SM-exclusive variants, at every activation type). The
+// tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for
+// warps of one 16-row tile (twice the warps of the two-tile layout of the same row tile), plus
+// 100000 · trigger (1 after the staging, 2 after the products) and 1000000 for sm_exclusive.
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -442,26 +449,34 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
+    return (t.sm_exclusive ? 1000000 : 0) + 100000 * static_cast<int>(t.trigger) +
+           (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
            10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
+  const bool listed = !g_mma_tilings.empty();
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        const gemma4::cuda::MmaGemvTiling tiling =
-            gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
-        const int id = tiling_id(tiling);
-        const bool swept = sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
-        if (!swept && id != r.default_tiling) continue;
-        if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
-            gemma4::cuda::kMmaGemvMaxSharedBytes) {
-          continue;
+        for (int variant = 0; variant < (listed ? 6 : 1); ++variant) {
+          gemma4::cuda::MmaGemvTiling tiling =
+              gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
+          tiling.trigger = static_cast<gemma4::cuda::MmaGemvTrigger>(variant % 3);
+          tiling.sm_exclusive = variant >= 3;
+          const int id = tiling_id(tiling);
+          const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
+                                          g_mma_tilings.end()
+                                    : sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
+          if (!swept && id != r.default_tiling) continue;
+          if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
+              gemma4::cuda::kMmaGemvMaxSharedBytes) {
+            continue;
+          }
+          r.measure(id, links, stream, [&](int i, const Launch& launch) {
+            return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
+                                          tiling);
+          });
         }
-        r.measure(id, links, stream, [&](int i, const Launch& launch) {
-          return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
-                                        tiling);
-        });
       }
     }
   }
@@ -588,6 +603,75 @@ std::vector<Result> bench_ple_step(cudaStream_t stream) {
   return {r, after_down};
 }
 
+// The one-row residual step (add_rms_norm: residual updated in place, next written with its bf16
+// companion, as CudaBackend runs it at one row) of width `width`: a chain of steps alone, then
+// each after the GEMV (rows = width, `cols` from bf16 activations, distinct weights per link)
+// that writes its x: a pair's time minus the GEMV's alone, the step's cost on the critical path
+// (add_rms_norm/after-gemv).
+std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* label,
+                                       cudaStream_t stream) {
+  Result r;
+  r.kernel = "add_rms_norm";
+  r.shape = label;
+  r.skipped = !selected(r.kernel, label, 1);
+  if (r.skipped) return {r};
+  // Rows of the width: x, residual, next, the two norm weights; then next's bf16 companion.
+  float* rows = nullptr;
+  CHECK(cudaMalloc(&rows, 5 * width * 4 + width * 2));
+  const auto row = [&](int i) { return gemma4::cuda::RowsView{rows + i * width, 1, width, width}; };
+  fill(rows, 5 * width * 4, 17, 0x3F7FFFFF);  // finite floats below 2
+  gemma4::cuda::AddNormSpec spec;
+  spec.weight = row(3).data;
+  spec.next_weight = row(4).data;
+  spec.scalar = 0.5f;  // keeps the chained residual bounded
+  spec.next_companions = {reinterpret_cast<uint16_t*>(rows + 5 * width), nullptr, width};
+  const auto step = [&](const Launch& launch) {
+    return gemma4::cuda::add_rms_norm(row(0), row(1), row(2), spec, launch);
+  };
+  constexpr int kLinks = 64;
+  r.default_tiling = 0;
+  r.measure(0, kLinks, stream, [&](int, const Launch& launch) { return step(launch); });
+  std::printf("%-14s %-22s M=1  alone (plain/pdl us): %s\n", r.kernel.c_str(), label,
+              r.all.c_str());
+  Result after = r;
+  after.kernel = "add_rms_norm/after-gemv";
+  after.all.clear();
+  after.best_pdl_us = 1e30;
+  Weights w;
+  make_weights(Format(WeightFormat::kW4G32), width, cols, w);
+  const int links = static_cast<int>(w.copies.size());
+  after.mbytes = w.bytes / 1e6;
+  void* gemv_x = nullptr;
+  CHECK(cudaMalloc(&gemv_x, cols * 2));
+  fill(gemv_x, cols * 2, 18, 0x3B7F3B7F);  // small finite bf16 pairs
+  const GemvInput input = {gemv_x, ActType::kBF16, 1, cols};
+  const GemvOutput output = {row(0).data, width};
+  double gemv_us[2], pair_us[2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    const Launch launch = {stream, pdl == 1};
+    gemv_us[pdl] = time_chain(
+        links, [&](int i) { return gemma4::cuda::gemv(w.copies[i], input, output, launch); },
+        stream);
+    pair_us[pdl] = 2 * time_chain(
+                           2 * links,
+                           [&](int i) {
+                             return i % 2 == 0
+                                        ? gemma4::cuda::gemv(w.copies[i / 2], input, output, launch)
+                                        : step(launch);
+                           },
+                           stream);
+  }
+  after.add_measurement(0, pair_us[0] - gemv_us[0], pair_us[1] - gemv_us[1]);
+  std::printf(
+      "%-14s %-22s M=1  gemv %lldx%lld alone %.2f/%.2f us, step's cost (plain/pdl us): %s\n",
+      after.kernel.c_str(), label, static_cast<long long>(width), static_cast<long long>(cols),
+      gemv_us[0], gemv_us[1], after.all.c_str());
+  std::fflush(stdout);
+  CHECK(cudaFree(gemv_x));
+  CHECK(cudaFree(rows));
+  return {r, after};
+}
+
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
 // the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
@@ -637,8 +721,8 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   CHECK(cudaMalloc(&partials, partial_floats * 4));
   // The engine's split-merge counters (zero, left at zero by every launch).
   int* merge_counters;
-  CHECK(cudaMalloc(&merge_counters, kv_heads * sizeof(int)));
-  CHECK(cudaMemset(merge_counters, 0, kv_heads * sizeof(int)));
+  CHECK(cudaMalloc(&merge_counters, q_heads * sizeof(int)));
+  CHECK(cudaMemset(merge_counters, 0, q_heads * sizeof(int)));
   CHECK(cudaMalloc(&slot_positions, slots * 4));
   CHECK(cudaMalloc(&position, 4));
   // Small finite values: fp32 words, bf16 pairs or e4m3 quads of about the same magnitude.
@@ -689,7 +773,7 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
   const gemma4::cuda::AttentionWorkspace workspace = {
-      partials, splits, variant.merge_kernel ? nullptr : merge_counters, kv_heads};
+      partials, splits, variant.merge_kernel ? nullptr : merge_counters, q_heads};
   for (int option : split_options) {
     r.measure(option, kLinks, stream, [&](int link, const Launch& launch) {
       gemma4::cuda::KvCacheView link_kv = kv;
@@ -881,6 +965,8 @@ int main(int argc, char** argv) {
       for (const std::string& alternative : split(argv[++i], '|')) {
         g_filters.push_back(split(alternative, '&'));
       }
+    } else if (!std::strcmp(argv[i], "--mma-tilings") && i + 1 < argc) {
+      for (const std::string& id : split(argv[++i], ',')) g_mma_tilings.push_back(std::stoi(id));
     }
   }
   cudaDeviceProp prop;
@@ -987,7 +1073,7 @@ int main(int argc, char** argv) {
   const Shape big_dense[] = {
       {16384, 5376, "31b qkv 16384x5376"},       {43008, 5376, "31b gate+up 43008x5376"},
       {5376, 8192, "31b o_proj 5376x8192"},      {5376, 21504, "31b down 5376x21504"},
-      {262144, 5376, "31b lm_head 262144x5376"},
+      {262144, 5376, "31b lm_head 262144x5376"}, {5376, 16384, "31b full o_proj 5376x16384"},
   };
   for (const Shape& s : big_dense) {
     results.push_back(bench_gemv(WeightFormat::kW4G32, s.rows, s.cols, 1, ActType::kBF16, s.label,
@@ -1029,6 +1115,9 @@ int main(int argc, char** argv) {
   }
 
   for (const Result& r : bench_ple_step(stream)) results.push_back(r);
+  // The one-row residual step alone and after the o_proj GEMV that writes its x: E2B, 31B.
+  for (const Result& r : bench_add_rms_norm(1536, 2048, "e2b 1536", stream)) results.push_back(r);
+  for (const Result& r : bench_add_rms_norm(5376, 8192, "31b 5376", stream)) results.push_back(r);
   // The residual step folded into the GEMV after it against add_rms_norm + that GEMV: E2B's
   // gate+up (and double-wide), the 31B's QKV and gate+up.
   results.push_back(
@@ -1066,6 +1155,15 @@ int main(int argc, char** argv) {
     }
     results.push_back(bench_gemv(f, 12288, 1536, 8, ActType::kF32, dense[1].label, stream, quick));
   }
+
+  // 26B-A4B's logits matrix: bf16 as NVFP4 checkpoints keep it (bf16 companions, what the
+  // engine reads by default) against the int8 copy of `--lm-head q8` (w8 g32, fp16 scales: the
+  // engine's fp32 rows rounded to bf16, the only activations w8 kernels take).
+  results.push_back(bench_gemv(WeightFormat::kBF16, 262144, 2816, 1, ActType::kBF16,
+                               "26b lm_head 262144x2816", stream, quick));
+  results.push_back(bench_gemv(Format(WeightFormat::kW8, ScaleType::kF16, 32), 262144, 2816, 1,
+                               ActType::kF32, "26b lm_head 262144x2816", stream, quick,
+                               GemvEpilogue::kNone, true));
 
   // Split counts: the first (what CudaBackend picks for a single sequence of a context at least
   // that deep: one per 32 keys up to kDecodeAttentionBlocks / kv heads) is the "default" column.

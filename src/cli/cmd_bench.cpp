@@ -50,6 +50,7 @@ struct BenchArgs {
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
+  std::string lm_head;
   std::string gpu_memory;
   int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
@@ -162,20 +163,15 @@ double seconds_since(Clock::time_point start) {
 }
 
 // Weights a decode step reads once for every token of the batch: every matrix except the
-// embedding tables (one row each per token), plus the logits matrix — in 4 bits when the backend
-// keeps a 4-bit copy of it (lm_head_packed: engine::pack_table_for_device) — and for MoE layers
-// only top_k / num_experts of the expert matrices (the share routing picks on average).
-// with_lm_head false: the same without the logits matrix.
-double weight_bytes_per_token(const model::LoadedModel& model, bool lm_head_packed,
+// embedding tables (one row each per token), plus the logits matrix as the backend reads it
+// (`lm_head`: engine::resident_lm_head_layout — a 4-bit copy, the 8-bit one of --lm-head q8, or
+// the checkpoint's) — and for MoE layers only top_k / num_experts of the expert matrices (the
+// share routing picks on average). with_lm_head false: the same without the logits matrix.
+double weight_bytes_per_token(const model::LoadedModel& model, const quant::QMatrix& lm_head,
                               bool with_lm_head = true) {
   const auto& config = model.config;
   const auto& weights = model.weights;
-  const quant::QMatrix& lm_head = weights.lm_head;
-  // w4g32 with bf16 scales: half a byte per weight and 2 bytes per group of 32.
-  double bytes = !with_lm_head ? 0.0
-                 : lm_head_packed
-                     ? static_cast<double>(lm_head.rows) * (lm_head.cols / 2 + lm_head.cols / 16)
-                     : static_cast<double>(lm_head.bytes());
+  double bytes = with_lm_head ? static_cast<double>(lm_head.bytes()) : 0.0;
   model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
     if (name == "embed_tokens" || name == "embed_tokens_per_layer" || name == "lm_head") return;
     const bool expert = name.find(".experts.") != std::string::npos;
@@ -217,6 +213,7 @@ class Bench {
   }
 
   Status write_report() const;
+  std::string lm_head_description() const;
   Status write_timeline() const;
 
  private:
@@ -258,7 +255,8 @@ class Bench {
     auto& engine = *loaded.engine;
     context_ = engine.max_context();
     memory_plan_ = loaded.memory_plan;
-    lm_head_packed_ = engine::table_packs_on_device(model_->weights.lm_head, *loaded.backend);
+    lm_head_ =
+        engine::resident_lm_head_layout(model_->weights, *loaded.backend, load_.engine.lm_head);
 
     // A depth that does not fit with its decode tokens is clipped to the deepest one that does.
     std::vector<int64_t> depths;
@@ -454,11 +452,21 @@ class Bench {
   std::optional<int64_t> peak_gpu_bytes_;
   std::optional<double> kernels_per_token_;
   engine::MemoryPlan memory_plan_;  // of the single-stream engine
-  bool lm_head_packed_ = false;     // the backend reads a 4-bit copy of the logits matrix
+  quant::QMatrix lm_head_;          // the logits matrix as the backend reads it (no data)
 };
 
+// "bf16", "w4g32, a lossless 4-bit copy", "w8 quantized at load by --lm-head q8": how the
+// backend reads the logits matrix.
+std::string Bench::lm_head_description() const {
+  const std::string format = quant::weight_format_name(lm_head_.format);
+  if (lm_head_.format == model_->weights.lm_head.format) return format;
+  return format + (lm_head_.format == quant::WeightFormat::kW4G32
+                       ? ", a lossless 4-bit copy"
+                       : " quantized at load by --lm-head q8");
+}
+
 Status Bench::write_report() const {
-  const double bytes_per_token = weight_bytes_per_token(*model_, lm_head_packed_);
+  const double bytes_per_token = weight_bytes_per_token(*model_, lm_head_);
   const std::string gpu = on_gpu_ ? cuda_device_name(0) : "none";
   const std::string format = quant::weight_format_name(model_->quantization.weight_format);
   const std::string commit = current_commit();
@@ -479,13 +487,12 @@ Status Bench::write_report() const {
               bytes_per_token / 1e9, args_.bandwidth_gbs);
   // The logits matrix alone (bf16 in NVFP4 checkpoints: embed_tokens is tied and unquantized)
   // bounds a batch-1 step from below by its read time.
-  const double lm_head_bytes = weight_bytes_per_token(*model_, lm_head_packed_) -
-                               weight_bytes_per_token(*model_, lm_head_packed_, false);
+  const double lm_head_bytes =
+      weight_bytes_per_token(*model_, lm_head_) - weight_bytes_per_token(*model_, lm_head_, false);
   std::printf(
       "of which the logits matrix (%s): %.3f GB, %.0f%%: %.0f us per step at the "
       "reference bandwidth\n\n",
-      lm_head_packed_ ? "4-bit copy" : quant::weight_format_name(model_->weights.lm_head.format),
-      lm_head_bytes / 1e9, 100 * lm_head_bytes / bytes_per_token,
+      lm_head_description().c_str(), lm_head_bytes / 1e9, 100 * lm_head_bytes / bytes_per_token,
       lm_head_bytes / (args_.bandwidth_gbs * 1e3));
   std::printf("%-8s %6s %8s %12s %10s %12s %8s\n", "decode", "batch", "depth", "tok/s", "ms/step",
               "weights GB/s", "% bw");
@@ -534,6 +541,7 @@ Status Bench::write_report() const {
   json["fold_residual_steps"] = args_.fold;
   json["tail_residual_steps"] = args_.tail;
   json["activations"] = activations_;
+  json["lm_head"] = lm_head_description();
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
   json["decode"] = nlohmann::ordered_json::array();
   for (const auto& d : decode_) {
@@ -623,6 +631,7 @@ Status bench(BenchArgs args) {
   load.tail_residual_steps = args.tail;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
+  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
@@ -663,6 +672,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);
+  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
   cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,

@@ -116,6 +116,7 @@ struct RunArgs {
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
+  std::string lm_head;
   std::string gpu_memory;
   int threads = 0;
   int prompt_chunk = 0;
@@ -180,6 +181,7 @@ Status run(const RunArgs& args) {
   load.pdl = !args.no_pdl;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
+  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
   load.threads = args.threads;
   GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
@@ -281,6 +283,7 @@ void register_run(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);
+  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
   cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");

@@ -36,6 +36,7 @@ struct ServeArgs {
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
+  std::string lm_head;
   int threads = 0;
   int timeout_s = 600;
   size_t max_body_mib = 16;
@@ -102,6 +103,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs&
   load.pdl = !args.no_pdl;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
+  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
   load.threads = args.threads;
   load.gpu_memory = args.gpu_memory_bytes;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
@@ -218,6 +220,7 @@ void register_serve(CLI::App& app, int& exit_code) {
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);
+  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
   cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();

@@ -72,6 +72,13 @@ Expected<engine::KvType> resolve_kv_cache(const EngineLoadOptions& options, Devi
 
 }  // namespace
 
+Expected<engine::LmHeadFormat> parse_lm_head(std::string_view name) {
+  if (name.empty()) return engine::LmHeadFormat::kExact;
+  auto format = engine::parse_lm_head_format(name);
+  if (!format.ok()) return format.error().with_context("--lm-head");
+  return format;
+}
+
 Expected<std::string> resolve_activations(std::string_view name, bool fp32) {
   if (!name.empty() && name != "f32" && name != "bf16" && name != "q8") {
     return make_error(ErrorCode::kInvalidArgument, "--activations: '{}' is none of f32, bf16, q8",
@@ -100,7 +107,7 @@ Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
     std::fprintf(stderr, "gemma4: --gpu-memory ignored: the %s backend keeps nothing on a GPU\n",
                  backend.name());
   const engine::ResidentWeightBytes resident =
-      engine::resident_weight_bytes(model.weights, backend);
+      engine::resident_weight_bytes(model.weights, backend, options.engine.lm_head);
   const int64_t weights = resident.bytes;
   const engine::MemoryPlan requested =
       engine::plan_memory(model.config, weights, options.engine, on_device);
@@ -125,6 +132,15 @@ Expected<engine::MemoryPlan> plan_engine_memory(const model::LoadedModel& model,
   if (!resident.packed_tables.empty())
     line +=
         fmt::format("; {} packed to 4 bits (lossless)", fmt::join(resident.packed_tables, ", "));
+  if (resident.lm_head_q8) {
+    line += "; the logits matrix quantized to 8 bits (--lm-head q8)";
+  } else if (options.engine.lm_head == engine::LmHeadFormat::kQ8) {
+    line += fmt::format("; --lm-head q8 ignored: the logits matrix is {}{}",
+                        quant::weight_format_name(model.weights.lm_head.format),
+                        model.weights.lm_head.format == quant::WeightFormat::kBF16
+                            ? " on the int4 grid (kept exact)"
+                            : "");
+  }
   if (on_device) {
     if (auto used = cuda_memory_used_bytes(kGpu))
       line += fmt::format("; {:.0f} MiB of the GPU in use before loading", mib(*used));

@@ -61,6 +61,16 @@ inline constexpr const char* kKvCacheHelp =
     "KV cache element type: f32, bf16 or fp8 (e4m3); default bf16 on CUDA (f32 with --fp32), f32 "
     "on the CPU (which keeps nothing else)";
 
+// Help text for --lm-head (EngineOptions::lm_head), the same in every subcommand.
+inline constexpr const char* kLmHeadHelp =
+    "how the logits matrix is held: exact (default: the checkpoint's) or q8 (a bf16/f32 one, like "
+    "the tied embedding of NVFP4 checkpoints, quantized at load to int8 per 32 values with fp16 "
+    "scales: about half the bytes a decode step reads of it, logits off by ~1e-2; embedding "
+    "lookups stay exact)";
+
+// --lm-head NAME (empty: exact) as an EngineOptions::lm_head value; an error for an unknown name.
+Expected<engine::LmHeadFormat> parse_lm_head(std::string_view name);
+
 struct EngineLoadOptions {
   std::string model;  // -m: a checkpoint directory, a .gguf file or an HF repo id
   Device device = Device::kAuto;

@@ -37,6 +37,7 @@
 
 #include "engine/backend.h"
 #include "engine/engine.h"
+#include "engine/lm_head.h"
 #include "model/config.h"
 #include "model/weights.h"
 
@@ -70,6 +71,8 @@ struct EngineOptions {
   // The element type of every KV cache (the backend must support it: supports_kv_type). The CLI
   // picks bf16 on CUDA unless activations are exact fp32 (cli/model_loader.h).
   KvType kv_type = KvType::kF32;
+  // How the logits matrix is held (engine/lm_head.h): exact by default.
+  LmHeadFormat lm_head = LmHeadFormat::kExact;
   // Debugging only (`gemma4 run --router-trace`): called after every MoE layer's routing with
   // what the backend computed. Each call downloads (a device sync per layer), so decode steps are
   // not recorded while it is set.

@@ -7,6 +7,7 @@
 #include <set>
 
 #include "quant/pack_w4g32.h"
+#include "quant/quantize_w8.h"
 
 namespace gemma4::engine {
 namespace {
@@ -226,13 +227,32 @@ std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& t
   return std::move(packed).value();
 }
 
+quant::QMatrix resident_lm_head_layout(const model::ModelWeights& weights, const Backend& backend,
+                                       LmHeadFormat lm_head) {
+  const quant::QMatrix& m = weights.lm_head;
+  if (lm_head_quantizes(m, lm_head)) return quant::w8g32_layout(m.rows, m.cols);
+  quant::QMatrix layout = m;
+  layout.data = layout.scales = nullptr;
+  if (table_packs_on_device(m, backend)) {
+    layout.format = quant::WeightFormat::kW4G32;
+    layout.scale_type = quant::ScaleType::kBF16;
+  }
+  return layout;
+}
+
 ResidentWeightBytes resident_weight_bytes(const model::ModelWeights& weights,
-                                          const Backend& backend) {
+                                          const Backend& backend, LmHeadFormat lm_head) {
   ResidentWeightBytes out;
+  out.lm_head_q8 = lm_head_quantizes(weights.lm_head, lm_head);
   if (backend.reads_host_memory()) return out;
   int64_t& bytes = out.bytes;
+  // The 8-bit logits matrix is made at load, apart from the checkpoint's (a tied one's
+  // embedding is still copied, for the lookups).
+  if (out.lm_head_q8)
+    bytes += quant::w8g32_layout(weights.lm_head.rows, weights.lm_head.cols).bytes();
   std::set<const void*> seen;  // a tied lm_head is the embedding table, copied once
   model::for_each_matrix(weights, [&](const std::string& name, const quant::QMatrix& m) {
+    if (name == "lm_head" && out.lm_head_q8) return;  // counted above
     if (!seen.insert(m.data).second) return;
     // The tables ResidentWeights places through pack_table_for_device.
     const bool table =

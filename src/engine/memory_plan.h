@@ -77,17 +77,28 @@ std::optional<quant::PackedMatrix> pack_table_for_device(const quant::QMatrix& t
 // Whether pack_table_for_device would pack `table` (the same scan, nothing written).
 bool table_packs_on_device(const quant::QMatrix& table, const Backend& backend);
 
+// The logits matrix as `backend` reads it under `lm_head` (ResidentWeights::create), without
+// data: quantize_w8g32's layout when lm_head_quantizes, the 4-bit copy's when
+// table_packs_on_device, else the checkpoint's matrix itself. Its bytes() is what a decode step
+// reads of it.
+quant::QMatrix resident_lm_head_layout(const model::ModelWeights& weights, const Backend& backend,
+                                       LmHeadFormat lm_head);
+
 // What `weights` take where `backend` reads them (ResidentWeights).
 struct ResidentWeightBytes {
   // 0 when the backend reads host memory; else every matrix once (a tied lm_head is the
-  // embedding), the tables in `packed_tables` in 4 bits, and the float32 norm vectors.
+  // embedding), the tables in `packed_tables` in 4 bits, the 8-bit logits matrix when
+  // `lm_head_q8` (beside a tied embedding, which embedding lookups still read), and the float32
+  // norm vectors.
   int64_t bytes = 0;
   // The tables (embed_tokens, lm_head, embed_tokens_per_layer) that table_packs_on_device.
   std::vector<std::string> packed_tables;
+  bool lm_head_q8 = false;  // lm_head_quantizes (on any backend)
 };
 // Scans the tables for the int4 grid, as ResidentWeights::create does.
 ResidentWeightBytes resident_weight_bytes(const model::ModelWeights& weights,
-                                          const Backend& backend);
+                                          const Backend& backend,
+                                          LmHeadFormat lm_head = LmHeadFormat::kExact);
 
 // "3732MiB", "24GiB", "4GB", "512M", "1.5G", "1000000" (bytes): binary units (KiB/MiB/GiB/TiB,
 // and K/M/G/T), decimal kB/MB/GB/TB. A clear error for anything else.

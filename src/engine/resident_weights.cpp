@@ -6,6 +6,7 @@
 #include <tuple>
 
 #include "engine/memory_plan.h"
+#include "quant/quantize_w8.h"
 #include "quant/row_stack.h"
 
 namespace gemma4::engine {
@@ -33,6 +34,12 @@ class WeightPlacer {
     const auto packed = pack_table_for_device(m, backend_);
     if (!packed) return matrix(m);
     return copied_.emplace(key_of(m), copy(packed->view())).first->second;
+  }
+
+  // A matrix made at load: copied, or on a backend that reads host memory kept by `out`.
+  quant::QMatrix made(quant::PackedMatrix&& m) {
+    if (copy_) return copy(m.view());
+    return out_.host_matrices_.emplace_back(std::move(m)).view();
   }
 
   // A matrix stacked in host memory (quant/row_stack.h), copied.
@@ -152,11 +159,17 @@ ResidentLayer place_layer(const model::LayerWeights& w, WeightPlacer& place, boo
 }  // namespace
 
 Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& weights,
-                                                  Backend& backend) {
+                                                  Backend& backend, LmHeadFormat lm_head) {
   ResidentWeights out;
   WeightPlacer place(backend, out);
   out.embed_tokens = place.table(weights.embed_tokens);
-  out.lm_head = place.table(weights.lm_head);
+  if (lm_head_quantizes(weights.lm_head, lm_head)) {
+    auto quantized = quant::quantize_w8g32(weights.lm_head);
+    if (!quantized.ok()) return quantized.error().with_context("--lm-head q8");
+    out.lm_head = place.made(std::move(quantized).value());
+  } else {
+    out.lm_head = place.table(weights.lm_head);
+  }
   out.final_norm = place.vector(weights.final_norm);
   out.embed_tokens_per_layer = place.table(weights.embed_tokens_per_layer);
   out.per_layer_model_projection = place.matrix(weights.per_layer_model_projection);

@@ -10,8 +10,10 @@
 
 #include "core/status.h"
 #include "engine/backend.h"
+#include "engine/lm_head.h"
 #include "model/weights.h"
 #include "quant/qmatrix.h"
+#include "quant/quantize.h"
 
 namespace gemma4::engine {
 
@@ -54,8 +56,10 @@ struct ResidentLayer {
 class ResidentWeights {
  public:
   // `weights` must outlive the result when `backend` reads host memory (the views point into
-  // it). Fails if a backend buffer cannot be allocated.
-  static Expected<ResidentWeights> create(const model::ModelWeights& weights, Backend& backend);
+  // it). `lm_head` says how the logits matrix is held (engine/lm_head.h). Fails if a backend
+  // buffer cannot be allocated or the logits matrix cannot be quantized.
+  static Expected<ResidentWeights> create(const model::ModelWeights& weights, Backend& backend,
+                                          LmHeadFormat lm_head = LmHeadFormat::kExact);
 
   quant::QMatrix embed_tokens;
   quant::QMatrix lm_head;
@@ -71,6 +75,9 @@ class ResidentWeights {
  private:
   friend class WeightPlacer;
   std::vector<Buffer> buffers_;
+  // Matrices made at load that a backend reading host memory reads where they are (the
+  // quantized logits matrix).
+  std::vector<quant::PackedMatrix> host_matrices_;
   int64_t copied_bytes_ = 0;
 };
 

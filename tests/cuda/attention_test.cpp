@@ -89,7 +89,7 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
   DeviceArray<float> partials(attention_partials_floats(batch, c.q_heads, c.head_dim, c.splits));
   // The engine's merge counters (few enough splits merge in the tensor-core kernel: attention.h).
-  const int counter_count = batch * c.kv_heads;
+  const int counter_count = batch * c.q_heads;
   DeviceArray<int> merge_counters(std::vector<int>(counter_count, 0));
   KvCacheView kv;
   kv.keys = c.type == KvType::kBF16  ? static_cast<const void*>(dk16.get())
@@ -266,13 +266,16 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
   }
 }
 
-// Which launches merge their splits in the tensor-core kernel: few records per kv head (at most
-// kMaxMergedInKernelBytes: 16 splits of 2 heads of 256 dims, 33 KB, or 4 splits of 8 heads of
-// 256); not E2B's sliding layer at the splits the engine picks (16 splits of 8 heads: 132 KB), a
-// deep full layer's 264 splits, the CUDA-core kernel, nor a workspace without counters.
+// Which launches merge their splits in the tensor-core kernel: few records per q-head part of a kv
+// head at the deepest cache (at most kMaxMergedInKernelBytes). E2B's sliding layer at the splits
+// the engine picks (16 splits, one part per q head: 16 x 256 dims, 16.5 KB) and 31B's (16 splits of
+// 16 kv heads: no spare blocks, parts of 2 heads, 33 KB); not 26B's sliding layer (32 splits of 8
+// kv heads: parts of 2 heads, 66 KB), a deep full layer's 264 splits, 8 sequences of E2B's sliding
+// layer (16 splits: 2 blocks per (sequence, split), parts of 4 heads, 66 KB), the CUDA-core
+// kernel, a workspace without counters, nor more (sequence, q head) pairs than counters.
 TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
-  int counters[4] = {};
-  const AttentionWorkspace with_counters = {nullptr, 264, counters, 4};
+  int counters[64] = {};
+  const AttentionWorkspace with_counters = {nullptr, 264, counters, 64};
   const AttentionWorkspace without_counters = {nullptr, 264};
   KvCacheView kv;
   kv.type = KvType::kBF16;
@@ -282,17 +285,25 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, without_counters), 2);
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
+  query.batch = 8;
   EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 2);
-  query.q_heads = 2;
+  query.batch = 1;
+  query.q_heads = 16;
+  kv.kv_heads = 8;
+  EXPECT_EQ(decode_attention_launches(query, kv, 32, with_counters), 2);
+  query.q_heads = 32;
+  kv.kv_heads = 16;
   EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
   query.q_heads = 8;
+  kv.kv_heads = 1;
   kv.head_dim = 512;
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 264, with_counters), 2);
   query.cuda_core_kernel = true;
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
   query.cuda_core_kernel = false;
-  query.batch = 5;  // more (sequence, kv head) pairs than counters
+  query.batch = 9;  // more (sequence, q head) pairs than counters
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
 }
 

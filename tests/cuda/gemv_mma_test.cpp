@@ -58,7 +58,9 @@ std::string describe(const HostMatrix& w, const Case& c) {
          " warps=" + std::to_string(c.tiling.warps) + "x" + std::to_string(c.tiling.k_warps) +
          " tiles_per_warp=" + std::to_string(c.tiling.tiles_per_warp) +
          " splits=" + std::to_string(c.tiling.splits) +
-         " row_blocks=" + std::to_string(c.tiling.row_blocks);
+         " row_blocks=" + std::to_string(c.tiling.row_blocks) +
+         " trigger=" + std::to_string(static_cast<int>(c.tiling.trigger)) +
+         (c.tiling.sm_exclusive ? " sm_exclusive" : "");
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -372,9 +374,11 @@ TEST(GemvMma, DefaultTilingsAreValid) {
   }
 }
 
-// Captured in a CUDA graph with PDL (as the engine's decode graphs launch it: a cluster launch
-// inside a capture) the kernel gives the bits of a plain launch, after a GEMV it depends on.
-TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
+// Two dependent GEMVs (the second reads the first's output: the first 1536 columns of each row),
+// through gemv() and its default choice (tiling.warps 0) or gemv_mma with `tiling`, launched
+// plain, then captured in a CUDA graph with PDL (as the engine's decode graphs launch them: a
+// cluster launch inside a capture) and replayed: every replay gives the plain launch's bits.
+void expect_pdl_chain_matches_plain(const MmaGemvTiling& tiling) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 2560, 1536, 17);
   const DeviceMatrix device(host);
   const int m = 40;
@@ -382,14 +386,16 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   DeviceArray<float> first(m * 2560), second(m * 2560);
   cudaStream_t stream;
   CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  // Two dependent GEMVs: the second reads the first's output (the first 1536 columns of each row).
+  auto multiply = [&](const float* in, int64_t stride, float* out, const Launch& launch) {
+    const GemvInput input = {in, ActType::kF32, m, stride, true};
+    return tiling.warps == 0 ? gemv(device.view, input, {out, 2560}, launch)
+                             : gemv_mma(device.view, input, {out, 2560}, launch, tiling);
+  };
   auto enqueue = [&](bool pdl) {
     const Launch launch = {stream, pdl};
-    const cudaError_t status =
-        gemv(device.view, {x.get(), ActType::kF32, m, 1536, true}, {first.get(), 2560}, launch);
+    const cudaError_t status = multiply(x.get(), 1536, first.get(), launch);
     if (status != cudaSuccess) return status;
-    return gemv(device.view, {first.get(), ActType::kF32, m, 2560, true}, {second.get(), 2560},
-                launch);
+    return multiply(first.get(), 2560, second.get(), launch);
   };
   CUDA_ASSERT_OK(enqueue(false));
   CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
@@ -410,6 +416,34 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
   CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+}
+
+TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
+  expect_pdl_chain_matches_plain({0, 0});
+}
+
+// Every PDL trigger point, with and without SM-exclusive blocks (shared memory padded to
+// kMmaGemvExclusiveSharedBytes), for blocks of one row tile and looping ones: a dependent chain
+// replays the bits of plain launches, and the values match the reference.
+TEST(GemvMma, EveryTriggerPointAndExclusiveBlocks) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 600, 1536, 19);
+  const DeviceMatrix device(host);
+  for (const MmaGemvTrigger trigger :
+       {MmaGemvTrigger::kAtStart, MmaGemvTrigger::kAfterStaging, MmaGemvTrigger::kAfterProducts}) {
+    for (const bool exclusive : {false, true}) {
+      for (const int row_blocks : {0, 2}) {
+        MmaGemvTiling tiling = {8, 4, 1, row_blocks, 1};
+        tiling.trigger = trigger;
+        tiling.sm_exclusive = exclusive;
+        SCOPED_TRACE(describe(host, {64, ActType::kF32, GemvEpilogue::kNone, tiling}));
+        expect_pdl_chain_matches_plain(tiling);
+        Case c;
+        c.m = 64;
+        c.tiling = tiling;
+        check(host, device, c);
+      }
+    }
+  }
 }
 
 // Resident looping blocks (313 row tiles: more than the clusters that fit) launched first inside

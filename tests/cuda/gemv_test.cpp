@@ -598,10 +598,12 @@ TEST(Gemv, EpilogueAloneMatchesTheFormula) {
             cudaErrorInvalidValue);  // odd width: no pairs
 }
 
-// Whether streaming tiling t stages a row of `cols` in shared memory (gemv refuses it otherwise).
+// Whether streaming tiling t stages a row of `cols` in shared memory and takes its layout (aligned
+// addresses; gemv refuses it otherwise).
 bool stream_tiling_fits(int t, int64_t cols) {
-  return gemv_stream_shared_bytes(kGemvStreamTilings[t - kGemvStreamTilingBase], cols / 32) <=
-         kGemvStreamMaxSharedBytes;
+  const GemvStreamTiling& tiling = kGemvStreamTilings[t - kGemvStreamTilingBase];
+  return gemv_stream_layout_ok(tiling, cols / 32, 0, 0) &&
+         gemv_stream_shared_bytes(tiling, cols / 32) <= kGemvStreamMaxSharedBytes;
 }
 
 // The streaming kernel (gemv_stream_kernels.h), every compiled tiling: row counts that leave a
@@ -642,10 +644,11 @@ TEST(Gemv, StreamTilings) {
 }
 
 // The producer-warp tilings over many tiles a block (each ring wraps around, the last round of
-// tiles is short) and a partial last tile, at K 5376 and 1536.
+// tiles is short) and a partial last tile, at K 5376 and 1536; the split-K ones also at the 31B
+// down's K 21504 (more tiles than clusters: the partial-sum buffers wrap around).
 TEST(Gemv, StreamProducerRings) {
   uint32_t seed = 2200;
-  for (const Shape& s : {Shape{16392, 5376}, Shape{40008, 1536}}) {
+  for (const Shape& s : {Shape{16392, 5376}, Shape{40008, 1536}, Shape{5384, 21504}}) {
     const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
     const DeviceMatrix device(host);
     for (int t = kGemvStreamTilingBase; t < kGemvStreamTilingBase + kNumGemvStreamTilings; ++t) {

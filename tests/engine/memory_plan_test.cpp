@@ -75,6 +75,36 @@ TEST_P(PlanVersusEngine, PlanIsWhatTheEngineAllocates) {
   EXPECT_TRUE(on_host.packed_tables.empty());
 }
 
+// --lm-head q8 on the plain bf16 synth: the 8-bit logits matrix is made beside the tied bf16
+// embedding (which lookups still read), and the plan counts both, exactly as allocated.
+TEST_P(PlanVersusEngine, PlanCountsThe8BitLogitsMatrix) {
+  const model::LoadedModel& loaded = testing::tiny_bf16_model(GetParam());
+  EngineOptions options;
+  options.max_sequences = 2;
+  options.max_context = 64;
+  options.max_pass_tokens = 32;
+  options.lm_head = LmHeadFormat::kQ8;
+  int64_t allocated = 0;
+  auto engine = Gemma4Engine::create(loaded.config, loaded.weights,
+                                     std::make_unique<CountingDeviceBackend>(&allocated), options);
+  ASSERT_TRUE(engine.ok()) << engine.error().to_string();
+
+  int64_t not_counted = 0;
+  const CountingDeviceBackend device(&not_counted);
+  const ResidentWeightBytes exact = resident_weight_bytes(loaded.weights, device);
+  const ResidentWeightBytes q8 = resident_weight_bytes(loaded.weights, device, LmHeadFormat::kQ8);
+  EXPECT_FALSE(exact.lm_head_q8);
+  EXPECT_TRUE(q8.lm_head_q8);
+  const quant::QMatrix& lm_head = loaded.weights.lm_head;
+  // int8 weights and one fp16 scale per 32.
+  EXPECT_EQ(q8.bytes - exact.bytes, lm_head.rows * lm_head.cols * (1 + 2.0 / 32));
+  const quant::QMatrix read = resident_lm_head_layout(loaded.weights, device, LmHeadFormat::kQ8);
+  EXPECT_EQ(read.format, quant::WeightFormat::kW8);
+  EXPECT_EQ(read.bytes(), q8.bytes - exact.bytes);
+  const MemoryPlan plan = plan_memory(loaded.config, q8.bytes, options, /*on_device=*/false);
+  EXPECT_EQ(plan.total(), allocated) << plan.summary();
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, PlanVersusEngine, ::testing::Values("tiny", "tiny-moe"),
                          testing::preset_test_name);
 

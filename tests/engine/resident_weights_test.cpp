@@ -6,7 +6,10 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <set>
 #include <string>
@@ -144,6 +147,90 @@ TEST(ResidentWeights, TablesOnTheInt4GridArePackedOnceOnADevice) {
   ASSERT_TRUE(viewed.ok());
   EXPECT_EQ(viewed->embed_tokens.format, quant::WeightFormat::kBF16);
   EXPECT_EQ(viewed->embed_tokens.data, loaded.weights.embed_tokens.data);
+}
+
+// The logits of the last token of `prompts` (one sequence each) from `engine`, row after row.
+std::vector<float> last_logits(Gemma4Engine& engine,
+                               const std::vector<std::vector<int32_t>>& prompts) {
+  const size_t vocab = static_cast<size_t>(engine.vocab_size());
+  std::vector<float> logits(prompts.size() * vocab);
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    auto sequence = engine.open_sequence();
+    EXPECT_TRUE(sequence.ok());
+    const StepInput input{*sequence, prompts[p]};
+    EXPECT_TRUE(engine.step({&input, 1}, std::span(logits).subspan(p * vocab, vocab)).ok());
+    engine.close_sequence(*sequence);
+  }
+  return logits;
+}
+
+// --lm-head q8 on the plain bf16 synth (its tied embedding is off the int4 grid): the engine
+// reads an 8-bit logits matrix (quant/quantize_w8.h) — the same one on a device as on the CPU,
+// which reads it from host memory — while embedding lookups keep the exact bf16 table. Against
+// the exact matrix, only the logits move: logit v by sum_k e_vk · h_k over the final normed
+// hidden state h, with independent errors |e_vk| <= s / 2 (s ~ amax / 127 of the row's group),
+// so each change is about normal with sigma ~ s / sqrt(12) · |h|; the largest of 6 x 262144
+// logits lands near 5 sigma: 0.078 measured (logits of std ~3), asserted below 0.2.
+TEST(ResidentWeights, Q8LogitsMatrixIsTheSameOnEveryBackendAndCloseToExact) {
+  const model::LoadedModel& loaded = testing::tiny_bf16_model("tiny");
+  ASSERT_TRUE(lm_head_quantizes(loaded.weights.lm_head, LmHeadFormat::kQ8));
+  ASSERT_FALSE(lm_head_quantizes(loaded.weights.lm_head, LmHeadFormat::kExact));
+
+  DeviceLikeBackend device;
+  auto placed = ResidentWeights::create(loaded.weights, device, LmHeadFormat::kQ8);
+  ASSERT_TRUE(placed.ok()) << placed.error().to_string();
+  EXPECT_EQ(placed->lm_head.format, quant::WeightFormat::kW8);
+  EXPECT_EQ(placed->embed_tokens.format, loaded.weights.embed_tokens.format);
+  backend::cpu::CpuBackend cpu(1);
+  auto viewed = ResidentWeights::create(loaded.weights, cpu, LmHeadFormat::kQ8);
+  ASSERT_TRUE(viewed.ok());
+  EXPECT_EQ(viewed->lm_head.format, quant::WeightFormat::kW8);
+  EXPECT_EQ(viewed->embed_tokens.data, loaded.weights.embed_tokens.data);
+
+  EngineOptions options;
+  options.max_sequences = 1;
+  options.max_context = 64;
+  EngineOptions q8 = options;
+  q8.lm_head = LmHeadFormat::kQ8;
+  auto device_like = std::make_unique<DeviceLikeBackend>();
+  const DeviceLikeBackend& checker = *device_like;
+  auto on_device = Gemma4Engine::create(loaded.config, loaded.weights, std::move(device_like), q8);
+  auto on_cpu = Gemma4Engine::create(loaded.config, loaded.weights,
+                                     std::make_unique<backend::cpu::CpuBackend>(2), q8);
+  auto exact = Gemma4Engine::create(loaded.config, loaded.weights,
+                                    std::make_unique<backend::cpu::CpuBackend>(2), options);
+  ASSERT_TRUE(on_device.ok() && on_cpu.ok() && exact.ok());
+  std::vector<std::vector<int32_t>> prompts;
+  for (int salt = 0; salt < 6; ++salt) prompts.push_back(testing::prompt_ids(5 + salt, salt));
+  const std::vector<float> device_logits = last_logits(**on_device, prompts);
+  const std::vector<float> q8_logits = last_logits(**on_cpu, prompts);
+  const std::vector<float> exact_logits = last_logits(**exact, prompts);
+  EXPECT_EQ(device_logits, q8_logits);
+  EXPECT_TRUE(checker.foreign_reads().empty())
+      << "read from host memory: " << *checker.foreign_reads().begin();
+
+  // Top-1 must agree wherever the exact logits' top-2 gap exceeds twice the largest change.
+  const size_t vocab = static_cast<size_t>((*exact)->vocab_size());
+  float max_change = 0.0f;
+  for (size_t i = 0; i < exact_logits.size(); ++i)
+    max_change = std::max(max_change, std::fabs(q8_logits[i] - exact_logits[i]));
+  EXPECT_GT(max_change, 0.0f);  // the matrix did change
+  EXPECT_LT(max_change, 0.2f);
+  int agree = 0;
+  for (size_t p = 0; p < prompts.size(); ++p) {
+    const auto row = [&](const std::vector<float>& l) { return l.begin() + p * vocab; };
+    const auto top = [&](const std::vector<float>& l) {
+      return std::max_element(row(l), row(l) + vocab) - row(l);
+    };
+    std::vector<float> sorted(row(exact_logits), row(exact_logits) + vocab);
+    std::partial_sort(sorted.begin(), sorted.begin() + 2, sorted.end(), std::greater<>());
+    agree += top(exact_logits) == top(q8_logits);
+    if (sorted[0] - sorted[1] > 2 * max_change) {
+      EXPECT_EQ(top(exact_logits), top(q8_logits)) << p;
+    }
+  }
+  std::printf("lm_head q8 vs exact: max |dlogit| %.4g, top-1 agreement %d/%zu\n", max_change, agree,
+              prompts.size());
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),

@@ -187,8 +187,9 @@ struct BlockWork {
   int splits, parts, heads_per_part;
 };
 
-__device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
-  const int parts = max(1, min(group, blocks / splits));
+__host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
+  const int fitting = blocks / splits;
+  const int parts = fitting < 1 ? 1 : fitting < group ? fitting : group;
   const int heads_per_part = (group + parts - 1) / parts;
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
 }
@@ -545,12 +546,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 // landing on a per-stage mbarrier, bf16 rows padded by 16 bytes instead of swizzled. With 16-byte
 // cp.async pieces from every thread an SM read ~19 GB/s at depth 32K (kernel_bench: 132 splits on
 // one block per SM as fast as 264 on two), well below its 32 GB/s share of the DRAM bandwidth: the
-// load path, not the bytes in flight, looked to be the limit. A block serves every q head of its kv
-// head (no q-head parts: the mma does all 8 at once). At shallow depths its cost is a chain of
-// dependent steps, so what needs no predecessor runs before the PDL wait: the query position, the
-// RoPE angles, and the copies of the keys older than the query (attention.h says why that is safe);
-// after it only q, k, v (loaded together), the query's own key and the chain from the scores to the
-// output remain.
+// load path, not the bytes in flight, looked to be the limit. Blocks are (key split, q-head part)
+// pairs as in the CUDA-core kernel (block_work): the mma takes up to 8 heads at once, but a block's
+// prologue (a second q head's norm and RoPE on the K and V warps), epilogue (each head's outputs
+// and companions) and split records grow with its heads, so at shallow depths, where the chain is
+// the whole cost, every head gets its own block (each block of the query's key range makes the new
+// K/V itself; the part-0 one stores it); and at depth the few records of a part's heads merge in
+// the kernel's last block instead of a merge kernel (merges_in_kernel). What needs no predecessor
+// runs before the PDL wait: the query position, the RoPE angles, and the copies of the keys older
+// than the query (attention.h says why that is safe); after it only q, k, v (loaded together), the
+// query's own key and the chain from the scores to the output remain.
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
@@ -653,7 +658,7 @@ struct SplitRecords {
   // Weighs and combines the splits (`weight`: [heads][splits], `total`: [heads] in shared
   // memory) into the outputs and their companions. The first batch is `first` (loaded before the
   // weights were known, so that its round trip overlaps theirs).
-  __device__ __forceinline__ void combine(int64_t row, int kv, const float* weight,
+  __device__ __forceinline__ void combine(int64_t row, int first_q_head, const float* weight,
                                           const float* total,
                                           float (&first)[kDims][kSplits]) const {
     for (int first_idx = threadIdx.x; first_idx < outputs; first_idx += kDims * kThreads) {
@@ -678,7 +683,7 @@ struct SplitRecords {
         if (idx >= outputs) break;  // warp-uniform
         const int g = idx / HD;
         const float result[1] = {total[g] > 0.0f ? value[i] / total[g] : 0.0f};
-        const int64_t column = static_cast<int64_t>(kv * a.group + g) * HD + idx % HD;
+        const int64_t column = static_cast<int64_t>(first_q_head + g) * HD + idx % HD;
         a.out[row * a.out_stride + column] = result[0];
         store_companions<1>(a.out_companions, row, column, result);
       }
@@ -691,7 +696,7 @@ struct SplitRecords {
 // taking splits l and l + 32: one round trip for the records' (max, sum), two warp reductions).
 // `scratch`: shared memory for heads · (splits + 1) floats.
 template <int HD, int kDims, int kSplits>
-__device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t row, int kv,
+__device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t row, int first_q_head,
                                               int heads, int splits, const float* records,
                                               float* scratch) {
   const SplitRecords<HD, kDims, kSplits> merge = {a, records, splits, heads * HD};
@@ -725,41 +730,45 @@ __device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t ro
     if (lane == 0) total[g] = head_total;
   }
   __syncthreads();
-  merge.combine(row, kv, weight, total, first);
+  merge.combine(row, first_q_head, weight, total, first);
 }
 
 // The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
-// written its partial records: each split block of a (sequence, kv head) counts itself in; the
-// last to arrive (all the others' records are then visible: each fenced them before counting)
-// resets the counter for the next launch and combines the records of the group's q heads as
-// merge_splits_kernel does, into the outputs and their companions. `scratch`: shared memory for
-// heads · (splits + 1) floats; `last`: a shared flag.
+// written its partial records: each split block of a (sequence, kv head, q-head part) counts
+// itself in; the last to arrive (all the others' records are then visible: each fenced them
+// before counting) resets the counter for the next launch and combines the records of the part's
+// q heads [first_head, first_head + heads) of the group as merge_splits_kernel does, into the
+// outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats; `last`:
+// a shared flag.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
-                                                    int heads, int splits, float* scratch,
-                                                    int& last) {
+                                                    int part, int first_head, int heads, int splits,
+                                                    float* scratch, int& last) {
   // The barrier orders the block's record stores before thread 0's fence, which (cumulative)
   // publishes them device-wide before its count; the last block's fence after its count orders
   // its reads after everyone's stores.
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    int* counter = a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.kv_heads + kv;
+    // One counter per (sequence, kv head, part): parts <= group, so [sequence][q head] holds them.
+    int* counter =
+        a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group + part;
     last = atomicAdd(counter, 1) == splits - 1;
     if (last) *counter = 0;  // every block of this launch has counted
     __threadfence();
   }
   __syncthreads();
   if (!last) return;
+  const int first_q_head = kv * a.group + first_head;
   const float* records =
       a.partials +
-      (static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group) * a.splits * int64_t{HD + 2};
+      (static_cast<int64_t>(blockIdx.z) * a.q_heads + first_q_head) * a.splits * int64_t{HD + 2};
   // 32 values in flight per thread (more spills the prologue's registers across the PDL wait): a
-  // small group's few outputs take more splits at once.
+  // part's few outputs take more splits at once.
   if (heads * HD <= 2 * kThreads) {
-    merge_records<HD, 2, 16>(a, row, kv, heads, splits, records, scratch);
+    merge_records<HD, 2, 16>(a, row, first_q_head, heads, splits, records, scratch);
   } else {
-    merge_records<HD, 4, 8>(a, row, kv, heads, splits, records, scratch);
+    merge_records<HD, 4, 8>(a, row, first_q_head, heads, splits, records, scratch);
   }
 }
 
@@ -801,9 +810,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
   const int64_t scanned = scan.count;
   const int splits = scan.splits;
-  const int split = blockIdx.x;
-  if (split >= splits) return;  // the merge skips it
-  const int heads = a.group;
+  const BlockWork work = block_work(splits, gridDim.x, a.group);
+  if (static_cast<int>(blockIdx.x) >= splits * work.parts) return;  // the merge skips it
+  const int split = blockIdx.x / work.parts;
+  const int part = blockIdx.x % work.parts;
+  const int first_head = part * work.heads_per_part;  // of the group
+  const int heads = min(work.heads_per_part, a.group - first_head);
   const int64_t begin = scan.split_begin(split);
   const int64_t end = scan.split_end(split);
   // The split holding the query's own key never copies it into the tiles: the block puts it
@@ -910,9 +922,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const float* prepared_q =
       reinterpret_cast<const float*>(pipeline + (kStages - 1) * T::kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, rotation, row, kv, 0, heads, query_position,
-                     makes_new_key, true, own_slot, const_cast<float*>(prepared_q), new_kv, warp,
-                     lane);
+    run_prologue<HD>(a, sequence, constants, rotation, row, kv, first_head, heads, query_position,
+                     makes_new_key, part == 0, own_slot, const_cast<float*>(prepared_q), new_kv,
+                     warp, lane);
   }
   if (loads_own_key && threadIdx.x < kOwnChunks)
     reinterpret_cast<uint4*>(new_kv[threadIdx.x / T::kRowChunks])[threadIdx.x % T::kRowChunks] =
@@ -926,9 +938,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
     const bool used = g < heads;
-    const float* q_head =
-        kPrepare ? prepared_q + g * HD
-                 : a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + g) * HD;
+    const float* q_head = kPrepare ? prepared_q + g * HD
+                                   : a.q + row * a.q_stride +
+                                         static_cast<int64_t>(kv * a.group + first_head + g) * HD;
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
       const int d = first_dim + 16 * step + 2 * t;
@@ -1137,7 +1149,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
 #pragma unroll
   for (int h = 0; h < kMmaMaxGroup; ++h) {
     if (h >= heads) break;  // warp-uniform
-    const int head = kv * a.group + h;
+    const int head = kv * a.group + first_head + h;
 #pragma unroll
     for (int part = 0; part < T::kWarpDims / 32; ++part) {
       const int d = first_dim + 32 * part + lane;
@@ -1146,8 +1158,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
   }
   if (splits > 1 && a.merge_counters != nullptr) {
-    merge_in_last_block<HD>(a, row, kv, heads, splits, reinterpret_cast<float*>(pipeline),
-                            merge_last);
+    merge_in_last_block<HD>(a, row, kv, part, first_head, heads, splits,
+                            reinterpret_cast<float*>(pipeline), merge_last);
   }
 }
 
@@ -1355,13 +1367,26 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
   return true;
 }
 
-// Whether the tensor-core kernel (`mma`) merges `splits` itself (decode_attention_launches).
+// Blocks per (sequence, kv head): the splits, and where the GPU runs more blocks at once, up to
+// one per (split, q head) of the group (block_work gives the blocks a shallow cache leaves idle q
+// heads, and a deep one's split blocks fewer heads each).
+int blocks_per_kv_head(int splits, int group, int kv_heads, int batch) {
+  return static_cast<int>(std::max<int64_t>(
+      splits, std::min<int64_t>(int64_t{splits} * group,
+                                kDecodeAttentionBlocks / (int64_t{kv_heads} * batch))));
+}
+
+// Whether the tensor-core kernel (`mma`) merges `splits` itself (decode_attention_launches): the
+// records one block merges are those of its q-head part, most at the deepest cache (every split
+// used, the fewest parts).
 bool merges_in_kernel(bool mma, const AttentionWorkspace& workspace, int splits, int batch,
                       int kv_heads, int group, int head_dim) {
+  const int heads_per_part =
+      block_work(splits, blocks_per_kv_head(splits, group, kv_heads, batch), group).heads_per_part;
   return mma && splits > 1 && splits <= kMaxMergedInKernelSplits &&
          workspace.merge_counters != nullptr &&
-         int64_t{batch} * kv_heads <= workspace.merge_counter_count &&
-         int64_t{splits} * group * (head_dim + 2) * int64_t{sizeof(float)} <=
+         int64_t{batch} * kv_heads * group <= workspace.merge_counter_count &&
+         int64_t{splits} * heads_per_part * (head_dim + 2) * int64_t{sizeof(float)} <=
              kMaxMergedInKernelBytes;
 }
 
@@ -1441,22 +1466,12 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.out_companions = out_companions;
   args.partials = workspace.partials;
   if (prepare != nullptr) args.prepare = *prepare;
-  // Blocks per (sequence, kv head): the splits; for the CUDA-core kernel also up to one per
-  // (split, q head) within the blocks the GPU runs at once (block_work: a cache shallower than the
-  // splits gives the unused ones q heads). The tensor-core kernel serves all heads of a group
-  // in every block.
   const MmaKernel mma =
       query.cuda_core_kernel
           ? MmaKernel{}
           : select_mma_kernel(kv.type, kv.head_dim, group, prepare != nullptr, query.thread_copies);
   const AttentionKernel mma_kernel = mma.kernel;
-  const int64_t head_blocks =
-      mma_kernel != nullptr
-          ? 1
-          : std::min<int64_t>(
-                int64_t{splits} * group,
-                std::max<int64_t>(1, kDecodeAttentionBlocks / (int64_t{kv.kv_heads} * batch)));
-  const dim3 grid(static_cast<unsigned>(std::max<int64_t>(splits, head_blocks)),
+  const dim3 grid(static_cast<unsigned>(blocks_per_kv_head(splits, group, kv.kv_heads, batch)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
   size_t shared_bytes = kPipelineBytes;
   if (mma_kernel != nullptr) {

@@ -58,9 +58,9 @@ struct KvCacheView {
 
 // Device scratch for the split partials (needed when splits > 1): at least
 // attention_partials_floats(batch, q_heads, head_dim, max_splits) floats. merge_counters
-// (optional): merge_counter_count ints, all 0 before the first launch, which each launch leaves at
-// 0 again; with them the tensor-core kernel merges few enough splits itself
-// (decode_attention_launches).
+// (optional): merge_counter_count ints (batch · q_heads used: one per sequence, kv head and q-head
+// part), all 0 before the first launch, which each launch leaves at 0 again; with them the
+// tensor-core kernel merges few enough splits itself (decode_attention_launches).
 struct AttentionWorkspace {
   float* partials = nullptr;
   int max_splits = 0;
@@ -134,13 +134,15 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
 
 // The kernels decode_attention launches for these arguments: 1, or 2 when the splits need the merge
 // kernel. The tensor-core kernel merges the splits itself when `workspace` has merge counters for
-// every (sequence, kv head) and the partials to merge are few (at most kMaxMergedInKernelSplits
-// splits, kMaxMergedInKernelBytes of records per kv head): the last of a kv head's split blocks to
-// finish combines them, and the merge kernel's place in the chain of dependent kernels is saved.
-// That one block reads all of its kv head's records, so the bound is low: measured on the H200
-// (kernel_bench, sliding windows full, s8 early batch), 26B's sliding layer (32 splits x 2 heads
-// x 256: 66 KB) took 10.5 us merged in the kernel vs 9.1 with the merge kernel, E2B's (16 x 8 x
-// 256: 132 KB) 11.1 vs 6.8.
+// every (sequence, q head) and the partials to merge are few (at most kMaxMergedInKernelSplits
+// splits, kMaxMergedInKernelBytes of records per q-head part of a kv head at the deepest cache):
+// the last of a part's split blocks to finish combines them, and the merge kernel's place in the
+// chain of dependent kernels is saved (also at shallow depths, where a graph recorded for a deep
+// cache would replay a merge kernel with nothing to merge). That one block reads all of its part's
+// records, so the bound is low: measured on the H200 (kernel_bench, sliding windows full, s8 early
+// batch, one part per kv head), 26B's sliding layer (32 splits x 2 heads x 256: 66 KB) took 10.5
+// us merged in the kernel vs 9.1 with the merge kernel, E2B's (16 x 8 x 256: 132 KB) 11.1 vs 6.8.
+// E2B's sliding layer now has a part per q head (16 x 1 x 256: 16.5 KB).
 constexpr int kMaxMergedInKernelSplits = 64;
 constexpr int64_t kMaxMergedInKernelBytes = 40 << 10;
 int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,

@@ -50,7 +50,7 @@ bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
          gemv_mma_takes(w, {nullptr, ActType::kF32, static_cast<int>(rows), 0, true});
 }
 
-// Decode attention's split-merge counters: one per (sequence of a launch, kv head).
+// Decode attention's split-merge counters: one per (sequence of a launch, q head).
 constexpr int kAttentionMergeCounters = kMaxBatchedSequences * 64;
 
 // Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
@@ -577,18 +577,17 @@ void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multipli
   produced(y, gated.companions);
 }
 
-// For one row, the fused GEMV writes y's bf16 companion and, for w4g32 weights in q8 mode, its q8
-// companion (through the 64-row tiling that quantizes whole chunks). Batched rows get none: the
-// batched GEMVs (the tensor-core one) take the fp32 rows as they are.
+// The fused GEMV writes y's bf16 companion: the down projection's input, which the batched
+// tensor-core GEMV then stages from half the bytes of fp32 rows (the same bf16 values: it rounds
+// fp32 rows to nearest, as the companion is); for one row of w4g32 weights in q8 mode also its q8
+// companion (through the 64-row tiling that quantizes whole chunks).
 void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
   const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   GemvOutput pairs = {y.data, y.stride, GemvEpilogue::kGeluPairs};
-  if (x.count == 1) {
-    const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
-                    w.rows % 64 == 0;
-    pairs.companions = companion_storage(y, true, q8);
-  }
+  const bool q8 = x.count == 1 && activation_mode_ == ActivationMode::kQ8 &&
+                  w.format == WeightFormat::kW4G32 && w.rows % 64 == 0;
+  pairs.companions = companion_storage(y, true, q8);
   if ((!tensor_core_rows(x.count) || tensor_core_gemv_rows(w, x.count)) &&
       packed_gemv(w, x, pairs, "matmul_gelu_pairs (gemv)")) {
     produced(y, pairs.companions);

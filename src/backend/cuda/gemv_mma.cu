@@ -121,6 +121,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   const int64_t groups_per_split = mma_gemv_groups_per_split(args.groups, tiling.splits);
   args.partial_offset =
       row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split) : 0;
+  args.trigger = tiling.trigger;
   config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
       args.partial_offset != 0 ? looping_tiling : one_tile_tiling, args.m, args.groups));

@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     gemv_mma_kernel(MmaGemvArgs a) {
   static_assert(F == PackedFormat::kW4G32 || F == PackedFormat::kNVFP4);
   constexpr bool kNvfp4 = F == PackedFormat::kNVFP4;
-  pdl_trigger_dependents();
+  if (a.trigger == MmaGemvTrigger::kAtStart) pdl_trigger_dependents();
   constexpr int kTilesPerWarp = TW;
   constexpr int kRowsPerBlock = 16 * TW * WR;
   constexpr int kPaddedRows = 8 * NT;
@@ -316,6 +316,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
                           : make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
+  if (a.trigger == MmaGemvTrigger::kAfterStaging) pdl_trigger_dependents();
 
   constexpr int64_t kStride = mma_gemv_partial_stride(kRowsPerBlock);
   constexpr int64_t kSlice = kPaddedRows * kStride;
@@ -398,6 +399,9 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
         }
       }
       next_load_round();
+    }
+    if (a.trigger == MmaGemvTrigger::kAfterProducts && tile == block_tiles - 1) {
+      pdl_trigger_dependents();
     }
 
     // Partial sums [k warp][activation row][tile row]: over the staged activations for a block

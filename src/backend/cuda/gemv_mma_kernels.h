@@ -47,6 +47,11 @@ inline constexpr int kMmaGemvMaxSplits = 8;
 // occupancy calculator), each looping over row tiles.
 inline constexpr int kMmaGemvResidentRowBlocks = -1;
 
+// Where a block lets the next kernel of the stream be scheduled (PDL): at its start (the
+// dependent's weight loads overlap all of this kernel), once its activations are staged, or once
+// its products are summed (before the K-split reduction and the epilogue).
+enum class MmaGemvTrigger : int { kAtStart = 0, kAfterStaging = 1, kAfterProducts = 2 };
+
 struct MmaGemvTiling {
   int warps;        // warps along the rows: 16 · tiles_per_warp · warps weight rows per row tile
   int splits;       // 1..kMmaGemvMaxSplits blocks along K, one cluster
@@ -57,6 +62,11 @@ struct MmaGemvTiling {
   // wave of a few clusters) become one wave, and a block stages its activations once.
   int row_blocks = 0;
   int tiles_per_warp = 2;  // 16-row mma tiles per warp: 2 or 1
+  MmaGemvTrigger trigger = MmaGemvTrigger::kAtStart;
+  // One block per SM: shared memory padded past half an SM's (kMmaGemvExclusiveSharedBytes), so
+  // that a PDL dependent of the same shape cannot be packed two blocks to an SM into the slots
+  // this kernel leaves free (its blocks land one an SM, as without PDL).
+  bool sm_exclusive = false;
 };
 
 // Weight rows of one row tile of the tiling.
@@ -127,18 +137,26 @@ constexpr int64_t mma_gemv_partial_bytes(const MmaGemvTiling& tiling, int m) {
          mma_gemv_partial_stride(mma_gemv_tile_rows(tiling)) * 4;
 }
 
+// The most dynamic shared memory one block may use (the H200's opt-in maximum, 227 KB).
+inline constexpr int64_t kMmaGemvMaxSharedBytes = 227 * 1024;
+
+// Dynamic shared memory of an sm_exclusive block at least: two such blocks (plus the 1 KB the
+// GPU reserves per block) exceed the H200's 228 KB an SM.
+inline constexpr int64_t kMmaGemvExclusiveSharedBytes = 114 * 1024;
+
 // Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
 // and this tiling: the staged activations, reused for the partial sums by a block of one row
-// tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0).
+// tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0); at least
+// kMmaGemvExclusiveSharedBytes for sm_exclusive.
 constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups) {
   const int64_t staged = mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits));
   const int64_t partial = mma_gemv_partial_bytes(tiling, m);
-  if (tiling.row_blocks != 0) return staged + 2 * partial;
-  return staged > partial ? staged : partial;
+  const int64_t needed = tiling.row_blocks != 0 ? staged + 2 * partial
+                         : staged > partial     ? staged
+                                                : partial;
+  return tiling.sm_exclusive && needed < kMmaGemvExclusiveSharedBytes ? kMmaGemvExclusiveSharedBytes
+                                                                      : needed;
 }
-
-// The most dynamic shared memory one block may use (the H200's opt-in maximum, 227 KB).
-inline constexpr int64_t kMmaGemvMaxSharedBytes = 227 * 1024;
 
 struct MmaGemvArgs {
   const void* weights;  // w4g32: u32 words [rows][groups · 4]; NVFP4: bytes [rows][groups · 16]
@@ -163,12 +181,13 @@ struct MmaGemvArgs {
   // 0: one row tile per block, its partial sums over the staged activations; else the byte offset
   // of two partial-sum buffers past them (blocks loop over the row tiles, gridDim.x of them).
   int64_t partial_offset;
+  MmaGemvTrigger trigger;  // the tiling's
 };
 
 // Enqueues the kernel; arguments already validated (rows, groups > 0, m in 1..64, x type kF32,
 // kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes) but for
-// args.partial_offset, which it sets from the tiling. Returns cudaErrorInvalidValue for a format
-// other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
+// args.partial_offset and args.trigger, which it sets from the tiling. Returns
+// cudaErrorInvalidValue for a format other than kW4G32 / kNVFP4 and for NVFP4 with kQ8.
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& args, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch);
 

@@ -1,5 +1,7 @@
 // The streaming single-row GEMV (gemv_stream_kernels.h describes the method).
 #include <cooperative_groups.h>
+#include <cuda.h>
+#include <cudaTypedefs.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
@@ -464,13 +466,218 @@ __global__ void __launch_bounds__((W + 1) * 32, 1) gemv_tile_ring_kernel(GemvArg
   }
 }
 
+// The split-K producer kernel's tensor maps (kernel parameters: a tensor copy reads its map from
+// parameter space): the weights as [rows][2 · chunks_per_row] 8-byte elements, the scales as
+// [rows][chunks_per_row] 16-bit ones, each box a tile's part (16 rows).
+struct SplitMaps {
+  CUtensorMap weights;
+  CUtensorMap scales;
+};
+
+// A 2-D tensor copy of `map`'s box at (column, row) into shared memory (128-byte aligned),
+// completing as transaction bytes (the whole box, zeros past the tensor's edges) on `barrier`.
+__device__ __forceinline__ void copy_box(void* shared, const CUtensorMap* map, int column, int row,
+                                         uint64_t* barrier) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+      " [%0], [%1, {%2, %3}], [%4];" ::"r"(shared_address(shared)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(shared_address(barrier))
+      : "memory");
+}
+
+// The shared::cluster address of `p`'s counterpart in block `rank` of the cluster.
+__device__ __forceinline__ uint32_t cluster_address(const void* p, int rank) {
+  uint32_t address;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;"
+               : "=r"(address)
+               : "r"(shared_address(p)), "r"(rank));
+  return address;
+}
+
+__device__ __forceinline__ void store_cluster(uint32_t address, float value) {
+  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
+}
+
+// One arrival on a barrier of any block of the cluster, releasing this thread's earlier accesses
+// (its stores into that block, its reads of what the barrier guards) at cluster scope.
+__device__ __forceinline__ void arrive_cluster(uint32_t barrier_address) {
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(barrier_address)
+               : "memory");
+}
+
+// wait_barrier acquiring at cluster scope: what the arrivals of other blocks released.
+__device__ __forceinline__ void wait_barrier_cluster(uint64_t* barrier, uint32_t parity) {
+  for (uint32_t polls = 0;; ++polls) {
+    uint32_t done;
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
+        "%2;\n selp.u32 %0, 1, 0, p;\n}"
+        : "=r"(done)
+        : "r"(shared_address(barrier)), "r"(parity)
+        : "memory");
+    if (done) return;
+    if (polls == (1u << 28)) __trap();
+  }
+}
+
+// The split-K producer kernel (gemv_stream_split_producer): a cluster of P blocks (one per SM)
+// owns tiles c + clusters · i, i < my_tiles (c: the cluster's index); block `rank` multiplies
+// their part `rank` of K. As in gemv_tile_ring_kernel, warp W copies (here two tensor boxes a
+// tile part) into the rings of W / KS groups of KS consumer warps, group q taking tiles i ≡ q
+// (mod W / KS), each warp 1/KS of the part's quads. A warp's 16 row sums go to rank 0's buffer
+// (round r of the group: buffer r mod kBuffers) with one remote arrival per storing lane on that
+// buffer's full barrier (P · KS · 8 arrivals); rank 0's warp 0 of the group adds them in (rank,
+// warp) order, stores, and frees the buffer with an arrival on every rank's empty barrier for it,
+// which a group's warps wait on before they fill it again.
+template <ActType XT, int W, int KC, int S, int KS, int P>
+__global__ void __launch_bounds__((W + 1) * 32, 1)
+    gemv_split_ring_kernel(GemvArgs a, const __grid_constant__ SplitMaps maps) {
+  static_assert(KC % 4 == 0 && KC <= 96, "pieces of whole quads, at most 96 chunks");
+  static_assert(S >= 2, "a ring needs a stage in flight");
+  static_assert(W % KS == 0, "whole groups");
+  static_assert(P >= 2 && P <= 8 && P * KS * 8 <= 32 * 32, "a portable cluster");
+  constexpr int kGroups = W / KS;
+  constexpr int kBuffers = kGemvStreamSplitBuffers;
+  constexpr GemvStreamTiling kTiling = gemv_stream_split_producer(W, KC, S, KS, P);
+  pdl_trigger_dependents();
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int rank = static_cast<int>(blockIdx.x % P);  // the cluster spans P blocks along x
+  const int cluster = static_cast<int>(blockIdx.x / P);
+  const int clusters = static_cast<int>(gridDim.x / P);
+  const int64_t cpr = a.chunks_per_row;
+  const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
+  const int my_tiles = static_cast<int>((tiles - cluster + clusters - 1) / clusters);
+  const int rounds = (my_tiles + kGroups - 1) / kGroups;
+  const int part_chunks = static_cast<int>(gemv_stream_split_part_chunks(kTiling, cpr));
+  const int part_begin = rank * part_chunks;  // the block's first chunk
+  const int part_length =
+      static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(part_chunks), cpr - part_begin)));
+  const int pitch = 16 * part_chunks;
+  const int scale_pitch = static_cast<int>(gemv_stream_split_scale_row_bytes(part_chunks));
+  const int scales_offset = kTileRows * pitch;  // within a stage
+  const int64_t stage_bytes = gemv_stream_split_stage_bytes(part_chunks);
+
+  extern __shared__ __align__(128) uint4 split_shared[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(split_shared);  // [groups][S]
+  uint64_t* empty = full + kGroups * S;                        // [groups][S]
+  uint64_t* sums_full = empty + kGroups * S;                   // [groups][kBuffers]
+  uint64_t* sums_empty = sums_full + kGroups * kBuffers;       // [groups][kBuffers]
+  // [groups][kBuffers][P][KS][16]: read in rank 0 only.
+  float* sums = reinterpret_cast<float*>(sums_empty + kGroups * kBuffers);
+  uint8_t* stages =
+      reinterpret_cast<uint8_t*>(split_shared) + gemv_stream_split_header_bytes(kTiling);
+  uint4* staged_x = reinterpret_cast<uint4*>(stages + kGroups * S * stage_bytes);
+  uint4* zero_chunk = staged_x + 4 * part_chunks;
+  float* x_biases = reinterpret_cast<float*>(zero_chunk + 4);
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < kGroups * S; ++i) {
+      init_barrier(full + i);
+      init_barrier_arrivals(empty + i, KS);
+    }
+    for (int i = 0; i < kGroups * kBuffers; ++i) {
+      init_barrier_arrivals(sums_full + i, P * KS * kTileRows / 2);
+      init_barrier(sums_empty + i);
+    }
+    fence_barrier_init();
+  }
+  __syncthreads();
+  // The other blocks' barriers are initialized once this phase completes; every thread waits for
+  // it before its first access of another block (the producer only at its end).
+  asm volatile("barrier.cluster.arrive.relaxed;" ::: "memory");
+
+  if (warp == W) {
+    // The producer: round r's tile of each group in turn, into stage r mod S of its ring.
+    if (lane == 0) {
+      const uint32_t box_bytes = kTileRows * (pitch + scale_pitch);
+      for (int r = 0; r < rounds; ++r) {
+        for (int group = 0; group < kGroups; ++group) {
+          const int tile = r * kGroups + group;
+          if (tile >= my_tiles) break;
+          const int stage = group * S + r % S;
+          if (r >= S) wait_barrier(empty + stage, (r / S - 1) & 1);
+          const int row0 = (cluster + tile * clusters) * kTileRows;
+          uint8_t* to = stages + stage * stage_bytes;
+          arrive_expect_bytes(full + stage, box_bytes);
+          copy_box(to, &maps.weights, 2 * part_begin, row0, full + stage);
+          copy_box(to + scales_offset, &maps.scales, part_begin, row0, full + stage);
+        }
+      }
+    }
+    __syncwarp();
+  } else {
+    // The consumers: stage the block's part of the activation row (named barrier 1: the
+    // producer is not in it).
+    pdl_wait_for_predecessors();
+    stage_activations<XT>(a.x, part_begin, part_length, staged_x, x_biases, zero_chunk, threadIdx.x,
+                          W * 32);
+    asm volatile("bar.sync 1, %0;" ::"n"(W * 32) : "memory");
+    asm volatile("barrier.cluster.wait;" ::: "memory");
+
+    const int g = lane >> 2, t = lane & 3;
+    const int group = warp / KS, part = warp % KS;
+    const int quads = part_length / 4;
+    const int k_begin = 4 * (quads * part / KS);
+    const int k_end = 4 * (quads * (part + 1) / KS);
+    for (int r = 0; r < rounds; ++r) {
+      const int tile = r * kGroups + group;
+      if (tile >= my_tiles) break;  // the group's warps all leave together
+      const int stage = group * S + r % S;
+      wait_barrier(full + stage, (r / S) & 1);
+      const uint8_t* tile_weights = stages + stage * stage_bytes;
+      float acc_g = 0.0f, acc_g8 = 0.0f;
+      for (int k = k_begin; k < k_end; k += KC) {
+        multiply_slice<KC>(tile_weights + k * 16, pitch, tile_weights + scales_offset + k * 2,
+                           scale_pitch, min(KC, k_end - k) / 4, staged_x + 4 * k, zero_chunk,
+                           x_biases + k, a.scale_type, g, t, acc_g, acc_g8);
+      }
+      __syncwarp();  // every lane's reads of the stage are done
+      if (lane == 0) arrive_barrier(empty + stage);
+      acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
+      acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
+
+      // Rows g, g + 8 (lane (g, 0)) into rank 0's buffer, once rank 0 has read its last round.
+      const int buffer = group * kBuffers + r % kBuffers;
+      if (r >= kBuffers) wait_barrier_cluster(sums_empty + buffer, (r / kBuffers - 1) & 1);
+      float* slot = sums + (buffer * P + rank) * KS * kTileRows + part * kTileRows;
+      if (t == 0) {
+        store_cluster(cluster_address(slot + g, 0), acc_g);
+        store_cluster(cluster_address(slot + g + 8, 0), acc_g8);
+        arrive_cluster(cluster_address(sums_full + buffer, 0));
+      }
+      if (rank == 0 && part == 0) {
+        wait_barrier_cluster(sums_full + buffer, (r / kBuffers) & 1);
+        if (lane < kTileRows / 2) {
+          const float* buffer_sums = sums + buffer * P * KS * kTileRows;
+          float pair[2] = {0.0f, 0.0f};
+#pragma unroll
+          for (int i = 0; i < P * KS; ++i) {
+            pair[0] += buffer_sums[i * kTileRows + 2 * lane];
+            pair[1] += buffer_sums[i * kTileRows + 2 * lane + 1];
+          }
+          const int64_t row0 = (cluster + static_cast<int64_t>(tile) * clusters) * kTileRows;
+          gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+        }
+        __syncwarp();  // every lane's reads of the buffer are done
+        if (lane < P) arrive_cluster(cluster_address(sums_empty + buffer, lane));
+      }
+    }
+  }
+  // No block leaves while another may still access its shared memory.
+  if (warp == W) asm volatile("barrier.cluster.wait;" ::: "memory");
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+
 using KernelFn = void (*)(GemvArgs);
 
 template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
     constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    if constexpr (t.producer) {
+    if constexpr (t.producer && t.splits > 1) {
+      return nullptr;  // split_kernel_for's
+    } else if constexpr (t.producer) {
       return gemv_tile_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
     } else {
       return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
@@ -502,13 +709,14 @@ KernelFn select_kernel(ActType x_type, int index) {
 // shared bytes, device). one_per_sm: at most one block per SM (the producer kernels: a block
 // that leaves half an SM's shared memory free lets the next kernel's block start its copies there
 // while this one drains).
-int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int splits,
+template <typename Kernel>
+int resident_clusters(Kernel kernel, const cudaLaunchConfig_t& config, int splits,
                       bool one_per_sm) {
   int device = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return 0;
   const auto key = std::make_tuple(kernel, config.dynamicSmemBytes, device);
   static std::mutex mutex;
-  static std::map<std::tuple<KernelFn, size_t, int>, int> known;
+  static std::map<std::tuple<Kernel, size_t, int>, int> known;
   const std::lock_guard<std::mutex> lock(mutex);
   if (const auto found = known.find(key); found != known.end()) return found->second;
   int clusters = 0;
@@ -532,10 +740,119 @@ int resident_clusters(KernelFn kernel, const cudaLaunchConfig_t& config, int spl
   return clusters;
 }
 
+using SplitKernelFn = void (*)(GemvArgs, SplitMaps);
+
+template <ActType XT, int I>
+constexpr SplitKernelFn split_kernel_for() {
+  if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
+    constexpr GemvStreamTiling t = kGemvStreamTilings[I];
+    if constexpr (t.producer && t.splits > 1) {
+      return gemv_split_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps, t.splits>;
+    } else {
+      return nullptr;
+    }
+  } else {
+    return nullptr;
+  }
+}
+
+template <ActType XT, size_t... I>
+constexpr std::array<SplitKernelFn, kNumGemvStreamTilings> split_kernel_table(
+    std::index_sequence<I...>) {
+  return {split_kernel_for<XT, static_cast<int>(I)>()...};
+}
+
+SplitKernelFn select_split_kernel(ActType x_type, int index) {
+  static constexpr auto kBF16 =
+      split_kernel_table<ActType::kBF16>(std::make_index_sequence<kNumGemvStreamTilings>());
+  static constexpr auto kF32 =
+      split_kernel_table<ActType::kF32>(std::make_index_sequence<kNumGemvStreamTilings>());
+  if (x_type == ActType::kBF16) return kBF16[index];
+  if (x_type == ActType::kF32) return kF32[index];
+  return nullptr;
+}
+
+// The driver's tensor-map encoder, through the runtime (no link to the driver library); null
+// where the driver lacks it.
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+  static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+    void* function = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &function, 12000,
+                                         cudaEnableDefault, &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      function = nullptr;
+    }
+    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(function);
+  }();
+  return encoder;
+}
+
+// `map` over a row-major [rows][columns] matrix of `type` elements (element_bytes each) at
+// `base`, boxes of 16 rows × box_columns; reads past its edges give zeros.
+bool encode_box_map(CUtensorMap& map, CUtensorMapDataType type, int element_bytes, const void* base,
+                    int64_t columns, int64_t rows, int64_t box_columns) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+  if (encode == nullptr) return false;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(columns), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t row_stride = static_cast<cuuint64_t>(columns * element_bytes);
+  const cuuint32_t box[2] = {static_cast<cuuint32_t>(box_columns),
+                             static_cast<cuuint32_t>(kGemvStreamTileRows)};
+  const cuuint32_t element_strides[2] = {1, 1};
+  return encode(&map, type, 2, const_cast<void*>(base), dims, &row_stride, box, element_strides,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_NONE,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// launch_gemv_stream for a split-K producer tiling: a grid of as many clusters as the GPU holds
+// (at most one per tile), the tensor maps of the weights and scales as arguments.
+cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
+                              const Launch& launch) {
+  const SplitKernelFn kernel = select_split_kernel(x_type, index);
+  if (kernel == nullptr) return cudaErrorInvalidValue;
+  const GemvStreamTiling& t = kGemvStreamTilings[index];
+  const int64_t part_chunks = gemv_stream_split_part_chunks(t, args.chunks_per_row);
+  SplitMaps maps = {};
+  if (!encode_box_map(maps.weights, CU_TENSOR_MAP_DATA_TYPE_UINT64, 8, args.weights,
+                      2 * args.chunks_per_row, args.rows, 2 * part_chunks) ||
+      !encode_box_map(maps.scales, CU_TENSOR_MAP_DATA_TYPE_UINT16, 2, args.scales,
+                      args.chunks_per_row, args.rows,
+                      gemv_stream_split_scale_row_bytes(part_chunks) / 2)) {
+    return cudaErrorInvalidValue;
+  }
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(32 * (t.warps + 1));
+  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
+  cudaLaunchAttribute attributes[2] = {};
+  attributes[0].id = cudaLaunchAttributeClusterDimension;
+  attributes[0].val.clusterDim.x = static_cast<unsigned>(t.splits);
+  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.z = 1;
+  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  // The occupancy query's configuration: one cluster, no stream.
+  config.gridDim = dim3(static_cast<unsigned>(t.splits));
+  config.attrs = attributes;
+  config.numAttrs = 1;
+  const int resident = resident_clusters(kernel, config, t.splits, true);
+  if (resident == 0) return cudaErrorInvalidValue;
+  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident) * t.splits));
+  config.stream = launch.stream;
+  config.numAttrs = launch.pdl ? 2 : 1;
+  return cudaLaunchKernelEx(&config, kernel, args, maps);
+}
+
 }  // namespace gemv_stream_detail
 
 cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch) {
+  if (index >= 0 && index < kNumGemvStreamTilings && kGemvStreamTilings[index].producer &&
+      kGemvStreamTilings[index].splits > 1) {
+    return gemv_stream_detail::launch_split_ring(x_type, index, args, launch);
+  }
   const gemv_stream_detail::KernelFn kernel = gemv_stream_detail::select_kernel(x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvStreamTiling& t = kGemvStreamTilings[index];

@@ -59,7 +59,8 @@ struct GemvStreamTiling {
   // copies whole 16-row tiles (all of K: two bulk copies) into rings of `stages` stages, one per
   // group of tile_warps consumer warps, which multiply a tile together (each 1/tile_warps of K,
   // in stage_chunks pieces; their sums meet in shared memory) and store it; one block per SM.
-  // `splits`, `bulk` and `l2_prefetch` do not apply.
+  // `bulk` and `l2_prefetch` do not apply; `splits` > 1 selects the split-K producer kernel
+  // (gemv_split_ring_kernel, below).
   bool producer = false;
   int tile_warps = 1;
 };
@@ -70,6 +71,26 @@ constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stage
   return {.warps = warps,
           .stage_chunks = chunks,
           .stages = stages,
+          .producer = true,
+          .tile_warps = tile_warps};
+}
+
+// The split-K producer tilings (session 9, gemv_split_ring_kernel): for 16-row tiles too big for a
+// ring stage (31B down 5376x21504: 193 KB; full o_proj 5376x16384: 147 KB). A cluster of `splits`
+// blocks (one per SM) shares a sequence of tiles, each block a part of K (whole quads, all parts
+// but the last the same length), so that a stage holds a tile's part (down over 8: 16 x 84 chunks,
+// 24 KB). The producer warp copies each part with two 2-D tensor copies (weights, scales: one TMA
+// instruction each, where per-row bulk copies were limited by their count) into the ring of a
+// group of tile_warps consumer warps; the groups' 16-row partial sums go to the cluster's rank 0
+// through distributed shared memory, which adds them in rank order (deterministic, no workspace)
+// and stores. With 336 tiles (the 5,376-row shapes) over 16 clusters of 8, every SM streams the
+// same 21 parts: no partly filled last round.
+constexpr GemvStreamTiling gemv_stream_split_producer(int warps, int chunks, int stages,
+                                                      int tile_warps, int splits) {
+  return {.warps = warps,
+          .stage_chunks = chunks,
+          .stages = stages,
+          .splits = splits,
           .producer = true,
           .tile_warps = tile_warps};
 }
@@ -111,13 +132,31 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     gemv_stream_producer(8, 24, 2, 4),  // 124: K 5376: two tiles at once, 42 chunks a warp
     gemv_stream_producer(4, 12, 7, 4),  // 125: K 1536: 12 chunks a warp; <= 113 KB
     gemv_stream_producer(8, 24, 4, 2),  // 126: K 1536: four tiles at once, 24 chunks a warp
+    // Split-K producer tilings (gemv_stream_split_producer: consumer warps, chunks a piece, stages
+    // a group's ring, warps a tile, blocks a cluster). Parts over 8 blocks: K 21504 84 chunks (24
+    // KB a stage), K 16384 64 chunks (18 KB); over 4: K 8192 64 chunks.
+    gemv_stream_split_producer(4, 44, 2, 1, 8),  // 127: four tiles at once, a warp each
+    gemv_stream_split_producer(8, 44, 2, 2, 8),  // 128: four tiles at once, two warps each
+    gemv_stream_split_producer(8, 24, 4, 4, 8),  // 129: two tiles at once, four warps each
+    gemv_stream_split_producer(8, 12, 8, 8, 8),  // 130: one tile at once, eight warps
+    gemv_stream_split_producer(8, 44, 2, 2, 4),  // 131: 128 over clusters of 4
+    // The same with every warp's share of a part one whole piece (unrolled): K 21504 over 8 (21
+    // quads a part), K 16384 over 8 (16), K 8192 over 8 (8) or 4 (16).
+    gemv_stream_split_producer(6, 28, 4, 3, 8),  // 132: K 21504: 7 quads a warp, two tiles at once
+    gemv_stream_split_producer(7, 12, 8, 7, 8),  // 133: K 21504: 3 quads a warp, one tile at once
+    gemv_stream_split_producer(4, 84, 2, 1, 8),  // 134: K 21504: 21 quads a warp, four tiles
+    gemv_stream_split_producer(8, 32, 2, 2, 8),  // 135: K 16384: 8 quads a warp, four tiles
+    gemv_stream_split_producer(8, 16, 4, 4, 8),  // 136: K 16384: 4 quads a warp, two tiles
+    gemv_stream_split_producer(8, 16, 4, 2, 8),  // 137: K 8192: 4 quads a warp, four tiles
+    gemv_stream_split_producer(8, 32, 2, 2, 4),  // 138: K 8192 over 4: 8 quads a warp, four tiles
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126};
+inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126, 127, 128, 129, 130,
+                                                    131, 132, 133, 134, 135, 136, 137, 138};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
@@ -155,6 +194,33 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
   return 4 * ((chunks_per_row / 4 + t.splits - 1) / t.splits);
 }
 
+// Split-K producer tilings: the chunks of a block's part of K (its tensor copies' box), the bytes
+// of a part's row of scales in a stage (a multiple of 16: the copies' box), a stage (weights, then
+// scales, padded to 128 bytes), the partial-sum buffers each group has in rank 0 (stage
+// kGemvStreamSplitBuffers rounds ahead) and the shared memory before the stages: the groups'
+// full and empty stage barriers, their buffers' full and empty barriers, then the buffers
+// ([group][buffer][rank][warp][16] fp32), padded to 128 bytes.
+inline constexpr int kGemvStreamSplitBuffers = 4;
+constexpr int64_t gemv_stream_split_part_chunks(const GemvStreamTiling& t, int64_t chunks_per_row) {
+  return gemv_stream_block_chunks(t, chunks_per_row);
+}
+constexpr int64_t gemv_stream_split_scale_row_bytes(int64_t part_chunks) {
+  return (2 * part_chunks + 15) / 16 * 16;
+}
+constexpr int64_t gemv_stream_split_stage_bytes(int64_t part_chunks) {
+  return (kGemvStreamTileRows *
+              (16 * part_chunks + gemv_stream_split_scale_row_bytes(part_chunks)) +
+          127) /
+         128 * 128;
+}
+constexpr int64_t gemv_stream_split_header_bytes(const GemvStreamTiling& t) {
+  const int64_t groups = t.warps / t.tile_warps;
+  const int64_t barriers = 2 * groups * (t.stages + kGemvStreamSplitBuffers);
+  const int64_t sums =
+      groups * kGemvStreamSplitBuffers * t.splits * t.tile_warps * kGemvStreamTileRows;
+  return (8 * barriers + 4 * sums + 127) / 128 * 128;
+}
+
 // Producer tilings' stages: a tile's weights and scales (16 · chunks_per_row · 18 bytes), padded
 // to 128 bytes.
 constexpr int64_t gemv_stream_whole_tile_bytes(int64_t chunks_per_row) {
@@ -175,6 +241,11 @@ constexpr int64_t gemv_stream_whole_tile_header_bytes(int stages, int warps) {
 constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t chunks_per_row) {
   const int64_t chunks = gemv_stream_block_chunks(t, chunks_per_row);
   const int64_t staged_x = 64 * (chunks + 1) + (4 * chunks + 15) / 16 * 16;
+  if (t.producer && t.splits > 1) {
+    const int64_t part = gemv_stream_split_part_chunks(t, chunks_per_row);
+    return gemv_stream_split_header_bytes(t) +
+           t.warps / t.tile_warps * t.stages * gemv_stream_split_stage_bytes(part) + staged_x;
+  }
   if (t.producer) {
     const int stages = t.warps / t.tile_warps * t.stages;
     return gemv_stream_whole_tile_header_bytes(stages, t.warps) +
@@ -187,9 +258,15 @@ constexpr int64_t gemv_stream_shared_bytes(const GemvStreamTiling& t, int64_t ch
 // Whether the layout of a w4g32 matrix (chunks_per_row, the addresses of its weights and 16-bit
 // scales) suits tiling t: whole quads a row, 8-byte aligned scales; producer tilings copy tiles
 // in bulk: 16-byte aligned weights and scales, and a partial last tile's scales a multiple of
-// 16 bytes (chunks_per_row % 8 == 0).
+// 16 bytes (chunks_per_row % 8 == 0). Split-K producer tilings copy tensor boxes: 16-byte aligned
+// weights and scales, row strides multiples of 16 bytes (chunks_per_row % 8 == 0), a part's weight
+// row at most 256 8-byte elements (128 chunks).
 constexpr bool gemv_stream_layout_ok(const GemvStreamTiling& t, int64_t chunks_per_row,
                                      uintptr_t weights, uintptr_t scales) {
+  if (t.producer && t.splits > 1) {
+    return chunks_per_row % 8 == 0 && weights % 16 == 0 && scales % 16 == 0 &&
+           gemv_stream_split_part_chunks(t, chunks_per_row) <= 128;
+  }
   if (t.producer) return chunks_per_row % 8 == 0 && weights % 16 == 0 && scales % 16 == 0;
   return chunks_per_row % 4 == 0 && scales % 8 == 0;
 }

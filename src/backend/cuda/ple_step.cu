@@ -24,6 +24,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <cstdlib>
 #include <cuda/ptx>
 
 #include "backend/cuda/device_math.cuh"
@@ -434,6 +435,14 @@ cudaError_t launch_ple_step(const PleStepArgs& a, const Launch& launch) {
 }
 
 }  // namespace
+
+int ple_step_cluster_blocks() {
+  static const int blocks = [] {
+    const char* value = std::getenv("GEMMA4_PLE_CLUSTER_BLOCKS");
+    return value != nullptr && std::atoi(value) == 16 ? 16 : kPleStepDefaultClusterBlocks;
+  }();
+  return blocks;
+}
 
 cudaError_t ple_step(const PleStepArgs& a, const Launch& launch, int cluster_blocks) {
   const bool has_next = a.next.data != nullptr;

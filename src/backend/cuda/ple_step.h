@@ -36,11 +36,15 @@ struct PleStepArgs {
 // CudaBackend launches 8.
 constexpr int kPleStepDefaultClusterBlocks = 8;
 
+// TEMPORARY (session 9 A/B in the engine, removed once measured): the environment's
+// GEMMA4_PLE_CLUSTER_BLOCKS (8 or 16), else kPleStepDefaultClusterBlocks.
+int ple_step_cluster_blocks();
+
 // Enqueues the step on a cluster of `cluster_blocks` blocks (8 or 16). cudaErrorInvalidValue,
 // with nothing enqueued, for what the kernel does not take: other than one row, a shape other
 // than E2B's (hidden 1536, ple width 256), other weight formats, unaligned rows or weights (16
 // bytes), companions that do not fit, another cluster size.
 cudaError_t ple_step(const PleStepArgs& args, const Launch& launch,
-                     int cluster_blocks = kPleStepDefaultClusterBlocks);
+                     int cluster_blocks = ple_step_cluster_blocks());
 
 }  // namespace gemma4::cuda
