@@ -593,8 +593,10 @@ struct MmaTiling {
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
   // The prepared q heads (fp32) fit the stage the prologue writes them to.
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
-  // The epilogue's staged outputs fit the pipeline.
-  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kSharedBytes);
+  // The epilogue's staged outputs fit what of stage 0 is dead once every warp has passed the last
+  // tile's score barrier: its K rows, or all of it where the rows read later are widened copies.
+  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
+                (kWidens ? kStageBytes : kStageBytes / 2));
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -763,13 +765,10 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   const float* records =
       a.partials +
       (static_cast<int64_t>(blockIdx.z) * a.q_heads + first_q_head) * a.splits * int64_t{HD + 2};
-  // 32 values in flight per thread (more spills the prologue's registers across the PDL wait): a
-  // part's few outputs take more splits at once.
-  if (heads * HD <= 2 * kThreads) {
-    merge_records<HD, 2, 16>(a, row, first_q_head, heads, splits, records, scratch);
-  } else {
-    merge_records<HD, 4, 8>(a, row, first_q_head, heads, splits, records, scratch);
-  }
+  // 16 values in flight per thread, one output of 16 splits (a part of one head of 256: all of
+  // E2B's sliding records in one batch). More, or a second variant for parts of more heads, spills
+  // the tile loop's registers (ptxas -v).
+  merge_records<HD, 1, 16>(a, row, first_q_head, heads, splits, records, scratch);
 }
 
 template <int HD, typename KvT, bool kPrepare, bool kBulk>
@@ -1116,8 +1115,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(acc[i], v_a, p_b0_lo, p_b1_lo);
     }
   }
-  wait_copies<0>();  // only empty groups remain, but the stages are reused below
-  __syncthreads();
+  // Only empty copy groups remain. The outputs are staged below at the start of stage 0 without a
+  // block barrier first: every warp has read the last tile's K rows (and widened its raw rows)
+  // before that tile's score barrier, and the V rows a slower warp may still read lie past them
+  // (MmaTiling's static_assert).
+  wait_copies<0>();
 
   // The sums of heads 2t, 2t + 1 over the 8 lanes of column t.
 #pragma unroll
