@@ -800,8 +800,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // block's key range, and the copies of the first tiles of keys older than the query (their
   // rows and slot positions were written by earlier steps; only the query's own slot is written
   // in this one, and it is read after the wait). Blocks without keys leave before the wait.
+  // The constants' loads go out first: without the warp barrier after them, ptxas issued them
+  // only after the key range's divisions, which wait for the position's load (two global round
+  // trips one after the other on the path to the first copies; SASS).
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
+  __syncwarp();
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
