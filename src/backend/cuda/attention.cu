@@ -765,10 +765,21 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   const float* records =
       a.partials +
       (static_cast<int64_t>(blockIdx.z) * a.q_heads + first_q_head) * a.splits * int64_t{HD + 2};
-  // 16 values in flight per thread, one output of 16 splits (a part of one head of 256: all of
-  // E2B's sliding records in one batch). More, or a second variant for parts of more heads, spills
-  // the tile loop's registers (ptxas -v).
-  merge_records<HD, 1, 16>(a, row, first_q_head, heads, splits, records, scratch);
+  // 16 values in flight per thread: one output of 16 splits where the part has at most one per
+  // thread (E2B's sliding records at b1 in one batch), else more outputs of fewer splits (batched
+  // decode's few splits of several heads). More values in flight spill the tile loop's registers
+  // (ptxas -v).
+  if constexpr (HD <= kThreads) {
+    if (heads * HD <= kThreads) {
+      merge_records<HD, 1, 16>(a, row, first_q_head, heads, splits, records, scratch);
+      return;
+    }
+  }
+  if (heads * HD <= 2 * kThreads) {
+    merge_records<HD, 2, 8>(a, row, first_q_head, heads, splits, records, scratch);
+  } else {
+    merge_records<HD, 4, 4>(a, row, first_q_head, heads, splits, records, scratch);
+  }
 }
 
 template <int HD, typename KvT, bool kPrepare, bool kBulk>
