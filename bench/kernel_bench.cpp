@@ -1101,12 +1101,14 @@ int main(int argc, char** argv) {
     results.push_back(bench_attention(variant, 16, 2, 512, 32768, 0, {132, 66, 128, 264},
                                       "26b full depth 32K", stream));
     // Short contexts, where the fixed cost is all: the splits the engine records for a 32K
-    // context (most of them idle; the CUDA-core kernel's blocks take q heads instead).
+    // context (most of them idle: their blocks take q heads instead), then for a context of a
+    // few tokens (one split; `gemma4 bench --depths 0` without deeper depths).
     results.push_back(
-        bench_attention(variant, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
+        bench_attention(variant, 8, 1, 256, 8, 512, {16, 1}, "e2b sliding depth 8", stream));
     results.push_back(
-        bench_attention(variant, 16, 8, 256, 8, 1024, {32}, "26b sliding depth 8", stream));
-    results.push_back(bench_attention(variant, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
+        bench_attention(variant, 16, 8, 256, 8, 1024, {32, 1}, "26b sliding depth 8", stream));
+    results.push_back(
+        bench_attention(variant, 8, 1, 512, 8, 0, {264, 1}, "e2b full depth 8", stream));
     results.push_back(
         bench_attention(variant, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
     results.push_back(
