@@ -416,7 +416,8 @@ Result bench_residual_tail(int64_t rows, int64_t cols, const char* label, cudaSt
 // ones, also with the PDL trigger and SM-exclusive variants, at every activation type). The
 // tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for
 // warps of one 16-row tile (twice the warps of the two-tile layout of the same row tile), plus
-// 100000 · trigger (1 after the staging, 2 after the products) and 1000000 for sm_exclusive.
+// 100000 · trigger (1 after the staging, 2 after the products), 1000000 for sm_exclusive and
+// 10000000 · (activation_blocks - 1) (listed only: 1 or 2).
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -449,8 +450,9 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return (t.sm_exclusive ? 1000000 : 0) + 100000 * static_cast<int>(t.trigger) +
-           (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
+    return 10000000 * (t.activation_blocks - 1) + (t.sm_exclusive ? 1000000 : 0) +
+           100000 * static_cast<int>(t.trigger) + (t.tiles_per_warp == 1 ? 10000 : 0) +
+           (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
            10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
@@ -458,11 +460,12 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        for (int variant = 0; variant < (listed ? 6 : 1); ++variant) {
+        for (int variant = 0; variant < (listed ? 12 : 1); ++variant) {
           gemma4::cuda::MmaGemvTiling tiling =
               gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
           tiling.trigger = static_cast<gemma4::cuda::MmaGemvTrigger>(variant % 3);
-          tiling.sm_exclusive = variant >= 3;
+          tiling.sm_exclusive = variant % 6 >= 3;
+          tiling.activation_blocks = 1 + variant / 6;
           const int id = tiling_id(tiling);
           const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
                                           g_mma_tilings.end()
@@ -1199,12 +1202,14 @@ int main(int argc, char** argv) {
     results.push_back(bench_attention(variant, 16, 2, 512, 32768, 0, {132, 66, 128, 264},
                                       "26b full depth 32K", stream));
     // Short contexts, where the fixed cost is all: the splits the engine records for a 32K
-    // context (most of them idle; the CUDA-core kernel's blocks take q heads instead).
+    // context (most of them idle: their blocks take q heads instead), then for a context of a
+    // few tokens (one split; `gemma4 bench --depths 0` without deeper depths).
     results.push_back(
-        bench_attention(variant, 8, 1, 256, 8, 512, {16}, "e2b sliding depth 8", stream));
+        bench_attention(variant, 8, 1, 256, 8, 512, {16, 1}, "e2b sliding depth 8", stream));
     results.push_back(
-        bench_attention(variant, 16, 8, 256, 8, 1024, {32}, "26b sliding depth 8", stream));
-    results.push_back(bench_attention(variant, 8, 1, 512, 8, 0, {264}, "e2b full depth 8", stream));
+        bench_attention(variant, 16, 8, 256, 8, 1024, {32, 1}, "26b sliding depth 8", stream));
+    results.push_back(
+        bench_attention(variant, 8, 1, 512, 8, 0, {264, 1}, "e2b full depth 8", stream));
     results.push_back(
         bench_attention(variant, 8, 1, 512, 1024, 0, {264}, "e2b full depth 1K", stream));
     results.push_back(

@@ -1,17 +1,19 @@
 // gemma4 bench -m MODEL [--device D] [--depths ...] [--prefill ...] [--batches ...] [--json FILE]:
-// engine throughput as a serving loop sees it (Engine::step_sampled asking for the greedy
-// candidate of every row, as the server does for greedy requests: only token ids and the
-// log-normaliser come back, not rows of logits). Measures
+// engine throughput of greedy decoding: decode steps through Engine::decode_greedy (each step's
+// greedy token stays on the device as the next step's input, the next step enqueued before the
+// host reads it), or with --no-chain as a serving loop sees it (Engine::step_sampled asking for
+// the greedy candidate of every row, as the server does for greedy requests: only token ids and
+// the log-normaliser come back, not rows of logits); prefill through step_sampled. Measures
 //  * decode tok/s of one stream at several context depths (each depth reached by prefill),
 //  * prefill tok/s of one prompt of several lengths (each after an untimed one of its length),
 //  * aggregate decode tok/s of several concurrent streams (one batched step per token),
 // and reports the weights read per decoded token, the effective GB/s that implies and its share
 // of --bandwidth-gbs, peak GPU memory and kernels per token. Prints a table; --json FILE writes
 // the same figures (model, format, gpu, commit, decode[], prefill[], peak_gpu_mib,
-// kernels_per_token, sampling, ...). Token ids fed back are a fixed pseudo-random sequence, not
-// the sampled ones (the same work per step). --timeline FILE records the GPU timeline of the
-// profiled measurements' steps with CUPTI (cli/cupti_timeline.h): a summary per kernel name is
-// printed, every kernel goes to FILE.
+// kernels_per_token, sampling, ...). Chained steps feed back the greedy tokens; --no-chain feeds
+// a fixed pseudo-random sequence instead (the same work per step). --timeline FILE records the GPU
+// timeline of the profiled measurements' steps with CUPTI (cli/cupti_timeline.h): a summary per
+// kernel name is printed, every kernel goes to FILE.
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -36,14 +39,18 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// What every timed step returns (report and JSON "sampling").
+// What every timed step returns (report and JSON "sampling"): with --no-chain (or --timeline),
+// else through Engine::decode_greedy.
 constexpr const char* kGreedySampling = "greedy candidates (1 per row; no logits rows copied)";
+constexpr const char* kChainedSampling =
+    "greedy tokens chained in backend memory (Engine::decode_greedy; only token ids copied)";
 
 struct BenchArgs {
   std::string model;
   std::string device = "auto";
   bool no_graphs = false;
   bool no_pdl = false;
+  bool no_chain = false;
   bool fold = false;
   bool step_times = false;
   bool tail = false;
@@ -214,6 +221,10 @@ class Bench {
 
   Status write_report() const;
   std::string lm_head_description() const;
+  // Whether decode steps chain through Engine::decode_greedy. --timeline splits steps at host
+  // marks, which chained steps overlap: it takes the one-call-per-step path.
+  bool chained_decode() const { return !args_.no_chain && timeline_ == nullptr; }
+  const char* sampling() const { return chained_decode() ? kChainedSampling : kGreedySampling; }
   Status write_timeline() const;
 
  private:
@@ -359,7 +370,26 @@ class Bench {
         inputs.push_back({sequences[b], std::span(next).subspan(b, 1)});
       return greedy_step(engine, inputs);
     };
-    for (int warmup = 0; warmup < 2; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
+    // Chained (Engine::decode_greedy): `steps` steps, each sequence fed back its greedy token;
+    // `on_last` runs when the last step's tokens reach the host (the step enqueued after it, on
+    // the guess that decoding goes on, is not what a caller waits for).
+    const bool chain = chained_decode();
+    const auto chained = [&](int steps, const std::function<void()>& on_last) {
+      const auto first = tokens.take(batch);
+      std::vector<int> seen(sequences.size(), 0);
+      return engine.decode_greedy(sequences, first, [&](size_t i, int32_t) {
+        if (++seen[i] < steps) return true;
+        if (i + 1 == sequences.size()) on_last();
+        return false;
+      });
+    };
+    // Step 1 runs unrecorded, step 2 records the graph (EngineOptions::record_decode).
+    constexpr int kWarmupSteps = 2;
+    if (chain) {
+      GEMMA4_RETURN_IF_ERROR(chained(kWarmupSteps, [] {}));
+    } else {
+      for (int warmup = 0; warmup < kWarmupSteps; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
+    }
     double elapsed = 0;
     {
       ProfilerRange range(profiled, timeline_,
@@ -368,11 +398,16 @@ class Bench {
                                                    std::max<int64_t>(depth, 1)));
       if (args_.step_times) backend.time_replays(true);
       const auto start = Clock::now();
-      for (int i = 0; i < args_.decode_tokens; ++i) {
-        range.mark_step();
-        GEMMA4_RETURN_IF_ERROR(step());
+      if (chain) {
+        GEMMA4_RETURN_IF_ERROR(
+            chained(args_.decode_tokens, [&] { elapsed = seconds_since(start); }));
+      } else {
+        for (int i = 0; i < args_.decode_tokens; ++i) {
+          range.mark_step();
+          GEMMA4_RETURN_IF_ERROR(step());
+        }
+        elapsed = seconds_since(start);
       }
-      elapsed = seconds_since(start);
       if (args_.step_times) {
         backend.time_replays(false);
         *step_times = backend.replay_times();
@@ -482,7 +517,7 @@ Status Bench::write_report() const {
   std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
               args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on", activations_.c_str(),
               engine::kv_type_name(memory_plan_.options.kv_type));
-  std::printf("sampling: %s\n", kGreedySampling);
+  std::printf("sampling: %s\n", sampling());
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
   // The logits matrix alone (bf16 in NVFP4 checkpoints: embed_tokens is tied and unquantized)
@@ -580,7 +615,7 @@ Status Bench::write_report() const {
   json["weight_bytes_per_token"] = bytes_per_token;
   json["bandwidth_gbs"] = args_.bandwidth_gbs;
   json["decode_tokens"] = args_.decode_tokens;
-  json["sampling"] = kGreedySampling;
+  json["sampling"] = sampling();
   std::ofstream out(args_.json_file);
   out << json.dump(2) << '\n';
   if (!out) return make_error(ErrorCode::kIo, "--json: cannot write {}", args_.json_file);
@@ -659,6 +694,11 @@ void register_bench(CLI::App& app, int& exit_code) {
   cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
   cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
   cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
+  cmd->add_flag("--no-chain", args->no_chain,
+                "decode one step_sampled call per token, the host feeding back a token of its own "
+                "(the serving loop's path) instead of Engine::decode_greedy's chained steps, whose "
+                "greedy tokens stay on the device and whose next step is enqueued before the "
+                "host reads them (for A/B measurements; --timeline implies it)");
   cmd->add_flag("--fold", args->fold,
                 "CUDA: fold residual steps into the next matmul's prologue instead of running "
                 "their own kernel (slower as measured; for A/B measurements)");

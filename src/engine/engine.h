@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <utility>
 #include <vector>
@@ -95,7 +96,27 @@ class Engine {
   virtual Status step_sampled(std::span<const StepInput> inputs,
                               std::span<const LogitRequest> requests,
                               std::span<LogitSummary> summaries, std::span<float> full_rows);
+
+  // Greedy decoding of several sequences, one token per sequence and step: the first step
+  // appends first_tokens[i] to sequences[i]; each step's greedy token of sequence i (top[0] of
+  // a one-candidate LogitRequest without edits) goes to on_token(i, token), which returns true
+  // to append it in the next step, false to stop sequence i there (the token is not appended:
+  // an end-of-sequence token, the last one wanted). A sequence also stops when its context is
+  // full after a step (on_token still sees that step's token; its answer is then ignored).
+  // Returns once every sequence has stopped. The tokens, logits and KV are exactly those of
+  // step_sampled steps fed back the greedy tokens by the caller (the default implementation,
+  // greedy_decode_by_steps); an engine whose logits live on a device keeps each token there and
+  // enqueues the next step before the host sees the token (Gemma4Engine).
+  virtual Status decode_greedy(std::span<const SequenceId> sequences,
+                               std::span<const int32_t> first_tokens,
+                               const std::function<bool(size_t, int32_t)>& on_token);
 };
+
+// Engine::decode_greedy's reference: a step_sampled step per token, the greedy token fed back by
+// the host.
+Status greedy_decode_by_steps(Engine& engine, std::span<const SequenceId> sequences,
+                              std::span<const int32_t> first_tokens,
+                              const std::function<bool(size_t, int32_t)>& on_token);
 
 // Checks step_sampled's arguments against the inputs and the vocabulary (shared by engines).
 Status check_logit_requests(size_t inputs, std::span<const LogitRequest> requests,

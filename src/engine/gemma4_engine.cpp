@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <deque>
 #include <limits>
 #include <map>
 
@@ -152,6 +153,19 @@ struct Gemma4Engine::Impl {
   int64_t forward_logits(int64_t count);
   // forward_to_logits of a decode pass (one row per segment) through its recording.
   void decode_recorded(const std::vector<Segment>& segments);
+  // forward_to_logits of a decode pass, through its recording where the options allow.
+  void run_decode_pass(const std::vector<Segment>& segments);
+  // The sequence's KV of positions >= length forgotten, its length set (truncate_sequence, once
+  // it checked that the KV before that point is still held; high_water stays).
+  void roll_back(SequenceId sequence, int64_t length) {
+    for (const LayerGeometry& g : config.layers) {
+      if (g.owns_kv()) backend->forget_kv(kv_view(sequence, g), length);
+    }
+    sequences[sequence].length = length;
+  }
+  // step_sampled's checks of its inputs (open, distinct sequences; ids in the vocabulary; room
+  // in the context).
+  Status check_inputs(std::span<const StepInput> inputs) const;
   void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
   void feed_forward_block(int l, int64_t n, Rows hidden);
   // Hands layer l's router logits and picks of the pass's n rows to options.router_trace.
@@ -430,6 +444,46 @@ void Gemma4Engine::Impl::decode_recorded(const std::vector<Segment>& segments) {
   backend->replay(*recording.work);
 }
 
+Status Gemma4Engine::Impl::check_inputs(std::span<const StepInput> inputs) const {
+  const int64_t vocab = config.vocab_size;
+  if (inputs.size() > sequences.size())
+    return make_error(ErrorCode::kInvalidArgument, "{} inputs in one step, at most {}",
+                      inputs.size(), sequences.size());
+  std::vector<bool> seen(sequences.size(), false);
+  for (const StepInput& input : inputs) {
+    if (input.sequence < 0 || input.sequence >= std::ssize(sequences) ||
+        !sequences[input.sequence].open)
+      return make_error(ErrorCode::kInvalidArgument, "sequence {} is not open", input.sequence);
+    if (seen[input.sequence])
+      return make_error(ErrorCode::kInvalidArgument, "sequence {} appears twice in one step",
+                        input.sequence);
+    seen[input.sequence] = true;
+    if (input.tokens.empty())
+      return make_error(ErrorCode::kInvalidArgument, "sequence {}: no tokens to append",
+                        input.sequence);
+    for (int32_t token : input.tokens) {
+      if (token < 0 || token >= vocab)
+        return make_error(ErrorCode::kInvalidArgument,
+                          "token id {} is outside the vocabulary [0, {})", token, vocab);
+    }
+    const int64_t new_length = sequences[input.sequence].length + std::ssize(input.tokens);
+    if (new_length > max_context)
+      return make_error(ErrorCode::kResourceExhausted,
+                        "sequence {} would reach {} tokens, the context holds {}", input.sequence,
+                        new_length, max_context);
+  }
+  return Status::ok_status();
+}
+
+void Gemma4Engine::Impl::run_decode_pass(const std::vector<Segment>& segments) {
+  const bool record = options.record_decode && !options.router_trace;
+  if (record && backend->can_record()) {
+    decode_recorded(segments);
+  } else {
+    forward_to_logits(segments, std::ssize(segments));
+  }
+}
+
 int ring_history_for(const model::ModelConfig& config, const EngineOptions& options) {
   if (options.ring_history > 0) return options.ring_history;
   constexpr int kRollBackHistory = 32;
@@ -581,10 +635,7 @@ Status Gemma4Engine::truncate_sequence(SequenceId sequence, int64_t length) {
                         "(written up to {}); re-prefill instead",
                         sequence, length, state.high_water);
   }
-  for (const LayerGeometry& g : impl_->config.layers) {
-    if (g.owns_kv()) impl_->backend->forget_kv(impl_->kv_view(sequence, g), length);
-  }
-  state.length = length;
+  impl_->roll_back(sequence, length);
   return Status::ok_status();
 }
 
@@ -611,32 +662,7 @@ Status Gemma4Engine::step_sampled(std::span<const StepInput> inputs,
   for (size_t i = 0, full = 0; i < inputs.size(); ++i) {
     if (requests[i].candidates == 0) full_row[i] = static_cast<int64_t>(full++);
   }
-  if (inputs.size() > m.sequences.size())
-    return make_error(ErrorCode::kInvalidArgument, "{} inputs in one step, at most {}",
-                      inputs.size(), m.sequences.size());
-  std::vector<bool> seen(m.sequences.size(), false);
-  for (const StepInput& input : inputs) {
-    if (input.sequence < 0 || input.sequence >= max_sequences() ||
-        !m.sequences[input.sequence].open)
-      return make_error(ErrorCode::kInvalidArgument, "sequence {} is not open", input.sequence);
-    if (seen[input.sequence])
-      return make_error(ErrorCode::kInvalidArgument, "sequence {} appears twice in one step",
-                        input.sequence);
-    seen[input.sequence] = true;
-    if (input.tokens.empty())
-      return make_error(ErrorCode::kInvalidArgument, "sequence {}: no tokens to append",
-                        input.sequence);
-    for (int32_t token : input.tokens) {
-      if (token < 0 || token >= vocab)
-        return make_error(ErrorCode::kInvalidArgument,
-                          "token id {} is outside the vocabulary [0, {})", token, vocab);
-    }
-    const int64_t new_length = m.sequences[input.sequence].length + std::ssize(input.tokens);
-    if (new_length > m.max_context)
-      return make_error(ErrorCode::kResourceExhausted,
-                        "sequence {} would reach {} tokens, the context holds {}", input.sequence,
-                        new_length, m.max_context);
-  }
+  GEMMA4_RETURN_IF_ERROR(m.check_inputs(inputs));
 
   // Passes: each takes up to sequence_pass_limit tokens from every input that has some left, and
   // at most max_pass_tokens in all.
@@ -676,9 +702,8 @@ Status Gemma4Engine::step_sampled(std::span<const StepInput> inputs,
     const bool decode = std::all_of(segments.begin(), segments.end(), [](const Segment& s) {
       return s.count == 1 && s.last_of_input;
     });
-    const bool record = m.options.record_decode && !m.options.router_trace;
-    if (decode && record && m.backend->can_record()) {
-      m.decode_recorded(segments);
+    if (decode) {
+      m.run_decode_pass(segments);
     } else {
       m.forward_to_logits(segments, n);
     }
@@ -708,6 +733,119 @@ Status Gemma4Engine::step_sampled(std::span<const StepInput> inputs,
     }
   }
   // Operations report failures only here (asynchronously on a device); downloads synchronize.
+  return m.backend->status();
+}
+
+namespace {
+
+// One decode step of decode_greedy in flight: its sequences (indices into decode_greedy's list,
+// in row order), the backend slot its tokens come back in, and where they come back.
+struct GreedyStep {
+  std::vector<size_t> members;
+  int slot = 0;
+  std::vector<int32_t> tokens;
+};
+
+}  // namespace
+
+Status Gemma4Engine::decode_greedy(std::span<const SequenceId> sequences,
+                                   std::span<const int32_t> first_tokens,
+                                   const std::function<bool(size_t, int32_t)>& on_token) {
+  Impl& m = *impl_;
+  if (first_tokens.size() != sequences.size())
+    return make_error(ErrorCode::kInvalidArgument, "{} sequences but {} first tokens",
+                      sequences.size(), first_tokens.size());
+  if (std::ssize(sequences) > m.max_rows())
+    return greedy_decode_by_steps(*this, sequences, first_tokens, on_token);
+  std::vector<StepInput> first_step;
+  for (size_t i = 0; i < sequences.size(); ++i)
+    first_step.push_back({sequences[i], first_tokens.subspan(i, 1)});
+  GEMMA4_RETURN_IF_ERROR(m.check_inputs(first_step));
+
+  const int64_t vocab = m.config.vocab_size;
+  // The token each sequence appends next, as far as the host knows it (a new chain uploads it).
+  std::vector<int32_t> next(first_tokens.begin(), first_tokens.end());
+  std::vector<size_t> live;  // sequences not stopped, in list order
+  for (size_t i = 0; i < sequences.size(); ++i) live.push_back(i);
+  std::deque<GreedyStep> in_flight;  // oldest first; at most kGreedySlots
+  int slot = 0;
+
+  // Enqueues a decode step of `members`; chained: its ids and positions are those the previous
+  // step's enqueue_greedy left in the workspace, else uploaded.
+  const auto enqueue_step = [&](const std::vector<size_t>& members, bool chained) {
+    std::vector<Segment> segments;
+    std::vector<int32_t> ids, positions;
+    for (size_t k = 0; k < members.size(); ++k) {
+      SequenceState& state = m.sequences[sequences[members[k]]];
+      Segment segment;
+      segment.sequence = sequences[members[k]];
+      segment.first_row = static_cast<int64_t>(k);
+      segment.count = 1;
+      segment.last_of_input = true;
+      segment.input_index = k;
+      segments.push_back(segment);
+      ids.push_back(next[members[k]]);
+      positions.push_back(static_cast<int32_t>(state.length));
+      state.length += 1;
+      state.high_water = std::max(state.high_water, state.length);
+    }
+    const auto n = std::ssize(segments);
+    if (!chained) {
+      m.backend->upload(m.token_ids.data(), ids.data(), sizeof(int32_t) * n);
+      m.backend->upload(m.positions.data(), positions.data(), sizeof(int32_t) * n);
+    }
+    m.run_decode_pass(segments);
+    GreedyStep& step = in_flight.emplace_back();
+    step.members = members;
+    step.slot = slot;
+    step.tokens.resize(members.size());
+    m.backend->enqueue_greedy(m.rows(m.logits, n, vocab), m.token_ids.ints(), m.positions.ints(),
+                              step.tokens, slot);
+    slot = (slot + 1) % Backend::kGreedySlots;
+  };
+  const auto has_room = [&](size_t i) { return m.sequences[sequences[i]].length < m.max_context; };
+
+  while (!in_flight.empty() || !live.empty()) {
+    if (in_flight.empty()) enqueue_step(live, /*chained=*/false);
+    // The next step on the guess that every member continues: only while the step in flight
+    // holds exactly the live sequences and each has room for one more token.
+    if (in_flight.size() == 1 && in_flight.front().members == live &&
+        std::all_of(live.begin(), live.end(), has_room)) {
+      enqueue_step(live, /*chained=*/true);
+    }
+    const GreedyStep step = std::move(in_flight.front());
+    in_flight.pop_front();
+    m.backend->wait_greedy(step.slot);
+    if (Status status = m.backend->status(); !status.ok()) {
+      // No copy left in flight into a step about to go.
+      for (const GreedyStep& later : in_flight) m.backend->wait_greedy(later.slot);
+      return status;
+    }
+    // Whether step `ahead` (the step after this one, if enqueued) appends for sequence i.
+    const auto appended_ahead = [&](size_t i) {
+      if (in_flight.empty()) return false;
+      const auto& members = in_flight.front().members;
+      return std::find(members.begin(), members.end(), i) != members.end();
+    };
+    std::vector<size_t> continuing;
+    for (size_t k = 0; k < step.members.size(); ++k) {
+      const size_t i = step.members[k];
+      // A member that stopped at an earlier step: its token of this step was rolled back.
+      if (std::find(live.begin(), live.end(), i) == live.end()) continue;
+      const bool ahead = appended_ahead(i);
+      const int64_t length = m.sequences[sequences[i]].length - (ahead ? 1 : 0);
+      if (on_token(i, step.tokens[k]) && length < m.max_context) {
+        next[i] = step.tokens[k];
+        continuing.push_back(i);
+      } else if (ahead) {
+        // The step after wrote the stopped token's K/V at position `length`, into the slot of
+        // a position at least one ring (window + history) older in a sliding layer: nothing a
+        // query from `length` on attends, and high_water keeps counting it as written.
+        m.roll_back(sequences[i], length);
+      }
+    }
+    live = std::move(continuing);
+  }
   return m.backend->status();
 }
 

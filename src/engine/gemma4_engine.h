@@ -114,6 +114,14 @@ class Gemma4Engine final : public Engine {
   // Summaries are ranked by the backend (Backend::summarize_logits) where the logits are.
   Status step_sampled(std::span<const StepInput> inputs, std::span<const LogitRequest> requests,
                       std::span<LogitSummary> summaries, std::span<float> full_rows) override;
+  // Chained on the backend: each step's greedy tokens stay in backend memory as the next step's
+  // input (Backend::enqueue_greedy) and the next step is enqueued before the host reads them, on
+  // the guess that every sequence continues. A sequence that stops instead rolls that step's
+  // token back (its KV write past the end is forgotten, as truncate_sequence does); the others
+  // finish that step, then go on in a new chain whose first step's tokens are uploaded. Batches
+  // larger than a pass: greedy_decode_by_steps.
+  Status decode_greedy(std::span<const SequenceId> sequences, std::span<const int32_t> first_tokens,
+                       const std::function<bool(size_t, int32_t)>& on_token) override;
 
  private:
   struct Impl;

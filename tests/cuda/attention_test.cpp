@@ -266,6 +266,25 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
   }
 }
 
+// 32 sequences of one launch: 8 blocks per (sequence, kv head) (kDecodeAttentionBlocks / 32), so
+// a query using all 4 splits gets 2 parts of 4 q heads, whose records (4 splits x 4 heads: 16.5 KB
+// of 256 dims, 33 KB of 512) the last block of each part merges with several outputs per thread;
+// shallower queries get more parts of fewer heads. Positions 0 to 1147: 1 to 4 splits used.
+TEST(DecodeAttention, ManySequencesMergeSeveralHeadsPerPart) {
+  std::vector<int32_t> positions(32);
+  for (int b = 0; b < 32; ++b) positions[b] = 37 * b;
+  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
+    const Case cases[] = {
+        {"e2b-sliding-32-rows", 8, 1, 256, 600, 512, positions, 4, type},
+        {"e2b-full-32-rows", 8, 1, 512, 1200, 0, positions, 4, type},
+    };
+    for (const Case& c : cases) {
+      run_case(c);
+      run_case(c, Kernel::kThreadCopies);
+    }
+  }
+}
+
 // Which launches merge their splits in the tensor-core kernel: few records per q-head part of a kv
 // head at the deepest cache (at most kMaxMergedInKernelBytes). E2B's sliding layer at the splits
 // the engine picks (16 splits, one part per q head: 16 x 256 dims, 16.5 KB) and 31B's (16 splits of

@@ -162,6 +162,36 @@ TEST(RmsNorm, ResidualAddAndNextNorm) {
   }
 }
 
+// A step whose output all but cancels the residual (|new residual| ~1e-3 of both): the next
+// norm's sum of squares cannot come from the old residual's sums (expanded_sum_of_squares gives
+// up), the kernel reduces the new residual's own.
+TEST(RmsNorm, ResidualAddThatCancelsTheResidual) {
+  for (int64_t width : {1536, 5376}) {
+    SCOPED_TRACE(width);
+    const int64_t rows = 2;
+    const auto x = testing::random_floats(rows * width, -3.0f, 3.0f, 35);
+    const auto w = testing::random_floats(width, 0.5f, 1.5f, 36);
+    const auto w_next = testing::random_floats(width, -1.0f, 1.0f, 37);
+    const auto noise = testing::random_floats(rows * width, -1e-3f, 1e-3f, 38);
+    const auto post = reference_norm(x, rows, width, &w, 0.0);
+    std::vector<float> residual(rows * width);
+    for (size_t i = 0; i < residual.size(); ++i) {
+      residual[i] = static_cast<float>(-post[i]) + noise[i];
+    }
+    DeviceArray<float> dx(x), dr(residual), dw(w), dw_next(w_next), dy(rows * width);
+    AddNormSpec spec;
+    spec.weight = dw.get();
+    spec.next_weight = dw_next.get();
+    spec.eps = kEps;
+    CUDA_ASSERT_OK(add_rms_norm(view(dx, rows, width), view(dr, rows, width), view(dy, rows, width),
+                                spec, Launch{}));
+    CUDA_ASSERT_OK(cudaDeviceSynchronize());
+    // The next norm of the residual the kernel wrote (the step's own rounding is not at issue).
+    expect_near_all(dy.download(), reference_norm(dr.download(), rows, width, &w_next, 0.0), 1e-5,
+                    "next norm");
+  }
+}
+
 // add_rms_norm_deferred is the two residual steps it stands for, bit for bit: the deferred step's
 // norm reduced as add_rms_norm reduces it, the products rounded in the same order. Registers with
 // one and two quads per thread, 16-byte and scalar accesses, with and without a next norm.

@@ -60,7 +60,8 @@ std::string describe(const HostMatrix& w, const Case& c) {
          " splits=" + std::to_string(c.tiling.splits) +
          " row_blocks=" + std::to_string(c.tiling.row_blocks) +
          " trigger=" + std::to_string(static_cast<int>(c.tiling.trigger)) +
-         (c.tiling.sm_exclusive ? " sm_exclusive" : "");
+         (c.tiling.sm_exclusive ? " sm_exclusive" : "") +
+         " activation_blocks=" + std::to_string(c.tiling.activation_blocks);
 }
 
 // Runs one case and checks every output against the reference. Returns the outputs.
@@ -422,6 +423,30 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   expect_pdl_chain_matches_plain({0, 0});
 }
 
+// Blocks along the activation rows (activation_blocks; the last block's rows partial where they
+// do not divide): every activation type and epilogue reads and writes the block's own rows.
+TEST(GemvMma, ActivationRowBlocks) {
+  const HostMatrix host = random_matrix(WeightFormat::kW4G32, 600, 1536, 29);
+  const DeviceMatrix device(host);
+  for (const int m : {9, 40, 64}) {
+    for (const int blocks : {2, 3}) {
+      Case c;
+      c.m = m;
+      c.tiling = {8, 4, 1, 0, 1};
+      c.tiling.activation_blocks = blocks;
+      for (const ActType x_type : kActivationTypes) {
+        c.x_type = x_type;
+        check(host, device, c);
+      }
+      c.x_type = ActType::kF32;
+      for (const GemvEpilogue epilogue : {GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
+        c.epilogue = epilogue;
+        check(host, device, c);
+      }
+    }
+  }
+}
+
 // Every PDL trigger point, with and without SM-exclusive blocks (shared memory padded to
 // kMmaGemvExclusiveSharedBytes), for blocks of one row tile and looping ones: a dependent chain
 // replays the bits of plain launches, and the values match the reference.
@@ -519,6 +544,11 @@ TEST(GemvMma, RefusesWhatItDoesNotTake) {
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 3}), cudaErrorInvalidValue);  // splits > K / 32
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2}), cudaSuccess);
   EXPECT_EQ(run(8, ActType::kF32, true, {4, 2, 1, -2}), cudaErrorInvalidValue);  // no such count
+  for (const int activation_blocks : {0, 9}) {
+    MmaGemvTiling tiling = {4, 2};
+    tiling.activation_blocks = activation_blocks;
+    EXPECT_EQ(run(8, ActType::kF32, true, tiling), cudaErrorInvalidValue);
+  }
   const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 64, 64, 15);
   const DeviceMatrix nvfp4_device(nvfp4);
   EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kQ8, 8, 64}, output, Launch{}),

@@ -43,11 +43,23 @@ def test_bench_json_on_cpu(tiny, tmp_path):
     assert data["weight_bytes_per_token"] > 0
     # What decode matmuls read: the CPU reference computes in fp32 whatever --activations says.
     assert data["activations"] == "f32"
-    # Timed steps return greedy candidates, as a server's greedy requests do; both outputs say so.
-    assert data["sampling"].startswith("greedy candidates")
-    assert "sampling: greedy candidates" in out.stdout
+    # Timed decode steps chain greedy tokens (Engine::decode_greedy); both outputs say so.
+    assert data["sampling"].startswith("greedy tokens chained")
+    assert "sampling: greedy tokens chained" in out.stdout
     # The table names every measurement too.
     assert "decode" in out.stdout and "prefill" in out.stdout and "n/a" in out.stdout
+
+
+def test_no_chain_steps_as_a_serving_loop(tiny, tmp_path):
+    report = tmp_path / "bench.json"
+    out = gemma4("bench", "-m", tiny, "--device", "cpu", "--threads", 2, "--depths", "0",
+                 "--prefill", "8", "--batches", "1,2", "--decode-tokens", 2, "--no-chain",
+                 "--json", report)
+    data = json.loads(report.read_text())
+    # Timed steps return greedy candidates, as a server's greedy requests do.
+    assert data["sampling"].startswith("greedy candidates")
+    assert "sampling: greedy candidates" in out.stdout
+    assert all(d["tok_per_s"] > 0 for d in data["decode"])
 
 
 def test_depths_are_clipped_to_the_context(tiny, tmp_path):

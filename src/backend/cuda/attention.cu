@@ -593,8 +593,10 @@ struct MmaTiling {
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
   // The prepared q heads (fp32) fit the stage the prologue writes them to.
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
-  // The epilogue's staged outputs fit the pipeline.
-  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <= kSharedBytes);
+  // The epilogue's staged outputs fit what of stage 0 is dead once every warp has passed the last
+  // tile's score barrier: its K rows, or all of it where the rows read later are widened copies.
+  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
+                (kWidens ? kStageBytes : kStageBytes / 2));
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -763,12 +765,20 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   const float* records =
       a.partials +
       (static_cast<int64_t>(blockIdx.z) * a.q_heads + first_q_head) * a.splits * int64_t{HD + 2};
-  // 32 values in flight per thread (more spills the prologue's registers across the PDL wait): a
-  // part's few outputs take more splits at once.
+  // 16 values in flight per thread: one output of 16 splits where the part has at most one per
+  // thread (E2B's sliding records at b1 in one batch), else more outputs of fewer splits (batched
+  // decode's few splits of several heads). More values in flight spill the tile loop's registers
+  // (ptxas -v).
+  if constexpr (HD <= kThreads) {
+    if (heads * HD <= kThreads) {
+      merge_records<HD, 1, 16>(a, row, first_q_head, heads, splits, records, scratch);
+      return;
+    }
+  }
   if (heads * HD <= 2 * kThreads) {
-    merge_records<HD, 2, 16>(a, row, first_q_head, heads, splits, records, scratch);
+    merge_records<HD, 2, 8>(a, row, first_q_head, heads, splits, records, scratch);
   } else {
-    merge_records<HD, 4, 8>(a, row, first_q_head, heads, splits, records, scratch);
+    merge_records<HD, 4, 4>(a, row, first_q_head, heads, splits, records, scratch);
   }
 }
 
@@ -801,8 +811,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // block's key range, and the copies of the first tiles of keys older than the query (their
   // rows and slot positions were written by earlier steps; only the query's own slot is written
   // in this one, and it is read after the wait). Blocks without keys leave before the wait.
+  // The constants' loads go out first: without the warp barrier after them, ptxas issued them
+  // only after the key range's divisions, which wait for the position's load (two global round
+  // trips one after the other on the path to the first copies; SASS).
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
+  __syncwarp();
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
   const int64_t row = sequence.first_row;
@@ -1116,8 +1130,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(acc[i], v_a, p_b0_lo, p_b1_lo);
     }
   }
-  wait_copies<0>();  // only empty groups remain, but the stages are reused below
-  __syncthreads();
+  // Only empty copy groups remain. The outputs are staged below at the start of stage 0 without a
+  // block barrier first: every warp has read the last tile's K rows (and widened its raw rows)
+  // before that tile's score barrier, and the V rows a slower warp may still read lie past them
+  // (MmaTiling's static_assert).
+  wait_copies<0>();
 
   // The sums of heads 2t, 2t + 1 over the 8 lanes of column t.
 #pragma unroll

@@ -13,6 +13,7 @@
 #include "backend/cuda/fused_ops.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/greedy_chain.h"
 #include "backend/cuda/moe.h"
 #include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
@@ -141,6 +142,7 @@ CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
 
 CudaBackend::~CudaBackend() {
   cudaSetDevice(device_);
+  greedy_chain_.reset();  // its copies may read ranking_
   if (stream_ != nullptr) cudaStreamSynchronize(stream_);
   if (side_stream_ != nullptr) cudaStreamSynchronize(side_stream_);
   for (Scratch* s : {&attention_partials_, &expert_workspace_, &pair_products_}) {
@@ -240,9 +242,9 @@ void CudaBackend::upload(void* dst, const void* src, size_t bytes) {
 void CudaBackend::download(void* dst, const void* src, size_t bytes) {
   const ReportingWrites reporting(*this);
   check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, launch().stream), "download");
-  if (timing_replays_) replay_timer_->before_sync(stream_);
+  if (timing_replays_) replay_timer_->step_end(stream_);
   check(cudaStreamSynchronize(stream_), "download (synchronize)");
-  if (timing_replays_) replay_timer_->after_sync();
+  if (timing_replays_) replay_timer_->all_steps_done();
 }
 
 namespace {

@@ -59,6 +59,7 @@ enum class ActivationMode : uint8_t { kF32, kBF16, kQ8 };
 inline constexpr ActivationMode kDefaultActivationMode = ActivationMode::kBF16;
 
 class CublasContext;  // prefill_matmul.h
+struct GreedyChain;   // greedy_chain.h
 class ReplayTimer;    // replay_timer.h
 struct MatrixView;    // backend_kernels.h
 struct RowsView;      // elementwise.h
@@ -230,6 +231,13 @@ class CudaBackend final : public engine::Backend {
   void summarize_logits(engine::Rows logits, std::span<const engine::LogitRowRequest> rows,
                         std::span<engine::LogitSummary> summaries) override;
 
+  // Chained greedy decoding (greedy_chain.cpp): the ranking with its GreedyFeed (two launches:
+  // sample_logits.h) on the stream, the tokens' copy into pinned memory on a stream of its own.
+  // Vocabularies past the ranking kernels' limit: the default.
+  void enqueue_greedy(engine::Rows logits, int32_t* token_ids, int32_t* positions,
+                      std::span<int32_t> tokens, int slot) override;
+  void wait_greedy(int slot) override;
+
   cudaStream_t stream() const { return stream_; }
 
   // Outside kF32 mode, passes of more than kTensorCoreMaxGemvRows rows (prefill) run matmul and
@@ -376,11 +384,12 @@ class CudaBackend final : public engine::Backend {
                            engine::Rows acc, const float* weight, float scalar,
                            const float* next_weight, engine::Rows next,
                            const engine::MoeInputs* moe, const engine::NormParams& norm);
-  std::unique_ptr<CublasContext> cublas_;  // made by the first tensor-core matmul
-  Scratch prefill_activations_;            // its bf16 activations
-  Scratch prefill_weights_;                // its bf16 weight tile
-  Scratch ranking_;                        // summarize_logits: inputs, scratch and results
-  PinnedStaging ranking_host_;             // summarize_logits: staged inputs and results
+  std::unique_ptr<CublasContext> cublas_;      // made by the first tensor-core matmul
+  Scratch prefill_activations_;                // its bf16 activations
+  Scratch prefill_weights_;                    // its bf16 weight tile
+  Scratch ranking_;                            // summarize_logits: inputs, scratch and results
+  PinnedStaging ranking_host_;                 // summarize_logits: staged inputs and results
+  std::unique_ptr<GreedyChain> greedy_chain_;  // made by the first enqueue_greedy
 };
 
 // A CudaBackend on `device`, or a clear error when there is no usable GPU.

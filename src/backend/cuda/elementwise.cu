@@ -6,6 +6,7 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/norm_sums.cuh"
 #include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
@@ -13,26 +14,83 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
-// Sum of `value` over the block (a multiple of 32 threads); every thread gets the result. One
-// barrier: each warp reduces the per-warp sums itself. `scratch` holds 32 floats and serves one
-// call only (a second sum in the same kernel takes its own).
-__device__ float block_sum(float value, float* scratch) {
-  value = warp_sum(value);
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) scratch[threadIdx.x / 32] = value;
-  __syncthreads();
-  return warp_sum(lane < static_cast<int>(blockDim.x / 32) ? scratch[lane] : 0.0f);
+// The block sums: every thread gets the totals; one barrier. Each warp reduces its values with
+// shuffles, its lanes put the warp's totals in shared memory, and every thread adds the warps'
+// totals itself (sum_of_groups: float4 reads and a few dependent adds). Every component of every
+// variant is reduced over the same tree (an xor butterfly in the warp, then warp order), so a
+// value gets the same bits whichever variant sums it. `scratch` (16-byte aligned, 32 floats per
+// component) serves one call only (a second sum in the same kernel takes its own).
+
+// The second level for `groups` groups of 4 warps (at most kGroups): straight-line code for the
+// block's count (a uniform branch per smaller count), so that its reads issue together.
+template <int N, int kGroups = 8>
+__device__ __forceinline__ void sum_warp_totals(const float (*scratch)[32], int groups,
+                                                float (&totals)[N]) {
+  if constexpr (kGroups > 1) {
+    if (groups < kGroups) {
+      sum_warp_totals<N, kGroups - 1>(scratch, groups, totals);
+      return;
+    }
+  }
+#pragma unroll
+  for (int c = 0; c < N; ++c) totals[c] = sum_of_groups<kGroups>(scratch[c]);
 }
 
-// Two block sums in one barrier, each component reduced exactly as block_sum reduces it (so either
-// equals what block_sum would return). `scratch` holds 32 float2.
-__device__ float2 block_sum2(float2 value, float2* scratch) {
-  value = {warp_sum(value.x), warp_sum(value.y)};
-  const int lane = threadIdx.x & 31;
-  if (lane == 0) scratch[threadIdx.x / 32] = value;
+// The warps' totals per component (scratch[c][w]) padded with zeros to a multiple of 4 warps,
+// then the barrier and the second level.
+template <int N>
+__device__ __forceinline__ void finish_block_sums(float (*scratch)[32], float (&totals)[N]) {
+  const int warps = static_cast<int>(blockDim.x / 32);
+  const int pad = (4 - warps % 4) % 4;
+  if (static_cast<int>(threadIdx.x) < N * pad) {
+    scratch[threadIdx.x / pad][warps + threadIdx.x % pad] = 0.0f;
+  }
   __syncthreads();
-  const bool has_warp = lane < static_cast<int>(blockDim.x / 32);
-  return {warp_sum(has_warp ? scratch[lane].x : 0.0f), warp_sum(has_warp ? scratch[lane].y : 0.0f)};
+  sum_warp_totals(scratch, (warps + 3) / 4, totals);
+}
+
+// Sum of `value` over the block (a multiple of 32 threads, at most 1024).
+__device__ float block_sum(float value, float (*scratch)[32]) {
+  value = warp_sum(value);
+  if ((threadIdx.x & 31) == 0) scratch[0][threadIdx.x / 32] = value;
+  float totals[1];
+  finish_block_sums(scratch, totals);
+  return totals[0];
+}
+
+// Two (or four) block sums in one barrier. The warp's reduction is transposed: each shuffle
+// moves one value, and the lanes end with different components' totals (a value sent is one the
+// sending lane gives up): 5 shuffles for two values, 6 for four, where a butterfly per value
+// takes 10 or 20 (one shuffle instruction a cycle per SM: the four values' shuffles of a full
+// block would outlast the butterfly's latency).
+__device__ float2 block_sum2(float2 value, float (*scratch)[32]) {
+  const int lane = threadIdx.x & 31;
+  const bool upper = lane & 16;  // keeps component 1
+  float mine = upper ? value.y : value.x;
+  mine += __shfl_xor_sync(0xFFFFFFFFu, upper ? value.x : value.y, 16);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset /= 2) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, offset);
+  if (lane % 16 == 0) scratch[lane / 16][threadIdx.x / 32] = mine;
+  float totals[2];
+  finish_block_sums(scratch, totals);
+  return {totals[0], totals[1]};
+}
+
+__device__ float4 block_sum4(float4 value, float (*scratch)[32]) {
+  const int lane = threadIdx.x & 31;
+  const bool upper = lane & 16;  // keeps components 2, 3
+  float kept0 = upper ? value.z : value.x, kept1 = upper ? value.w : value.y;
+  kept0 += __shfl_xor_sync(0xFFFFFFFFu, upper ? value.x : value.z, 16);
+  kept1 += __shfl_xor_sync(0xFFFFFFFFu, upper ? value.y : value.w, 16);
+  const bool odd = lane & 8;  // keeps the second of the two
+  float mine = odd ? kept1 : kept0;
+  mine += __shfl_xor_sync(0xFFFFFFFFu, odd ? kept0 : kept1, 8);
+#pragma unroll
+  for (int offset = 4; offset > 0; offset /= 2) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, offset);
+  if (lane % 8 == 0) scratch[lane / 8][threadIdx.x / 32] = mine;  // component lane / 8
+  float totals[4];
+  finish_block_sums(scratch, totals);
+  return {totals[0], totals[1], totals[2], totals[3]};
 }
 
 // (mean(x²) + eps)^-1/2 as transformers evaluates it (eps inside; a correctly rounded sqrt and
@@ -41,11 +99,11 @@ __device__ float inverse_rms_of_sum(float block_sum_of_squares, int64_t width, f
   return 1.0f / sqrtf(block_sum_of_squares / static_cast<float>(width) + eps);
 }
 
-__device__ float inverse_rms(float sum_of_squares, int64_t width, float eps, float* scratch) {
+__device__ float inverse_rms(float sum_of_squares, int64_t width, float eps, float (*scratch)[32]) {
   return inverse_rms_of_sum(block_sum(sum_of_squares, scratch), width, eps);
 }
 
-__device__ float inverse_rms(const float* row, int64_t width, float eps, float* scratch) {
+__device__ float inverse_rms(const float* row, int64_t width, float eps, float (*scratch)[32]) {
   float sum = 0.0f;
   for (int64_t j = threadIdx.x; j < width; j += blockDim.x) sum += row[j] * row[j];
   return inverse_rms(sum, width, eps, scratch);
@@ -65,7 +123,7 @@ struct NormArgs {
 // rms_norm with RoPE, or of rows too wide for rms_norm_row_kernel: strided loops over the row.
 __global__ void __launch_bounds__(kNormThreads) rms_norm_kernel(NormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float scratch[32];
+  __shared__ __align__(16) float scratch[1][32];
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
@@ -114,7 +172,7 @@ struct NormQ8Args {
 // Block per row; warp w quantizes chunks w, w + 8, ... of the normalized row.
 __global__ void __launch_bounds__(kNormThreads) rms_norm_q8_kernel(NormQ8Args a) {
   pdl_trigger_dependents();
-  __shared__ float scratch[32];
+  __shared__ __align__(16) float scratch[1][32];
   pdl_wait_for_predecessors();
   const int64_t r = blockIdx.x;
   const float* x = a.x.data + r * a.x.stride;
@@ -205,11 +263,29 @@ __device__ __forceinline__ void scale_row(FloatQuad (&quads)[kQuads], float inv,
       quads[k].v[e] = __fmul_rn(__fmul_rn(quads[k].v[e], inv), scale[k].v[e]);
 }
 
+// The thread's share of the sums a residual step reduces (add_rms_norm_kernel): Σx², and for
+// expanded_sum_of_squares Σ residual², Σ residual · x·scale, Σ (x·scale)².
+template <int kQuads>
+__device__ __forceinline__ float4 residual_step_terms(const FloatQuad (&x)[kQuads],
+                                                      const FloatQuad (&residual)[kQuads],
+                                                      const FloatQuad (&scale)[kQuads]) {
+  float4 terms = make_float4(sum_of_squares(x), sum_of_squares(residual), 0.0f, 0.0f);
+#pragma unroll
+  for (int k = 0; k < kQuads; ++k)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float scaled = __fmul_rn(x[k].v[e], scale[k].v[e]);
+      terms.z += residual[k].v[e] * scaled;
+      terms.w += scaled * scaled;
+    }
+  return terms;
+}
+
 // rms_norm without RoPE (y may alias x: the row is in registers before the first store).
 template <int kQuads, bool kAligned>
 __global__ void __launch_bounds__(kMaxRowThreads) rms_norm_row_kernel(NormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float sums[32];
+  __shared__ __align__(16) float sums[1][32];
   const int64_t width = a.x.width;
   // The norm weight is not written by a predecessor: loaded before the wait.
   FloatQuad scale[kQuads], x[kQuads];
@@ -242,8 +318,8 @@ struct AddNormArgs {
 template <int kQuads, bool kAligned, AddNormStep kStep>
 __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
-  __shared__ float x_sums[32], residual_sums[32], branch_sums[32];
-  __shared__ float2 deferred_sums[32];
+  __shared__ __align__(16) float x_sums[1][32], branch_sums[1][32], deferred_sums[2][32],
+      expansion_sums[4][32], residual_sums[1][32];
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
   const bool has_next = a.next.data != nullptr;
@@ -277,7 +353,12 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
       for (int e = 0; e < 4; ++e) x[k].v[e] = extra[k].v[e] + x[k].v[e];
   }
 
-  float x_inv;
+  // The new residual's norm (next, the MoE inputs) needs Σ residual², which the sums of the old
+  // residual and x give without a second reduction (expanded_sum_of_squares, float_quads.cuh):
+  // reduced with x's own. kDeferred's residual is known only after its first reduction: a second
+  // one there, of the same sums.
+  const bool needs_residual_norm = has_next || has_moe;
+  float x_inv, residual_sum_of_squares = 0.0f;
   if constexpr (kStep == AddNormStep::kDeferred) {
     // Neither norm depends on the other: one reduction for both. The deferred step rounds as the
     // add_rms_norm that would have run it (scalar 1).
@@ -289,6 +370,16 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
 #pragma unroll
       for (int e = 0; e < 4; ++e) residual[k].v[e] = residual[k].v[e] + extra[k].v[e];
     x_inv = inverse_rms_of_sum(sums.y, width, spec.eps);
+    if (needs_residual_norm) {
+      const float4 terms = block_sum4(residual_step_terms(x, residual, scale), expansion_sums);
+      residual_sum_of_squares =
+          expanded_sum_of_squares(terms.y, terms.z, terms.w, x_inv, spec.scalar);
+    }
+  } else if (needs_residual_norm) {
+    const float4 terms = block_sum4(residual_step_terms(x, residual, scale), expansion_sums);
+    x_inv = inverse_rms_of_sum(terms.x, width, spec.eps);
+    residual_sum_of_squares =
+        expanded_sum_of_squares(terms.y, terms.z, terms.w, x_inv, spec.scalar);
   } else {
     x_inv = inverse_rms(sum_of_squares(x), width, spec.eps, x_sums);
   }
@@ -300,9 +391,13 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
       residual[k].v[e] = __fmul_rn(residual[k].v[e] + x[k].v[e], spec.scalar);
   store_row<kQuads, kAligned>(residual_row, width, residual);
   store_row_companions(spec.residual_companions, r, width, residual);
-  if (!has_next && !has_moe) return;
-  // next and the MoE inputs are norms of the same residual: one reduction.
-  const float residual_inv = inverse_rms(sum_of_squares(residual), width, spec.eps, residual_sums);
+  if (!needs_residual_norm) return;
+  // The expansion cancelled (the same in every thread): the new residual's own sum.
+  if (residual_sum_of_squares < 0.0f) {
+    residual_sum_of_squares = block_sum(sum_of_squares(residual), residual_sums);
+  }
+  // next and the MoE inputs are norms of the same residual.
+  const float residual_inv = inverse_rms_of_sum(residual_sum_of_squares, width, spec.eps);
   if (has_moe) {
     FloatQuad moe_row[kQuads];
 #pragma unroll

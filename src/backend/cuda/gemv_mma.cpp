@@ -172,6 +172,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
       tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
+      tiling.activation_blocks < 1 || tiling.activation_blocks > kMmaGemvMaxRows / 8 ||
       mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
       w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
     return cudaErrorInvalidValue;

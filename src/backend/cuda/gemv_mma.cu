@@ -53,7 +53,10 @@ int resident_clusters(MmaKernel kernel, const cudaLaunchConfig_t& config, int sp
 cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActType x_type,
                             const MmaGemvTiling& tiling, const Launch& launch) {
   MmaGemvArgs args = given;
-  const int n_tiles = option_index(kNTileOptions, 4, mma_gemv_n_tiles(args.m));
+  // A block's activation rows: whole n tiles of its kernel, the last block's possibly partial.
+  const int block_n_tiles = mma_gemv_n_tiles(mma_gemv_block_m(tiling, args.m));
+  const int n_tiles = option_index(kNTileOptions, 4, block_n_tiles);
+  const int activation_blocks = (args.m + 8 * block_n_tiles - 1) / (8 * block_n_tiles);
   const int layout = mma_gemv_warp_layout(tiling);
   if (n_tiles < 0 || layout < 0 ||
       (format != PackedFormat::kW4G32 && format != PackedFormat::kNVFP4)) {
@@ -120,9 +123,12 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   row_blocks = std::min(row_blocks, row_tiles);
   const int64_t groups_per_split = mma_gemv_groups_per_split(args.groups, tiling.splits);
   args.partial_offset =
-      row_blocks < row_tiles ? mma_gemv_staged_bytes(args.m, groups_per_split) : 0;
+      row_blocks < row_tiles
+          ? mma_gemv_staged_bytes(mma_gemv_block_m(tiling, args.m), groups_per_split)
+          : 0;
   args.trigger = tiling.trigger;
-  config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits));
+  config.gridDim = dim3(static_cast<unsigned>(row_blocks), static_cast<unsigned>(tiling.splits),
+                        static_cast<unsigned>(activation_blocks));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
       args.partial_offset != 0 ? looping_tiling : one_tile_tiling, args.m, args.groups));
   return cudaLaunchKernelEx(&config, kernel, args);

@@ -26,6 +26,7 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
 // anything, for operands gemv_mma_takes refuses (but one row), a shape or pointer gemv() would
 // refuse, or a tiling outside the kernel's options (a layout of kMmaGemvWarpLayouts,
 // splits 1..kMmaGemvMaxSplits and at most K / 32, row_blocks >= kMmaGemvResidentRowBlocks,
+// activation_blocks 1..8,
 // shared memory within kMmaGemvMaxSharedBytes); else the launch status.
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling = {0, 0});

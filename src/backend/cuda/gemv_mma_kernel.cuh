@@ -163,6 +163,10 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
   constexpr int kTilesPerWarp = TW;
   constexpr int kRowsPerBlock = 16 * TW * WR;
   constexpr int kPaddedRows = 8 * NT;
+  // This block's activation rows: m_begin .. m_begin + m_count - 1 (MmaGemvTiling's
+  // activation_blocks); m below is the block's own row index.
+  const int m_begin = static_cast<int>(blockIdx.z) * kPaddedRows;
+  const int m_count = min(a.m - m_begin, kPaddedRows);
   constexpr int kThreads = 32 * WR * WK;
   constexpr int kPrefetchQuads = prefetch_quads<NT, TW>();
   const int lane = threadIdx.x & 31;
@@ -298,7 +302,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
   next_load_round();
   pdl_wait_for_predecessors();
 
-  // The block's K range of every activation row (rows m >= a.m and groups past the range as
+  // The block's K range of every activation row (rows m >= m_count and groups past the range as
   // zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 · quad + t
   // of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n tile
   // and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
@@ -311,9 +315,10 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     const int word_row = i / kWordRowWords;  // 4 · quad + j
     const int m = (i / 4) % kPaddedRows;
     const int group = kQuadGroups * (word_row / 4) + i % 4;
-    shared_words[i] = m < a.m && group < group_count
-                          ? staged_word<XT>(a, m, 32 * (group_begin + group) + 8 * (word_row % 4))
-                          : make_uint4(0, 0, 0, 0);
+    shared_words[i] =
+        m < m_count && group < group_count
+            ? staged_word<XT>(a, m_begin + m, 32 * (group_begin + group) + 8 * (word_row % 4))
+            : make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
   if (a.trigger == MmaGemvTrigger::kAfterStaging) pdl_trigger_dependents();
@@ -434,7 +439,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     }
     const int64_t block_row = tile_row(tile);
     constexpr int kPairs = kRowsPerBlock / 2;
-    const int pair_count = a.m * kPairs;
+    const int pair_count = m_count * kPairs;
     const int pair_step = splits * kThreads;
     // Pair i's partial sums of every rank and k warp (zeros past the ranks or the pairs).
     // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
@@ -475,7 +480,8 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
           }
         }
       }
-      gemv_detail::store_rows<2>(a, m, block_row + row, sums);  // y and its bf16 companion
+      // y and its bf16 companion
+      gemv_detail::store_rows<2>(a, m_begin + m, block_row + row, sums);
       if (a.y_companions.q8 != nullptr) {
         // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are
         // whole chunks of 32, so the lanes of a warp hold one chunk (lane l its element l):
@@ -483,7 +489,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
         const int64_t output = (block_row + row) / 2;
         if (output - lane < a.rows / 2) {
           const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
-          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m), a.y_companions.stride,
+          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m_begin + m), a.y_companions.stride,
                             output / 32);
         }
       }

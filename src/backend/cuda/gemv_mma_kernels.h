@@ -67,11 +67,21 @@ struct MmaGemvTiling {
   // that a PDL dependent of the same shape cannot be packed two blocks to an SM into the slots
   // this kernel leaves free (its blocks land one an SM, as without PDL).
   bool sm_exclusive = false;
+  // Blocks along the activation rows (gridDim.z): each multiplies ceil(m / activation_blocks)
+  // of them (rounded up to whole n tiles). Two at 64 rows: twice the blocks, each with the
+  // accumulators, staging and K-split reduction of 32 rows (the weights read twice, the second
+  // time mostly from L2).
+  int activation_blocks = 1;
 };
 
 // Weight rows of one row tile of the tiling.
 constexpr int mma_gemv_tile_rows(const MmaGemvTiling& tiling) {
   return 16 * tiling.tiles_per_warp * tiling.warps;
+}
+
+// Activation rows one block multiplies (the n tiles of its kernel: mma_gemv_n_tiles of it).
+constexpr int mma_gemv_block_m(const MmaGemvTiling& tiling, int m) {
+  return (m + tiling.activation_blocks - 1) / tiling.activation_blocks;
 }
 
 // The compiled warp layouts {warps, k_warps, tiles_per_warp}: 4 or 8 warps of 32 rows, or 4 of
@@ -144,13 +154,16 @@ inline constexpr int64_t kMmaGemvMaxSharedBytes = 227 * 1024;
 // GPU reserves per block) exceed the H200's 228 KB an SM.
 inline constexpr int64_t kMmaGemvExclusiveSharedBytes = 114 * 1024;
 
-// Dynamic shared memory the kernel needs for `m` activation rows, `groups` 32-element K groups
+// Dynamic shared memory the kernel needs for `m` activation rows (a block's share of them),
+// `groups` 32-element K groups
 // and this tiling: the staged activations, reused for the partial sums by a block of one row
 // tile; followed by two partial-sum buffers when blocks may loop (row_blocks != 0); at least
 // kMmaGemvExclusiveSharedBytes for sm_exclusive.
 constexpr int64_t mma_gemv_shared_bytes(const MmaGemvTiling& tiling, int m, int64_t groups) {
-  const int64_t staged = mma_gemv_staged_bytes(m, mma_gemv_groups_per_split(groups, tiling.splits));
-  const int64_t partial = mma_gemv_partial_bytes(tiling, m);
+  const int block_m = mma_gemv_block_m(tiling, m);
+  const int64_t staged =
+      mma_gemv_staged_bytes(block_m, mma_gemv_groups_per_split(groups, tiling.splits));
+  const int64_t partial = mma_gemv_partial_bytes(tiling, block_m);
   const int64_t needed = tiling.row_blocks != 0 ? staged + 2 * partial
                          : staged > partial     ? staged
                                                 : partial;

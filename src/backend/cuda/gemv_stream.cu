@@ -494,8 +494,16 @@ __device__ __forceinline__ uint32_t cluster_address(const void* p, int rank) {
   return address;
 }
 
-__device__ __forceinline__ void store_cluster(uint32_t address, float value) {
-  asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(address), "f"(value) : "memory");
+// Stores the pair {first, second} at `address` (8-byte aligned) in a block of the cluster and
+// completes 8 transaction bytes on that block's `barrier_address`: no fence, the barrier's phase
+// completion makes the pair visible to its waiters (as a tensor copy's bytes).
+__device__ __forceinline__ void store_pair_cluster(uint32_t address, float first, float second,
+                                                   uint32_t barrier_address) {
+  asm volatile(
+      "st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.f32 [%0], {%1, %2}, [%3];" ::"r"(
+          address),
+      "f"(first), "f"(second), "r"(barrier_address)
+      : "memory");
 }
 
 // One arrival on a barrier of any block of the cluster, releasing this thread's earlier accesses
@@ -525,10 +533,12 @@ __device__ __forceinline__ void wait_barrier_cluster(uint64_t* barrier, uint32_t
 // their part `rank` of K. As in gemv_tile_ring_kernel, warp W copies (here two tensor boxes a
 // tile part) into the rings of W / KS groups of KS consumer warps, group q taking tiles i ≡ q
 // (mod W / KS), each warp 1/KS of the part's quads. A warp's 16 row sums go to rank 0's buffer
-// (round r of the group: buffer r mod kBuffers) with one remote arrival per storing lane on that
-// buffer's full barrier (P · KS · 8 arrivals); rank 0's warp 0 of the group adds them in (rank,
-// warp) order, stores, and frees the buffer with an arrival on every rank's empty barrier for it,
-// which a group's warps wait on before they fill it again.
+// (round r of the group: buffer r mod kBuffers) by asynchronous remote stores that complete
+// transaction bytes on that buffer's full barrier (rank 0 announces all P · KS · 64 bytes); rank
+// 0's warp 0 of the group adds them in (rank, warp) order, frees the buffer with an arrival on
+// every rank's empty barrier for it (which a group's warps wait on before they fill it again) and
+// stores. Only that arrival releases at cluster scope (a GPU-scope fence in the SASS): once a
+// round and group, in rank 0, before its global stores (which the fence would wait for).
 template <ActType XT, int W, int KC, int S, int KS, int P>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     gemv_split_ring_kernel(GemvArgs a, const __grid_constant__ SplitMaps maps) {
@@ -577,7 +587,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       init_barrier_arrivals(empty + i, KS);
     }
     for (int i = 0; i < kGroups * kBuffers; ++i) {
-      init_barrier_arrivals(sums_full + i, P * KS * kTileRows / 2);
+      init_barrier(sums_full + i);
       init_barrier(sums_empty + i);
     }
     fence_barrier_init();
@@ -637,30 +647,38 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       acc_g += __shfl_xor_sync(0xFFFFFFFFu, acc_g, 1);
       acc_g8 += __shfl_xor_sync(0xFFFFFFFFu, acc_g8, 1);
 
-      // Rows g, g + 8 (lane (g, 0)) into rank 0's buffer, once rank 0 has read its last round.
+      // Rows g, g + 8 (lane (g, 0)) into rank 0's buffer (the pair at 2g), once rank 0 has read
+      // the buffer's last round.
       const int buffer = group * kBuffers + r % kBuffers;
       if (r >= kBuffers) wait_barrier_cluster(sums_empty + buffer, (r / kBuffers - 1) & 1);
-      float* slot = sums + (buffer * P + rank) * KS * kTileRows + part * kTileRows;
       if (t == 0) {
-        store_cluster(cluster_address(slot + g, 0), acc_g);
-        store_cluster(cluster_address(slot + g + 8, 0), acc_g8);
-        arrive_cluster(cluster_address(sums_full + buffer, 0));
+        float* slot = sums + ((buffer * P + rank) * KS + part) * kTileRows + 2 * g;
+        store_pair_cluster(cluster_address(slot, 0), acc_g, acc_g8,
+                           cluster_address(sums_full + buffer, 0));
       }
       if (rank == 0 && part == 0) {
+        if (lane == 0) {
+          arrive_expect_bytes(sums_full + buffer,
+                              static_cast<uint32_t>(P * KS * kTileRows * sizeof(float)));
+        }
         wait_barrier_cluster(sums_full + buffer, (r / kBuffers) & 1);
+        // Lane l < 8: rows 2l, 2l + 1, at 2 · (row mod 8) + row / 8 of each warp's 16.
+        float pair[2] = {0.0f, 0.0f};
         if (lane < kTileRows / 2) {
           const float* buffer_sums = sums + buffer * P * KS * kTileRows;
-          float pair[2] = {0.0f, 0.0f};
+          const int first = 4 * (lane % 4) + lane / 4;
 #pragma unroll
           for (int i = 0; i < P * KS; ++i) {
-            pair[0] += buffer_sums[i * kTileRows + 2 * lane];
-            pair[1] += buffer_sums[i * kTileRows + 2 * lane + 1];
+            pair[0] += buffer_sums[i * kTileRows + first];
+            pair[1] += buffer_sums[i * kTileRows + first + 2];
           }
-          const int64_t row0 = (cluster + static_cast<int64_t>(tile) * clusters) * kTileRows;
-          gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
         }
         __syncwarp();  // every lane's reads of the buffer are done
         if (lane < P) arrive_cluster(cluster_address(sums_empty + buffer, lane));
+        if (lane < kTileRows / 2) {
+          const int64_t row0 = (cluster + static_cast<int64_t>(tile) * clusters) * kTileRows;
+          gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+        }
       }
     }
   }

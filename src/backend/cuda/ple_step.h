@@ -1,14 +1,16 @@
 // One decode row's end of a layer with per-layer inputs (engine::Backend::add_rms_norm_ple, arch
 // spec 2.4 steps 6–7) in one launch, where CudaBackend otherwise runs three kernels (the PLE gate
 // GEMV with the residual step folded into its staging, the projection GEMV, the closing norms):
-//   v = acc + rms_norm(x; step_weight)                              (the feed-forward residual
-//   step) gated = gelu_tanh(bf16(v) · gateᵀ) ⊙ multiplier projected = bf16(gated) · projectionᵀ acc
-//   = (v + rms_norm(projected; spec.weight)) · spec.scalar next = rms_norm(acc; spec.next_weight)
-//   (when next.data != nullptr)
+// v = acc + rms_norm(x; step_weight) (the feed-forward residual step); gated = gelu_tanh(bf16(v) ·
+// gateᵀ) ⊙ multiplier; projected = bf16(gated) · projectionᵀ; acc = (v + rms_norm(projected;
+// spec.weight)) · spec.scalar; next = rms_norm(acc; spec.next_weight) (when next.data != nullptr);
 // with the companions of acc (spec.residual_companions) or of next (spec.next_companions). gated
 // and projected are written too (scratch for the caller). A cluster of blocks shares the
 // intermediate vectors through distributed shared memory: every weight load is issued before the
-// PDL wait, and no intermediate goes through global memory between kernels.
+// PDL wait, and no intermediate goes through global memory between kernels. next's norm takes
+// Σ acc² from sums over v and the projection (no third exchange between the blocks): where acc
+// all but cancels v (below 1/8 of the norm of v and of the normed projection), next degrades
+// (ple_step.cu; a residual stream does not do that).
 #pragma once
 
 #include "backend/cuda/backend_kernels.h"

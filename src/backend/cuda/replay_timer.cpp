@@ -5,51 +5,66 @@
 namespace gemma4::cuda {
 
 bool ReplayTimer::start() {
-  for (cudaEvent_t* event : {&reads_[0], &reads_[1], &replay_start_, &replay_end_}) {
-    if (cudaEventCreate(event) != cudaSuccess) {
-      *event = nullptr;
-      cudaGetLastError();
-      return false;
+  for (StepEvents& step : ring_) {
+    for (cudaEvent_t* event : {&step.replay_start, &step.replay_end, &step.end}) {
+      if (cudaEventCreate(event) != cudaSuccess) {
+        *event = nullptr;
+        cudaGetLastError();
+        return false;
+      }
     }
   }
   return true;
 }
 
 ReplayTimer::~ReplayTimer() {
-  for (cudaEvent_t event : {reads_[0], reads_[1], replay_start_, replay_end_}) {
-    if (event != nullptr) cudaEventDestroy(event);
+  for (StepEvents& step : ring_) {
+    for (cudaEvent_t event : {step.replay_start, step.replay_end, step.end}) {
+      if (event != nullptr) cudaEventDestroy(event);
+    }
   }
 }
 
 void ReplayTimer::before_replay(cudaStream_t stream) {
-  cudaEventRecord(replay_start_, stream);
+  cudaEventRecord(ring_[enqueuing_ % kRing].replay_start, stream);
 }
 
 void ReplayTimer::after_replay(cudaStream_t stream) {
-  cudaEventRecord(replay_end_, stream);
-  replayed_ = true;
+  StepEvents& step = ring_[enqueuing_ % kRing];
+  cudaEventRecord(step.replay_end, stream);
+  step.replayed = true;
 }
 
-void ReplayTimer::before_sync(cudaStream_t stream) {
-  cudaEventRecord(reads_[current_read_], stream);
+void ReplayTimer::step_end(cudaStream_t stream) {
+  // More steps in flight than the ring holds (not something the engine does): the oldest ones go
+  // uncounted rather than read from re-recorded events.
+  while (enqueuing_ + 1 - done_ > kMaxStepsInFlight) ++done_;
+  cudaEventRecord(ring_[enqueuing_ % kRing].end, stream);
+  ++enqueuing_;
+  ring_[enqueuing_ % kRing].replayed = false;
 }
 
-void ReplayTimer::after_sync() {
+void ReplayTimer::step_done() {
+  if (done_ == enqueuing_) return;  // no step ended since the last one completed
   const auto elapsed_us = [](cudaEvent_t from, cudaEvent_t to) {
     float ms = 0;
     if (cudaEventElapsedTime(&ms, from, to) == cudaSuccess) return 1e3 * ms;
     cudaGetLastError();  // a failed query only loses a step's figures
     return 0.0;
   };
-  if (read_before_ && replayed_) {
-    times_.idle_us += elapsed_us(reads_[1 - current_read_], replay_start_);
-    times_.replay_us += elapsed_us(replay_start_, replay_end_);
-    times_.tail_us += elapsed_us(replay_end_, reads_[current_read_]);
+  const StepEvents& step = ring_[done_ % kRing];
+  if (done_ > 0 && step.replayed) {
+    const StepEvents& before = ring_[(done_ - 1) % kRing];
+    times_.idle_us += elapsed_us(before.end, step.replay_start);
+    times_.replay_us += elapsed_us(step.replay_start, step.replay_end);
+    times_.tail_us += elapsed_us(step.replay_end, step.end);
     ++times_.replays;
   }
-  read_before_ = true;
-  replayed_ = false;
-  current_read_ = 1 - current_read_;
+  ++done_;
+}
+
+void ReplayTimer::all_steps_done() {
+  while (done_ < enqueuing_) step_done();
 }
 
 }  // namespace gemma4::cuda

@@ -102,9 +102,9 @@ void CudaBackend::summarize_logits(engine::Rows logits,
   check(cudaMemcpyAsync(host + layout.keys, keys, layout.scratch - layout.keys,
                         cudaMemcpyDeviceToHost, on.stream),
         "summarize_logits (download)");
-  if (timing_replays_) replay_timer_->before_sync(on.stream);
+  if (timing_replays_) replay_timer_->step_end(on.stream);
   check(cudaStreamSynchronize(on.stream), "summarize_logits (synchronize)");
-  if (timing_replays_) replay_timer_->after_sync();
+  if (timing_replays_) replay_timer_->all_steps_done();
   if (!status_.ok()) return;
 
   const auto* top_keys = reinterpret_cast<const uint64_t*>(host + layout.keys);

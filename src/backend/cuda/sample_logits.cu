@@ -83,13 +83,17 @@ ChunkScratch chunk_scratch(void* scratch, int rows, int chunks, int candidates) 
   return {keys, sums, maxima};
 }
 
+__device__ __forceinline__ int64_t row_index(const RankRows& rows, int r) {
+  return rows.rows != nullptr ? rows.rows[r] : r;
+}
+
 __global__ void apply_edits(RankRows rows, const RankEdit* edits, int count) {
   pdl_trigger_dependents();
   pdl_wait_for_predecessors();
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= count) return;
   const RankEdit e = edits[i];
-  float& logit = rows.logits[rows.rows[e.row] * rows.stride + e.token];
+  float& logit = rows.logits[row_index(rows, e.row) * rows.stride + e.token];
   float l = logit + e.bias;
   l = l > 0 ? l / e.repetition_penalty : l * e.repetition_penalty;
   logit = l - e.subtract;
@@ -102,7 +106,7 @@ __global__ void __launch_bounds__(kRankThreads) rank_chunks(RankRows rows, Chunk
   pdl_trigger_dependents();
   pdl_wait_for_predecessors();
   const int chunk = blockIdx.x, row = blockIdx.y, chunks = gridDim.x;
-  const float* logits = rows.logits + rows.rows[row] * rows.stride;
+  const float* logits = rows.logits + row_index(rows, row) * rows.stride;
   const int first = chunk * kRankChunk + threadIdx.x;
   float values[kKeysPerThread];
   uint64_t keys[kKeysPerThread];
@@ -137,7 +141,7 @@ __global__ void __launch_bounds__(kRankThreads) rank_chunks(RankRows rows, Chunk
 // One block per row: the best of every chunk's candidates, and the row's normaliser.
 __global__ void __launch_bounds__(kRankThreads)
     merge_chunks(RankRows rows, ChunkScratch chunks_in, int chunks, uint64_t* top_keys,
-                 double* log_normalisers) {
+                 double* log_normalisers, GreedyFeed feed) {
   __shared__ uint64_t warp_best[kWarps];
   __shared__ double warp_sums[kWarps];
   pdl_trigger_dependents();
@@ -156,6 +160,12 @@ __global__ void __launch_bounds__(kRankThreads)
   __syncthreads();
   for (int c = threadIdx.x; c < rows.candidates; c += kRankThreads)
     top_keys[int64_t{row} * rows.candidates + c] = top[c];
+  if (feed.token_ids != nullptr && threadIdx.x == 0) {
+    const int32_t token = rank_key_token(top[0]);
+    feed.token_ids[row] = token;
+    feed.tokens[row] = token;
+    feed.positions[row] += 1;
+  }
   const float row_max = key_logit(top[0]);
   double sum = 0.0;
   for (int c = threadIdx.x; c < chunks; c += kRankThreads) {
@@ -181,10 +191,13 @@ int64_t rank_scratch_bytes(int rows, int vocab, int candidates) {
 }
 
 cudaError_t rank_logits(const RankRows& rows, const RankEdit* edits, int edit_count, void* scratch,
-                        uint64_t* top_keys, double* log_normalisers, const Launch& launch) {
+                        uint64_t* top_keys, double* log_normalisers, const Launch& launch,
+                        const GreedyFeed& feed) {
   const int chunks = chunk_count(rows.vocab);
   if (rows.count < 1 || rows.vocab < 1 || chunks > kRankMaxChunks || rows.candidates < 1 ||
       rows.candidates > kRankMaxCandidates || rows.count > 65535)
+    return cudaErrorInvalidValue;
+  if (feed.token_ids != nullptr && (feed.positions == nullptr || feed.tokens == nullptr))
     return cudaErrorInvalidValue;
   if (edit_count > 0) {
     const cudaError_t status =
@@ -197,7 +210,7 @@ cudaError_t rank_logits(const RankRows& rows, const RankEdit* edits, int edit_co
                                      launch, rows, chunk_out);
   if (status != cudaSuccess) return status;
   return launch_kernel(merge_chunks, dim3(rows.count), dim3(kRankThreads), 0, launch, rows,
-                       chunk_out, chunks, top_keys, log_normalisers);
+                       chunk_out, chunks, top_keys, log_normalisers, feed);
 }
 
 }  // namespace gemma4::cuda

@@ -31,11 +31,20 @@ struct RankEdit {
 
 struct RankRows {
   float* logits = nullptr;        // row r of the batch starts at logits + rows[r] * stride
-  const int64_t* rows = nullptr;  // [count]
+  const int64_t* rows = nullptr;  // [count]; null: rows[r] = r
   int count = 0;
   int64_t stride = 0;
   int vocab = 0;       // at most kRankChunk * kRankMaxChunks
   int candidates = 0;  // 1 .. kRankMaxCandidates, the same for every row
+};
+
+// Chained greedy decoding (CudaBackend::enqueue_greedy): what rank_logits' last launch also
+// writes per row r, from the row's best key: token_ids[r] and tokens[r] = its token, and
+// positions[r] += 1. All null: nothing.
+struct GreedyFeed {
+  int32_t* token_ids = nullptr;
+  int32_t* positions = nullptr;
+  int32_t* tokens = nullptr;
 };
 
 // Device scratch of rank_logits for `rows` rows of `vocab` tokens with `candidates` candidates.
@@ -46,7 +55,8 @@ int64_t rank_scratch_bytes(int rows, int vocab, int candidates);
 // log_normalisers[r] = max + log Σ exp(logit - max). `scratch`: rank_scratch_bytes of device
 // memory. Three launches (two without edits).
 cudaError_t rank_logits(const RankRows& rows, const RankEdit* edits, int edit_count, void* scratch,
-                        uint64_t* top_keys, double* log_normalisers, const Launch& launch);
+                        uint64_t* top_keys, double* log_normalisers, const Launch& launch,
+                        const GreedyFeed& feed = {});
 
 #ifdef __CUDACC__
 #define GEMMA4_RANK_HOST_DEVICE __host__ __device__

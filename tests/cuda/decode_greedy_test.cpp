@@ -1,0 +1,149 @@
+// Chained greedy decoding on the GPU: CudaBackend::enqueue_greedy (the ranking's GreedyFeed, the
+// tokens' copy on a stream of its own) against the host's greedy pick on rows with ties, two
+// slots in flight; Engine::decode_greedy on CUDA engines with decode graphs against the host-fed
+// steps (greedy_decode_by_steps) on another: the same tokens and lengths, and bit-identical
+// logits one step later (the step enqueued past a stop leaves no trace); and --step-times' timer
+// counting every chained step once.
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "backend/cuda/cuda_backend.h"
+#include "cuda_test_util.h"
+#include "engine/gemma4_engine.h"
+#include "greedy_support.h"
+#include "synth_support.h"
+
+namespace gemma4::cuda {
+namespace {
+
+TEST(EnqueueGreedy, WritesTheHostsGreedyTokensAndAdvancesPositions) {
+  auto gpu = testing::make_gpu();
+  ASSERT_TRUE(gpu);
+  constexpr int kVocab = 262144, kRows = 3;
+  constexpr int64_t kStride = kVocab + 16;
+  // Logits in steps of 1/8: many exact ties, the greedy pick is the lowest id among them.
+  std::mt19937 rng(5);
+  std::uniform_int_distribution<int> level(-64, 64);
+  std::vector<std::vector<float>> slot_logits(engine::Backend::kGreedySlots);
+  for (auto& logits : slot_logits) {
+    logits.assign(kRows * kStride, 0.0f);
+    for (float& l : logits) l = 0.125f * static_cast<float>(level(rng));
+  }
+  engine::Buffer ids = gpu->allocate(sizeof(int32_t) * kRows);
+  engine::Buffer positions = gpu->allocate(sizeof(int32_t) * kRows);
+  const std::vector<int32_t> start_positions = {0, 17, 4095};
+  gpu->upload(positions.data(), start_positions.data(), sizeof(int32_t) * kRows);
+  std::vector<engine::Buffer> device_logits;
+  std::vector<std::vector<int32_t>> tokens(engine::Backend::kGreedySlots,
+                                           std::vector<int32_t>(kRows, -1));
+  // Both slots in flight before either is waited for.
+  for (int slot = 0; slot < engine::Backend::kGreedySlots; ++slot) {
+    const auto& logits = slot_logits[slot];
+    device_logits.push_back(gpu->allocate(sizeof(float) * logits.size()));
+    gpu->upload(device_logits.back().data(), logits.data(), sizeof(float) * logits.size());
+    gpu->enqueue_greedy({device_logits.back().floats(), kRows, kVocab, kStride}, ids.ints(),
+                        positions.ints(), tokens[slot], slot);
+  }
+  for (int slot = 0; slot < engine::Backend::kGreedySlots; ++slot) gpu->wait_greedy(slot);
+  ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+  for (int slot = 0; slot < engine::Backend::kGreedySlots; ++slot) {
+    for (int r = 0; r < kRows; ++r) {
+      std::vector<float> row(slot_logits[slot].begin() + r * kStride,
+                             slot_logits[slot].begin() + r * kStride + kVocab);
+      engine::LogitSummary want;
+      engine::summarize_logits(row, {}, 1, want);
+      EXPECT_EQ(tokens[slot][r], want.top.front().first) << "slot " << slot << " row " << r;
+    }
+  }
+  // The ids hold the last slot's tokens; every position advanced once per slot.
+  std::vector<int32_t> got_ids(kRows), got_positions(kRows);
+  gpu->download(got_ids.data(), ids.data(), sizeof(int32_t) * kRows);
+  gpu->download(got_positions.data(), positions.data(), sizeof(int32_t) * kRows);
+  EXPECT_EQ(got_ids, tokens.back());
+  for (int r = 0; r < kRows; ++r)
+    EXPECT_EQ(got_positions[r], start_positions[r] + engine::Backend::kGreedySlots);
+}
+
+struct CudaEngine {
+  const engine::Backend* backend = nullptr;
+  std::unique_ptr<engine::Gemma4Engine> engine;
+};
+
+CudaEngine cuda_engine(const model::LoadedModel& m) {
+  engine::EngineOptions options;
+  options.max_sequences = 3;
+  options.max_context = 64;
+  options.ring_history = 8;
+  auto backend = make_cuda_backend();
+  EXPECT_TRUE(backend.ok()) << backend.error().to_string();
+  if (!backend.ok()) return {};
+  CudaEngine out;
+  out.backend = backend->get();
+  auto engine = engine::Gemma4Engine::create(m.config, m.weights, std::move(*backend), options);
+  EXPECT_TRUE(engine.ok()) << engine.error().to_string();
+  if (engine.ok()) out.engine = std::move(*engine);
+  return out;
+}
+
+class DecodeGreedyCuda : public ::testing::TestWithParam<std::string> {};
+
+TEST_P(DecodeGreedyCuda, ChainedStepsMatchHostFedStepsBitForBit) {
+  const model::LoadedModel& m = gemma4::testing::tiny_w4a16_model(GetParam());
+  CudaEngine chained = cuda_engine(m), reference = cuda_engine(m);
+  ASSERT_TRUE(chained.engine && reference.engine);
+  const std::vector<std::vector<int32_t>> prompts = {gemma4::testing::prompt_ids(5, 1),
+                                                     gemma4::testing::prompt_ids(3, 2),
+                                                     gemma4::testing::prompt_ids(9, 3)};
+  const std::vector<int32_t> first = {11, 12, 13};
+  // Sequence 0 stops at its first token, 2 after 9, 1 after 24 (past the ring of 16 slots).
+  const std::vector<int> limits = {1, 24, 9};
+  std::vector<engine::SequenceId> a, b;
+  const auto got =
+      gemma4::testing::decode_with_stops(*chained.engine, prompts, first, limits, true, a);
+  const auto want =
+      gemma4::testing::decode_with_stops(*reference.engine, prompts, first, limits, false, b);
+  EXPECT_EQ(got, want);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(static_cast<int>(got[i].size()), limits[i]);
+    EXPECT_EQ(chained.engine->sequence_length(a[i]), std::ssize(prompts[i]) + limits[i]);
+  }
+  const auto [after, expected] =
+      gemma4::testing::step_both(*chained.engine, a, *reference.engine, b, 17);
+  ASSERT_EQ(after.size(), expected.size());
+  EXPECT_EQ(std::memcmp(after.data(), expected.data(), sizeof(float) * after.size()), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Tiny, DecodeGreedyCuda, ::testing::Values("tiny", "tiny-moe"),
+                         gemma4::testing::preset_test_name);
+
+TEST(DecodeGreedyCudaTimes, EveryChainedReplayIsCountedOnce) {
+  CudaEngine e = cuda_engine(gemma4::testing::tiny_w4a16_model("tiny"));
+  ASSERT_TRUE(e.engine);
+  const auto prompt = gemma4::testing::prompt_ids(4, 6);
+  std::vector<engine::SequenceId> sequences;
+  // Records the graph (step 1 unrecorded, step 2 recorded).
+  const auto warm =
+      gemma4::testing::decode_with_stops(*e.engine, {prompt}, {7}, {3}, true, sequences);
+  ASSERT_EQ(warm.front().size(), 3u);
+  constexpr int kSteps = 12;
+  e.backend->time_replays(true);
+  int seen = 0;
+  const Status status = e.engine->decode_greedy(sequences, std::vector<int32_t>{8},
+                                                [&](size_t, int32_t) { return ++seen < kSteps; });
+  e.backend->time_replays(false);
+  ASSERT_TRUE(status.ok()) << status.error().to_string();
+  const auto times = e.backend->replay_times();
+  ASSERT_TRUE(times.has_value());
+  // kSteps steps and the one enqueued past the stop, all replayed; the first has no step before
+  // it to measure idle from.
+  EXPECT_EQ(times->replays, kSteps);
+  EXPECT_GT(times->replay_us, 0.0);
+  EXPECT_GT(times->tail_us, 0.0);
+  EXPECT_GE(times->idle_us, 0.0);
+}
+
+}  // namespace
+}  // namespace gemma4::cuda
