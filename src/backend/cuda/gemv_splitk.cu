@@ -171,16 +171,8 @@ cudaError_t launch_gemv_splitk(ActType x_type, int index, const GemvArgs& args,
                         static_cast<unsigned>(t.splits));
   config.blockDim = dim3(32 * t.warps);
   config.stream = launch.stream;
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  // The cluster attribute only for clusters, PDL's only with PDL.
-  config.attrs = t.splits > 1 ? attributes : attributes + 1;
-  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  LaunchAttributes attributes(t.splits, launch.pdl);
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

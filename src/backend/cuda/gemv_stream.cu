@@ -542,27 +542,18 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  LaunchAttributes attributes(t.splits, launch.pdl);
   // The occupancy query's configuration: one cluster, no stream (a stream being captured is
   // left out of it).
   config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
-  config.attrs = attributes;
-  config.numAttrs = t.splits > 1 ? 1 : 0;
+  attributes.apply_cluster(config);
   const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits, t.producer);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
                         static_cast<unsigned>(t.splits));
   config.stream = launch.stream;
-  // The cluster attribute only for clusters, PDL's only with PDL.
-  config.attrs = t.splits > 1 ? attributes : attributes + 1;
-  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 
