@@ -3,6 +3,7 @@
 // in). gemv.h is the API the engine uses; gemv.cpp validates and translates to this.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "backend/cuda/launch.h"
@@ -148,20 +149,30 @@ constexpr bool gemv_prefetch_single_row() {
 }
 static_assert(gemv_prefetch_single_row(), "only single-row GEMV tilings prefetch the next pass");
 
-// The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
-// with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
-// so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
-inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 27};
-
-constexpr bool gemv_tiling_compiled(int tiling) {
+// Whether this build compiles tiling index `tiling` of a GEMV kernel family whose `count` tilings
+// are indices base .. base + count − 1: with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's
+// build, scripts/gpu-check) every one, so that the choice can be re-measured; else only those in
+// `defaults`, the ones default_gemv_tiling (gemv.cpp) picks.
+template <size_t kDefaults>
+constexpr bool gemv_family_tiling_compiled(int tiling, int base, int count,
+                                           const int (&defaults)[kDefaults]) {
 #ifdef GEMMA4_GEMV_ALL_TILINGS
-  return tiling >= 0 && tiling < kNumGemvTilings;
+  (void)defaults;
+  return tiling >= base && tiling < base + count;
 #else
-  for (int t : kDefaultGemvTilings) {
+  (void)base, (void)count;
+  for (int t : defaults) {
     if (t == tiling) return true;
   }
   return false;
 #endif
+}
+
+// The register tilings default_gemv_tiling picks. Keep this list in step with it.
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 27};
+
+constexpr bool gemv_tiling_compiled(int tiling) {
+  return gemv_family_tiling_compiled(tiling, 0, kNumGemvTilings, kDefaultGemvTilings);
 }
 
 // Rows of a block's tiling.

@@ -81,14 +81,8 @@ constexpr bool is_gemv_splitk_tiling(int tiling) {
 }
 
 constexpr bool gemv_splitk_tiling_compiled(int tiling) {
-#ifdef GEMMA4_GEMV_ALL_TILINGS
-  return is_gemv_splitk_tiling(tiling);
-#else
-  for (int t : kDefaultGemvSplitKTilings) {
-    if (t == tiling) return true;
-  }
-  return false;
-#endif
+  return gemv_family_tiling_compiled(tiling, kGemvSplitKTilingBase, kNumGemvSplitKTilings,
+                                     kDefaultGemvSplitKTilings);
 }
 
 constexpr int gemv_splitk_rows_per_block(const GemvSplitKTiling& t) {
