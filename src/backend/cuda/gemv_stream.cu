@@ -11,6 +11,7 @@
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/occupancy.cuh"
 
 namespace gemma4::cuda {
@@ -26,15 +27,6 @@ __device__ __forceinline__ void biased_nibble_pairs(uint32_t word, uint32_t (&pa
   pairs[1] = and_or<0x000F000Fu>(word >> 4, magic);
   pairs[2] = and_or<0x000F000Fu>(word >> 8, magic);
   pairs[3] = and_or<0x000F000Fu>(word >> 12, magic);
-}
-
-// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Activations 8p .. 8p + 7 as bf16 (kF32: rounded, ties to even) in the B order, pairs
@@ -120,8 +112,8 @@ __device__ __forceinline__ void multiply_slice(const uint8_t* weights, int pitch
       uint32_t pg[4], pg8[4];
       biased_nibble_pairs(row_g[i], pg);
       biased_nibble_pairs(row_g8[i], pg8);
-      mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
-      mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+      mma_bf16(c[i / 2], {pg[0], pg8[0], pg[1], pg8[1]}, xw.x, xw.y);
+      mma_bf16(c[i / 2], {pg[2], pg8[2], pg[3], pg8[3]}, xw.z, xw.w);
     }
     const uint8_t* scales_g = scales + g * scale_pitch + column_chunk * 2;
     const float2 scale_g = scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), scale_type);
