@@ -574,6 +574,31 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
   return {begin, min(begin + per_warp, rounds)};
 }
 
+// acc += the lane's rounds of one tile (mma_round) against the staged activations (`chunks` of
+// them: lanes g == 0 read their round's chunk, the others the zero chunk after the last), R rounds
+// of weights in flight: load_rounds(first) puts rounds first .. first + R − 1 into weights and
+// scale_bits, which hold rounds.begin's R on entry.
+template <int R, typename LoadRounds>
+__device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)[R][2],
+                                         const uint32_t (&scale_bits)[R][2],
+                                         const LoadRounds& load_rounds, RoundRange rounds,
+                                         const uint32_t* staged, int chunks) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  for (int first = rounds.begin; first < rounds.end; first += R) {
+    if (first != rounds.begin) load_rounds(first);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (first + i >= rounds.end) break;  // warp-uniform
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* x =
+          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], x);
+    }
+  }
+}
+
 // Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
 // (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
 __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
@@ -623,17 +648,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
       staged_x, scratch, p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* staged =
-          staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], staged);
-    }
-  }
+  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
   // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
@@ -720,17 +735,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
       [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* x =
-          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], x);
-    }
-  }
+  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged, chunks);
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
     partial[warp][g] = acc[0];
