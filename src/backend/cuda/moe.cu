@@ -375,27 +375,34 @@ struct DecodeDownArgs {
   int64_t out_stride;
 };
 
+// Token `token`'s picks into downs (an invalid pick: MoeMatrix{}, weights == nullptr, skipped) and
+// their routing weights, the global scale (F's) of the pick's expert folded in
+// (dot_chunk_unscaled's sums lack it), 0 for an invalid pick. Read before the PDL wait: a down grid
+// starts only once every gate/up block has passed its own wait, i.e. after the router completed.
+template <PackedFormat F>
+__device__ __forceinline__ void load_picks(const DecodeDownArgs& a, int token, MoeMatrix* downs,
+                                           float* pick_weights) {
+  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
+    const int e = a.expert_ids[pick];
+    const bool valid = e >= 0 && e < a.num_experts;
+    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
+    pick_weights[k] = valid ? apply_global_scale<F>(a.experts[e].down, a.weights[pick]) : 0.0f;
+  }
+}
+
 // D: as decode_gate_up_kernel's.
 template <PackedFormat F, NibbleDot D = NibbleDot::kBiased>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDownArgs a) {
   constexpr int R = kDecodeRows;
   constexpr int G = kDownChunksPerLane;
   constexpr int kElems = kChunkElems<F>;
-  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights, NVFP4's
-  // global scale of the pick's expert folded in (dot_chunk_unscaled's sums lack it).
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   pdl_trigger_dependents();
   const int token = blockIdx.x;
-  // The router's output, read before the wait: this grid starts only once every gate/up block has
-  // passed its own wait, i.e. after the router completed. The wait below is for the activations.
-  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
-    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
-    const int e = a.expert_ids[pick];
-    const bool valid = e >= 0 && e < a.num_experts;
-    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] = valid ? apply_global_scale<F>(downs[k], a.weights[pick]) : 0.0f;
-  }
+  // The router's output before the wait; the wait below is for the activations.
+  load_picks<F>(a, token, downs, pick_weights);
   __syncthreads();
 
   const int lane = threadIdx.x & 31;
@@ -686,15 +693,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
   const int token = blockIdx.x;
-  // The router's output before the wait, as decode_down_kernel (see there).
-  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
-    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
-    const int e = a.expert_ids[pick];
-    const bool valid = e >= 0 && e < a.num_experts;
-    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] =
-        valid ? apply_global_scale<PackedFormat::kNVFP4>(a.experts[e].down, a.weights[pick]) : 0.0f;
-  }
+  load_picks<PackedFormat::kNVFP4>(a, token, downs, pick_weights);  // before the wait
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
