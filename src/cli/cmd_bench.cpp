@@ -51,9 +51,7 @@ struct BenchArgs {
   bool no_graphs = false;
   bool no_pdl = false;
   bool no_chain = false;
-  bool fold = false;
   bool step_times = false;
-  bool tail = false;
   bool fp32 = false;
   std::string kv_cache;
   std::string activations;
@@ -573,8 +571,6 @@ Status Bench::write_report() const {
   json["context"] = context_;
   json["graphs"] = !args_.no_graphs;
   json["pdl"] = !args_.no_pdl;
-  json["fold_residual_steps"] = args_.fold;
-  json["tail_residual_steps"] = args_.tail;
   json["activations"] = activations_;
   json["lm_head"] = lm_head_description();
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
@@ -662,8 +658,6 @@ Status bench(BenchArgs args) {
   GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
   load.engine.record_decode = !args.no_graphs;
   load.pdl = !args.no_pdl;
-  load.fold_residual_steps = args.fold;
-  load.tail_residual_steps = args.tail;
   load.kv_cache = args.kv_cache;
   GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
   GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
@@ -699,16 +693,10 @@ void register_bench(CLI::App& app, int& exit_code) {
                 "(the serving loop's path) instead of Engine::decode_greedy's chained steps, whose "
                 "greedy tokens stay on the device and whose next step is enqueued before the "
                 "host reads them (for A/B measurements; --timeline implies it)");
-  cmd->add_flag("--fold", args->fold,
-                "CUDA: fold residual steps into the next matmul's prologue instead of running "
-                "their own kernel (slower as measured; for A/B measurements)");
   cmd->add_flag("--step-times", args->step_times,
                 "CUDA: time the timed decode steps with device events and print, per step, how "
                 "long the device sat idle before the step's graph (host work between steps), the "
                 "graph and what runs after it");
-  cmd->add_flag("--tail", args->tail,
-                "CUDA: run residual steps in the tail of the GEMV before them (o_proj, down) "
-                "instead of in their own kernel (for A/B measurements)");
   cmd->add_flag("--fp32", args->fp32, kFp32Help);
   cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
   cmd->add_option("--activations", args->activations, kActivationsHelp);

@@ -37,8 +37,6 @@ Expected<ChosenBackend> make_backend(const EngineLoadOptions& options) {
 #if GEMMA4_HAS_CUDA
   cuda::CudaOptions cuda_options;
   cuda_options.pdl = options.pdl;
-  cuda_options.fold_residual_steps = options.fold_residual_steps;
-  cuda_options.tail_residual_steps = options.tail_residual_steps;
   if (options.activations == "f32") cuda_options.activations = cuda::ActivationMode::kF32;
   if (options.activations == "bf16") cuda_options.activations = cuda::ActivationMode::kBF16;
   if (options.activations == "q8") cuda_options.activations = cuda::ActivationMode::kQ8;

@@ -76,11 +76,6 @@ struct EngineLoadOptions {
   Device device = Device::kAuto;
   int threads = 0;  // CPU backend threads (0 = all)
   bool pdl = true;  // CUDA: programmatic dependent launch between kernels
-  // CUDA: residual steps folded into the next matmul (cuda::CudaOptions::fold_residual_steps).
-  bool fold_residual_steps = false;
-  // CUDA: residual steps in the tail of the GEMV before them
-  // (cuda::CudaOptions::tail_residual_steps).
-  bool tail_residual_steps = false;
   // CUDA: "f32", "bf16" or "q8" (kActivationsHelp); empty: the engine's default.
   std::string activations;
   // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are

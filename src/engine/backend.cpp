@@ -68,25 +68,6 @@ void Backend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
   if (next.data != nullptr) rms_norm(acc, next_weight, norm.weight_offset, norm.eps, next);
 }
 
-void Backend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
-                                  const float* next_weight, Rows next, const quant::QMatrix& w,
-                                  Rows y, bool gelu_pairs, const NormParams& norm) {
-  add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
-  if (gelu_pairs) {
-    matmul_gelu_pairs(w, next, y);
-  } else {
-    matmul(w, next, y);
-  }
-}
-
-bool Backend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                  const float* weight, float scalar, const float* next_weight,
-                                  Rows next, const NormParams& norm) {
-  (void)acc, (void)weight, (void)scalar, (void)next_weight, (void)next, (void)norm;
-  matmul(w, x, y);
-  return false;
-}
-
 void Backend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
                                   const float* weight, float scalar, const float* next_weight,
                                   Rows next, const NormParams& norm) {
@@ -118,13 +99,6 @@ void Backend::add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scal
   rms_norm(acc, nullptr, norm.weight_offset, norm.eps, moe.router_in);
   scale(moe.router_in, moe.router_scale, moe.router_factor);
   rms_norm(acc, moe.expert_weight, norm.weight_offset, norm.eps, moe.expert_in);
-}
-
-void Backend::matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                      const float* weight, float scalar, const float* next_weight,
-                                      Rows next, const MoeInputs& moe, const NormParams& norm) {
-  matmul(w, x, y);
-  add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm);
 }
 
 void Backend::concurrently(int64_t rows, const std::function<void()>& first,

@@ -298,23 +298,6 @@ class Backend {
   virtual void add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                             const float* next_weight, Rows next, const NormParams& norm);
 
-  // A residual step whose result (next) the following matmul reads first and nothing else reads
-  // before: add_rms_norm(acc, x, weight, scalar, next_weight, next, norm) (next.data != nullptr),
-  // then y = next · Wᵀ, or with gelu_pairs y = matmul_gelu_pairs(w, next). A device backend can
-  // fold the step into that matmul's input (no kernel of its own). Default: those two calls.
-  virtual void add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
-                                   const float* next_weight, Rows next, const quant::QMatrix& w,
-                                   Rows y, bool gelu_pairs, const NormParams& norm);
-
-  // The producer side of a residual step: y = x · Wᵀ, and when the backend can run it in that
-  // matmul's own launch (a GEMV's tail), add_rms_norm(acc, y, weight, scalar, next_weight, next,
-  // norm) too; returns whether it did. y may be overwritten then (as add_rms_norm's x). Default:
-  // the matmul alone, false: the caller runs the step itself (or hands it to the next matmul,
-  // add_rms_norm_matmul).
-  virtual bool matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                   const float* weight, float scalar, const float* next_weight,
-                                   Rows next, const NormParams& norm);
-
   // The router of a MoE layer: logits = x · router_projᵀ (kept: the engine's router trace reads
   // them), then route_experts(logits, router, expert_ids, weights). Default: those two calls.
   virtual void matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
@@ -331,13 +314,6 @@ class Backend {
   virtual void add_rms_norm_moe(Rows acc, Rows x, const float* weight, float scalar,
                                 const float* next_weight, Rows next, const MoeInputs& moe,
                                 const NormParams& norm);
-  // y = x · Wᵀ, then add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm)
-  // (moe.router_in may be y): a MoE layer's o_proj and the step after it, which a device backend
-  // can run in the matmul's own launch (a GEMV's tail). Default: those two calls.
-  virtual void matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                       const float* weight, float scalar, const float* next_weight,
-                                       Rows next, const MoeInputs& moe, const NormParams& norm);
-
   // A MoE block's end: branch = branch + norm(x; branch_weight) (the expert output joining the
   // dense one), then add_rms_norm(acc, branch, weight, scalar, next_weight, next, norm). x and
   // branch may be overwritten. Default: add_rms_norm(branch, x, branch_weight, 1, none), then that

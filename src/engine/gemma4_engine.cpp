@@ -40,17 +40,6 @@ struct DecodeRecording {
   std::unique_ptr<RecordedWork> work;
 };
 
-// A residual step (Backend::add_rms_norm into acc, with its next norm into the engine's `normed`)
-// whose result the next matmul reads first: the engine hands it to that matmul
-// (Backend::add_rms_norm_matmul) instead of running it alone. None while x.data is null.
-struct PendingStep {
-  Rows acc;
-  Rows x;
-  const float* weight = nullptr;
-  float scalar = 1.0f;
-  const float* next_weight = nullptr;
-};
-
 struct SequenceState {
   bool open = false;
   int64_t length = 0;
@@ -120,31 +109,6 @@ struct Gemma4Engine::Impl {
   // sets it around forward()).
   Rows final_normed;
 
-  // The dense layers' residual steps wait here for the matmul that reads their result first (the
-  // next gate/up, or the next layer's QKV without per-layer inputs).
-  PendingStep pending;
-  // y = normed · Wᵀ (gelu_pairs: Backend::matmul_gelu_pairs) over the pass's n rows, after the
-  // pending residual step, which makes `normed`, if there is one.
-  void matmul_normed(const quant::QMatrix& w, int64_t n, Rows y, bool gelu_pairs) {
-    const Rows a = rows(normed, n, config.hidden_size);
-    if (pending.x.data != nullptr) {
-      backend->add_rms_norm_matmul(pending.acc, pending.x, pending.weight, pending.scalar,
-                                   pending.next_weight, a, w, y, gelu_pairs, norm_params);
-      pending = {};
-    } else if (gelu_pairs) {
-      backend->matmul_gelu_pairs(w, a, y);
-    } else {
-      backend->matmul(w, a, y);
-    }
-  }
-  // The pending residual step on its own (several matmuls read its result).
-  void run_pending_step(int64_t n) {
-    if (pending.x.data == nullptr) return;
-    backend->add_rms_norm(pending.acc, pending.x, pending.weight, pending.scalar,
-                          pending.next_weight, rows(normed, n, config.hidden_size), norm_params);
-    pending = {};
-  }
-
   void forward(std::span<const Segment> segments, int64_t total_rows);
   // forward(), then the logits of every segment that ends its input, in rows of `logits` in
   // segment order; returns how many.
@@ -194,22 +158,20 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   const ResidentLayer& lw = weights.layers[l];
   const int hd = g.head_dim;
   const int64_t q_width = g.q_width(), kv_width = g.kv_width();
-  // input_layernorm(hidden): made before, or by the pending residual step in the first matmul.
-  const Rows a = rows(normed, n, config.hidden_size);
+  const Rows a = rows(normed, n, config.hidden_size);  // input_layernorm(hidden), made before
 
   // q, k, v: column views of one [n, q + k + v] matrix when the projections are stacked (one
   // matmul), else three dense matrices. A KV-shared layer has no k/v of its own.
   Rows queries, keys, values;
   if (model::present(lw.qkv)) {
     const Rows stacked = Rows::dense(qkv.floats(), n, q_width + 2 * kv_width);
-    matmul_normed(lw.qkv, n, stacked.columns(0, lw.qkv.rows), /*gelu_pairs=*/false);
+    backend->matmul(lw.qkv, a, stacked.columns(0, lw.qkv.rows));
     queries = stacked.columns(0, q_width);
     keys = stacked.columns(q_width, kv_width);
     values = stacked.columns(q_width + kv_width, kv_width);
   } else {
     queries = Rows::dense(qkv.floats(), n, q_width);
-    if (g.owns_kv()) run_pending_step(n);  // k_proj and v_proj read its result too
-    matmul_normed(lw.q_proj, n, queries, /*gelu_pairs=*/false);
+    backend->matmul(lw.q_proj, a, queries);
     if (g.owns_kv()) {
       keys = Rows::dense(qkv.floats() + max_rows() * config.max_q_width(), n, kv_width);
       values = Rows::dense(keys.data + max_rows() * config.max_kv_width(), n, kv_width);
@@ -243,15 +205,10 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
 
   const int64_t H = config.hidden_size;
   Rows projected = rows(proj, n, H);
+  backend->matmul(lw.o_proj, out, projected);
   if (!config.moe) {
-    // hidden += norm(projected); normed = pre_feedforward_layernorm(hidden): in o_proj's own launch
-    // where the backend can, else in the gate/up matmul.
-    if (!backend->matmul_add_rms_norm(
-            lw.o_proj, out, projected, hidden, lw.post_attention_layernorm, 1.0f,
-            lw.pre_feedforward_layernorm, rows(normed, n, H), norm_params)) {
-      pending = {hidden, projected, lw.post_attention_layernorm, 1.0f,
-                 lw.pre_feedforward_layernorm};
-    }
+    backend->add_rms_norm(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                          lw.pre_feedforward_layernorm, rows(normed, n, H), norm_params);
     return;
   }
   // arch spec 3: the router's and the experts' inputs are norms of the same residual as the dense
@@ -259,9 +216,9 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   const MoeInputs moe_inputs = {lw.router_scale, 1.0f / std::sqrt(static_cast<float>(H)),
                                 lw.pre_feedforward_layernorm_2, rows(proj, n, H),
                                 rows(expert_input, n, H)};
-  backend->matmul_add_rms_norm_moe(lw.o_proj, out, projected, hidden, lw.post_attention_layernorm,
-                                   1.0f, lw.pre_feedforward_layernorm, rows(normed, n, H),
-                                   moe_inputs, norm_params);
+  backend->add_rms_norm_moe(hidden, projected, lw.post_attention_layernorm, 1.0f,
+                            lw.pre_feedforward_layernorm, rows(normed, n, H), moe_inputs,
+                            norm_params);
 }
 
 void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
@@ -270,18 +227,16 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   const int64_t H = config.hidden_size;
 
   // Dense MLP (the always-on shared expert in MoE models).
-  // pre_feedforward_layernorm(hidden): made before (MoE layers), or by the pending residual step
-  // in the first matmul.
-  const Rows m = rows(normed, n, H);
+  const Rows m = rows(normed, n, H);  // pre_feedforward_layernorm(hidden), made before
   Rows dense_out = rows(branch, n, H);
   // The gated activations, down's input.
   const auto dense_mlp_gates = [&] {
     Rows gates = rows(gate, n, g.ffn_width);
     if (model::present(lw.gate_up)) {
-      matmul_normed(lw.gate_up, n, gates, /*gelu_pairs=*/true);
+      backend->matmul_gelu_pairs(lw.gate_up, m, gates);
     } else {
       Rows ups = rows(up, n, g.ffn_width);
-      matmul_normed(lw.gate_proj, n, gates, /*gelu_pairs=*/false);
+      backend->matmul(lw.gate_proj, m, gates);
       backend->matmul(lw.up_proj, m, ups);
       backend->gelu_tanh_mul(gates, ups, gates);
     }
@@ -326,16 +281,10 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
       backend->add_rms_norm_branch(hidden, dense_out, expert_out, lw.post_feedforward_layernorm_2,
                                    lw.post_feedforward_layernorm, lw.layer_scalar, next_norm, next,
                                    norm_params);
-    } else if (!backend->matmul_add_rms_norm(lw.down_proj, dense_mlp_gates(), dense_out, hidden,
-                                             lw.post_feedforward_layernorm, lw.layer_scalar,
-                                             next_norm, next, norm_params)) {
-      // Not in down's own launch: here, or in the next layer's QKV matmul.
-      if (last) {
-        backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
-                              next_norm, next, norm_params);
-      } else {
-        pending = {hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar, next_norm};
-      }
+    } else {
+      backend->matmul(lw.down_proj, dense_mlp_gates(), dense_out);
+      backend->add_rms_norm(hidden, dense_out, lw.post_feedforward_layernorm, lw.layer_scalar,
+                            next_norm, next, norm_params);
     }
     return;
   }

@@ -29,17 +29,13 @@ using quant::QMatrix;
 // primitives in primitive_ops.
 class FusingCountingBackend final : public testing::CpuForwardingBackend {
  public:
-  // fuse = false: the plain CPU backend's behaviour (host weights, separate gate/up). tail: takes
-  // every residual step the engine offers to the matmul before it (matmul_add_rms_norm), as a
-  // device backend's GEMV tail does.
-  explicit FusingCountingBackend(bool fuse, bool tail = false) : fuse_(fuse), tail_(tail) {}
+  // fuse = false: the plain CPU backend's behaviour (host weights, separate gate/up).
+  explicit FusingCountingBackend(bool fuse) : fuse_(fuse) {}
 
   int64_t top_level_ops = 0;
   int64_t primitive_ops = 0;
   int64_t gelu_pairs_calls = 0;
-  int64_t embed_calls = 0;            // one per forward pass (two with per-layer embeddings)
-  int64_t residual_step_matmuls = 0;  // add_rms_norm_matmul calls
-  int64_t tailed_steps = 0;           // residual steps matmul_add_rms_norm took
+  int64_t embed_calls = 0;  // one per forward pass (two with per-layer embeddings)
 
   const char* name() const override { return "cpu-fusing"; }
   bool reads_host_memory() const override { return !fuse_; }
@@ -107,25 +103,6 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
     Op op(*this, Op::kFused);
     Backend::add_rms_norm(acc, x, weight, scalar, next_weight, next, norm);
   }
-  bool matmul_add_rms_norm(const QMatrix& w, Rows x, Rows y, Rows acc, const float* weight,
-                           float scalar, const float* next_weight, Rows next,
-                           const NormParams& norm) override {
-    Op op(*this, Op::kFused);
-    if (!tail_) {
-      return Backend::matmul_add_rms_norm(w, x, y, acc, weight, scalar, next_weight, next, norm);
-    }
-    ++tailed_steps;
-    matmul(w, x, y);
-    add_rms_norm(acc, y, weight, scalar, next_weight, next, norm);
-    return true;
-  }
-  void add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
-                           const float* next_weight, Rows next, const QMatrix& w, Rows y,
-                           bool gelu_pairs, const NormParams& norm) override {
-    Op op(*this, Op::kFused);
-    ++residual_step_matmuls;
-    Backend::add_rms_norm_matmul(acc, x, weight, scalar, next_weight, next, w, y, gelu_pairs, norm);
-  }
   void prepare_attention(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,
                          bool norm_v, int head_dim, const int32_t* positions,
                          const RopeParams& rope, std::span<const SequenceRows> sequences,
@@ -176,7 +153,6 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
   };
 
   const bool fuse_;
-  const bool tail_;
   int depth_ = 0;
 };
 
@@ -231,42 +207,11 @@ TEST_P(FusedDecode, FusedPathGivesThePlainCpuLogitsBitForBit) {
     EXPECT_TRUE(fused_logits == plain_logits) << "step " << step;
   }
   EXPECT_GT(fused_backend.gelu_pairs_calls, 0);  // the interleaved gate/up path ran
-  // Dense layers hand their residual steps to the matmuls after them (MoE layers do not).
-  EXPECT_EQ(fused_backend.residual_step_matmuls > 0, !tiny_model(GetParam()).config.moe);
-}
-
-// Residual steps taken by the matmul before them (Backend::matmul_add_rms_norm returning true)
-// rather than left to the matmul after them: the same operations on the same values, so the same
-// logits bit for bit; every dense layer's post-attention step goes there, and without per-layer
-// inputs its feed-forward step too (the last layer's included), none to add_rms_norm_matmul.
-TEST_P(FusedDecode, StepsInTheProducerMatmulGiveThePlainCpuLogits) {
-  const model::ModelConfig& config = tiny_model(GetParam()).config;
-  auto tailing = std::make_unique<FusingCountingBackend>(/*fuse=*/true, /*tail=*/true);
-  FusingCountingBackend& tail_backend = *tailing;
-  auto tailed = make_engine(GetParam(), std::move(tailing));
-  auto plain = make_engine(GetParam(), std::make_unique<backend::cpu::CpuBackend>(2));
-  const int32_t vocab = plain->vocab_size();
-  for (Engine* engine : {static_cast<Engine*>(tailed.get()), static_cast<Engine*>(plain.get())}) {
-    ASSERT_EQ(*engine->open_sequence(), 0);
-  }
-  std::vector<int32_t> tokens = prompt_ids(4, 6);  // one pass (tiny: a ring of 8 + 4)
-  for (int step = 0; step < 4; ++step) {
-    tail_backend.tailed_steps = tail_backend.residual_step_matmuls = 0;
-    const StepInput input{0, tokens};
-    std::vector<float> tailed_logits(vocab), plain_logits(vocab);
-    ASSERT_TRUE(tailed->step({&input, 1}, tailed_logits).ok());
-    ASSERT_TRUE(plain->step({&input, 1}, plain_logits).ok());
-    EXPECT_TRUE(tailed_logits == plain_logits) << "step " << step;
-    const int64_t dense_layers = config.moe ? 0 : config.num_layers;
-    EXPECT_EQ(tail_backend.tailed_steps, dense_layers * (config.ple_dim == 0 ? 2 : 1));
-    EXPECT_EQ(tail_backend.residual_step_matmuls, 0);
-    tokens = {2000 + step};
-  }
 }
 
 TEST_P(FusedDecode, OperationsPerDecodeStep) {
   const model::ModelConfig& config = tiny_model(GetParam()).config;
-  std::map<bool, int64_t> top_level, primitives, residual_step_matmuls;
+  std::map<bool, int64_t> top_level, primitives;
   for (bool fuse : {false, true}) {
     auto backend = std::make_unique<FusingCountingBackend>(fuse);
     FusingCountingBackend& counter = *backend;
@@ -276,25 +221,12 @@ TEST_P(FusedDecode, OperationsPerDecodeStep) {
     const auto prompt = prompt_ids(6, 4);
     const StepInput prefill{s, prompt};
     ASSERT_TRUE(engine->step({&prefill, 1}, logits).ok());
-    counter.top_level_ops = counter.primitive_ops = counter.residual_step_matmuls = 0;
+    counter.top_level_ops = counter.primitive_ops = 0;
     const int32_t next = 1234;
     const StepInput decode{s, std::span(&next, 1)};
     ASSERT_TRUE(engine->step({&decode, 1}, logits).ok());
     top_level[fuse] = counter.top_level_ops;
     primitives[fuse] = counter.primitive_ops;
-    residual_step_matmuls[fuse] = counter.residual_step_matmuls;
-  }
-  // A dense layer's post-attention step goes into its gate/up matmul; without per-layer inputs
-  // the post-feed-forward step also goes into the next layer's QKV matmul, unless separate q, k
-  // and v matmuls (unstacked: the plain CPU's weights) all read its result.
-  for (bool fuse : {false, true}) {
-    int64_t dense_steps = 0;
-    for (const model::LayerGeometry& g : config.layers) {
-      if (config.moe) continue;
-      ++dense_steps;
-      if (config.ple_dim == 0 && g.layer_index > 0 && (fuse || !g.owns_kv())) ++dense_steps;
-    }
-    EXPECT_EQ(residual_step_matmuls[fuse], dense_steps) << fuse;
   }
   // The primitives the fused path runs on the CPU are the unfused ones, less the matmuls that
   // stacking saves: k (and v) with q, and gate + up + gelu_tanh_mul as one matmul_gelu_pairs.

@@ -818,125 +818,6 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
   residual_step_wrote(acc, next, spec);
 }
 
-void CudaBackend::add_rms_norm_matmul(Rows acc, Rows x, const float* weight, float scalar,
-                                      const float* next_weight, Rows next, const quant::QMatrix& w,
-                                      Rows y, bool gelu_pairs, const engine::NormParams& norm) {
-  const ReportingWrites reporting(*this);
-  if (acc.count == 0) return;
-  // Batched rows go to the tensor-core GEMV (gemv_mma.h), which stages no residual step; so does
-  // any one-row kernel other than the register GEMV of gemv_tilings() (a streaming kernel chosen
-  // for large shapes): those keep the step's own kernel.
-  const auto register_gemv = [&] {
-    const int tiling = default_gemv_tiling(w, 1, ActType::kF32);
-    return tiling >= 0 && static_cast<size_t>(tiling) < gemv_tilings().size();
-  };
-  if (fold_residual_steps_ && activation_mode_ != ActivationMode::kF32 && acc.count == 1 &&
-      next.data != nullptr && register_gemv()) {
-    unsigned int* counter = step_counter(acc.data);
-    GemvInput input = {x.data, ActType::kF32, 1, x.stride, true};
-    input.residual_norm = {
-        acc.data,           acc.stride,  weight,  norm.weight_offset, norm.eps,   scalar,
-        /*next_norm=*/true, next_weight, counter, next.data,          next.stride};
-    GemvOutput out = {y.data, y.stride};
-    if (gelu_pairs) {
-      // The companions matmul_gelu_pairs writes for one row.
-      out.epilogue = GemvEpilogue::kGeluPairs;
-      const bool q8 = activation_mode_ == ActivationMode::kQ8 && w.format == WeightFormat::kW4G32 &&
-                      w.rows % 64 == 0;
-      out.companions = companion_storage(y, true, q8);
-    }
-    const cudaError_t status =
-        counter == nullptr ? cudaErrorInvalidValue : gemv(w, input, out, launch());
-    if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the default below
-      launched(status, "add_rms_norm_matmul (gemv)");
-      wrote(acc);
-      wrote(next);
-      produced(y, out.companions);
-      return;
-    }
-  }
-  Backend::add_rms_norm_matmul(acc, x, weight, scalar, next_weight, next, w, y, gelu_pairs, norm);
-}
-
-unsigned int* CudaBackend::step_counter(const float* residual) {
-  auto counter = fold_counters_.find(residual);
-  if (counter == fold_counters_.end()) {
-    // Zero-filled; made by the unrecorded pass before a decode step is recorded.
-    counter = fold_counters_.emplace(residual, allocate(sizeof(unsigned int))).first;
-  }
-  return static_cast<unsigned int*>(counter->second.data());
-}
-
-bool CudaBackend::gemv_with_step_tail(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                      const float* weight, float scalar, const float* next_weight,
-                                      Rows next, const engine::MoeInputs* moe,
-                                      const engine::NormParams& norm) {
-  // Batched rows go to the tensor-core GEMV, which has no tail; so does kF32 mode's exact fp32
-  // GEMV (not measured with one).
-  if (!tail_residual_steps_ || activation_mode_ == ActivationMode::kF32 || x.count != 1 ||
-      acc.count != 1) {
-    return false;
-  }
-  unsigned int* counter = step_counter(acc.data);
-  if (counter == nullptr) return false;  // status_ says why
-  const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);
-  GemvOutput out = {y.data, y.stride};
-  out.residual_tail = {.residual = acc.data,
-                       .residual_stride = acc.stride,
-                       .weight = weight,
-                       .next_weight = next_weight,
-                       .weight_offset = norm.weight_offset,
-                       .eps = norm.eps,
-                       .scalar = scalar,
-                       .next = next.data,
-                       .next_stride = next.stride,
-                       .residual_companions = spec.residual_companions,
-                       .next_companions = spec.next_companions,
-                       .done_counter = counter};
-  if (moe != nullptr) {
-    GemvResidualTail& t = out.residual_tail;
-    t.router_in = moe->router_in.data;
-    t.router_in_stride = moe->router_in.stride;
-    t.router_scale = moe->router_scale;
-    t.router_factor = moe->router_factor;
-    t.expert_in = moe->expert_in.data;
-    t.expert_in_stride = moe->expert_in.stride;
-    t.expert_weight = moe->expert_weight;
-  }
-  const cudaError_t status = gemv(w, gemv_input(w, x), out, launch());
-  if (status == cudaErrorInvalidValue) return false;  // nothing enqueued: no tail kernel for it
-  launched(status, "matmul with the residual step (gemv tail)");
-  wrote(y);
-  if (moe != nullptr) {
-    wrote(moe->router_in);
-    wrote(moe->expert_in);
-  }
-  residual_step_wrote(acc, next, spec);
-  return true;
-}
-
-bool CudaBackend::matmul_add_rms_norm(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                      const float* weight, float scalar, const float* next_weight,
-                                      Rows next, const engine::NormParams& norm) {
-  const ReportingWrites reporting(*this);
-  if (gemv_with_step_tail(w, x, y, acc, weight, scalar, next_weight, next, nullptr, norm)) {
-    return true;
-  }
-  matmul(w, x, y);
-  return false;
-}
-
-void CudaBackend::matmul_add_rms_norm_moe(const quant::QMatrix& w, Rows x, Rows y, Rows acc,
-                                          const float* weight, float scalar,
-                                          const float* next_weight, Rows next,
-                                          const engine::MoeInputs& moe,
-                                          const engine::NormParams& norm) {
-  const ReportingWrites reporting(*this);
-  if (gemv_with_step_tail(w, x, y, acc, weight, scalar, next_weight, next, &moe, norm)) return;
-  matmul(w, x, y);
-  add_rms_norm_moe(acc, y, weight, scalar, next_weight, next, moe, norm);
-}
-
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
 // the PLE gate GEMV stages acc + norm(x) itself (GemvResidualNorm) and the closing
 // add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes.
@@ -1283,8 +1164,6 @@ Expected<std::unique_ptr<engine::Backend>> make_cuda_backend(int device,
   }
   auto backend = std::make_unique<CudaBackend>(device, options.pdl);
   backend->set_activation_mode(options.activations);
-  backend->set_fold_residual_steps(options.fold_residual_steps);
-  backend->set_tail_residual_steps(options.tail_residual_steps);
   if (Status created = backend->status(); !created.ok()) return created.error();
   return std::unique_ptr<engine::Backend>(std::move(backend));
 }

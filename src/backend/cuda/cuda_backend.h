@@ -194,35 +194,6 @@ class CudaBackend final : public engine::Backend {
                         const quant::QMatrix& projection, engine::Rows projected,
                         const float* projected_weight, float scalar, const float* next_weight,
                         engine::Rows next, const engine::NormParams& norm) override;
-  // With set_fold_residual_steps(true), one decode row outside kF32 mode where the register GEMV
-  // serves the matmul: the step rides in the GEMV's prologue (GemvResidualNorm: every block stages
-  // the step's normed result itself; the block that finishes staging last writes acc and next),
-  // one kernel fewer. Anything else: the default (add_rms_norm, then the matmul).
-  // Off by default: measured on the H200 (session 7), every block re-reducing the row cost far
-  // more than the step's kernel saves (E2B b1 574.6 tok/s folded vs 698.1; the folded double-wide
-  // gate+up ~26 µs on the critical path against the streaming GEMV's 10.7; 31B 73.7 vs 130.2).
-  void add_rms_norm_matmul(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
-                           const float* next_weight, engine::Rows next, const quant::QMatrix& w,
-                           engine::Rows y, bool gelu_pairs,
-                           const engine::NormParams& norm) override;
-  // Whether add_rms_norm_matmul folds (default off; on for measurements and tests).
-  void set_fold_residual_steps(bool fold) { fold_residual_steps_ = fold; }
-  // With set_tail_residual_steps(true), one row outside kF32 mode where the register GEMV of a
-  // tail tiling (kGemvTailTilings: E2B's and 31B's o_proj / down) serves the matmul: the step runs
-  // in that GEMV's tail (GemvResidualTail: the block that finishes last does add_rms_norm's work
-  // on the stored row, bit for bit), one kernel fewer. Anything else: the matmul alone (false).
-  bool matmul_add_rms_norm(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
-                           engine::Rows acc, const float* weight, float scalar,
-                           const float* next_weight, engine::Rows next,
-                           const engine::NormParams& norm) override;
-  // The same for a MoE layer's o_proj (the 26B's: tiling 27), its step writing the router's and
-  // the experts' inputs too; else the matmul, then add_rms_norm_moe.
-  void matmul_add_rms_norm_moe(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
-                               engine::Rows acc, const float* weight, float scalar,
-                               const float* next_weight, engine::Rows next,
-                               const engine::MoeInputs& moe,
-                               const engine::NormParams& norm) override;
-  void set_tail_residual_steps(bool tail) { tail_residual_steps_ = tail; }
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
@@ -366,24 +337,11 @@ class CudaBackend final : public engine::Backend {
     ActivationCompanions companions;
   };
   std::vector<LiveCompanions> live_companions_;
-  int reporting_writes_ = 0;          // ReportingWrites held now
-  bool fold_residual_steps_ = false;  // set_fold_residual_steps
-  bool tail_residual_steps_ = false;  // set_tail_residual_steps
-  // The done counters of add_rms_norm_matmul (GemvResidualNorm) and matmul_add_rms_norm
-  // (GemvResidualTail), one per residual they update (two GEMVs updating the same residual never
-  // run at once), zero between launches.
-  std::map<const float*, engine::Buffer> fold_counters_;
+  int reporting_writes_ = 0;  // ReportingWrites held now
   // time_replays: the timer of the last timing (kept after it stops, for replay_times) and
   // whether it runs now.
   mutable std::unique_ptr<ReplayTimer> replay_timer_;
   mutable bool timing_replays_ = false;
-  unsigned int* step_counter(const float* residual);
-  // The GEMV y = x · Wᵀ with the residual step (with `moe`, its MoE inputs too) in its tail
-  // (matmul_add_rms_norm); false where it does not take them, with nothing of either enqueued.
-  bool gemv_with_step_tail(const quant::QMatrix& w, engine::Rows x, engine::Rows y,
-                           engine::Rows acc, const float* weight, float scalar,
-                           const float* next_weight, engine::Rows next,
-                           const engine::MoeInputs* moe, const engine::NormParams& norm);
   std::unique_ptr<CublasContext> cublas_;      // made by the first tensor-core matmul
   Scratch prefill_activations_;                // its bf16 activations
   Scratch prefill_weights_;                    // its bf16 weight tile
@@ -397,8 +355,6 @@ class CudaBackend final : public engine::Backend {
 struct CudaOptions {
   bool pdl = true;  // false: kernels launched plainly (for A/B measurements)
   ActivationMode activations = kDefaultActivationMode;  // set_activation_mode
-  bool fold_residual_steps = false;                     // set_fold_residual_steps
-  bool tail_residual_steps = false;                     // set_tail_residual_steps
 };
 
 // "f32", "bf16", "q8".

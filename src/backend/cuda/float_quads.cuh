@@ -58,8 +58,7 @@ __device__ __forceinline__ FloatQuad load_norm_scale(const float* weight, float 
 // How the register-resident row kernels (elementwise.cu: add_rms_norm, rms_norm without RoPE)
 // take rows of `width` (<= 4 · kMaxRowQuads · kMaxRowThreads): thread t of `threads` holds quads
 // t, t + threads, ... (quads_per_thread of them), one quad per thread while the row fits
-// kMaxRowThreads (E2B's 1536: 384 threads), else two. Their block sums follow this layout, so a
-// GEMV's residual-step tail (gemv_residual_tail.cuh) that sums in it gets their bits.
+// kMaxRowThreads (E2B's 1536: 384 threads), else two.
 inline constexpr int kMaxRowThreads = 1024;
 inline constexpr int kMaxRowQuads = 2;
 

@@ -97,27 +97,6 @@ bool output_ok(const GemvOutput& y, int64_t rows, int m) {
   return false;
 }
 
-// Whether the residual-step tail of `y` (m rows of `width` outputs) is one the kernels take
-// (gemv.h): whole aligned rows each, companions that fit.
-bool tail_ok(const GemvOutput& y, int64_t width, int m) {
-  const GemvResidualTail& t = y.residual_tail;
-  const auto rows_ok = [&](const void* data, int64_t stride) {
-    return aligned16(data) && stride % 4 == 0 && (m == 1 || stride >= width);
-  };
-  return y.epilogue == GemvEpilogue::kNone && !has_companions(y.companions) &&
-         t.done_counter != nullptr && width % 4 == 0 && width <= kGemvTailMaxWidth &&
-         rows_ok(y.data, y.stride) && rows_ok(t.residual, t.residual_stride) &&
-         aligned16(t.weight) && (t.next == nullptr || rows_ok(t.next, t.next_stride)) &&
-         (t.next == nullptr
-              ? !has_companions(t.next_companions)
-              : aligned16(t.next_weight) && companions_fit(t.next_companions, width)) &&
-         companions_fit(t.residual_companions, width) &&
-         (t.router_in == nullptr ||
-          (t.expert_in != nullptr && rows_ok(t.router_in, t.router_in_stride) &&
-           rows_ok(t.expert_in, t.expert_in_stride) && aligned16(t.router_scale) &&
-           aligned16(t.expert_weight)));
-}
-
 }  // namespace
 
 std::span<const GemvTiling> gemv_tilings() {
@@ -193,7 +172,6 @@ bool stream_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
          x.rows == 1 &&
          (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
          x.residual_norm.residual == nullptr && y.companions.q8 == nullptr &&
-         y.residual_tail.residual == nullptr &&
          gemv_stream_shared_bytes(kGemvStreamTilings[tiling - kGemvStreamTilingBase], chunks) <=
              kGemvStreamMaxSharedBytes;
 }
@@ -264,22 +242,13 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   }
   const GemvResidualNorm& step = x.residual_norm;
   const bool residual_step = step.residual != nullptr;
-  // A write-back (done_counter) stores whole rows of the residual and of next: each its own
-  // aligned rows (next only with next_norm).
-  const bool writes_back = residual_step && step.done_counter != nullptr;
   if (residual_step &&
       (!x.round_to_bf16 || !aligned16(step.residual) || step.residual_stride % 4 != 0 ||
-       (x.rows > 1 && step.residual_stride < w.cols) || !aligned16(step.weight) ||
-       (step.next_norm && !aligned16(step.next_weight)) ||
-       (writes_back && step.next_norm &&
-        (step.next == nullptr || !aligned16(step.next) || step.next_stride % 4 != 0 ||
-         (x.rows > 1 && step.next_stride < w.cols))))) {
+       (x.rows > 1 && step.residual_stride < w.cols) || !aligned16(step.weight))) {
     return cudaErrorInvalidValue;
   }
-  const bool tail = y.residual_tail.residual != nullptr;
-  if (tail && !tail_ok(y, w.rows, x.rows)) return cudaErrorInvalidValue;
   // Batched rows with bf16 products: tensor cores (gemv_mma.h), companions included.
-  if (tiling < 0 && !residual_step && !tail && gemv_mma_takes(w, x)) {
+  if (tiling < 0 && !residual_step && gemv_mma_takes(w, x)) {
     return gemv_mma(w, x, y, launch);
   }
   if (y.companions.q8 != nullptr) {
@@ -300,8 +269,6 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
   const bool splitk = is_gemv_splitk_tiling(tiling);
   if (splitk && !splitk_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
-  // Every split-K tiling has a tail build (gemv_splitk_kernels.h).
-  if (tail && !splitk && !gemv_tiling_has_tail(tiling)) return cudaErrorInvalidValue;
 
   GemvArgs args = {};
   args.weights = w.data;
@@ -332,11 +299,8 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                             ? F32Products::kBF16Staged
                             : F32Products::kBF16InRegisters;
   }
-  // The folded residual step exists only as staged rows; its write-back only for one m tile.
-  if (residual_step && (args.f32_products != F32Products::kBF16Staged ||
-                        (writes_back && x.rows > args.staged_rows))) {
-    return cudaErrorInvalidValue;
-  }
+  // The folded residual step exists only as staged rows.
+  if (residual_step && args.f32_products != F32Products::kBF16Staged) return cudaErrorInvalidValue;
   args.residual_norm = step;
   args.y = y.data;
   args.y_stride = y.stride;
@@ -344,7 +308,6 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
-  args.residual_tail = y.residual_tail;
   if (splitk) return launch_gemv_splitk(x.type, tiling - kGemvSplitKTilingBase, args, launch);
   if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);

@@ -2,8 +2,6 @@
 // gemv_kernel.cuh: one template covers every weight format, activation type and tiling; a format
 // only defines how a 16-byte chunk of weights and its scale turn into a dot product with 32 (or 8)
 // activations (device_math.cuh). Design and measurements: spec/h200-decode-notes.md.
-#include <algorithm>
-
 #include "backend/cuda/gemv_kernel.cuh"
 
 namespace gemma4::cuda {
@@ -37,26 +35,25 @@ __global__ void gemv_epilogue_kernel(EpilogueArgs a) {
 
 cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
                                const GemvArgs& args, const Launch& launch) {
-  const bool tail = args.residual_tail.residual != nullptr;
   gemv_detail::KernelFn kernel = nullptr;
   switch (format) {
     case PackedFormat::kW4G32:
-      kernel = gemv_detail::select_kernel<PackedFormat::kW4G32>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kW4G32>(x_type, tiling);
       break;
     case PackedFormat::kNVFP4:
-      kernel = gemv_detail::select_kernel<PackedFormat::kNVFP4>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kNVFP4>(x_type, tiling);
       break;
     case PackedFormat::kBF16:
-      kernel = gemv_detail::select_kernel<PackedFormat::kBF16>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kBF16>(x_type, tiling);
       break;
     case PackedFormat::kW4G32A:
-      kernel = gemv_detail::select_kernel<PackedFormat::kW4G32A>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kW4G32A>(x_type, tiling);
       break;
     case PackedFormat::kW8:
-      kernel = gemv_detail::select_kernel<PackedFormat::kW8>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kW8>(x_type, tiling);
       break;
     case PackedFormat::kF16:
-      kernel = gemv_detail::select_kernel<PackedFormat::kF16>(x_type, tiling, tail);
+      kernel = gemv_detail::select_kernel<PackedFormat::kF16>(x_type, tiling);
       break;
   }
   if (kernel == nullptr) return cudaErrorInvalidValue;
@@ -65,9 +62,9 @@ cudaError_t launch_gemv_kernel(PackedFormat format, ActType x_type, int tiling,
   const dim3 grid(static_cast<unsigned>((args.rows + rows_per_block - 1) / rows_per_block));
   const bool staged = x_type == ActType::kF32 && args.f32_products == F32Products::kBF16Staged;
   const int64_t cols = args.chunks_per_row * packed_chunk_elements(format);
-  int64_t shared = gemv_shared_bytes(t, staged ? args.staged_rows : 0, cols);
-  if (tail) shared = std::max(shared, kGemvTailSharedBytes);
-  return launch_kernel(kernel, grid, dim3(t.warps * 32), static_cast<size_t>(shared), launch, args);
+  const auto shared =
+      static_cast<size_t>(gemv_shared_bytes(t, staged ? args.staged_rows : 0, cols));
+  return launch_kernel(kernel, grid, dim3(t.warps * 32), shared, launch, args);
 }
 
 cudaError_t launch_write_companions(const CompanionArgs& args, int rows, const Launch& launch) {

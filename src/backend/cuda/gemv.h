@@ -31,9 +31,8 @@ struct GemvInput {
   int rows = 1;
   int64_t stride = 0;
   bool round_to_bf16 = false;
-  // A residual step folded in (gemv_kernels.h): the GEMV multiplies the step's result (kF32 rows
-  // rounded to bf16, staged; residual rows, next rows and the weights 16-byte aligned), written
-  // back by the last block when the step has a done counter (then M <= the tiling's m tile).
+  // A residual step folded in (gemv_kernels.h): the GEMV multiplies residual + rms_norm(x) (kF32
+  // rows rounded to bf16, staged; residual rows and the weight 16-byte aligned), writing neither.
   GemvResidualNorm residual_norm = {};
 };
 
@@ -48,12 +47,6 @@ struct GemvInput {
 // companions: bf16 and/or kQ8 copies of what is stored in y (gemv_kernels.h; stride >= the
 // output width). A kQ8 companion needs kGeluPairs, an output width (N / 2) that is a multiple
 // of 32 and a gemv_tiling_emits_q8_pairs tiling (tiling < 0 picks kGemvQ8PairsTiling).
-//
-// residual_tail (gemv_kernels.h: GemvResidualTail): the residual step on y done by the GEMV's
-// last block, as add_rms_norm would do it after the GEMV (kNone, no companions of y; y, the
-// residual and next rows 16-byte aligned with strides that are multiples of 4; N a multiple of 4,
-// at most kGemvTailMaxWidth; a register tiling of kGemvTailTilings, which tiling < 0 picks where
-// the shape's default is one; no batched tensor-core or streaming kernel).
 struct GemvOutput {
   float* data = nullptr;
   int64_t stride = 0;
@@ -61,7 +54,6 @@ struct GemvOutput {
   const float* multiplier = nullptr;
   int64_t multiplier_stride = 0;
   ActivationCompanions companions = {};
-  GemvResidualTail residual_tail = {};
 };
 
 // The packed kernels' layout of a weight format (out), false for one they cannot read (fp32,

@@ -12,7 +12,6 @@
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/gemv_residual_norm.cuh"
-#include "backend/cuda/gemv_residual_tail.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/q8.cuh"
 
@@ -76,14 +75,12 @@ __device__ __forceinline__ void store_rows(const Params& a, int m, int64_t first
 // Thread layout: lane l of warp w belongs to team l / T (rows R·team .. R·team + R−1 of the
 // block) and reads, in pass p, the chunks p·(T·W·G) + (j·W + w)·T + l % T for j < G: T
 // consecutive lanes read T consecutive 16-byte chunks of a row (coalesced). P: the loads of pass
-// p + 1 go out before the products of pass p (GemvTiling::prefetch_next_pass; MT 1). RT: the
-// residual step's tail after the stores (a.residual_tail, gemv_residual_tail.cuh).
-template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P, bool RT>
-__global__ void __launch_bounds__(W * 32, RT ? gemv_tail_min_blocks(W * 32) : 0)
-    gemv_kernel(GemvArgs a) {
+// p + 1 go out before the products of pass p (GemvTiling::prefetch_next_pass; MT 1).
+template <WeightFormat F, ActType XT, int R, int T, int W, int G, int MT, bool P>
+__global__ void __launch_bounds__(W * 32) gemv_kernel(GemvArgs a) {
   static_assert(!P || MT == 1, "prefetching tilings are single-row");
-  static_assert(W == 1 || gemv_partial_floats({R, T, W, G, MT}) >= 2 * W,
-                "the residual-step prologue sums across warps in the partials' first 2·W floats");
+  static_assert(W == 1 || gemv_partial_floats({R, T, W, G, MT}) >= W,
+                "the residual-step prologue sums across warps in the partials' first W floats");
   pdl_trigger_dependents();
   constexpr int kTeams = 32 / T;
   constexpr int kRowsPerBlock = kTeams * R;
@@ -142,7 +139,6 @@ __global__ void __launch_bounds__(W * 32, RT ? gemv_tail_min_blocks(W * 32) : 0)
   }
   if constexpr (XT == ActType::kF32)
     prefetch_residual_norm_weight(a.residual_norm, kElems * a.chunks_per_row);
-  if constexpr (RT) prefetch_tail_weights(a.residual_tail, a.rows);
   pdl_wait_for_predecessors();
 
   // Dynamic shared memory (gemv_shared_bytes): the split-K partial sums [W][MT][kRowsPerBlock]
@@ -166,7 +162,7 @@ __global__ void __launch_bounds__(W * 32, RT ? gemv_tail_min_blocks(W * 32) : 0)
       // the staged rows end at the first barrier.
       if (m0 > 0) __syncthreads();
       const int rows_here = min(a.staged_rows, a.m - m0);
-      // A folded residual step stages its own rows (gemv_residual_norm.cuh); else x's.
+      // A residual step stages its own rows (gemv_residual_norm.cuh); else x's.
       const bool residual_step = a.residual_norm.residual != nullptr;
       if (residual_step) stage_residual_norm_rows<kPieces, W>(a, m0, rows_here, staged, partial);
       const int x_rows = residual_step ? 0 : rows_here;
@@ -308,28 +304,22 @@ __global__ void __launch_bounds__(W * 32, RT ? gemv_tail_min_blocks(W * 32) : 0)
       __syncthreads();
     }
   }
-  // The shared memory's first 64 floats (kGemvTailSharedBytes at launch) serve the tail's sums.
-  if constexpr (RT) {
-    residual_step_tail<W>(a.residual_tail, a.y, a.y_stride, a.m, a.rows,
-                          reinterpret_cast<float*>(shared_words));
-  }
 }
 
-// RT: the kernel with the residual-step tail (kGemvTailTilings only).
-template <WeightFormat F, ActType XT, int I, bool RT>
+template <WeightFormat F, ActType XT, int I>
 constexpr KernelFn kernel_for() {
-  if constexpr (RT ? gemv_tiling_has_tail(I) : gemv_tiling_compiled(I)) {
+  if constexpr (gemv_tiling_compiled(I)) {
     constexpr GemvTiling t = kGemvTilings[I];
     return gemv_kernel<F, XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
-                       t.m_tile, t.prefetch_next_pass, RT>;
+                       t.m_tile, t.prefetch_next_pass>;
   } else {
     return nullptr;
   }
 }
 
-template <WeightFormat F, ActType XT, bool RT, size_t... I>
+template <WeightFormat F, ActType XT, size_t... I>
 constexpr std::array<KernelFn, kNumGemvTilings> kernel_table(std::index_sequence<I...>) {
-  return {kernel_for<F, XT, static_cast<int>(I), RT>()...};
+  return {kernel_for<F, XT, static_cast<int>(I)>()...};
 }
 
 // Formats with bf16-activation kernels: the checkpoint formats, whose bf16-activation speed the
@@ -338,45 +328,35 @@ template <WeightFormat F>
 constexpr bool kHasBF16Activations =
     F == WeightFormat::kW4G32 || F == WeightFormat::kNVFP4 || F == WeightFormat::kBF16;
 
-// The kernel of (F, x type, tiling, residual tail), or nullptr where none is compiled (kQ8
-// activations exist for kW4G32 only, bf16 ones for kHasBF16Activations; tails for the formats
-// with bf16 activations, fp32 or bf16 ones, kGemvTailTilings). Explicitly instantiated once per
-// format in gemv_<format>.cu.
+// The kernel of (F, x type, tiling), or nullptr where none is compiled (kQ8 activations exist for
+// kW4G32 only, bf16 ones for kHasBF16Activations). Explicitly instantiated once per format in
+// gemv_<format>.cu.
 template <WeightFormat F>
-KernelFn select_kernel(ActType x_type, int tiling, bool tail) {
+KernelFn select_kernel(ActType x_type, int tiling) {
   constexpr auto kTilings = std::make_index_sequence<kNumGemvTilings>();
-  if (tail) {
-    if constexpr (kHasBF16Activations<F>) {
-      static constexpr auto kF32Tail = kernel_table<F, ActType::kF32, true>(kTilings);
-      static constexpr auto kBF16Tail = kernel_table<F, ActType::kBF16, true>(kTilings);
-      if (x_type == ActType::kF32) return kF32Tail[tiling];
-      if (x_type == ActType::kBF16) return kBF16Tail[tiling];
-    }
-    return nullptr;
-  }
   if (x_type == ActType::kQ8) {
     if constexpr (F == WeightFormat::kW4G32) {
-      static constexpr auto kQ8 = kernel_table<F, ActType::kQ8, false>(kTilings);
+      static constexpr auto kQ8 = kernel_table<F, ActType::kQ8>(kTilings);
       return kQ8[tiling];
     }
     return nullptr;
   }
   if (x_type == ActType::kBF16) {
     if constexpr (kHasBF16Activations<F>) {
-      static constexpr auto kBF16 = kernel_table<F, ActType::kBF16, false>(kTilings);
+      static constexpr auto kBF16 = kernel_table<F, ActType::kBF16>(kTilings);
       return kBF16[tiling];
     }
     return nullptr;
   }
-  static constexpr auto kF32 = kernel_table<F, ActType::kF32, false>(kTilings);
+  static constexpr auto kF32 = kernel_table<F, ActType::kF32>(kTilings);
   return kF32[tiling];
 }
 
-extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int, bool);
-extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int, bool);
-extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int, bool);
-extern template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int, bool);
-extern template KernelFn select_kernel<WeightFormat::kW8>(ActType, int, bool);
-extern template KernelFn select_kernel<WeightFormat::kF16>(ActType, int, bool);
+extern template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kNVFP4>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kBF16>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kW8>(ActType, int);
+extern template KernelFn select_kernel<WeightFormat::kF16>(ActType, int);
 
 }  // namespace gemma4::cuda::gemv_detail

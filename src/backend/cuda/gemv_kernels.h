@@ -3,6 +3,7 @@
 // in). gemv.h is the API the engine uses; gemv.cpp validates and translates to this.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "backend/cuda/launch.h"
@@ -148,20 +149,30 @@ constexpr bool gemv_prefetch_single_row() {
 }
 static_assert(gemv_prefetch_single_row(), "only single-row GEMV tilings prefetch the next pass");
 
-// The tilings default_gemv_tiling (gemv.cpp) picks: the only ones a normal build compiles. A build
-// with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's, scripts/gpu-check) compiles every tiling
-// so that the choice can be re-measured. Keep this list in step with default_gemv_tiling.
-inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 27};
-
-constexpr bool gemv_tiling_compiled(int tiling) {
+// Whether this build compiles tiling index `tiling` of a GEMV kernel family whose `count` tilings
+// are indices base .. base + count − 1: with GEMMA4_GEMV_ALL_TILINGS (the kernel benchmark's
+// build, scripts/gpu-check) every one, so that the choice can be re-measured; else only those in
+// `defaults`, the ones default_gemv_tiling (gemv.cpp) picks.
+template <size_t kDefaults>
+constexpr bool gemv_family_tiling_compiled(int tiling, int base, int count,
+                                           const int (&defaults)[kDefaults]) {
 #ifdef GEMMA4_GEMV_ALL_TILINGS
-  return tiling >= 0 && tiling < kNumGemvTilings;
+  (void)defaults;
+  return tiling >= base && tiling < base + count;
 #else
-  for (int t : kDefaultGemvTilings) {
+  (void)base, (void)count;
+  for (int t : defaults) {
     if (t == tiling) return true;
   }
   return false;
 #endif
+}
+
+// The register tilings default_gemv_tiling picks. Keep this list in step with it.
+inline constexpr int kDefaultGemvTilings[] = {1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 14, 27};
+
+constexpr bool gemv_tiling_compiled(int tiling) {
+  return gemv_family_tiling_compiled(tiling, 0, kNumGemvTilings, kDefaultGemvTilings);
 }
 
 // Rows of a block's tiling.
@@ -209,80 +220,18 @@ constexpr int64_t gemv_shared_bytes(const GemvTiling& t, int64_t staged_rows, in
   return 4 * gemv_partial_floats(t) + 2 * staged_rows * cols;
 }
 
-// A residual step folded into the GEMV's input: every block stages, for its activation rows m,
-//   v[m] = (residual[m] + rms_norm(x[m]; weight)) · scalar
-//   (weight_offset + weight; no factor for a null weight), or with next_norm
-//   rms_norm(v[m]; next_weight)
-// rounded to bf16, instead of x[m] itself (each product rounded as add_rms_norm_kernel rounds it).
-// Without done_counter it writes nothing back (the PLE gate: add_rms_norm_deferred, elementwise.h,
-// performs the step later). With done_counter (a device counter at zero) the block that finishes
-// staging last (every other block has read the residual by then: no race) stores v into residual
-// and, with next_norm, the normed rows into next (fp32), then sets the counter back to zero: the
-// whole add_rms_norm step without a kernel of its own (engine::Backend::add_rms_norm_matmul). One m
-// tile only (m <= staged rows). Products kBF16Staged only.
+// A residual step folded into the GEMV's input (the PLE gate reads the residual right after the
+// feed-forward step adds to it): every block stages, for its activation rows m,
+//   residual[m] + rms_norm(x[m]; weight)      (weight_offset + weight; no factor for a null weight)
+// rounded to bf16, instead of x[m] itself, and writes nothing back: add_rms_norm_deferred
+// (elementwise.h) performs the step later. Products kBF16Staged only.
 struct GemvResidualNorm {
-  float* residual = nullptr;  // null: no step, the GEMV multiplies x; written only at done_counter
+  const float* residual = nullptr;  // null: no step, the GEMV multiplies x
   int64_t residual_stride = 0;
   const float* weight = nullptr;
   float weight_offset = 0.0f;
   float eps = 1e-6f;
-  float scalar = 1.0f;
-  bool next_norm = false;
-  const float* next_weight = nullptr;
-  unsigned int* done_counter = nullptr;
-  float* next = nullptr;  // with next_norm and done_counter
-  int64_t next_stride = 0;
 };
-
-// The residual step done once in the GEMV's own tail (gemv_residual_tail.cuh), on the rows y it
-// stores, instead of in a kernel of its own after it (engine::Backend::matmul_add_rms_norm):
-//   residual[m] = (residual[m] + rms_norm(y[m]; weight)) · scalar
-//   next[m] = rms_norm(residual[m]; next_weight)          (only with next non-null)
-// (weight_offset + weight; no factor for a null weight) with their companions, and with router_in
-// a MoE layer's router and expert inputs from the new residual (add_rms_norm_moe's, elementwise.h:
-// MoeInputsSpec), rounded and reduced exactly as add_rms_norm / add_rms_norm_moe do it. Every block
-// counts its finished stores on done_counter (a device counter at zero); the block that counts last
-// runs the step and sets the counter back to zero. Epilogue kNone, no companions of y; rows of y
-// 16-byte aligned, a width of at most 8192 and a multiple of 4; kernels of kGemvTailTilings only.
-struct GemvResidualTail {
-  float* residual = nullptr;  // null: no tail
-  int64_t residual_stride = 0;
-  const float* weight = nullptr;
-  const float* next_weight = nullptr;
-  float weight_offset = 0.0f;
-  float eps = 1e-6f;
-  float scalar = 1.0f;
-  float* next = nullptr;
-  int64_t next_stride = 0;
-  ActivationCompanions residual_companions = {};
-  ActivationCompanions next_companions = {};  // with next only
-  unsigned int* done_counter = nullptr;
-  // The MoE inputs (null router_in: none): router_in may be y itself, expert_in overlaps nothing.
-  float* router_in = nullptr;
-  int64_t router_in_stride = 0;
-  const float* router_scale = nullptr;
-  float router_factor = 1.0f;
-  float* expert_in = nullptr;
-  int64_t expert_in_stride = 0;
-  const float* expert_weight = nullptr;
-};
-
-// The register tilings compiled with a residual-step tail (as well as without): the one-row
-// o_proj / down tilings of E2B and 31B (default_gemv_tiling: 9 with bf16 activations, 27 with
-// fp32 ones staged as bf16) and the 26B's o_proj (27).
-inline constexpr int kGemvTailTilings[] = {9, 27};
-
-constexpr bool gemv_tiling_has_tail(int tiling) {
-  for (int t : kGemvTailTilings) {
-    if (t == tiling) return gemv_tiling_compiled(t);
-  }
-  return false;
-}
-
-// Shared memory the tail's block sums take (two per virtual warp of add_rms_norm's block), and the
-// widest row it takes (add_rms_norm's: two quads in each of 1024 threads).
-inline constexpr int64_t kGemvTailSharedBytes = 2 * 32 * sizeof(float);
-inline constexpr int64_t kGemvTailMaxWidth = 8192;
 
 struct GemvArgs {
   const void* weights;  // 16-byte chunks, row-major: row n starts at chunk n · chunks_per_row
@@ -307,7 +256,6 @@ struct GemvArgs {
   // and kGeluPairs.
   ActivationCompanions y_companions;
   GemvResidualNorm residual_norm;  // x is the step's input (fp32)
-  GemvResidualTail residual_tail;  // y is the step's input
 };
 
 // x[r] (fp32, K = `cols`) → its companions (bf16 and/or kQ8).

@@ -80,22 +80,8 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   const int64_t row_tiles = (args.rows + rows_per_tile - 1) / rows_per_tile;
   config.blockDim = dim3(32 * tiling.warps * tiling.k_warps);
   config.stream = launch.stream;
-  cudaLaunchAttribute attributes[2] = {};
-  int count = 0;
-  if (launch.pdl) {
-    attributes[count].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[count].val.programmaticStreamSerializationAllowed = 1;
-    ++count;
-  }
-  if (tiling.splits > 1) {
-    attributes[count].id = cudaLaunchAttributeClusterDimension;
-    attributes[count].val.clusterDim.x = 1;
-    attributes[count].val.clusterDim.y = static_cast<unsigned>(tiling.splits);
-    attributes[count].val.clusterDim.z = 1;
-    ++count;
-  }
-  config.attrs = attributes;
-  config.numAttrs = count;
+  LaunchAttributes attributes(tiling.splits, launch.pdl);
+  attributes.apply(config);
 
   // Blocks along the rows; looping blocks keep two partial-sum buffers past the activations.
   MmaGemvTiling looping_tiling = tiling;
@@ -111,8 +97,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
     query.gridDim = dim3(1, static_cast<unsigned>(tiling.splits));
     query.dynamicSmemBytes =
         static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups));
-    query.attrs = tiling.splits > 1 ? &attributes[count - 1] : nullptr;
-    query.numAttrs = tiling.splits > 1 ? 1 : 0;
+    attributes.apply_cluster(query);
     const int clusters = resident_clusters(kernel, query, tiling.splits);
     if (clusters > 0) {
       // The fewest blocks for the least tiles per block.

@@ -5,7 +5,6 @@
 #include <utility>
 
 #include "backend/cuda/gemv_kernel.cuh"
-#include "backend/cuda/gemv_residual_tail.cuh"
 #include "backend/cuda/gemv_splitk_kernels.h"
 
 namespace gemma4::cuda {
@@ -14,19 +13,9 @@ namespace gemv_splitk_detail {
 namespace cg = cooperative_groups;
 using gemv_detail::store_rows;
 
-// The registers a thread of a kernel with the tail may use: the kernel's own without the tail
-// (94-96 at R 2, G 3), so that the tail, which holds a whole row in registers, costs the main loop
-// no occupancy; what does not fit spills in the one block that runs it.
-constexpr int kTailRegisters = 96;
-constexpr int tail_min_blocks(int threads) {
-  return 65536 / (threads * kTailRegisters);
-}
-
 // R rows a thread, teams of T lanes, W warps, G chunks a lane, P blocks along K (the cluster).
-// RT: the residual step's tail after the stores (a.residual_tail, gemv_residual_tail.cuh).
-template <ActType XT, int R, int T, int W, int G, int P, bool RT>
-__global__ void __launch_bounds__(W * 32, RT ? tail_min_blocks(W * 32) : 0)
-    gemv_splitk_kernel(GemvArgs a) {
+template <ActType XT, int R, int T, int W, int G, int P>
+__global__ void __launch_bounds__(W * 32) gemv_splitk_kernel(GemvArgs a) {
   static_assert(R % 2 == 0, "a thread stores whole gate/up pairs");
   static_assert(T == 8 || T == 16 || T == 32, "a team is a power-of-two part of a warp");
   static_assert(P >= 1 && P <= 8, "a portable cluster");
@@ -74,7 +63,6 @@ __global__ void __launch_bounds__(W * 32, RT ? tail_min_blocks(W * 32) : 0)
   // Weights never depend on the previous kernel: the first pass's loads (all of them where the
   // tiling covers the part) go out before the wait.
   load_pass(0);
-  if constexpr (RT) gemv_detail::prefetch_tail_weights(a.residual_tail, a.rows);
   pdl_wait_for_predecessors();
 
   float acc[R];
@@ -140,41 +128,33 @@ __global__ void __launch_bounds__(W * 32, RT ? tail_min_blocks(W * 32) : 0)
     }
     store_rows<2>(a, 0, block_row + row_in_block, pair);
   }
-  // Every block counts (the other ranks store nothing: their counts carry no rows); the count
-  // that completes the grid follows every rank-0 block's stores.
-  if constexpr (RT) {
-    __shared__ float tail_totals[2 * 32];
-    gemv_detail::residual_step_tail<W>(a.residual_tail, a.y, a.y_stride, 1, a.rows, tail_totals);
-  }
 }
 
 using KernelFn = void (*)(GemvArgs);
 
-template <ActType XT, int I, bool RT>
+template <ActType XT, int I>
 constexpr KernelFn kernel_for() {
   if constexpr (gemv_splitk_tiling_compiled(kGemvSplitKTilingBase + I)) {
     constexpr GemvSplitKTiling t = kGemvSplitKTilings[I];
     return gemv_splitk_kernel<XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
-                              t.splits, RT>;
+                              t.splits>;
   } else {
     return nullptr;
   }
 }
 
-template <ActType XT, bool RT, size_t... I>
+template <ActType XT, size_t... I>
 constexpr std::array<KernelFn, kNumGemvSplitKTilings> kernel_table(std::index_sequence<I...>) {
-  return {kernel_for<XT, static_cast<int>(I), RT>()...};
+  return {kernel_for<XT, static_cast<int>(I)>()...};
 }
 
-KernelFn select_kernel(ActType x_type, int index, bool tail) {
+KernelFn select_kernel(ActType x_type, int index) {
   constexpr auto kTilings = std::make_index_sequence<kNumGemvSplitKTilings>();
-  static constexpr auto kBF16 = kernel_table<ActType::kBF16, false>(kTilings);
-  static constexpr auto kF32 = kernel_table<ActType::kF32, false>(kTilings);
-  static constexpr auto kBF16Tail = kernel_table<ActType::kBF16, true>(kTilings);
-  static constexpr auto kF32Tail = kernel_table<ActType::kF32, true>(kTilings);
+  static constexpr auto kBF16 = kernel_table<ActType::kBF16>(kTilings);
+  static constexpr auto kF32 = kernel_table<ActType::kF32>(kTilings);
   if (index < 0 || index >= kNumGemvSplitKTilings) return nullptr;
-  if (x_type == ActType::kBF16) return tail ? kBF16Tail[index] : kBF16[index];
-  if (x_type == ActType::kF32) return tail ? kF32Tail[index] : kF32[index];
+  if (x_type == ActType::kBF16) return kBF16[index];
+  if (x_type == ActType::kF32) return kF32[index];
   return nullptr;
 }
 
@@ -182,8 +162,7 @@ KernelFn select_kernel(ActType x_type, int index, bool tail) {
 
 cudaError_t launch_gemv_splitk(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch) {
-  const gemv_splitk_detail::KernelFn kernel =
-      gemv_splitk_detail::select_kernel(x_type, index, args.residual_tail.residual != nullptr);
+  const gemv_splitk_detail::KernelFn kernel = gemv_splitk_detail::select_kernel(x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvSplitKTiling& t = kGemvSplitKTilings[index];
   const int rows_per_block = gemv_splitk_rows_per_block(t);
@@ -192,16 +171,8 @@ cudaError_t launch_gemv_splitk(ActType x_type, int index, const GemvArgs& args,
                         static_cast<unsigned>(t.splits));
   config.blockDim = dim3(32 * t.warps);
   config.stream = launch.stream;
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  // The cluster attribute only for clusters, PDL's only with PDL.
-  config.attrs = t.splits > 1 ? attributes : attributes + 1;
-  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  LaunchAttributes attributes(t.splits, launch.pdl);
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

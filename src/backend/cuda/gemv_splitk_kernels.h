@@ -81,14 +81,8 @@ constexpr bool is_gemv_splitk_tiling(int tiling) {
 }
 
 constexpr bool gemv_splitk_tiling_compiled(int tiling) {
-#ifdef GEMMA4_GEMV_ALL_TILINGS
-  return is_gemv_splitk_tiling(tiling);
-#else
-  for (int t : kDefaultGemvSplitKTilings) {
-    if (t == tiling) return true;
-  }
-  return false;
-#endif
+  return gemv_family_tiling_compiled(tiling, kGemvSplitKTilingBase, kNumGemvSplitKTilings,
+                                     kDefaultGemvSplitKTilings);
 }
 
 constexpr int gemv_splitk_rows_per_block(const GemvSplitKTiling& t) {
@@ -97,10 +91,8 @@ constexpr int gemv_splitk_rows_per_block(const GemvSplitKTiling& t) {
 
 // Enqueues the split-K kernel of tiling kGemvSplitKTilings[index] for one activation row: w4g32
 // weights (any scale type), activations kBF16 or kF32 (rounded to bf16), any epilogue, bf16
-// companions only, no residual step folded into the input; a residual step in the tail
-// (args.residual_tail, gemv_residual_tail.cuh: every tiling has a tail build, whose blocks all
-// count on the done counter). gemv() validates that. cudaErrorInvalidValue for a tiling this build
-// did not compile.
+// companions only, no residual step folded into the input. gemv() validates that.
+// cudaErrorInvalidValue for a tiling this build did not compile.
 cudaError_t launch_gemv_splitk(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch);
 

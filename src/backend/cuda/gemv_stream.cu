@@ -13,6 +13,7 @@
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/occupancy.cuh"
 
 namespace gemma4::cuda {
@@ -28,15 +29,6 @@ __device__ __forceinline__ void biased_nibble_pairs(uint32_t word, uint32_t (&pa
   pairs[1] = and_or<0x000F000Fu>(word >> 4, magic);
   pairs[2] = and_or<0x000F000Fu>(word >> 8, magic);
   pairs[3] = and_or<0x000F000Fu>(word >> 12, magic);
-}
-
-// c += A · B over one m16n8k16 step, bf16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                         uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
 // Activations 8p .. 8p + 7 as bf16 (kF32: rounded, ties to even) in the B order, pairs
@@ -122,8 +114,8 @@ __device__ __forceinline__ void multiply_slice(const uint8_t* weights, int pitch
       uint32_t pg[4], pg8[4];
       biased_nibble_pairs(row_g[i], pg);
       biased_nibble_pairs(row_g8[i], pg8);
-      mma_bf16(c[i / 2], pg[0], pg8[0], pg[1], pg8[1], xw.x, xw.y);
-      mma_bf16(c[i / 2], pg[2], pg8[2], pg[3], pg8[3], xw.z, xw.w);
+      mma_bf16(c[i / 2], {pg[0], pg8[0], pg[1], pg8[1]}, xw.x, xw.y);
+      mma_bf16(c[i / 2], {pg[2], pg8[2], pg[3], pg8[3]}, xw.z, xw.w);
     }
     const uint8_t* scales_g = scales + g * scale_pitch + column_chunk * 2;
     const float2 scale_g = scale_pair(*reinterpret_cast<const uint32_t*>(scales_g), scale_type);
@@ -877,27 +869,18 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  LaunchAttributes attributes(t.splits, launch.pdl);
   // The occupancy query's configuration: one cluster, no stream (a stream being captured is
   // left out of it).
   config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
-  config.attrs = attributes;
-  config.numAttrs = t.splits > 1 ? 1 : 0;
+  attributes.apply_cluster(config);
   const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits, t.producer);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
                         static_cast<unsigned>(t.splits));
   config.stream = launch.stream;
-  // The cluster attribute only for clusters, PDL's only with PDL.
-  config.attrs = t.splits > 1 ? attributes : attributes + 1;
-  config.numAttrs = (t.splits > 1 ? 1 : 0) + (launch.pdl ? 1 : 0);
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -163,14 +163,8 @@ constexpr bool is_gemv_stream_tiling(int tiling) {
 }
 
 constexpr bool gemv_stream_tiling_compiled(int tiling) {
-#ifdef GEMMA4_GEMV_ALL_TILINGS
-  return is_gemv_stream_tiling(tiling);
-#else
-  for (int t : kDefaultGemvStreamTilings) {
-    if (t == tiling) return true;
-  }
-  return false;
-#endif
+  return gemv_family_tiling_compiled(tiling, kGemvStreamTilingBase, kNumGemvStreamTilings,
+                                     kDefaultGemvStreamTilings);
 }
 
 // Bytes of a row of a ring stage's weight slice: padded to 64 mod 128 bytes, so that the 8 lanes

@@ -3,6 +3,6 @@
 
 namespace gemma4::cuda::gemv_detail {
 
-template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int, bool);
+template KernelFn select_kernel<WeightFormat::kW4G32>(ActType, int);
 
 }  // namespace gemma4::cuda::gemv_detail

@@ -3,6 +3,6 @@
 
 namespace gemma4::cuda::gemv_detail {
 
-template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int, bool);
+template KernelFn select_kernel<WeightFormat::kW4G32A>(ActType, int);
 
 }  // namespace gemma4::cuda::gemv_detail

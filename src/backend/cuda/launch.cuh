@@ -1,4 +1,5 @@
-// Device-side half of launch.h: the PDL hooks every kernel calls and the launcher.
+// Device-side half of launch.h: the PDL hooks every kernel calls, the launch attributes (PDL,
+// clusters) and the launcher.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -22,6 +23,45 @@ __device__ __forceinline__ void pdl_wait_for_predecessors() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
 }
 
+// The attributes of a launch: a cluster of `cluster_blocks` blocks along y (no attribute for 1)
+// and, with PDL, programmatic stream serialization. apply() hands a configuration all of them,
+// apply_cluster() the cluster alone (an occupancy query's configuration, which has no stream: a
+// stream being captured is left out of it). A configuration given them must not outlive this.
+class LaunchAttributes {
+ public:
+  LaunchAttributes(int cluster_blocks, bool pdl) {
+    if (cluster_blocks > 1) {
+      cudaLaunchAttribute& cluster = attributes_[count_++];
+      cluster.id = cudaLaunchAttributeClusterDimension;
+      cluster.val.clusterDim.x = 1;
+      cluster.val.clusterDim.y = static_cast<unsigned>(cluster_blocks);
+      cluster.val.clusterDim.z = 1;
+      cluster_count_ = 1;
+    }
+    if (pdl) {
+      cudaLaunchAttribute& serialization = attributes_[count_++];
+      serialization.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+      serialization.val.programmaticStreamSerializationAllowed = 1;
+    }
+  }
+  LaunchAttributes(const LaunchAttributes&) = delete;
+  LaunchAttributes& operator=(const LaunchAttributes&) = delete;
+
+  void apply(cudaLaunchConfig_t& config) {
+    config.attrs = attributes_;
+    config.numAttrs = count_;
+  }
+  void apply_cluster(cudaLaunchConfig_t& config) {
+    config.attrs = attributes_;
+    config.numAttrs = cluster_count_;
+  }
+
+ private:
+  cudaLaunchAttribute attributes_[2] = {};
+  unsigned count_ = 0;          // attributes_ in use
+  unsigned cluster_count_ = 0;  // 1 with the cluster attribute (always attributes_[0])
+};
+
 template <typename... KernelArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t shared_bytes,
                           const Launch& launch, Args&&... args) {
@@ -30,11 +70,8 @@ cudaError_t launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
   config.blockDim = block;
   config.dynamicSmemBytes = shared_bytes;
   config.stream = launch.stream;
-  cudaLaunchAttribute attribute = {};
-  attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute.val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = &attribute;
-  config.numAttrs = launch.pdl ? 1 : 0;
+  LaunchAttributes attributes(1, launch.pdl);
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, static_cast<KernelArgs>(std::forward<Args>(args))...);
 }
 

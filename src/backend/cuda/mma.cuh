@@ -1,7 +1,7 @@
 // Warp-level tensor-core building blocks shared by the attention kernels (decode: attention.cu,
-// prefill: prefill_attention.cu): ldmatrix loads of 8×8 b16 matrices from shared memory and the
-// m16n8k16 bf16 mma. Fragment order (PTX ISA): lane l = 4g + t holds row g, elements 2t and
-// 2t + 1 of each 8×8 matrix.
+// prefill: prefill_attention.cu), the tensor-core GEMVs (gemv_mma, gemv_stream) and the grouped
+// MoE kernels: ldmatrix loads of 8×8 b16 matrices from shared memory and the m16n8k16 bf16 mma.
+// Fragment order (PTX ISA): lane l = 4g + t holds row g, elements 2t and 2t + 1 of each 8×8 matrix.
 #pragma once
 
 #include <cstdint>

@@ -379,27 +379,34 @@ struct DecodeDownArgs {
   int64_t out_stride;
 };
 
+// Token `token`'s picks into downs (an invalid pick: MoeMatrix{}, weights == nullptr, skipped) and
+// their routing weights, the global scale (F's) of the pick's expert folded in
+// (dot_chunk_unscaled's sums lack it), 0 for an invalid pick. Read before the PDL wait: a down grid
+// starts only once every gate/up block has passed its own wait, i.e. after the router completed.
+template <PackedFormat F>
+__device__ __forceinline__ void load_picks(const DecodeDownArgs& a, int token, MoeMatrix* downs,
+                                           float* pick_weights) {
+  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
+    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
+    const int e = a.expert_ids[pick];
+    const bool valid = e >= 0 && e < a.num_experts;
+    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
+    pick_weights[k] = valid ? apply_global_scale<F>(a.experts[e].down, a.weights[pick]) : 0.0f;
+  }
+}
+
 // D: as decode_gate_up_kernel's.
 template <PackedFormat F, NibbleDot D = NibbleDot::kBiased>
 __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDownArgs a) {
   constexpr int R = kDecodeRows;
   constexpr int G = kDownChunksPerLane;
   constexpr int kElems = kChunkElems<F>;
-  // The token's picks (weights == nullptr: an invalid pick, skipped) and routing weights, NVFP4's
-  // global scale of the pick's expert folded in (dot_chunk_unscaled's sums lack it).
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   pdl_trigger_dependents();
   const int token = blockIdx.x;
-  // The router's output, read before the wait: this grid starts only once every gate/up block has
-  // passed its own wait, i.e. after the router completed. The wait below is for the activations.
-  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
-    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
-    const int e = a.expert_ids[pick];
-    const bool valid = e >= 0 && e < a.num_experts;
-    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] = valid ? apply_global_scale<F>(downs[k], a.weights[pick]) : 0.0f;
-  }
+  // The router's output before the wait; the wait below is for the activations.
+  load_picks<F>(a, token, downs, pick_weights);
   __syncthreads();
 
   const int lane = threadIdx.x & 31;
@@ -580,6 +587,31 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
   return {begin, min(begin + per_warp, rounds)};
 }
 
+// acc += the lane's rounds of one tile (mma_round) against the staged activations (`chunks` of
+// them: lanes g == 0 read their round's chunk, the others the zero chunk after the last), R rounds
+// of weights in flight: load_rounds(first) puts rounds first .. first + R − 1 into weights and
+// scale_bits, which hold rounds.begin's R on entry.
+template <int R, typename LoadRounds>
+__device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)[R][2],
+                                         const uint32_t (&scale_bits)[R][2],
+                                         const LoadRounds& load_rounds, RoundRange rounds,
+                                         const uint32_t* staged, int chunks) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  for (int first = rounds.begin; first < rounds.end; first += R) {
+    if (first != rounds.begin) load_rounds(first);
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (first + i >= rounds.end) break;  // warp-uniform
+      const int chunk = 4 * (first + i) + t;
+      const uint32_t* x =
+          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
+      mma_round(acc, weights[i], scale_bits[i], x);
+    }
+  }
+}
+
 // Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
 // (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
 __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
@@ -638,17 +670,7 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
       staged_x, scratch, p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* staged =
-          staged_x + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], staged);
-    }
-  }
+  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
   // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
@@ -686,15 +708,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
   const int token = blockIdx.x;
-  // The router's output before the wait, as decode_down_kernel (see there).
-  for (int k = threadIdx.x; k < a.top_k; k += blockDim.x) {
-    const int64_t pick = static_cast<int64_t>(token) * a.top_k + k;
-    const int e = a.expert_ids[pick];
-    const bool valid = e >= 0 && e < a.num_experts;
-    downs[k] = valid ? a.experts[e].down : MoeMatrix{};
-    pick_weights[k] =
-        valid ? apply_global_scale<PackedFormat::kNVFP4>(a.experts[e].down, a.weights[pick]) : 0.0f;
-  }
+  load_picks<PackedFormat::kNVFP4>(a, token, downs, pick_weights);  // before the wait
   __syncthreads();
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
@@ -735,17 +749,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
       [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* x =
-          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], x);
-    }
-  }
+  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged, chunks);
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
     partial[warp][g] = acc[0];
