@@ -749,27 +749,30 @@ __device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t ro
 // itself in; the last to arrive (all the others' records are then visible: each fenced them
 // before counting) resets the counter for the next launch and combines the records of the part's
 // q heads [first_head, first_head + heads) of the group as merge_splits_kernel does, into the
-// outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats; `last`:
-// a shared flag.
+// outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
                                                     int part, int first_head, int heads, int splits,
-                                                    float* scratch, int& last) {
-  // The barrier orders the block's record stores before thread 0's fence, which (cumulative)
-  // publishes them device-wide before its count; the last block's fence after its count orders
-  // its reads after everyone's stores.
+                                                    float* scratch) {
+  // The block's record stores, ordered before thread 0's count by the barrier, are released with
+  // it (cumulatively); the count that finds every other block done acquires theirs, and the
+  // barrier hands them to the block's threads. A release-acquire atomic rather than two
+  // __threadfence (sequentially consistent fences, each waiting on the whole GPU's ordering).
   __syncthreads();
+  bool counted_last = false;
   if (threadIdx.x == 0) {
-    __threadfence();
     // One counter per (sequence, kv head, part): parts <= group, so [sequence][q head] holds them.
     int* counter =
         a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group + part;
-    last = atomicAdd(counter, 1) == splits - 1;
-    if (last) *counter = 0;  // every block of this launch has counted
-    __threadfence();
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(counter)
+                 : "memory");
+    counted_last = before == splits - 1;
+    if (counted_last) *counter = 0;  // every block of this launch has counted
   }
-  __syncthreads();
-  if (!last) return;
+  if (!__syncthreads_or(counted_last)) return;
   const int first_q_head = kv * a.group + first_head;
   const float* records =
       a.partials +
@@ -808,7 +811,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
   __shared__ int32_t own_position;
-  __shared__ int merge_last;  // merge_in_last_block's
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
@@ -1183,7 +1185,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   }
   if (splits > 1 && a.merge_counters != nullptr) {
     merge_in_last_block<HD>(a, row, kv, part, first_head, heads, splits,
-                            reinterpret_cast<float*>(pipeline), merge_last);
+                            reinterpret_cast<float*>(pipeline));
   }
 }
 
