@@ -459,7 +459,8 @@ Expected<std::unique_ptr<Gemma4Engine>> Gemma4Engine::create(const model::ModelC
   auto impl = std::make_unique<Impl>();
   impl->config = config;
   impl->backend = std::move(backend);
-  GEMMA4_ASSIGN_OR_RETURN(impl->weights, ResidentWeights::create(weights, *impl->backend, options.lm_head));
+  GEMMA4_ASSIGN_OR_RETURN(impl->weights,
+                          ResidentWeights::create(weights, *impl->backend, options.lm_head));
   impl->options = options;
   impl->norm_params = {config.norm_weight_offset, config.rms_norm_eps};
   impl->max_context = config.max_position_embeddings > 0

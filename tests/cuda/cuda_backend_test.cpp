@@ -765,8 +765,7 @@ INSTANTIATE_TEST_SUITE_P(Tiny, CudaGolden,
                                            GoldenCase{"tiny_moe", model::SynthFormat::kBF16},
                                            GoldenCase{"tiny_w4g32", model::SynthFormat::kW4A16},
                                            GoldenCase{"tiny_nvfp4", model::SynthFormat::kNVFP4},
-                                           GoldenCase{"tiny_moe_w4g32",
-                                                      model::SynthFormat::kW4A16},
+                                           GoldenCase{"tiny_moe_w4g32", model::SynthFormat::kW4A16},
                                            GoldenCase{"tiny_dense_w4g32",
                                                       model::SynthFormat::kW4A16}),
                          [](const auto& info) { return info.param.fixture; });
@@ -846,6 +845,7 @@ struct EngineCase {
   std::string config;  // synth preset
   model::SynthFormat format;
   bool gguf_formats = false;  // the matrices re-encoded by GgufRequantizer
+  engine::LmHeadFormat lm_head = engine::LmHeadFormat::kExact;  // both engines'
 };
 
 void PrintTo(const EngineCase& c, std::ostream* os) {
@@ -883,6 +883,11 @@ TEST_P(CudaVsCpuEngine, LongPrefillThenBatchedDecode) {
   options.max_sequences = 3;
   options.max_context = 160;
   options.ring_history = 72;  // whole prompts in one pass
+  // --lm-head q8: both engines read the same 8-bit logits matrix (quant/quantize_w8.h).
+  options.lm_head = c.lm_head;
+  if (c.lm_head == engine::LmHeadFormat::kQ8) {
+    ASSERT_TRUE(engine::lm_head_quantizes(m.weights.lm_head, c.lm_head));
+  }
   auto gpu = cuda_engine(m, options);
   ASSERT_TRUE(gpu);
   auto made =
@@ -938,7 +943,9 @@ INSTANTIATE_TEST_SUITE_P(
                       EngineCase{"tiny_moe", "tiny-moe", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_dense", "tiny-dense", model::SynthFormat::kW4A16},
                       EngineCase{"tiny_gguf_q4_k", "tiny", model::SynthFormat::kGgufQ4_K},
-                      EngineCase{"tiny_gguf_formats", "tiny", model::SynthFormat::kBF16, true}),
+                      EngineCase{"tiny_gguf_formats", "tiny", model::SynthFormat::kBF16, true},
+                      EngineCase{"tiny_moe_nvfp4_lm_head_q8", "tiny-moe",
+                                 model::SynthFormat::kNVFP4, false, engine::LmHeadFormat::kQ8}),
     [](const auto& info) { return info.param.name; });
 
 }  // namespace

@@ -221,34 +221,41 @@ __device__ __forceinline__ PrologueConstants<HD> load_prologue_constants(
 }
 
 // The prologue of a block serving q heads [first_head, first_head + heads) of its group: those
-// heads normed and rotated (`rotation`: the query position's, head_rotation of constants.q) into
-// `prepared_q` (fp32, one head after the other); with `makes_new_key` the query position's K and
-// V into `new_kv` as the cache holds them, and with `stores_new_key` also into the cache at
-// `new_slot` with the slot's position. The K and V warps load their new row with their first q
-// head (one round trip, not two). Ends with a block barrier.
+// heads normed and rotated (at the query position) into `prepared_q` (fp32, one head after the
+// other); with `makes_new_key` the query position's K and V into `new_kv` as the cache holds them,
+// and with `stores_new_key` also into the cache at `new_slot` with the slot's position. The K and V
+// warps load their new row with their first q head (one round trip, not two), and the rotation's
+// sines and cosines are computed while those loads are in flight: they wait for the frequencies,
+// whose load (issued before the PDL wait) may still be on its way from DRAM when the block became
+// resident late, next to the end of its predecessor. Ends with a block barrier.
 template <int HD, typename KvT>
-__device__ __forceinline__ void run_prologue(
-    const AttentionArgs& a, const SequenceKv& sequence, const PrologueConstants<HD>& constants,
-    const HeadRotation<HD / 256>& rotation, int64_t row, int kv, int first_head, int heads,
-    int32_t query_position, bool makes_new_key, bool stores_new_key, int64_t new_slot,
-    float* prepared_q, KvT (*new_kv)[HD], int warp, int lane) {
+__device__ __forceinline__ void run_prologue(const AttentionArgs& a, const SequenceKv& sequence,
+                                             const PrologueConstants<HD>& constants, int64_t row,
+                                             int kv, int first_head, int heads,
+                                             int32_t query_position, bool makes_new_key,
+                                             bool stores_new_key, int64_t new_slot,
+                                             float* prepared_q, KvT (*new_kv)[HD], int warp,
+                                             int lane) {
   constexpr int kPairQuads = HD / 256;
   const DecodePrepare& prepare = a.prepare;
   const bool makes_kv = makes_new_key && (warp == kKeyWarp || warp == kValueWarp);
   const bool is_key = warp == kKeyWarp;
-  HeadQuads<kPairQuads> raw_kv;
+  HeadQuads<kPairQuads> raw_kv, raw_q;
   if (makes_kv) {
     const float* src =
         (is_key ? prepare.k + row * prepare.k_stride : prepare.v + row * prepare.v_stride) +
         int64_t{kv} * HD;
     raw_kv = load_head<kPairQuads, true>(src, HD / 2, lane);
   }
+  const float* q_row =
+      a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head) * HD;
+  if (warp < heads) raw_q = load_head<kPairQuads, true>(q_row + warp * HD, HD / 2, lane);
+  const HeadRotation<kPairQuads> rotation =
+      head_rotation(constants.q, HD / 2, query_position, lane);
   for (int g = warp; g < heads; g += kWarps) {
-    const float* src =
-        a.q + row * a.q_stride + static_cast<int64_t>(kv * a.group + first_head + g) * HD;
+    if (g != warp) raw_q = load_head<kPairQuads, true>(q_row + g * HD, HD / 2, lane);
     const HeadQuads<kPairQuads> head =
-        finish_head(load_head<kPairQuads, true>(src, HD / 2, lane), constants.q, true, true,
-                    rotation, prepare.eps, HD / 2, lane);
+        finish_head(raw_q, constants.q, true, true, rotation, prepare.eps, HD / 2, lane);
     store_head<true>(prepared_q + g * HD, head, HD / 2, lane);
   }
   if (makes_kv) {
@@ -375,9 +382,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   // touches before the first tile is computed (every thread has read its q by then).
   const float* prepared_q = reinterpret_cast<const float*>(pipeline + (kStages - 1) * kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants,
-                     head_rotation(constants.q, HD / 2, query_position, lane), row, kv, first_head,
-                     heads, query_position, makes_new_key, part == 0, scan.slot_of(scanned - 1),
+    run_prologue<HD>(a, sequence, constants, row, kv, first_head, heads, query_position,
+                     makes_new_key, part == 0, scan.slot_of(scanned - 1),
                      const_cast<float*>(prepared_q), new_kv, warp, lane);
   }
 
@@ -553,9 +559,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
 // the whole cost, every head gets its own block (each block of the query's key range makes the new
 // K/V itself; the part-0 one stores it); and at depth the few records of a part's heads merge in
 // the kernel's last block instead of a merge kernel (merges_in_kernel). What needs no predecessor
-// runs before the PDL wait: the query position, the RoPE angles, and the copies of the keys older
-// than the query (attention.h says why that is safe); after it only q, k, v (loaded together), the
-// query's own key and the chain from the scores to the output remain.
+// runs before the PDL wait: the loads of the norm scales and RoPE frequencies, the query position,
+// and the copies of the keys older than the query (attention.h says why that is safe); after it
+// only q, k, v (loaded together; the RoPE angles computed meanwhile), the query's own key and the
+// chain from the scores to the output remain. In the engine a block often becomes resident only
+// about a microsecond before its predecessor (the QKV GEMV) ends, so whatever delays the PDL
+// wait's issue (such as angles waiting on frequencies from DRAM) lies on the critical path.
 constexpr int kMmaTileKeys = 16;
 constexpr int kMmaMaxGroup = 8;
 
@@ -740,27 +749,30 @@ __device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t ro
 // itself in; the last to arrive (all the others' records are then visible: each fenced them
 // before counting) resets the counter for the next launch and combines the records of the part's
 // q heads [first_head, first_head + heads) of the group as merge_splits_kernel does, into the
-// outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats; `last`:
-// a shared flag.
+// outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats.
 template <int HD>
 __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int64_t row, int kv,
                                                     int part, int first_head, int heads, int splits,
-                                                    float* scratch, int& last) {
-  // The barrier orders the block's record stores before thread 0's fence, which (cumulative)
-  // publishes them device-wide before its count; the last block's fence after its count orders
-  // its reads after everyone's stores.
+                                                    float* scratch) {
+  // The block's record stores, ordered before thread 0's count by the barrier, are released with
+  // it (cumulatively); the count that finds every other block done acquires theirs, and the
+  // barrier hands them to the block's threads. A release-acquire atomic rather than two
+  // __threadfence (sequentially consistent fences, each waiting on the whole GPU's ordering).
   __syncthreads();
+  bool counted_last = false;
   if (threadIdx.x == 0) {
-    __threadfence();
     // One counter per (sequence, kv head, part): parts <= group, so [sequence][q head] holds them.
     int* counter =
         a.merge_counters + static_cast<int64_t>(blockIdx.z) * a.q_heads + kv * a.group + part;
-    last = atomicAdd(counter, 1) == splits - 1;
-    if (last) *counter = 0;  // every block of this launch has counted
-    __threadfence();
+    int before;
+    asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;"
+                 : "=r"(before)
+                 : "l"(counter)
+                 : "memory");
+    counted_last = before == splits - 1;
+    if (counted_last) *counter = 0;  // every block of this launch has counted
   }
-  __syncthreads();
-  if (!last) return;
+  if (!__syncthreads_or(counted_last)) return;
   const int first_q_head = kv * a.group + first_head;
   const float* records =
       a.partials +
@@ -799,21 +811,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
   __shared__ int32_t own_position;
-  __shared__ int merge_last;  // merge_in_last_block's
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
   const int t = lane & 3;   // fragment column pair
   const DecodePrepare& prepare = a.prepare;
 
-  // Before the PDL wait, everything that does not depend on the predecessors: the norm scales and
-  // RoPE frequencies, the query position (uploaded before the step) and from it the rotation, the
-  // block's key range, and the copies of the first tiles of keys older than the query (their
-  // rows and slot positions were written by earlier steps; only the query's own slot is written
-  // in this one, and it is read after the wait). Blocks without keys leave before the wait.
-  // The constants' loads go out first: without the warp barrier after them, ptxas issued them
-  // only after the key range's divisions, which wait for the position's load (two global round
-  // trips one after the other on the path to the first copies; SASS).
+  // Before the PDL wait, everything that does not depend on the predecessors: the loads of the
+  // norm scales and RoPE frequencies, the query position (uploaded before the step), the block's
+  // key range, and the copies of the first tiles of keys older than the query (their rows and
+  // slot positions were written by earlier steps; only the query's own slot is written in this
+  // one, and it is read after the wait). Blocks without keys leave before the wait. The
+  // constants' loads go out first (a layer's norm scales come from DRAM): without the warp
+  // barrier after them, ptxas issued them only after the key range's divisions, which wait for
+  // the position's load (SASS).
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
   __syncwarp();
@@ -910,8 +921,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     __syncthreads();
   }
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
-  HeadRotation<HD / 256> rotation;
-  if constexpr (kPrepare) rotation = head_rotation(constants.q, HD / 2, query_position, lane);
   pdl_wait_for_predecessors();
 
   // The own key from the cache: loaded now, stored to shared memory after the prologue (its
@@ -936,7 +945,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const float* prepared_q =
       reinterpret_cast<const float*>(pipeline + (kStages - 1) * T::kStageBytes);
   if constexpr (kPrepare) {
-    run_prologue<HD>(a, sequence, constants, rotation, row, kv, first_head, heads, query_position,
+    run_prologue<HD>(a, sequence, constants, row, kv, first_head, heads, query_position,
                      makes_new_key, part == 0, own_slot, const_cast<float*>(prepared_q), new_kv,
                      warp, lane);
   }
@@ -1176,7 +1185,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   }
   if (splits > 1 && a.merge_counters != nullptr) {
     merge_in_last_block<HD>(a, row, kv, part, first_head, heads, splits,
-                            reinterpret_cast<float*>(pipeline), merge_last);
+                            reinterpret_cast<float*>(pipeline));
   }
 }
 
