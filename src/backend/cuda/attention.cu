@@ -992,14 +992,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int value_row = (lane & 7) + (matrix >> 1) * 8, value_chunk = matrix & 1;
 
   // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
-  // own key or zeroed rows): those writes must come before that stage's bulk copies.
+  // own key or zeroed rows): those writes must come before that stage's bulk copies, if any (a
+  // block of few tiles loads none after its first ones: no proxy fence on its short chain).
   [[maybe_unused]] bool wrote_stage = true;
   for (int tile = 0; tile < tiles; ++tile) {
     const int stage = tile % kStages;
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     if constexpr (kBulk) {
       wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
-      if (wrote_stage) fence_proxy_async();
+      if (wrote_stage && tile + kStages - 1 < tiles) fence_proxy_async();
     }
     __syncthreads();  // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
