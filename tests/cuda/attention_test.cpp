@@ -194,14 +194,15 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
   }
 }
 
-// One launch over sequences at depths 1, 7, 33, 1025 and 5000: the shallow ones use fewer key
-// ranges than the launch has blocks and spread their q heads over the idle blocks (one head per
-// block at depth 1), the deep ones split their keys; every head dim, cache type and window, a
-// group that does not divide evenly into the blocks, and splits sized for the deepest cache or
-// a single one. Full layers hold 1100 positions (deeper queries wrap the ring) except one that
-// holds all 5000 (kept to one split count: its reference is the costly part).
+// One launch over sequences at depths 1, 7, 33, 64, 65, 1025 and 5000: the shallow ones use fewer
+// key ranges than the launch has blocks and spread their q heads over the idle blocks (one head
+// per block at depth 1; up to 64 keys in one range, 65 in three of 32 where the launch has the
+// splits), the deep ones split their keys; every head dim, cache type and window, a group that
+// does not divide evenly into the blocks, and splits sized for the deepest cache or a single one.
+// Full layers hold 1100 positions (deeper queries wrap the ring) except one that holds all 5000
+// (kept to one split count: its reference is the costly part).
 TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
-  const std::vector<int32_t> depths = {0, 6, 32, 1024, 4999};  // query positions
+  const std::vector<int32_t> depths = {0, 6, 32, 63, 64, 1024, 4999};  // query positions
   for (const KvType type : {KvType::kF32, KvType::kBF16, KvType::kFP8}) {
     for (const int splits : {1, 32, 160}) {
       const Case cases[] = {

@@ -81,7 +81,11 @@ struct AttentionArgs {
 // itself; the recorded positions still decide what is visible (a slot may be empty or stale). The
 // keys are cut into split ranges of `per_split` (at least kMinKeysPerSplit, so a shallow cache uses
 // few of the launch's splits); `splits` of them hold keys (at least one, which writes zeros when
-// nothing is visible).
+// nothing is visible). Up to kOneSplitKeys keys take one split: their few tiles are in flight
+// together (the tensor-core kernel keeps 5 tiles of 16 keys of 256 dims in flight, 2 of 512), so
+// a second split would save less than merging the two costs (a merge kernel's place in the
+// chain, ~0.8 us in kernel_bench, or the in-kernel merge's atomic and record round trips).
+constexpr uint32_t kOneSplitKeys = 64;
 struct ScannedKeys {
   int64_t count, first_slot, slots, per_split;
   int splits;
@@ -107,8 +111,9 @@ __device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query
   const auto count = static_cast<uint32_t>(k.count);
   const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
   k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
-  const uint32_t per_split =
-      max(static_cast<uint32_t>(kMinKeysPerSplit), (count + max_splits - 1) / max_splits);
+  const uint32_t per_split = count <= kOneSplitKeys ? max(count, 1u)
+                                                    : max(static_cast<uint32_t>(kMinKeysPerSplit),
+                                                          (count + max_splits - 1) / max_splits);
   k.per_split = per_split;
   k.splits = static_cast<int>(max(1u, (count + per_split - 1) / per_split));
   return k;
@@ -987,14 +992,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int value_row = (lane & 7) + (matrix >> 1) * 8, value_chunk = matrix & 1;
 
   // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
-  // own key or zeroed rows): those writes must come before that stage's bulk copies.
+  // own key or zeroed rows): those writes must come before that stage's bulk copies, if any (a
+  // block of few tiles loads none after its first ones: no proxy fence on its short chain).
   [[maybe_unused]] bool wrote_stage = true;
   for (int tile = 0; tile < tiles; ++tile) {
     const int stage = tile % kStages;
     wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     if constexpr (kBulk) {
       wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
-      if (wrote_stage) fence_proxy_async();
+      if (wrote_stage && tile + kStages - 1 < tiles) fence_proxy_async();
     }
     __syncthreads();  // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
