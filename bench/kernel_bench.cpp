@@ -522,7 +522,6 @@ std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* 
   Weights w;
   make_weights(Format(WeightFormat::kW4G32), width, cols, w);
   const int links = static_cast<int>(w.copies.size());
-  after.mbytes = w.bytes / 1e6;
   void* gemv_x = nullptr;
   CHECK(cudaMalloc(&gemv_x, cols * 2));
   fill(gemv_x, cols * 2, 18, 0x3B7F3B7F);  // small finite bf16 pairs

@@ -14,56 +14,79 @@ namespace {
 
 constexpr int kNormThreads = 256;
 
-// The block sums: every thread gets the totals; one barrier. Each warp reduces its values with
-// shuffles, its lanes put the warp's totals in shared memory, and every thread adds the warps'
-// totals itself (sum_of_groups: float4 reads and a few dependent adds). Every component of every
-// variant is reduced over the same tree (an xor butterfly in the warp, then warp order), so a
+// The block sums: every thread gets the totals. Each warp reduces its values with shuffles and
+// its lanes put the warp's totals in shared memory (scratch[c][warp] for component c); then the
+// second level over the warps (norm_sums.cuh). Every component of every variant is reduced over
+// the same tree (an xor butterfly in the warp, then sum_of_groups' order over the warps), so a
 // value gets the same bits whichever variant sums it. `scratch` (16-byte aligned, 32 floats per
 // component) serves one call only (a second sum in the same kernel takes its own).
 
-// The second level for `groups` groups of 4 warps (at most kGroups): straight-line code for the
-// block's count (a uniform branch per smaller count), so that its reads issue together.
-template <int N, int kGroups = 8>
-__device__ __forceinline__ void sum_warp_totals(const float (*scratch)[32], int groups,
-                                                float (&totals)[N]) {
+// One component: every thread adds the warps' totals itself (one barrier; straight-line code for
+// the block's count of 4-warp groups, a uniform branch per smaller count).
+template <int kGroups = 8>
+__device__ __forceinline__ float sum_warp_totals(const float* totals, int groups) {
   if constexpr (kGroups > 1) {
-    if (groups < kGroups) {
-      sum_warp_totals<N, kGroups - 1>(scratch, groups, totals);
-      return;
-    }
+    if (groups < kGroups) return sum_warp_totals<kGroups - 1>(totals, groups);
   }
-#pragma unroll
-  for (int c = 0; c < N; ++c) totals[c] = sum_of_groups<kGroups>(scratch[c]);
+  return sum_of_groups<kGroups>(totals);
 }
 
-// The warps' totals per component (scratch[c][w]) padded with zeros to a multiple of 4 warps,
-// then the barrier and the second level.
+// Pads the warps' totals of N components with zeros up to a multiple of 4 warps.
 template <int N>
-__device__ __forceinline__ void finish_block_sums(float (*scratch)[32], float (&totals)[N]) {
+__device__ __forceinline__ void pad_warp_totals(float (*scratch)[32]) {
   const int warps = static_cast<int>(blockDim.x / 32);
   const int pad = (4 - warps % 4) % 4;
   if (static_cast<int>(threadIdx.x) < N * pad) {
     scratch[threadIdx.x / pad][warps + threadIdx.x % pad] = 0.0f;
   }
+}
+
+// Several components: every thread reading every warp's totals would cost a read per component
+// and group in each warp (the shared-memory pipe, not latency, bounds that past ~12 warps), so
+// the first warp adds them (8 lanes per component) and publishes the totals: two barriers.
+// `published`: 4 floats, 16-byte aligned.
+template <int N>
+__device__ __forceinline__ void finish_block_sums(float (*scratch)[32], float* published,
+                                                  float (&totals)[N]) {
+  static_assert(N <= 4);
+  pad_warp_totals<N>(scratch);
   __syncthreads();
-  sum_warp_totals(scratch, (warps + 3) / 4, totals);
+  if (threadIdx.x < 32) {
+    const int component = static_cast<int>(threadIdx.x / 8);
+    const int groups = (static_cast<int>(blockDim.x / 32) + 3) / 4;
+    const float total =
+        butterfly_of_groups(scratch[component < N ? component : 0], component < N ? groups : 0);
+    if (threadIdx.x % 8 == 0 && component < N) published[component] = total;
+  }
+  __syncthreads();
+  if constexpr (N > 2) {
+    const float4 all = *reinterpret_cast<const float4*>(published);
+    const float values[4] = {all.x, all.y, all.z, all.w};
+#pragma unroll
+    for (int c = 0; c < N; ++c) totals[c] = values[c];
+  } else {
+    const float2 all = *reinterpret_cast<const float2*>(published);
+    totals[0] = all.x;
+    if constexpr (N == 2) totals[1] = all.y;
+  }
 }
 
 // Sum of `value` over the block (a multiple of 32 threads, at most 1024).
 __device__ float block_sum(float value, float (*scratch)[32]) {
   value = warp_sum(value);
   if ((threadIdx.x & 31) == 0) scratch[0][threadIdx.x / 32] = value;
-  float totals[1];
-  finish_block_sums(scratch, totals);
-  return totals[0];
+  pad_warp_totals<1>(scratch);
+  __syncthreads();
+  return sum_warp_totals(scratch[0], (static_cast<int>(blockDim.x / 32) + 3) / 4);
 }
 
-// Two (or four) block sums in one barrier. The warp's reduction is transposed: each shuffle
+// Two (or four) block sums at once (published: 4 floats, 16-byte aligned, for the totals). The
+// warp's reduction is transposed: each shuffle
 // moves one value, and the lanes end with different components' totals (a value sent is one the
 // sending lane gives up): 5 shuffles for two values, 6 for four, where a butterfly per value
 // takes 10 or 20 (one shuffle instruction a cycle per SM: the four values' shuffles of a full
 // block would outlast the butterfly's latency).
-__device__ float2 block_sum2(float2 value, float (*scratch)[32]) {
+__device__ float2 block_sum2(float2 value, float (*scratch)[32], float* published) {
   const int lane = threadIdx.x & 31;
   const bool upper = lane & 16;  // keeps component 1
   float mine = upper ? value.y : value.x;
@@ -72,11 +95,11 @@ __device__ float2 block_sum2(float2 value, float (*scratch)[32]) {
   for (int offset = 8; offset > 0; offset /= 2) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, offset);
   if (lane % 16 == 0) scratch[lane / 16][threadIdx.x / 32] = mine;
   float totals[2];
-  finish_block_sums(scratch, totals);
+  finish_block_sums(scratch, published, totals);
   return {totals[0], totals[1]};
 }
 
-__device__ float4 block_sum4(float4 value, float (*scratch)[32]) {
+__device__ float4 block_sum4(float4 value, float (*scratch)[32], float* published) {
   const int lane = threadIdx.x & 31;
   const bool upper = lane & 16;  // keeps components 2, 3
   float kept0 = upper ? value.z : value.x, kept1 = upper ? value.w : value.y;
@@ -89,7 +112,7 @@ __device__ float4 block_sum4(float4 value, float (*scratch)[32]) {
   for (int offset = 4; offset > 0; offset /= 2) mine += __shfl_xor_sync(0xFFFFFFFFu, mine, offset);
   if (lane % 8 == 0) scratch[lane / 8][threadIdx.x / 32] = mine;  // component lane / 8
   float totals[4];
-  finish_block_sums(scratch, totals);
+  finish_block_sums(scratch, published, totals);
   return {totals[0], totals[1], totals[2], totals[3]};
 }
 
@@ -319,7 +342,7 @@ template <int kQuads, bool kAligned, AddNormStep kStep>
 __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArgs a) {
   pdl_trigger_dependents();
   __shared__ __align__(16) float x_sums[1][32], branch_sums[1][32], deferred_sums[2][32],
-      expansion_sums[4][32], residual_sums[1][32];
+      expansion_sums[4][32], residual_sums[1][32], published_sums[2][4];
   const int64_t width = a.x.width;
   const AddNormSpec& spec = a.spec;
   const bool has_next = a.next.data != nullptr;
@@ -362,8 +385,8 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
   if constexpr (kStep == AddNormStep::kDeferred) {
     // Neither norm depends on the other: one reduction for both. The deferred step rounds as the
     // add_rms_norm that would have run it (scalar 1).
-    const float2 sums =
-        block_sum2(make_float2(sum_of_squares(extra), sum_of_squares(x)), deferred_sums);
+    const float2 sums = block_sum2(make_float2(sum_of_squares(extra), sum_of_squares(x)),
+                                   deferred_sums, published_sums[0]);
     scale_row(extra, inverse_rms_of_sum(sums.x, width, spec.eps), extra_scale);
 #pragma unroll
     for (int k = 0; k < kQuads; ++k)
@@ -371,12 +394,14 @@ __global__ void __launch_bounds__(kMaxRowThreads) add_rms_norm_kernel(AddNormArg
       for (int e = 0; e < 4; ++e) residual[k].v[e] = residual[k].v[e] + extra[k].v[e];
     x_inv = inverse_rms_of_sum(sums.y, width, spec.eps);
     if (needs_residual_norm) {
-      const float4 terms = block_sum4(residual_step_terms(x, residual, scale), expansion_sums);
+      const float4 terms =
+          block_sum4(residual_step_terms(x, residual, scale), expansion_sums, published_sums[1]);
       residual_sum_of_squares =
           expanded_sum_of_squares(terms.y, terms.z, terms.w, x_inv, spec.scalar);
     }
   } else if (needs_residual_norm) {
-    const float4 terms = block_sum4(residual_step_terms(x, residual, scale), expansion_sums);
+    const float4 terms =
+        block_sum4(residual_step_terms(x, residual, scale), expansion_sums, published_sums[1]);
     x_inv = inverse_rms_of_sum(terms.x, width, spec.eps);
     residual_sum_of_squares =
         expanded_sum_of_squares(terms.y, terms.z, terms.w, x_inv, spec.scalar);

@@ -7,20 +7,34 @@
 
 namespace gemma4::cuda {
 
-// Σ of kGroups · 4 floats of shared memory (16-byte aligned: one float4 read per group) in one
-// fixed order, each group pairwise, the groups in index order: every thread that reads the same
-// values gets the same bits. The second level of the block sums (per-warp partials): the reads
-// issue together, then a few dependent adds, instead of a second shuffle reduction.
+// The second level of the block sums: Σ of the per-warp totals in groups of 4 warps (a float4 of
+// 16-byte aligned shared memory each, zeros past the last warp), at most 8 groups, in one fixed
+// order: each group pairwise, then the groups as an xor butterfly over 8 lanes would add them,
+// ((s0 + s4) + (s2 + s6)) + ((s1 + s5) + (s3 + s7)), missing groups zeros. sum_of_groups adds
+// them in one thread (its reads issue together); butterfly_of_groups in 8 lanes of a warp. Both
+// give the same bits.
+__device__ __forceinline__ float group_total(const float* values, int group) {
+  const float4 q = reinterpret_cast<const float4*>(values)[group];
+  return (q.x + q.y) + (q.z + q.w);
+}
+
 template <int kGroups>
 __device__ __forceinline__ float sum_of_groups(const float* values) {
-  const float4* quads = reinterpret_cast<const float4*>(values);
-  float total = 0.0f;
+  static_assert(kGroups >= 1 && kGroups <= 8);
+  float s[8];
 #pragma unroll
-  for (int i = 0; i < kGroups; ++i) {
-    const float4 q = quads[i];
-    total += (q.x + q.y) + (q.z + q.w);
-  }
-  return total;
+  for (int g = 0; g < 8; ++g) s[g] = g < kGroups ? group_total(values, g) : 0.0f;
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+// The same sum by 8 consecutive lanes (aligned to 8) of a warp that all call: lane g % 8 reads
+// group g; every one of the 8 gets the total. Groups at or past `groups` count as zeros.
+__device__ __forceinline__ float butterfly_of_groups(const float* values, int groups) {
+  const int group = static_cast<int>(threadIdx.x & 7);
+  float s = group < groups ? group_total(values, group) : 0.0f;
+#pragma unroll
+  for (int offset = 4; offset > 0; offset /= 2) s += __shfl_xor_sync(0xFFFFFFFFu, s, offset);
+  return s;
 }
 
 // Σ_j ((r_j + x_j·w_j·inv) · scalar)², the sum of squares of a residual step's new residual, from

@@ -29,7 +29,6 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
-#include <cstdlib>
 #include <cuda/ptx>
 
 #include "backend/cuda/device_math.cuh"
@@ -363,12 +362,17 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   }
   sums = make_float4(warp_sum(sums.x), warp_sum(sums.y), warp_sum(sums.z), 0.0f);
   if (lane == 0) projected_sums[warp] = sums;
-  __syncthreads();  // projected[], projected_sums[] and v_squares[] whole
-  if (t < kClusterBlocks) {
-    float4 block_sums = projected_sums[0];
+  __syncthreads();           // projected[], projected_sums[] and v_squares[] whole
+  if (t < kClusterBlocks) {  // the block's sums (a tree over its warps) to block t
+    float4 block_sums[L::kWarps];
 #pragma unroll
-    for (int w = 1; w < L::kWarps; ++w) block_sums = add_sums(block_sums, projected_sums[w]);
-    send(cluster, &projected_sums_in[rank], block_sums, &arrivals[kProjectedSums], t, t == rank);
+    for (int w = 0; w < L::kWarps; ++w) block_sums[w] = projected_sums[w];
+#pragma unroll
+    for (int half = L::kWarps / 2; half > 0; half /= 2) {
+#pragma unroll
+      for (int w = 0; w < half; ++w) block_sums[w] = add_sums(block_sums[w], block_sums[w + half]);
+    }
+    send(cluster, &projected_sums_in[rank], block_sums[0], &arrivals[kProjectedSums], t, t == rank);
   }
   // The other warps are done: the column warps keep the block (its shared memory) until all its
   // peers send it has arrived, and until every peer has received all it sent (the closing
@@ -434,14 +438,6 @@ cudaError_t launch_ple_step(const PleStepArgs& a, const Launch& launch) {
 }
 
 }  // namespace
-
-int ple_step_cluster_blocks() {
-  static const int blocks = [] {
-    const char* value = std::getenv("GEMMA4_PLE_CLUSTER_BLOCKS");
-    return value != nullptr && std::atoi(value) == 16 ? 16 : kPleStepDefaultClusterBlocks;
-  }();
-  return blocks;
-}
 
 cudaError_t ple_step(const PleStepArgs& a, const Launch& launch, int cluster_blocks) {
   const bool has_next = a.next.data != nullptr;

@@ -33,20 +33,17 @@ struct PleStepArgs {
 };
 
 // The cluster sizes compiled: 8 blocks of 16 warps (portable) or 16 of 8 (non-portable: half the
-// per-block work and registers). On the H200 (session 7) 16 blocks won in kernel_bench's chains
-// (4.2 against 4.7-5.2 µs a step) but lost in `gemma4 bench` E2B b1 (554 against 575 tok/s), so
-// CudaBackend launches 8.
+// per-block work and registers). On the H200 16 blocks win in kernel_bench's chains (session 9:
+// 3.62 against 4.38 µs a step, 3.79 against 4.50 after a down GEMV) but not in `gemma4 bench` E2B
+// b1 (764.4 / 764.2 against 767.7 / 765.8 tok/s; session 7: 554 against 575), so CudaBackend
+// launches 8.
 constexpr int kPleStepDefaultClusterBlocks = 8;
-
-// TEMPORARY (session 9 A/B in the engine, removed once measured): the environment's
-// GEMMA4_PLE_CLUSTER_BLOCKS (8 or 16), else kPleStepDefaultClusterBlocks.
-int ple_step_cluster_blocks();
 
 // Enqueues the step on a cluster of `cluster_blocks` blocks (8 or 16). cudaErrorInvalidValue,
 // with nothing enqueued, for what the kernel does not take: other than one row, a shape other
 // than E2B's (hidden 1536, ple width 256), other weight formats, unaligned rows or weights (16
 // bytes), companions that do not fit, another cluster size.
 cudaError_t ple_step(const PleStepArgs& args, const Launch& launch,
-                     int cluster_blocks = ple_step_cluster_blocks());
+                     int cluster_blocks = kPleStepDefaultClusterBlocks);
 
 }  // namespace gemma4::cuda
