@@ -6,23 +6,37 @@
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <ostream>
 #include <vector>
 
 #include "engine/engine.h"
 #include "test_support.h"
 
+namespace gemma4::engine {
+// For gtest's messages.
+inline void PrintTo(const GreedyToken& token, std::ostream* out) {
+  *out << "{" << token.id << ", " << token.logit << ", " << token.log_normaliser << "}";
+}
+}  // namespace gemma4::engine
+
 namespace gemma4::testing {
 
 // One decode_greedy run: the tokens each sequence was told about, in order.
-using GreedyTokens = std::vector<std::vector<int32_t>>;
+using GreedyTokens = std::vector<std::vector<engine::GreedyToken>>;
+
+// How decode_with_stops ends a sequence at its limit: GreedyNext::kStop at its last token (an
+// end the caller did not see coming: a step enqueued ahead is rolled back), or kLast at the one
+// before (announced).
+enum class Ending { kUnforeseen, kAnnounced };
 
 // Opens one sequence per prompt on `engine`, prefills it (step_sampled, one candidate), then
-// decodes greedily from first_tokens, sequence i stopping at its limits[i]-th token (or at a
-// full context). `chained`: Engine::decode_greedy, else greedy_decode_by_steps.
+// decodes greedily from first_tokens, sequence i stopping at its limits[i]-th token as endings[i]
+// says (or at a full context). `chained`: Engine::decode_greedy, else greedy_decode_by_steps.
 inline GreedyTokens decode_with_stops(engine::Engine& engine,
                                       const std::vector<std::vector<int32_t>>& prompts,
                                       const std::vector<int32_t>& first_tokens,
-                                      const std::vector<int>& limits, bool chained,
+                                      const std::vector<int>& limits,
+                                      const std::vector<Ending>& endings, bool chained,
                                       std::vector<engine::SequenceId>& sequences) {
   sequences.clear();
   for (const auto& prompt : prompts) {
@@ -35,9 +49,13 @@ inline GreedyTokens decode_with_stops(engine::Engine& engine,
     EXPECT_TRUE(engine.step_sampled({&input, 1}, {&request, 1}, {&summary, 1}, {}).ok());
   }
   GreedyTokens seen(prompts.size());
-  const auto on_token = [&](size_t i, int32_t token) {
+  const auto on_token = [&](size_t i, const engine::GreedyToken& token) {
     seen[i].push_back(token);
-    return static_cast<int>(seen[i].size()) < limits[i];
+    const int count = static_cast<int>(seen[i].size());
+    if (count >= limits[i]) return engine::GreedyNext::kStop;
+    if (endings[i] == Ending::kAnnounced && count + 1 == limits[i])
+      return engine::GreedyNext::kLast;
+    return engine::GreedyNext::kContinue;
   };
   const Status status =
       chained ? engine.decode_greedy(sequences, first_tokens, on_token)

@@ -21,7 +21,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
-#include <functional>
 #include <memory>
 #include <optional>
 #include <sstream>
@@ -368,23 +367,23 @@ class Bench {
         inputs.push_back({sequences[b], std::span(next).subspan(b, 1)});
       return greedy_step(engine, inputs);
     };
-    // Chained (Engine::decode_greedy): `steps` steps, each sequence fed back its greedy token;
-    // `on_last` runs when the last step's tokens reach the host (the step enqueued after it, on
-    // the guess that decoding goes on, is not what a caller waits for).
+    // Chained (Engine::decode_greedy): `steps` steps, each sequence fed back its greedy token,
+    // the last one announced (no step enqueued past it).
     const bool chain = chained_decode();
-    const auto chained = [&](int steps, const std::function<void()>& on_last) {
+    const auto chained = [&](int steps) {
       const auto first = tokens.take(batch);
       std::vector<int> seen(sequences.size(), 0);
-      return engine.decode_greedy(sequences, first, [&](size_t i, int32_t) {
-        if (++seen[i] < steps) return true;
-        if (i + 1 == sequences.size()) on_last();
-        return false;
+      return engine.decode_greedy(sequences, first, [&](size_t i, const engine::GreedyToken&) {
+        ++seen[i];
+        return seen[i] >= steps       ? engine::GreedyNext::kStop
+               : seen[i] + 1 == steps ? engine::GreedyNext::kLast
+                                      : engine::GreedyNext::kContinue;
       });
     };
     // Step 1 runs unrecorded, step 2 records the graph (EngineOptions::record_decode).
     constexpr int kWarmupSteps = 2;
     if (chain) {
-      GEMMA4_RETURN_IF_ERROR(chained(kWarmupSteps, [] {}));
+      GEMMA4_RETURN_IF_ERROR(chained(kWarmupSteps));
     } else {
       for (int warmup = 0; warmup < kWarmupSteps; ++warmup) GEMMA4_RETURN_IF_ERROR(step());
     }
@@ -397,15 +396,14 @@ class Bench {
       if (args_.step_times) backend.time_replays(true);
       const auto start = Clock::now();
       if (chain) {
-        GEMMA4_RETURN_IF_ERROR(
-            chained(args_.decode_tokens, [&] { elapsed = seconds_since(start); }));
+        GEMMA4_RETURN_IF_ERROR(chained(args_.decode_tokens));
       } else {
         for (int i = 0; i < args_.decode_tokens; ++i) {
           range.mark_step();
           GEMMA4_RETURN_IF_ERROR(step());
         }
-        elapsed = seconds_since(start);
       }
+      elapsed = seconds_since(start);
       if (args_.step_times) {
         backend.time_replays(false);
         *step_times = backend.replay_times();

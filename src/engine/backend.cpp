@@ -178,22 +178,25 @@ void Backend::summarize_logits(Rows logits, std::span<const LogitRowRequest> row
 }
 
 void Backend::enqueue_greedy(Rows logits, int32_t* token_ids, int32_t* positions,
-                             std::span<int32_t> tokens, int slot) {
+                             std::span<GreedyToken> tokens, int slot) {
   (void)slot;
   const LogitRequest greedy{1, {}};
   std::vector<LogitRowRequest> rows;
   for (int64_t r = 0; r < logits.count; ++r) rows.push_back({r, greedy});
   std::vector<LogitSummary> summaries(rows.size());
   summarize_logits(logits, rows, summaries);
-  std::vector<int32_t> next_positions(rows.size());
+  std::vector<int32_t> ids(rows.size()), next_positions(rows.size());
   const size_t bytes = sizeof(int32_t) * rows.size();
   download(next_positions.data(), positions, bytes);
   for (size_t r = 0; r < rows.size(); ++r) {
+    const LogitSummary& summary = summaries[r];
     // No candidate only after a failure, which status() reports.
-    tokens[r] = summaries[r].top.empty() ? 0 : summaries[r].top.front().first;
+    if (!summary.top.empty())
+      tokens[r] = {summary.top.front().first, summary.top.front().second, summary.log_normaliser};
+    ids[r] = tokens[r].id;
     ++next_positions[r];
   }
-  upload(token_ids, tokens.data(), bytes);
+  upload(token_ids, ids.data(), bytes);
   upload(positions, next_positions.data(), bytes);
 }
 

@@ -395,13 +395,13 @@ class Backend {
   // Chained greedy decoding (Gemma4Engine::decode_greedy), at most kGreedySlots steps in flight:
   // enqueue_greedy enqueues, for each row r of `logits`, its greedy token (the largest logit,
   // equal logits: the lower id, as summarize_logits ranks) into token_ids[r] (backend memory: the
-  // next decode step's input), one more on positions[r], and a copy of the tokens to tokens[r]
-  // on the host, there once wait_greedy(slot) returns (tokens must stay valid until then). A
-  // slot is enqueued again only after its wait. Default: summarize_logits and the uploads, done
-  // when it returns.
+  // next decode step's input), one more on positions[r], and a copy of the token, its logit and
+  // the row's log-normaliser to tokens[r] on the host, there once wait_greedy(slot) returns
+  // (tokens must stay valid until then). A slot is enqueued again only after its wait. Default:
+  // summarize_logits and the uploads, done when it returns.
   static constexpr int kGreedySlots = 2;
   virtual void enqueue_greedy(Rows logits, int32_t* token_ids, int32_t* positions,
-                              std::span<int32_t> tokens, int slot);
+                              std::span<GreedyToken> tokens, int slot);
   virtual void wait_greedy(int slot) { (void)slot; }
 };
 

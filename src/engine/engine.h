@@ -55,6 +55,30 @@ struct LogitSummary {
   std::vector<std::pair<int32_t, float>> top;
 };
 
+// One token of Engine::decode_greedy: a row's greedy token (top[0] of a one-candidate
+// LogitSummary without edits), its logit and the row's log-normaliser (log-probability = logit -
+// log_normaliser).
+struct GreedyToken {
+  int32_t id = 0;
+  float logit = 0.0f;
+  double log_normaliser = 0.0;
+
+  bool operator==(const GreedyToken&) const = default;
+};
+
+// What decode_greedy does with a sequence's token once on_token has seen it.
+enum class GreedyNext : uint8_t {
+  kStop,      // not appended: the sequence stops (an end-of-sequence token, the last one wanted)
+  kContinue,  // appended by the next step, whose token on_token sees next
+  // Appended by the next step, whose token is the sequence's last: on_token sees it, and the
+  // sequence stops there whatever on_token answers. An engine that enqueues steps ahead enqueues
+  // none past a known end (kStop instead costs the sequence a step enqueued for nothing).
+  kLast,
+};
+
+// decode_greedy's callback: (index into its sequences, the sequence's token of the step).
+using GreedyTokenCallback = std::function<GreedyNext(size_t, const GreedyToken&)>;
+
 // Applies `edits` to `row` in place (every edit's token must be inside the row).
 void apply_logit_edits(std::span<float> row, std::span<const LogitEdit> edits);
 
@@ -99,24 +123,25 @@ class Engine {
 
   // Greedy decoding of several sequences, one token per sequence and step: the first step
   // appends first_tokens[i] to sequences[i]; each step's greedy token of sequence i (top[0] of
-  // a one-candidate LogitRequest without edits) goes to on_token(i, token), which returns true
-  // to append it in the next step, false to stop sequence i there (the token is not appended:
-  // an end-of-sequence token, the last one wanted). A sequence also stops when its context is
-  // full after a step (on_token still sees that step's token; its answer is then ignored).
-  // Returns once every sequence has stopped. The tokens, logits and KV are exactly those of
+  // a one-candidate LogitRequest without edits, with its logit and log-normaliser) goes to
+  // on_token(i, token), whose GreedyNext says whether the next step appends it. A sequence also
+  // stops when its context is full after a step (on_token still sees that step's token; its
+  // answer is then ignored). Returns once every sequence has stopped. on_token may close
+  // sequences (close_sequence; one of this call's only once it has stopped, or as on_token
+  // stops it) and call nothing else of the engine. The tokens, logits and KV are exactly those of
   // step_sampled steps fed back the greedy tokens by the caller (the default implementation,
   // greedy_decode_by_steps); an engine whose logits live on a device keeps each token there and
   // enqueues the next step before the host sees the token (Gemma4Engine).
   virtual Status decode_greedy(std::span<const SequenceId> sequences,
                                std::span<const int32_t> first_tokens,
-                               const std::function<bool(size_t, int32_t)>& on_token);
+                               const GreedyTokenCallback& on_token);
 };
 
 // Engine::decode_greedy's reference: a step_sampled step per token, the greedy token fed back by
 // the host.
 Status greedy_decode_by_steps(Engine& engine, std::span<const SequenceId> sequences,
                               std::span<const int32_t> first_tokens,
-                              const std::function<bool(size_t, int32_t)>& on_token);
+                              const GreedyTokenCallback& on_token);
 
 // Checks step_sampled's arguments against the inputs and the vocabulary (shared by engines).
 Status check_logit_requests(size_t inputs, std::span<const LogitRequest> requests,

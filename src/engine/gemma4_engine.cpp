@@ -693,14 +693,14 @@ namespace {
 struct GreedyStep {
   std::vector<size_t> members;
   int slot = 0;
-  std::vector<int32_t> tokens;
+  std::vector<GreedyToken> tokens;
 };
 
 }  // namespace
 
 Status Gemma4Engine::decode_greedy(std::span<const SequenceId> sequences,
                                    std::span<const int32_t> first_tokens,
-                                   const std::function<bool(size_t, int32_t)>& on_token) {
+                                   const GreedyTokenCallback& on_token) {
   Impl& m = *impl_;
   if (first_tokens.size() != sequences.size())
     return make_error(ErrorCode::kInvalidArgument, "{} sequences but {} first tokens",
@@ -716,6 +716,8 @@ Status Gemma4Engine::decode_greedy(std::span<const SequenceId> sequences,
   // The token each sequence appends next, as far as the host knows it (a new chain uploads it).
   std::vector<int32_t> next(first_tokens.begin(), first_tokens.end());
   std::vector<size_t> live;  // sequences not stopped, in list order
+  // Sequences whose next step is their last (GreedyNext::kLast): none is enqueued past it.
+  std::vector<bool> last(sequences.size(), false);
   for (size_t i = 0; i < sequences.size(); ++i) live.push_back(i);
   std::deque<GreedyStep> in_flight;  // oldest first; at most kGreedySlots
   int slot = 0;
@@ -753,14 +755,18 @@ Status Gemma4Engine::decode_greedy(std::span<const SequenceId> sequences,
                               step.tokens, slot);
     slot = (slot + 1) % Backend::kGreedySlots;
   };
-  const auto has_room = [&](size_t i) { return m.sequences[sequences[i]].length < m.max_context; };
+  // Whether a step may be enqueued after the one in flight for sequence i.
+  const auto goes_on = [&](size_t i) {
+    return !last[i] && m.sequences[sequences[i]].length < m.max_context;
+  };
 
   while (!in_flight.empty() || !live.empty()) {
     if (in_flight.empty()) enqueue_step(live, /*chained=*/false);
     // The next step on the guess that every member continues: only while the step in flight
-    // holds exactly the live sequences and each has room for one more token.
+    // holds exactly the live sequences, none of them ends with it and each has room for one
+    // more token.
     if (in_flight.size() == 1 && in_flight.front().members == live &&
-        std::all_of(live.begin(), live.end(), has_room)) {
+        std::all_of(live.begin(), live.end(), goes_on)) {
       enqueue_step(live, /*chained=*/true);
     }
     const GreedyStep step = std::move(in_flight.front());
@@ -784,8 +790,10 @@ Status Gemma4Engine::decode_greedy(std::span<const SequenceId> sequences,
       if (std::find(live.begin(), live.end(), i) == live.end()) continue;
       const bool ahead = appended_ahead(i);
       const int64_t length = m.sequences[sequences[i]].length - (ahead ? 1 : 0);
-      if (on_token(i, step.tokens[k]) && length < m.max_context) {
-        next[i] = step.tokens[k];
+      const GreedyNext answer = on_token(i, step.tokens[k]);
+      if (!last[i] && answer != GreedyNext::kStop && length < m.max_context) {
+        next[i] = step.tokens[k].id;
+        last[i] = answer == GreedyNext::kLast;
         continuing.push_back(i);
       } else if (ahead) {
         // The step after wrote the stopped token's K/V at position `length`, into the slot of

@@ -116,12 +116,12 @@ class Gemma4Engine final : public Engine {
                       std::span<LogitSummary> summaries, std::span<float> full_rows) override;
   // Chained on the backend: each step's greedy tokens stay in backend memory as the next step's
   // input (Backend::enqueue_greedy) and the next step is enqueued before the host reads them, on
-  // the guess that every sequence continues. A sequence that stops instead rolls that step's
-  // token back (its KV write past the end is forgotten, as truncate_sequence does); the others
-  // finish that step, then go on in a new chain whose first step's tokens are uploaded. Batches
-  // larger than a pass: greedy_decode_by_steps.
+  // the guess that every sequence continues (not past a GreedyNext::kLast step). A sequence that
+  // stops instead rolls that step's token back (its KV write past the end is forgotten, as
+  // truncate_sequence does); the others finish that step, then go on in a new chain whose first
+  // step's tokens are uploaded. Batches larger than a pass: greedy_decode_by_steps.
   Status decode_greedy(std::span<const SequenceId> sequences, std::span<const int32_t> first_tokens,
-                       const std::function<bool(size_t, int32_t)>& on_token) override;
+                       const GreedyTokenCallback& on_token) override;
 
  private:
   struct Impl;

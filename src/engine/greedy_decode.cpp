@@ -8,12 +8,13 @@ namespace gemma4::engine {
 
 Status greedy_decode_by_steps(Engine& engine, std::span<const SequenceId> sequences,
                               std::span<const int32_t> first_tokens,
-                              const std::function<bool(size_t, int32_t)>& on_token) {
+                              const GreedyTokenCallback& on_token) {
   if (first_tokens.size() != sequences.size())
     return make_error(ErrorCode::kInvalidArgument, "{} sequences but {} first tokens",
                       sequences.size(), first_tokens.size());
   std::vector<int32_t> next(first_tokens.begin(), first_tokens.end());
-  std::vector<size_t> live;  // indices into sequences, in order
+  std::vector<bool> last(sequences.size(), false);  // the next step is the sequence's last
+  std::vector<size_t> live;                         // indices into sequences, in order
   for (size_t i = 0; i < sequences.size(); ++i) live.push_back(i);
   std::vector<StepInput> inputs;
   std::vector<LogitSummary> summaries;
@@ -26,9 +27,13 @@ Status greedy_decode_by_steps(Engine& engine, std::span<const SequenceId> sequen
     std::vector<size_t> continuing;
     for (size_t k = 0; k < live.size(); ++k) {
       const size_t i = live[k];
-      const int32_t token = summaries[k].top.front().first;
-      if (on_token(i, token) && engine.sequence_length(sequences[i]) < engine.max_context()) {
-        next[i] = token;
+      const auto [id, logit] = summaries[k].top.front();
+      const GreedyToken token{id, logit, summaries[k].log_normaliser};
+      const GreedyNext answer = on_token(i, token);
+      if (!last[i] && answer != GreedyNext::kStop &&
+          engine.sequence_length(sequences[i]) < engine.max_context()) {
+        next[i] = id;
+        last[i] = answer == GreedyNext::kLast;
         continuing.push_back(i);
       }
     }
@@ -39,7 +44,7 @@ Status greedy_decode_by_steps(Engine& engine, std::span<const SequenceId> sequen
 
 Status Engine::decode_greedy(std::span<const SequenceId> sequences,
                              std::span<const int32_t> first_tokens,
-                             const std::function<bool(size_t, int32_t)>& on_token) {
+                             const GreedyTokenCallback& on_token) {
   return greedy_decode_by_steps(*this, sequences, first_tokens, on_token);
 }
 

@@ -1,6 +1,7 @@
 #include "runtime/scheduler.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
 
 namespace gemma4::runtime {
@@ -293,6 +294,10 @@ bool Scheduler::start(Pending pending) {
 }
 
 void Scheduler::step_once() {
+  if (can_chain()) {
+    decode_chained();
+    return;
+  }
   std::vector<engine::StepInput> inputs;
   std::vector<Active*> owners;
   std::vector<bool> samples;  // whether input i ends its sequence's prompt (or is a decode)
@@ -364,26 +369,118 @@ void Scheduler::step_once() {
         requests[i].candidates == 0
             ? sampler.sample(std::span<float>(full_logits_).subspan(full_row[i] * vocab, vocab))
             : sampler.sample(summaries_[i]);
-    const auto now = Clock::now();
-    if (active.metrics.completion_tokens == 0) active.first_token = now;
-    const auto& stops = active.pending.request.stop_tokens;
-    if (std::find(stops.begin(), stops.end(), token.id) != stops.end()) {
-      finish(active, FinishReason::kStop, token.id, std::nullopt);
-      done.push_back(&active);
-      continue;
-    }
-    ++active.metrics.completion_tokens;
-    active.next_token = token.id;
-    GenerationEvent event;
-    event.token = std::move(token);
-    active.pending.stream->push(std::move(event));
-    if (active.metrics.completion_tokens >= active.max_new_tokens) {
-      finish(active, FinishReason::kLength, -1, std::nullopt);
+    if (const auto ending = take_token(active, std::move(token))) {
+      finish(active, ending->reason, ending->stop_token, std::nullopt);
       done.push_back(&active);
     }
   }
   std::erase_if(running_, [&](const std::unique_ptr<Active>& active) {
     return std::find(done.begin(), done.end(), active.get()) != done.end();
+  });
+}
+
+std::optional<Scheduler::Ending> Scheduler::take_token(Active& active, SampledToken token) {
+  const auto now = Clock::now();
+  if (active.metrics.completion_tokens == 0) active.first_token = now;
+  const auto& stops = active.pending.request.stop_tokens;
+  if (std::find(stops.begin(), stops.end(), token.id) != stops.end())
+    return Ending{FinishReason::kStop, token.id};
+  ++active.metrics.completion_tokens;
+  active.next_token = token.id;
+  GenerationEvent event;
+  event.token = std::move(token);
+  active.pending.stream->push(std::move(event));
+  if (active.metrics.completion_tokens >= active.max_new_tokens)
+    return Ending{FinishReason::kLength, -1};
+  return std::nullopt;
+}
+
+namespace {
+
+// Whether `sampler` picks its next token from the row's best one alone, unedited (what
+// Engine::decode_greedy reports).
+bool takes_greedy_token(TokenSampler& sampler, int32_t vocab_size) {
+  const engine::LogitRequest request = sampler.logit_request(vocab_size);
+  return request.candidates == 1 && request.edits.empty();
+}
+
+}  // namespace
+
+bool Scheduler::admission_waits() {
+  std::lock_guard lock(queue_mutex_);
+  return !queue_.empty() && static_cast<int32_t>(running_.size()) < options_.max_running;
+}
+
+bool Scheduler::can_chain() {
+  if (running_.empty() || admission_waits()) return false;
+  return std::all_of(running_.begin(), running_.end(), [&](const std::unique_ptr<Active>& active) {
+    return active->decoding() &&
+           takes_greedy_token(*active->pending.request.sampler, engine_.vocab_size());
+  });
+}
+
+bool Scheduler::chain_must_yield(Active& active) {
+  const GenerationRequest& request = active.pending.request;
+  if (active.pending.stream->cancelled()) return true;
+  if (request.deadline && Clock::now() >= *request.deadline) return true;
+  if (!takes_greedy_token(*request.sampler, engine_.vocab_size())) return true;
+  return admission_waits();
+}
+
+void Scheduler::decode_chained() {
+  std::vector<Active*> owners;
+  std::vector<engine::SequenceId> sequences;
+  std::vector<int32_t> first_tokens;
+  for (auto& active : running_) {
+    owners.push_back(active.get());
+    sequences.push_back(active->sequence);
+    first_tokens.push_back(active->next_token);
+  }
+  // Requests finished in the chain: out of running_ (so the stats no longer count them when
+  // their finish event goes out), kept alive until the chain ends.
+  std::vector<std::unique_ptr<Active>> finished;
+  // Requests whose next step is their last (GreedyNext::kLast).
+  std::vector<bool> last(owners.size(), false);
+  // Once set, every request ends the chain at its next token (kept as its next_token: step_once
+  // appends it), so the engine thread can do what the chain kept waiting.
+  bool yield = false;
+  size_t previous = SIZE_MAX;  // the last token's index: a step's first index is not above it
+  const auto on_token = [&](size_t i, const engine::GreedyToken& greedy) {
+    if (i <= previous) {
+      std::lock_guard lock(stats_mutex_);
+      ++stats_.steps;
+    }
+    previous = i;
+    Active& active = *owners[i];
+    active.kv_tokens.push_back(active.next_token);  // what this step appended
+    // The summary step_sampled returns for the sampler's one-candidate request.
+    engine::LogitSummary summary;
+    summary.max_logit = greedy.logit;
+    summary.log_normaliser = greedy.log_normaliser;
+    summary.top = {{greedy.id, greedy.logit}};
+    if (const auto ending = take_token(active, active.pending.request.sampler->sample(summary))) {
+      finish(active, ending->reason, ending->stop_token, std::nullopt);
+      const auto owned = std::find_if(running_.begin(), running_.end(), [&](const auto& running) {
+        return running.get() == &active;
+      });
+      finished.push_back(std::move(*owned));
+      running_.erase(owned);
+      publish_and_deliver();
+      yield = yield || admission_waits();  // its slot is free now
+      return engine::GreedyNext::kStop;
+    }
+    if (last[i]) return engine::GreedyNext::kStop;  // the engine stops it here anyway
+    yield = yield || chain_must_yield(active);
+    // The next token is its last: the chain yields, or that token reaches the length limit.
+    last[i] = yield || active.metrics.completion_tokens + 1 >= active.max_new_tokens;
+    return last[i] ? engine::GreedyNext::kLast : engine::GreedyNext::kContinue;
+  };
+  const Status status = engine_.decode_greedy(sequences, first_tokens, on_token);
+  if (status.ok()) return;
+  std::erase_if(running_, [&](const std::unique_ptr<Active>& active) {
+    if (std::find(owners.begin(), owners.end(), active.get()) == owners.end()) return false;
+    finish(*active, FinishReason::kError, -1, status.error().with_context("engine step failed"));
+    return true;
   });
 }
 

@@ -5,6 +5,13 @@
 // sequence that has finished its prompt and (b) prefill chunks of newly admitted prompts, up to a
 // token budget, so long prompts never stall running decodes (continuous batching).
 //
+// While every running request decodes with a sampler that needs only its row's best token
+// (greedy, no edits) and no queued request could be admitted, the steps chain on the engine
+// (Engine::decode_greedy: each token stays on the device as the next step's input and the next
+// step is enqueued before the host sees the token). Requests finish inside the chain as they
+// would outside it; the chain ends once every request has finished or something else needs the
+// engine thread (a request to admit, a cancellation, a deadline, a sampler that now wants more).
+//
 // Finished sequences are kept open in a small LRU (the prefix cache): a new prompt that shares a
 // token prefix with one of them truncates that sequence to the common prefix and prefills only
 // the rest, which makes multi-turn chats cheap. Cancelled or expired requests close their
@@ -154,6 +161,22 @@ class Scheduler {
   Expected<engine::SequenceId> open_sequence();
   void drop_cancelled_and_expired();
   void step_once();
+  // step_once's chained form (see the top of this file): whether it applies now, and the chain.
+  bool can_chain();
+  void decode_chained();
+  // How a request ends (finish()'s reason and stop token).
+  struct Ending {
+    FinishReason reason = FinishReason::kStop;
+    int32_t stop_token = -1;
+  };
+  // After `token` was sampled for `active` (its input of the step appended): hands the token to
+  // the request's stream unless it is a stop token. Returns how the request ends if the token
+  // ends it (a stop token, the length limit), for the caller to finish() it.
+  std::optional<Ending> take_token(Active& active, SampledToken token);
+  // Whether a chain must end for the engine thread to do something else (see the top).
+  bool chain_must_yield(Active& active);
+  // Whether a queued request waits for a running slot that is free.
+  bool admission_waits();
   void finish(Active& active, FinishReason reason, int32_t stop_token, std::optional<Error> error);
   // Refreshes stats_, then hands out the finish events collected by finish(): a client that
   // sees its request finished also sees it gone from the stats.

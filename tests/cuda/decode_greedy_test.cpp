@@ -6,6 +6,8 @@
 // counting every chained step once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
@@ -37,8 +39,8 @@ TEST(EnqueueGreedy, WritesTheHostsGreedyTokensAndAdvancesPositions) {
   const std::vector<int32_t> start_positions = {0, 17, 4095};
   gpu->upload(positions.data(), start_positions.data(), sizeof(int32_t) * kRows);
   std::vector<engine::Buffer> device_logits;
-  std::vector<std::vector<int32_t>> tokens(engine::Backend::kGreedySlots,
-                                           std::vector<int32_t>(kRows, -1));
+  std::vector<std::vector<engine::GreedyToken>> tokens(engine::Backend::kGreedySlots,
+                                                       std::vector<engine::GreedyToken>(kRows));
   // Both slots in flight before either is waited for.
   for (int slot = 0; slot < engine::Backend::kGreedySlots; ++slot) {
     const auto& logits = slot_logits[slot];
@@ -55,14 +57,18 @@ TEST(EnqueueGreedy, WritesTheHostsGreedyTokensAndAdvancesPositions) {
                              slot_logits[slot].begin() + r * kStride + kVocab);
       engine::LogitSummary want;
       engine::summarize_logits(row, {}, 1, want);
-      EXPECT_EQ(tokens[slot][r], want.top.front().first) << "slot " << slot << " row " << r;
+      const engine::GreedyToken& got = tokens[slot][r];
+      EXPECT_EQ(got.id, want.top.front().first) << "slot " << slot << " row " << r;
+      EXPECT_EQ(got.logit, want.top.front().second);
+      // The normaliser's sum runs in another order on the device.
+      EXPECT_NEAR(got.log_normaliser, want.log_normaliser, 1e-12 * std::abs(want.log_normaliser));
     }
   }
   // The ids hold the last slot's tokens; every position advanced once per slot.
   std::vector<int32_t> got_ids(kRows), got_positions(kRows);
   gpu->download(got_ids.data(), ids.data(), sizeof(int32_t) * kRows);
   gpu->download(got_positions.data(), positions.data(), sizeof(int32_t) * kRows);
-  EXPECT_EQ(got_ids, tokens.back());
+  for (int r = 0; r < kRows; ++r) EXPECT_EQ(got_ids[r], tokens.back()[r].id);
   for (int r = 0; r < kRows; ++r)
     EXPECT_EQ(got_positions[r], start_positions[r] + engine::Backend::kGreedySlots);
 }
@@ -88,23 +94,23 @@ CudaEngine cuda_engine(const model::LoadedModel& m) {
   return out;
 }
 
-class DecodeGreedyCuda : public ::testing::TestWithParam<std::string> {};
-
-TEST_P(DecodeGreedyCuda, ChainedStepsMatchHostFedStepsBitForBit) {
-  const model::LoadedModel& m = gemma4::testing::tiny_w4a16_model(GetParam());
+// Three sequences decoded greedily, chained on one CUDA engine and host-fed on another, each
+// stopping at its limits[i]-th token as endings[i] says (sequence 1 runs past the ring of 16
+// slots). The tokens, lengths and, one step later, the logits must agree bit for bit.
+void expect_chain_matches_host_fed_steps(const std::string& preset, const std::vector<int>& limits,
+                                         const std::vector<gemma4::testing::Ending>& endings) {
+  const model::LoadedModel& m = gemma4::testing::tiny_w4a16_model(preset);
   CudaEngine chained = cuda_engine(m), reference = cuda_engine(m);
   ASSERT_TRUE(chained.engine && reference.engine);
   const std::vector<std::vector<int32_t>> prompts = {gemma4::testing::prompt_ids(5, 1),
                                                      gemma4::testing::prompt_ids(3, 2),
                                                      gemma4::testing::prompt_ids(9, 3)};
   const std::vector<int32_t> first = {11, 12, 13};
-  // Sequence 0 stops at its first token, 2 after 9, 1 after 24 (past the ring of 16 slots).
-  const std::vector<int> limits = {1, 24, 9};
   std::vector<engine::SequenceId> a, b;
   const auto got =
-      gemma4::testing::decode_with_stops(*chained.engine, prompts, first, limits, true, a);
-  const auto want =
-      gemma4::testing::decode_with_stops(*reference.engine, prompts, first, limits, false, b);
+      gemma4::testing::decode_with_stops(*chained.engine, prompts, first, limits, endings, true, a);
+  const auto want = gemma4::testing::decode_with_stops(*reference.engine, prompts, first, limits,
+                                                       endings, false, b);
   EXPECT_EQ(got, want);
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(static_cast<int>(got[i].size()), limits[i]);
@@ -113,7 +119,31 @@ TEST_P(DecodeGreedyCuda, ChainedStepsMatchHostFedStepsBitForBit) {
   const auto [after, expected] =
       gemma4::testing::step_both(*chained.engine, a, *reference.engine, b, 17);
   ASSERT_EQ(after.size(), expected.size());
-  EXPECT_EQ(std::memcmp(after.data(), expected.data(), sizeof(float) * after.size()), 0);
+  if (std::memcmp(after.data(), expected.data(), sizeof(float) * after.size()) != 0) {
+    const size_t vocab = after.size() / prompts.size();
+    for (size_t i = 0; i < prompts.size(); ++i) {
+      float largest = 0.0f;
+      for (size_t v = i * vocab; v < (i + 1) * vocab; ++v)
+        largest = std::max(largest, std::abs(after[v] - expected[v]));
+      ADD_FAILURE() << "sequence " << i << ": logits after the chain differ, max |d| " << largest;
+    }
+  }
+}
+
+class DecodeGreedyCuda : public ::testing::TestWithParam<std::string> {};
+
+// Sequence 0 stops at its first token and 1 after 24, ends the chain did not see coming (the
+// steps enqueued past them are rolled back); 2 after 9, announced.
+TEST_P(DecodeGreedyCuda, ChainedStepsMatchHostFedStepsBitForBit) {
+  using gemma4::testing::Ending;
+  expect_chain_matches_host_fed_steps(
+      GetParam(), {1, 24, 9}, {Ending::kUnforeseen, Ending::kUnforeseen, Ending::kAnnounced});
+}
+
+// Every end announced: the chain enqueues exactly the host-fed steps, none rolled back.
+TEST_P(DecodeGreedyCuda, AnnouncedEndsMatchHostFedStepsBitForBit) {
+  expect_chain_matches_host_fed_steps(GetParam(), {2, 24, 9},
+                                      std::vector(3, gemma4::testing::Ending::kAnnounced));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, DecodeGreedyCuda, ::testing::Values("tiny", "tiny-moe"),
@@ -125,21 +155,25 @@ TEST(DecodeGreedyCudaTimes, EveryChainedReplayIsCountedOnce) {
   const auto prompt = gemma4::testing::prompt_ids(4, 6);
   std::vector<engine::SequenceId> sequences;
   // Records the graph (step 1 unrecorded, step 2 recorded).
-  const auto warm =
-      gemma4::testing::decode_with_stops(*e.engine, {prompt}, {7}, {3}, true, sequences);
+  const auto warm = gemma4::testing::decode_with_stops(
+      *e.engine, {prompt}, {7}, {3}, {gemma4::testing::Ending::kUnforeseen}, true, sequences);
   ASSERT_EQ(warm.front().size(), 3u);
   constexpr int kSteps = 12;
   e.backend->time_replays(true);
   int seen = 0;
-  const Status status = e.engine->decode_greedy(sequences, std::vector<int32_t>{8},
-                                                [&](size_t, int32_t) { return ++seen < kSteps; });
+  const Status status = e.engine->decode_greedy(
+      sequences, std::vector<int32_t>{8}, [&](size_t, const engine::GreedyToken&) {
+        ++seen;
+        return seen == kSteps - 1 ? engine::GreedyNext::kLast : engine::GreedyNext::kContinue;
+      });
   e.backend->time_replays(false);
   ASSERT_TRUE(status.ok()) << status.error().to_string();
+  EXPECT_EQ(seen, kSteps);
   const auto times = e.backend->replay_times();
   ASSERT_TRUE(times.has_value());
-  // kSteps steps and the one enqueued past the stop, all replayed; the first has no step before
-  // it to measure idle from.
-  EXPECT_EQ(times->replays, kSteps);
+  // kSteps steps (none past the announced end), all replayed; the first has no step before it
+  // to measure idle from.
+  EXPECT_EQ(times->replays, kSteps - 1);
   EXPECT_GT(times->replay_us, 0.0);
   EXPECT_GT(times->tail_us, 0.0);
   EXPECT_GE(times->idle_us, 0.0);

@@ -35,11 +35,16 @@ TEST_P(DecodeGreedy, StopsAtDifferentStepsMatchTheHostFedSteps) {
       testing::prompt_ids(5, 1), testing::prompt_ids(3, 2), testing::prompt_ids(9, 3)};
   const std::vector<int32_t> first = {11, 12, 13};
   // Sequence 0 stops at its first token (the step enqueued after it already holds it), 2 after
-  // 7, 1 after 14 (alone for its last steps, in a new chain).
+  // 7 (announced: no step enqueued past it), 1 after 14 (alone for its last steps, in a new
+  // chain).
   const std::vector<int> limits = {1, 14, 7};
+  using testing::Ending;
+  const std::vector<Ending> endings = {Ending::kUnforeseen, Ending::kUnforeseen,
+                                       Ending::kAnnounced};
   std::vector<SequenceId> a, b;
-  const auto got = testing::decode_with_stops(*chained, prompts, first, limits, true, a);
-  const auto want = testing::decode_with_stops(*reference, prompts, first, limits, false, b);
+  const auto got = testing::decode_with_stops(*chained, prompts, first, limits, endings, true, a);
+  const auto want =
+      testing::decode_with_stops(*reference, prompts, first, limits, endings, false, b);
   EXPECT_EQ(got, want);
   for (size_t i = 0; i < prompts.size(); ++i) {
     ASSERT_EQ(static_cast<int>(got[i].size()), limits[i]);
@@ -67,9 +72,11 @@ TEST_P(DecodeGreedy, AFullContextStopsASequence) {
                                                      testing::prompt_ids(6, 5)};
   const std::vector<int32_t> first = {21, 22};
   const std::vector<int> never = {1000, 1000};  // on_token always asks for more
+  const std::vector<testing::Ending> endings(2, testing::Ending::kUnforeseen);
   std::vector<SequenceId> a, b;
-  const auto got = testing::decode_with_stops(*chained, prompts, first, never, true, a);
-  const auto want = testing::decode_with_stops(*reference, prompts, first, never, false, b);
+  const auto got = testing::decode_with_stops(*chained, prompts, first, never, endings, true, a);
+  const auto want =
+      testing::decode_with_stops(*reference, prompts, first, never, endings, false, b);
   EXPECT_EQ(got, want);
   for (size_t i = 0; i < prompts.size(); ++i) {
     EXPECT_EQ(chained->sequence_length(a[i]), kContext);
@@ -84,9 +91,9 @@ INSTANTIATE_TEST_SUITE_P(Tiny, DecodeGreedy, ::testing::Values("tiny"), testing:
 TEST(DecodeGreedyArguments, AreCheckedBeforeAnythingRuns) {
   auto engine = make_engine("tiny", 32);
   const SequenceId open = *engine->open_sequence();
-  const auto never_called = [](size_t, int32_t) -> bool {
+  const auto never_called = [](size_t, const GreedyToken&) {
     ADD_FAILURE() << "no step may run";
-    return false;
+    return GreedyNext::kStop;
   };
   const auto rejected = [&](std::vector<SequenceId> sequences, std::vector<int32_t> first,
                             ErrorCode code) {

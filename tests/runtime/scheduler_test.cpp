@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "runtime/sampler.h"
 #include "runtime/scripted_engine.h"
 
 namespace gemma4::runtime {
@@ -29,7 +30,8 @@ class GreedySampler final : public TokenSampler {
   }
 };
 
-// Records every step() call of the engine it wraps.
+// Records every step() call of the engine it wraps, and counts decode_greedy chains (run as the
+// default's host-fed steps, which step() records).
 class RecordingEngine final : public engine::Engine {
  public:
   explicit RecordingEngine(engine::Engine& inner) : inner_(inner) {}
@@ -54,10 +56,20 @@ class RecordingEngine final : public engine::Engine {
     }
     return inner_.step(inputs, logits);
   }
+  Status decode_greedy(std::span<const engine::SequenceId> sequences,
+                       std::span<const int32_t> first_tokens,
+                       const engine::GreedyTokenCallback& on_token) override {
+    {
+      std::lock_guard lock(mutex_);
+      ++chains;
+    }
+    return engine::greedy_decode_by_steps(*this, sequences, first_tokens, on_token);
+  }
 
   std::mutex mutex_;
   std::vector<std::vector<size_t>> steps;  // token count of each input, per step
   std::vector<int64_t> truncations;
+  int chains = 0;
   bool fail_truncate = false;
 
  private:
@@ -66,6 +78,7 @@ class RecordingEngine final : public engine::Engine {
 
 struct Outcome {
   std::vector<int32_t> tokens;
+  std::vector<float> logprobs;
   GenerationEvent finish;
 };
 
@@ -74,6 +87,7 @@ Outcome drain(RequestStream& stream) {
   while (auto event = stream.next(5s)) {
     if (event->kind == GenerationEvent::Kind::kToken) {
       outcome.tokens.push_back(event->token.id);
+      outcome.logprobs.push_back(event->token.logprob);
     } else {
       outcome.finish = std::move(*event);
       return outcome;
@@ -320,6 +334,70 @@ TEST(Scheduler, EngineErrorFailsOnlyTheRequestAndKeepsServing) {
   ASSERT_TRUE(next.ok());
   EXPECT_EQ(drain(**next).finish.reason, FinishReason::kError);  // same script, same failure
   EXPECT_EQ(engine.open_sequences(), 0);
+}
+
+// A request whose sampler needs only the best token decodes in a chain (Engine::decode_greedy):
+// the same tokens and one step per token, as the one-step-per-iteration path gives.
+TEST(Scheduler, GreedyDecodesChainOnTheEngine) {
+  ScriptedEngine scripted(engine_options(), {{{}, std::vector<int32_t>(20, 9)}});
+  RecordingEngine engine(scripted);
+  Scheduler scheduler(engine, {});
+  auto stream = scheduler.submit(make_request({2, 3}));
+  ASSERT_TRUE(stream.ok());
+  const Outcome outcome = drain(**stream);
+  EXPECT_EQ(outcome.tokens, std::vector<int32_t>(20, 9));
+  EXPECT_EQ(outcome.finish.reason, FinishReason::kStop);
+  EXPECT_EQ(outcome.finish.metrics.completion_tokens, 20);
+  std::lock_guard lock(engine.mutex_);
+  EXPECT_EQ(engine.chains, 1);
+  // The prompt's step, then one per token after the first and one for the stop token.
+  EXPECT_EQ(engine.steps.size(), 21u);
+}
+
+// runtime::Sampler's greedy requests: chained without log-prob alternatives (one candidate), not
+// chained with two; the tokens and their log-probs are the same either way.
+TEST(Scheduler, ChainedTokensCarryTheLogProbsOfSteppedOnes) {
+  ScriptedEngine scripted(engine_options(), scripts());
+  RecordingEngine engine(scripted);
+  Scheduler scheduler(engine, {});
+  const auto run = [&](int top_logprobs) {
+    GenerationRequest request = make_request({2, 40, 41, 7});
+    SamplingParams params;
+    params.temperature = 0.0f;
+    params.top_logprobs = top_logprobs;
+    request.sampler = std::make_unique<Sampler>(params, request.prompt);
+    auto stream = scheduler.submit(std::move(request));
+    EXPECT_TRUE(stream.ok());
+    const Outcome outcome = drain(**stream);
+    std::lock_guard lock(engine.mutex_);
+    return std::pair(outcome, engine.chains);
+  };
+  const auto [chained, chains_after_first] = run(0);
+  const auto [stepped, chains_after_second] = run(2);
+  EXPECT_EQ(chains_after_first, 1);
+  EXPECT_EQ(chains_after_second, 1) << "two candidates do not chain";
+  EXPECT_EQ(chained.tokens, (std::vector<int32_t>{20, 21, 22, 23}));
+  EXPECT_EQ(stepped.tokens, chained.tokens);
+  EXPECT_EQ(stepped.logprobs, chained.logprobs);
+}
+
+// A request that ends inside a chain is finished at once (its finish event out, the stats without
+// it) while the other goes on.
+TEST(Scheduler, ARequestEndingInAChainFinishesAtOnce) {
+  ScriptedEngine scripted(engine_options(4, 5ms),
+                          {{{40}, {10, 11}}, {{}, std::vector<int32_t>(30, 9)}});
+  RecordingEngine engine(scripted);
+  Scheduler scheduler(engine, {});
+  auto short_stream = scheduler.submit(make_request({2, 40}));
+  auto long_stream = scheduler.submit(make_request({2, 3}));
+  ASSERT_TRUE(short_stream.ok() && long_stream.ok());
+  const Outcome short_outcome = drain(**short_stream);
+  EXPECT_EQ(short_outcome.tokens, (std::vector<int32_t>{10, 11}));
+  EXPECT_EQ(short_outcome.finish.reason, FinishReason::kStop);
+  EXPECT_EQ(scheduler.stats().running, 1) << "the long request still runs (~28 steps of 5 ms)";
+  EXPECT_EQ(drain(**long_stream).tokens, std::vector<int32_t>(30, 9));
+  std::lock_guard lock(engine.mutex_);
+  EXPECT_GE(engine.chains, 1);
 }
 
 }  // namespace

@@ -206,7 +206,7 @@ class CudaBackend final : public engine::Backend {
   // sample_logits.h) on the stream, the tokens' copy into pinned memory on a stream of its own.
   // Vocabularies past the ranking kernels' limit: the default.
   void enqueue_greedy(engine::Rows logits, int32_t* token_ids, int32_t* positions,
-                      std::span<int32_t> tokens, int slot) override;
+                      std::span<engine::GreedyToken> tokens, int slot) override;
   void wait_greedy(int slot) override;
 
   cudaStream_t stream() const { return stream_; }

@@ -1,7 +1,8 @@
 // CudaBackend's chained greedy decoding (engine::Backend::enqueue_greedy / wait_greedy): per
-// slot, the pinned host copy of a step's tokens and its events, and the stream that copies the
-// tokens to the host off the main stream, so that the next step's graph, already enqueued behind
-// the ranking, does not wait for the copy. Host-only header.
+// slot, the pinned host copy of a step's ranking (each row's best key and log-normaliser) and its
+// events, and the stream that copies the ranking to the host off the main stream, so that the
+// next step's graph, already enqueued behind the ranking, does not wait for the copy. Host-only
+// header.
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -17,11 +18,12 @@ namespace gemma4::cuda {
 struct GreedyChain {
   struct Slot {
     PinnedStaging host;
-    int32_t* host_tokens = nullptr;  // in `host`
-    cudaEvent_t ranked = nullptr;    // on the main stream, after the ranking
-    cudaEvent_t copied = nullptr;    // on copy_stream, after the tokens' copy
-    std::span<int32_t> destination;  // where wait_greedy puts the tokens
-    bool pending = false;            // enqueued, not yet waited for
+    const uint64_t* keys = nullptr;              // in `host`: [rows]
+    const double* log_normalisers = nullptr;     // in `host`: [rows]
+    cudaEvent_t ranked = nullptr;                // on the main stream, after the ranking
+    cudaEvent_t copied = nullptr;                // on copy_stream, after the ranking's copy
+    std::span<engine::GreedyToken> destination;  // where wait_greedy puts the tokens
+    bool pending = false;                        // enqueued, not yet waited for
   };
 
   GreedyChain() = default;

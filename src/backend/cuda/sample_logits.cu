@@ -161,9 +161,7 @@ __global__ void __launch_bounds__(kRankThreads)
   for (int c = threadIdx.x; c < rows.candidates; c += kRankThreads)
     top_keys[int64_t{row} * rows.candidates + c] = top[c];
   if (feed.token_ids != nullptr && threadIdx.x == 0) {
-    const int32_t token = rank_key_token(top[0]);
-    feed.token_ids[row] = token;
-    feed.tokens[row] = token;
+    feed.token_ids[row] = rank_key_token(top[0]);
     feed.positions[row] += 1;
   }
   const float row_max = key_logit(top[0]);
@@ -197,8 +195,7 @@ cudaError_t rank_logits(const RankRows& rows, const RankEdit* edits, int edit_co
   if (rows.count < 1 || rows.vocab < 1 || chunks > kRankMaxChunks || rows.candidates < 1 ||
       rows.candidates > kRankMaxCandidates || rows.count > 65535)
     return cudaErrorInvalidValue;
-  if (feed.token_ids != nullptr && (feed.positions == nullptr || feed.tokens == nullptr))
-    return cudaErrorInvalidValue;
+  if ((feed.token_ids == nullptr) != (feed.positions == nullptr)) return cudaErrorInvalidValue;
   if (edit_count > 0) {
     const cudaError_t status =
         launch_kernel(apply_edits, dim3((edit_count + kRankThreads - 1) / kRankThreads),

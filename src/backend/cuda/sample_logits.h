@@ -39,12 +39,11 @@ struct RankRows {
 };
 
 // Chained greedy decoding (CudaBackend::enqueue_greedy): what rank_logits' last launch also
-// writes per row r, from the row's best key: token_ids[r] and tokens[r] = its token, and
-// positions[r] += 1. All null: nothing.
+// writes per row r: token_ids[r] = the token of the row's best key, and positions[r] += 1. Both
+// null: nothing.
 struct GreedyFeed {
   int32_t* token_ids = nullptr;
   int32_t* positions = nullptr;
-  int32_t* tokens = nullptr;
 };
 
 // Device scratch of rank_logits for `rows` rows of `vocab` tokens with `candidates` candidates.
