@@ -712,6 +712,13 @@ TEST(Gemv, StreamCompanionsAndLimits) {
   ASSERT_TRUE(is_gemv_stream_tiling(default_gemv_tiling(tall_device.view, 1, ActType::kF32)));
   check_gemv(tall, tall_device, 1, ActType::kF32, -1, 2105);  // exact fp32 products
   check_gemv(tall, tall_device, 1, ActType::kBF16, -1, 2106);
+  // The 31B down goes to a split-K producer tiling (tensor-map copies) by default.
+  const HostMatrix down = random_matrix(WeightFormat::kW4G32, 5376, 21504, 2107);
+  const DeviceMatrix down_device(down);
+  const int down_tiling = default_gemv_tiling(down_device.view, 1, ActType::kBF16);
+  ASSERT_TRUE(is_gemv_stream_tiling(down_tiling));
+  ASSERT_GT(kGemvStreamTilings[down_tiling - kGemvStreamTilingBase].splits, 1);
+  check_gemv(down, down_device, 1, ActType::kBF16, -1, 2108);
 }
 
 // The split-K kernel (gemv_splitk_kernels.h), every compiled tiling: row counts that leave a

@@ -498,26 +498,12 @@ __device__ __forceinline__ void store_pair_cluster(uint32_t address, float first
       : "memory");
 }
 
-// One arrival on a barrier of any block of the cluster, releasing this thread's earlier accesses
-// (its stores into that block, its reads of what the barrier guards) at cluster scope.
+// One arrival on a barrier of any block of the cluster, with mbarrier.arrive's default semantics
+// (release at CTA scope, as CUTLASS's cluster pipelines free a stage of another block): a
+// .release.cluster arrival costs a GPU-scope fence in the SASS, which under the weight stream took
+// ~2 µs (EARLY test of session 9, a tile at once: 40 µs at the 31B o_proj).
 __device__ __forceinline__ void arrive_cluster(uint32_t barrier_address) {
-  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(barrier_address)
-               : "memory");
-}
-
-// wait_barrier acquiring at cluster scope: what the arrivals of other blocks released.
-__device__ __forceinline__ void wait_barrier_cluster(uint64_t* barrier, uint32_t parity) {
-  for (uint32_t polls = 0;; ++polls) {
-    uint32_t done;
-    asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [%1], "
-        "%2;\n selp.u32 %0, 1, 0, p;\n}"
-        : "=r"(done)
-        : "r"(shared_address(barrier)), "r"(parity)
-        : "memory");
-    if (done) return;
-    if (polls == (1u << 28)) __trap();
-  }
+  asm volatile("mbarrier.arrive.shared::cluster.b64 _, [%0];" ::"r"(barrier_address) : "memory");
 }
 
 // The split-K producer kernel (gemv_stream_split_producer): a cluster of P blocks (one per SM)
@@ -527,10 +513,10 @@ __device__ __forceinline__ void wait_barrier_cluster(uint64_t* barrier, uint32_t
 // (mod W / KS), each warp 1/KS of the part's quads. A warp's 16 row sums go to rank 0's buffer
 // (round r of the group: buffer r mod kBuffers) by asynchronous remote stores that complete
 // transaction bytes on that buffer's full barrier (rank 0 announces all P · KS · 64 bytes); rank
-// 0's warp 0 of the group adds them in (rank, warp) order, frees the buffer with an arrival on
-// every rank's empty barrier for it (which a group's warps wait on before they fill it again) and
-// stores. Only that arrival releases at cluster scope (a GPU-scope fence in the SASS): once a
-// round and group, in rank 0, before its global stores (which the fence would wait for).
+// 0's warp 0 of the group adds them in (rank, warp) order a round later (after multiplying the
+// next tile, so that the other blocks' sums need not be waited for), frees the buffer with an
+// arrival on every rank's empty barrier for it (which a group's warps wait on before they fill it
+// again) and stores.
 template <ActType XT, int W, int KC, int S, int KS, int P>
 __global__ void __launch_bounds__((W + 1) * 32, 1)
     gemv_split_ring_kernel(GemvArgs a, const __grid_constant__ SplitMaps maps) {
@@ -558,6 +544,10 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(part_chunks), cpr - part_begin)));
   const int pitch = 16 * part_chunks;
   const int scale_pitch = static_cast<int>(gemv_stream_split_scale_row_bytes(part_chunks));
+  // The scale box starts at a multiple of 8 chunks (gemv_stream_split_scale_row_bytes): the
+  // part's scales then begin scale_shift (0 or 4) chunks into each row of it.
+  const int scale_column = part_begin & ~7;
+  const int scale_shift = part_begin - scale_column;
   const int scales_offset = kTileRows * pitch;  // within a stage
   const int64_t stage_bytes = gemv_stream_split_stage_bytes(part_chunks);
 
@@ -603,7 +593,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           uint8_t* to = stages + stage * stage_bytes;
           arrive_expect_bytes(full + stage, box_bytes);
           copy_box(to, &maps.weights, 2 * part_begin, row0, full + stage);
-          copy_box(to + scales_offset, &maps.scales, part_begin, row0, full + stage);
+          copy_box(to + scales_offset, &maps.scales, scale_column, row0, full + stage);
         }
       }
     }
@@ -622,17 +612,48 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
     const int quads = part_length / 4;
     const int k_begin = 4 * (quads * part / KS);
     const int k_end = 4 * (quads * (part + 1) / KS);
-    for (int r = 0; r < rounds; ++r) {
+    // Rank 0's warp 0 of the group adds round `round`'s sums and stores them, a round late: the
+    // other blocks' sums arrive while it multiplies the next tile.
+    auto add_and_store = [&](int round) {
+      const int buffer = group * kBuffers + round % kBuffers;
+      if (lane == 0) {
+        arrive_expect_bytes(sums_full + buffer,
+                            static_cast<uint32_t>(P * KS * kTileRows * sizeof(float)));
+      }
+      wait_barrier(sums_full + buffer, (round / kBuffers) & 1);
+      // Lane l < 8: rows 2l, 2l + 1, at 2 · (row mod 8) + row / 8 of each warp's 16.
+      float pair[2] = {0.0f, 0.0f};
+      if (lane < kTileRows / 2) {
+        const float* buffer_sums = sums + buffer * P * KS * kTileRows;
+        const int first = 4 * (lane % 4) + lane / 4;
+#pragma unroll
+        for (int i = 0; i < P * KS; ++i) {
+          pair[0] += buffer_sums[i * kTileRows + first];
+          pair[1] += buffer_sums[i * kTileRows + first + 2];
+        }
+      }
+      __syncwarp();  // every lane's reads of the buffer are done
+      if (lane < P) arrive_cluster(cluster_address(sums_empty + buffer, lane));
+      if (lane < kTileRows / 2) {
+        const int64_t tile = round * kGroups + group;
+        const int64_t row0 = (cluster + tile * clusters) * kTileRows;
+        gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
+      }
+    };
+    const bool adds = rank == 0 && part == 0;
+    int r = 0;
+    for (; r < rounds; ++r) {
       const int tile = r * kGroups + group;
       if (tile >= my_tiles) break;  // the group's warps all leave together
       const int stage = group * S + r % S;
       wait_barrier(full + stage, (r / S) & 1);
       const uint8_t* tile_weights = stages + stage * stage_bytes;
+      const uint8_t* tile_scales = tile_weights + scales_offset + 2 * scale_shift;
       float acc_g = 0.0f, acc_g8 = 0.0f;
       for (int k = k_begin; k < k_end; k += KC) {
-        multiply_slice<KC>(tile_weights + k * 16, pitch, tile_weights + scales_offset + k * 2,
-                           scale_pitch, min(KC, k_end - k) / 4, staged_x + 4 * k, zero_chunk,
-                           x_biases + k, a.scale_type, g, t, acc_g, acc_g8);
+        multiply_slice<KC>(tile_weights + k * 16, pitch, tile_scales + k * 2, scale_pitch,
+                           min(KC, k_end - k) / 4, staged_x + 4 * k, zero_chunk, x_biases + k,
+                           a.scale_type, g, t, acc_g, acc_g8);
       }
       __syncwarp();  // every lane's reads of the stage are done
       if (lane == 0) arrive_barrier(empty + stage);
@@ -642,37 +663,15 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       // Rows g, g + 8 (lane (g, 0)) into rank 0's buffer (the pair at 2g), once rank 0 has read
       // the buffer's last round.
       const int buffer = group * kBuffers + r % kBuffers;
-      if (r >= kBuffers) wait_barrier_cluster(sums_empty + buffer, (r / kBuffers - 1) & 1);
+      if (r >= kBuffers) wait_barrier(sums_empty + buffer, (r / kBuffers - 1) & 1);
       if (t == 0) {
         float* slot = sums + ((buffer * P + rank) * KS + part) * kTileRows + 2 * g;
         store_pair_cluster(cluster_address(slot, 0), acc_g, acc_g8,
                            cluster_address(sums_full + buffer, 0));
       }
-      if (rank == 0 && part == 0) {
-        if (lane == 0) {
-          arrive_expect_bytes(sums_full + buffer,
-                              static_cast<uint32_t>(P * KS * kTileRows * sizeof(float)));
-        }
-        wait_barrier_cluster(sums_full + buffer, (r / kBuffers) & 1);
-        // Lane l < 8: rows 2l, 2l + 1, at 2 · (row mod 8) + row / 8 of each warp's 16.
-        float pair[2] = {0.0f, 0.0f};
-        if (lane < kTileRows / 2) {
-          const float* buffer_sums = sums + buffer * P * KS * kTileRows;
-          const int first = 4 * (lane % 4) + lane / 4;
-#pragma unroll
-          for (int i = 0; i < P * KS; ++i) {
-            pair[0] += buffer_sums[i * kTileRows + first];
-            pair[1] += buffer_sums[i * kTileRows + first + 2];
-          }
-        }
-        __syncwarp();  // every lane's reads of the buffer are done
-        if (lane < P) arrive_cluster(cluster_address(sums_empty + buffer, lane));
-        if (lane < kTileRows / 2) {
-          const int64_t row0 = (cluster + static_cast<int64_t>(tile) * clusters) * kTileRows;
-          gemv_detail::store_rows<2>(a, 0, row0 + 2 * lane, pair);
-        }
-      }
+      if (adds && r > 0) add_and_store(r - 1);
     }
+    if (adds && r > 0) add_and_store(r - 1);
   }
   // No block leaves while another may still access its shared memory.
   if (warp == W) asm volatile("barrier.cluster.wait;" ::: "memory");

@@ -189,7 +189,10 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 }
 
 // Split-K producer tilings: the chunks of a block's part of K (its tensor copies' box), the bytes
-// of a part's row of scales in a stage (a multiple of 16: the copies' box), a stage (weights, then
+// of a part's row of scales in a stage (a multiple of 16: the copies' box, which starts at the
+// part's first chunk rounded down to a multiple of 8, 16 bytes, since parts are whole quads: 4
+// chunks more where the parts are an odd number of quads; the EARLY test of session 9 trapped
+// with boxes that start between two 16-byte granules of a row), a stage (weights, then
 // scales, padded to 128 bytes), the partial-sum buffers each group has in rank 0 (stage
 // kGemvStreamSplitBuffers rounds ahead) and the shared memory before the stages: the groups'
 // full and empty stage barriers, their buffers' full and empty barriers, then the buffers
@@ -199,7 +202,7 @@ constexpr int64_t gemv_stream_split_part_chunks(const GemvStreamTiling& t, int64
   return gemv_stream_block_chunks(t, chunks_per_row);
 }
 constexpr int64_t gemv_stream_split_scale_row_bytes(int64_t part_chunks) {
-  return (2 * part_chunks + 15) / 16 * 16;
+  return 2 * (part_chunks + part_chunks % 8);
 }
 constexpr int64_t gemv_stream_split_stage_bytes(int64_t part_chunks) {
   return (kGemvStreamTileRows *
