@@ -7,6 +7,7 @@
 #include "backend/cuda/gemv_mma.h"
 #include "backend/cuda/gemv_splitk_kernels.h"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/gemv_w8_mma.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -205,6 +206,15 @@ bool splitk_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
          x.residual_norm.residual == nullptr && y.companions.q8 == nullptr;
 }
 
+// Whether the tensor-core w8 kernel (gemv_w8_mma.h) takes this GEMV.
+bool w8_mma_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y) {
+  return w.format == WeightFormat::kW8 && w.group_size == 32 && w.cols % 64 == 0 &&
+         w.cols <= 16384 && x.rows == 1 &&
+         (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
+         x.residual_norm.residual == nullptr && y.epilogue == GemvEpilogue::kNone &&
+         !has_companions(y.companions) && y.residual_tail.residual == nullptr;
+}
+
 }  // namespace
 
 // The streaming kernel where it measured faster than the register kernel: one activation row of
@@ -259,7 +269,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok ||
       (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling) &&
-       !is_gemv_splitk_tiling(tiling))) {
+       !is_gemv_splitk_tiling(tiling) && tiling != kGemvW8MmaTiling)) {
     return cudaErrorInvalidValue;
   }
   const GemvResidualNorm& step = x.residual_norm;
@@ -292,10 +302,13 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   if (tiling < 0) {
     tiling = default_gemv_tiling(w, x.rows, x.type);
     if ((is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) ||
-        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling))) {
+        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling)) ||
+        (tiling == kGemvW8MmaTiling && !w8_mma_takes(w, x, y))) {
       tiling = default_register_tiling(w, x.rows, x.type);
     }
   }
+  const bool w8_mma = tiling == kGemvW8MmaTiling;
+  if (w8_mma && !w8_mma_takes(w, x, y)) return cudaErrorInvalidValue;
   const bool stream = is_gemv_stream_tiling(tiling);
   if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
   const bool splitk = is_gemv_splitk_tiling(tiling);
@@ -345,6 +358,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
   args.residual_tail = y.residual_tail;
+  if (w8_mma) return launch_gemv_w8_mma(x.type, args, launch);
   if (splitk) return launch_gemv_splitk(x.type, tiling - kGemvSplitKTilingBase, args, launch);
   if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
