@@ -179,6 +179,12 @@ int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
       return 9;
     }
   }
+  // The logits matrices of the 26B (262144 x 2816) at one row (session 9, kernel_bench PDL µs):
+  // bf16 tiling 7 324.6 (8: 358.5); w8 (--lm-head q8) tiling 1 242.1 (8: 303.8; 4: 249.0).
+  if (m == 1 && w.rows >= 131072) {
+    if (w.format == WeightFormat::kBF16 && chunks > 256 && chunks <= 384) return 7;
+    if (w.format == WeightFormat::kW8 && chunks > 96 && chunks <= 192) return 1;
+  }
   if (chunks <= 96) return 7;  // 26B expert gate+up (K 2816)
   return 8;                    // down projections
 }
@@ -245,6 +251,13 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   // rounded to bf16 (217: 3.13 / 5.69, slower than the register kernel's 27 and the streaming
   // kernel's 106 / 136), not the 31B 5,376-row shapes (217: o_proj 12.5, down 27.9 vs register
   // 9's 11.8 / 27.05).
+  // An 8-bit logits matrix at one row (--lm-head q8): the tensor-core w8 kernel (gemv_w8_mma.h;
+  // the register kernel's best at the 26B's 262144 x 2816 is 242 µs, 76 % of the read ceiling).
+  // Its K range: the 26B's (176 chunks of 16); the 270M's GGUF logits (K 640) keep tiling 4.
+  if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW8 && w.rows >= 131072 &&
+      w.cols > 1536 && w.cols <= 3072) {
+    return kGemvW8MmaTiling;
+  }
   if (m == 1 && x_type == ActType::kBF16 && w.format == WeightFormat::kW4G32 && w.rows == 1536 &&
       (w.cols == 2048 || w.cols == 6144)) {
     return 217;
