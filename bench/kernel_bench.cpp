@@ -28,6 +28,7 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/gemv_w8_mma.h"
 #include "backend/cuda/ple_step.h"
 #include "backend/cuda/prefill_kernels.h"
 #include "backend/cuda/sample_logits.h"
@@ -279,6 +280,10 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
     if (gemma4::cuda::gemv_splitk_tiling_compiled(t) && (!quick || t == r.default_tiling)) {
       measure_if_taken(t);
     }
+  }
+  // The tensor-core w8 kernel (300), where it takes the call.
+  if (!quick || r.default_tiling == gemma4::cuda::kGemvW8MmaTiling) {
+    measure_if_taken(gemma4::cuda::kGemvW8MmaTiling);
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
               m, r.mbytes, r.all.c_str());

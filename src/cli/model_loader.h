@@ -65,8 +65,8 @@ inline constexpr const char* kKvCacheHelp =
 inline constexpr const char* kLmHeadHelp =
     "how the logits matrix is held: exact (default: the checkpoint's) or q8 (a bf16/f32 one, like "
     "the tied embedding of NVFP4 checkpoints, quantized at load to int8 per 32 values with fp16 "
-    "scales: about half the bytes a decode step reads of it, logits off by ~1e-2; embedding "
-    "lookups stay exact)";
+    "scales: about half the bytes a decode step reads of it, logits off by ~0.01 on average, "
+    "~0.1 at most; embedding lookups stay exact)";
 
 // --lm-head NAME (empty: exact) as an EngineOptions::lm_head value; an error for an unknown name.
 Expected<engine::LmHeadFormat> parse_lm_head(std::string_view name);

@@ -14,6 +14,7 @@
 
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv_mma.h"
+#include "backend/cuda/gemv_w8_mma.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
@@ -401,7 +402,9 @@ TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
               return std::find(std::begin(defaults), std::end(defaults), tiling) !=
                      std::end(defaults);
             };
-            EXPECT_TRUE(is_gemv_stream_tiling(tiling)   ? gemv_stream_tiling_compiled(tiling)
+            // The tensor-core w8 kernel has one build, always compiled.
+            EXPECT_TRUE(tiling == kGemvW8MmaTiling      ? format == WeightFormat::kW8
+                        : is_gemv_stream_tiling(tiling) ? gemv_stream_tiling_compiled(tiling)
                         : is_gemv_splitk_tiling(tiling) ? listed(kDefaultGemvSplitKTilings)
                                                         : listed(kDefaultGemvTilings))
                 << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m
@@ -757,6 +760,50 @@ TEST(Gemv, SplitKCompanionsAndLimits) {
   const DeviceMatrix down_device(down);
   ASSERT_TRUE(is_gemv_splitk_tiling(default_gemv_tiling(down_device.view, 1, ActType::kBF16)));
   check_gemv(down, down_device, 1, ActType::kBF16, -1, 2304);
+}
+
+// The tensor-core w8 kernel (gemv_w8_mma.h) at the 26B logits shape's K (a few rows, one not a
+// multiple of 16) and E2B's, fp16 and fp32 scales: it multiplies the activations rounded to fp16
+// (bf16 ones are exact in fp16 at these magnitudes), products exact, sums fp32.
+TEST(Gemv, W8TensorCoreKernel) {
+  for (const Shape s : {Shape{1000, 2816}, Shape{4096, 1536}}) {
+    for (ScaleType scale_type : {ScaleType::kF16, ScaleType::kF32}) {
+      const HostMatrix host = random_matrix(WeightFormat::kW8, s.rows, s.cols, 41, scale_type);
+      const DeviceMatrix device(host);
+      for (const bool bf16_input : {false, true}) {
+        SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols) + " " +
+                     quant::scale_type_name(scale_type) + (bf16_input ? " x=bf16" : " x=f32"));
+        const std::vector<float> x = testing::random_floats(s.cols, -2.0f, 2.0f, 43);
+        DeviceArray<uint8_t> x_device(s.cols * 4);
+        // fp32 rows go to fp16 directly (not through bf16): uploaded as they are.
+        std::vector<float> effective = upload_activations(
+            x, 1, s.cols, bf16_input ? ActType::kBF16 : ActType::kF32, false, x_device);
+        for (float& value : effective) value = fp16_to_float(float_to_fp16(value));
+        DeviceArray<float> y(s.rows);
+        const GemvInput input = {x_device.get(), bf16_input ? ActType::kBF16 : ActType::kF32, 1,
+                                 s.cols, !bf16_input};
+        ASSERT_EQ(gemv(device.view, input, {y.get(), s.rows}, Launch{}, kGemvW8MmaTiling),
+                  cudaSuccess);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        const Products p = reference_products(host, effective, 1);
+        testing::expect_close(y.download(), p.value, p.magnitude, kTolerance, "w8 mma");
+      }
+    }
+  }
+  // What it does not take: batched rows, exact fp32 products, an epilogue.
+  const HostMatrix host = random_matrix(WeightFormat::kW8, 64, 128, 5, ScaleType::kF16);
+  const DeviceMatrix device(host);
+  DeviceArray<float> x(2 * 128), y(2 * 64), multiplier(64);
+  EXPECT_EQ(gemv(device.view, {x.get(), ActType::kF32, 2, 128, true}, {y.get(), 64}, Launch{},
+                 kGemvW8MmaTiling),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(gemv(device.view, {x.get(), ActType::kF32, 1, 128, false}, {y.get(), 64}, Launch{},
+                 kGemvW8MmaTiling),
+            cudaErrorInvalidValue);
+  EXPECT_EQ(
+      gemv(device.view, {x.get(), ActType::kF32, 1, 128, true},
+           {y.get(), 64, GemvEpilogue::kGeluMul, multiplier.get(), 64}, Launch{}, kGemvW8MmaTiling),
+      cudaErrorInvalidValue);
 }
 
 TEST(Gemv, RejectsUnsupportedShapes) {

@@ -118,3 +118,36 @@ def test_unknown_profile_kind_is_a_clear_error(tiny):
 def test_help_says_how_to_profile_with_ncu():
     out = gemma4("bench", "--help")
     assert "--profile-last" in out.stdout and "ncu --profile-from-start off" in out.stdout
+
+
+@pytest.fixture(scope="module")
+def tiny_bf16(tmp_path_factory):
+    """Plain bf16 values: the tied embedding is off the int4 grid, so --lm-head q8 applies."""
+    out = tmp_path_factory.mktemp("tiny-bf16")
+    gemma4("synth", "--config", "tiny", "--format", "bf16", "--grid", "none", "--seed", 1, "-o", out)
+    return out
+
+
+def test_lm_head_q8_is_reported_and_halves_the_logits_bytes(tiny_bf16, tmp_path):
+    reports = {}
+    for lm_head in ("exact", "q8"):
+        report = tmp_path / f"bench-{lm_head}.json"
+        out = gemma4("bench", "-m", tiny_bf16, "--device", "cpu", "--threads", 2, "--depths", "0",
+                     "--prefill", "8", "--batches", "1", "--decode-tokens", 2, "--lm-head",
+                     lm_head, "--json", report)
+        reports[lm_head] = json.loads(report.read_text())
+        if lm_head == "q8":
+            assert "the logits matrix quantized to 8 bits (--lm-head q8)" in out.stderr
+    assert reports["exact"]["lm_head"] == "bf16"
+    assert reports["q8"]["lm_head"] == "w8 quantized at load by --lm-head q8"
+    # int8 + one fp16 scale per 32 values against bf16: 1.0625 / 2 of the logits matrix's bytes.
+    vocab, hidden = 262144, 64
+    saved = reports["exact"]["weight_bytes_per_token"] - reports["q8"]["weight_bytes_per_token"]
+    assert saved == pytest.approx(vocab * hidden * (2 - 1.0625))
+
+
+def test_lm_head_rejects_unknown_formats(tiny_bf16):
+    out = gemma4("run", "-m", tiny_bf16, "--device", "cpu", "--prompt-ids", "2", "-n", 1,
+                 "--lm-head", "q4", check=False)
+    assert out.returncode != 0
+    assert "--lm-head" in out.stderr and "expected exact or q8" in out.stderr

@@ -7,6 +7,7 @@
 #include "backend/cuda/gemv_mma.h"
 #include "backend/cuda/gemv_splitk_kernels.h"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/gemv_w8_mma.h"
 
 namespace gemma4::cuda {
 namespace {
@@ -157,6 +158,12 @@ int default_register_tiling(const quant::QMatrix& w, int m, ActType x_type) {
       return 9;
     }
   }
+  // The logits matrices of the 26B (262144 x 2816) at one row (session 9, kernel_bench PDL µs):
+  // bf16 tiling 7 324.6 (8: 358.5); w8 (--lm-head q8) tiling 1 242.1 (8: 303.8; 4: 249.0).
+  if (m == 1 && w.rows >= 131072) {
+    if (w.format == WeightFormat::kBF16 && chunks > 256 && chunks <= 384) return 7;
+    if (w.format == WeightFormat::kW8 && chunks > 96 && chunks <= 192) return 1;
+  }
   if (chunks <= 96) return 7;  // 26B expert gate+up (K 2816)
   return 8;                    // down projections
 }
@@ -181,6 +188,15 @@ bool splitk_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
   return gemv_splitk_tiling_compiled(tiling) && w.format == WeightFormat::kW4G32 && x.rows == 1 &&
          (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
          x.residual_norm.residual == nullptr && y.companions.q8 == nullptr;
+}
+
+// Whether the tensor-core w8 kernel (gemv_w8_mma.h) takes this GEMV.
+bool w8_mma_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y) {
+  return w.format == WeightFormat::kW8 && w.group_size == 32 && w.cols % 64 == 0 &&
+         w.cols <= 16384 && x.rows == 1 &&
+         (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
+         x.residual_norm.residual == nullptr && y.epilogue == GemvEpilogue::kNone &&
+         !has_companions(y.companions);
 }
 
 }  // namespace
@@ -217,6 +233,13 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   // rounded to bf16 (217: 3.13 / 5.69, slower than the register kernel's 27 and the streaming
   // kernel's 106 / 136), not the 31B 5,376-row shapes (217: o_proj 12.5, down 27.9 vs register
   // 9's 11.8 / 27.05).
+  // An 8-bit logits matrix at one row (--lm-head q8): the tensor-core w8 kernel (gemv_w8_mma.h;
+  // the register kernel's best at the 26B's 262144 x 2816 is 242 µs, 76 % of the read ceiling).
+  // Its K range: the 26B's (176 chunks of 16); the 270M's GGUF logits (K 640) keep tiling 4.
+  if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW8 && w.rows >= 131072 &&
+      w.cols > 1536 && w.cols <= 3072) {
+    return kGemvW8MmaTiling;
+  }
   if (m == 1 && x_type == ActType::kBF16 && w.format == WeightFormat::kW4G32 && w.rows == 1536 &&
       (w.cols == 2048 || w.cols == 6144)) {
     return 217;
@@ -241,7 +264,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
                            (x.stride * x_elem) % 16 == 0 && packed_scales_ok(w);
   if (!shape_ok || !pointers_ok ||
       (tiling >= kNumGemvTilings && !is_gemv_stream_tiling(tiling) &&
-       !is_gemv_splitk_tiling(tiling))) {
+       !is_gemv_splitk_tiling(tiling) && tiling != kGemvW8MmaTiling)) {
     return cudaErrorInvalidValue;
   }
   const GemvResidualNorm& step = x.residual_norm;
@@ -265,10 +288,13 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   if (tiling < 0) {
     tiling = default_gemv_tiling(w, x.rows, x.type);
     if ((is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) ||
-        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling))) {
+        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling)) ||
+        (tiling == kGemvW8MmaTiling && !w8_mma_takes(w, x, y))) {
       tiling = default_register_tiling(w, x.rows, x.type);
     }
   }
+  const bool w8_mma = tiling == kGemvW8MmaTiling;
+  if (w8_mma && !w8_mma_takes(w, x, y)) return cudaErrorInvalidValue;
   const bool stream = is_gemv_stream_tiling(tiling);
   if (stream && !stream_takes(w, x, y, tiling)) return cudaErrorInvalidValue;
   const bool splitk = is_gemv_splitk_tiling(tiling);
@@ -312,6 +338,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   args.multiplier = y.multiplier;
   args.multiplier_stride = y.multiplier_stride;
   args.y_companions = y.companions;
+  if (w8_mma) return launch_gemv_w8_mma(x.type, args, launch);
   if (splitk) return launch_gemv_splitk(x.type, tiling - kGemvSplitKTilingBase, args, launch);
   if (stream) return launch_gemv_stream(x.type, tiling - kGemvStreamTilingBase, args, launch);
   return launch_gemv_kernel(format, x.type, tiling, args, launch);
