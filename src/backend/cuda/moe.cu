@@ -490,9 +490,9 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 // staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
 // NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
 
-// Gate/up warps split one tile's K (rounds) between them. 2, not 4: at 124 registers 4-warp blocks
-// fit 4 per SM, one token's 704 blocks 1.33 waves; 2-warp blocks (11 rounds each, two passes)
-// take them in one (moe_bench T=1 experts 20.73 -> 20.10 µs per layer, session 8).
+// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each, two passes of
+// loads): with 4, one token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench
+// T=1 experts 20.73 -> 20.10 µs per layer, session 8, blocks of one tile).
 constexpr int kMmaGateUpWarps = 2;
 // 8-row tiles per gate/up block, each on its own kMmaGateUpWarps warps: the block stages x once for
 // all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
@@ -502,7 +502,7 @@ constexpr int kMmaGateUpTiles = 4;
 constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
 constexpr int kMmaDownWarps = 8;
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
-constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
+constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per tile: A rows g, g + 8
 constexpr int kMmaDownRows = 16;       // down rows per block
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
