@@ -281,8 +281,12 @@ struct DecodeGateUpArgs {
   const float* x;
   int64_t x_stride;
   float* activations;  // [pairs, inner]
-  // Rows of each pick's down matrix its gate/up blocks prefetch to L2 (prefetch_down_share_l2):
-  // hidden where the down matrices have the gate/up matrices' format, else 0.
+  // Rows of each pick's down matrix the CUDA-core gate/up blocks prefetch to L2
+  // (prefetch_down_share_l2): hidden where the down matrices have the gate/up matrices' format,
+  // else 0. Not on tensor cores: there both prefetches (the down share and the rest of the
+  // block's own tile) measured slower (moe_bench T=1 NVFP4 20.2 -> 21.3 / 22.6 µs, session 9),
+  // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6 µs: their down blocks do not fit beside
+  // gate/up's, so without it down's weights came from DRAM after gate/up).
   int64_t down_rows_to_prefetch;
 };
 
@@ -373,6 +377,7 @@ struct DecodeDownArgs {
   int top_k;
   int64_t hidden;
   int64_t chunks_per_row;    // of one expert's down row
+  PickDivisor pick_divisor;  // of chunks_per_row
   const float* activations;  // [tokens · top_k, inner]
   int64_t inner;
   float* out;
@@ -425,9 +430,7 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 #pragma unroll
     for (int j = 0; j < G; ++j) {
       const int64_t chunk = base + 32 * j + lane;
-      // 32-bit division: a token's chunks number far below 2^31.
-      pick[j] =
-          chunk < total_chunks ? static_cast<int>(chunk) / static_cast<int>(a.chunks_per_row) : 0;
+      pick[j] = chunk < total_chunks ? a.pick_divisor.divide(static_cast<int>(chunk)) : 0;
       in_row[j] = chunk - pick[j] * a.chunks_per_row;
       const bool live = chunk < total_chunks && downs[pick[j]].weights != nullptr;
 #pragma unroll
@@ -494,16 +497,20 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 // staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
 // NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
 
-// Gate/up warps split one tile's K (rounds) between them. 2, not 4: at 124 registers 4-warp blocks
-// fit 4 per SM, one token's 704 blocks 1.33 waves; 2-warp blocks (11 rounds each, two passes)
-// take them in one (moe_bench T=1 experts 20.73 -> 20.10 µs per layer, session 8).
+// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each, two passes of
+// loads): with 4, one token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench
+// T=1 experts 20.73 -> 20.10 µs per layer, session 8, blocks of one tile).
 constexpr int kMmaGateUpWarps = 2;
+// 8-row tiles per gate/up block, each on its own kMmaGateUpWarps warps: the block stages x once for
+// all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
+// are bound by their warps' instruction chains, 6.5 cycles an instruction at ~2.7 warps per
+// scheduler, not by DRAM).
+constexpr int kMmaGateUpTiles = 4;
+constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
 constexpr int kMmaDownWarps = 8;
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
-constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per block: A rows g, g + 8
+constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per tile: A rows g, g + 8
 constexpr int kMmaDownRows = 16;       // down rows per block
-// Whether a gate/up block prefetches its whole tile to L2 (beside its first rounds' loads).
-constexpr bool kMmaPrefetchTile = true;
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // lanes of g != 0 and for chunks past the row).
@@ -580,10 +587,10 @@ struct RoundRange {
   int begin;
   int end;
 };
-__device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps) {
+__device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps, int warp) {
   const int rounds = static_cast<int>((chunks + 3) / 4);
   const int per_warp = (rounds + warps - 1) / warps;
-  const int begin = min(static_cast<int>(threadIdx.x >> 5) * per_warp, rounds);
+  const int begin = min(warp * per_warp, rounds);
   return {begin, min(begin + per_warp, rounds)};
 }
 
@@ -612,13 +619,14 @@ __device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)
   }
 }
 
-// Grid (pairs, ⌈inner / 8⌉): block (p, y) computes activations[p][8y .. 8y + 7] from gate rows
-// (A rows g) and up rows (A rows g + 8), its warps splitting K; a fixed-order sum over the warps.
-__global__ void __launch_bounds__(kMmaGateUpWarps * 32)
+// Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
+// activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
+// (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
+__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
   constexpr int R = kMmaRoundsInFlight;
-  __shared__ float partial[kMmaGateUpWarps][kMmaGateUpRows][2];
-  __shared__ float scratch[kMmaGateUpWarps];
+  __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
+  __shared__ float scratch[kMmaGateUpBlockWarps];
   extern __shared__ uint4 staged_x_words[];
   uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
   // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
@@ -632,10 +640,12 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
-  const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + g;
+  const int warp = threadIdx.x >> 5;
+  const int64_t tile = static_cast<int64_t>(blockIdx.y) * kMmaGateUpTiles + warp / kMmaGateUpWarps;
+  const int64_t row = tile * kMmaGateUpRows + g;
   const bool row_live = row < a.inner;
   const int chunks = static_cast<int>(a.chunks_per_row);
-  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps);
+  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps, warp % kMmaGateUpWarps);
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
@@ -655,15 +665,6 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
     }
   };
   load_rounds(rounds.begin);
-  // The tile's later rounds and this block's share of the pick's down matrix, to L2 at once: the
-  // loads above cover only the first rounds, and one pass of loads per DRAM round trip left DRAM
-  // mostly idle (moe_bench T=1: 17.8 MB of gate/up in ~13 µs); the down launch then reads L2.
-  if constexpr (kMmaPrefetchTile) {
-    const int64_t tile_row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows;
-    const int64_t tile_end = min(tile_row + kMmaGateUpRows, a.inner);
-    for (const MoeMatrix& m : mats) prefetch_rows_l2<PackedFormat::kNVFP4>(m, tile_row, tile_end);
-  }
-  prefetch_down_share_l2<PackedFormat::kNVFP4>(a.experts[expert].down, a.down_rows_to_prefetch);
   int p = 0;
   stage_mma_activations(
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
@@ -672,19 +673,22 @@ __global__ void __launch_bounds__(kMmaGateUpWarps * 32)
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
   // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
-  const int warp = threadIdx.x >> 5;
   if (t == 0) {
     partial[warp][g][0] = acc[0];
     partial[warp][g][1] = acc[2];
   }
   __syncthreads();
-  if (threadIdx.x < kMmaGateUpRows) {
-    const int64_t out_row = static_cast<int64_t>(blockIdx.y) * kMmaGateUpRows + threadIdx.x;
+  if (threadIdx.x < kMmaGateUpTiles * kMmaGateUpRows) {
+    // Thread i: row i % 8 of the block's tile i / 8, summed over that tile's warps.
+    const int first_warp = static_cast<int>(threadIdx.x) / kMmaGateUpRows * kMmaGateUpWarps;
+    const int r = static_cast<int>(threadIdx.x) % kMmaGateUpRows;
+    const int64_t out_row =
+        static_cast<int64_t>(blockIdx.y) * kMmaGateUpTiles * kMmaGateUpRows + threadIdx.x;
     float gate = 0.0f, up = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kMmaGateUpWarps; ++w) {
-      gate += partial[w][threadIdx.x][0];
-      up += partial[w][threadIdx.x][1];
+    for (int w = first_warp; w < first_warp + kMmaGateUpWarps; ++w) {
+      gate += partial[w][r][0];
+      up += partial[w][r][1];
     }
     const float back = ldexpf(1.0f, kMmaWeightShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
@@ -716,7 +720,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   const int64_t row0 = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + g;
   const int per_pick = static_cast<int>(a.chunks_per_row);
   const int chunks = a.top_k * per_pick;
-  const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps);
+  const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps, static_cast<int>(threadIdx.x >> 5));
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
@@ -725,7 +729,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     for (int i = 0; i < R; ++i) {
       const int chunk = 4 * (first + i) + t;
       const bool in_k = first + i < rounds.end && chunk < chunks;
-      const int pick = in_k ? chunk / per_pick : 0;
+      const int pick = in_k ? a.pick_divisor.divide(chunk) : 0;
       const int in_row = chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
 #pragma unroll
@@ -746,7 +750,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
   int p = 0;
   stage_mma_activations(
       a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
-      [&](int chunk) { return pick_weights[chunk / per_pick]; }, staged, scratch, p);
+      [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
   __syncthreads();
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged, chunks);
@@ -781,20 +785,25 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   const bool centered_nibbles = args.path == MoePath::kDecode;
   const int pairs = args.tokens * args.top_k;
   const DecodeGateUpArgs gate_up = {
-      args.experts,    shape.num_experts,
-      args.expert_ids, args.top_k,
-      shape.inner,     shape.hidden / chunk_elements(shape.gate_up_format),
-      args.x,          args.x_stride,
-      activations,     shape.down_format == shape.gate_up_format ? shape.hidden : 0};
+      args.experts,
+      shape.num_experts,
+      args.expert_ids,
+      args.top_k,
+      shape.inner,
+      shape.hidden / chunk_elements(shape.gate_up_format),
+      args.x,
+      args.x_stride,
+      activations,
+      !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0};
   cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
     status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
     if (status == cudaSuccess) {
-      status =
-          launch_kernel(decode_gate_up_mma_kernel,
-                        dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpRows)),
-                        dim3(kMmaGateUpWarps * 32), shared, launch, gate_up);
+      status = launch_kernel(
+          decode_gate_up_mma_kernel,
+          dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
+          dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
@@ -811,13 +820,19 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
     });
   }
   if (status != cudaSuccess) return status;
+  const int64_t down_chunks_per_row = shape.inner / chunk_elements(shape.down_format);
+  // PickDivisor's bound: a token's chunks times the chunks of a row below 2^32.
+  if (args.top_k * down_chunks_per_row * down_chunks_per_row >= (int64_t{1} << 32)) {
+    return cudaErrorInvalidValue;
+  }
   const DecodeDownArgs down = {args.experts,
                                shape.num_experts,
                                args.expert_ids,
                                args.weights,
                                args.top_k,
                                shape.hidden,
-                               shape.inner / chunk_elements(shape.down_format),
+                               down_chunks_per_row,
+                               PickDivisor::of(down_chunks_per_row),
                                activations,
                                shape.inner,
                                args.out,
