@@ -111,11 +111,15 @@ __device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query
   const auto count = static_cast<uint32_t>(k.count);
   const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
   k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
-  const uint32_t per_split = count <= kOneSplitKeys ? max(count, 1u)
-                                                    : max(static_cast<uint32_t>(kMinKeysPerSplit),
-                                                          (count + max_splits - 1) / max_splits);
+  if (count <= kOneSplitKeys) {  // no division on a shallow cache's chain
+    k.per_split = max(count, 1u);
+    k.splits = 1;
+    return k;
+  }
+  const uint32_t per_split =
+      max(static_cast<uint32_t>(kMinKeysPerSplit), (count + max_splits - 1) / max_splits);
   k.per_split = per_split;
-  k.splits = static_cast<int>(max(1u, (count + per_split - 1) / per_split));
+  k.splits = static_cast<int>((count + per_split - 1) / per_split);
   return k;
 }
 
@@ -193,7 +197,7 @@ struct BlockWork {
 };
 
 __host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
-  const int fitting = blocks / splits;
+  const int fitting = splits == 1 ? blocks : blocks / splits;  // a shallow cache: no division
   const int parts = fitting < 1 ? 1 : fitting < group ? fitting : group;
   const int heads_per_part = (group + parts - 1) / parts;
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
