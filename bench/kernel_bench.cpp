@@ -1078,6 +1078,10 @@ int main(int argc, char** argv) {
         bench_attention(variant, 16, 8, 256, 8, 1024, {32, 1}, "26b sliding depth 8", stream));
     results.push_back(
         bench_attention(variant, 8, 1, 512, 8, 0, {264, 1}, "e2b full depth 8", stream));
+    results.push_back(
+        bench_attention(variant, 32, 16, 256, 8, 1024, {16, 1}, "31b sliding depth 8", stream));
+    results.push_back(
+        bench_attention(variant, 32, 4, 512, 8, 0, {66, 1}, "31b full depth 8", stream));
     // `gemma4 bench --depths 0` decodes its tokens at positions up to ~70: 1 to 3 key splits.
     results.push_back(
         bench_attention(variant, 8, 1, 256, 64, 512, {16, 1}, "e2b sliding depth 64", stream));

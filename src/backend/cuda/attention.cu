@@ -111,11 +111,15 @@ __device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query
   const auto count = static_cast<uint32_t>(k.count);
   const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
   k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
-  const uint32_t per_split = count <= kOneSplitKeys ? max(count, 1u)
-                                                    : max(static_cast<uint32_t>(kMinKeysPerSplit),
-                                                          (count + max_splits - 1) / max_splits);
+  if (count <= kOneSplitKeys) {  // no division on a shallow cache's chain
+    k.per_split = max(count, 1u);
+    k.splits = 1;
+    return k;
+  }
+  const uint32_t per_split =
+      max(static_cast<uint32_t>(kMinKeysPerSplit), (count + max_splits - 1) / max_splits);
   k.per_split = per_split;
-  k.splits = static_cast<int>(max(1u, (count + per_split - 1) / per_split));
+  k.splits = static_cast<int>((count + per_split - 1) / per_split);
   return k;
 }
 
@@ -188,13 +192,23 @@ struct Tiling {
 // `parts` subsets of `heads_per_part` q heads of the group. A shallow cache uses few key ranges,
 // so the launch's other blocks take q heads instead: every head's chain of loads then runs on its
 // own SM rather than all of them one after another through one block.
+// Block x serves split x / parts, part x % parts. A shallow cache with a block for each head
+// (the common case at batch 1) needs no division: they lie on the chain before the PDL wait.
 struct BlockWork {
   int splits, parts, heads_per_part;
+
+  __device__ __forceinline__ int split_of(int block) const {
+    return splits == 1 ? 0 : block / parts;
+  }
+  __device__ __forceinline__ int part_of(int block) const {
+    return splits == 1 ? block : block % parts;
+  }
 };
 
 __host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
-  const int fitting = blocks / splits;
-  const int parts = fitting < 1 ? 1 : fitting < group ? fitting : group;
+  const int fitting = splits == 1 ? blocks : blocks / splits;
+  if (fitting >= group) return {splits, group, 1};
+  const int parts = fitting < 1 ? 1 : fitting;
   const int heads_per_part = (group + parts - 1) / parts;
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
 }
@@ -330,8 +344,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   const int64_t scanned = scan.count;
   const BlockWork work = block_work(scan.splits, gridDim.x, a.group);
   if (static_cast<int>(blockIdx.x) >= work.splits * work.parts) return;  // the merge skips it
-  const int split = blockIdx.x / work.parts;
-  const int part = blockIdx.x % work.parts;
+  const int split = work.split_of(blockIdx.x);
+  const int part = work.part_of(blockIdx.x);
   const int first_head = part * work.heads_per_part;  // of the group
   const int heads = min(work.heads_per_part, a.group - first_head);
   const int64_t begin = scan.split_begin(split);
@@ -842,8 +856,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int splits = scan.splits;
   const BlockWork work = block_work(splits, gridDim.x, a.group);
   if (static_cast<int>(blockIdx.x) >= splits * work.parts) return;  // the merge skips it
-  const int split = blockIdx.x / work.parts;
-  const int part = blockIdx.x % work.parts;
+  const int split = work.split_of(blockIdx.x);
+  const int part = work.part_of(blockIdx.x);
   const int first_head = part * work.heads_per_part;  // of the group
   const int heads = min(work.heads_per_part, a.group - first_head);
   const int64_t begin = scan.split_begin(split);
