@@ -539,9 +539,10 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int rank = static_cast<int>(blockIdx.x % P);  // the cluster spans P blocks along x
-  const int cluster = static_cast<int>(blockIdx.x / P);
-  const int clusters = static_cast<int>(gridDim.x / P);
+  // The cluster spans the grid's P blocks along y, as gemv_stream_kernel's.
+  const int rank = static_cast<int>(blockIdx.y);
+  const int cluster = static_cast<int>(blockIdx.x);
+  const int clusters = static_cast<int>(gridDim.x);
   const int64_t cpr = a.chunks_per_row;
   const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
   const int my_tiles = static_cast<int>((tiles - cluster + clusters - 1) / clusters);
@@ -852,19 +853,20 @@ cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
   attributes[0].val.clusterDim.z = 1;
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   // The occupancy query's configuration: one cluster, no stream.
-  config.gridDim = dim3(static_cast<unsigned>(t.splits));
+  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
   config.attrs = attributes;
   config.numAttrs = 1;
   const int resident = resident_clusters(kernel, config, t.splits, true);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident) * t.splits));
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
+                        static_cast<unsigned>(t.splits));
   config.stream = launch.stream;
   config.numAttrs = launch.pdl ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, args, maps);
