@@ -531,9 +531,10 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const int rank = static_cast<int>(blockIdx.x % P);  // the cluster spans P blocks along x
-  const int cluster = static_cast<int>(blockIdx.x / P);
-  const int clusters = static_cast<int>(gridDim.x / P);
+  // The cluster spans the grid's P blocks along y, as gemv_stream_kernel's.
+  const int rank = static_cast<int>(blockIdx.y);
+  const int cluster = static_cast<int>(blockIdx.x);
+  const int clusters = static_cast<int>(gridDim.x);
   const int64_t cpr = a.chunks_per_row;
   const int64_t tiles = (a.rows + kTileRows - 1) / kTileRows;
   const int my_tiles = static_cast<int>((tiles - cluster + clusters - 1) / clusters);
@@ -544,9 +545,16 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       static_cast<int>(max(int64_t{0}, min(static_cast<int64_t>(part_chunks), cpr - part_begin)));
   const int pitch = 16 * part_chunks;
   const int scale_pitch = static_cast<int>(gemv_stream_split_scale_row_bytes(part_chunks));
-  // The scale box starts at a multiple of 8 chunks (gemv_stream_split_scale_row_bytes): the
-  // part's scales then begin scale_shift (0 or 4) chunks into each row of it.
-  const int scale_column = part_begin & ~7;
+  // Every box lies within the rows (the EARLY test of session 9 trapped with boxes partly past a
+  // row's end or starting between two 16-byte granules; whole boxes past the end worked): the
+  // last parts' boxes end at the row's end, the scale box starts at a multiple of 8 chunks
+  // (gemv_stream_split_scale_row_bytes). The part then begins weight_shift / scale_shift chunks
+  // into a box row (past the end for an empty part, which reads nothing).
+  const int weight_column =
+      static_cast<int>(min(static_cast<int64_t>(part_begin), cpr - part_chunks));
+  const int weight_shift = part_begin - weight_column;
+  const int scale_column =
+      static_cast<int>(min(static_cast<int64_t>(part_begin & ~7), cpr - scale_pitch / 2));
   const int scale_shift = part_begin - scale_column;
   const int scales_offset = kTileRows * pitch;  // within a stage
   const int64_t stage_bytes = gemv_stream_split_stage_bytes(part_chunks);
@@ -592,7 +600,7 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
           const int row0 = (cluster + tile * clusters) * kTileRows;
           uint8_t* to = stages + stage * stage_bytes;
           arrive_expect_bytes(full + stage, box_bytes);
-          copy_box(to, &maps.weights, 2 * part_begin, row0, full + stage);
+          copy_box(to, &maps.weights, 2 * weight_column, row0, full + stage);
           copy_box(to + scales_offset, &maps.scales, scale_column, row0, full + stage);
         }
       }
@@ -647,8 +655,9 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
       if (tile >= my_tiles) break;  // the group's warps all leave together
       const int stage = group * S + r % S;
       wait_barrier(full + stage, (r / S) & 1);
-      const uint8_t* tile_weights = stages + stage * stage_bytes;
-      const uint8_t* tile_scales = tile_weights + scales_offset + 2 * scale_shift;
+      const uint8_t* stage_start = stages + stage * stage_bytes;
+      const uint8_t* tile_weights = stage_start + 16 * weight_shift;
+      const uint8_t* tile_scales = stage_start + scales_offset + 2 * scale_shift;
       float acc_g = 0.0f, acc_g8 = 0.0f;
       for (int k = k_begin; k < k_end; k += KC) {
         multiply_slice<KC>(tile_weights + k * 16, pitch, tile_scales + k * 2, scale_pitch,
@@ -836,19 +845,20 @@ cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
   cudaLaunchAttribute attributes[2] = {};
   attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.y = 1;
+  attributes[0].val.clusterDim.x = 1;
+  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
   attributes[0].val.clusterDim.z = 1;
   attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attributes[1].val.programmaticStreamSerializationAllowed = 1;
   // The occupancy query's configuration: one cluster, no stream.
-  config.gridDim = dim3(static_cast<unsigned>(t.splits));
+  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
   config.attrs = attributes;
   config.numAttrs = 1;
   const int resident = resident_clusters(kernel, config, t.splits, true);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident) * t.splits));
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
+                        static_cast<unsigned>(t.splits));
   config.stream = launch.stream;
   config.numAttrs = launch.pdl ? 2 : 1;
   return cudaLaunchKernelEx(&config, kernel, args, maps);

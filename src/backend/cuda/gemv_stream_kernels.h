@@ -189,10 +189,9 @@ constexpr int64_t gemv_stream_block_chunks(const GemvStreamTiling& t, int64_t ch
 }
 
 // Split-K producer tilings: the chunks of a block's part of K (its tensor copies' box), the bytes
-// of a part's row of scales in a stage (a multiple of 16: the copies' box, which starts at the
-// part's first chunk rounded down to a multiple of 8, 16 bytes, since parts are whole quads: 4
-// chunks more where the parts are an odd number of quads; the EARLY test of session 9 trapped
-// with boxes that start between two 16-byte granules of a row), a stage (weights, then
+// of a part's row of scales in a stage (a multiple of 16: the copies' box, which starts at a
+// multiple of 8 chunks, 16 bytes, at or before the part's first chunk: 4 chunks more where the
+// parts are an odd number of quads), a stage (weights, then
 // scales, padded to 128 bytes), the partial-sum buffers each group has in rank 0 (stage
 // kGemvStreamSplitBuffers rounds ahead) and the shared memory before the stages: the groups'
 // full and empty stage barriers, their buffers' full and empty barriers, then the buffers
