@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "backend/cuda/elementwise.h"
@@ -762,48 +763,51 @@ TEST(Gemv, SplitKCompanionsAndLimits) {
   check_gemv(down, down_device, 1, ActType::kBF16, -1, 2304);
 }
 
-// The tensor-core w8 kernel (gemv_w8_mma.h) at the 26B logits shape's K (a few rows, one not a
-// multiple of 16) and E2B's, fp16 and fp32 scales: it multiplies the activations rounded to fp16
-// (bf16 ones are exact in fp16 at these magnitudes), products exact, sums fp32.
+// The tensor-core w8 kernel (gemv_w8_mma.h) at the 26B logits shape's K (rows not a multiple of
+// 16) and E2B's: it multiplies the activations rounded to fp16 (bf16 ones are exact in fp16 at
+// these magnitudes), products exact, sums fp32.
 TEST(Gemv, W8TensorCoreKernel) {
   for (const Shape s : {Shape{1000, 2816}, Shape{4096, 1536}}) {
-    for (ScaleType scale_type : {ScaleType::kF16, ScaleType::kF32}) {
-      const HostMatrix host = random_matrix(WeightFormat::kW8, s.rows, s.cols, 41, scale_type);
-      const DeviceMatrix device(host);
-      for (const bool bf16_input : {false, true}) {
-        SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols) + " " +
-                     quant::scale_type_name(scale_type) + (bf16_input ? " x=bf16" : " x=f32"));
-        const std::vector<float> x = testing::random_floats(s.cols, -2.0f, 2.0f, 43);
-        DeviceArray<uint8_t> x_device(s.cols * 4);
-        // fp32 rows go to fp16 directly (not through bf16): uploaded as they are.
-        std::vector<float> effective = upload_activations(
-            x, 1, s.cols, bf16_input ? ActType::kBF16 : ActType::kF32, false, x_device);
-        for (float& value : effective) value = fp16_to_float(float_to_fp16(value));
-        DeviceArray<float> y(s.rows);
-        const GemvInput input = {x_device.get(), bf16_input ? ActType::kBF16 : ActType::kF32, 1,
-                                 s.cols, !bf16_input};
-        ASSERT_EQ(gemv(device.view, input, {y.get(), s.rows}, Launch{}, kGemvW8MmaTiling),
-                  cudaSuccess);
-        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        const Products p = reference_products(host, effective, 1);
-        testing::expect_close(y.download(), p.value, p.magnitude, kTolerance, "w8 mma");
-      }
+    const HostMatrix host = random_matrix(WeightFormat::kW8, s.rows, s.cols, 41, ScaleType::kF16);
+    const DeviceMatrix device(host);
+    for (const bool bf16_input : {false, true}) {
+      SCOPED_TRACE(std::to_string(s.rows) + "x" + std::to_string(s.cols) +
+                   (bf16_input ? " x=bf16" : " x=f32"));
+      const std::vector<float> x = testing::random_floats(s.cols, -2.0f, 2.0f, 43);
+      DeviceArray<uint8_t> x_device(s.cols * 4);
+      // fp32 rows go to fp16 directly (not through bf16): uploaded as they are.
+      std::vector<float> effective = upload_activations(
+          x, 1, s.cols, bf16_input ? ActType::kBF16 : ActType::kF32, false, x_device);
+      for (float& value : effective) value = fp16_to_float(float_to_fp16(value));
+      DeviceArray<float> y(s.rows);
+      const GemvInput input = {x_device.get(), bf16_input ? ActType::kBF16 : ActType::kF32, 1,
+                               s.cols, !bf16_input};
+      ASSERT_EQ(gemv(device.view, input, {y.get(), s.rows}, Launch{}, kGemvW8MmaTiling),
+                cudaSuccess);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      const Products p = reference_products(host, effective, 1);
+      testing::expect_close(y.download(), p.value, p.magnitude, kTolerance, "w8 mma");
     }
   }
-  // What it does not take: batched rows, exact fp32 products, an epilogue.
-  const HostMatrix host = random_matrix(WeightFormat::kW8, 64, 128, 5, ScaleType::kF16);
-  const DeviceMatrix device(host);
-  DeviceArray<float> x(2 * 128), y(2 * 64), multiplier(64);
-  EXPECT_EQ(gemv(device.view, {x.get(), ActType::kF32, 2, 128, true}, {y.get(), 64}, Launch{},
-                 kGemvW8MmaTiling),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(gemv(device.view, {x.get(), ActType::kF32, 1, 128, false}, {y.get(), 64}, Launch{},
-                 kGemvW8MmaTiling),
-            cudaErrorInvalidValue);
-  EXPECT_EQ(
-      gemv(device.view, {x.get(), ActType::kF32, 1, 128, true},
-           {y.get(), 64, GemvEpilogue::kGeluMul, multiplier.get(), 64}, Launch{}, kGemvW8MmaTiling),
-      cudaErrorInvalidValue);
+  // What it does not take: batched rows, exact fp32 products, an epilogue, fp32 scales, K not a
+  // multiple of 256.
+  const HostMatrix host = random_matrix(WeightFormat::kW8, 64, 256, 5, ScaleType::kF16);
+  const HostMatrix f32_scales = random_matrix(WeightFormat::kW8, 64, 256, 6, ScaleType::kF32);
+  const HostMatrix short_rows = random_matrix(WeightFormat::kW8, 64, 128, 7, ScaleType::kF16);
+  const DeviceMatrix device(host), f32_device(f32_scales), short_device(short_rows);
+  DeviceArray<float> x(2 * 256), y(2 * 64), multiplier(64);
+  const GemvOutput plain = {y.get(), 64};
+  const GemvOutput gelu_mul = {y.get(), 64, GemvEpilogue::kGeluMul, multiplier.get(), 64};
+  const GemvInput one_row = {x.get(), ActType::kF32, 1, 256, true};
+  const GemvInput two_rows = {x.get(), ActType::kF32, 2, 256, true};
+  const GemvInput exact = {x.get(), ActType::kF32, 1, 256, false};
+  const GemvInput short_row = {x.get(), ActType::kF32, 1, 128, true};
+  for (const auto& [m, input, output] :
+       {std::tuple{&device.view, two_rows, plain}, std::tuple{&device.view, exact, plain},
+        std::tuple{&device.view, one_row, gelu_mul}, std::tuple{&f32_device.view, one_row, plain},
+        std::tuple{&short_device.view, short_row, plain}}) {
+    EXPECT_EQ(gemv(*m, input, output, Launch{}, kGemvW8MmaTiling), cudaErrorInvalidValue);
+  }
 }
 
 TEST(Gemv, RejectsUnsupportedShapes) {

@@ -192,8 +192,9 @@ bool splitk_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput&
 
 // Whether the tensor-core w8 kernel (gemv_w8_mma.h) takes this GEMV.
 bool w8_mma_takes(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y) {
-  return w.format == WeightFormat::kW8 && w.group_size == 32 && w.cols % 64 == 0 &&
-         w.cols <= 16384 && x.rows == 1 &&
+  return w.format == WeightFormat::kW8 && w.group_size == 32 &&
+         w.scale_type == quant::ScaleType::kF16 && w.cols % 256 == 0 && w.cols <= 16384 &&
+         x.rows == 1 &&
          (x.type == ActType::kBF16 || (x.type == ActType::kF32 && x.round_to_bf16)) &&
          x.residual_norm.residual == nullptr && y.epilogue == GemvEpilogue::kNone &&
          !has_companions(y.companions);

@@ -1,7 +1,7 @@
 // The single-row w8 GEMV on tensor cores (gemv_w8_mma.h describes the method).
 #include <cuda_fp16.h>
 
-#include "backend/cuda/device_math.cuh"
+#include "backend/cuda/device_math.cuh"  // load_weights_nc
 #include "backend/cuda/gemv_w8_mma.h"
 #include "backend/cuda/launch.cuh"
 
@@ -63,12 +63,15 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_w8_mma_kernel(GemvArgs a) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
   const int64_t cpr = a.chunks_per_row;
-  const int64_t groups_per_row = cpr / 2;
   const int64_t row0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * 16;
   // Rows past the matrix read its last row (never stored).
   const int64_t row_g = min(row0 + g, a.rows - 1), row_g8 = min(row0 + g + 8, a.rows - 1);
-  const uint4* w_g = static_cast<const uint4*>(a.weights) + row_g * cpr;
-  const uint4* w_g8 = static_cast<const uint4*>(a.weights) + row_g8 * cpr;
+  // Lane t's chunk of each step, and the fp16 scale of the group lanes t = 0, 1 apply: columns
+  // 2t, 2t + 1 are chunks 4s + 2t, 4s + 2t + 1, group 2s + t (lanes 2, 3 load one unused).
+  const uint4* w_g = static_cast<const uint4*>(a.weights) + row_g * cpr + t;
+  const uint4* w_g8 = static_cast<const uint4*>(a.weights) + row_g8 * cpr + t;
+  const uint16_t* s_g = static_cast<const uint16_t*>(a.scales) + row_g * (cpr / 2) + (t & 1);
+  const uint16_t* s_g8 = static_cast<const uint16_t*>(a.scales) + row_g8 * (cpr / 2) + (t & 1);
 
   pdl_wait_for_predecessors();
   for (int64_t p = threadIdx.x; p < 2 * cpr; p += kWarps * 32) staged_x[p] = f16_piece<XT>(a.x, p);
@@ -76,24 +79,20 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_w8_mma_kernel(GemvArgs a) {
   if (row0 >= a.rows) return;
 
   float acc_g = 0.0f, acc_g8 = 0.0f;
-  const int64_t steps = cpr / 4;
-  for (int64_t first = 0; first < steps; first += kBatchSteps) {
+  const int steps = static_cast<int>(cpr / 4);  // a multiple of kBatchSteps (gemv.cpp)
+  for (int first = 0; first < steps; first += kBatchSteps) {
     uint4 weights_g[kBatchSteps], weights_g8[kBatchSteps];
-    uint32_t scale_g[kBatchSteps], scale_g8[kBatchSteps];
+    uint16_t scale_g[kBatchSteps], scale_g8[kBatchSteps];
 #pragma unroll
     for (int i = 0; i < kBatchSteps; ++i) {
-      const int64_t step = min(first + i, steps - 1);  // a short last batch repeats (unused)
-      weights_g[i] = load_weights_nc(w_g + 4 * step + t);
-      weights_g8[i] = load_weights_nc(w_g8 + 4 * step + t);
-      // Lanes t = 0, 1 scale columns 2t, 2t + 1: chunks 4s + 2t, 4s + 2t + 1, group 2s + t.
-      const int64_t group = 2 * step + (t & 1);
-      scale_g[i] = load_group_scale_bits(a, row_g * groups_per_row + group);
-      scale_g8[i] = load_group_scale_bits(a, row_g8 * groups_per_row + group);
+      weights_g[i] = load_weights_nc(w_g + 4 * (first + i));
+      weights_g8[i] = load_weights_nc(w_g8 + 4 * (first + i));
+      scale_g[i] = __ldg(s_g + 2 * (first + i));
+      scale_g8[i] = __ldg(s_g8 + 2 * (first + i));
     }
 #pragma unroll
     for (int i = 0; i < kBatchSteps; ++i) {
-      if (first + i >= steps) break;
-      const int64_t chunk = 4 * (first + i) + t;
+      const int chunk = 4 * (first + i) + t;
       uint4 x_lo = make_uint4(0, 0, 0, 0), x_hi = x_lo;
       if (g == t) {
         x_lo = staged_x[2 * chunk];
@@ -111,10 +110,10 @@ __global__ void __launch_bounds__(kWarps * 32) gemv_w8_mma_kernel(GemvArgs a) {
         mma_f16(c[j / 2], int8_pair_as_f16(rg[j], 0), int8_pair_as_f16(rg8[j], 0),
                 int8_pair_as_f16(rg[j], 1), int8_pair_as_f16(rg8[j], 1), xw[2 * j], xw[2 * j + 1]);
       }
-      acc_g =
-          fmaf(scale_from_bits(a, scale_g[i]), (c[0][0] + c[1][0]) + (c[0][1] + c[1][1]), acc_g);
-      acc_g8 =
-          fmaf(scale_from_bits(a, scale_g8[i]), (c[0][2] + c[1][2]) + (c[0][3] + c[1][3]), acc_g8);
+      acc_g = fmaf(__half2float(__ushort_as_half(scale_g[i])),
+                   (c[0][0] + c[1][0]) + (c[0][1] + c[1][1]), acc_g);
+      acc_g8 = fmaf(__half2float(__ushort_as_half(scale_g8[i])),
+                    (c[0][2] + c[1][2]) + (c[0][3] + c[1][3]), acc_g8);
     }
   }
   // Lanes t = 0, 1 hold the row sums' two halves (t = 2, 3: the zero columns 4..7).

@@ -22,9 +22,9 @@ namespace gemma4::cuda {
 // ones).
 inline constexpr int kGemvW8MmaTiling = 300;
 
-// Enqueues it; gemv() has checked what it takes (gemv.cpp w8_mma_takes): kW8 group 32, K a
-// multiple of 64, one activation row of kBF16 or kF32 rounded, no epilogue, companions or
-// residual step.
+// Enqueues it; gemv() has checked what it takes (gemv.cpp w8_mma_takes): kW8 group 32 with fp16
+// scales (quant/quantize_w8.h's, GGUF Q8_0's), K a multiple of 256 (whole batches of 4 steps),
+// one activation row of kBF16 or kF32 rounded, no epilogue, companions or residual step.
 cudaError_t launch_gemv_w8_mma(ActType x_type, const GemvArgs& args, const Launch& launch);
 
 }  // namespace gemma4::cuda
