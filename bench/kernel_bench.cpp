@@ -935,6 +935,20 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
                                      dense[1].label, stream, false, GemvEpilogue::kGeluPairs));
   }
+  // E2B's other attention shapes at 8 and 64 streams (default tiling, or --mma-tilings): the
+  // KV-shared layers' q of sliding and full layers, the full layers' qkv and o_proj.
+  const Shape e2b_attention[] = {{2048, 1536, "e2b q 2048x1536"},
+                                 {4096, 1536, "e2b q 4096x1536"},
+                                 {5120, 1536, "e2b qkv 5120x1536"},
+                                 {1536, 4096, "e2b o_proj 1536x4096"}};
+  for (int m : {8, 64}) {
+    for (const Shape& s : e2b_attention) {
+      for (ActType x_type : {ActType::kF32, ActType::kBF16}) {
+        results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
+                                         stream, false));
+      }
+    }
+  }
   // E2B's lm_head at 64 streams: the shape with the most row tiles.
   results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, 64, ActType::kF32,
                                    dense[6].label, stream, !quick));

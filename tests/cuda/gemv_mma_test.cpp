@@ -356,10 +356,10 @@ TEST(GemvMma, Deterministic) {
 
 // The default tiling of every shape the engines run (and small ones) is one gemv_mma accepts.
 TEST(GemvMma, DefaultTilingsAreValid) {
-  const int64_t shapes[][2] = {{2560, 1536},  {12288, 1536}, {24576, 1536},  {1536, 6144},
-                               {1536, 12288}, {1536, 2048},  {262144, 1536}, {8192, 2816},
-                               {4224, 2816},  {2816, 2112},  {2816, 4096},   {2816, 704},
-                               {16, 32},      {200, 96}};
+  const int64_t shapes[][2] = {
+      {2560, 1536}, {2048, 1536},  {4096, 1536}, {5120, 1536}, {12288, 1536},  {24576, 1536},
+      {1536, 6144}, {1536, 12288}, {1536, 2048}, {1536, 4096}, {262144, 1536}, {8192, 2816},
+      {4224, 2816}, {2816, 2112},  {2816, 4096}, {2816, 704},  {16, 32},       {200, 96}};
   for (const auto& shape : shapes) {
     for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
       for (ActType x_type : kActivationTypes) {
