@@ -765,8 +765,8 @@ __device__ __forceinline__ void merge_records(const AttentionArgs& a, int64_t ro
 
 // The split merge inside the attention kernel (AttentionArgs::merge_counters), after a block has
 // written its partial records: each split block of a (sequence, kv head, q-head part) counts
-// itself in; the last to arrive (all the others' records are then visible: each fenced them
-// before counting) resets the counter for the next launch and combines the records of the part's
+// itself in; the last to arrive (all the others' records are then visible: each released them
+// with its count) resets the counter for the next launch and combines the records of the part's
 // q heads [first_head, first_head + heads) of the group as merge_splits_kernel does, into the
 // outputs and their companions. `scratch`: shared memory for heads · (splits + 1) floats.
 template <int HD>
