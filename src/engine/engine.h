@@ -128,10 +128,11 @@ class Engine {
   // stops when its context is full after a step (on_token still sees that step's token; its
   // answer is then ignored). Returns once every sequence has stopped. on_token may close
   // sequences (close_sequence; one of this call's only once it has stopped, or as on_token
-  // stops it) and call nothing else of the engine. The tokens, logits and KV are exactly those of
+  // stops it) and call nothing else of the engine. The tokens, logits and KV are those of
   // step_sampled steps fed back the greedy tokens by the caller (the default implementation,
   // greedy_decode_by_steps); an engine whose logits live on a device keeps each token there and
-  // enqueues the next step before the host sees the token (Gemma4Engine).
+  // enqueues the next step before the host sees the token (Gemma4Engine: see there for the one
+  // way its rounding can differ).
   virtual Status decode_greedy(std::span<const SequenceId> sequences,
                                std::span<const int32_t> first_tokens,
                                const GreedyTokenCallback& on_token);

@@ -119,7 +119,10 @@ class Gemma4Engine final : public Engine {
   // the guess that every sequence continues (not past a GreedyNext::kLast step). A sequence that
   // stops instead rolls that step's token back (its KV write past the end is forgotten, as
   // truncate_sequence does); the others finish that step, then go on in a new chain whose first
-  // step's tokens are uploaded. Batches larger than a pass: greedy_decode_by_steps.
+  // step's tokens are uploaded. That step still held the stopped row, so the others' rows come
+  // from a batch one row larger than host-fed steps would have run: kernels whose rounding
+  // depends on the batch size (the CUDA MoE ones) can make their logits differ in the last bits.
+  // Batches larger than a pass: greedy_decode_by_steps.
   Status decode_greedy(std::span<const SequenceId> sequences, std::span<const int32_t> first_tokens,
                        const GreedyTokenCallback& on_token) override;
 
