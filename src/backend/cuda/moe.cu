@@ -285,8 +285,8 @@ struct DecodeGateUpArgs {
   // (prefetch_down_share_l2): hidden where the down matrices have the gate/up matrices' format,
   // else 0. Not on tensor cores: there both prefetches (the down share and the rest of the
   // block's own tile) measured slower (moe_bench T=1 NVFP4 20.2 -> 21.3 / 22.6 µs, session 9),
-  // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6 µs: their down blocks do not fit beside
-  // gate/up's, so without it down's weights came from DRAM after gate/up).
+  // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6-25.1 µs: their down blocks do not fit
+  // beside gate/up's, so without it down's weights came from DRAM after gate/up).
   int64_t down_rows_to_prefetch;
 };
 
@@ -504,8 +504,9 @@ constexpr int kMmaGateUpWarps = 2;
 // 8-row tiles per gate/up block, each on its own kMmaGateUpWarps warps: the block stages x once for
 // all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
 // are bound by their warps' instruction chains, 6.5 cycles an instruction at ~2.7 warps per
-// scheduler, not by DRAM).
-constexpr int kMmaGateUpTiles = 4;
+// scheduler, not by DRAM). moe_bench NVFP4 decode-tc PDL µs per layer, tiles 1 / 2 / 4: T=1 19.90 /
+// 19.44 / 19.39, T=4 56.71 / 53.64 / 58.20, T=8 99.94 / 94.86 / 101.64 (session 9).
+constexpr int kMmaGateUpTiles = 2;
 constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
 constexpr int kMmaDownWarps = 8;
 constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
