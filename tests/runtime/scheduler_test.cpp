@@ -400,5 +400,26 @@ TEST(Scheduler, ARequestEndingInAChainFinishesAtOnce) {
   EXPECT_GE(engine.chains, 1);
 }
 
+// A request submitted while a chain runs ends the chain (a free slot waits) and is served while
+// the chained request goes on.
+TEST(Scheduler, ASubmissionEndsTheChainForItsAdmission) {
+  ScriptedEngine scripted(engine_options(4, 5ms),
+                          {{{40}, {10, 11}}, {{}, std::vector<int32_t>(100, 9)}});
+  RecordingEngine engine(scripted);
+  Scheduler scheduler(engine, {});
+  auto long_stream = scheduler.submit(make_request({2, 3}, 200));
+  ASSERT_TRUE(long_stream.ok());
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE((*long_stream)->next(5s).has_value());
+  auto short_stream = scheduler.submit(make_request({2, 40}));
+  ASSERT_TRUE(short_stream.ok());
+  EXPECT_EQ(drain(**short_stream).tokens, (std::vector<int32_t>{10, 11}));
+  EXPECT_EQ(scheduler.stats().running, 1) << "the long request still runs (~90 steps of 5 ms)";
+  const Outcome rest = drain(**long_stream);
+  EXPECT_EQ(rest.tokens, std::vector<int32_t>(95, 9));
+  EXPECT_EQ(rest.finish.reason, FinishReason::kStop);
+  std::lock_guard lock(engine.mutex_);
+  EXPECT_GE(engine.chains, 2) << "one chain before the submission, one after";
+}
+
 }  // namespace
 }  // namespace gemma4::runtime
