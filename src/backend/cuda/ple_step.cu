@@ -363,16 +363,11 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   sums = make_float4(warp_sum(sums.x), warp_sum(sums.y), warp_sum(sums.z), 0.0f);
   if (lane == 0) projected_sums[warp] = sums;
   __syncthreads();           // projected[], projected_sums[] and v_squares[] whole
-  if (t < kClusterBlocks) {  // the block's sums (a tree over its warps) to block t
-    float4 block_sums[L::kWarps];
+  if (t < kClusterBlocks) {  // the block's sums to block t
+    float4 block_sums = projected_sums[0];
 #pragma unroll
-    for (int w = 0; w < L::kWarps; ++w) block_sums[w] = projected_sums[w];
-#pragma unroll
-    for (int half = L::kWarps / 2; half > 0; half /= 2) {
-#pragma unroll
-      for (int w = 0; w < half; ++w) block_sums[w] = add_sums(block_sums[w], block_sums[w + half]);
-    }
-    send(cluster, &projected_sums_in[rank], block_sums[0], &arrivals[kProjectedSums], t, t == rank);
+    for (int w = 1; w < L::kWarps; ++w) block_sums = add_sums(block_sums, projected_sums[w]);
+    send(cluster, &projected_sums_in[rank], block_sums, &arrivals[kProjectedSums], t, t == rank);
   }
   // The other warps are done: the column warps keep the block (its shared memory) until all its
   // peers send it has arrived, and until every peer has received all it sent (the closing
