@@ -23,7 +23,7 @@ constexpr int kOneTileMinRows = 17;
 constexpr int64_t kOneTileMinMatrixRows = 8192;
 
 // Tilings measured faster than the cost model's choice (kernel_bench sweeps, H200, PDL µs) for a
-// weight shape (cols 0: any K) and a range of activation rows; the first match. Sessions 8 and 9;
+// weight shape and a range of activation rows; the first match. Sessions 8 and 9;
 // session 9's with the activations the engine passes: bf16 companions but to o_proj (fp32 rows
 // rounded to bf16).
 struct MeasuredTiling {
@@ -33,28 +33,36 @@ struct MeasuredTiling {
 };
 constexpr MmaGemvTrigger kLateTrigger = MmaGemvTrigger::kAfterProducts;
 constexpr MeasuredTiling kMeasuredTilings[] = {
-    // E2B 1,536-row outputs (o_proj, down) at 33-64 rows: two blocks along the activation rows
-    // of 32 each, 256-row two-tile tiles, 8 splits (192 blocks where one row block had 96).
-    // M=64 o_proj 9.92 -> 7.84; down K 6144 15.12 -> 13.82 (fp32 rows 18.11 -> 14.65), K 12288
-    // 24.62 -> 23.23 (29.66 -> 24.72).
-    {1536, 0, 33, 64, {8, 8, 1, 0, 2, MmaGemvTrigger::kAtStart, false, 2}},
-    // E2B QKV at 33-64 rows: one-tile warps of 128-row tiles, 4 splits, two blocks an SM, the
-    // dependents triggered after the products: earlier, a PDL dependent packed into the second
-    // slots slowed it (10144 plain 9.81, PDL 11.78 -> 8.86; 8 splits of 256-row tiles 9.69).
-    {2560, 1536, 33, 64, {8, 4, 1, 0, 1, kLateTrigger}},
+    // E2B 1,536-row outputs at 33-64 rows: two blocks along the activation rows of 32 each
+    // (twice the blocks of one, each with half the staging and K-split reduction), 8 splits,
+    // dependents triggered after the products. down (bf16 rows): one-tile warps of 128-row tiles
+    // (M=64 K 6144 15.12 -> 13.51, K 12288 24.62 -> 22.63); o_proj (fp32 rows): two-tile warps of
+    // 256-row tiles (K 2048 9.92 -> 7.72, K 4096 11.05).
+    {1536, 6144, 33, 64, {8, 8, 1, 0, 1, kLateTrigger, false, 2}},
+    {1536, 12288, 33, 64, {8, 8, 1, 0, 1, kLateTrigger, false, 2}},
+    {1536, 2048, 33, 64, {8, 8, 1, 0, 2, kLateTrigger, false, 2}},
+    {1536, 4096, 33, 64, {8, 8, 1, 0, 2, kLateTrigger, false, 2}},
+    // E2B q / qkv at 33-64 rows: one-tile warps of 128-row tiles, 4 splits, dependents triggered
+    // after the products (earlier, a PDL dependent packed into the second block slots slowed
+    // them: 10144 at 2560 rows plain 9.81, PDL 11.78); two blocks along the activation rows at
+    // 2,048-2,560 rows. M=64: 2560 9.69 -> 8.61, 2048 8.65 -> 8.40, 4096 19.20 -> 12.34, 5120
+    // 22.54 -> 12.59.
+    {2560, 1536, 33, 64, {8, 4, 1, 0, 1, kLateTrigger, false, 2}},
+    {2048, 1536, 33, 64, {8, 4, 1, 0, 1, kLateTrigger, false, 2}},
+    {4096, 1536, 33, 64, {8, 4, 1, 0, 1, kLateTrigger}},
+    {5120, 1536, 33, 64, {8, 4, 1, 0, 1, kLateTrigger}},
     // E2B QKV up to 32 rows: 8 splits of 256-row tiles (M=32 7.62 -> 7.43, M=16 6.63 -> 5.86,
-    // M=8 5.42 -> 4.89); o_proj the same up to 16 rows (M=16 6.48 -> 6.00, M=8 5.31 -> 4.92).
+    // M=8 5.42 -> 4.89); o_proj the same at 9-16 rows (M=16 6.48 -> 6.00).
     {2560, 1536, 2, 32, {8, 8, 1}},
-    {1536, 2048, 2, 16, {8, 8, 1}},
-    // E2B down up to 8 rows: two-tile warps (two along K) per 128-row tile, 8 splits, two blocks
-    // an SM, dependents triggered after the products (M=8 bf16 rows, K 6144 7.72 -> 6.61, K 12288
-    // 10.67 -> 10.18 against the 16 one-tile warps of one block an SM, below).
-    {1536, 6144, 2, 8, {4, 8, 2, 0, 2, kLateTrigger}},
-    {1536, 12288, 2, 8, {4, 8, 2, 0, 2, kLateTrigger}},
-    // E2B down at 9-16 rows: 16 one-tile warps (two along K) per 128-row tile, 8 splits, one block
-    // an SM (M=16 12.04 -> 9.47, 19.65 -> 14.07).
-    {1536, 6144, 9, 16, {8, 8, 2, 0, 1}},
-    {1536, 12288, 9, 16, {8, 8, 2, 0, 1}},
+    {1536, 2048, 9, 16, {8, 8, 1}},
+    // E2B 1,536-row outputs up to 16 rows (up to 8 for o_proj 1536x2048): two-tile warps two
+    // along K per 128-row tile, 8 splits, two blocks an SM, dependents triggered after the
+    // products. M=8: o_proj K 2048 4.91 -> 4.28, K 4096 7.33 -> 5.61, down (bf16 rows) K 6144
+    // 7.72 -> 6.61, K 12288 10.67 -> 10.18; M=16 down 8.55 -> 7.79, 12.35 -> 12.21.
+    {1536, 2048, 2, 8, {4, 8, 2, 0, 2, kLateTrigger}},
+    {1536, 4096, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
+    {1536, 6144, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
+    {1536, 12288, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
     // E2B double-wide gate+up: looping one-tile warps over 128-row tiles, 2 splits; 8 warps a
     // block at 33-64 rows (M=64 38.7 -> 35.8), 16 (two along K) at 17-32 (M=32 28.9 -> 24.3).
     {24576, 1536, 33, 64, {8, 2, 1, kMmaGemvResidentRowBlocks, 1}},
@@ -126,8 +134,8 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
   // partial-sum buffers fit. A split more only for a clearly shorter path: each adds partial sums
   // to the cluster's reduction.
   for (const MeasuredTiling& measured : kMeasuredTilings) {
-    if (measured.rows == rows && (measured.cols == 0 || measured.cols == cols) &&
-        m >= measured.min_m && m <= measured.max_m &&
+    if (measured.rows == rows && measured.cols == cols && m >= measured.min_m &&
+        m <= measured.max_m &&
         mma_gemv_shared_bytes(measured.tiling, m, cols / 32) <= kMmaGemvMaxSharedBytes) {
       return measured.tiling;
     }
