@@ -33,6 +33,10 @@
 // rings completing on mbarriers; groups of consumer warps multiply a tile with the same
 // tensor-core step and store it. Session 8 (MID, PDL µs): 31B QKV 17.9, gate+up 35.9 (113: 18.3,
 // 43.1); E2B double-wide gate+up 8.4, lm_head 56.1 (100: 10.4, 73.3) — 95 % of the read ceiling.
+// The split-K producer tilings (session 9, gemv_stream_split_producer below) do the same for
+// matrices whose 16-row tiles no stage holds (the 31B down and full o_proj): a cluster of blocks
+// shares each tile, a K part a block, copied by 2-D tensor copies, the parts' sums meeting in the
+// cluster's rank 0.
 #pragma once
 
 #include <cstdint>
