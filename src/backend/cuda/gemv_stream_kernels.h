@@ -33,6 +33,10 @@
 // rings completing on mbarriers; groups of consumer warps multiply a tile with the same
 // tensor-core step and store it. Session 8 (MID, PDL µs): 31B QKV 17.9, gate+up 35.9 (113: 18.3,
 // 43.1); E2B double-wide gate+up 8.4, lm_head 56.1 (100: 10.4, 73.3) — 95 % of the read ceiling.
+// The split-K producer tilings (session 9, gemv_stream_split_producer below) do the same for
+// matrices whose 16-row tiles no stage holds (the 31B down and full o_proj): a cluster of blocks
+// shares each tile, a K part a block, copied by 2-D tensor copies, the parts' sums meeting in the
+// cluster's rank 0.
 #pragma once
 
 #include <cstdint>
@@ -84,7 +88,10 @@ constexpr GemvStreamTiling gemv_stream_producer(int warps, int chunks, int stage
 // group of tile_warps consumer warps; the groups' 16-row partial sums go to the cluster's rank 0
 // through distributed shared memory, which adds them in rank order (deterministic, no workspace)
 // and stores. With 336 tiles (the 5,376-row shapes) over 16 clusters of 8, every SM streams the
-// same 21 parts: no partly filled last round.
+// same 21 parts: no partly filled last round. Session 9 (MID, kernel_bench M=1, PDL µs): 135 (8
+// warps in 4 groups of 2) 31B down 21.76 (register 9: 27.10), full o_proj 18.87 (9: 20.80); 128
+// 22.9 / 19.9; one warp a group (127, 134) ~25; one or two groups (129, 130, 133, 136) 27-40: a
+// group's rounds are latency-bound (~1.9 µs each), more groups hide it.
 constexpr GemvStreamTiling gemv_stream_split_producer(int warps, int chunks, int stages,
                                                       int tile_warps, int splits) {
   return {.warps = warps,
@@ -142,21 +149,21 @@ inline constexpr GemvStreamTiling kGemvStreamTilings[] = {
     gemv_stream_split_producer(8, 44, 2, 2, 4),  // 131: 128 over clusters of 4
     // The same with every warp's share of a part one whole piece (unrolled): K 21504 over 8 (21
     // quads a part), K 16384 over 8 (16), K 8192 over 8 (8) or 4 (16).
-    gemv_stream_split_producer(6, 28, 4, 3, 8),  // 132: K 21504: 7 quads a warp, two tiles at once
-    gemv_stream_split_producer(7, 12, 8, 7, 8),  // 133: K 21504: 3 quads a warp, one tile at once
-    gemv_stream_split_producer(4, 84, 2, 1, 8),  // 134: K 21504: 21 quads a warp, four tiles
-    gemv_stream_split_producer(8, 32, 2, 2, 8),  // 135: K 16384: 8 quads a warp, four tiles
-    gemv_stream_split_producer(8, 16, 4, 4, 8),  // 136: K 16384: 4 quads a warp, two tiles
-    gemv_stream_split_producer(8, 16, 4, 2, 8),  // 137: K 8192: 4 quads a warp, four tiles
-    gemv_stream_split_producer(8, 32, 2, 2, 4),  // 138: K 8192 over 4: 8 quads a warp, four tiles
+    gemv_stream_split_producer(6, 28, 4, 3, 8),   // 132: K 21504: 7 quads a warp, two tiles at once
+    gemv_stream_split_producer(7, 12, 8, 7, 8),   // 133: K 21504: 3 quads a warp, one tile at once
+    gemv_stream_split_producer(4, 84, 2, 1, 8),   // 134: K 21504: 21 quads a warp, four tiles
+    gemv_stream_split_producer(8, 32, 2, 2, 8),   // 135: K 16384: 8 quads a warp, four tiles
+    gemv_stream_split_producer(8, 16, 4, 4, 8),   // 136: K 16384: 4 quads a warp, two tiles
+    gemv_stream_split_producer(8, 16, 4, 2, 8),   // 137: K 8192: 4 quads a warp, four tiles
+    gemv_stream_split_producer(8, 32, 2, 2, 4),   // 138: K 8192 over 4: 8 quads a warp, four tiles
+    gemv_stream_split_producer(12, 28, 2, 3, 8),  // 139: K 21504: 7 quads a warp, four tiles
 };
 inline constexpr int kNumGemvStreamTilings =
     sizeof(kGemvStreamTilings) / sizeof(kGemvStreamTilings[0]);
 
 // The streaming tilings default_gemv_tiling picks: all a normal build compiles (every one with
 // GEMMA4_GEMV_ALL_TILINGS). Keep in step with default_gemv_tiling (gemv.cpp).
-inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126, 127, 128, 129, 130,
-                                                    131, 132, 133, 134, 135, 136, 137, 138};
+inline constexpr int kDefaultGemvStreamTilings[] = {106, 123, 124, 126, 135};
 
 constexpr bool is_gemv_stream_tiling(int tiling) {
   return tiling >= kGemvStreamTilingBase && tiling < kGemvStreamTilingBase + kNumGemvStreamTilings;
