@@ -361,7 +361,7 @@ int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments,
 int64_t Gemma4Engine::Impl::forward_logits(int64_t count) {
   Rows last = rows(last_hidden, count, config.hidden_size);
   Rows out = rows(logits, count, config.vocab_size);
-  backend->matmul(weights.lm_head, last, out);
+  backend->matmul(count > kLmHeadQ8MaxRows ? weights.lm_head_batched : weights.lm_head, last, out);
   if (config.final_logit_softcap > 0) backend->softcap(out, config.final_logit_softcap);
   return count;
 }

@@ -167,8 +167,10 @@ Expected<ResidentWeights> ResidentWeights::create(const model::ModelWeights& wei
     auto quantized = quant::quantize_w8g32(weights.lm_head);
     if (!quantized.ok()) return quantized.error().with_context("--lm-head q8");
     out.lm_head = place.made(std::move(quantized).value());
+    const bool tied = weights.lm_head.data == weights.embed_tokens.data;
+    out.lm_head_batched = tied ? out.embed_tokens : out.lm_head;
   } else {
-    out.lm_head = place.table(weights.lm_head);
+    out.lm_head = out.lm_head_batched = place.table(weights.lm_head);
   }
   out.final_norm = place.vector(weights.final_norm);
   out.embed_tokens_per_layer = place.table(weights.embed_tokens_per_layer);

@@ -63,6 +63,9 @@ class ResidentWeights {
 
   quant::QMatrix embed_tokens;
   quant::QMatrix lm_head;
+  // What passes of more than kLmHeadQ8MaxRows logits rows read: the exact tied table when lm_head
+  // is its 8-bit copy (engine/lm_head.h), else lm_head.
+  quant::QMatrix lm_head_batched;
   const float* final_norm = nullptr;
   quant::QMatrix embed_tokens_per_layer;
   quant::QMatrix per_layer_model_projection;

@@ -403,9 +403,7 @@ TEST(Gemv, DefaultTilingsAreCompiledByEveryBuild) {
               return std::find(std::begin(defaults), std::end(defaults), tiling) !=
                      std::end(defaults);
             };
-            // The tensor-core w8 kernel has one build, always compiled.
-            EXPECT_TRUE(tiling == kGemvW8MmaTiling      ? format == WeightFormat::kW8
-                        : is_gemv_stream_tiling(tiling) ? gemv_stream_tiling_compiled(tiling)
+            EXPECT_TRUE(is_gemv_stream_tiling(tiling)   ? gemv_stream_tiling_compiled(tiling)
                         : is_gemv_splitk_tiling(tiling) ? listed(kDefaultGemvSplitKTilings)
                                                         : listed(kDefaultGemvTilings))
                 << quant::weight_format_name(format) << " " << rows << "x" << cols << " M=" << m

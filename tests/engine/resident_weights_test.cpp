@@ -233,6 +233,41 @@ TEST(ResidentWeights, Q8LogitsMatrixIsTheSameOnEveryBackendAndCloseToExact) {
               prompts.size());
 }
 
+// Passes of more than kLmHeadQ8MaxRows logits rows read the exact tied table: a q8 engine's
+// logits then equal the exact engine's, bit for bit.
+TEST(ResidentWeights, Q8LogitsOfLargeBatchesComeFromTheExactTiedTable) {
+  const model::LoadedModel& loaded = testing::tiny_bf16_model("tiny");
+  backend::cpu::CpuBackend cpu(1);
+  auto placed = ResidentWeights::create(loaded.weights, cpu, LmHeadFormat::kQ8);
+  ASSERT_TRUE(placed.ok());
+  EXPECT_EQ(placed->lm_head.format, quant::WeightFormat::kW8);
+  EXPECT_EQ(placed->lm_head_batched.data, loaded.weights.embed_tokens.data);
+
+  const int streams = static_cast<int>(kLmHeadQ8MaxRows) + 1;
+  EngineOptions options;
+  options.max_sequences = streams;
+  options.max_context = 16;
+  EngineOptions q8 = options;
+  q8.lm_head = LmHeadFormat::kQ8;
+  std::vector<std::vector<float>> logits;
+  for (const EngineOptions& o : {options, q8}) {
+    auto engine = Gemma4Engine::create(loaded.config, loaded.weights,
+                                       std::make_unique<backend::cpu::CpuBackend>(2), o);
+    ASSERT_TRUE(engine.ok());
+    std::vector<std::vector<int32_t>> tokens;
+    std::vector<StepInput> inputs;
+    for (int i = 0; i < streams; ++i) tokens.push_back(testing::prompt_ids(2, i));
+    for (int i = 0; i < streams; ++i) {
+      auto sequence = (*engine)->open_sequence();
+      ASSERT_TRUE(sequence.ok());
+      inputs.push_back({*sequence, tokens[i]});
+    }
+    logits.emplace_back(static_cast<size_t>(streams) * (*engine)->vocab_size());
+    ASSERT_TRUE((*engine)->step(inputs, logits.back()).ok());
+  }
+  EXPECT_EQ(logits[0], logits[1]);
+}
+
 INSTANTIATE_TEST_SUITE_P(Tiny, ResidentWeightsTest, ::testing::Values("tiny", "tiny-moe"),
                          testing::preset_test_name);
 

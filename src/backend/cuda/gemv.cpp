@@ -234,13 +234,6 @@ int default_gemv_tiling(const quant::QMatrix& w, int m, ActType x_type) {
   // rounded to bf16 (217: 3.13 / 5.69, slower than the register kernel's 27 and the streaming
   // kernel's 106 / 136), not the 31B 5,376-row shapes (217: o_proj 12.5, down 27.9 vs register
   // 9's 11.8 / 27.05).
-  // An 8-bit logits matrix at one row (--lm-head q8): the tensor-core w8 kernel (gemv_w8_mma.h;
-  // the register kernel's best at the 26B's 262144 x 2816 is 242 µs, 76 % of the read ceiling).
-  // Its K range: the 26B's (176 chunks of 16); the 270M's GGUF logits (K 640) keep tiling 4.
-  if (m == 1 && x_type != ActType::kQ8 && w.format == WeightFormat::kW8 && w.rows >= 131072 &&
-      w.cols > 1536 && w.cols <= 3072) {
-    return kGemvW8MmaTiling;
-  }
   if (m == 1 && x_type == ActType::kBF16 && w.format == WeightFormat::kW4G32 && w.rows == 1536 &&
       (w.cols == 2048 || w.cols == 6144)) {
     return 217;
@@ -289,8 +282,7 @@ cudaError_t gemv(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& 
   if (tiling < 0) {
     tiling = default_gemv_tiling(w, x.rows, x.type);
     if ((is_gemv_stream_tiling(tiling) && !stream_takes(w, x, y, tiling)) ||
-        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling)) ||
-        (tiling == kGemvW8MmaTiling && !w8_mma_takes(w, x, y))) {
+        (is_gemv_splitk_tiling(tiling) && !splitk_takes(w, x, y, tiling))) {
       tiling = default_register_tiling(w, x.rows, x.type);
     }
   }

@@ -2,6 +2,10 @@
 // `--lm-head q8` (262144 x 2816): the register GEMV (gemv_kernel.cuh) spends three fp32
 // instructions per weight (byte permute, bias subtract, FMA) and measured 242 µs at that shape at
 // best (76 % of the read ceiling, session 9). Plain header, like gemv_kernels.h.
+// Not a default: as first written it measured SLOWER, 327 µs (H200, kernel_bench, session 9 MID;
+// register tiling 1: 239) and is opt-in (tiling kGemvW8MmaTiling) for kernel_bench until tuned.
+// Suspects: 4 KB of loads in flight per warp then a pause for the products, one block's
+// activation staging before any weight load, 72 registers (7 blocks of 4 warps per SM).
 //
 // Method. A warp owns one 16-row tile and all of K, in steps of 4 chunks (16 int8 each): lane
 // (g, t) loads chunk 4s + t of rows g and g + 8 (16 bytes each, straight from global memory), turns
