@@ -3,28 +3,23 @@
 // rows (= hidden columns) [c · H/C, (c + 1) · H/C). The launch's cost is the chain of dependent
 // steps after the PDL wait, so everything else happens before it, and the blocks exchange what
 // they share by pushing it into their peers' shared memory (st.async, completing on the peer's
-// mbarrier: one one-way trip per exchange, no cluster barrier on the way). Two exchanges:
+// mbarrier: one one-way trip per exchange, no cluster barrier on the way):
 //  0. before the wait: every weight load, the norm weights, then the mbarriers and one cluster
 //     barrier (every block has started and initialized its mbarriers before any peer sends);
 //  1. every block builds v = acc + rms_norm(x) for the whole row (the gate's K) in shared memory:
 //     fp32, and rounded to bf16 (kept as fp32, piece-major, with each 32-element chunk's offset
 //     for dot_w4g32, so that the gate's lanes read ready operands);
 //  2. its gate rows, a half warp per row (16 lanes x 3 chunks: no idle lane): gated =
-//     gelu_tanh(dot) · multiplier; every lane of the half warp holds the row's value, and lane p
-//     pushes it (bf16-rounded) to block p;
-//  3. once all 256 have arrived, its projection rows, and the block's three sums over them: Σp²
-//     (the projection's norm), Σ v·p·w and Σ (p·w)² (w: the projection's norm weight), pushed to
-//     every block as one float4;
-//  4. its hidden columns: acc = (v + p · p_inv · w) · scalar, and with a next norm next =
-//     norm(acc) with the companions of its 32-column chunks. The next norm needs Σ acc² over the
-//     row, which every block has without a third exchange: Σ acc² = scalar² · (Σv² + 2 · p_inv ·
-//     Σ v·p·w + p_inv² · Σ (p·w)²), with Σv² from its own copy of v.
+//     gelu_tanh(dot) · multiplier; each warp pushes its two bf16-rounded values to every block;
+//  3. once all 256 have arrived, its projection rows; each warp pushes its Σ projected² to every
+//     block;
+//  4. its hidden columns: acc = (v + norm(projected)) · scalar; with a next norm, each warp pushes
+//     its Σ acc² to every block, and next = norm(acc) with the companions of its 32-column chunks.
 // A block exits once all it receives has arrived and its peers have received all it sent (a
 // cluster barrier whose arrival comes right after the last receipt, long before the wait). Each
 // product rounds as the unfused kernels round it (add_rms_norm_kernel, the GEMV's staging); the
-// sums (of squares, of a chunk's offset) run in another order, and Σ acc² is the expansion above
-// of the unrounded products, so the last bits may differ from them (the acc rows of a residual
-// stream do not cancel: the expansion's rounding stays at the sums' own).
+// sums (of squares, of a chunk's offset) run in another order, so the last bits may differ from
+// them.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
@@ -32,9 +27,7 @@
 #include <cuda/ptx>
 
 #include "backend/cuda/device_math.cuh"
-#include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/launch.cuh"
-#include "backend/cuda/norm_sums.cuh"
 #include "backend/cuda/ple_step.h"
 #include "backend/cuda/q8.cuh"
 
@@ -67,30 +60,54 @@ struct Layout {
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kGateRowsPerBlock = kPle / kClusterBlocks;
   static constexpr int kColumns = kHidden / kClusterBlocks;  // projection rows of a block
+  static constexpr int kColumnWarps = kColumns / 32;         // step 4: a thread per column
   static constexpr int kQuadsPerThread = (kQuads + kThreads - 1) / kThreads;
   static_assert(kProjectionRowsPerThread * kProjectionTeams * kWarps == kColumns);
-  static_assert(kColumns % 32 == 0 && kQuads % 32 == 0 && kWarps % 4 == 0);
+  static_assert(kColumns % 32 == 0 && kQuads % 32 == 0 && kThreads % 8 == 0);
 };
 
-// The two exchanges, each with its own mbarrier (used for one phase).
-enum Exchange { kGated, kProjectedSums, kExchanges };
+// The three exchanges, each with its own mbarrier (used for one phase).
+enum Exchange { kGated, kProjectedSquares, kAccSquares, kExchanges };
 
-// Component-wise a + b of the three sums step 3 exchanges (w unused).
-__device__ __forceinline__ float4 add_sums(const float4& a, const float4& b) {
-  return make_float4(a.x + b.x, a.y + b.y, a.z + b.z, 0.0f);
+__device__ __forceinline__ float warp_sum(float value) {
+#pragma unroll
+  for (int offset = 16; offset > 0; offset /= 2)
+    value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
+  return value;
 }
 
-// Waits until everything sent to this block for an exchange has arrived (acquire at cluster
-// scope: the peers' stores are visible after it).
-__device__ __forceinline__ void wait_for(uint64_t* arrival) {
-  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, arrival, 0u)) {
+// Σ over the block of one value per thread: every thread gets the same total (summed in warp
+// order). `scratch`: one float per warp, not reused.
+template <int kWarps>
+__device__ __forceinline__ float block_sum(float value, float* scratch) {
+  value = warp_sum(value);
+  if ((threadIdx.x & 31) == 0) scratch[threadIdx.x >> 5] = value;
+  __syncthreads();
+  float total = 0.0f;
+#pragma unroll
+  for (int w = 0; w < kWarps; ++w) total += scratch[w];
+  return total;
+}
+
+// Σ of kSlots floats in shared memory (16-byte aligned, kSlots a multiple of 4, at most 128), the
+// same in every lane of the warp and in every block holding the same values.
+template <int kSlots>
+__device__ __forceinline__ float slots_total(const float* slots) {
+  static_assert(kSlots % 4 == 0 && kSlots <= 128);
+  const int lane = threadIdx.x & 31;
+  float sum = 0.0f;
+  if (lane < kSlots / 4) {
+    const float4 q = reinterpret_cast<const float4*>(slots)[lane];
+    sum = (q.x + q.y) + (q.z + q.w);
   }
+  return warp_sum(sum);
 }
 
 // Puts `value` at `slot` in block `peer`'s shared memory and completes it on the peer's
 // `arrival`: st.async to another block (its bytes counted by the peer's expect_tx), a store and
 // an arrival (release: the store first) to this one (`own`: peer is this block's rank).
-__device__ __forceinline__ void send(const cg::cluster_group& cluster, float* slot, float value,
+template <typename T>
+__device__ __forceinline__ void send(const cg::cluster_group& cluster, T* slot, const T& value,
                                      uint64_t* arrival, int peer, bool own) {
   if (own) {
     *slot = value;
@@ -101,16 +118,10 @@ __device__ __forceinline__ void send(const cg::cluster_group& cluster, float* sl
   }
 }
 
-// send() of a float4 (a 16-byte aligned slot).
-__device__ __forceinline__ void send(const cg::cluster_group& cluster, float4* slot,
-                                     const float4& value, uint64_t* arrival, int peer, bool own) {
-  if (own) {
-    *slot = value;
-    ptx::mbarrier_arrive(ptx::sem_release, ptx::scope_cta, ptx::space_shared, arrival);
-  } else {
-    const float values[4] = {value.x, value.y, value.z, value.w};
-    ptx::st_async(reinterpret_cast<float*>(cluster.map_shared_rank(slot, peer)), values,
-                  cluster.map_shared_rank(arrival, peer));
+// Waits until everything sent to this block for an exchange has arrived (acquire at cluster
+// scope: the peers' stores are visible after it).
+__device__ __forceinline__ void wait_for(uint64_t* arrival) {
+  while (!ptx::mbarrier_try_wait_parity(ptx::sem_acquire, ptx::scope_cluster, arrival, 0u)) {
   }
 }
 
@@ -163,26 +174,20 @@ __device__ __forceinline__ uint32_t load_scale_before_wait(const MatrixView& m, 
   return bits;
 }
 
-// A norm's scale (weight_offset + weight[j]), one for a null weight.
-__device__ __forceinline__ float norm_scale(const float* weight, float weight_offset, int j) {
-  return weight != nullptr ? weight_offset + weight[j] : 1.0f;
-}
-
 template <int kClusterBlocks>
 __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
     __launch_bounds__(Layout<kClusterBlocks>::kThreads) ple_step_kernel(PleStepArgs a) {
   using L = Layout<kClusterBlocks>;
   pdl_trigger_dependents();
   const cg::cluster_group cluster = cg::this_cluster();
-  __shared__ __align__(16) float v[kHidden];                          // acc + norm(x), fp32
-  __shared__ __align__(16) float v_rounded[8 * kStagedPitch * 4];     // the same as bf16, staged
-  __shared__ float v_offsets[kGateChunks];                            // dot_w4g32's, per chunk
-  __shared__ __align__(16) float gated_in[kPle];                      // every block's, bf16, staged
-  __shared__ __align__(16) float4 projected_sums_in[kClusterBlocks];  // every block's, by rank
-  __shared__ __align__(16) float4 projected_sums[L::kWarps];          // this block's, by warp
-  __shared__ __align__(16) float x_squares[L::kWarps];                // by warp
-  __shared__ __align__(16) float v_squares[L::kWarps];                // by warp
+  __shared__ __align__(16) float v[kHidden];                       // acc + norm(x), fp32
+  __shared__ __align__(16) float v_rounded[8 * kStagedPitch * 4];  // the same as bf16, staged
+  __shared__ float v_offsets[kGateChunks];                         // dot_w4g32's, per chunk
+  __shared__ __align__(16) float gated_in[kPle];                   // every block's, bf16, staged
+  __shared__ __align__(16) float projected_squares_in[kClusterBlocks * L::kWarps];
+  __shared__ __align__(16) float acc_squares_in[kClusterBlocks * L::kColumnWarps];
   __shared__ float projected[L::kColumns];
+  __shared__ float warp_sums[L::kWarps];
   __shared__ uint64_t arrivals[kExchanges];
   const int t = threadIdx.x;
   const int lane = t & 31;
@@ -215,9 +220,8 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
         load_weights_before_wait(static_cast<const uint4*>(a.projection.data) + index);
     projection_scales[r] = load_scale_before_wait(a.projection, index);
   }
-  // The norm weights: the residual step's (a float4 per quad); the projection's for the row this
-  // lane keeps in step 3 (lane r of a team keeps row r); for this block's columns (a thread each
-  // in the first warps), the projection's and the next norm's.
+  // The norm weights: the residual step's (a float4 per quad) and, for this block's columns (a
+  // thread each in the first warps), the projection's and the next norm's factors.
   const float weight_offset = a.spec.weight_offset;
   float4 s4[L::kQuadsPerThread];
 #pragma unroll
@@ -230,30 +234,32 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
                           weight_offset + w4.w);
     }
   }
-  const bool keeps_row = chunk_in_row < kProjectionRowsPerThread;
-  const int kept_row = first_local_row + chunk_in_row;  // of the block's, when keeps_row
-  const float kept_row_scale =
-      keeps_row ? norm_scale(a.spec.weight, weight_offset, first_column + kept_row) : 0.0f;
   const bool column_thread = t < L::kColumns;  // whole warps
   const int column = first_column + t;
   float projected_scale = 1.0f, next_scale = 1.0f;
-  if (column_thread) {
-    projected_scale = norm_scale(a.spec.weight, weight_offset, column);
-    if (has_next) next_scale = norm_scale(a.spec.next_weight, weight_offset, column);
+  if (column_thread && a.spec.weight != nullptr) {
+    projected_scale = weight_offset + a.spec.weight[column];
   }
-  // The mbarriers: one arrival per send to this block from itself (a gate lane per row, one
-  // sender of the sums), one for the bytes the peers' st.async bring; then a cluster barrier, so
-  // that every block has started and initialized them before any peer sends (relaxed: the
-  // mbarrier fence publishes the initialization, nothing else needs a memory fence).
+  if (column_thread && has_next && a.spec.next_weight != nullptr) {
+    next_scale = weight_offset + a.spec.next_weight[column];
+  }
+  // The mbarriers: one arrival per warp that sends to this block from here (its own), one for
+  // the bytes the peers' st.async bring; then a cluster barrier, so that every block has started
+  // and initialized them before any peer sends (relaxed: the mbarrier fence publishes the
+  // initialization, nothing else needs a memory fence).
   if (t == 0) {
     constexpr uint32_t kPeers = kClusterBlocks - 1;
-    ptx::mbarrier_init(&arrivals[kGated], L::kGateRowsPerBlock + 1);
-    ptx::mbarrier_init(&arrivals[kProjectedSums], 1 + 1);
+    ptx::mbarrier_init(&arrivals[kGated], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kProjectedSquares], L::kWarps + 1);
+    ptx::mbarrier_init(&arrivals[kAccSquares], L::kColumnWarps + 1);
     ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                   &arrivals[kGated],
-                                   kPeers * L::kGateRowsPerBlock * sizeof(float));
+                                   &arrivals[kGated], kPeers * L::kWarps * 2 * sizeof(float));
     ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
-                                   &arrivals[kProjectedSums], kPeers * sizeof(float4));
+                                   &arrivals[kProjectedSquares],
+                                   kPeers * L::kWarps * sizeof(float));
+    ptx::mbarrier_arrive_expect_tx(ptx::sem_release, ptx::scope_cta, ptx::space_shared,
+                                   &arrivals[kAccSquares],
+                                   kPeers * L::kColumnWarps * sizeof(float));
     ptx::fence_mbarrier_init(ptx::sem_release, ptx::scope_cluster);
   }
   ptx::barrier_cluster_arrive(ptx::sem_relaxed);
@@ -262,42 +268,38 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
 
   // 1. Everything a predecessor wrote that this block reads goes out at once: x, acc and the
   // multiplier of this half warp's gate row.
-  float4 x4[L::kQuadsPerThread], v4[L::kQuadsPerThread];
+  float4 x4[L::kQuadsPerThread], r4[L::kQuadsPerThread];
 #pragma unroll
   for (int k = 0; k < L::kQuadsPerThread; ++k) {
     const int quad = t + k * L::kThreads;
-    x4[k] = v4[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    x4[k] = r4[k] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
     if (quad < kQuads) {
       x4[k] = reinterpret_cast<const float4*>(a.x.data)[quad];
-      v4[k] = reinterpret_cast<const float4*>(a.acc.data)[quad];
+      r4[k] = reinterpret_cast<const float4*>(a.acc.data)[quad];
     }
   }
   const float multiplier = a.multiplier[gate_row];
 
   // v = acc + rms_norm(x; step_weight); its bf16 rounding staged with each chunk's offset
   // (264·Σeven + 24·Σodd, finish_x_chunk's), a chunk's 8 float4s in 8 aligned lanes.
-  float x_partial = 0.0f;
+  float x_squares = 0.0f;
 #pragma unroll
   for (int k = 0; k < L::kQuadsPerThread; ++k) {
-    x_partial += x4[k].x * x4[k].x + x4[k].y * x4[k].y + x4[k].z * x4[k].z + x4[k].w * x4[k].w;
+    x_squares += x4[k].x * x4[k].x + x4[k].y * x4[k].y + x4[k].z * x4[k].z + x4[k].w * x4[k].w;
   }
-  x_partial = warp_sum(x_partial);
-  if (lane == 0) x_squares[warp] = x_partial;
-  __syncthreads();
-  const float x_inv =
-      1.0f /
-      sqrtf(sum_of_groups<L::kWarps / 4>(x_squares) / static_cast<float>(kHidden) + a.spec.eps);
+  const float x_total = block_sum<L::kWarps>(x_squares, warp_sums);
+  const float x_inv = 1.0f / sqrtf(x_total / static_cast<float>(kHidden) + a.spec.eps);
 #pragma unroll
   for (int k = 0; k < L::kQuadsPerThread; ++k) {
     const int quad = t + k * L::kThreads;
     if (quad >= kQuads) continue;  // whole warps: kQuads and kThreads are multiples of 32
-    v4[k] = make_float4(v4[k].x + __fmul_rn(__fmul_rn(x4[k].x, x_inv), s4[k].x),
-                        v4[k].y + __fmul_rn(__fmul_rn(x4[k].y, x_inv), s4[k].y),
-                        v4[k].z + __fmul_rn(__fmul_rn(x4[k].z, x_inv), s4[k].z),
-                        v4[k].w + __fmul_rn(__fmul_rn(x4[k].w, x_inv), s4[k].w));
-    reinterpret_cast<float4*>(v)[quad] = v4[k];
-    const float4 rounded = make_float4(bf16_rounded(v4[k].x), bf16_rounded(v4[k].y),
-                                       bf16_rounded(v4[k].z), bf16_rounded(v4[k].w));
+    const float4 v4 = make_float4(r4[k].x + __fmul_rn(__fmul_rn(x4[k].x, x_inv), s4[k].x),
+                                  r4[k].y + __fmul_rn(__fmul_rn(x4[k].y, x_inv), s4[k].y),
+                                  r4[k].z + __fmul_rn(__fmul_rn(x4[k].z, x_inv), s4[k].z),
+                                  r4[k].w + __fmul_rn(__fmul_rn(x4[k].w, x_inv), s4[k].w));
+    reinterpret_cast<float4*>(v)[quad] = v4;
+    const float4 rounded =
+        make_float4(bf16_rounded(v4.x), bf16_rounded(v4.y), bf16_rounded(v4.z), bf16_rounded(v4.w));
     reinterpret_cast<float4*>(v_rounded)[(quad % 8) * kStagedPitch + quad / 8] = rounded;
     float even = rounded.x + rounded.z, odd = rounded.y + rounded.w;
 #pragma unroll
@@ -309,8 +311,7 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   }
   __syncthreads();
 
-  // 2. The half warp's gate row: its 16 lanes split K, 3 chunks each; the butterfly leaves the
-  // row's dot in all 16.
+  // 2. The half warp's gate row: its 16 lanes split K, 3 chunks each.
   float dot = 0.0f;
 #pragma unroll
   for (int j = 0; j < kGateChunksPerLane; ++j) {
@@ -323,19 +324,16 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
   for (int offset = 8; offset > 0; offset /= 2) dot += __shfl_xor_sync(0xFFFFFFFFu, dot, offset);
   const float gated = gelu_tanh(dot) * multiplier;
   if ((lane & 15) == 0) a.gated[gate_row] = gated;
-  const int peer = lane & 15;
-  if (peer < kClusterBlocks) {
-    send(cluster, &gated_in[gated_index(gate_row)], bf16_rounded(gated), &arrivals[kGated], peer,
-         peer == rank);
+  // The warp's two rows (2·warp, 2·warp + 1 of the block: adjacent in one float4 of the
+  // staging) to every block, lane p sending to block p.
+  const float rounded = bf16_rounded(gated);
+  const float2 pair =
+      make_float2(__shfl_sync(0xFFFFFFFFu, rounded, 0), __shfl_sync(0xFFFFFFFFu, rounded, 16));
+  if (lane < kClusterBlocks) {
+    const int first_row = rank * L::kGateRowsPerBlock + 2 * warp;
+    send(cluster, reinterpret_cast<float2*>(&gated_in[gated_index(first_row)]), pair,
+         &arrivals[kGated], lane, lane == rank);
   }
-  // Σv² of the row (step 4's), while the gated values travel.
-  float v_partial = 0.0f;
-#pragma unroll
-  for (int k = 0; k < L::kQuadsPerThread; ++k) {
-    v_partial += v4[k].x * v4[k].x + v4[k].y * v4[k].y + v4[k].z * v4[k].z + v4[k].w * v4[k].w;
-  }
-  v_partial = warp_sum(v_partial);
-  if (lane == 0) v_squares[warp] = v_partial;
 
   // 3. This block's projection rows: a team of lanes per row, one chunk (32 of K) each; the
   // row's sum lands in every lane of the team and lane r of the team keeps row r.
@@ -353,53 +351,56 @@ __global__ void __cluster_dims__(kClusterBlocks, 1, 1)
       row_dot += __shfl_xor_sync(0xFFFFFFFFu, row_dot, offset);
     if (chunk_in_row == r) p = row_dot;
   }
-  float4 sums = make_float4(0.0f, 0.0f, 0.0f, 0.0f);  // Σp², Σ v·p·w, Σ (p·w)²
-  if (keeps_row) {
-    projected[kept_row] = p;
-    a.projected[first_column + kept_row] = p;
-    const float weighted = __fmul_rn(p, kept_row_scale);
-    sums = make_float4(p * p, v[first_column + kept_row] * weighted, weighted * weighted, 0.0f);
+  const bool owns_row = chunk_in_row < kProjectionRowsPerThread;
+  if (owns_row) {
+    projected[first_local_row + chunk_in_row] = p;
+    a.projected[first_column + first_local_row + chunk_in_row] = p;
   }
-  sums = make_float4(warp_sum(sums.x), warp_sum(sums.y), warp_sum(sums.z), 0.0f);
-  if (lane == 0) projected_sums[warp] = sums;
-  __syncthreads();           // projected[], projected_sums[] and v_squares[] whole
-  if (t < kClusterBlocks) {  // the block's sums to block t
-    float4 block_sums = projected_sums[0];
-#pragma unroll
-    for (int w = 1; w < L::kWarps; ++w) block_sums = add_sums(block_sums, projected_sums[w]);
-    send(cluster, &projected_sums_in[rank], block_sums, &arrivals[kProjectedSums], t, t == rank);
+  const float p_squares = warp_sum(owns_row ? p * p : 0.0f);
+  if (lane < kClusterBlocks) {
+    send(cluster, &projected_squares_in[rank * L::kWarps + warp], p_squares,
+         &arrivals[kProjectedSquares], lane, lane == rank);
   }
+  __syncthreads();  // projected[] whole
   // The other warps are done: the column warps keep the block (its shared memory) until all its
   // peers send it has arrived, and until every peer has received all it sent (the closing
   // cluster barrier, which counts only threads that have not exited).
   if (!column_thread) return;
 
   // 4. This block's columns of acc, then next.
-  const float v_total = sum_of_groups<L::kWarps / 4>(v_squares);
-  wait_for(&arrivals[kProjectedSums]);
-  ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // all this block receives is in
-  float4 totals = projected_sums_in[0];
-#pragma unroll
-  for (int b = 1; b < kClusterBlocks; ++b) totals = add_sums(totals, projected_sums_in[b]);
-  const float p_inv = 1.0f / sqrtf(totals.x / static_cast<float>(kHidden) + a.spec.eps);
+  wait_for(&arrivals[kProjectedSquares]);
+  const float p_inv = 1.0f / sqrtf(slots_total<kClusterBlocks * L::kWarps>(projected_squares_in) /
+                                       static_cast<float>(kHidden) +
+                                   a.spec.eps);
   const float updated = __fmul_rn(
       v[column] + __fmul_rn(__fmul_rn(projected[t], p_inv), projected_scale), a.spec.scalar);
   a.acc.data[column] = updated;
   if (!has_next) {
+    ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // all this block receives is in
     const float values[1] = {updated};
     store_companions<1>(a.spec.residual_companions, 0, column, values);
     ptx::barrier_cluster_wait();  // and what it sent: no st.async of its own still in flight
     return;
   }
-  // Where the expansion cancels (−1: acc would be far smaller than v and the projection's norm,
-  // which E2B's residual stream never is), the norm degrades to eps's.
-  const float acc_squares =
-      fmaxf(expanded_sum_of_squares(v_total, totals.y, totals.z, p_inv, a.spec.scalar), 0.0f);
-  const float next_inv = 1.0f / sqrtf(acc_squares / static_cast<float>(kHidden) + a.spec.eps);
+  const float acc_squares = warp_sum(updated * updated);
+  if (lane < kClusterBlocks) {
+    send(cluster, &acc_squares_in[rank * L::kColumnWarps + warp], acc_squares,
+         &arrivals[kAccSquares], lane, lane == rank);
+  }
+  wait_for(&arrivals[kAccSquares]);
+  ptx::barrier_cluster_arrive(ptx::sem_relaxed);  // as above
+  const float next_inv =
+      1.0f / sqrtf(slots_total<kClusterBlocks * L::kColumnWarps>(acc_squares_in) /
+                       static_cast<float>(kHidden) +
+                   a.spec.eps);
   const float values[1] = {__fmul_rn(__fmul_rn(updated, next_inv), next_scale)};
   a.next.data[column] = values[0];
   store_companions<1>(a.spec.next_companions, 0, column, values);
   ptx::barrier_cluster_wait();
+}
+
+bool aligned_16(const void* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
 bool e2b_w4g32(const MatrixView& m, int64_t rows, int64_t cols) {

@@ -1,16 +1,14 @@
 // One decode row's end of a layer with per-layer inputs (engine::Backend::add_rms_norm_ple, arch
 // spec 2.4 steps 6–7) in one launch, where CudaBackend otherwise runs three kernels (the PLE gate
 // GEMV with the residual step folded into its staging, the projection GEMV, the closing norms):
-// v = acc + rms_norm(x; step_weight) (the feed-forward residual step); gated = gelu_tanh(bf16(v) ·
-// gateᵀ) ⊙ multiplier; projected = bf16(gated) · projectionᵀ; acc = (v + rms_norm(projected;
-// spec.weight)) · spec.scalar; next = rms_norm(acc; spec.next_weight) (when next.data != nullptr);
+//   v = acc + rms_norm(x; step_weight)                              (the feed-forward residual
+//   step) gated = gelu_tanh(bf16(v) · gateᵀ) ⊙ multiplier projected = bf16(gated) · projectionᵀ acc
+//   = (v + rms_norm(projected; spec.weight)) · spec.scalar next = rms_norm(acc; spec.next_weight)
+//   (when next.data != nullptr)
 // with the companions of acc (spec.residual_companions) or of next (spec.next_companions). gated
 // and projected are written too (scratch for the caller). A cluster of blocks shares the
 // intermediate vectors through distributed shared memory: every weight load is issued before the
-// PDL wait, and no intermediate goes through global memory between kernels. next's norm takes
-// Σ acc² from sums over v and the projection (no third exchange between the blocks): where acc
-// all but cancels v (below 1/8 of the norm of v and of the normed projection), next degrades
-// (ple_step.cu; a residual stream does not do that).
+// PDL wait, and no intermediate goes through global memory between kernels.
 #pragma once
 
 #include "backend/cuda/backend_kernels.h"
@@ -33,10 +31,9 @@ struct PleStepArgs {
 };
 
 // The cluster sizes compiled: 8 blocks of 16 warps (portable) or 16 of 8 (non-portable: half the
-// per-block work and registers). On the H200 16 blocks win in kernel_bench's chains (session 9:
-// 3.62 against 4.38 µs a step, 3.79 against 4.50 after a down GEMV) but not in `gemma4 bench` E2B
-// b1 (764.4 / 764.2 against 767.7 / 765.8 tok/s; session 7: 554 against 575), so CudaBackend
-// launches 8.
+// per-block work and registers). On the H200 (session 7) 16 blocks won in kernel_bench's chains
+// (4.2 against 4.7-5.2 µs a step) but lost in `gemma4 bench` E2B b1 (554 against 575 tok/s), so
+// CudaBackend launches 8.
 constexpr int kPleStepDefaultClusterBlocks = 8;
 
 // Enqueues the step on a cluster of `cluster_blocks` blocks (8 or 16). cudaErrorInvalidValue,
