@@ -4,21 +4,13 @@
 #include "backend/cuda/device_math.cuh"  // load_weights_nc
 #include "backend/cuda/gemv_w8_mma.h"
 #include "backend/cuda/launch.cuh"
+#include "backend/cuda/mma.cuh"
 
 namespace gemma4::cuda {
 namespace {
 
 constexpr int kWarps = 4;       // per block, one 16-row tile each
 constexpr int kBatchSteps = 4;  // steps whose weights a lane loads before multiplying them
-
-// c += A · B over one m16n8k16 step, fp16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // Bytes 2h, 2h + 1 of a word of four int8, as an exact fp16 pair (the low byte in the low half):
 // q + 128 goes into the low mantissa byte of fp16 1024 (0x64XX = 1024 + XX), and 1152 comes off.

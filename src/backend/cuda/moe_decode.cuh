@@ -11,6 +11,7 @@
 #include <cstdint>
 
 #include "backend/cuda/device_math.cuh"
+#include "backend/cuda/mma.cuh"
 #include "backend/cuda/moe_kernels.h"
 #include "backend/cuda/moe_launch.cuh"
 #include "backend/cuda/nvfp4_decode.cuh"
@@ -143,15 +144,6 @@ struct PickDivisor {
 
 // fp16 pairs of one 32-element chunk, as the tensor-core decode kernels stage it.
 constexpr int kStagedWordsPerChunk = 16;
-
-// c += A · B over one m16n8k16 step, fp16 operands, fp32 accumulation.
-__device__ __forceinline__ void mma_f16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
-                                        uint32_t a3, uint32_t b0, uint32_t b1) {
-  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
-      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
 
 // The exponent the decode kernels' fp16 weights carry: e2m1 · block scale · 2^-kMmaWeightShift.
 constexpr int kMmaWeightShift = 7;
