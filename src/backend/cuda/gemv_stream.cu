@@ -843,24 +843,17 @@ cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
   cudaLaunchConfig_t config = {};
   config.blockDim = dim3(32 * (t.warps + 1));
   config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  cudaLaunchAttribute attributes[2] = {};
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = 1;
-  attributes[0].val.clusterDim.y = static_cast<unsigned>(t.splits);
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
+  LaunchAttributes attributes(t.splits, launch.pdl);
   // The occupancy query's configuration: one cluster, no stream.
   config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
-  config.attrs = attributes;
-  config.numAttrs = 1;
+  attributes.apply_cluster(config);
   const int resident = resident_clusters(kernel, config, t.splits, true);
   if (resident == 0) return cudaErrorInvalidValue;
   const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
   config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
                         static_cast<unsigned>(t.splits));
   config.stream = launch.stream;
-  config.numAttrs = launch.pdl ? 2 : 1;
+  attributes.apply(config);
   return cudaLaunchKernelEx(&config, kernel, args, maps);
 }
 
