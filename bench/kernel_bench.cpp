@@ -294,14 +294,15 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
   return r;
 }
 
-// The tensor-core batched GEMV (gemv_mma.h) at M rows: with `sweep` every warp layout at 1, 2, 4
-// and 8 splits, each with one block per row tile and with resident looping blocks, beside the
-// default (default_mma_gemv_tiling's choice), else the default alone (--mma-tilings: the listed
-// ones, also with the PDL trigger and SM-exclusive variants, at every activation type). The
-// tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 + splits, plus 10000 for
-// warps of one 16-row tile (twice the warps of the two-tile layout of the same row tile), plus
-// 100000 · trigger (1 after the staging, 2 after the products), 1000000 for sm_exclusive and
-// 10000000 · (activation_blocks - 1) (listed only: 1 or 2).
+// The tensor-core batched GEMV (gemv_mma.h) at M rows: the default (default_mma_gemv_tiling's
+// choice, whatever its options) and, with `sweep`, every warp layout at 1, 2, 4 and 8 splits,
+// each with one block per row tile and with resident looping blocks (--mma-tilings: the listed
+// ones instead, also with the PDL trigger, SM-exclusive and activation-block variants, at every
+// activation type). The tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 +
+// splits, plus 10000 for warps of one 16-row tile (twice the warps of the two-tile layout of the
+// same row tile), plus 100000 · trigger (1 after the staging, 2 after the products), 1000000 for
+// sm_exclusive and 10000000 · (activation_blocks - 1) (listed only: 1 or 2). kGeluPairs writes
+// the bf16 companion too, as the engine's gate+up does (the down projection's input).
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -328,7 +329,12 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   fill(multiplier, size_t(m) * rows * 4, 6, 0x3F7FFFFF);
   const GemvInput input = {x, x_type, m, cols, x_type == ActType::kF32};
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
-  const GemvOutput output = {y, width, epilogue, multiplier, rows};
+  GemvOutput output = {y, width, epilogue, multiplier, rows};
+  uint16_t* companion = nullptr;
+  if (epilogue == GemvEpilogue::kGeluPairs) {
+    CHECK(cudaMalloc(&companion, size_t(m) * width * 2));
+    output.companions = {companion, nullptr, width};
+  }
 
   r.mbytes = w.bytes / 1e6;
   const gemma4::cuda::MmaGemvTiling chosen =
@@ -340,6 +346,9 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
            10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
+  // The default first (measured whatever its options: the sweep below enumerates some of them
+  // only), then the swept tilings that fit shared memory.
+  std::vector<gemma4::cuda::MmaGemvTiling> measured = {chosen};
   const bool listed = !g_mma_tilings.empty();
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
@@ -354,18 +363,19 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
           const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
                                           g_mma_tilings.end()
                                     : sweep && (splits & (splits - 1)) == 0;  // 1, 2, 4, 8
-          if (!swept && id != r.default_tiling) continue;
-          if (gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) >
-              gemma4::cuda::kMmaGemvMaxSharedBytes) {
-            continue;
+          if (swept && id != r.default_tiling &&
+              gemma4::cuda::mma_gemv_shared_bytes(tiling, m, cols / 32) <=
+                  gemma4::cuda::kMmaGemvMaxSharedBytes) {
+            measured.push_back(tiling);
           }
-          r.measure(id, links, stream, [&](int i, const Launch& launch) {
-            return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch,
-                                          tiling);
-          });
         }
       }
     }
+  }
+  for (const gemma4::cuda::MmaGemvTiling& tiling : measured) {
+    r.measure(tiling_id(tiling), links, stream, [&](int i, const Launch& launch) {
+      return gemma4::cuda::gemv_mma(w.copies[i % w.copies.size()], input, output, launch, tiling);
+    });
   }
   std::printf("%-14s %-22s M=%-2d %8.2f MB  tilings(plain/pdl us): %s\n", r.kernel.c_str(), label,
               m, r.mbytes, r.all.c_str());
@@ -373,6 +383,7 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   CHECK(cudaFree(x));
   CHECK(cudaFree(y));
   CHECK(cudaFree(multiplier));
+  CHECK(cudaFree(companion));
   return r;
 }
 
@@ -923,25 +934,28 @@ int main(int argc, char** argv) {
                                "lm_head bf16 262144x1536", stream, quick));
 
   // Batched decode on tensor cores beside the CUDA-core batched tilings above: the engine's
-  // fp32 rows rounded to bf16 (every tiling), bf16 rows and q8 rows (random bytes: the timing
-  // does not depend on the values; default tiling), E2B shapes; the GELU pairs of gate+up.
+  // bf16 rows (the producers' companions; every tiling), fp32 rows rounded to bf16 and q8 rows
+  // (random bytes: the timing does not depend on the values; default tiling), E2B shapes; the
+  // GELU pairs of gate+up as the engine runs them (bf16 rows in, the bf16 companion out).
   for (int m : {8, 16, 32, 64}) {
     for (const Shape& s : {dense[0], dense[1], dense[2], dense[3], dense[4], dense[5]}) {
       for (ActType x_type : {ActType::kF32, ActType::kBF16, ActType::kQ8}) {
         results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
-                                         stream, !quick && x_type == ActType::kF32));
+                                         stream, !quick && x_type == ActType::kBF16));
       }
     }
-    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 12288, 1536, m, ActType::kF32,
-                                     dense[1].label, stream, false, GemvEpilogue::kGeluPairs));
+    for (const Shape& s : {dense[1], dense[2]}) {
+      results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, ActType::kBF16,
+                                       s.label, stream, false, GemvEpilogue::kGeluPairs));
+    }
   }
-  // E2B's other attention shapes at 8 and 64 streams (default tiling, or --mma-tilings): the
+  // E2B's other attention shapes at 8, 32 and 64 streams (default tiling, or --mma-tilings): the
   // KV-shared layers' q of sliding and full layers, the full layers' qkv and o_proj.
   const Shape e2b_attention[] = {{2048, 1536, "e2b q 2048x1536"},
                                  {4096, 1536, "e2b q 4096x1536"},
                                  {5120, 1536, "e2b qkv 5120x1536"},
                                  {1536, 4096, "e2b o_proj 1536x4096"}};
-  for (int m : {8, 64}) {
+  for (int m : {8, 32, 64}) {
     for (const Shape& s : e2b_attention) {
       for (ActType x_type : {ActType::kF32, ActType::kBF16}) {
         results.push_back(bench_gemv_mma(WeightFormat::kW4G32, s.rows, s.cols, m, x_type, s.label,
@@ -949,17 +963,21 @@ int main(int argc, char** argv) {
       }
     }
   }
-  // E2B's lm_head at 64 streams: the shape with the most row tiles.
-  results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, 64, ActType::kF32,
-                                   dense[6].label, stream, !quick));
-  // 26B-A4B NVFP4 dense layers at 8 and 32 streams: tensor cores beside the CUDA-core tilings.
+  // E2B's lm_head at 32 and 64 streams (the final norm's bf16 rows): the shape with the most row
+  // tiles.
+  for (int m : {32, 64}) {
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, m, ActType::kBF16,
+                                     dense[6].label, stream, !quick));
+  }
+  // 26B-A4B NVFP4 dense layers at 8 and 32 streams (bf16 rows, as the engine passes them):
+  // tensor cores beside the CUDA-core tilings.
   const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
                                {4224, 2816, "26b gate+up 4224x2816"},
                                {2816, 2112, "26b down 2816x2112"},
                                {2816, 4096, "26b o_proj 2816x4096"}};
   for (int m : {8, 32}) {
     for (const Shape& s : nvfp4_dense) {
-      results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32,
+      results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kBF16,
                                        s.label, stream, !quick));
       results.push_back(bench_gemv(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kF32, s.label,
                                    stream, quick, GemvEpilogue::kNone, true));
