@@ -424,24 +424,28 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
 }
 
 // Blocks along the activation rows (activation_blocks; the last block's rows partial where they
-// do not divide): every activation type and epilogue reads and writes the block's own rows.
+// do not divide), of one row tile each and looping over the tiles (2 blocks for 5 tiles, and the
+// resident clusters shared by the activation blocks): every activation type and epilogue reads
+// and writes the block's own rows.
 TEST(GemvMma, ActivationRowBlocks) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 600, 1536, 29);
   const DeviceMatrix device(host);
   for (const int m : {9, 40, 64}) {
     for (const int blocks : {2, 3}) {
-      Case c;
-      c.m = m;
-      c.tiling = {8, 4, 1, 0, 1};
-      c.tiling.activation_blocks = blocks;
-      for (const ActType x_type : kActivationTypes) {
-        c.x_type = x_type;
-        check(host, device, c);
-      }
-      c.x_type = ActType::kF32;
-      for (const GemvEpilogue epilogue : {GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
-        c.epilogue = epilogue;
-        check(host, device, c);
+      for (const int row_blocks : {0, 2, kMmaGemvResidentRowBlocks}) {
+        Case c;
+        c.m = m;
+        c.tiling = {8, 4, 1, row_blocks, 1};
+        c.tiling.activation_blocks = blocks;
+        for (const ActType x_type : kActivationTypes) {
+          c.x_type = x_type;
+          check(host, device, c);
+        }
+        c.x_type = ActType::kF32;
+        for (const GemvEpilogue epilogue : {GemvEpilogue::kGeluMul, GemvEpilogue::kGeluPairs}) {
+          c.epilogue = epilogue;
+          check(host, device, c);
+        }
       }
     }
   }

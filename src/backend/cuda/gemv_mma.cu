@@ -98,7 +98,9 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
     query.dynamicSmemBytes =
         static_cast<size_t>(mma_gemv_shared_bytes(looping_tiling, args.m, args.groups));
     attributes.apply_cluster(query);
-    const int clusters = resident_clusters(kernel, query, tiling.splits);
+    // The clusters that fit at once, shared by the blocks along the activation rows (gridDim.z):
+    // one wave of them all.
+    const int clusters = resident_clusters(kernel, query, tiling.splits) / activation_blocks;
     if (clusters > 0) {
       // The fewest blocks for the least tiles per block.
       const int64_t tiles_per_block = (row_tiles + clusters - 1) / clusters;
