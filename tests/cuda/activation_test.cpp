@@ -443,6 +443,56 @@ TEST_P(CompanionBookkeeping, PrepareAndAttendWritesTheCompanionsOfItsOutput) {
   EXPECT_EQ(gpu->live_companions(out.rows), nullptr);
 }
 
+// Decode batches past the CUDA-core GEMV's 16 rows, up to the GEMV's 64, get companions too (the
+// tensor-core GEMV stages them from half the bytes of fp32 rows); longer passes (prefill, on
+// cuBLAS) none. In bf16 mode a GEMV over a 64-row batch's companions multiplies the values it
+// rounds the fp32 rows to once a write of the same values has dropped them.
+TEST_P(CompanionBookkeeping, DecodeBatchesOfUpTo64RowsGetCompanions) {
+  auto gpu = testing::make_gpu_in_mode(GetParam());
+  ASSERT_TRUE(gpu);
+  const int64_t width = 1536, outputs = 256;
+  const testing::HostMatrix host =
+      testing::random_matrix(quant::WeightFormat::kW4G32, outputs, width, 71);
+  const testing::DeviceMatrix w(host);
+  for (const int64_t n : {17, 64, 65}) {
+    SCOPED_TRACE(n);
+    BackendRows x(*gpu, n, width), y(*gpu, n, width), out(*gpu, n, outputs);
+    x.set(*gpu, activations(n * width, static_cast<uint32_t>(72 + n)));
+    gpu->rms_norm(x.rows, nullptr, 0.0f, 1e-6f, y.rows);
+    const ActivationCompanions* live = gpu->live_companions(y.rows);
+    if (n > 64) {
+      EXPECT_EQ(live, nullptr);
+      continue;
+    }
+    ASSERT_NE(live, nullptr);
+    ASSERT_NE(live->bf16, nullptr);
+    ASSERT_EQ(live->q8 != nullptr, GetParam() == ActivationMode::kQ8);
+    std::vector<uint16_t> bf16(n * live->stride);
+    gpu->download(bf16.data(), live->bf16, sizeof(uint16_t) * bf16.size());
+    std::vector<uint8_t> q8(live->q8 != nullptr ? n * q8_row_bytes(live->stride) : 0);
+    if (live->q8 != nullptr) gpu->download(q8.data(), live->q8, q8.size());
+    const std::vector<float> values = y.get(*gpu);
+    expect_companions_of(values, n, width, width, &bf16, live->q8 != nullptr ? &q8 : nullptr,
+                         live->stride, "rms_norm of " + std::to_string(n) + " rows");
+    if (n != 64 || GetParam() != ActivationMode::kBF16) continue;
+    gpu->matmul(w.view, y.rows, out.rows);
+    const std::vector<float> from_companions = out.get(*gpu);
+    gpu->scale(y.rows, nullptr, 1.0f);  // the same values, the companions dropped
+    ASSERT_EQ(gpu->live_companions(y.rows), nullptr);
+    gpu->matmul(w.view, y.rows, out.rows);
+    const std::vector<float> from_rows = out.get(*gpu);
+    ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+    // The same bf16 products; the tilings chosen for bf16 and fp32 rows may add them in another
+    // order (fp32 sums of 1,536 terms).
+    for (size_t i = 0; i < from_rows.size(); ++i) {
+      ASSERT_TRUE(std::isfinite(from_companions[i]));
+      EXPECT_NEAR(from_companions[i], from_rows[i], 1e-4f * (1.0f + std::fabs(from_rows[i])))
+          << "output " << i;
+    }
+  }
+  EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+}
+
 // The stale-companion test proper: a GEMV reading rows whose producer's companions went stale
 // multiplies the rows' new values (within the mode's bound of the CPU reference), not the old.
 TEST_P(CompanionBookkeeping, GemvAfterAWriteReadsTheNewValues) {

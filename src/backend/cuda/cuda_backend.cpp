@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <tuple>
 
@@ -452,15 +453,23 @@ const ActivationCompanions* CudaBackend::live_companions(Rows x) const {
   return nullptr;
 }
 
+// Passes of up to kMaxGemvRows rows (decode batches) get companions: their GEMVs read them, the
+// tensor-core one past kTensorCoreMaxGemvRows too (bf16 rows stage from half the bytes of fp32
+// ones). Longer passes (prefill) multiply on cuBLAS, which converts its own input.
 ActivationCompanions CudaBackend::companion_storage(Rows out, bool bf16, bool q8) {
+  // TEMPORARY (session 10 EARLY engine A/B, removed after it): GEMMA4_NO_BATCH_COMPANIONS=1 gives
+  // companions up to kTensorCoreMaxGemvRows rows only, as before.
+  static const int64_t kMostRows =
+      std::getenv("GEMMA4_NO_BATCH_COMPANIONS") != nullptr ? kTensorCoreMaxGemvRows : kMaxGemvRows;
   if (activation_mode_ == ActivationMode::kF32 || out.count == 0 || out.width % 32 != 0 ||
-      tensor_core_rows(out.count)) {
+      out.count > kMostRows) {
     return {};
   }
   const int64_t stride = out.width;  // a multiple of 32
-  // Room for the most rows a GEMV pass has (kTensorCoreMaxGemvRows), so that decode batches of
-  // any size share one allocation per address (recorded graphs keep outgrown ones alive).
-  const int64_t rows = std::max(out.count, kTensorCoreMaxGemvRows);
+  // Room for the most rows of a GEMV pass of its kind (kTensorCoreMaxGemvRows for the CUDA-core
+  // GEMV's, kMaxGemvRows past them), so that decode batches of any size share one allocation per
+  // address (recorded graphs keep outgrown ones alive).
+  const int64_t rows = out.count <= kTensorCoreMaxGemvRows ? kTensorCoreMaxGemvRows : kMaxGemvRows;
   const auto bf16_bytes = static_cast<size_t>(2 * rows * stride);
   const auto q8_bytes = static_cast<size_t>(rows * q8_row_bytes(stride));
   CompanionStorage& storage = companion_storage_[out.data];

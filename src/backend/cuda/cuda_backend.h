@@ -284,7 +284,8 @@ class CudaBackend final : public engine::Backend {
   };
   // Companion bookkeeping (see the top of this file). Storage for the companions of rows `out`
   // (bf16 and/or q8 as asked), kept per fp32 start address; nothing (null pointers) when `out`
-  // gets none: kF32 mode, tensor-core rows, a width that is not a multiple of 32.
+  // gets none: kF32 mode, passes of more than the GEMV's 64 rows (prefill on cuBLAS), a width
+  // that is not a multiple of 32.
   ActivationCompanions companion_storage(engine::Rows out, bool bf16, bool q8);
   // The companions the producers of rows `out` write in this mode (companion_storage).
   ActivationCompanions produced_companions(engine::Rows out);
