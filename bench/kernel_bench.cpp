@@ -301,8 +301,9 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 // activation type). The tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 +
 // splits, plus 10000 for warps of one 16-row tile (twice the warps of the two-tile layout of the
 // same row tile), plus 100000 · trigger (1 after the staging, 2 after the products), 1000000 for
-// sm_exclusive and 10000000 · (activation_blocks - 1) (listed only: 1 or 2). kGeluPairs writes
-// the bf16 companion too, as the engine's gate+up does (the down projection's input).
+// sm_exclusive and 10000000 · (activation_blocks - 1) (listed only: 1, 2, 4 or 8). The GELU
+// epilogues write the bf16 companion too, as the engine's gate+up and PLE gate do (the next
+// GEMV's input).
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -331,7 +332,7 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const int64_t width = epilogue == GemvEpilogue::kGeluPairs ? rows / 2 : rows;
   GemvOutput output = {y, width, epilogue, multiplier, rows};
   uint16_t* companion = nullptr;
-  if (epilogue == GemvEpilogue::kGeluPairs) {
+  if (epilogue != GemvEpilogue::kNone) {
     CHECK(cudaMalloc(&companion, size_t(m) * width * 2));
     output.companions = {companion, nullptr, width};
   }
@@ -353,12 +354,12 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvWarpLayouts) {
     for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
       for (int row_blocks : {0, gemma4::cuda::kMmaGemvResidentRowBlocks}) {
-        for (int variant = 0; variant < (listed ? 12 : 1); ++variant) {
+        for (int variant = 0; variant < (listed ? 24 : 1); ++variant) {
           gemma4::cuda::MmaGemvTiling tiling =
               gemma4::cuda::mma_gemv_tiling(layout, splits, row_blocks);
           tiling.trigger = static_cast<gemma4::cuda::MmaGemvTrigger>(variant % 3);
           tiling.sm_exclusive = variant % 6 >= 3;
-          tiling.activation_blocks = 1 + variant / 6;
+          tiling.activation_blocks = 1 << (variant / 6);
           const int id = tiling_id(tiling);
           const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
                                           g_mma_tilings.end()
@@ -962,6 +963,16 @@ int main(int argc, char** argv) {
                                          stream, false));
       }
     }
+  }
+  // E2B's per-layer-input GEMVs at 32 and 64 streams as the engine runs them there: the gate
+  // (GELU times the layer's per-layer input, over the residual's bf16 companion) and the
+  // projection back (over the gate's bf16 companion).
+  for (int m : {32, 64}) {
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 256, 1536, m, ActType::kBF16,
+                                     "e2b ple gate 256x1536", stream, !quick,
+                                     GemvEpilogue::kGeluMul));
+    results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 1536, 256, m, ActType::kBF16,
+                                     "e2b ple proj 1536x256", stream, !quick));
   }
   // E2B's lm_head at 32 and 64 streams (the final norm's bf16 rows): the shape with the most row
   // tiles.

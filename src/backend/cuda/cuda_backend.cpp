@@ -573,13 +573,13 @@ void CudaBackend::matmul(const quant::QMatrix& w, Rows x, Rows y) {
 }
 
 // Where matmul would take the GEMV (decode passes, fp32 prefill), the gating rides in its
-// epilogue, which for one row also writes y's bf16 companion (batched GEMVs take fp32 rows as they
-// are). Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the gating.
+// epilogue, which also writes y's bf16 companion (the next GEMV's input: E2B's PLE projection).
+// Tensor-core passes, and weights or rows the GEMV does not take: matmul, then the gating.
 void CudaBackend::matmul_gelu_mul(const quant::QMatrix& w, Rows x, Rows multiplier, Rows y) {
   const ReportingWrites reporting(*this);
   if (x.count == 0) return;
   GemvOutput gated = {y.data, y.stride, GemvEpilogue::kGeluMul, multiplier.data, multiplier.stride};
-  if (x.count == 1) gated.companions = companion_storage(y, true, false);
+  gated.companions = companion_storage(y, true, false);
   if ((tensor_core_rows(x.count) && !tensor_core_gemv_rows(w, x.count)) ||
       !packed_gemv(w, x, gated, "matmul_gelu_mul (gemv)")) {
     Backend::matmul_gelu_mul(w, x, multiplier, y);  // matmul, then gelu_tanh_mul
