@@ -1,11 +1,9 @@
 // The split-K single-row GEMV (gemv_splitk_kernels.h describes the method).
 #include <cooperative_groups.h>
 
-#include <array>
-#include <utility>
-
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_splitk_kernels.h"
+#include "backend/cuda/kernel_table.cuh"
 
 namespace gemma4::cuda {
 namespace gemv_splitk_detail {
@@ -132,30 +130,24 @@ __global__ void __launch_bounds__(W * 32) gemv_splitk_kernel(GemvArgs a) {
 
 using KernelFn = void (*)(GemvArgs);
 
-template <ActType XT, int I>
-constexpr KernelFn kernel_for() {
-  if constexpr (gemv_splitk_tiling_compiled(kGemvSplitKTilingBase + I)) {
-    constexpr GemvSplitKTiling t = kGemvSplitKTilings[I];
-    return gemv_splitk_kernel<XT, t.rows_per_thread, t.lanes_per_row, t.warps, t.chunks_per_thread,
-                              t.splits>;
-  } else {
-    return nullptr;
-  }
-}
-
-template <ActType XT, size_t... I>
-constexpr std::array<KernelFn, kNumGemvSplitKTilings> kernel_table(std::index_sequence<I...>) {
-  return {kernel_for<XT, static_cast<int>(I)>()...};
+// The kernels of XT by tiling index (cuda::kernel_table).
+template <ActType XT>
+constexpr auto kernels() {
+  return kernel_table<kNumGemvSplitKTilings>([](auto index) -> KernelFn {
+    if constexpr (gemv_splitk_tiling_compiled(kGemvSplitKTilingBase + decltype(index)::value)) {
+      constexpr GemvSplitKTiling t = kGemvSplitKTilings[decltype(index)::value];
+      return gemv_splitk_kernel<XT, t.rows_per_thread, t.lanes_per_row, t.warps,
+                                t.chunks_per_thread, t.splits>;
+    } else {
+      return nullptr;
+    }
+  });
 }
 
 KernelFn select_kernel(ActType x_type, int index) {
-  constexpr auto kTilings = std::make_index_sequence<kNumGemvSplitKTilings>();
-  static constexpr auto kBF16 = kernel_table<ActType::kBF16>(kTilings);
-  static constexpr auto kF32 = kernel_table<ActType::kF32>(kTilings);
-  if (index < 0 || index >= kNumGemvSplitKTilings) return nullptr;
-  if (x_type == ActType::kBF16) return kBF16[index];
-  if (x_type == ActType::kF32) return kF32[index];
-  return nullptr;
+  static constexpr auto kBF16 = kernels<ActType::kBF16>();
+  static constexpr auto kF32 = kernels<ActType::kF32>();
+  return bf16_or_f32_kernel(kBF16, kF32, x_type, index);
 }
 
 }  // namespace gemv_splitk_detail

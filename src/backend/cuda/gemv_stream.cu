@@ -13,6 +13,7 @@
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_stream_kernels.h"
+#include "backend/cuda/kernel_table.cuh"
 #include "backend/cuda/mma.cuh"
 #include "backend/cuda/occupancy.cuh"
 
@@ -688,38 +689,41 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 }
 
 using KernelFn = void (*)(GemvArgs);
+using SplitKernelFn = void (*)(GemvArgs, SplitMaps);
 
-template <ActType XT, int I>
-constexpr KernelFn kernel_for() {
-  if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
-    constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    if constexpr (t.producer && t.splits > 1) {
-      return nullptr;  // split_kernel_for's
-    } else if constexpr (t.producer) {
+// Whether tiling index I (compiled) is a split-K producer's: its kernel also takes the tensor
+// maps (SplitKernelFn).
+template <int I>
+constexpr bool kSplitRing = kGemvStreamTilings[I].producer&& kGemvStreamTilings[I].splits > 1;
+
+// The kernels of XT by tiling index (cuda::kernel_table): the split-K producers' in
+// split_kernels, the others' in kernels.
+template <ActType XT>
+constexpr auto kernels() {
+  return kernel_table<kNumGemvStreamTilings>([](auto index) -> KernelFn {
+    constexpr int i = decltype(index)::value;
+    if constexpr (!gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) || kSplitRing<i>) {
+      return nullptr;
+    } else if constexpr (constexpr GemvStreamTiling t = kGemvStreamTilings[i]; t.producer) {
       return gemv_tile_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
     } else {
       return gemv_stream_kernel<XT, t.warps, t.stage_chunks, t.stages, t.splits, t.bulk,
                                 t.l2_prefetch>;
     }
-  } else {
-    return nullptr;
-  }
+  });
 }
 
-template <ActType XT, size_t... I>
-constexpr std::array<KernelFn, kNumGemvStreamTilings> kernel_table(std::index_sequence<I...>) {
-  return {kernel_for<XT, static_cast<int>(I)>()...};
-}
-
-KernelFn select_kernel(ActType x_type, int index) {
-  static constexpr auto kBF16 =
-      kernel_table<ActType::kBF16>(std::make_index_sequence<kNumGemvStreamTilings>());
-  static constexpr auto kF32 =
-      kernel_table<ActType::kF32>(std::make_index_sequence<kNumGemvStreamTilings>());
-  if (index < 0 || index >= kNumGemvStreamTilings) return nullptr;
-  if (x_type == ActType::kBF16) return kBF16[index];
-  if (x_type == ActType::kF32) return kF32[index];
-  return nullptr;
+template <ActType XT>
+constexpr auto split_kernels() {
+  return kernel_table<kNumGemvStreamTilings>([](auto index) -> SplitKernelFn {
+    constexpr int i = decltype(index)::value;
+    if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) && kSplitRing<i>) {
+      constexpr GemvStreamTiling t = kGemvStreamTilings[i];
+      return gemv_split_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps, t.splits>;
+    } else {
+      return nullptr;
+    }
+  });
 }
 
 // Clusters of `config` (blocks, for one-block clusters) that the GPU holds at once, after opting
@@ -758,38 +762,6 @@ int resident_clusters(Kernel kernel, const cudaLaunchConfig_t& config, int split
   return clusters;
 }
 
-using SplitKernelFn = void (*)(GemvArgs, SplitMaps);
-
-template <ActType XT, int I>
-constexpr SplitKernelFn split_kernel_for() {
-  if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + I)) {
-    constexpr GemvStreamTiling t = kGemvStreamTilings[I];
-    if constexpr (t.producer && t.splits > 1) {
-      return gemv_split_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps, t.splits>;
-    } else {
-      return nullptr;
-    }
-  } else {
-    return nullptr;
-  }
-}
-
-template <ActType XT, size_t... I>
-constexpr std::array<SplitKernelFn, kNumGemvStreamTilings> split_kernel_table(
-    std::index_sequence<I...>) {
-  return {split_kernel_for<XT, static_cast<int>(I)>()...};
-}
-
-SplitKernelFn select_split_kernel(ActType x_type, int index) {
-  static constexpr auto kBF16 =
-      split_kernel_table<ActType::kBF16>(std::make_index_sequence<kNumGemvStreamTilings>());
-  static constexpr auto kF32 =
-      split_kernel_table<ActType::kF32>(std::make_index_sequence<kNumGemvStreamTilings>());
-  if (x_type == ActType::kBF16) return kBF16[index];
-  if (x_type == ActType::kF32) return kF32[index];
-  return nullptr;
-}
-
 // The driver's tensor-map encoder, through the runtime (no link to the driver library); null
 // where the driver lacks it.
 PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
@@ -824,11 +796,37 @@ bool encode_box_map(CUtensorMap& map, CUtensorMapDataType type, int element_byte
                 CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// launch_gemv_stream for a split-K producer tiling: a grid of as many clusters as the GPU holds
-// (at most one per tile), the tensor maps of the weights and scales as arguments.
+// Launches `kernel` of tiling t (its warps, a producer warp, its shared memory, clusters of
+// t.splits blocks) over as many clusters as the GPU holds at once, at most one per 16-row tile;
+// the producer kernels at most one block an SM (resident_clusters).
+template <typename... Extra>
+cudaError_t launch_resident(void (*kernel)(GemvArgs, Extra...), const GemvStreamTiling& t,
+                            const Launch& launch, const GemvArgs& args, const Extra&... extra) {
+  cudaLaunchConfig_t config = {};
+  config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
+  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
+  LaunchAttributes attributes(t.splits, launch.pdl);
+  // The occupancy query's configuration: one cluster, no stream (a stream being captured is
+  // left out of it).
+  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
+  attributes.apply_cluster(config);
+  const int resident = resident_clusters(kernel, config, t.splits, t.producer);
+  if (resident == 0) return cudaErrorInvalidValue;
+  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
+  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
+                        static_cast<unsigned>(t.splits));
+  config.stream = launch.stream;
+  attributes.apply(config);
+  return cudaLaunchKernelEx(&config, kernel, args, extra...);
+}
+
+// launch_gemv_stream for a split-K producer tiling: the tensor maps of the weights and scales as
+// arguments too.
 cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
                               const Launch& launch) {
-  const SplitKernelFn kernel = select_split_kernel(x_type, index);
+  static constexpr auto kBF16 = split_kernels<ActType::kBF16>();
+  static constexpr auto kF32 = split_kernels<ActType::kF32>();
+  const SplitKernelFn kernel = bf16_or_f32_kernel(kBF16, kF32, x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
   const GemvStreamTiling& t = kGemvStreamTilings[index];
   const int64_t part_chunks = gemv_stream_split_part_chunks(t, args.chunks_per_row);
@@ -840,21 +838,7 @@ cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
                       gemv_stream_split_scale_row_bytes(part_chunks) / 2)) {
     return cudaErrorInvalidValue;
   }
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(32 * (t.warps + 1));
-  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  LaunchAttributes attributes(t.splits, launch.pdl);
-  // The occupancy query's configuration: one cluster, no stream.
-  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
-  attributes.apply_cluster(config);
-  const int resident = resident_clusters(kernel, config, t.splits, true);
-  if (resident == 0) return cudaErrorInvalidValue;
-  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
-                        static_cast<unsigned>(t.splits));
-  config.stream = launch.stream;
-  attributes.apply(config);
-  return cudaLaunchKernelEx(&config, kernel, args, maps);
+  return launch_resident(kernel, t, launch, args, maps);
 }
 
 }  // namespace gemv_stream_detail
@@ -865,25 +849,11 @@ cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
       kGemvStreamTilings[index].splits > 1) {
     return gemv_stream_detail::launch_split_ring(x_type, index, args, launch);
   }
-  const gemv_stream_detail::KernelFn kernel = gemv_stream_detail::select_kernel(x_type, index);
+  static constexpr auto kBF16 = gemv_stream_detail::kernels<ActType::kBF16>();
+  static constexpr auto kF32 = gemv_stream_detail::kernels<ActType::kF32>();
+  const gemv_stream_detail::KernelFn kernel = bf16_or_f32_kernel(kBF16, kF32, x_type, index);
   if (kernel == nullptr) return cudaErrorInvalidValue;
-  const GemvStreamTiling& t = kGemvStreamTilings[index];
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(32 * (t.warps + (t.producer ? 1 : 0)));
-  config.dynamicSmemBytes = static_cast<size_t>(gemv_stream_shared_bytes(t, args.chunks_per_row));
-  LaunchAttributes attributes(t.splits, launch.pdl);
-  // The occupancy query's configuration: one cluster, no stream (a stream being captured is
-  // left out of it).
-  config.gridDim = dim3(1, static_cast<unsigned>(t.splits));
-  attributes.apply_cluster(config);
-  const int resident = gemv_stream_detail::resident_clusters(kernel, config, t.splits, t.producer);
-  if (resident == 0) return cudaErrorInvalidValue;
-  const int64_t tiles = (args.rows + kGemvStreamTileRows - 1) / kGemvStreamTileRows;
-  config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(tiles, resident)),
-                        static_cast<unsigned>(t.splits));
-  config.stream = launch.stream;
-  attributes.apply(config);
-  return cudaLaunchKernelEx(&config, kernel, args);
+  return gemv_stream_detail::launch_resident(kernel, kGemvStreamTilings[index], launch, args);
 }
 
 }  // namespace gemma4::cuda
