@@ -518,6 +518,27 @@ TEST(CudaBackend, GeluAddScaleSoftcapCopy) {
   cpu.copy(x.cpu(), copied.cpu());
   gpu->copy(x.gpu(), copied.gpu());
   expect_same(copied, 0.0, "copy");
+  // Rows of whole aligned float4s take the 4-floats-a-thread kernels.
+  TwinRows wide_acc = random_rows(*gpu, 3, 64, 68, 7);
+  TwinRows wide_x = random_rows(*gpu, 3, 64, 72, 8);
+  cpu.add(wide_acc.cpu(), wide_x.cpu());
+  gpu->add(wide_acc.gpu(), wide_x.gpu());
+  expect_same(wide_acc, 0.0, "add, float4 rows");
+  Mirrored wide_scale(*gpu, testing::random_floats(64, -2.0f, 2.0f, 9));
+  cpu.scale(wide_acc.cpu(), wide_scale.cpu(), 0.125f);
+  gpu->scale(wide_acc.gpu(), wide_scale.gpu(), 0.125f);
+  expect_same(wide_acc, 0.0, "scale by column and scalar, float4 rows");
+  cpu.scale(wide_acc.cpu(), nullptr, 3.0f);
+  gpu->scale(wide_acc.gpu(), nullptr, 3.0f);
+  expect_same(wide_acc, 0.0, "scale by scalar, float4 rows");
+  TwinRows wide_logits = random_rows(*gpu, 2, 1024, 1028, 10, -80.0f, 80.0f);
+  cpu.softcap(wide_logits.cpu(), 30.0f);
+  gpu->softcap(wide_logits.gpu(), 30.0f);
+  expect_same(wide_logits, 1e-6, "softcap, float4 rows");
+  TwinRows wide_copied = output_rows(*gpu, 3, 64, 76);
+  cpu.copy(wide_x.cpu(), wide_copied.cpu());
+  gpu->copy(wide_x.gpu(), wide_copied.gpu());
+  expect_same(wide_copied, 0.0, "copy, float4 rows");
   EXPECT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
 }
 
