@@ -231,22 +231,25 @@ TEST(GemvMma, EveryTilingEveryEpilogue) {
   }
 }
 
-// Real shapes through gemv(): E2B QKV, gate+up (GELU pairs, as the engine runs it), down,
-// o_proj; 26B-A4B expert gate+up and down.
+// Real shapes through gemv() (each row range of their measured tilings): E2B QKV, gate+up and
+// the double-wide one (GELU pairs, as the engine runs them), down, o_proj, the PLE gate (GELU
+// times the per-layer input) and projection; 26B-A4B expert gate+up and down.
 TEST(GemvMma, RealShapesThroughGemv) {
   struct Shape {
     int64_t rows, cols;
     GemvEpilogue epilogue;
   };
   const Shape shapes[] = {
-      {2560, 1536, GemvEpilogue::kNone},      {12288, 1536, GemvEpilogue::kGeluPairs},
-      {1536, 6144, GemvEpilogue::kNone},      {1536, 2048, GemvEpilogue::kNone},
-      {1408, 2816, GemvEpilogue::kGeluPairs}, {2816, 704, GemvEpilogue::kNone}};
+      {2560, 1536, GemvEpilogue::kNone},       {12288, 1536, GemvEpilogue::kGeluPairs},
+      {24576, 1536, GemvEpilogue::kGeluPairs}, {1536, 6144, GemvEpilogue::kNone},
+      {1536, 2048, GemvEpilogue::kNone},       {256, 1536, GemvEpilogue::kGeluMul},
+      {1536, 256, GemvEpilogue::kNone},        {1408, 2816, GemvEpilogue::kGeluPairs},
+      {2816, 704, GemvEpilogue::kNone}};
   uint32_t seed = 500;
   for (const Shape& s : shapes) {
     const HostMatrix host = random_matrix(WeightFormat::kW4G32, s.rows, s.cols, seed++);
     const DeviceMatrix device(host);
-    for (int m : {2, 9, 64}) {
+    for (int m : {2, 9, 24, 64}) {
       for (ActType x_type : kActivationTypes) {
         Case c;
         c.m = m;
@@ -356,10 +359,11 @@ TEST(GemvMma, Deterministic) {
 
 // The default tiling of every shape the engines run (and small ones) is one gemv_mma accepts.
 TEST(GemvMma, DefaultTilingsAreValid) {
-  const int64_t shapes[][2] = {
-      {2560, 1536}, {2048, 1536},  {4096, 1536}, {5120, 1536}, {12288, 1536},  {24576, 1536},
-      {1536, 6144}, {1536, 12288}, {1536, 2048}, {1536, 4096}, {262144, 1536}, {8192, 2816},
-      {4224, 2816}, {2816, 2112},  {2816, 4096}, {2816, 704},  {16, 32},       {200, 96}};
+  const int64_t shapes[][2] = {{2560, 1536},  {2048, 1536},  {4096, 1536},   {5120, 1536},
+                               {12288, 1536}, {24576, 1536}, {1536, 6144},   {1536, 12288},
+                               {1536, 2048},  {1536, 4096},  {262144, 1536}, {8192, 2816},
+                               {4224, 2816},  {2816, 2112},  {2816, 4096},   {2816, 704},
+                               {256, 1536},   {1536, 256},   {16, 32},       {200, 96}};
   for (const auto& shape : shapes) {
     for (int m = kMmaGemvMinRows; m <= kMmaGemvMaxRows; ++m) {
       for (ActType x_type : kActivationTypes) {

@@ -23,9 +23,9 @@ constexpr int kOneTileMinRows = 17;
 constexpr int64_t kOneTileMinMatrixRows = 8192;
 
 // Tilings measured faster than the cost model's choice (kernel_bench sweeps, H200, PDL µs) for a
-// weight shape and a range of activation rows; the first match. Sessions 8 and 9;
-// session 9's with the activations the engine passes: bf16 companions but to o_proj (fp32 rows
-// rounded to bf16).
+// weight shape and a range of activation rows; the first match. Sessions 8 to 10; sessions 9 and
+// 10 with the activations the engine passes: bf16 companions (session 9's o_proj: fp32 rows
+// rounded to bf16, what the engine passed above 16 rows until session 10).
 struct MeasuredTiling {
   int64_t rows, cols;
   int min_m, max_m;
@@ -63,10 +63,22 @@ constexpr MeasuredTiling kMeasuredTilings[] = {
     {1536, 4096, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
     {1536, 6144, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
     {1536, 12288, 2, 16, {4, 8, 2, 0, 2, kLateTrigger}},
-    // E2B double-wide gate+up: looping one-tile warps over 128-row tiles, 2 splits; 8 warps a
-    // block at 33-64 rows (M=64 38.7 -> 35.8), 16 (two along K) at 17-32 (M=32 28.9 -> 24.3).
-    {24576, 1536, 33, 64, {8, 2, 1, kMmaGemvResidentRowBlocks, 1}},
-    {24576, 1536, 17, 32, {8, 2, 2, kMmaGemvResidentRowBlocks, 1}},
+    // E2B gate+up (GELU pairs, bf16 companion) at 33-64 rows: two blocks along the activation
+    // rows, 2 splits, dependents triggered after the products; 12288 rows: two-tile warps of
+    // 128-row tiles (M=64 21.40 -> 20.19), double-wide 24576: looping two-tile warps of 256-row
+    // tiles (35.71 -> 33.33). Double-wide at 17-32 rows: two-tile warps of 128-row tiles, 2 splits
+    // (M=32 22.51 -> 20.69).
+    {12288, 1536, 33, 64, {4, 2, 1, 0, 2, kLateTrigger, false, 2}},
+    {24576, 1536, 33, 64, {8, 2, 1, kMmaGemvResidentRowBlocks, 2, kLateTrigger, false, 2}},
+    {24576, 1536, 17, 32, {4, 2, 1, 0, 2, kLateTrigger}},
+    // E2B PLE gate (GELU-mul) and projection at 17-64 rows: one block per 8 activation rows (the
+    // cost model's 12-24 blocks left most SMs idle). Gate: two-tile warps of 128-row tiles, 8
+    // splits, late trigger up to 32 rows (M=32 6.19 -> 4.06); 33-64 one-tile warps, 4 splits,
+    // trigger at the start (M=64 8.33 -> 4.37). Projection (K 256): two-tile warps two along K,
+    // one split, late trigger (M=32 5.10 -> 2.86, M=64 7.40 -> 3.02).
+    {256, 1536, 17, 32, {4, 8, 1, 0, 2, kLateTrigger, false, 8}},
+    {256, 1536, 33, 64, {8, 4, 1, 0, 1, MmaGemvTrigger::kAtStart, false, 8}},
+    {1536, 256, 17, 64, {4, 1, 2, 0, 2, kLateTrigger, false, 8}},
     // 26B-A4B QKV (NVFP4): 16 one-tile warps (two along K) per 128-row tile, 2 splits (M=32
     // 21.6 -> 18.9), looping up to 8 rows (M=8 14.48 -> 11.84); o_proj: looping 256-row tiles,
     // 8 splits (M=32 13.2 -> 11.2).
