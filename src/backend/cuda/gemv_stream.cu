@@ -691,10 +691,11 @@ __global__ void __launch_bounds__((W + 1) * 32, 1)
 using KernelFn = void (*)(GemvArgs);
 using SplitKernelFn = void (*)(GemvArgs, SplitMaps);
 
-// Whether tiling index I (compiled) is a split-K producer's: its kernel also takes the tensor
-// maps (SplitKernelFn).
-template <int I>
-constexpr bool kSplitRing = kGemvStreamTilings[I].producer&& kGemvStreamTilings[I].splits > 1;
+// Whether tiling `index` is a split-K producer's: its kernel also takes the tensor maps
+// (SplitKernelFn).
+constexpr bool is_split_ring(int index) {
+  return kGemvStreamTilings[index].producer && kGemvStreamTilings[index].splits > 1;
+}
 
 // The kernels of XT by tiling index (cuda::kernel_table): the split-K producers' in
 // split_kernels, the others' in kernels.
@@ -702,7 +703,7 @@ template <ActType XT>
 constexpr auto kernels() {
   return kernel_table<kNumGemvStreamTilings>([](auto index) -> KernelFn {
     constexpr int i = decltype(index)::value;
-    if constexpr (!gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) || kSplitRing<i>) {
+    if constexpr (!gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) || is_split_ring(i)) {
       return nullptr;
     } else if constexpr (constexpr GemvStreamTiling t = kGemvStreamTilings[i]; t.producer) {
       return gemv_tile_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps>;
@@ -717,7 +718,7 @@ template <ActType XT>
 constexpr auto split_kernels() {
   return kernel_table<kNumGemvStreamTilings>([](auto index) -> SplitKernelFn {
     constexpr int i = decltype(index)::value;
-    if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) && kSplitRing<i>) {
+    if constexpr (gemv_stream_tiling_compiled(kGemvStreamTilingBase + i) && is_split_ring(i)) {
       constexpr GemvStreamTiling t = kGemvStreamTilings[i];
       return gemv_split_ring_kernel<XT, t.warps, t.stage_chunks, t.stages, t.tile_warps, t.splits>;
     } else {
@@ -845,8 +846,7 @@ cudaError_t launch_split_ring(ActType x_type, int index, const GemvArgs& args,
 
 cudaError_t launch_gemv_stream(ActType x_type, int index, const GemvArgs& args,
                                const Launch& launch) {
-  if (index >= 0 && index < kNumGemvStreamTilings && kGemvStreamTilings[index].producer &&
-      kGemvStreamTilings[index].splits > 1) {
+  if (index >= 0 && index < kNumGemvStreamTilings && gemv_stream_detail::is_split_ring(index)) {
     return gemv_stream_detail::launch_split_ring(x_type, index, args, launch);
   }
   static constexpr auto kBF16 = gemv_stream_detail::kernels<ActType::kBF16>();
