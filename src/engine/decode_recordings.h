@@ -1,0 +1,68 @@
+// The engine's recorded decode passes (EngineOptions::record_decode): one recording per ordered
+// list of sequences and depth bucket. A backend sizes a decode pass's attention for the deepest
+// query its recording may replay at (SequenceRows::position_bound), so a recording made for
+// the whole cache replays at every depth but pays at shallow depths for keys nobody scans (on
+// CUDA: split blocks that start and exit, a split merge kernel with nothing to merge); one made
+// for a bucket pays only for that bucket's depth, and a sequence crossing into the next bucket
+// costs one more recording.
+#pragma once
+
+#include <compare>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "engine/backend.h"
+#include "engine/engine.h"
+
+namespace gemma4::engine {
+
+// The first bucket's bound: its passes scan at most this many keys, which a device attends
+// without splitting them (the CUDA decode kernel takes up to 64 keys in one split, so such a
+// pass launches no split merge).
+inline constexpr int64_t kFirstDecodeBucket = 64;
+// Each later bucket holds this many times the keys of the one before: a batch-1 decode from an
+// empty cache to 32K records six buckets (64, 256, ..., 16384, 32768), and a bucket's splits
+// fit its depth within this factor.
+inline constexpr int64_t kDecodeBucketGrowth = 4;
+
+// The position bound of the bucket of a decode pass whose deepest query is at `deepest_position`
+// (< max_context): the smallest kFirstDecodeBucket · kDecodeBucketGrowth^k above it, capped at
+// max_context (no query goes deeper).
+int64_t decode_position_bound(int64_t deepest_position, int64_t max_context);
+
+// At most `capacity` recordings, the least recently used one dropped for a new one (its replay
+// may still run: Backend::record). A sequence list's first decode pass runs unrecorded (lazily made
+// backend resources are made then, outside any recording), and that list counts as warmed up
+// while any entry of it is held.
+class DecodeRecordings {
+ public:
+  struct Key {
+    std::vector<SequenceId> order;
+    int64_t position_bound = 0;
+    auto operator<=>(const Key&) const = default;
+  };
+
+  explicit DecodeRecordings(size_t capacity) : capacity_(capacity) {}
+
+  // The recording of `key`, marked used; nullptr when none was made.
+  RecordedWork* find(const Key& key);
+  // Whether a pass of `order` ran before (an entry of it is held, recorded or not).
+  bool warmed_up(const std::vector<SequenceId>& order) const;
+  // Holds `work` (nullptr: only that the key's list ran unrecorded) for `key`, replacing what the
+  // key held; returns it.
+  RecordedWork* hold(const Key& key, std::unique_ptr<RecordedWork> work);
+  size_t size() const { return entries_.size(); }
+
+ private:
+  struct Entry {
+    std::unique_ptr<RecordedWork> work;
+    uint64_t last_use = 0;
+  };
+  size_t capacity_;
+  uint64_t uses_ = 0;
+  std::map<Key, Entry> entries_;
+};
+
+}  // namespace gemma4::engine
