@@ -22,10 +22,13 @@ namespace gemma4::engine {
 // without splitting them (the CUDA decode kernel takes up to 64 keys in one split, so such a
 // pass launches no split merge).
 inline constexpr int64_t kFirstDecodeBucket = 64;
-// Each later bucket holds this many times the keys of the one before: a batch-1 decode from an
-// empty cache to 32K records six buckets (64, 256, ..., 16384, 32768), and a bucket's splits
-// fit its depth within this factor.
-inline constexpr int64_t kDecodeBucketGrowth = 4;
+// Each later bucket holds this many times the keys of the one before. On CUDA the second bucket
+// (512 keys: 16 splits of 32) is the deepest whose splits every E2B and 26B-A4B layer merges
+// without a merge kernel at batch 1 (attention.h: kMaxMergedInKernelBytes); a deeper bucket's
+// launches differ from the whole cache's in little more than how many split blocks start and
+// exit idle, so they stay few: a batch-1 decode from an empty cache to 32K records four (64,
+// 512, 4096, 32768).
+inline constexpr int64_t kDecodeBucketGrowth = 8;
 
 // The position bound of the bucket of a decode pass whose deepest query is at `deepest_position`
 // (< max_context): the smallest kFirstDecodeBucket · kDecodeBucketGrowth^k above it, capped at

@@ -105,16 +105,17 @@ INSTANTIATE_TEST_SUITE_P(Tiny, GraphDecode, ::testing::Values("tiny", "tiny-moe"
 
 class GraphDecodeAcrossBuckets : public ::testing::TestWithParam<engine::KvType> {};
 
-// One sequence decoded at positions 58..69 and, after a prefill to 250, 250..261: the buckets of
-// 64 (one split), 256 and the context's 320 (full layers 8 and 10 splits, sliding ones 3 of their
-// window of 96), each recorded for its depth. Replays match plain launches (which run the same
+// One sequence decoded at positions 58..69 and, after a prefill to 505, 505..516: the buckets of
+// 64 (one split), 512 and the context's 640 (full layers 16 splits, merged in the tensor-core
+// kernel, and 20, merged by the merge kernel; sliding ones 3 of their window of 96), each recorded
+// for its depth. Replays match plain launches (which run the same
 // bucket's splits) bit for bit; an f32 cache (with f32 activations, as --fp32) also the CPU
 // engine's logits within 1e-3.
 TEST_P(GraphDecodeAcrossBuckets, ReplaysMatchPlainLaunchesAndTheCpuEngine) {
   const model::LoadedModel& loaded = gemma4::testing::tiny_wide_heads_w4a16_model();
   engine::EngineOptions options;
   options.max_sequences = 1;
-  options.max_context = 320;
+  options.max_context = 640;
   options.ring_history = 72;
   options.kv_type = GetParam();
   const bool exact = GetParam() == engine::KvType::kF32;
@@ -157,8 +158,8 @@ TEST_P(GraphDecodeAcrossBuckets, ReplaysMatchPlainLaunchesAndTheCpuEngine) {
   };
   step_all(gemma4::testing::prompt_ids(58, 1), "prompt");
   for (int s = 0; s < 12; ++s) step_all({1000 + s}, "decode at " + std::to_string(58 + s));
-  step_all(gemma4::testing::prompt_ids(180, 2), "prefill to 250");
-  for (int s = 0; s < 12; ++s) step_all({2000 + s}, "decode at " + std::to_string(250 + s));
+  step_all(gemma4::testing::prompt_ids(435, 2), "prefill to 505");
+  for (int s = 0; s < 12; ++s) step_all({2000 + s}, "decode at " + std::to_string(505 + s));
 }
 
 INSTANTIATE_TEST_SUITE_P(Caches, GraphDecodeAcrossBuckets,

@@ -10,21 +10,20 @@
 namespace gemma4::engine {
 namespace {
 
-TEST(DecodePositionBound, BucketsGrowFourfoldFrom64AndStopAtTheContext) {
+TEST(DecodePositionBound, BucketsGrowEightfoldFrom64AndStopAtTheContext) {
   // Positions 0..63 scan at most 64 keys; 64 is the first query of the next bucket.
   EXPECT_EQ(decode_position_bound(0, 131072), 64);
   EXPECT_EQ(decode_position_bound(63, 131072), 64);
-  EXPECT_EQ(decode_position_bound(64, 131072), 256);
-  EXPECT_EQ(decode_position_bound(255, 131072), 256);
-  EXPECT_EQ(decode_position_bound(256, 131072), 1024);
+  EXPECT_EQ(decode_position_bound(64, 131072), 512);
+  EXPECT_EQ(decode_position_bound(511, 131072), 512);
+  EXPECT_EQ(decode_position_bound(512, 131072), 4096);
   EXPECT_EQ(decode_position_bound(4095, 131072), 4096);
-  EXPECT_EQ(decode_position_bound(4096, 131072), 16384);
-  EXPECT_EQ(decode_position_bound(32768, 131072), 65536);
-  EXPECT_EQ(decode_position_bound(65536, 131072), 131072);
+  EXPECT_EQ(decode_position_bound(4096, 131072), 32768);
+  EXPECT_EQ(decode_position_bound(32768, 131072), 131072);
   EXPECT_EQ(decode_position_bound(131071, 131072), 131072);
   // The last bucket ends at the context, which no query reaches.
-  EXPECT_EQ(decode_position_bound(300, 320), 320);
-  EXPECT_EQ(decode_position_bound(319, 320), 320);
+  EXPECT_EQ(decode_position_bound(600, 640), 640);
+  EXPECT_EQ(decode_position_bound(639, 640), 640);
   EXPECT_EQ(decode_position_bound(5, 48), 48);
   // Every bound lies above its position.
   for (int64_t position = 0; position < 5000; ++position) {
@@ -56,10 +55,10 @@ TEST(DecodeRecordings, ListsWarmUpOnceAndBucketsRecordApart) {
   EXPECT_FALSE(recordings.warmed_up({2, 0}));  // the order of the rows matters
   EXPECT_EQ(recordings.find({pair, 64}), nullptr);
   EXPECT_EQ(tag_of(recordings.hold({pair, 64}, std::make_unique<Tagged>(1))), 1);
-  EXPECT_EQ(tag_of(recordings.hold({pair, 256}, std::make_unique<Tagged>(2))), 2);
+  EXPECT_EQ(tag_of(recordings.hold({pair, 512}, std::make_unique<Tagged>(2))), 2);
   EXPECT_EQ(tag_of(recordings.find({pair, 64})), 1);
-  EXPECT_EQ(tag_of(recordings.find({pair, 256})), 2);
-  EXPECT_EQ(recordings.find({pair, 1024}), nullptr);
+  EXPECT_EQ(tag_of(recordings.find({pair, 512})), 2);
+  EXPECT_EQ(recordings.find({pair, 4096}), nullptr);
   EXPECT_EQ(recordings.size(), 2u);
 }
 
