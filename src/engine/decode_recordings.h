@@ -18,16 +18,18 @@
 
 namespace gemma4::engine {
 
-// The first bucket's bound: its passes scan at most this many keys, which a device attends
-// without splitting them (the CUDA decode kernel takes up to 64 keys in one split, so such a
-// pass launches no split merge).
-inline constexpr int64_t kFirstDecodeBucket = 64;
-// Each later bucket holds this many times the keys of the one before. On CUDA the second bucket
-// (512 keys: 16 splits of 32) is the deepest whose splits every E2B and 26B-A4B layer merges
-// without a merge kernel at batch 1 (attention.h: kMaxMergedInKernelBytes); a deeper bucket's
-// launches differ from the whole cache's in little more than how many split blocks start and
-// exit idle, so they stay few: a batch-1 decode from an empty cache to 32K records four (64,
-// 512, 4096, 32768).
+// The first bucket's bound. On CUDA, 512 keys are 16 splits of kMinKeysPerSplit, the most whose
+// records every E2B and 26B-A4B layer merges inside the attention kernel at batch 1 (attention.h:
+// kMaxMergedInKernelBytes), so no split merge kernel runs below it; a query of up to 64 keys
+// still takes one split, the kernel's choice at run time. A bucket of its own for those would
+// save only split blocks that start and exit idle, less than its re-record costs: measured on the
+// H200 with buckets of 64, 256, ..., E2B b1 decoding 128 tokens from depth 0 lost 1.5-2 % to the
+// re-record at 64.
+inline constexpr int64_t kFirstDecodeBucket = 512;
+// Each later bucket holds this many times the keys of the one before: a deeper bucket's launches
+// differ from the whole cache's in little more than how many split blocks start and exit idle
+// (the splits of a batch-1 E2B or 26B-A4B layer reach their one-wave cap by 8,448 keys), so they
+// stay few: a batch-1 decode from an empty cache to 32K records three (512, 4096, 32768).
 inline constexpr int64_t kDecodeBucketGrowth = 8;
 
 // The position bound of the bucket of a decode pass whose deepest query is at `deepest_position`

@@ -182,16 +182,16 @@ TEST_P(DecodeGreedyCuda, StaggeredUnforeseenEndsMatchHostFedTokens) {
 INSTANTIATE_TEST_SUITE_P(Tiny, DecodeGreedyCuda, ::testing::Values("tiny", "tiny-moe"),
                          gemma4::testing::preset_test_name);
 
-// Two sequences chained from positions 50 and 40 past the first depth bucket (64 keys, one split)
-// into the next (the split-K kernel's heads: tiny_wide_heads_w4a16_model): the crossing step is
-// recorded while the one before it runs, and tokens, lengths and the logits one step later match
-// the host-fed steps bit for bit.
+// Two sequences chained from positions 500 and 490 past the first depth bucket (512 keys) into the
+// next (the split-K kernel's heads: tiny_wide_heads_w4a16_model): the crossing step is recorded
+// while the one before it runs, and tokens, lengths and the logits one step later match the
+// host-fed steps bit for bit.
 TEST(DecodeGreedyCudaBuckets, AChainAcrossADepthBucketMatchesHostFedStepsBitForBit) {
   const model::LoadedModel& m = gemma4::testing::tiny_wide_heads_w4a16_model();
-  CudaEngine chained = cuda_engine(m, 320), reference = cuda_engine(m, 320);
+  CudaEngine chained = cuda_engine(m, 640), reference = cuda_engine(m, 640);
   ASSERT_TRUE(chained.engine && reference.engine);
-  const std::vector<std::vector<int32_t>> prompts = {gemma4::testing::prompt_ids(50, 1),
-                                                     gemma4::testing::prompt_ids(40, 2)};
+  const std::vector<std::vector<int32_t>> prompts = {gemma4::testing::prompt_ids(500, 1),
+                                                     gemma4::testing::prompt_ids(490, 2)};
   const std::vector<int32_t> first = {11, 12};
   const std::vector<int> limits = {30, 30};
   const std::vector endings(2, gemma4::testing::Ending::kUnforeseen);

@@ -105,10 +105,10 @@ INSTANTIATE_TEST_SUITE_P(Tiny, GraphDecode, ::testing::Values("tiny", "tiny-moe"
 
 class GraphDecodeAcrossBuckets : public ::testing::TestWithParam<engine::KvType> {};
 
-// One sequence decoded at positions 58..69 and, after a prefill to 505, 505..516: the buckets of
-// 64 (one split), 512 and the context's 640 (full layers 16 splits, merged in the tensor-core
-// kernel, and 20, merged by the merge kernel; sliding ones 3 of their window of 96), each recorded
-// for its depth. Replays match plain launches (which run the same
+// One sequence decoded at positions 58..69 (one split used of the bucket's 16) and, after a
+// prefill to 505, 505..516: the buckets of 512 and of the context, 640 (full layers 16 splits,
+// merged in the tensor-core kernel, then 20, merged by the merge kernel; sliding ones 3 of their
+// window of 96), each recorded for its depth. Replays match plain launches (which run the same
 // bucket's splits) bit for bit; an f32 cache (with f32 activations, as --fp32) also the CPU
 // engine's logits within 1e-3.
 TEST_P(GraphDecodeAcrossBuckets, ReplaysMatchPlainLaunchesAndTheCpuEngine) {

@@ -10,11 +10,9 @@
 namespace gemma4::engine {
 namespace {
 
-TEST(DecodePositionBound, BucketsGrowEightfoldFrom64AndStopAtTheContext) {
-  // Positions 0..63 scan at most 64 keys; 64 is the first query of the next bucket.
-  EXPECT_EQ(decode_position_bound(0, 131072), 64);
-  EXPECT_EQ(decode_position_bound(63, 131072), 64);
-  EXPECT_EQ(decode_position_bound(64, 131072), 512);
+TEST(DecodePositionBound, BucketsGrowEightfoldFrom512AndStopAtTheContext) {
+  // Positions 0..511 scan at most 512 keys; 512 is the first query of the next bucket.
+  EXPECT_EQ(decode_position_bound(0, 131072), 512);
   EXPECT_EQ(decode_position_bound(511, 131072), 512);
   EXPECT_EQ(decode_position_bound(512, 131072), 4096);
   EXPECT_EQ(decode_position_bound(4095, 131072), 4096);
@@ -47,41 +45,41 @@ TEST(DecodeRecordings, ListsWarmUpOnceAndBucketsRecordApart) {
   DecodeRecordings recordings(8);
   const std::vector<SequenceId> pair = {0, 2}, single = {0};
   EXPECT_FALSE(recordings.warmed_up(pair));
-  EXPECT_EQ(recordings.find({pair, 64}), nullptr);
+  EXPECT_EQ(recordings.find({pair, 512}), nullptr);
   // The first pass of a list: held without a recording, which warms up every bucket of it.
-  EXPECT_EQ(recordings.hold({pair, 64}, nullptr), nullptr);
+  EXPECT_EQ(recordings.hold({pair, 512}, nullptr), nullptr);
   EXPECT_TRUE(recordings.warmed_up(pair));
   EXPECT_FALSE(recordings.warmed_up(single));
   EXPECT_FALSE(recordings.warmed_up({2, 0}));  // the order of the rows matters
-  EXPECT_EQ(recordings.find({pair, 64}), nullptr);
-  EXPECT_EQ(tag_of(recordings.hold({pair, 64}, std::make_unique<Tagged>(1))), 1);
-  EXPECT_EQ(tag_of(recordings.hold({pair, 512}, std::make_unique<Tagged>(2))), 2);
-  EXPECT_EQ(tag_of(recordings.find({pair, 64})), 1);
-  EXPECT_EQ(tag_of(recordings.find({pair, 512})), 2);
-  EXPECT_EQ(recordings.find({pair, 4096}), nullptr);
+  EXPECT_EQ(recordings.find({pair, 512}), nullptr);
+  EXPECT_EQ(tag_of(recordings.hold({pair, 512}, std::make_unique<Tagged>(1))), 1);
+  EXPECT_EQ(tag_of(recordings.hold({pair, 4096}, std::make_unique<Tagged>(2))), 2);
+  EXPECT_EQ(tag_of(recordings.find({pair, 512})), 1);
+  EXPECT_EQ(tag_of(recordings.find({pair, 4096})), 2);
+  EXPECT_EQ(recordings.find({pair, 32768}), nullptr);
   EXPECT_EQ(recordings.size(), 2u);
 }
 
 TEST(DecodeRecordings, AFullStoreDropsTheLeastRecentlyUsed) {
   DecodeRecordings recordings(3);
-  recordings.hold({{0}, 64}, std::make_unique<Tagged>(1));
-  recordings.hold({{0}, 256}, std::make_unique<Tagged>(2));
-  recordings.hold({{1}, 64}, std::make_unique<Tagged>(3));
-  EXPECT_EQ(tag_of(recordings.find({{0}, 64})), 1);  // now {0}/256 is the least recently used
-  recordings.hold({{1}, 256}, std::make_unique<Tagged>(4));
+  recordings.hold({{0}, 512}, std::make_unique<Tagged>(1));
+  recordings.hold({{0}, 4096}, std::make_unique<Tagged>(2));
+  recordings.hold({{1}, 512}, std::make_unique<Tagged>(3));
+  EXPECT_EQ(tag_of(recordings.find({{0}, 512})), 1);  // now {0}/4096 is the least recently used
+  recordings.hold({{1}, 4096}, std::make_unique<Tagged>(4));
   EXPECT_EQ(recordings.size(), 3u);
-  EXPECT_EQ(recordings.find({{0}, 256}), nullptr);
-  EXPECT_EQ(tag_of(recordings.find({{0}, 64})), 1);
-  EXPECT_EQ(tag_of(recordings.find({{1}, 64})), 3);
-  EXPECT_EQ(tag_of(recordings.find({{1}, 256})), 4);
+  EXPECT_EQ(recordings.find({{0}, 4096}), nullptr);
+  EXPECT_EQ(tag_of(recordings.find({{0}, 512})), 1);
+  EXPECT_EQ(tag_of(recordings.find({{1}, 512})), 3);
+  EXPECT_EQ(tag_of(recordings.find({{1}, 4096})), 4);
   // Replacing a held key drops nothing else.
-  recordings.hold({{1}, 64}, std::make_unique<Tagged>(5));
+  recordings.hold({{1}, 512}, std::make_unique<Tagged>(5));
   EXPECT_EQ(recordings.size(), 3u);
-  EXPECT_EQ(tag_of(recordings.find({{1}, 64})), 5);
-  EXPECT_EQ(tag_of(recordings.find({{0}, 64})), 1);
+  EXPECT_EQ(tag_of(recordings.find({{1}, 512})), 5);
+  EXPECT_EQ(tag_of(recordings.find({{0}, 512})), 1);
   // A list whose last entry was dropped is no longer warmed up.
-  recordings.hold({{2}, 64}, nullptr);  // drops {1}/256, the least recently used
-  recordings.hold({{3}, 64}, nullptr);  // drops {1}/64
+  recordings.hold({{2}, 512}, nullptr);  // drops {1}/4096, the least recently used
+  recordings.hold({{3}, 512}, nullptr);  // drops {1}/512
   EXPECT_FALSE(recordings.warmed_up({1}));
   EXPECT_TRUE(recordings.warmed_up({0}));
   EXPECT_TRUE(recordings.warmed_up({2}));

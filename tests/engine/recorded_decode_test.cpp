@@ -116,7 +116,7 @@ TEST_P(RecordedDecode, ReplayedClosuresMatchThePlainPath) {
   EXPECT_EQ(counts.replays, (24 - 1) + (12 - 1));
 }
 
-// One sequence decoded across the buckets of 64 and 512 (with a prefill pass in between): each
+// One sequence decoded across the buckets of 512 and 4096 (prefill passes in between): each
 // bucket recorded once, the first straight after the sequence list's unrecorded first pass and the
 // deeper ones at once, every replay's rows below its bound, and the logits equal to the plain
 // path's.
@@ -124,8 +124,8 @@ TEST_P(RecordedDecode, EachDepthBucketIsRecordedOnceForItsDepth) {
   const model::LoadedModel& m = testing::tiny_bf16_model(GetParam());
   EngineOptions options;
   options.max_sequences = 1;
-  options.max_context = 600;
-  options.ring_history = 4;
+  options.max_context = 4200;
+  options.ring_history = 512;  // prefill passes of up to 513 rows (tiny's KV-shared ring)
   auto recording_backend = std::make_unique<ClosureRecordingBackend>();
   const ClosureRecordingBackend& seen = *recording_backend;
   auto plain = Gemma4Engine::create(m.config, m.weights,
@@ -144,18 +144,17 @@ TEST_P(RecordedDecode, EachDepthBucketIsRecordedOnceForItsDepth) {
     ASSERT_TRUE((*recorded)->step({&input, 1}, got).ok());
     ASSERT_EQ(std::memcmp(expected.data(), got.data(), sizeof(float) * vocab), 0) << what;
   };
-  // Prompt of 58: decode steps at positions 58..69 (the first bucket ends at 64).
-  step_both(testing::prompt_ids(58, 1), "prompt");
-  for (int s = 0; s < 12; ++s) step_both({1000 + s}, "decode " + std::to_string(58 + s));
-  // Prefill to 505 (passes of 5 rows: tiny's KV-shared ring), then decode steps at 505..516 (the
-  // second bucket ends at 512; the third at the context, 600).
-  step_both(testing::prompt_ids(435, 2), "prefill to 505");
-  for (int s = 0; s < 12; ++s) step_both({2000 + s}, "decode " + std::to_string(505 + s));
+  // Decode steps at positions 505..516 (the first bucket ends at 512), at 4090..4101 (the second
+  // ends at 4096, the third at the context, 4200).
+  step_both(testing::prompt_ids(505, 1), "prompt");
+  for (int s = 0; s < 12; ++s) step_both({1000 + s}, "decode " + std::to_string(505 + s));
+  step_both(testing::prompt_ids(3573, 2), "prefill to 4090");
+  for (int s = 0; s < 12; ++s) step_both({2000 + s}, "decode " + std::to_string(4090 + s));
   EXPECT_EQ(seen.rows_past_their_bound, 0);
   EXPECT_EQ(seen.records, 3);
   // Every decode step but the list's first (unrecorded) replays.
   EXPECT_EQ(seen.replays, 24 - 1);
-  EXPECT_EQ(seen.replayed_bounds, (std::set<int64_t>{64, 512, 600}));
+  EXPECT_EQ(seen.replayed_bounds, (std::set<int64_t>{512, 4096, 4200}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Tiny, RecordedDecode, ::testing::Values("tiny", "tiny-moe"),
