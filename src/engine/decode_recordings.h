@@ -18,13 +18,13 @@
 
 namespace gemma4::engine {
 
-// The first bucket's bound. On CUDA, 512 keys are 16 splits of kMinKeysPerSplit, the most whose
-// records every E2B and 26B-A4B layer merges inside the attention kernel at batch 1 (attention.h:
-// kMaxMergedInKernelBytes), so no split merge kernel runs below it; a query of up to 64 keys
-// still takes one split, the kernel's choice at run time. A bucket of its own for those would
-// save only split blocks that start and exit idle, less than its re-record costs: measured on the
-// H200 with buckets of 64, 256, ..., E2B b1 decoding 128 tokens from depth 0 lost 1.5-2 % to the
-// re-record at 64.
+// The first bucket's bound. On CUDA, 512 keys are 16 splits of kMinKeysPerSplit, few enough that
+// every E2B and 26B-A4B layer merges their records inside the attention kernel at batch 1 with a
+// bf16 cache (attention.h: kMaxMergedInKernelBytes), so no split merge kernel runs below it; a
+// query of up to 64 keys still takes one split, the kernel's choice at run time. A bucket of its
+// own for those would save only split blocks that start and exit idle, less than its re-record
+// costs: measured on the H200 with buckets of 64, 256, ..., E2B b1 decoding 128 tokens from depth
+// 0 lost 1.5-2 % to the re-record at 64.
 inline constexpr int64_t kFirstDecodeBucket = 512;
 // Each later bucket holds this many times the keys of the one before: a deeper bucket's launches
 // differ from the whole cache's in little more than how many split blocks start and exit idle
@@ -38,9 +38,9 @@ inline constexpr int64_t kDecodeBucketGrowth = 8;
 int64_t decode_position_bound(int64_t deepest_position, int64_t max_context);
 
 // At most `capacity` recordings, the least recently used one dropped for a new one (its replay
-// may still run: Backend::record). A sequence list's first decode pass runs unrecorded (lazily made
-// backend resources are made then, outside any recording), and that list counts as warmed up
-// while any entry of it is held.
+// may still run: Backend::record). A sequence list's first decode pass runs unrecorded (lazily
+// made backend resources are made then, outside any recording), and that list counts as warmed
+// up while any entry of it is held.
 class DecodeRecordings {
  public:
   struct Key {
