@@ -7,12 +7,14 @@
 #include <algorithm>
 #include <cstdint>
 #include <filesystem>
+#include <fstream>
 #include <map>
 #include <stdexcept>
 #include <string>
 #include <tuple>
 
 #include "core/status.h"
+#include "model/presets.h"
 #include "model/synth.h"
 #include "model/weights.h"
 #include "test_support.h"
@@ -76,6 +78,40 @@ inline const model::LoadedModel& tiny_bf16_model(const std::string& config) {
 }
 inline const model::LoadedModel& tiny_w4a16_model(const std::string& config) {
   return cached_synth_model(config, model::SynthFormat::kW4A16, model::SynthGrid::kW4G32, 11);
+}
+
+// "tiny" with E2B's attention heads (8 q heads on 1 kv head, of 256 dims on sliding layers and
+// 512 on full ones) and a sliding window of 96, as w4a16 (seed 11): its decode attention takes
+// the CUDA split-K kernel (head_dim 256 / 512), whose splits the depth of a pass chooses.
+inline const model::LoadedModel& tiny_wide_heads_w4a16_model() {
+  struct Synthesized {
+    RemoveOnExit folder;  // destroyed after the mapping
+    model::LoadedModel model;
+  };
+  static Synthesized synthesized;
+  static const bool made = [] {
+    const auto folder = scratch_dir("synth_" + std::to_string(getpid()) + "_tiny_wide_heads");
+    synthesized.folder.path = folder;
+    auto config = model::preset_text_config("tiny");
+    if (!config.ok()) throw std::runtime_error(config.error().to_string());
+    (*config)["num_attention_heads"] = 8;
+    (*config)["num_key_value_heads"] = 1;
+    (*config)["head_dim"] = 256;
+    (*config)["global_head_dim"] = 512;
+    (*config)["sliding_window"] = 96;
+    std::ofstream(folder / "config.json") << config->dump(2);
+    model::SynthOptions synth;
+    synth.config = (folder / "config.json").string();
+    synth.format = model::SynthFormat::kW4A16;
+    synth.seed = 11;
+    synth.output = folder / "checkpoint";
+    auto loaded = synthesize_and_open(synth);
+    if (!loaded.ok()) throw std::runtime_error("synthesizing: " + loaded.error().to_string());
+    synthesized.model = std::move(*loaded);
+    return true;
+  }();
+  (void)made;
+  return synthesized.model;
 }
 
 // The test name of a preset parameter ("tiny-moe" -> "tiny_moe": gtest names allow no '-'), for

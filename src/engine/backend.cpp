@@ -142,7 +142,7 @@ void Backend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float* q_n
   for (const SequenceRows& s : sequences) {
     for (int64_t done = 0; done < s.count; done += chunk_limit) {
       const int64_t row = s.first_row + done;
-      const SequenceRows piece{s.kv, 0, std::min(chunk_limit, s.count - done)};
+      const SequenceRows piece{s.kv, 0, std::min(chunk_limit, s.count - done), s.position_bound};
       const std::span<const SequenceRows> pieces(&piece, 1);
       const int32_t* piece_positions = positions + row;
       prepare_attention(q.slice(row, piece.count), k.slice(row, piece.count),

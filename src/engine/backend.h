@@ -13,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <optional>
 #include <span>
@@ -127,11 +128,17 @@ struct RouterParams {
   const float* per_expert_scale = nullptr;  // [num_experts], multiplies the renormalised weight
 };
 
-// One sequence's rows of a pass and that sequence's K/V of the layer.
+// One sequence's rows of a pass and that sequence's K/V of the layer. position_bound: every
+// query of the rows sits at a position below it, in this pass and in every replay of a recording
+// of it (the engine's decode depth bucket, engine/decode_recordings.h), so a backend may size the
+// attention's work for min(kv.slots, window, position_bound) keys instead of the whole cache.
+// Scratch a backend sizes for the pass must not depend on it: the engine records a deeper bucket
+// of a sequence list without running it unrecorded first.
 struct SequenceRows {
   KvView kv;
   int64_t first_row = 0;
   int64_t count = 0;
+  int64_t position_bound = std::numeric_limits<int64_t>::max();
 };
 
 // How every RMSNorm of the model scales: y = x · rsqrt(mean(x²) + eps) · (weight_offset + w).
@@ -220,7 +227,8 @@ class Backend {
   // must come from backend memory, uploaded before replay()). Inside `enqueue` nothing may
   // upload, download, allocate or grow scratch: run the same work once unrecorded first. A
   // backend that cannot record says so with can_record(); record() then returns nullptr, as it
-  // does when recording fails (status() says why).
+  // does when recording fails (status() says why). A recording may be destroyed while its last
+  // replay still runs (the backend releases it once that ends).
   virtual bool can_record() const { return false; }
   virtual std::unique_ptr<RecordedWork> record(const std::function<void()>& enqueue) {
     (void)enqueue;

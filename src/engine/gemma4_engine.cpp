@@ -4,8 +4,8 @@
 #include <cmath>
 #include <deque>
 #include <limits>
-#include <map>
 
+#include "engine/decode_recordings.h"
 #include "engine/resident_weights.h"
 
 namespace gemma4::engine {
@@ -28,17 +28,11 @@ struct LayerCache {
   int64_t slots = 0;
 };
 
-// Recordings beyond this many (distinct ordered sequence lists) are not made: those steps run
-// unrecorded.
+// Decode recordings held at once (distinct ordered sequence lists and depth buckets); a new one
+// replaces the least recently used. KV caches, workspace and backend tables never move while the
+// engine lives, so a recording stays valid; per-step token ids and positions are uploaded before
+// each replay.
 constexpr size_t kMaxDecodeRecordings = 64;
-
-// The recorded decode pass of one ordered list of sequences. KV caches, workspace and backend
-// tables never move while the engine lives, so a recording stays valid; per-step token ids and
-// positions are uploaded before each replay.
-struct DecodeRecording {
-  bool warmed_up = false;
-  std::unique_ptr<RecordedWork> work;
-};
 
 struct SequenceState {
   bool open = false;
@@ -61,7 +55,7 @@ struct Gemma4Engine::Impl {
   int64_t sequence_pass_limit = 0;  // most tokens of one sequence in a pass
 
   std::vector<SequenceState> sequences;
-  std::map<std::vector<SequenceId>, DecodeRecording> decode_recordings;
+  DecodeRecordings decode_recordings{kMaxDecodeRecordings};
 
   // Workspace for one pass of up to options.max_pass_tokens rows.
   Buffer token_ids, positions, expert_ids, expert_weights;
@@ -109,15 +103,16 @@ struct Gemma4Engine::Impl {
   // sets it around forward()).
   Rows final_normed;
 
-  void forward(std::span<const Segment> segments, int64_t total_rows);
+  // The pass's rows; every query sits below position_bound (SequenceRows::position_bound).
+  void forward(std::span<const Segment> segments, int64_t total_rows, int64_t position_bound);
   // forward(), then the logits of every segment that ends its input, in rows of `logits` in
   // segment order; returns how many.
-  int64_t forward_to_logits(std::span<const Segment> segments, int64_t total_rows);
+  int64_t forward_to_logits(std::span<const Segment> segments, int64_t total_rows,
+                            int64_t position_bound);
   // The logits of the first `count` rows of last_hidden (final-normed), into logits; returns count.
   int64_t forward_logits(int64_t count);
-  // forward_to_logits of a decode pass (one row per segment) through its recording.
-  void decode_recorded(const std::vector<Segment>& segments);
-  // forward_to_logits of a decode pass, through its recording where the options allow.
+  // forward_to_logits of a decode pass (one row per segment, the sequences' lengths already
+  // counting it) for its depth bucket, through that bucket's recording where the options allow.
   void run_decode_pass(const std::vector<Segment>& segments);
   // The sequence's KV of positions >= length forgotten, its length set (truncate_sequence, once
   // it checked that the KV before that point is still held; high_water stays).
@@ -130,7 +125,8 @@ struct Gemma4Engine::Impl {
   // step_sampled's checks of its inputs (open, distinct sequences; ids in the vocabulary; room
   // in the context).
   Status check_inputs(std::span<const StepInput> inputs) const;
-  void attention_block(int l, std::span<const Segment> segments, int64_t n, Rows hidden);
+  void attention_block(int l, std::span<const Segment> segments, int64_t n, int64_t position_bound,
+                       Rows hidden);
   void feed_forward_block(int l, int64_t n, Rows hidden);
   // Hands layer l's router logits and picks of the pass's n rows to options.router_trace.
   void trace_routing(int l, int64_t n);
@@ -153,7 +149,7 @@ void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
 }
 
 void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segments, int64_t n,
-                                         Rows hidden) {
+                                         int64_t position_bound, Rows hidden) {
   const LayerGeometry& g = config.layers[l];
   const ResidentLayer& lw = weights.layers[l];
   const int hd = g.head_dim;
@@ -185,7 +181,7 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
   std::vector<SequenceRows> sequence_rows;
   sequence_rows.reserve(segments.size());
   for (const Segment& s : segments) {
-    sequence_rows.push_back({kv_view(s.sequence, g), s.first_row, s.count});
+    sequence_rows.push_back({kv_view(s.sequence, g), s.first_row, s.count, position_bound});
   }
   Rows out = rows(attn, n, q_width);
   const int64_t chunk_limit = attention_chunk_limit(g);
@@ -316,7 +312,8 @@ void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {
   options.router_trace({l, p.num_experts, p.top_k, row_positions, scores, ids, picked});
 }
 
-void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
+void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n,
+                                 int64_t position_bound) {
   const auto& w = weights;
   Rows hidden = rows(x, n, config.hidden_size);
   // transformers casts the √H scale to the weight dtype: exact in float32 (what this engine
@@ -328,12 +325,13 @@ void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n) {
   // Every later layer's input norm is fused into the end of the layer before it.
   norm(hidden, w.layers.front().input_layernorm, rows(normed, n, config.hidden_size));
   for (int l = 0; l < config.num_layers; ++l) {
-    attention_block(l, segments, n, hidden);
+    attention_block(l, segments, n, position_bound, hidden);
     feed_forward_block(l, n, hidden);
   }
 }
 
-int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments, int64_t n) {
+int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments, int64_t n,
+                                              int64_t position_bound) {
   const int64_t H = config.hidden_size;
   // A decode pass (every row its input's last): the last layer norms its rows for the logits
   // into last_hidden itself.
@@ -341,7 +339,7 @@ int64_t Gemma4Engine::Impl::forward_to_logits(std::span<const Segment> segments,
     return s.count == 1 && s.last_of_input;
   });
   final_normed = every_row_last ? rows(last_hidden, n, H) : Rows{};
-  forward(segments, n);
+  forward(segments, n, position_bound);
   final_normed = {};
   if (every_row_last) return forward_logits(n);
   Rows hidden = rows(x, n, H);
@@ -364,33 +362,6 @@ int64_t Gemma4Engine::Impl::forward_logits(int64_t count) {
   backend->matmul(count > kLmHeadQ8MaxRows ? weights.lm_head_batched : weights.lm_head, last, out);
   if (config.final_logit_softcap > 0) backend->softcap(out, config.final_logit_softcap);
   return count;
-}
-
-void Gemma4Engine::Impl::decode_recorded(const std::vector<Segment>& segments) {
-  const auto n = std::ssize(segments);
-  std::vector<SequenceId> order;
-  for (const Segment& s : segments) order.push_back(s.sequence);
-  auto found = decode_recordings.find(order);
-  if (found == decode_recordings.end()) {
-    if (decode_recordings.size() >= kMaxDecodeRecordings) {
-      forward_to_logits(segments, n);
-      return;
-    }
-    found = decode_recordings.emplace(std::move(order), DecodeRecording{}).first;
-  }
-  DecodeRecording& recording = found->second;
-  if (!recording.warmed_up) {
-    // Unrecorded, so scratch, rope tables and expert tables are made outside any recording.
-    forward_to_logits(segments, n);
-    recording.warmed_up = true;
-    return;
-  }
-  if (recording.work == nullptr) {
-    // The recorded closure holds its own copy of the segments, as a graph holds its arguments.
-    recording.work = backend->record([this, segments, n] { forward_to_logits(segments, n); });
-    if (recording.work == nullptr) return;  // backend->status() reports why
-  }
-  backend->replay(*recording.work);
 }
 
 Status Gemma4Engine::Impl::check_inputs(std::span<const StepInput> inputs) const {
@@ -425,12 +396,33 @@ Status Gemma4Engine::Impl::check_inputs(std::span<const StepInput> inputs) const
 }
 
 void Gemma4Engine::Impl::run_decode_pass(const std::vector<Segment>& segments) {
+  const auto n = std::ssize(segments);
+  int64_t deepest = 0;
+  for (const Segment& s : segments) deepest = std::max(deepest, sequences[s.sequence].length - 1);
+  const int64_t bound = decode_position_bound(deepest, max_context);
   const bool record = options.record_decode && !options.router_trace;
-  if (record && backend->can_record()) {
-    decode_recorded(segments);
-  } else {
-    forward_to_logits(segments, std::ssize(segments));
+  if (!record || !backend->can_record()) {
+    forward_to_logits(segments, n, bound);
+    return;
   }
+  DecodeRecordings::Key key{{}, bound};
+  for (const Segment& s : segments) key.order.push_back(s.sequence);
+  if (RecordedWork* work = decode_recordings.find(key)) {
+    backend->replay(*work);
+    return;
+  }
+  if (!decode_recordings.warmed_up(key.order)) {
+    // Unrecorded, so scratch, rope tables and expert tables are made outside any recording (none
+    // depends on the bucket: a deeper one is recorded straight away).
+    forward_to_logits(segments, n, bound);
+    decode_recordings.hold(key, nullptr);
+    return;
+  }
+  // The recorded closure holds its own copy of the segments, as a graph holds its arguments.
+  auto work =
+      backend->record([this, segments, n, bound] { forward_to_logits(segments, n, bound); });
+  if (work == nullptr) return;  // backend->status() reports why
+  backend->replay(*decode_recordings.hold(key, std::move(work)));
 }
 
 int ring_history_for(const model::ModelConfig& config, const EngineOptions& options) {
@@ -655,7 +647,9 @@ Status Gemma4Engine::step_sampled(std::span<const StepInput> inputs,
     if (decode) {
       m.run_decode_pass(segments);
     } else {
-      m.forward_to_logits(segments, n);
+      int64_t bound = 0;
+      for (const Segment& s : segments) bound = std::max(bound, m.sequences[s.sequence].length);
+      m.forward_to_logits(segments, n, bound);
     }
 
     // Logits of the last token of every input that finished in this pass (row r of m.logits

@@ -65,8 +65,10 @@ struct EngineOptions {
   // Sliding-ring slots beyond the window (see above); 0 picks ring_history_for()'s default.
   int ring_history = 0;
   // Record decode steps (every input appends one token) on backends that can (Backend::record)
-  // and replay them: one recording per ordered list of sequences, made on the second step with
-  // that list (the first runs unrecorded so every lazily made backend resource exists).
+  // and replay them: one recording per ordered list of sequences and depth bucket
+  // (engine/decode_recordings.h), the first made on the second step with that list (the first
+  // runs unrecorded so every lazily made backend resource exists), a deeper bucket's on the
+  // step that reaches it.
   bool record_decode = true;
   // The element type of every KV cache (the backend must support it: supports_kv_type). The CLI
   // picks bf16 on CUDA unless activations are exact fp32 (cli/model_loader.h).

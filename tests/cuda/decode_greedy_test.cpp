@@ -2,8 +2,8 @@
 // tokens' copy on a stream of its own) against the host's greedy pick on rows with ties, two
 // slots in flight; Engine::decode_greedy on CUDA engines with decode graphs against the host-fed
 // steps (greedy_decode_by_steps) on another: the same tokens and lengths, and bit-identical
-// logits one step later (the step enqueued past a stop leaves no trace); and --step-times' timer
-// counting every chained step once.
+// logits one step later (the step enqueued past a stop leaves no trace), also for a chain that
+// crosses a depth bucket; and --step-times' timer counting every chained step once.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -78,10 +78,10 @@ struct CudaEngine {
   std::unique_ptr<engine::Gemma4Engine> engine;
 };
 
-CudaEngine cuda_engine(const model::LoadedModel& m) {
+CudaEngine cuda_engine(const model::LoadedModel& m, int64_t max_context = 64) {
   engine::EngineOptions options;
   options.max_sequences = 3;
-  options.max_context = 64;
+  options.max_context = max_context;
   options.ring_history = 8;
   auto backend = make_cuda_backend();
   EXPECT_TRUE(backend.ok()) << backend.error().to_string();
@@ -181,6 +181,34 @@ TEST_P(DecodeGreedyCuda, StaggeredUnforeseenEndsMatchHostFedTokens) {
 
 INSTANTIATE_TEST_SUITE_P(Tiny, DecodeGreedyCuda, ::testing::Values("tiny", "tiny-moe"),
                          gemma4::testing::preset_test_name);
+
+// Two sequences chained from positions 500 and 490 past the first depth bucket (512 keys) into the
+// next (the split-K kernel's heads: tiny_wide_heads_w4a16_model): the crossing step is recorded
+// while the one before it runs, and tokens, lengths and the logits one step later match the
+// host-fed steps bit for bit.
+TEST(DecodeGreedyCudaBuckets, AChainAcrossADepthBucketMatchesHostFedStepsBitForBit) {
+  const model::LoadedModel& m = gemma4::testing::tiny_wide_heads_w4a16_model();
+  CudaEngine chained = cuda_engine(m, 640), reference = cuda_engine(m, 640);
+  ASSERT_TRUE(chained.engine && reference.engine);
+  const std::vector<std::vector<int32_t>> prompts = {gemma4::testing::prompt_ids(500, 1),
+                                                     gemma4::testing::prompt_ids(490, 2)};
+  const std::vector<int32_t> first = {11, 12};
+  const std::vector<int> limits = {30, 30};
+  const std::vector endings(2, gemma4::testing::Ending::kUnforeseen);
+  std::vector<engine::SequenceId> a, b;
+  const auto got =
+      gemma4::testing::decode_with_stops(*chained.engine, prompts, first, limits, endings, true, a);
+  const auto want = gemma4::testing::decode_with_stops(*reference.engine, prompts, first, limits,
+                                                       endings, false, b);
+  EXPECT_EQ(got, want);
+  for (size_t i = 0; i < prompts.size(); ++i) {
+    EXPECT_EQ(chained.engine->sequence_length(a[i]), std::ssize(prompts[i]) + limits[i]);
+  }
+  const auto [after, expected] =
+      gemma4::testing::step_both(*chained.engine, a, *reference.engine, b, 17);
+  ASSERT_EQ(after.size(), expected.size());
+  EXPECT_EQ(std::memcmp(after.data(), expected.data(), sizeof(float) * after.size()), 0);
+}
 
 TEST(DecodeGreedyCudaTimes, EveryChainedReplayIsCountedOnce) {
   CudaEngine e = cuda_engine(gemma4::testing::tiny_w4a16_model("tiny"));

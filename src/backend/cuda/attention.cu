@@ -81,11 +81,7 @@ struct AttentionArgs {
 // itself; the recorded positions still decide what is visible (a slot may be empty or stale). The
 // keys are cut into split ranges of `per_split` (at least kMinKeysPerSplit, so a shallow cache uses
 // few of the launch's splits); `splits` of them hold keys (at least one, which writes zeros when
-// nothing is visible). Up to kOneSplitKeys keys take one split: their few tiles are in flight
-// together (the tensor-core kernel keeps 5 tiles of 16 keys of 256 dims in flight, 2 of 512), so
-// a second split would save less than merging the two costs (a merge kernel's place in the
-// chain, ~0.8 us in kernel_bench, or the in-kernel merge's atomic and record round trips).
-constexpr uint32_t kOneSplitKeys = 64;
+// nothing is visible). Up to kOneSplitKeys keys take one split (attention.h).
 struct ScannedKeys {
   int64_t count, first_slot, slots, per_split;
   int splits;
@@ -111,7 +107,7 @@ __device__ __forceinline__ ScannedKeys scanned_keys(int64_t slots, int32_t query
   const auto count = static_cast<uint32_t>(k.count);
   const auto oldest = static_cast<uint32_t>(query_position + 1 - k.count);
   k.first_slot = oldest < slots ? oldest : oldest % static_cast<uint32_t>(slots);
-  if (count <= kOneSplitKeys) {  // no division on a shallow cache's chain
+  if (count <= static_cast<uint32_t>(kOneSplitKeys)) {  // no division on a shallow cache's chain
     k.per_split = max(count, 1u);
     k.splits = 1;
     return k;

@@ -127,6 +127,12 @@ constexpr int kMaxPreparedGroupFloats = 4096;
 // passes, and each pass starts with an upload, which no kernel overlaps). The query's own slot
 // is read after the wait.
 constexpr int64_t kMinKeysPerSplit = 32;
+// A query scanning up to this many keys uses one split whatever `splits` allows: the few tiles of
+// its keys are in flight together (the tensor-core kernel keeps 5 tiles of 16 keys of 256 dims in
+// flight, 2 of 512), so a second split would save less than merging the two costs (a merge
+// kernel's place in the chain, ~0.8 us in kernel_bench, or the in-kernel merge's atomic and record
+// round trips).
+constexpr int64_t kOneSplitKeys = 64;
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
                              float scale, float* out, int64_t out_stride,
                              const AttentionWorkspace& workspace, int splits, const Launch& launch,

@@ -54,17 +54,19 @@ bool tensor_core_gemv_rows(const quant::QMatrix& w, int64_t rows) {
 // Decode attention's split-merge counters: one per (sequence of a launch, q head).
 constexpr int kAttentionMergeCounters = kMaxBatchedSequences * 64;
 
-// Splits for caches of up to `slots` slots, each of at least kMinKeysPerSplit keys: chosen by
-// capacity, since one recording replays at every depth (the kernel leaves the splits a shallow
-// cache does not need after reading the query position).
-int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads) {
+// Splits for launches that scan up to `keys` keys (the cache's slots, or fewer where the pass
+// and every replay of its recording stay shallower: SequenceRows::position_bound), each of at
+// least kMinKeysPerSplit keys (the kernel leaves the splits a shallower query does not need after
+// reading its position); one for what the kernel takes in one split, so that no merge runs.
+int attention_splits(int64_t keys, int window, int64_t sequences, int kv_heads) {
   // decode_attention scans at most `window` keys of a sliding ring.
-  if (window > 0) slots = std::min<int64_t>(slots, window);
+  if (window > 0) keys = std::min<int64_t>(keys, window);
+  if (keys <= kOneSplitKeys) return 1;
   // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
   // batch takes fewer splits each and the partials stay small.
   const int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
   return static_cast<int>(
-      std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
+      std::clamp<int64_t>((keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
 
 RowsView view(const Rows& r) {
@@ -1032,7 +1034,7 @@ void CudaBackend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float*
     const Rows sq = q.slice(s.first_row, s.count), sk = k.slice(s.first_row, s.count),
                sv = v.slice(s.first_row, s.count), so = out.slice(s.first_row, s.count);
     const int32_t* sp = positions + s.first_row;
-    const engine::SequenceRows own{s.kv, 0, s.count};
+    const engine::SequenceRows own{s.kv, 0, s.count, s.position_bound};
     const std::span<const engine::SequenceRows> one(&own, 1);
     if (s.count <= chunk_limit) {
       prepare_and_attend(sq, sk, sv, q_norm, k_norm, norm_v, head_dim, sp, rope, one, norm, window,
@@ -1102,14 +1104,21 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
   const int q_heads = static_cast<int>(q.width / head_dim);
   const int64_t batch =
       std::min<int64_t>(std::ssize(sequences), int64_t{kMaxBatchedSequences});  // per launch
-  int64_t max_slots = 1;
-  for (const engine::SequenceRows& s : sequences) max_slots = std::max(max_slots, s.kv.slots);
-  const int splits = attention_splits(max_slots, window, batch, kv_heads);
+  int64_t max_slots = 1, max_keys = 1;
+  for (const engine::SequenceRows& s : sequences) {
+    max_slots = std::max(max_slots, s.kv.slots);
+    max_keys = std::max(max_keys, std::min(s.kv.slots, s.position_bound));
+  }
+  const int splits = attention_splits(max_keys, window, batch, kv_heads);
+  // The partials are sized for the whole caches: a deeper bound's recording is made without an
+  // unrecorded pass first, so it must find them big enough (SequenceRows::position_bound).
+  const int capacity_splits = attention_splits(max_slots, window, batch, kv_heads);
   float* partials = nullptr;
-  if (splits > 1) {
-    partials = static_cast<float*>(scratch(
-        attention_partials_, sizeof(float) * attention_partials_floats(static_cast<int>(batch),
-                                                                       q_heads, head_dim, splits)));
+  if (capacity_splits > 1) {
+    partials = static_cast<float*>(
+        scratch(attention_partials_,
+                sizeof(float) * attention_partials_floats(static_cast<int>(batch), q_heads,
+                                                          head_dim, capacity_splits)));
     if (partials == nullptr) return;
   }
   // The kernels write the companions o_proj's GEMV reads with the output (one row per sequence:
