@@ -182,9 +182,13 @@ constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
 // asked of L2 whole: kPrefetchUnits), and its registers go to more warps.
 template <bool kGateUp>
 constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
-// Whether each unit's weights are asked of L2 whole when a block starts it (by_expert_mma_kernel):
-// bytes in flight beyond the R rounds the registers hold.
-constexpr bool kPrefetchUnits = true;
+// How a block asks L2 for its weights beyond the R rounds the registers hold (by_expert_mma_kernel;
+// MoeRunArgs::by_expert_variant picks one per kernel while they are measured): each unit whole as
+// the block starts it, nothing (the loads' 256-byte hint alone), or each row's 256 bytes
+// kRowsAheadRounds rounds ahead of its loads (gate/up only: down's rows are 6 rounds long, all in
+// flight at once).
+enum class UnitPrefetch { kWhole, kNone, kRowsAhead };
+constexpr int kRowsAheadRounds = 8;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
@@ -385,7 +389,7 @@ struct Work {
 // weights come from L2.
 // Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
 // (every warp's first tile, then its second).
-template <bool kGateUp>
+template <bool kGateUp, UnitPrefetch kPrefetch>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight<kGateUp>;
@@ -453,6 +457,17 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   uint4 weights[R][2] = {};
   uint32_t scale_bits[R][2] = {};
   auto load_round = [&](int slot, int round) {
+    if constexpr (kPrefetch == UnitPrefetch::kRowsAhead) {
+      // Lane t = 0 holds chunk 4 · round of its rows: every 4 rounds (256 bytes), the 256 bytes
+      // kRowsAheadRounds rounds on.
+      const int ahead = 4 * (round + kRowsAheadRounds);
+      if (t == 0 && round % 4 == 0 && ahead < chunks) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          prefetch_l2(row_chunks[h] + ahead, row_chunks[h] + std::min(ahead + 16, chunks));
+        }
+      }
+    }
     if (4 * round + t >= chunks) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -482,7 +497,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
   // would leave only after the wait: the first unit is fetched into L2 here, before the wait, and
   // the loads after it hit L2.
-  if constexpr (!kGateUp) prefetch_unit(work);
+  if constexpr (!kGateUp && kPrefetch == UnitPrefetch::kWhole) prefetch_unit(work);
   // The weights depend on the routing only: in flight while the first tile is found and staged
   // (down: before the wait for the activations).
   load_tile(work, 0);
@@ -497,7 +512,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     // L2. An expert's later tiles of pairs read the rows of its first one again: already there,
     // unless the range starts with them.
     const bool fetched = !kGateUp && work.unit == first_unit;
-    if (kPrefetchUnits && !fetched && (work.pair_tile == 0 || work.unit == first_unit)) {
+    if (kPrefetch == UnitPrefetch::kWhole && !fetched &&
+        (work.pair_tile == 0 || work.unit == first_unit)) {
       prefetch_unit(work);
     }
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
@@ -652,10 +668,10 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
 // once, or as units of work could be present (slots x row blocks) when fewer.
-template <bool kGateUp>
+template <bool kGateUp, UnitPrefetch kPrefetch>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
   const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const auto kernel = by_expert_mma_kernel<kGateUp>;
+  const auto kernel = by_expert_mma_kernel<kGateUp, kPrefetch>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
@@ -670,6 +686,23 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
                        args);
 }
 
+// MoeRunArgs::by_expert_variant: gate/up's and down's UnitPrefetch.
+cudaError_t launch_gate_up(const ByExpertArgs& args, int slots, int variant, const Launch& launch) {
+  switch (variant) {
+    case 1:
+      return launch_projection<true, UnitPrefetch::kNone>(args, slots, launch);
+    case 2:
+      return launch_projection<true, UnitPrefetch::kRowsAhead>(args, slots, launch);
+    default:
+      return launch_projection<true, UnitPrefetch::kWhole>(args, slots, launch);
+  }
+}
+cudaError_t launch_down(const ByExpertArgs& args, int slots, int variant, const Launch& launch) {
+  return variant == 1 || variant == 3
+             ? launch_projection<false, UnitPrefetch::kNone>(args, slots, launch)
+             : launch_projection<false, UnitPrefetch::kWhole>(args, slots, launch);
+}
+
 }  // namespace
 
 cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
@@ -681,12 +714,12 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                                 pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
                                 args.x,       args.x_stride,     activations,     shape.inner};
-  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
+  cudaError_t status = launch_gate_up(gate_up, slots, args.by_expert_variant, launch);
   if (status != cudaSuccess) return status;
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  status = launch_projection<false>(down, slots, launch);
+  status = launch_down(down, slots, args.by_expert_variant, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,
