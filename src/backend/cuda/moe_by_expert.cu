@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -711,15 +712,21 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   if (!moe_by_expert_formats(shape)) return cudaErrorInvalidValue;
   const int pairs = args.tokens * args.top_k;
   const int slots = std::min(pairs, shape.num_experts);
+  // TEMPORARY (the engine A/B of session 10's MID call): GEMMA4_BY_EXPERT_VARIANT.
+  static const int env_variant = [] {
+    const char* text = std::getenv("GEMMA4_BY_EXPERT_VARIANT");
+    return text != nullptr ? std::atoi(text) : 0;
+  }();
+  const int variant = args.by_expert_variant != 0 ? args.by_expert_variant : env_variant;
   const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                                 pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
                                 args.x,       args.x_stride,     activations,     shape.inner};
-  cudaError_t status = launch_gate_up(gate_up, slots, args.by_expert_variant, launch);
+  cudaError_t status = launch_gate_up(gate_up, slots, variant, launch);
   if (status != cudaSuccess) return status;
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  status = launch_down(down, slots, args.by_expert_variant, launch);
+  status = launch_down(down, slots, variant, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,
