@@ -114,7 +114,7 @@ const char* work_name(Work w) {
   return "?";
 }
 
-void bench(WeightFormat format, int tokens, bool quick, int variants, cudaStream_t stream) {
+void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   std::vector<ExpertTable> tables(kTables);
   for (int i = 0; i < kTables; ++i) make_table(format, 100 + i, tables[i]);
   float* scale = nullptr;
@@ -158,70 +158,62 @@ void bench(WeightFormat format, int tokens, bool quick, int variants, cudaStream
 
   for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
                        MoePath::kGrouped}) {
-    for (int variant = 0; variant < (path == MoePath::kDecodeByExpert ? variants : 1); ++variant) {
-      const bool decode = path != MoePath::kGrouped;
-      // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
-      // only.
-      const bool nvfp4_only =
-          path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
-      if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
-          (nvfp4_only && format != WeightFormat::kNVFP4)) {
+    const bool decode = path != MoePath::kGrouped;
+    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
+    // only.
+    const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
+    if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
+        (nvfp4_only && format != WeightFormat::kNVFP4)) {
+      continue;
+    }
+    for (Work work :
+         {Work::kExperts, Work::kRouterExperts, Work::kFusedRouterExperts, Work::kFusedRouter}) {
+      const bool fused = work == Work::kFusedRouterExperts || work == Work::kFusedRouter;
+      // The fused router takes one token; alone, it is timed once (on the first path).
+      if (fused && (tokens != 1 || (work == Work::kFusedRouter && path != MoePath::kDecode))) {
         continue;
       }
-      for (Work work :
-           {Work::kExperts, Work::kRouterExperts, Work::kFusedRouterExperts, Work::kFusedRouter}) {
-        const bool fused = work == Work::kFusedRouterExperts || work == Work::kFusedRouter;
-        // The fused router takes one token; alone, it is timed once (on the first path).
-        if (fused && (tokens != 1 || (work == Work::kFusedRouter && path != MoePath::kDecode))) {
-          continue;
-        }
-        double us[2];
-        for (int pdl = 0; pdl < 2; ++pdl) {
-          const Launch launch = {stream, pdl == 1};
-          us[pdl] = time_chain(
-              kLayers,
-              [&](int l) {
-                const Layer& layer = layers[l];
-                if (fused) {
-                  QMatrix router;
-                  router.format = WeightFormat::kBF16;
-                  router.rows = kExperts;
-                  router.cols = kHidden;
-                  router.data = layer.router;
-                  const cudaError_t status =
-                      gemma4::cuda::route_token(router, x, true, kTopK, scale, layer.logits,
-                                                layer.ids, layer.weights, launch);
-                  if (status != cudaSuccess || work == Work::kFusedRouter) return status;
-                } else if (work == Work::kRouterExperts) {
-                  const cudaError_t status =
-                      gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
-                                                  scale, layer.ids, layer.weights, launch);
-                  if (status != cudaSuccess) return status;
-                }
-                const MoeExpertTable& table = tables[l % kTables].table;
-                const gemma4::cuda::MoeRunArgs args = {
-                    table.device(), table.shape(), x,       kHidden,   tokens, kTopK,  layer.ids,
-                    layer.weights,  out,           kHidden, workspace, path,   variant};
-                return gemma4::cuda::launch_moe(args, launch);
-              },
-              stream);
-        }
-        std::printf(
-            "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
-            "GB/s  %9.0f tok/s/layer\n",
-            format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
-            path == MoePath::kDecode              ? "decode"
-            : path == MoePath::kDecodeTensorCores ? "decode-tc"
-            : path == MoePath::kDecodeByExpert    ? (variant == 0   ? "by-expert"
-                                                     : variant == 1 ? "by-exp/v1"
-                                                     : variant == 2 ? "by-exp/v2"
-                                                                    : "by-exp/v3")
-                                                  : "grouped",
-            work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3,
-            tokens / us[1] * 1e6);
-        std::fflush(stdout);
-        if (quick) break;
+      double us[2];
+      for (int pdl = 0; pdl < 2; ++pdl) {
+        const Launch launch = {stream, pdl == 1};
+        us[pdl] = time_chain(
+            kLayers,
+            [&](int l) {
+              const Layer& layer = layers[l];
+              if (fused) {
+                QMatrix router;
+                router.format = WeightFormat::kBF16;
+                router.rows = kExperts;
+                router.cols = kHidden;
+                router.data = layer.router;
+                const cudaError_t status = gemma4::cuda::route_token(
+                    router, x, true, kTopK, scale, layer.logits, layer.ids, layer.weights, launch);
+                if (status != cudaSuccess || work == Work::kFusedRouter) return status;
+              } else if (work == Work::kRouterExperts) {
+                const cudaError_t status =
+                    gemma4::cuda::route_experts(layer.logits, kExperts, tokens, kExperts, kTopK,
+                                                scale, layer.ids, layer.weights, launch);
+                if (status != cudaSuccess) return status;
+              }
+              const MoeExpertTable& table = tables[l % kTables].table;
+              const gemma4::cuda::MoeRunArgs args = {
+                  table.device(), table.shape(), x,   kHidden, tokens,    kTopK,
+                  layer.ids,      layer.weights, out, kHidden, workspace, path};
+              return gemma4::cuda::launch_moe(args, launch);
+            },
+            stream);
       }
+      std::printf(
+          "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
+          "GB/s  %9.0f tok/s/layer\n",
+          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
+          path == MoePath::kDecode              ? "decode"
+          : path == MoePath::kDecodeTensorCores ? "decode-tc"
+          : path == MoePath::kDecodeByExpert    ? "by-expert"
+                                                : "grouped",
+          work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
+      std::fflush(stdout);
+      if (quick) break;
     }
   }
 
@@ -245,13 +237,10 @@ void bench(WeightFormat format, int tokens, bool quick, int variants, cudaStream
 
 int main(int argc, char** argv) {
   bool quick = false;
-  int variants = 1;
   std::vector<int> token_counts;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
       quick = true;
-    } else if (std::strcmp(argv[i], "--by-expert-variants") == 0 && i + 1 < argc) {
-      variants = std::atoi(argv[++i]);
     } else if (std::strcmp(argv[i], "--tokens") == 0 && i + 1 < argc) {
       for (const char* p = argv[++i]; *p != '\0';) {
         char* end = nullptr;
@@ -276,7 +265,7 @@ int main(int argc, char** argv) {
   std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
               kHidden, kInner, kExperts, kTopK, kLayers);
   for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
-    for (int tokens : token_counts) bench(format, tokens, quick, variants, stream);
+    for (int tokens : token_counts) bench(format, tokens, quick, stream);
   }
   CHECK(cudaStreamDestroy(stream));
   return 0;

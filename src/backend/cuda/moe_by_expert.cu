@@ -29,7 +29,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -179,17 +178,15 @@ template <bool kGateUp>
 constexpr int kMmaWarps = 8;
 template <bool kGateUp>
 constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
-// Rounds (4 chunks of the two A rows) a lane loads ahead. Gate/up's 3 wait for L2 (its units are
-// asked of L2 whole: kPrefetchUnits), and its registers go to more warps.
+// Rounds (4 chunks of the two A rows) a lane loads ahead; gate/up's registers go to more warps.
+// Beyond them nothing is asked of L2 ahead: each load's 256-byte hint brings its row's next rounds.
+// Asking L2 for each unit whole as a block started it (96-180 KB, sessions 6-9) made DRAM read
+// 1.5-1.7x the expert bytes (ncu, T=32: gate/up 416 MB, down 188 MB for 250 / 125 MB) and lost
+// (moe_bench H200 PDL µs per layer, T=8 / 16 / 24 / 32 / 40: 107.4 / 141.4 / 186.9 / 211.5 / 230.3
+// with it, 97.6 / 128.6 / 165.5 / 189.7 / 205.5 without; each row's 256 bytes 8 rounds ahead
+// instead: 226.2 at T=32).
 template <bool kGateUp>
 constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
-// How a block asks L2 for its weights beyond the R rounds the registers hold (by_expert_mma_kernel;
-// MoeRunArgs::by_expert_variant picks one per kernel while they are measured): each unit whole as
-// the block starts it, nothing (the loads' 256-byte hint alone), or each row's 256 bytes
-// kRowsAheadRounds rounds ahead of its loads (gate/up only: down's rows are 6 rounds long, all in
-// flight at once).
-enum class UnitPrefetch { kWhole, kNone, kRowsAhead };
-constexpr int kRowsAheadRounds = 8;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
@@ -355,21 +352,6 @@ __device__ __forceinline__ uint32_t load_scale_pair_l2_256(const uint16_t* p) {
   return r;
 }
 
-// Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), in
-// pieces of at most 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a down block's
-// range is 90 KB at 26B-A4B shapes). One instruction a piece, no registers, nothing to wait for.
-__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
-  constexpr uintptr_t kMaxBytes = 64 * 1024 - 16;
-  uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + 15) & ~uintptr_t{15};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
-  for (; first < last; first += kMaxBytes) {
-    const uintptr_t bytes = last - first < kMaxBytes ? last - first : kMaxBytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
-                 "r"(static_cast<uint32_t>(bytes))
-                 : "memory");
-  }
-}
-
 // A unit of work: rows block_row ... + kMmaBlockRows - 1 of `expert` (gate/up: inner rows, gate
 // and up each; down: hidden rows) for tile `pair_tile` of its pairs.
 struct Work {
@@ -390,7 +372,7 @@ struct Work {
 // weights come from L2.
 // Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
 // (every warp's first tile, then its second).
-template <bool kGateUp, UnitPrefetch kPrefetch>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight<kGateUp>;
@@ -458,17 +440,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   uint4 weights[R][2] = {};
   uint32_t scale_bits[R][2] = {};
   auto load_round = [&](int slot, int round) {
-    if constexpr (kPrefetch == UnitPrefetch::kRowsAhead) {
-      // Lane t = 0 holds chunk 4 · round of its rows: every 4 rounds (256 bytes), the 256 bytes
-      // kRowsAheadRounds rounds on.
-      const int ahead = 4 * (round + kRowsAheadRounds);
-      if (t == 0 && round % 4 == 0 && ahead < chunks) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          prefetch_l2(row_chunks[h] + ahead, row_chunks[h] + std::min(ahead + 16, chunks));
-        }
-      }
-    }
     if (4 * round + t >= chunks) return;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -477,30 +448,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     }
   };
   Work work = unit_work(first_unit);
-  // A unit's rows of each matrix it reads (gate and up, or down) are one contiguous range, their
-  // scales another: lane 0 of warps 0-3 (gate/up) or 0-1 (down) asks L2 for one range each.
-  auto prefetch_unit = [&](const Work& w) {
-    const int range = warp;  // matrix range / 2; weights (even) or scales (odd)
-    if (lane != 0 || range >= (kGateUp ? 4 : 2)) return;
-    const int64_t block_rows = std::min<int64_t>(kBlockRows, a.rows - w.block_row);
-    const int64_t first_chunk = w.block_row * a.chunks_per_row;
-    const int64_t end_chunk = first_chunk + block_rows * a.chunks_per_row;
-    const MoeMatrix& m = matrix(w.expert, range / 2);
-    if (range % 2 == 0) {
-      const uint4* chunk_words = static_cast<const uint4*>(m.weights);
-      prefetch_l2(chunk_words + first_chunk, chunk_words + end_chunk);
-    } else {
-      const uint16_t* scales = static_cast<const uint16_t*>(m.scales);  // load_scale_bits
-      prefetch_l2(scales + first_chunk, scales + end_chunk);
-    }
-  };
-  // ptxas sinks down's first rounds' loads below griddepcontrol.wait (their registers are not
-  // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
-  // would leave only after the wait: the first unit is fetched into L2 here, before the wait, and
-  // the loads after it hit L2.
-  if constexpr (!kGateUp && kPrefetch == UnitPrefetch::kWhole) prefetch_unit(work);
   // The weights depend on the routing only: in flight while the first tile is found and staged
-  // (down: before the wait for the activations).
+  // (down: written before the wait for the activations; ptxas may sink them below it, SASS of
+  // session 6).
   load_tile(work, 0);
 #pragma unroll
   for (int i = 0; i < R; ++i) load_round(i, i);
@@ -508,15 +458,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
-    // Every unit but down's first (fetched above) is asked of L2 whole as it starts: DRAM then
-    // streams it (90-180 KB) in large requests while the warps' loads, R rounds ahead, follow in
-    // L2. An expert's later tiles of pairs read the rows of its first one again: already there,
-    // unless the range starts with them.
-    const bool fetched = !kGateUp && work.unit == first_unit;
-    if (kPrefetch == UnitPrefetch::kWhole && !fetched &&
-        (work.pair_tile == 0 || work.unit == first_unit)) {
-      prefetch_unit(work);
-    }
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
       collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
       stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
@@ -669,10 +610,10 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
 // once, or as units of work could be present (slots x row blocks) when fewer.
-template <bool kGateUp, UnitPrefetch kPrefetch>
+template <bool kGateUp>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
   const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const auto kernel = by_expert_mma_kernel<kGateUp, kPrefetch>;
+  const auto kernel = by_expert_mma_kernel<kGateUp>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
@@ -687,23 +628,6 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
                        args);
 }
 
-// MoeRunArgs::by_expert_variant: gate/up's and down's UnitPrefetch.
-cudaError_t launch_gate_up(const ByExpertArgs& args, int slots, int variant, const Launch& launch) {
-  switch (variant) {
-    case 1:
-      return launch_projection<true, UnitPrefetch::kNone>(args, slots, launch);
-    case 2:
-      return launch_projection<true, UnitPrefetch::kRowsAhead>(args, slots, launch);
-    default:
-      return launch_projection<true, UnitPrefetch::kWhole>(args, slots, launch);
-  }
-}
-cudaError_t launch_down(const ByExpertArgs& args, int slots, int variant, const Launch& launch) {
-  return variant == 1 || variant == 3
-             ? launch_projection<false, UnitPrefetch::kNone>(args, slots, launch)
-             : launch_projection<false, UnitPrefetch::kWhole>(args, slots, launch);
-}
-
 }  // namespace
 
 cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
@@ -712,21 +636,15 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   if (!moe_by_expert_formats(shape)) return cudaErrorInvalidValue;
   const int pairs = args.tokens * args.top_k;
   const int slots = std::min(pairs, shape.num_experts);
-  // TEMPORARY (the engine A/B of session 10's MID call): GEMMA4_BY_EXPERT_VARIANT.
-  static const int env_variant = [] {
-    const char* text = std::getenv("GEMMA4_BY_EXPERT_VARIANT");
-    return text != nullptr ? std::atoi(text) : 0;
-  }();
-  const int variant = args.by_expert_variant != 0 ? args.by_expert_variant : env_variant;
   const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                                 pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
                                 args.x,       args.x_stride,     activations,     shape.inner};
-  cudaError_t status = launch_gate_up(gate_up, slots, variant, launch);
+  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  status = launch_down(down, slots, variant, launch);
+  status = launch_projection<false>(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,

@@ -140,9 +140,6 @@ struct MoeRunArgs {
   int64_t out_stride;
   void* workspace;  // moe_workspace_layout(...).bytes, 16-byte aligned
   MoePath path;
-  // kDecodeByExpert's L2 prefetch variant while measured (moe_by_expert.cu): 0 each unit whole,
-  // 1 none, 2 gate/up rows ahead, 3 down none.
-  int by_expert_variant = 0;
 };
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
