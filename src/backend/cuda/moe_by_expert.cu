@@ -178,13 +178,15 @@ template <bool kGateUp>
 constexpr int kMmaWarps = 8;
 template <bool kGateUp>
 constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
-// Rounds (4 chunks of the two A rows) a lane loads ahead. Gate/up's 3 wait for L2 (its units are
-// asked of L2 whole: kPrefetchUnits), and its registers go to more warps.
+// Rounds (4 chunks of the two A rows) a lane loads ahead; gate/up's registers go to more warps.
+// Beyond them nothing is asked of L2 ahead: each load's 256-byte hint brings its row's next rounds.
+// Asking L2 for each unit whole as a block started it (96-180 KB, sessions 6-9) made DRAM read
+// 1.5-1.7x the expert bytes (ncu, T=32: gate/up 416 MB, down 188 MB for 250 / 125 MB) and lost
+// (moe_bench H200 PDL µs per layer, T=8 / 16 / 24 / 32 / 40: 107.4 / 141.4 / 186.9 / 211.5 / 230.3
+// with it, 97.6 / 128.6 / 165.5 / 189.7 / 205.5 without; each row's 256 bytes 8 rounds ahead
+// instead: 226.2 at T=32).
 template <bool kGateUp>
 constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
-// Whether each unit's weights are asked of L2 whole when a block starts it (by_expert_mma_kernel):
-// bytes in flight beyond the R rounds the registers hold.
-constexpr bool kPrefetchUnits = true;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
@@ -350,21 +352,6 @@ __device__ __forceinline__ uint32_t load_scale_pair_l2_256(const uint16_t* p) {
   return r;
 }
 
-// Asks L2 for the bytes [begin, end): their 16-byte-aligned part (the instruction's rule), in
-// pieces of at most 64 KiB (the SASS form takes the size in 16-byte units, 16 bits; a down block's
-// range is 90 KB at 26B-A4B shapes). One instruction a piece, no registers, nothing to wait for.
-__device__ __forceinline__ void prefetch_l2(const void* begin, const void* end) {
-  constexpr uintptr_t kMaxBytes = 64 * 1024 - 16;
-  uintptr_t first = (reinterpret_cast<uintptr_t>(begin) + 15) & ~uintptr_t{15};
-  const uintptr_t last = reinterpret_cast<uintptr_t>(end) & ~uintptr_t{15};
-  for (; first < last; first += kMaxBytes) {
-    const uintptr_t bytes = last - first < kMaxBytes ? last - first : kMaxBytes;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(first),
-                 "r"(static_cast<uint32_t>(bytes))
-                 : "memory");
-  }
-}
-
 // A unit of work: rows block_row ... + kMmaBlockRows - 1 of `expert` (gate/up: inner rows, gate
 // and up each; down: hidden rows) for tile `pair_tile` of its pairs.
 struct Work {
@@ -461,30 +448,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     }
   };
   Work work = unit_work(first_unit);
-  // A unit's rows of each matrix it reads (gate and up, or down) are one contiguous range, their
-  // scales another: lane 0 of warps 0-3 (gate/up) or 0-1 (down) asks L2 for one range each.
-  auto prefetch_unit = [&](const Work& w) {
-    const int range = warp;  // matrix range / 2; weights (even) or scales (odd)
-    if (lane != 0 || range >= (kGateUp ? 4 : 2)) return;
-    const int64_t block_rows = std::min<int64_t>(kBlockRows, a.rows - w.block_row);
-    const int64_t first_chunk = w.block_row * a.chunks_per_row;
-    const int64_t end_chunk = first_chunk + block_rows * a.chunks_per_row;
-    const MoeMatrix& m = matrix(w.expert, range / 2);
-    if (range % 2 == 0) {
-      const uint4* chunk_words = static_cast<const uint4*>(m.weights);
-      prefetch_l2(chunk_words + first_chunk, chunk_words + end_chunk);
-    } else {
-      const uint16_t* scales = static_cast<const uint16_t*>(m.scales);  // load_scale_bits
-      prefetch_l2(scales + first_chunk, scales + end_chunk);
-    }
-  };
-  // ptxas sinks down's first rounds' loads below griddepcontrol.wait (their registers are not
-  // needed before it; SASS of session 6: ACQBULK ahead of every weight and scale LDG), so they
-  // would leave only after the wait: the first unit is fetched into L2 here, before the wait, and
-  // the loads after it hit L2.
-  if constexpr (!kGateUp) prefetch_unit(work);
   // The weights depend on the routing only: in flight while the first tile is found and staged
-  // (down: before the wait for the activations).
+  // (down: written before the wait for the activations; ptxas may sink them below it, SASS of
+  // session 6).
   load_tile(work, 0);
 #pragma unroll
   for (int i = 0; i < R; ++i) load_round(i, i);
@@ -492,14 +458,6 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
-    // Every unit but down's first (fetched above) is asked of L2 whole as it starts: DRAM then
-    // streams it (90-180 KB) in large requests while the warps' loads, R rounds ahead, follow in
-    // L2. An expert's later tiles of pairs read the rows of its first one again: already there,
-    // unless the range starts with them.
-    const bool fetched = !kGateUp && work.unit == first_unit;
-    if (kPrefetchUnits && !fetched && (work.pair_tile == 0 || work.unit == first_unit)) {
-      prefetch_unit(work);
-    }
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
       collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
       stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
