@@ -491,7 +491,9 @@ TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
 // The tensor-core decode path at shapes off the real ones: one chunk of K per pick (inner 32), an
-// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick.
+// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick,
+// and a hidden of 53 chunks (gate/up warps of 7 rounds: a second pass of weight loads that fills
+// part of its slots, the last round's chunks partly past the row).
 TEST(MoeExperts, DecodeTensorCoresOddShapes) {
   CpuBackend cpu(0);
   uint32_t seed = 1400;
@@ -503,6 +505,9 @@ TEST(MoeExperts, DecodeTensorCoresOddShapes) {
     check_run(cpu, odd, 2, top_k, seed++, {.path = MoePath::kDecodeTensorCores});
   }
   check_run(cpu, odd, 1, 3, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+  const ExpertSet long_rows = make_experts(kNvfp4Multiplier, 8, 53 * 32, 96, seed++);
+  check_run(cpu, long_rows, 1, 2, seed++, {.path = MoePath::kDecodeTensorCores});
+  check_run(cpu, long_rows, 3, 3, seed++, {.path = MoePath::kDecodeTensorCores});
 }
 
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {

@@ -32,6 +32,7 @@
 
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/device_math.cuh"
@@ -480,41 +481,37 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 //
 // The same two launches as above, for NVFP4 experts outside exact-fp32 mode: the CUDA-core
 // kernels spend ~4 instructions per weight (decode, fp16 → fp32, FMA); here a weight costs its
-// decode and one fp16 multiply by its block scale, and mma.sync m16n8k16 (fp16 inputs, fp32
-// accumulation) does the products, 16 weight rows against the activations in column 0.
+// decode only, and mma.sync m16n8k16 (fp16 inputs, fp32 accumulation) does the products, 16 weight
+// rows against the activations.
 // Fragment order (PTX ISA, m16n8k16): lane (g = lane / 4, t = lane % 4) holds the A elements of
-// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, and the B elements of column g
-// at the same slots. The sum over k does not care which K element sits in which slot as long as
-// A and B agree, so in round r lane t takes whole chunk 4r + t of its two rows (one 16-byte load
-// each): step j of the chunk's eight feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of
-// word j / 2, s = 2 (j % 2), and slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of
-// word >> 4s extracts, device_math.cuh's dot_nvfp4). Every pair lies in one 16-element block.
-// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds) times the e4m3 block scale · 2^7 (at
-// most 448 · 2^7, in fp16 range), i.e. e2m1 · scale · 2^-7: exact in fp16 (at most 6 significant
-// bits, a multiple of 2^-17) and a normal number unless the block scale is an e4m3 subnormal.
+// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, the B elements of column g at
+// the same slots, and the results of rows g and g + 8 in columns 2t and 2t + 1. The sum over k
+// does not care which K element sits in which slot as long as A and B agree, so in round r lane
+// t takes whole chunk 4r + t of its two rows (one 16-byte load each): step j of the chunk's eight
+// feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of word j / 2, s = 2 (j % 2), and
+// slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of word >> 4s extracts, device_math.cuh's
+// dot_nvfp4). Every pair lies in one 16-element block; "Block scales on the accumulators" below
+// says which B column takes which block and where the e4m3 block scales enter.
+// Weights: e2m1 · 2^-14 (nvfp4_decode.cuh's exact fp16 bits, code 1 an fp16 subnormal).
 // Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
 // rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
-// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
-// NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
+// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p) and
+// NVFP4's global scale.
 
 // Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each, two passes of
 // loads): with 4, one token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench
 // T=1 experts 20.73 -> 20.10 µs per layer, session 8, blocks of one tile).
-constexpr int kMmaGateUpWarps = 2;
-// 8-row tiles per gate/up block, each on its own kMmaGateUpWarps warps: the block stages x once for
+// 8-row tiles per gate/up block, each on its own warps: the block stages x once for
 // all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
 // are bound by their warps' instruction chains, 6.5 cycles an instruction at ~2.7 warps per
 // scheduler, not by DRAM). moe_bench NVFP4 decode-tc PDL µs per layer, tiles 1 / 2 / 4: T=1 19.90 /
 // 19.44 / 19.39, T=4 56.71 / 53.64 / 58.20, T=8 99.94 / 94.86 / 101.64 (session 9).
 constexpr int kMmaGateUpTiles = 2;
-constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
-constexpr int kMmaDownWarps = 8;
-constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
-constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per tile: A rows g, g + 8
-constexpr int kMmaDownRows = 16;       // down rows per block
+constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per tile: A rows g, g + 8
+constexpr int kMmaDownRows = 16;   // down rows per block
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
-// lanes of g != 0 and for chunks past the row).
+// the columns a lane does not feed and for chunks past the row).
 size_t mma_staged_bytes(int64_t chunks) {
   return sizeof(uint32_t) * static_cast<size_t>(chunks + 1) * kStagedWordsPerChunk;
 }
@@ -595,27 +592,89 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps, int
   return {begin, min(begin + per_warp, rounds)};
 }
 
-// acc += the lane's rounds of one tile (mma_round) against the staged activations (`chunks` of
-// them: lanes g == 0 read their round's chunk, the others the zero chunk after the last), R rounds
-// of weights in flight: load_rounds(first) puts rounds first .. first + R − 1 into weights and
-// scale_bits, which hold rounds.begin's R on entry.
-template <int R, typename LoadRounds>
-__device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)[R][2],
+// Block scales on the accumulators (both kernels below): moe_decode.cuh's mma_round multiplies
+// every weight pair by its block scale (4 HMUL2 per 8 weights, ~20 % of a round's instructions).
+// Here the 8 columns of B tell a round's blocks apart instead: column 2t + b holds the staged
+// activations of block b of lane t's chunk (zeros elsewhere), so after a round's 8 products the
+// accumulators c[0], c[1] (c[2], c[3]) of lane (g, t) are row g's (g + 8's) unscaled sums over
+// blocks 0 and 1 of the lane's own chunk: each is multiplied by its e4m3 scale in fp32 and added
+// to the lane's running sums. Products stay exact; only the fp32 summation order differs from
+// mma_round's. The sums come back by 2^(kBlockColumnShift − p) (p: the staging exponent).
+constexpr int kBlockColumnShift = 14;
+
+// sums[0] (row g) and sums[1] (row g + 8) += one round of lane (g, t): `rows` = its chunk of A rows
+// g and g + 8 (their block scale bits alongside), x_blocks[b] = the staged words of its chunk
+// when g == 2t + b, else a staged chunk of zeros.
+__device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const uint4 (&rows)[2],
+                                                        const uint32_t (&scale_bits)[2],
+                                                        const uint32_t* const (&x_blocks)[2]) {
+  // c[b]: the products of block b's words (B is zero outside columns 2t' + b for them, so only
+  // c[b][b] and c[b][2 + b] are nonzero). Two chains of 4 mma, not one of 8: half the latency.
+  float c[2][4] = {};
+  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
+                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // words 0, 1: block 0; words 2, 3: block 1
+    const uint4 x = *reinterpret_cast<const uint4*>(x_blocks[i / 2] + 4 * i);
+    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
+    e2m1_half2_bits(words[0][i], a[0]);
+    e2m1_half2_bits(words[1][i], a[1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * half;
+      mma_f16(c[i / 2], a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __half2 scales = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(scale_bits[r] & 0xFFFF), __NV_E4M3);
+    const float2 scale = __half22float2(scales);
+    sums[r] = fmaf(c[1][2 * r + 1], scale.y, fmaf(c[0][2 * r], scale.x, sums[r]));
+  }
+}
+
+// The sum of `v` over the 4 lanes of a quad (the t of one g), the same bits in each.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+  return v + __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+}
+
+// sums += the lane's rounds of one tile (mma_round_block_columns) against the staged activations
+// (`chunks` of them, then the zero chunk), R rounds of weights in flight: load_rounds(first, slot,
+// count) puts rounds first .. first + count − 1 into weights and scale_bits from `slot` on, which
+// hold rounds.begin's R on entry. kRefillHalves: each half of the slots is refilled with the
+// rounds one pass ahead as soon as its products are done (the other half's products then cover
+// the loads' latency); otherwise all R are refilled after the pass.
+template <bool kRefillHalves, int R, typename LoadRounds>
+__device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights)[R][2],
                                          const uint32_t (&scale_bits)[R][2],
                                          const LoadRounds& load_rounds, RoundRange rounds,
                                          const uint32_t* staged, int chunks) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
+  const uint32_t* zeros = staged + kStagedWordsPerChunk * chunks;
+  auto product = [&](int slot, int round) {
+    const int chunk = 4 * round + t;
+    const uint32_t* mine = chunk < chunks ? staged + kStagedWordsPerChunk * chunk : zeros;
+    const uint32_t* const x_blocks[2] = {g == 2 * t ? mine : zeros, g == 2 * t + 1 ? mine : zeros};
+    mma_round_block_columns(sums, weights[slot], scale_bits[slot], x_blocks);
+  };
+  constexpr int kHalves = kRefillHalves ? 2 : 1;
+  constexpr int H = R / kHalves;
+  static_assert(H * kHalves == R);
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* x =
-          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], x);
+    for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        if (first + h * H + i >= rounds.end) break;  // warp-uniform
+        product(h * H + i, first + h * H + i);
+      }
+      const int next = first + R + h * H;
+      if (next < rounds.end) load_rounds(next, h * H, H);
     }
   }
 }
@@ -623,9 +682,25 @@ __device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)
 // Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
 // activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
 // (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
-__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
+// How a gate/up block works (TEMPORARY: the session-10 EARLY A/B picks one): kTileWarps warps per
+// tile split K, R rounds in flight (kRefillHalves: see mma_tile), kMinBlocks blocks per SM asked
+// of the register allocator.
+template <int kTileWarps, int R, bool kRefillHalves, int kMinBlocks>
+struct GateUpTiling {
+  static constexpr int kWarps = kTileWarps;
+  static constexpr int kRounds = R;
+  static constexpr bool kHalves = kRefillHalves;
+  static constexpr int kBlockWarps = kTileWarps * kMmaGateUpTiles;
+  static constexpr int kBlocksPerSm = kMinBlocks;
+};
+
+template <typename Tiling>
+__global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
+  constexpr int R = Tiling::kRounds;
+  constexpr int kMmaGateUpWarps = Tiling::kWarps;
+  constexpr int kMmaGateUpBlockWarps = Tiling::kBlockWarps;
+  constexpr bool kRefillHalves = Tiling::kHalves;
   __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
   __shared__ float scratch[kMmaGateUpBlockWarps];
   extern __shared__ uint4 staged_x_words[];
@@ -650,11 +725,13 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto load_rounds = [&](int first, int slot, int count) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-      const bool live = first + i < rounds.end && chunk < chunks && row_live;
+      if (i < slot || i >= slot + count) continue;
+      const int round = first + i - slot;
+      const int chunk = 4 * round + t;
+      const bool live = round < rounds.end && chunk < chunks && row_live;
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
         weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
@@ -665,18 +742,19 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
       }
     }
   };
-  load_rounds(rounds.begin);
+  load_rounds(rounds.begin, 0, R);
   int p = 0;
   stage_mma_activations(
       a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
       staged_x, scratch, p);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
-  // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
+  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
+  mma_tile<kRefillHalves>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
+  const float gate_sum = quad_sum(sums[0]);
+  const float up_sum = quad_sum(sums[1]);
   if (t == 0) {
-    partial[warp][g][0] = acc[0];
-    partial[warp][g][1] = acc[2];
+    partial[warp][g][0] = gate_sum;
+    partial[warp][g][1] = up_sum;
   }
   __syncthreads();
   if (threadIdx.x < kMmaGateUpTiles * kMmaGateUpRows) {
@@ -691,7 +769,7 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
       gate += partial[w][r][0];
       up += partial[w][r][1];
     }
-    const float back = ldexpf(1.0f, kMmaWeightShift - p);
+    const float back = ldexpf(1.0f, kBlockColumnShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
     if (out_row < a.inner) {
@@ -703,8 +781,20 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
 // Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
 // of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
 // each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
-__global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(DecodeDownArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
+// How a down block works (TEMPORARY: the session-10 EARLY A/B picks one): kWarps warps split K,
+// R rounds in flight, kMinBlocks blocks per SM asked of the register allocator.
+template <int kWarpCount, int R, int kMinBlocks>
+struct DownTiling {
+  static constexpr int kWarps = kWarpCount;
+  static constexpr int kRounds = R;
+  static constexpr int kBlocksPerSm = kMinBlocks;
+};
+
+template <typename Tiling>
+__global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
+    decode_down_mma_kernel(DecodeDownArgs a) {
+  constexpr int R = Tiling::kRounds;
+  constexpr int kMmaDownWarps = Tiling::kWarps;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
@@ -725,11 +815,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto load_rounds = [&](int first, int slot, int count) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-      const bool in_k = first + i < rounds.end && chunk < chunks;
+      if (i < slot || i >= slot + count) continue;
+      const int round = first + i - slot;
+      const int chunk = 4 * round + t;
+      const bool in_k = round < rounds.end && chunk < chunks;
       const int pick = in_k ? a.pick_divisor.divide(chunk) : 0;
       const int in_row = chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
@@ -746,19 +838,21 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     }
   };
   // The weights depend on the router only: in flight before the wait for the activations.
-  load_rounds(rounds.begin);
+  load_rounds(rounds.begin, 0, R);
   pdl_wait_for_predecessors();
   int p = 0;
   stage_mma_activations(
       a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
       [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged, chunks);
+  float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
+  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks);
+  const float row_sum = quad_sum(sums[0]);
+  const float row8_sum = quad_sum(sums[1]);
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
-    partial[warp][g] = acc[0];
-    partial[warp][g + 8] = acc[2];
+    partial[warp][g] = row_sum;
+    partial[warp][g + 8] = row8_sum;
   }
   __syncthreads();
   if (threadIdx.x < kMmaDownRows) {
@@ -766,12 +860,59 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kMmaWeightShift - p);
+    if (row < a.hidden)
+      a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift - p);
   }
 }
 
 int64_t chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 ? 8 : 32;
+}
+
+// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_GATE_UP_VARIANT
+// 0 (or unset): 2 warps per tile, 6 rounds in flight; 1: the same refilling halves of 3; 2: 4 warps
+// per tile, 4 rounds in flight refilled by halves, 3 blocks of 8 warps per SM.
+int gate_up_variant() {
+  static const int variant = [] {
+    const char* v = std::getenv("GEMMA4_MOE_GATE_UP_VARIANT");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return variant;
+}
+
+// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_DOWN_VARIANT
+// 0 (or unset): 8 warps, 6 rounds in flight; 1: 12 warps, 4 rounds in flight, 2 blocks per SM.
+int down_variant() {
+  static const int variant = [] {
+    const char* v = std::getenv("GEMMA4_MOE_DOWN_VARIANT");
+    return v == nullptr ? 0 : std::atoi(v);
+  }();
+  return variant;
+}
+
+template <typename Tiling>
+cudaError_t launch_down_mma(const DecodeDownArgs& down, const MoeRunArgs& args,
+                            const Launch& launch) {
+  const size_t shared = mma_staged_bytes(args.top_k * (args.shape.inner / 32));
+  const auto kernel = decode_down_mma_kernel<Tiling>;
+  const cudaError_t allowed = allow_shared_bytes(kernel, shared);
+  if (allowed != cudaSuccess) return allowed;
+  return launch_kernel(
+      kernel, dim3(static_cast<unsigned>(args.tokens), blocks(args.shape.hidden, kMmaDownRows)),
+      dim3(Tiling::kWarps * 32), shared, launch, down);
+}
+
+template <typename Tiling>
+cudaError_t launch_gate_up_mma(const DecodeGateUpArgs& gate_up, const MoeShape& shape, int pairs,
+                               const Launch& launch) {
+  const size_t shared = mma_staged_bytes(shape.hidden / 32);
+  const auto kernel = decode_gate_up_mma_kernel<Tiling>;
+  const cudaError_t status = allow_shared_bytes(kernel, shared);
+  if (status != cudaSuccess) return status;
+  return launch_kernel(
+      kernel,
+      dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
+      dim3(Tiling::kBlockWarps * 32), shared, launch, gate_up);
 }
 
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
@@ -798,13 +939,15 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
       !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0};
   cudaError_t status;
   if (mma_gate_up) {
-    const size_t shared = mma_staged_bytes(shape.hidden / 32);
-    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
-    if (status == cudaSuccess) {
-      status = launch_kernel(
-          decode_gate_up_mma_kernel,
-          dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
-          dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
+    switch (gate_up_variant()) {
+      case 1:
+        status = launch_gate_up_mma<GateUpTiling<2, 6, true, 4>>(gate_up, shape, pairs, launch);
+        break;
+      case 2:
+        status = launch_gate_up_mma<GateUpTiling<4, 4, true, 3>>(gate_up, shape, pairs, launch);
+        break;
+      default:
+        status = launch_gate_up_mma<GateUpTiling<2, 6, false, 4>>(gate_up, shape, pairs, launch);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
@@ -839,13 +982,12 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                args.out,
                                args.out_stride};
   if (mma_down) {
-    const size_t shared = mma_staged_bytes(args.top_k * (shape.inner / 32));
-    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
-    if (allowed != cudaSuccess) return allowed;
-    return launch_kernel(
-        decode_down_mma_kernel,
-        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
-        dim3(kMmaDownWarps * 32), shared, launch, down);
+    switch (down_variant()) {
+      case 1:
+        return launch_down_mma<DownTiling<12, 4, 2>>(down, args, launch);
+      default:
+        return launch_down_mma<DownTiling<8, 6, 2>>(down, args, launch);
+    }
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
                        blocks(shape.hidden, kDecodeRowsPerBlock));
