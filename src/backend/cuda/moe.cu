@@ -782,11 +782,13 @@ __global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm
 // of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
 // each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
 // How a down block works (TEMPORARY: the session-10 EARLY A/B picks one): kWarps warps split K,
-// R rounds in flight, kMinBlocks blocks per SM asked of the register allocator.
-template <int kWarpCount, int R, int kMinBlocks>
+// R rounds in flight (kRefillHalves: see mma_tile), kMinBlocks blocks per SM asked of the register
+// allocator.
+template <int kWarpCount, int R, bool kRefillHalves, int kMinBlocks>
 struct DownTiling {
   static constexpr int kWarps = kWarpCount;
   static constexpr int kRounds = R;
+  static constexpr bool kHalves = kRefillHalves;
   static constexpr int kBlocksPerSm = kMinBlocks;
 };
 
@@ -846,7 +848,7 @@ __global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
       [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
   __syncthreads();
   float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
-  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks);
+  mma_tile<Tiling::kHalves>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks);
   const float row_sum = quad_sum(sums[0]);
   const float row8_sum = quad_sum(sums[1]);
   const int warp = threadIdx.x >> 5;
@@ -881,7 +883,8 @@ int gate_up_variant() {
 }
 
 // TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_DOWN_VARIANT
-// 0 (or unset): 8 warps, 6 rounds in flight; 1: 12 warps, 4 rounds in flight, 2 blocks per SM.
+// 0 (or unset): 8 warps, 6 rounds in flight; 1: 12 warps, 4 rounds in flight, 2 blocks per SM; 2: 4
+// warps, 6 rounds in flight refilled by halves, 4 blocks per SM (beside more gate/up blocks).
 int down_variant() {
   static const int variant = [] {
     const char* v = std::getenv("GEMMA4_MOE_DOWN_VARIANT");
@@ -984,9 +987,11 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   if (mma_down) {
     switch (down_variant()) {
       case 1:
-        return launch_down_mma<DownTiling<12, 4, 2>>(down, args, launch);
+        return launch_down_mma<DownTiling<12, 4, false, 2>>(down, args, launch);
+      case 2:
+        return launch_down_mma<DownTiling<4, 6, true, 4>>(down, args, launch);
       default:
-        return launch_down_mma<DownTiling<8, 6, 2>>(down, args, launch);
+        return launch_down_mma<DownTiling<8, 6, false, 2>>(down, args, launch);
     }
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
