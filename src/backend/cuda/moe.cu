@@ -289,6 +289,11 @@ struct DecodeGateUpArgs {
   // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6-25.1 µs: their down blocks do not fit
   // beside gate/up's, so without it down's weights came from DRAM after gate/up).
   int64_t down_rows_to_prefetch;
+  // The activations for decode_down_mma_kernel (both projections on tensor cores), else nullptr:
+  // see ActivationHandoff.
+  const float* routing_weights;  // [pairs]
+  uint32_t* handoff_words;
+  float* handoff_scales;
 };
 
 // Four blocks per SM (128 registers, no spills): one token's 704 blocks in 1.3 waves, not 1.8.
@@ -383,6 +388,9 @@ struct DecodeDownArgs {
   int64_t inner;
   float* out;
   int64_t out_stride;
+  // The gate/up mma kernel's fp16 activations (ActivationHandoff), else nullptr.
+  const uint32_t* handoff_words;
+  const float* handoff_scales;
 };
 
 // Token `token`'s picks into downs (an invalid pick: MoeMatrix{}, weights == nullptr, skipped) and
@@ -509,6 +517,8 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 constexpr int kMmaGateUpTiles = 2;
 constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per tile: A rows g, g + 8
 constexpr int kMmaDownRows = 16;   // down rows per block
+// A gate/up block's outputs are one 16-element block of the down kernel's K (ActivationHandoff).
+static_assert(kMmaGateUpTiles * kMmaGateUpRows == 16);
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // the columns a lane does not feed and for chunks past the row).
@@ -605,9 +615,12 @@ constexpr int kBlockColumnShift = 14;
 // sums[0] (row g) and sums[1] (row g + 8) += one round of lane (g, t): `rows` = its chunk of A rows
 // g and g + 8 (their block scale bits alongside), x_blocks[b] = the staged words of its chunk
 // when g == 2t + b, else a staged chunk of zeros.
+// x_scale: the activations' own block scales (ActivationHandoff), multiplied into the weights'.
+template <bool kXScales>
 __device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const uint4 (&rows)[2],
                                                         const uint32_t (&scale_bits)[2],
-                                                        const uint32_t* const (&x_blocks)[2]) {
+                                                        const uint32_t* const (&x_blocks)[2],
+                                                        float2 x_scale) {
   // c[b]: the products of block b's words (B is zero outside columns 2t' + b for them, so only
   // c[b][b] and c[b][2 + b] are nonzero). Two chains of 4 mma, not one of 8: half the latency.
   float c[2][4] = {};
@@ -630,7 +643,8 @@ __device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const 
   for (int r = 0; r < 2; ++r) {
     const __half2 scales = __nv_cvt_fp8x2_to_halfraw2(
         static_cast<__nv_fp8x2_storage_t>(scale_bits[r] & 0xFFFF), __NV_E4M3);
-    const float2 scale = __half22float2(scales);
+    float2 scale = __half22float2(scales);
+    if constexpr (kXScales) scale = make_float2(scale.x * x_scale.x, scale.y * x_scale.y);
     sums[r] = fmaf(c[1][2 * r + 1], scale.y, fmaf(c[0][2 * r], scale.x, sums[r]));
   }
 }
@@ -642,16 +656,18 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 // sums += the lane's rounds of one tile (mma_round_block_columns) against the staged activations
-// (`chunks` of them, then the zero chunk), R rounds of weights in flight: load_rounds(first, slot,
+// (`chunks` of them, then the zero chunk; x_scales: their block scales, ActivationHandoff), R
+// rounds of weights in flight: load_rounds(first, slot,
 // count) puts rounds first .. first + count − 1 into weights and scale_bits from `slot` on, which
 // hold rounds.begin's R on entry. kRefillHalves: each half of the slots is refilled with the
 // rounds one pass ahead as soon as its products are done (the other half's products then cover
 // the loads' latency); otherwise all R are refilled after the pass.
-template <bool kRefillHalves, int R, typename LoadRounds>
+template <bool kRefillHalves, bool kXScales = false, int R, typename LoadRounds>
 __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights)[R][2],
                                          const uint32_t (&scale_bits)[R][2],
                                          const LoadRounds& load_rounds, RoundRange rounds,
-                                         const uint32_t* staged, int chunks) {
+                                         const uint32_t* staged, int chunks,
+                                         const float2* x_scales = nullptr) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
@@ -660,7 +676,8 @@ __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights
     const int chunk = 4 * round + t;
     const uint32_t* mine = chunk < chunks ? staged + kStagedWordsPerChunk * chunk : zeros;
     const uint32_t* const x_blocks[2] = {g == 2 * t ? mine : zeros, g == 2 * t + 1 ? mine : zeros};
-    mma_round_block_columns(sums, weights[slot], scale_bits[slot], x_blocks);
+    mma_round_block_columns<kXScales>(sums, weights[slot], scale_bits[slot], x_blocks,
+                                      kXScales ? x_scales[min(chunk, chunks)] : float2{});
   };
   constexpr int kHalves = kRefillHalves ? 2 : 1;
   constexpr int H = R / kHalves;
@@ -677,6 +694,40 @@ __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights
       if (next < rounds.end) load_rounds(next, h * H, H);
     }
   }
+}
+
+// ActivationHandoff: with both projections on tensor cores, the gate/up kernel writes the
+// activations the way the down kernel stages them, so that the down kernel only copies them after
+// its PDL wait (stage_mma_activations read a token's fp32 rows, found their largest magnitude
+// across the block and converted them: ~150 instructions a thread and two block barriers on the
+// critical path). Words: fp16 pairs in stage_mma_activations' order, chunk c of a token's
+// concatenated picks at words 16c .. 16c + 15 (its picks are consecutive pairs); each 16-element
+// block times its pick's routing weight and down global scale (load_picks' factor) and its own
+// 2^q (staging_exponent of the block's largest magnitude: finer than one exponent per token);
+// scales[2c + b] = 2^-q. pairs · inner / 2 words and pairs · inner / 16 scales fit the fp32
+// activations' workspace (2.25 bytes an element of its 4).
+size_t handoff_scales_offset(int pairs, int64_t inner) {
+  return align16(sizeof(uint16_t) * static_cast<size_t>(pairs) * static_cast<size_t>(inner));
+}
+
+// One gate/up block's 16 activations (rows `row`, one per thread of lanes 0-15: one block of a
+// chunk) into the handoff.
+__device__ __forceinline__ void hand_off_activations(const DecodeGateUpArgs& a, int pair,
+                                                     int expert, int64_t row, float value) {
+  value *=
+      apply_global_scale<PackedFormat::kNVFP4>(a.experts[expert].down, a.routing_weights[pair]);
+  float largest = fabsf(value);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset /= 2) {
+    largest = fmaxf(largest, __shfl_xor_sync(0x0000FFFFu, largest, offset));
+  }
+  const int q = staging_exponent(largest);
+  const int64_t chunk = pair * (a.inner / 32) + row / 32;
+  const int e = static_cast<int>(row % 32);
+  const int64_t word = kStagedWordsPerChunk * chunk + 4 * (e / 8) + e % 4;
+  reinterpret_cast<__half*>(a.handoff_words)[2 * word + (e % 8) / 4] =
+      __float2half_rn(value * ldexpf(1.0f, q));
+  if (e % 16 == 0) a.handoff_scales[2 * chunk + e / 16] = ldexpf(1.0f, -q);
 }
 
 // Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
@@ -772,8 +823,11 @@ __global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm
     const float back = ldexpf(1.0f, kBlockColumnShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
-    if (out_row < a.inner) {
-      a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = gelu_tanh(gate) * up;
+    const float value = gelu_tanh(gate) * up;
+    if (a.handoff_words != nullptr) {  // inner is a whole number of chunks: every row is live
+      hand_off_activations(a, pair, expert, out_row, value);
+    } else if (out_row < a.inner) {
+      a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = value;
     }
   }
 }
@@ -781,6 +835,31 @@ __global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm
 // Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
 // of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
 // each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
+// The token's handoff (ActivationHandoff: `chunks` chunks) into the staged words and x_scales, by
+// cp.async, zeros for invalid picks (their gate/up blocks wrote nothing); then the zero chunk.
+__device__ __forceinline__ void copy_handoff(const DecodeDownArgs& a, int token, int chunks,
+                                             const MoeMatrix* downs, uint32_t* staged,
+                                             float2* x_scales) {
+  const int64_t first = static_cast<int64_t>(token) * chunks;
+  const uint4* words = reinterpret_cast<const uint4*>(a.handoff_words) + 4 * first;
+  const float2* scales = reinterpret_cast<const float2*>(a.handoff_scales) + first;
+  for (int i = threadIdx.x; i < 4 * chunks; i += blockDim.x) {
+    const bool valid = downs[a.pick_divisor.divide(i / 4)].weights != nullptr;
+    copy_async16_or_zeros(reinterpret_cast<uint4*>(staged) + i, words + i, valid);
+  }
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    if (downs[a.pick_divisor.divide(c)].weights != nullptr) {
+      copy_async8(x_scales + c, scales + c);
+    } else {
+      x_scales[c] = make_float2(0.0f, 0.0f);
+    }
+  }
+  commit_copies();
+  if (threadIdx.x < kStagedWordsPerChunk) staged[kStagedWordsPerChunk * chunks + threadIdx.x] = 0;
+  if (threadIdx.x == 0) x_scales[chunks] = make_float2(0.0f, 0.0f);
+  wait_copies<0>();
+}
+
 // How a down block works (TEMPORARY: the session-10 EARLY A/B picks one): kWarps warps split K,
 // R rounds in flight (kRefillHalves: see mma_tile), kMinBlocks blocks per SM asked of the register
 // allocator.
@@ -792,7 +871,8 @@ struct DownTiling {
   static constexpr int kBlocksPerSm = kMinBlocks;
 };
 
-template <typename Tiling>
+// kHandoff: the activations come as ActivationHandoff (copy_handoff), else as fp32 rows.
+template <typename Tiling, bool kHandoff>
 __global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
     decode_down_mma_kernel(DecodeDownArgs a) {
   constexpr int R = Tiling::kRounds;
@@ -843,12 +923,18 @@ __global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
   load_rounds(rounds.begin, 0, R);
   pdl_wait_for_predecessors();
   int p = 0;
-  stage_mma_activations(
-      a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
-      [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
+  float2* x_scales = reinterpret_cast<float2*>(staged + kStagedWordsPerChunk * (chunks + 1));
+  if constexpr (kHandoff) {
+    copy_handoff(a, token, chunks, downs, staged, x_scales);
+  } else {
+    stage_mma_activations(
+        a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
+        [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
+  }
   __syncthreads();
   float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
-  mma_tile<Tiling::kHalves>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks);
+  mma_tile<Tiling::kHalves, kHandoff>(sums, weights, scale_bits, load_rounds, rounds, staged,
+                                      chunks, x_scales);
   const float row_sum = quad_sum(sums[0]);
   const float row8_sum = quad_sum(sums[1]);
   const int warp = threadIdx.x >> 5;
@@ -893,11 +979,24 @@ int down_variant() {
   return variant;
 }
 
+// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_HANDOFF=0 keeps
+// the fp32 activations between the mma kernels (no ActivationHandoff).
+bool handoff_enabled() {
+  static const bool on = [] {
+    const char* v = std::getenv("GEMMA4_MOE_HANDOFF");
+    return v == nullptr || v[0] != '0';
+  }();
+  return on;
+}
+
 template <typename Tiling>
 cudaError_t launch_down_mma(const DecodeDownArgs& down, const MoeRunArgs& args,
                             const Launch& launch) {
-  const size_t shared = mma_staged_bytes(args.top_k * (args.shape.inner / 32));
-  const auto kernel = decode_down_mma_kernel<Tiling>;
+  const int64_t chunks = args.top_k * (args.shape.inner / 32);
+  const bool handoff = down.handoff_words != nullptr;
+  const size_t shared = mma_staged_bytes(chunks) + (handoff ? sizeof(float2) * (chunks + 1) : 0);
+  const auto kernel =
+      handoff ? decode_down_mma_kernel<Tiling, true> : decode_down_mma_kernel<Tiling, false>;
   const cudaError_t allowed = allow_shared_bytes(kernel, shared);
   if (allowed != cudaSuccess) return allowed;
   return launch_kernel(
@@ -929,17 +1028,20 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
   const bool centered_nibbles = args.path == MoePath::kDecode;
   const int pairs = args.tokens * args.top_k;
+  const bool handoff = mma_gate_up && mma_down && handoff_enabled();
+  uint32_t* handoff_words = handoff ? reinterpret_cast<uint32_t*>(activations) : nullptr;
+  float* handoff_scales = handoff
+                              ? reinterpret_cast<float*>(reinterpret_cast<char*>(activations) +
+                                                         handoff_scales_offset(pairs, shape.inner))
+                              : nullptr;
   const DecodeGateUpArgs gate_up = {
-      args.experts,
-      shape.num_experts,
-      args.expert_ids,
-      args.top_k,
-      shape.inner,
-      shape.hidden / chunk_elements(shape.gate_up_format),
-      args.x,
-      args.x_stride,
-      activations,
-      !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0};
+      args.experts,    shape.num_experts,
+      args.expert_ids, args.top_k,
+      shape.inner,     shape.hidden / chunk_elements(shape.gate_up_format),
+      args.x,          args.x_stride,
+      activations,     !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0,
+      args.weights,    handoff_words,
+      handoff_scales};
   cudaError_t status;
   if (mma_gate_up) {
     switch (gate_up_variant()) {
@@ -983,7 +1085,9 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                activations,
                                shape.inner,
                                args.out,
-                               args.out_stride};
+                               args.out_stride,
+                               handoff_words,
+                               handoff_scales};
   if (mma_down) {
     switch (down_variant()) {
       case 1:
