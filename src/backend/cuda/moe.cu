@@ -704,11 +704,8 @@ __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights
 // concatenated picks at words 16c .. 16c + 15 (its picks are consecutive pairs); each 16-element
 // block times its pick's routing weight and down global scale (load_picks' factor) and its own
 // 2^q (staging_exponent of the block's largest magnitude: finer than one exponent per token);
-// scales[2c + b] = 2^-q. pairs · inner / 2 words and pairs · inner / 16 scales fit the fp32
-// activations' workspace (2.25 bytes an element of its 4).
-size_t handoff_scales_offset(int pairs, int64_t inner) {
-  return align16(sizeof(uint16_t) * static_cast<size_t>(pairs) * static_cast<size_t>(inner));
-}
+// scales[2c + b] = 2^-q (moe_kernels.h's MoeWorkspaceLayout: pairs · inner / 2 words and
+// pairs · inner / 16 scales fit the fp32 activations' region, 2.25 bytes an element of its 4).
 
 // One gate/up block's 16 activations (rows `row`, one per thread of lanes 0-15: one block of a
 // chunk) into the handoff.
@@ -1017,7 +1014,8 @@ cudaError_t launch_gate_up_mma(const DecodeGateUpArgs& gate_up, const MoeShape& 
       dim3(Tiling::kBlockWarps * 32), shared, launch, gate_up);
 }
 
-cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
+cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* handoff_scales_region,
+                          const Launch& launch) {
   const MoeShape& shape = args.shape;
   // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones.
   const bool mma_gate_up =
@@ -1030,10 +1028,7 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
   const int pairs = args.tokens * args.top_k;
   const bool handoff = mma_gate_up && mma_down && handoff_enabled();
   uint32_t* handoff_words = handoff ? reinterpret_cast<uint32_t*>(activations) : nullptr;
-  float* handoff_scales = handoff
-                              ? reinterpret_cast<float*>(reinterpret_cast<char*>(activations) +
-                                                         handoff_scales_offset(pairs, shape.inner))
-                              : nullptr;
+  float* handoff_scales = handoff ? handoff_scales_region : nullptr;
   const DecodeGateUpArgs gate_up = {
       args.experts,    shape.num_experts,
       args.expert_ids, args.top_k,
@@ -1134,6 +1129,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
   const int pairs = tokens * top_k;
   MoeWorkspaceLayout layout;  // fp32 activations; by expert also fp32 per-pair expert outputs
   layout.activations = 0;
+  layout.handoff_scales = align16(sizeof(uint16_t) * pairs * shape.inner);
   layout.expert_outputs = align16(sizeof(float) * pairs * shape.inner);
   layout.bytes =
       layout.expert_outputs +
@@ -1152,7 +1148,8 @@ cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
                                    launch);
   }
   if (args.path != MoePath::kGrouped) {
-    return launch_decode(args, reinterpret_cast<float*>(workspace + layout.activations), launch);
+    return launch_decode(args, reinterpret_cast<float*>(workspace + layout.activations),
+                         reinterpret_cast<float*>(workspace + layout.handoff_scales), launch);
   }
   return launch_grouped(args, layout, launch);
 }
