@@ -32,7 +32,6 @@
 
 #include <climits>
 #include <cmath>
-#include <cstdlib>
 #include <type_traits>
 
 #include "backend/cuda/device_math.cuh"
@@ -501,20 +500,31 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 // dot_nvfp4). Every pair lies in one 16-element block; "Block scales on the accumulators" below
 // says which B column takes which block and where the e4m3 block scales enter.
 // Weights: e2m1 · 2^-14 (nvfp4_decode.cuh's exact fp16 bits, code 1 an fp16 subnormal).
-// Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
-// rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
-// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p) and
-// NVFP4's global scale.
+// Activations (gate/up): the row scaled by 2^p, p from its largest magnitude so that it stays below
+// 2^15, rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to)
+// and staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p)
+// and NVFP4's global scale. Down takes them from gate/up already in that form (ActivationHandoff).
 
-// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each, two passes of
-// loads): with 4, one token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench
-// T=1 experts 20.73 -> 20.10 µs per layer, session 8, blocks of one tile).
 // 8-row tiles per gate/up block, each on its own warps: the block stages x once for
 // all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
 // are bound by their warps' instruction chains, 6.5 cycles an instruction at ~2.7 warps per
 // scheduler, not by DRAM). moe_bench NVFP4 decode-tc PDL µs per layer, tiles 1 / 2 / 4: T=1 19.90 /
 // 19.44 / 19.39, T=4 56.71 / 53.64 / 58.20, T=8 99.94 / 94.86 / 101.64 (session 9).
 constexpr int kMmaGateUpTiles = 2;
+// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each): with 4, one
+// token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench T=1 experts 20.73 ->
+// 20.10 µs per layer, session 8, blocks of one tile); 4 at 80 registers (3 blocks of 8 warps an
+// SM, spilling) measured slower too (T=1 18.88 -> 19.58, T=8 85.11 -> 99.97, session 10).
+constexpr int kMmaGateUpWarps = 2;
+constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
+// Down blocks of 4 warps (11 rounds each at 26B-A4B shapes), not 8: blocks of 128 threads fit
+// beside the gate/up blocks, so more of them start and load their weights under PDL early
+// (moe_bench NVFP4 decode-tc PDL µs per layer, 8 / 12 / 4 warps: T=1 18.88 / 18.72 / 18.82, T=8
+// 85.11 / 84.55 / 82.36, session 10).
+constexpr int kMmaDownWarps = 4;
+// Rounds whose loads a lane has in flight, refilled by halves (mma_tile): gate/up T=1 18.88 ->
+// 18.86, T=8 85.11 -> 83.45 µs against refilling all 6 after the pass (session 10).
+constexpr int kMmaRoundsInFlight = 6;
 constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per tile: A rows g, g + 8
 constexpr int kMmaDownRows = 16;   // down rows per block
 // A gate/up block's outputs are one 16-element block of the down kernel's K (ActivationHandoff).
@@ -527,27 +537,22 @@ size_t mma_staged_bytes(int64_t chunks) {
 }
 
 // Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
-// read again): 4 cover hidden 4096 over 128 threads and 8 · 704 over 256.
+// read again): 4 cover hidden 4096 over 128 threads.
 constexpr int kCachedPieces = 4;
 
-// Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
-// fp16 pairs in mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
-// A chunk of factor 0 (an invalid pick: its activations were never written) stages zeros.
-template <typename Factor>
+// Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times 2^p) as fp16 pairs in
+// mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
 __device__ __forceinline__ void stage_mma_activations(const float* source, int chunks,
-                                                      Factor factor, uint32_t* staged,
-                                                      float* scratch, int& p) {
+                                                      uint32_t* staged, float* scratch, int& p) {
   // Pieces of 8 elements: piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3.
   const int pieces = 4 * chunks;
   auto load_piece = [&](int piece, float4& lo, float4& hi) {
-    const float f = factor(piece / 4);
     const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
-    lo = f != 0.0f ? __ldg(src) : make_float4(0, 0, 0, 0);
-    hi = f != 0.0f ? __ldg(src + 1) : make_float4(0, 0, 0, 0);
-    return f;
+    lo = __ldg(src);
+    hi = __ldg(src + 1);
   };
-  auto largest_of = [](float4 v, float f) {
-    return fmaxf(fmaxf(fabsf(v.x * f), fabsf(v.y * f)), fmaxf(fabsf(v.z * f), fabsf(v.w * f)));
+  auto largest_of = [](float4 v) {
+    return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
   };
   float4 cached[kCachedPieces][2];
   float largest = 0.0f;
@@ -555,22 +560,21 @@ __device__ __forceinline__ void stage_mma_activations(const float* source, int c
   for (int j = 0; j < kCachedPieces; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) {
-      const float f = load_piece(piece, cached[j][0], cached[j][1]);
-      largest = fmaxf(largest, fmaxf(largest_of(cached[j][0], f), largest_of(cached[j][1], f)));
+      load_piece(piece, cached[j][0], cached[j][1]);
+      largest = fmaxf(largest, fmaxf(largest_of(cached[j][0]), largest_of(cached[j][1])));
     }
   }
   for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
        piece += blockDim.x) {
     float4 lo, hi;
-    const float f = load_piece(piece, lo, hi);
-    largest = fmaxf(largest, fmaxf(largest_of(lo, f), largest_of(hi, f)));
+    load_piece(piece, lo, hi);
+    largest = fmaxf(largest, fmaxf(largest_of(lo), largest_of(hi)));
   }
   const float scale = block_staging_scale(largest, scratch, p);
   // Pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): nibble pairs (s, s + 4) of the word.
   auto store_piece = [&](int piece, float4 lo, float4 hi) {
-    const float f = factor(piece / 4) * scale;
-    auto pair = [f](float a, float b) {
-      const __half2 h = __floats2half2_rn(a * f, b * f);
+    auto pair = [scale](float a, float b) {
+      const __half2 h = __floats2half2_rn(a * scale, b * scale);
       return *reinterpret_cast<const uint32_t*>(&h);
     };
     reinterpret_cast<uint4*>(staged)[piece] =
@@ -656,13 +660,12 @@ __device__ __forceinline__ float quad_sum(float v) {
 }
 
 // sums += the lane's rounds of one tile (mma_round_block_columns) against the staged activations
-// (`chunks` of them, then the zero chunk; x_scales: their block scales, ActivationHandoff), R
-// rounds of weights in flight: load_rounds(first, slot,
-// count) puts rounds first .. first + count − 1 into weights and scale_bits from `slot` on, which
-// hold rounds.begin's R on entry. kRefillHalves: each half of the slots is refilled with the
-// rounds one pass ahead as soon as its products are done (the other half's products then cover
-// the loads' latency); otherwise all R are refilled after the pass.
-template <bool kRefillHalves, bool kXScales = false, int R, typename LoadRounds>
+// (`chunks` of them, then the zero chunk; kXScales: with their block scales x_scales, as the
+// ActivationHandoff brings them), R rounds of weights in flight: load_rounds(first, slot, count)
+// puts rounds first .. first + count − 1 into weights and scale_bits from `slot` on, which hold
+// rounds.begin's R on entry. Each half of the slots is refilled with the rounds one pass ahead as
+// soon as its products are done: the other half's products then cover the loads' latency.
+template <bool kXScales, int R, typename LoadRounds>
 __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights)[R][2],
                                          const uint32_t (&scale_bits)[R][2],
                                          const LoadRounds& load_rounds, RoundRange rounds,
@@ -679,7 +682,7 @@ __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights
     mma_round_block_columns<kXScales>(sums, weights[slot], scale_bits[slot], x_blocks,
                                       kXScales ? x_scales[min(chunk, chunks)] : float2{});
   };
-  constexpr int kHalves = kRefillHalves ? 2 : 1;
+  constexpr int kHalves = 2;
   constexpr int H = R / kHalves;
   static_assert(H * kHalves == R);
   for (int first = rounds.begin; first < rounds.end; first += R) {
@@ -730,25 +733,10 @@ __device__ __forceinline__ void hand_off_activations(const DecodeGateUpArgs& a, 
 // Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
 // activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
 // (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
-// How a gate/up block works (TEMPORARY: the session-10 EARLY A/B picks one): kTileWarps warps per
-// tile split K, R rounds in flight (kRefillHalves: see mma_tile), kMinBlocks blocks per SM asked
-// of the register allocator.
-template <int kTileWarps, int R, bool kRefillHalves, int kMinBlocks>
-struct GateUpTiling {
-  static constexpr int kWarps = kTileWarps;
-  static constexpr int kRounds = R;
-  static constexpr bool kHalves = kRefillHalves;
-  static constexpr int kBlockWarps = kTileWarps * kMmaGateUpTiles;
-  static constexpr int kBlocksPerSm = kMinBlocks;
-};
-
-template <typename Tiling>
-__global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm)
+// 4 blocks per SM: at most 128 registers (no spills; the block-column rounds took 164 unbounded).
+__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 4)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
-  constexpr int R = Tiling::kRounds;
-  constexpr int kMmaGateUpWarps = Tiling::kWarps;
-  constexpr int kMmaGateUpBlockWarps = Tiling::kBlockWarps;
-  constexpr bool kRefillHalves = Tiling::kHalves;
+  constexpr int R = kMmaRoundsInFlight;
   __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
   __shared__ float scratch[kMmaGateUpBlockWarps];
   extern __shared__ uint4 staged_x_words[];
@@ -792,12 +780,11 @@ __global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm
   };
   load_rounds(rounds.begin, 0, R);
   int p = 0;
-  stage_mma_activations(
-      a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
-      staged_x, scratch, p);
+  stage_mma_activations(a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, staged_x,
+                        scratch, p);
   __syncthreads();
   float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
-  mma_tile<kRefillHalves>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
+  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
   const float gate_sum = quad_sum(sums[0]);
   const float up_sum = quad_sum(sums[1]);
   if (t == 0) {
@@ -829,9 +816,6 @@ __global__ void __launch_bounds__(Tiling::kBlockWarps * 32, Tiling::kBlocksPerSm
   }
 }
 
-// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
-// of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
-// each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
 // The token's handoff (ActivationHandoff: `chunks` chunks) into the staged words and x_scales, by
 // cp.async, zeros for invalid picks (their gate/up blocks wrote nothing); then the zero chunk.
 __device__ __forceinline__ void copy_handoff(const DecodeDownArgs& a, int token, int chunks,
@@ -857,27 +841,15 @@ __device__ __forceinline__ void copy_handoff(const DecodeDownArgs& a, int token,
   wait_copies<0>();
 }
 
-// How a down block works (TEMPORARY: the session-10 EARLY A/B picks one): kWarps warps split K,
-// R rounds in flight (kRefillHalves: see mma_tile), kMinBlocks blocks per SM asked of the register
-// allocator.
-template <int kWarpCount, int R, bool kRefillHalves, int kMinBlocks>
-struct DownTiling {
-  static constexpr int kWarps = kWarpCount;
-  static constexpr int kRounds = R;
-  static constexpr bool kHalves = kRefillHalves;
-  static constexpr int kBlocksPerSm = kMinBlocks;
-};
-
-// kHandoff: the activations come as ActivationHandoff (copy_handoff), else as fp32 rows.
-template <typename Tiling, bool kHandoff>
-__global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
-    decode_down_mma_kernel(DecodeDownArgs a) {
-  constexpr int R = Tiling::kRounds;
-  constexpr int kMmaDownWarps = Tiling::kWarps;
+// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
+// of the picks' down matrices over K = the concatenation of the token's top_k activation rows
+// (ActivationHandoff: each times its pick's routing weight and NVFP4 global scale); its warps
+// split K. 4 blocks per SM: at most 128 registers.
+__global__ void __launch_bounds__(kMmaDownWarps * 32, 4) decode_down_mma_kernel(DecodeDownArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
-  __shared__ float scratch[kMmaDownWarps];
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
@@ -919,19 +891,11 @@ __global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
   // The weights depend on the router only: in flight before the wait for the activations.
   load_rounds(rounds.begin, 0, R);
   pdl_wait_for_predecessors();
-  int p = 0;
   float2* x_scales = reinterpret_cast<float2*>(staged + kStagedWordsPerChunk * (chunks + 1));
-  if constexpr (kHandoff) {
-    copy_handoff(a, token, chunks, downs, staged, x_scales);
-  } else {
-    stage_mma_activations(
-        a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
-        [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
-  }
+  copy_handoff(a, token, chunks, downs, staged, x_scales);
   __syncthreads();
   float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
-  mma_tile<Tiling::kHalves, kHandoff>(sums, weights, scale_bits, load_rounds, rounds, staged,
-                                      chunks, x_scales);
+  mma_tile<true>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks, x_scales);
   const float row_sum = quad_sum(sums[0]);
   const float row8_sum = quad_sum(sums[1]);
   const int warp = threadIdx.x >> 5;
@@ -945,8 +909,7 @@ __global__ void __launch_bounds__(Tiling::kWarps * 32, Tiling::kBlocksPerSm)
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    if (row < a.hidden)
-      a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift - p);
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift);
   }
 }
 
@@ -954,81 +917,20 @@ int64_t chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 ? 8 : 32;
 }
 
-// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_GATE_UP_VARIANT
-// 0 (or unset): 2 warps per tile, 6 rounds in flight; 1: the same refilling halves of 3; 2: 4 warps
-// per tile, 4 rounds in flight refilled by halves, 3 blocks of 8 warps per SM.
-int gate_up_variant() {
-  static const int variant = [] {
-    const char* v = std::getenv("GEMMA4_MOE_GATE_UP_VARIANT");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  return variant;
-}
-
-// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_DOWN_VARIANT
-// 0 (or unset): 8 warps, 6 rounds in flight; 1: 12 warps, 4 rounds in flight, 2 blocks per SM; 2: 4
-// warps, 6 rounds in flight refilled by halves, 4 blocks per SM (beside more gate/up blocks).
-int down_variant() {
-  static const int variant = [] {
-    const char* v = std::getenv("GEMMA4_MOE_DOWN_VARIANT");
-    return v == nullptr ? 0 : std::atoi(v);
-  }();
-  return variant;
-}
-
-// TEMPORARY (session 10 EARLY A/B, removed before the final commit): GEMMA4_MOE_HANDOFF=0 keeps
-// the fp32 activations between the mma kernels (no ActivationHandoff).
-bool handoff_enabled() {
-  static const bool on = [] {
-    const char* v = std::getenv("GEMMA4_MOE_HANDOFF");
-    return v == nullptr || v[0] != '0';
-  }();
-  return on;
-}
-
-template <typename Tiling>
-cudaError_t launch_down_mma(const DecodeDownArgs& down, const MoeRunArgs& args,
-                            const Launch& launch) {
-  const int64_t chunks = args.top_k * (args.shape.inner / 32);
-  const bool handoff = down.handoff_words != nullptr;
-  const size_t shared = mma_staged_bytes(chunks) + (handoff ? sizeof(float2) * (chunks + 1) : 0);
-  const auto kernel =
-      handoff ? decode_down_mma_kernel<Tiling, true> : decode_down_mma_kernel<Tiling, false>;
-  const cudaError_t allowed = allow_shared_bytes(kernel, shared);
-  if (allowed != cudaSuccess) return allowed;
-  return launch_kernel(
-      kernel, dim3(static_cast<unsigned>(args.tokens), blocks(args.shape.hidden, kMmaDownRows)),
-      dim3(Tiling::kWarps * 32), shared, launch, down);
-}
-
-template <typename Tiling>
-cudaError_t launch_gate_up_mma(const DecodeGateUpArgs& gate_up, const MoeShape& shape, int pairs,
-                               const Launch& launch) {
-  const size_t shared = mma_staged_bytes(shape.hidden / 32);
-  const auto kernel = decode_gate_up_mma_kernel<Tiling>;
-  const cudaError_t status = allow_shared_bytes(kernel, shared);
-  if (status != cudaSuccess) return status;
-  return launch_kernel(
-      kernel,
-      dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
-      dim3(Tiling::kBlockWarps * 32), shared, launch, gate_up);
-}
-
 cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* handoff_scales_region,
                           const Launch& launch) {
   const MoeShape& shape = args.shape;
-  // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones.
+  // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones;
+  // down on them only after the mma gate/up kernel (it takes the ActivationHandoff).
   const bool mma_gate_up =
       args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
-  const bool mma_down =
-      args.path == MoePath::kDecodeTensorCores && shape.down_format == PackedFormat::kNVFP4;
+  const bool mma_down = mma_gate_up && shape.down_format == PackedFormat::kNVFP4;
   // MoePrecision::kExactF32's path multiplies w4g32 weights by the fp32 activations exactly
   // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
   const bool centered_nibbles = args.path == MoePath::kDecode;
   const int pairs = args.tokens * args.top_k;
-  const bool handoff = mma_gate_up && mma_down && handoff_enabled();
-  uint32_t* handoff_words = handoff ? reinterpret_cast<uint32_t*>(activations) : nullptr;
-  float* handoff_scales = handoff ? handoff_scales_region : nullptr;
+  uint32_t* handoff_words = mma_down ? reinterpret_cast<uint32_t*>(activations) : nullptr;
+  float* handoff_scales = mma_down ? handoff_scales_region : nullptr;
   const DecodeGateUpArgs gate_up = {
       args.experts,    shape.num_experts,
       args.expert_ids, args.top_k,
@@ -1039,15 +941,13 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
       handoff_scales};
   cudaError_t status;
   if (mma_gate_up) {
-    switch (gate_up_variant()) {
-      case 1:
-        status = launch_gate_up_mma<GateUpTiling<2, 6, true, 4>>(gate_up, shape, pairs, launch);
-        break;
-      case 2:
-        status = launch_gate_up_mma<GateUpTiling<4, 4, true, 3>>(gate_up, shape, pairs, launch);
-        break;
-      default:
-        status = launch_gate_up_mma<GateUpTiling<2, 6, false, 4>>(gate_up, shape, pairs, launch);
+    const size_t shared = mma_staged_bytes(shape.hidden / 32);
+    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
+    if (status == cudaSuccess) {
+      status = launch_kernel(
+          decode_gate_up_mma_kernel,
+          dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
+          dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
@@ -1084,14 +984,14 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
                                handoff_words,
                                handoff_scales};
   if (mma_down) {
-    switch (down_variant()) {
-      case 1:
-        return launch_down_mma<DownTiling<12, 4, false, 2>>(down, args, launch);
-      case 2:
-        return launch_down_mma<DownTiling<4, 6, true, 4>>(down, args, launch);
-      default:
-        return launch_down_mma<DownTiling<8, 6, false, 2>>(down, args, launch);
-    }
+    const int64_t chunks = args.top_k * down_chunks_per_row;
+    const size_t shared = mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1);  // x_scales
+    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
+    if (allowed != cudaSuccess) return allowed;
+    return launch_kernel(
+        decode_down_mma_kernel,
+        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
+        dim3(kMmaDownWarps * 32), shared, launch, down);
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
                        blocks(shape.hidden, kDecodeRowsPerBlock));
