@@ -101,28 +101,30 @@ struct ExpertSet {
   std::vector<model::ExpertMatrices> device_views;
 };
 
+// `down_format`: the down matrices' format where it differs from gate/up's.
 ExpertSet make_experts(const ExpertFormat& f, int num_experts, int64_t hidden, int64_t inner,
-                       uint32_t seed) {
+                       uint32_t seed, const ExpertFormat* down_format = nullptr) {
   ExpertSet set;
   set.host.reserve(3 * num_experts);  // views point into the elements: no reallocation
-  auto add = [&](int64_t rows, int64_t cols) {
-    set.host.push_back(random_matrix(f.format, rows, cols, seed++, f.scale_type, f.nv_divisor));
+  auto add = [&](int64_t rows, int64_t cols, const ExpertFormat& m) {
+    set.host.push_back(random_matrix(m.format, rows, cols, seed++, m.scale_type, m.nv_divisor));
     set.device.push_back(std::make_unique<DeviceMatrix>(set.host.back()));
     return std::make_pair(set.host.back().view(), set.device.back()->view);
   };
   for (int e = 0; e < num_experts; ++e) {
     model::ExpertMatrices on_host, on_device;
     if (f.fused_gate_up) {
-      const auto [host, device] = add(2 * inner, hidden);
+      const auto [host, device] = add(2 * inner, hidden, f);
       on_host.gate = quant::row_slice(host, 0, inner);
       on_host.up = quant::row_slice(host, inner, inner);
       on_device.gate = quant::row_slice(device, 0, inner);
       on_device.up = quant::row_slice(device, inner, inner);
     } else {
-      std::tie(on_host.gate, on_device.gate) = add(inner, hidden);
-      std::tie(on_host.up, on_device.up) = add(inner, hidden);
+      std::tie(on_host.gate, on_device.gate) = add(inner, hidden, f);
+      std::tie(on_host.up, on_device.up) = add(inner, hidden, f);
     }
-    std::tie(on_host.down, on_device.down) = add(hidden, inner);
+    std::tie(on_host.down, on_device.down) =
+        add(hidden, inner, down_format != nullptr ? *down_format : f);
     set.host_views.push_back(on_host);
     set.device_views.push_back(on_device);
   }
@@ -511,6 +513,20 @@ TEST(MoeExperts, DecodeTensorCoresOddShapes) {
   const ExpertSet long_rows = make_experts(kNvfp4Multiplier, 8, 53 * 32, 96, seed++);
   check_run(cpu, long_rows, 1, 2, seed++, {.path = MoePath::kDecodeTensorCores});
   check_run(cpu, long_rows, 3, 3, seed++, {.path = MoePath::kDecodeTensorCores});
+}
+
+// Gate/up and down in different formats on the tensor-core decode path: NVFP4 gate/up on its mma
+// kernel with a w4g32 down (fp32 activations, no fp16 handoff) and w4g32 gate/up with an NVFP4
+// down (both on the CUDA-core kernels: the mma down kernel takes only the mma gate/up's handoff).
+TEST(MoeExperts, DecodeTensorCoresMixedFormats) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1500;
+  const ExpertSet nvfp4_gate_up = make_experts(kNvfp4Divisor, 16, 96, 64, seed++, &kW4G32Bf16);
+  const ExpertSet nvfp4_down = make_experts(kW4G32Bf16, 16, 96, 64, seed++, &kNvfp4Multiplier);
+  for (const ExpertSet* set : {&nvfp4_gate_up, &nvfp4_down}) {
+    check_run(cpu, *set, 1, 4, seed++, {.path = MoePath::kDecodeTensorCores});
+    check_run(cpu, *set, 3, 2, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+  }
 }
 
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {
