@@ -11,15 +11,19 @@
 // the fused decode router (route_token: bf16 router GEMV + routing, distinct weights per layer)
 // before the experts and alone (its GB/s column then still counts the experts' bytes).
 //
-// Usage: moe_bench [--quick] [--tokens N[,N...]]
+// Usage: moe_bench [--quick] [--tokens N[,N...]] [--path NAME]
 //   --quick   experts only (no router lines), and 1 and 512 tokens unless --tokens says
+//   --path    that path's lines only (decode, decode-tc, by-expert, grouped)
 //   --tokens  these token counts only (e.g. --tokens 8,32: the per-pair and by-expert decode
 //             paths side by side at 8 and 32 streams)
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <optional>
 #include <set>
 #include <string>
 #include <vector>
@@ -114,7 +118,38 @@ const char* work_name(Work w) {
   return "?";
 }
 
-void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
+const char* path_name(MoePath path) {
+  switch (path) {
+    case MoePath::kDecode:
+      return "decode";
+    case MoePath::kDecodeTensorCores:
+      return "decode-tc";
+    case MoePath::kDecodeByExpert:
+      return "by-expert";
+    case MoePath::kGrouped:
+      return "grouped";
+  }
+  return "?";
+}
+
+// Whether `path` runs `format` at `tokens` tokens here (and `only`, when given, is that path).
+bool measured(MoePath path, WeightFormat format, int tokens, std::optional<MoePath> only) {
+  const bool decode = path != MoePath::kGrouped;
+  // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4 only.
+  const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
+  return !(decode && tokens >= 512) && !(!decode && tokens < 8) &&
+         !(nvfp4_only && format != WeightFormat::kNVFP4) && (!only || *only == path);
+}
+
+constexpr MoePath kPaths[] = {MoePath::kDecode, MoePath::kDecodeTensorCores,
+                              MoePath::kDecodeByExpert, MoePath::kGrouped};
+
+void bench(WeightFormat format, int tokens, bool quick, std::optional<MoePath> only,
+           cudaStream_t stream) {
+  if (std::none_of(std::begin(kPaths), std::end(kPaths),
+                   [&](MoePath path) { return measured(path, format, tokens, only); })) {
+    return;
+  }
   std::vector<ExpertTable> tables(kTables);
   for (int i = 0; i < kTables; ++i) make_table(format, 100 + i, tables[i]);
   float* scale = nullptr;
@@ -156,16 +191,8 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
   }
   const double expert_mb = distinct_total / kLayers * tables[0].expert_bytes / 1e6;
 
-  for (MoePath path : {MoePath::kDecode, MoePath::kDecodeTensorCores, MoePath::kDecodeByExpert,
-                       MoePath::kGrouped}) {
-    const bool decode = path != MoePath::kGrouped;
-    // kDecodeTensorCores runs w4g32 as kDecode: not measured twice; kDecodeByExpert runs NVFP4
-    // only.
-    const bool nvfp4_only = path == MoePath::kDecodeTensorCores || path == MoePath::kDecodeByExpert;
-    if ((decode && tokens >= 512) || (!decode && tokens < 8) ||
-        (nvfp4_only && format != WeightFormat::kNVFP4)) {
-      continue;
-    }
+  for (MoePath path : kPaths) {
+    if (!measured(path, format, tokens, only)) continue;
     for (Work work :
          {Work::kExperts, Work::kRouterExperts, Work::kFusedRouterExperts, Work::kFusedRouter}) {
       const bool fused = work == Work::kFusedRouterExperts || work == Work::kFusedRouter;
@@ -206,11 +233,7 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
       std::printf(
           "moe %-6s T=%-4d %-9s %-20s %7.1f MB experts  plain %8.2f us  pdl %8.2f us  %7.0f "
           "GB/s  %9.0f tok/s/layer\n",
-          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens,
-          path == MoePath::kDecode              ? "decode"
-          : path == MoePath::kDecodeTensorCores ? "decode-tc"
-          : path == MoePath::kDecodeByExpert    ? "by-expert"
-                                                : "grouped",
+          format == WeightFormat::kNVFP4 ? "nvfp4" : "w4g32", tokens, path_name(path),
           work_name(work), expert_mb, us[0], us[1], expert_mb / us[1] * 1e3, tokens / us[1] * 1e6);
       std::fflush(stdout);
       if (quick) break;
@@ -237,6 +260,7 @@ void bench(WeightFormat format, int tokens, bool quick, cudaStream_t stream) {
 
 int main(int argc, char** argv) {
   bool quick = false;
+  std::optional<MoePath> only;
   std::vector<int> token_counts;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) {
@@ -252,8 +276,17 @@ int main(int argc, char** argv) {
         token_counts.push_back(static_cast<int>(count));
         p = *end == ',' ? end + 1 : end;
       }
+    } else if (std::strcmp(argv[i], "--path") == 0 && i + 1 < argc) {
+      const char* name = argv[++i];
+      for (MoePath path : kPaths) {
+        if (std::strcmp(name, path_name(path)) == 0) only = path;
+      }
+      if (!only) {
+        std::fprintf(stderr, "--path: decode, decode-tc, by-expert or grouped\n");
+        return 2;
+      }
     } else {
-      std::fprintf(stderr, "usage: moe_bench [--quick] [--tokens N[,N...]]\n");
+      std::fprintf(stderr, "usage: moe_bench [--quick] [--tokens N[,N...]] [--path NAME]\n");
       return 2;
     }
   }
@@ -265,7 +298,7 @@ int main(int argc, char** argv) {
   std::printf("== moe benchmark (hidden %d, inner %d, %d experts, top-%d, %d layers per graph)\n",
               kHidden, kInner, kExperts, kTopK, kLayers);
   for (WeightFormat format : {WeightFormat::kNVFP4, WeightFormat::kW4G32}) {
-    for (int tokens : token_counts) bench(format, tokens, quick, stream);
+    for (int tokens : token_counts) bench(format, tokens, quick, only, stream);
   }
   CHECK(cudaStreamDestroy(stream));
   return 0;

@@ -53,6 +53,9 @@ constexpr double kDecodeTensorCoreTolerance = 2e-3;
 // summation order only (two mma chains over all of K per warp, even and odd rounds, instead of
 // four summed; K = 2816 terms: ~1e-6 of the row's largest activation), 2e-5 leaves room.
 constexpr double kByExpertActivationsAgainstPerPair = 2e-5;
+// The per-pair path hands its activations to down as fp16 (moe_kernels.h's handoff): decoded, they
+// carry that rounding (2^-11 of each at most, so of the row's largest) on top.
+constexpr double kByExpertActivationsAgainstHandoff = kByExpertActivationsAgainstPerPair + 0x1p-11;
 // The outputs then differ where such an activation crosses an fp16 rounding boundary when down
 // stages it (probability ~ its fp32 difference over half an fp16 ulp, ~1 %): that product moves
 // by 2^-11 of itself. ~60 such moves among top_k · inner = 5632 products put the difference near
@@ -98,28 +101,30 @@ struct ExpertSet {
   std::vector<model::ExpertMatrices> device_views;
 };
 
+// `down_format`: the down matrices' format where it differs from gate/up's.
 ExpertSet make_experts(const ExpertFormat& f, int num_experts, int64_t hidden, int64_t inner,
-                       uint32_t seed) {
+                       uint32_t seed, const ExpertFormat* down_format = nullptr) {
   ExpertSet set;
   set.host.reserve(3 * num_experts);  // views point into the elements: no reallocation
-  auto add = [&](int64_t rows, int64_t cols) {
-    set.host.push_back(random_matrix(f.format, rows, cols, seed++, f.scale_type, f.nv_divisor));
+  auto add = [&](int64_t rows, int64_t cols, const ExpertFormat& m) {
+    set.host.push_back(random_matrix(m.format, rows, cols, seed++, m.scale_type, m.nv_divisor));
     set.device.push_back(std::make_unique<DeviceMatrix>(set.host.back()));
     return std::make_pair(set.host.back().view(), set.device.back()->view);
   };
   for (int e = 0; e < num_experts; ++e) {
     model::ExpertMatrices on_host, on_device;
     if (f.fused_gate_up) {
-      const auto [host, device] = add(2 * inner, hidden);
+      const auto [host, device] = add(2 * inner, hidden, f);
       on_host.gate = quant::row_slice(host, 0, inner);
       on_host.up = quant::row_slice(host, inner, inner);
       on_device.gate = quant::row_slice(device, 0, inner);
       on_device.up = quant::row_slice(device, inner, inner);
     } else {
-      std::tie(on_host.gate, on_device.gate) = add(inner, hidden);
-      std::tie(on_host.up, on_device.up) = add(inner, hidden);
+      std::tie(on_host.gate, on_device.gate) = add(inner, hidden, f);
+      std::tie(on_host.up, on_device.up) = add(inner, hidden, f);
     }
-    std::tie(on_host.down, on_device.down) = add(hidden, inner);
+    std::tie(on_host.down, on_device.down) =
+        add(hidden, inner, down_format != nullptr ? *down_format : f);
     set.host_views.push_back(on_host);
     set.device_views.push_back(on_device);
   }
@@ -491,7 +496,9 @@ TEST(MoeExperts, ByExpertPartialTilesAndRounds) {
 // Other formats stay on the per-pair kernels: run_experts never picks the by-expert path for them,
 // and forcing it is refused.
 // The tensor-core decode path at shapes off the real ones: one chunk of K per pick (inner 32), an
-// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick.
+// odd number per pick (inner 96) at top_k 1 to 5, several tokens, strided rows, an invalid pick,
+// and a hidden of 53 chunks (gate/up warps of 7 rounds: a second pass of weight loads that fills
+// part of its slots, the last round's chunks partly past the row).
 TEST(MoeExperts, DecodeTensorCoresOddShapes) {
   CpuBackend cpu(0);
   uint32_t seed = 1400;
@@ -503,6 +510,23 @@ TEST(MoeExperts, DecodeTensorCoresOddShapes) {
     check_run(cpu, odd, 2, top_k, seed++, {.path = MoePath::kDecodeTensorCores});
   }
   check_run(cpu, odd, 1, 3, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+  const ExpertSet long_rows = make_experts(kNvfp4Multiplier, 8, 53 * 32, 96, seed++);
+  check_run(cpu, long_rows, 1, 2, seed++, {.path = MoePath::kDecodeTensorCores});
+  check_run(cpu, long_rows, 3, 3, seed++, {.path = MoePath::kDecodeTensorCores});
+}
+
+// Gate/up and down in different formats on the tensor-core decode path: NVFP4 gate/up on its mma
+// kernel with a w4g32 down (fp32 activations, no fp16 handoff) and w4g32 gate/up with an NVFP4
+// down (both on the CUDA-core kernels: the mma down kernel takes only the mma gate/up's handoff).
+TEST(MoeExperts, DecodeTensorCoresMixedFormats) {
+  CpuBackend cpu(0);
+  uint32_t seed = 1500;
+  const ExpertSet nvfp4_gate_up = make_experts(kNvfp4Divisor, 16, 96, 64, seed++, &kW4G32Bf16);
+  const ExpertSet nvfp4_down = make_experts(kW4G32Bf16, 16, 96, 64, seed++, &kNvfp4Multiplier);
+  for (const ExpertSet* set : {&nvfp4_gate_up, &nvfp4_down}) {
+    check_run(cpu, *set, 1, 4, seed++, {.path = MoePath::kDecodeTensorCores});
+    check_run(cpu, *set, 3, 2, seed++, {.invalid_id = true, .path = MoePath::kDecodeTensorCores});
+  }
 }
 
 TEST(MoeExperts, ByExpertRefusesOtherFormats) {
@@ -524,14 +548,48 @@ TEST(MoeExperts, ByExpertRefusesOtherFormats) {
   EXPECT_EQ(launch_moe(args, Launch{}), cudaErrorInvalidValue);
 }
 
+// An fp16 value's bits as a float.
+float half_bits_to_float(uint16_t bits) {
+  const int exponent = (bits >> 10) & 31;
+  const int mantissa = bits & 1023;
+  const float magnitude = exponent == 0 ? std::ldexp(static_cast<float>(mantissa), -24)
+                          : exponent == 31
+                              ? (mantissa != 0 ? NAN : INFINITY)
+                              : std::ldexp(static_cast<float>(mantissa + 1024), exponent - 25);
+  return (bits & 0x8000) != 0 ? -magnitude : magnitude;
+}
+
+// The activations of moe_kernels.h's handoff (NVFP4 on kDecodeTensorCores), [pairs, inner]: each
+// fp16 value times its block's scale, the pick's routing weight and down global scale divided out.
+std::vector<float> handoff_activations(const std::vector<uint16_t>& halves,
+                                       const std::vector<float>& scales, int64_t inner,
+                                       const Routing& routing,
+                                       const std::vector<model::ExpertMatrices>& experts) {
+  const int64_t chunks = inner / 32;
+  std::vector<float> activations(routing.ids.size() * inner);
+  for (size_t pair = 0; pair < routing.ids.size(); ++pair) {
+    const float factor = experts[routing.ids[pair]].down.nv_global.apply(routing.weights[pair]);
+    for (int64_t n = 0; n < inner; ++n) {
+      const int64_t chunk = static_cast<int64_t>(pair) * chunks + n / 32;
+      const int64_t e = n % 32;
+      const int64_t word = 16 * chunk + 4 * (e / 8) + e % 4;
+      activations[pair * inner + n] =
+          half_bits_to_float(halves[2 * word + (e % 8) / 4]) * scales[2 * chunk + e / 16] / factor;
+    }
+  }
+  return activations;
+}
+
 // What launch_moe on a decode path computes for the given inputs (host copies): the outputs and
-// the fp32 gate/up activations it leaves in the workspace ([pairs, inner] on both decode paths).
+// the gate/up activations it leaves in the workspace ([pairs, inner]: fp32 by expert, the handoff
+// decoded on tensor cores per pair).
 struct PathRun {
   std::vector<float> out;
   std::vector<float> activations;
 };
-PathRun run_path(const MoeExpertTable& table, const std::vector<float>& x, int tokens,
-                 const Routing& routing, int top_k, MoePath path) {
+PathRun run_path(const MoeExpertTable& table, const std::vector<model::ExpertMatrices>& experts,
+                 const std::vector<float>& x, int tokens, const Routing& routing, int top_k,
+                 MoePath path) {
   const int64_t hidden = table.shape().hidden;
   DeviceArray<float> x_device(x), weights(routing.weights), out(tokens * hidden);
   DeviceArray<int32_t> ids(routing.ids);
@@ -542,10 +600,23 @@ PathRun run_path(const MoeExpertTable& table, const std::vector<float>& x, int t
                            out.get(),      hidden,        workspace.get(), path};
   EXPECT_EQ(launch_moe(args, Launch{}), cudaSuccess);
   EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-  PathRun run{out.download(), std::vector<float>(tokens * top_k * table.shape().inner)};
-  EXPECT_EQ(cudaMemcpy(run.activations.data(), workspace.get() + layout.activations,
-                       run.activations.size() * sizeof(float), cudaMemcpyDeviceToHost),
-            cudaSuccess);
+  const int64_t elements = tokens * top_k * table.shape().inner;
+  PathRun run{out.download(), std::vector<float>(elements)};
+  if (path == MoePath::kDecodeTensorCores) {
+    std::vector<uint16_t> halves(elements);
+    std::vector<float> scales(elements / 16);
+    EXPECT_EQ(cudaMemcpy(halves.data(), workspace.get() + layout.activations,
+                         halves.size() * sizeof(uint16_t), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(scales.data(), workspace.get() + layout.handoff_scales,
+                         scales.size() * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+    run.activations = handoff_activations(halves, scales, table.shape().inner, routing, experts);
+  } else {
+    EXPECT_EQ(cudaMemcpy(run.activations.data(), workspace.get() + layout.activations,
+                         run.activations.size() * sizeof(float), cudaMemcpyDeviceToHost),
+              cudaSuccess);
+  }
   return run;
 }
 
@@ -577,10 +648,11 @@ TEST(MoeExperts, ByExpertMatchesPerPairPath) {
     const std::vector<float> x = testing::random_floats(tokens * kHidden, -1.0f, 1.0f, seed++);
     const Routing routing = cpu_route(cpu, tokens, kExperts, kTopK, seed++, 2);
     const PathRun per_pair =
-        run_path(table, x, tokens, routing, kTopK, MoePath::kDecodeTensorCores);
-    const PathRun by_expert = run_path(table, x, tokens, routing, kTopK, MoePath::kDecodeByExpert);
+        run_path(table, set.host_views, x, tokens, routing, kTopK, MoePath::kDecodeTensorCores);
+    const PathRun by_expert =
+        run_path(table, set.host_views, x, tokens, routing, kTopK, MoePath::kDecodeByExpert);
     expect_rows_close(by_expert.activations, per_pair.activations, kInner,
-                      kByExpertActivationsAgainstPerPair, "activations, by expert vs per pair");
+                      kByExpertActivationsAgainstHandoff, "activations, by expert vs per pair");
     expect_rows_close(by_expert.out, per_pair.out, kHidden, kByExpertOutputsAgainstPerPair,
                       "outputs, by expert vs per pair");
   }

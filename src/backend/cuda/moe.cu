@@ -288,6 +288,11 @@ struct DecodeGateUpArgs {
   // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6-25.1 µs: their down blocks do not fit
   // beside gate/up's, so without it down's weights came from DRAM after gate/up).
   int64_t down_rows_to_prefetch;
+  // The activations for decode_down_mma_kernel (both projections on tensor cores), else nullptr:
+  // see ActivationHandoff.
+  const float* routing_weights;  // [pairs]
+  uint32_t* handoff_words;
+  float* handoff_scales;
 };
 
 // Four blocks per SM (128 registers, no spills): one token's 704 blocks in 1.3 waves, not 1.8.
@@ -382,6 +387,9 @@ struct DecodeDownArgs {
   int64_t inner;
   float* out;
   int64_t out_stride;
+  // The gate/up mma kernel's fp16 activations (ActivationHandoff), else nullptr.
+  const uint32_t* handoff_words;
+  const float* handoff_scales;
 };
 
 // Token `token`'s picks into downs (an invalid pick: MoeMatrix{}, weights == nullptr, skipped) and
@@ -480,67 +488,71 @@ __global__ void __launch_bounds__(kDecodeWarps * 32) decode_down_kernel(DecodeDo
 //
 // The same two launches as above, for NVFP4 experts outside exact-fp32 mode: the CUDA-core
 // kernels spend ~4 instructions per weight (decode, fp16 → fp32, FMA); here a weight costs its
-// decode and one fp16 multiply by its block scale, and mma.sync m16n8k16 (fp16 inputs, fp32
-// accumulation) does the products, 16 weight rows against the activations in column 0.
+// decode only, and mma.sync m16n8k16 (fp16 inputs, fp32 accumulation) does the products, 16 weight
+// rows against the activations.
 // Fragment order (PTX ISA, m16n8k16): lane (g = lane / 4, t = lane % 4) holds the A elements of
-// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, and the B elements of column g
-// at the same slots. The sum over k does not care which K element sits in which slot as long as
-// A and B agree, so in round r lane t takes whole chunk 4r + t of its two rows (one 16-byte load
-// each): step j of the chunk's eight feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of
-// word j / 2, s = 2 (j % 2), and slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of
-// word >> 4s extracts, device_math.cuh's dot_nvfp4). Every pair lies in one 16-element block.
-// Weights: e2m1 · 2^-14 (the fp16 bits dot_nvfp4 builds) times the e4m3 block scale · 2^7 (at
-// most 448 · 2^7, in fp16 range), i.e. e2m1 · scale · 2^-7: exact in fp16 (at most 6 significant
-// bits, a multiple of 2^-17) and a normal number unless the block scale is an e4m3 subnormal.
-// Activations: the row scaled by 2^p, p from its largest magnitude so that it stays below 2^15,
-// rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to) and
-// staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(7 − p) and
-// NVFP4's global scale. Lanes of g != 0 feed B column g with zeros (one token per pair).
+// rows g and g + 8 at k slots {2t, 2t + 1} and {2t + 8, 2t + 9}, the B elements of column g at
+// the same slots, and the results of rows g and g + 8 in columns 2t and 2t + 1. The sum over k
+// does not care which K element sits in which slot as long as A and B agree, so in round r lane
+// t takes whole chunk 4r + t of its two rows (one 16-byte load each): step j of the chunk's eight
+// feeds slots {2t, 2t + 1} with the nibble pair (s, s + 4) of word j / 2, s = 2 (j % 2), and
+// slots {2t + 8, 2t + 9} with s + 1 (the pairs one mask of word >> 4s extracts, device_math.cuh's
+// dot_nvfp4). Every pair lies in one 16-element block; "Block scales on the accumulators" below
+// says which B column takes which block and where the e4m3 block scales enter.
+// Weights: e2m1 · 2^-14 (nvfp4_decode.cuh's exact fp16 bits, code 1 an fp16 subnormal).
+// Activations (gate/up): the row scaled by 2^p, p from its largest magnitude so that it stays below
+// 2^15, rounded to fp16 (2^-11 relative: finer than the bf16 the engine's default mode rounds to)
+// and staged in shared memory in the same pair order; the fp32 sums are scaled back by 2^(14 − p)
+// and NVFP4's global scale. Down takes them from gate/up already in that form (ActivationHandoff).
 
-// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each, two passes of
-// loads): with 4, one token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench
-// T=1 experts 20.73 -> 20.10 µs per layer, session 8, blocks of one tile).
-constexpr int kMmaGateUpWarps = 2;
-// 8-row tiles per gate/up block, each on its own kMmaGateUpWarps warps: the block stages x once for
+// 8-row tiles per gate/up block, each on its own warps: the block stages x once for
 // all of them (staging took ~20 % of a 2-warp block's instructions; ncu, session 9: the T=1 kernels
 // are bound by their warps' instruction chains, 6.5 cycles an instruction at ~2.7 warps per
 // scheduler, not by DRAM). moe_bench NVFP4 decode-tc PDL µs per layer, tiles 1 / 2 / 4: T=1 19.90 /
 // 19.44 / 19.39, T=4 56.71 / 53.64 / 58.20, T=8 99.94 / 94.86 / 101.64 (session 9).
 constexpr int kMmaGateUpTiles = 2;
+// Gate/up warps split one tile's K (rounds) between them. 2, not 4 (11 rounds each): with 4, one
+// token's tiles did not fit the SMs in one wave at ~124 registers (moe_bench T=1 experts 20.73 ->
+// 20.10 µs per layer, session 8, blocks of one tile); 4 at 80 registers (3 blocks of 8 warps an
+// SM, spilling) measured slower too (T=1 18.88 -> 19.58, T=8 85.11 -> 99.97, session 10).
+constexpr int kMmaGateUpWarps = 2;
 constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
-constexpr int kMmaDownWarps = 8;
-constexpr int kMmaRoundsInFlight = 6;  // rounds whose loads a lane issues before any product
-constexpr int kMmaGateUpRows = 8;      // gate rows (and as many up rows) per tile: A rows g, g + 8
-constexpr int kMmaDownRows = 16;       // down rows per block
+// Down blocks of 4 warps (11 rounds each at 26B-A4B shapes), not 8: blocks of 128 threads fit
+// beside the gate/up blocks, so more of them start and load their weights under PDL early
+// (moe_bench NVFP4 decode-tc PDL µs per layer, 8 / 12 / 4 warps: T=1 18.88 / 18.72 / 18.82, T=8
+// 85.11 / 84.55 / 82.36, session 10).
+constexpr int kMmaDownWarps = 4;
+// Rounds whose loads a lane has in flight, refilled by halves (mma_tile): gate/up T=1 18.88 ->
+// 18.86, T=8 85.11 -> 83.45 µs against refilling all 6 after the pass (session 10).
+constexpr int kMmaRoundsInFlight = 6;
+constexpr int kMmaGateUpRows = 8;  // gate rows (and as many up rows) per tile: A rows g, g + 8
+constexpr int kMmaDownRows = 16;   // down rows per block
+// A gate/up block's outputs are one 16-element block of the down kernel's K (ActivationHandoff).
+static_assert(kMmaGateUpTiles * kMmaGateUpRows == 16);
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
-// lanes of g != 0 and for chunks past the row).
+// the columns a lane does not feed and for chunks past the row).
 size_t mma_staged_bytes(int64_t chunks) {
   return sizeof(uint32_t) * static_cast<size_t>(chunks + 1) * kStagedWordsPerChunk;
 }
 
 // Pieces of 8 activations a thread keeps in registers between the two staging passes (the rest is
-// read again): 4 cover hidden 4096 over 128 threads and 8 · 704 over 256.
+// read again): 4 cover hidden 4096 over 128 threads.
 constexpr int kCachedPieces = 4;
 
-// Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times factor(c) · 2^p) as
-// fp16 pairs in mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
-// A chunk of factor 0 (an invalid pick: its activations were never written) stages zeros.
-template <typename Factor>
+// Stages `chunks` chunks of fp32 activations (chunk c at source + 32c, times 2^p) as fp16 pairs in
+// mma order, and the zero chunk after them; p (block_staging_scale) to the caller.
 __device__ __forceinline__ void stage_mma_activations(const float* source, int chunks,
-                                                      Factor factor, uint32_t* staged,
-                                                      float* scratch, int& p) {
+                                                      uint32_t* staged, float* scratch, int& p) {
   // Pieces of 8 elements: piece (c, i) = elements 32c + 8i .. + 7 → words 16c + 4i .. + 3.
   const int pieces = 4 * chunks;
   auto load_piece = [&](int piece, float4& lo, float4& hi) {
-    const float f = factor(piece / 4);
     const float4* src = reinterpret_cast<const float4*>(source + 8 * static_cast<int64_t>(piece));
-    lo = f != 0.0f ? __ldg(src) : make_float4(0, 0, 0, 0);
-    hi = f != 0.0f ? __ldg(src + 1) : make_float4(0, 0, 0, 0);
-    return f;
+    lo = __ldg(src);
+    hi = __ldg(src + 1);
   };
-  auto largest_of = [](float4 v, float f) {
-    return fmaxf(fmaxf(fabsf(v.x * f), fabsf(v.y * f)), fmaxf(fabsf(v.z * f), fabsf(v.w * f)));
+  auto largest_of = [](float4 v) {
+    return fmaxf(fmaxf(fabsf(v.x), fabsf(v.y)), fmaxf(fabsf(v.z), fabsf(v.w)));
   };
   float4 cached[kCachedPieces][2];
   float largest = 0.0f;
@@ -548,22 +560,21 @@ __device__ __forceinline__ void stage_mma_activations(const float* source, int c
   for (int j = 0; j < kCachedPieces; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) {
-      const float f = load_piece(piece, cached[j][0], cached[j][1]);
-      largest = fmaxf(largest, fmaxf(largest_of(cached[j][0], f), largest_of(cached[j][1], f)));
+      load_piece(piece, cached[j][0], cached[j][1]);
+      largest = fmaxf(largest, fmaxf(largest_of(cached[j][0]), largest_of(cached[j][1])));
     }
   }
   for (int piece = static_cast<int>(threadIdx.x + kCachedPieces * blockDim.x); piece < pieces;
        piece += blockDim.x) {
     float4 lo, hi;
-    const float f = load_piece(piece, lo, hi);
-    largest = fmaxf(largest, fmaxf(largest_of(lo, f), largest_of(hi, f)));
+    load_piece(piece, lo, hi);
+    largest = fmaxf(largest, fmaxf(largest_of(lo), largest_of(hi)));
   }
   const float scale = block_staging_scale(largest, scratch, p);
   // Pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7): nibble pairs (s, s + 4) of the word.
   auto store_piece = [&](int piece, float4 lo, float4 hi) {
-    const float f = factor(piece / 4) * scale;
-    auto pair = [f](float a, float b) {
-      const __half2 h = __floats2half2_rn(a * f, b * f);
+    auto pair = [scale](float a, float b) {
+      const __half2 h = __floats2half2_rn(a * scale, b * scale);
       return *reinterpret_cast<const uint32_t*>(&h);
     };
     reinterpret_cast<uint4*>(staged)[piece] =
@@ -595,35 +606,135 @@ __device__ __forceinline__ RoundRange warp_rounds(int64_t chunks, int warps, int
   return {begin, min(begin + per_warp, rounds)};
 }
 
-// acc += the lane's rounds of one tile (mma_round) against the staged activations (`chunks` of
-// them: lanes g == 0 read their round's chunk, the others the zero chunk after the last), R rounds
-// of weights in flight: load_rounds(first) puts rounds first .. first + R − 1 into weights and
-// scale_bits, which hold rounds.begin's R on entry.
-template <int R, typename LoadRounds>
-__device__ __forceinline__ void mma_tile(float (&acc)[4], const uint4 (&weights)[R][2],
+// Block scales on the accumulators (both kernels below): moe_decode.cuh's mma_round multiplies
+// every weight pair by its block scale (4 HMUL2 per 8 weights, ~20 % of a round's instructions).
+// Here the 8 columns of B tell a round's blocks apart instead: column 2t + b holds the staged
+// activations of block b of lane t's chunk (zeros elsewhere), so after a round's 8 products the
+// accumulators c[0], c[1] (c[2], c[3]) of lane (g, t) are row g's (g + 8's) unscaled sums over
+// blocks 0 and 1 of the lane's own chunk: each is multiplied by its e4m3 scale in fp32 and added
+// to the lane's running sums. Products stay exact; only the fp32 summation order differs from
+// mma_round's. The sums come back by 2^(kBlockColumnShift − p) (p: the staging exponent).
+constexpr int kBlockColumnShift = 14;
+
+// sums[0] (row g) and sums[1] (row g + 8) += one round of lane (g, t): `rows` = its chunk of A rows
+// g and g + 8 (their block scale bits alongside), x_blocks[b] = the staged words of its chunk
+// when g == 2t + b, else a staged chunk of zeros.
+// x_scale: the activations' own block scales (ActivationHandoff), multiplied into the weights'.
+template <bool kXScales>
+__device__ __forceinline__ void mma_round_block_columns(float (&sums)[2], const uint4 (&rows)[2],
+                                                        const uint32_t (&scale_bits)[2],
+                                                        const uint32_t* const (&x_blocks)[2],
+                                                        float2 x_scale) {
+  // c[b]: the products of block b's words (B is zero outside columns 2t' + b for them, so only
+  // c[b][b] and c[b][2 + b] are nonzero). Two chains of 4 mma, not one of 8: half the latency.
+  float c[2][4] = {};
+  const uint32_t words[2][4] = {{rows[0].x, rows[0].y, rows[0].z, rows[0].w},
+                                {rows[1].x, rows[1].y, rows[1].z, rows[1].w}};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {  // words 0, 1: block 0; words 2, 3: block 1
+    const uint4 x = *reinterpret_cast<const uint4*>(x_blocks[i / 2] + 4 * i);
+    const uint32_t b[4] = {x.x, x.y, x.z, x.w};
+    uint32_t a[2][4];  // pairs (s, s + 4) of word i of A rows g and g + 8
+    e2m1_half2_bits(words[0][i], a[0]);
+    e2m1_half2_bits(words[1][i], a[1]);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int s = 2 * half;
+      mma_f16(c[i / 2], a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const __half2 scales = __nv_cvt_fp8x2_to_halfraw2(
+        static_cast<__nv_fp8x2_storage_t>(scale_bits[r] & 0xFFFF), __NV_E4M3);
+    float2 scale = __half22float2(scales);
+    if constexpr (kXScales) scale = make_float2(scale.x * x_scale.x, scale.y * x_scale.y);
+    sums[r] = fmaf(c[1][2 * r + 1], scale.y, fmaf(c[0][2 * r], scale.x, sums[r]));
+  }
+}
+
+// The sum of `v` over the 4 lanes of a quad (the t of one g), the same bits in each.
+__device__ __forceinline__ float quad_sum(float v) {
+  v += __shfl_xor_sync(0xFFFFFFFFu, v, 1);
+  return v + __shfl_xor_sync(0xFFFFFFFFu, v, 2);
+}
+
+// sums += the lane's rounds of one tile (mma_round_block_columns) against the staged activations
+// (`chunks` of them, then the zero chunk; kXScales: with their block scales x_scales, as the
+// ActivationHandoff brings them), R rounds of weights in flight: load_rounds(first, slot, count)
+// puts rounds first .. first + count − 1 into weights and scale_bits from `slot` on, which hold
+// rounds.begin's R on entry. Each half of the slots is refilled with the rounds one pass ahead as
+// soon as its products are done: the other half's products then cover the loads' latency.
+template <bool kXScales, int R, typename LoadRounds>
+__device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights)[R][2],
                                          const uint32_t (&scale_bits)[R][2],
                                          const LoadRounds& load_rounds, RoundRange rounds,
-                                         const uint32_t* staged, int chunks) {
+                                         const uint32_t* staged, int chunks,
+                                         const float2* x_scales = nullptr) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
+  const uint32_t* zeros = staged + kStagedWordsPerChunk * chunks;
+  auto product = [&](int slot, int round) {
+    const int chunk = 4 * round + t;
+    const uint32_t* mine = chunk < chunks ? staged + kStagedWordsPerChunk * chunk : zeros;
+    const uint32_t* const x_blocks[2] = {g == 2 * t ? mine : zeros, g == 2 * t + 1 ? mine : zeros};
+    mma_round_block_columns<kXScales>(sums, weights[slot], scale_bits[slot], x_blocks,
+                                      kXScales ? x_scales[min(chunk, chunks)] : float2{});
+  };
+  constexpr int kHalves = 2;
+  constexpr int H = R / kHalves;
+  static_assert(H * kHalves == R);
   for (int first = rounds.begin; first < rounds.end; first += R) {
-    if (first != rounds.begin) load_rounds(first);
 #pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (first + i >= rounds.end) break;  // warp-uniform
-      const int chunk = 4 * (first + i) + t;
-      const uint32_t* x =
-          staged + kStagedWordsPerChunk * (g == 0 && chunk < chunks ? chunk : chunks);
-      mma_round(acc, weights[i], scale_bits[i], x);
+    for (int h = 0; h < kHalves; ++h) {
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        if (first + h * H + i >= rounds.end) break;  // warp-uniform
+        product(h * H + i, first + h * H + i);
+      }
+      const int next = first + R + h * H;
+      if (next < rounds.end) load_rounds(next, h * H, H);
     }
   }
+}
+
+// ActivationHandoff: with both projections on tensor cores, the gate/up kernel writes the
+// activations the way the down kernel stages them, so that the down kernel only copies them after
+// its PDL wait (stage_mma_activations read a token's fp32 rows, found their largest magnitude
+// across the block and converted them: ~150 instructions a thread and two block barriers on the
+// critical path). Words: fp16 pairs in stage_mma_activations' order, chunk c of a token's
+// concatenated picks at words 16c .. 16c + 15 (its picks are consecutive pairs); each 16-element
+// block times its pick's routing weight and down global scale (load_picks' factor) and its own
+// 2^q (staging_exponent of the block's largest magnitude: finer than one exponent per token);
+// scales[2c + b] = 2^-q (moe_kernels.h's MoeWorkspaceLayout: pairs · inner / 2 words and
+// pairs · inner / 16 scales fit the fp32 activations' region, 2.25 bytes an element of its 4).
+
+// One gate/up block's 16 activations (rows `row`, one per thread of lanes 0-15: one block of a
+// chunk) into the handoff.
+__device__ __forceinline__ void hand_off_activations(const DecodeGateUpArgs& a, int pair,
+                                                     int expert, int64_t row, float value) {
+  value *=
+      apply_global_scale<PackedFormat::kNVFP4>(a.experts[expert].down, a.routing_weights[pair]);
+  float largest = fabsf(value);
+#pragma unroll
+  for (int offset = 8; offset > 0; offset /= 2) {
+    largest = fmaxf(largest, __shfl_xor_sync(0x0000FFFFu, largest, offset));
+  }
+  const int q = staging_exponent(largest);
+  const int64_t chunk = pair * (a.inner / 32) + row / 32;
+  const int e = static_cast<int>(row % 32);
+  const int64_t word = kStagedWordsPerChunk * chunk + 4 * (e / 8) + e % 4;
+  reinterpret_cast<__half*>(a.handoff_words)[2 * word + (e % 8) / 4] =
+      __float2half_rn(value * ldexpf(1.0f, q));
+  if (e % 16 == 0) a.handoff_scales[2 * chunk + e / 16] = ldexpf(1.0f, -q);
 }
 
 // Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
 // activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
 // (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
-__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
+// 4 blocks per SM: at most 128 registers (no spills; the block-column rounds took 164 unbounded).
+__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 4)
     decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
   constexpr int R = kMmaRoundsInFlight;
   __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
@@ -650,11 +761,13 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto load_rounds = [&](int first, int slot, int count) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-      const bool live = first + i < rounds.end && chunk < chunks && row_live;
+      if (i < slot || i >= slot + count) continue;
+      const int round = first + i - slot;
+      const int chunk = 4 * round + t;
+      const bool live = round < rounds.end && chunk < chunks && row_live;
 #pragma unroll
       for (int mat = 0; mat < 2; ++mat) {
         weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
@@ -665,18 +778,18 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
       }
     }
   };
-  load_rounds(rounds.begin);
+  load_rounds(rounds.begin, 0, R);
   int p = 0;
-  stage_mma_activations(
-      a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, [](int) { return 1.0f; },
-      staged_x, scratch, p);
+  stage_mma_activations(a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, staged_x,
+                        scratch, p);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
-  // Column 0 (lanes t == 0): acc[0] = gate row g, acc[2] = up row g.
+  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
+  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
+  const float gate_sum = quad_sum(sums[0]);
+  const float up_sum = quad_sum(sums[1]);
   if (t == 0) {
-    partial[warp][g][0] = acc[0];
-    partial[warp][g][1] = acc[2];
+    partial[warp][g][0] = gate_sum;
+    partial[warp][g][1] = up_sum;
   }
   __syncthreads();
   if (threadIdx.x < kMmaGateUpTiles * kMmaGateUpRows) {
@@ -691,24 +804,52 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32)
       gate += partial[w][r][0];
       up += partial[w][r][1];
     }
-    const float back = ldexpf(1.0f, kMmaWeightShift - p);
+    const float back = ldexpf(1.0f, kBlockColumnShift - p);
     gate = apply_global_scale<PackedFormat::kNVFP4>(mats[0], gate * back);
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
-    if (out_row < a.inner) {
-      a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = gelu_tanh(gate) * up;
+    const float value = gelu_tanh(gate) * up;
+    if (a.handoff_words != nullptr) {  // inner is a whole number of chunks: every row is live
+      hand_off_activations(a, pair, expert, out_row, value);
+    } else if (out_row < a.inner) {
+      a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = value;
     }
   }
 }
 
+// The token's handoff (ActivationHandoff: `chunks` chunks) into the staged words and x_scales, by
+// cp.async, zeros for invalid picks (their gate/up blocks wrote nothing); then the zero chunk.
+__device__ __forceinline__ void copy_handoff(const DecodeDownArgs& a, int token, int chunks,
+                                             const MoeMatrix* downs, uint32_t* staged,
+                                             float2* x_scales) {
+  const int64_t first = static_cast<int64_t>(token) * chunks;
+  const uint4* words = reinterpret_cast<const uint4*>(a.handoff_words) + 4 * first;
+  const float2* scales = reinterpret_cast<const float2*>(a.handoff_scales) + first;
+  for (int i = threadIdx.x; i < 4 * chunks; i += blockDim.x) {
+    const bool valid = downs[a.pick_divisor.divide(i / 4)].weights != nullptr;
+    copy_async16_or_zeros(reinterpret_cast<uint4*>(staged) + i, words + i, valid);
+  }
+  for (int c = threadIdx.x; c < chunks; c += blockDim.x) {
+    if (downs[a.pick_divisor.divide(c)].weights != nullptr) {
+      copy_async8(x_scales + c, scales + c);
+    } else {
+      x_scales[c] = make_float2(0.0f, 0.0f);
+    }
+  }
+  commit_copies();
+  if (threadIdx.x < kStagedWordsPerChunk) staged[kStagedWordsPerChunk * chunks + threadIdx.x] = 0;
+  if (threadIdx.x == 0) x_scales[chunks] = make_float2(0.0f, 0.0f);
+  wait_copies<0>();
+}
+
 // Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
-// of the picks' down matrices over K = the concatenation of the token's top_k activation rows,
-// each staged times its pick's routing weight (NVFP4's global scale folded in); its warps split K.
-__global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(DecodeDownArgs a) {
+// of the picks' down matrices over K = the concatenation of the token's top_k activation rows
+// (ActivationHandoff: each times its pick's routing weight and NVFP4 global scale); its warps
+// split K. 4 blocks per SM: at most 128 registers.
+__global__ void __launch_bounds__(kMmaDownWarps * 32, 4) decode_down_mma_kernel(DecodeDownArgs a) {
   constexpr int R = kMmaRoundsInFlight;
   __shared__ MoeMatrix downs[kMaxTopK];
   __shared__ float pick_weights[kMaxTopK];
   __shared__ float partial[kMmaDownWarps][kMmaDownRows];
-  __shared__ float scratch[kMmaDownWarps];
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   pdl_trigger_dependents();
@@ -725,11 +866,13 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
 
   uint4 weights[R][2];
   uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first) {
+  auto load_rounds = [&](int first, int slot, int count) {
 #pragma unroll
     for (int i = 0; i < R; ++i) {
-      const int chunk = 4 * (first + i) + t;
-      const bool in_k = first + i < rounds.end && chunk < chunks;
+      if (i < slot || i >= slot + count) continue;
+      const int round = first + i - slot;
+      const int chunk = 4 * round + t;
+      const bool in_k = round < rounds.end && chunk < chunks;
       const int pick = in_k ? a.pick_divisor.divide(chunk) : 0;
       const int in_row = chunk - pick * per_pick;
       const bool live = in_k && downs[pick].weights != nullptr;
@@ -746,19 +889,19 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     }
   };
   // The weights depend on the router only: in flight before the wait for the activations.
-  load_rounds(rounds.begin);
+  load_rounds(rounds.begin, 0, R);
   pdl_wait_for_predecessors();
-  int p = 0;
-  stage_mma_activations(
-      a.activations + static_cast<int64_t>(token) * a.top_k * a.inner, chunks,
-      [&](int chunk) { return pick_weights[a.pick_divisor.divide(chunk)]; }, staged, scratch, p);
+  float2* x_scales = reinterpret_cast<float2*>(staged + kStagedWordsPerChunk * (chunks + 1));
+  copy_handoff(a, token, chunks, downs, staged, x_scales);
   __syncthreads();
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-  mma_tile(acc, weights, scale_bits, load_rounds, rounds, staged, chunks);
+  float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
+  mma_tile<true>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks, x_scales);
+  const float row_sum = quad_sum(sums[0]);
+  const float row8_sum = quad_sum(sums[1]);
   const int warp = threadIdx.x >> 5;
   if (t == 0) {
-    partial[warp][g] = acc[0];
-    partial[warp][g + 8] = acc[2];
+    partial[warp][g] = row_sum;
+    partial[warp][g + 8] = row8_sum;
   }
   __syncthreads();
   if (threadIdx.x < kMmaDownRows) {
@@ -766,7 +909,7 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32) decode_down_mma_kernel(Dec
     float sum = 0.0f;
 #pragma unroll
     for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kMmaWeightShift - p);
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift);
   }
 }
 
@@ -774,28 +917,28 @@ int64_t chunk_elements(PackedFormat format) {
   return format == PackedFormat::kBF16 ? 8 : 32;
 }
 
-cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Launch& launch) {
+cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* handoff_scales_region,
+                          const Launch& launch) {
   const MoeShape& shape = args.shape;
-  // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones.
+  // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones;
+  // down on them only after the mma gate/up kernel (it takes the ActivationHandoff).
   const bool mma_gate_up =
       args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
-  const bool mma_down =
-      args.path == MoePath::kDecodeTensorCores && shape.down_format == PackedFormat::kNVFP4;
+  const bool mma_down = mma_gate_up && shape.down_format == PackedFormat::kNVFP4;
   // MoePrecision::kExactF32's path multiplies w4g32 weights by the fp32 activations exactly
   // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
   const bool centered_nibbles = args.path == MoePath::kDecode;
   const int pairs = args.tokens * args.top_k;
+  uint32_t* handoff_words = mma_down ? reinterpret_cast<uint32_t*>(activations) : nullptr;
+  float* handoff_scales = mma_down ? handoff_scales_region : nullptr;
   const DecodeGateUpArgs gate_up = {
-      args.experts,
-      shape.num_experts,
-      args.expert_ids,
-      args.top_k,
-      shape.inner,
-      shape.hidden / chunk_elements(shape.gate_up_format),
-      args.x,
-      args.x_stride,
-      activations,
-      !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0};
+      args.experts,    shape.num_experts,
+      args.expert_ids, args.top_k,
+      shape.inner,     shape.hidden / chunk_elements(shape.gate_up_format),
+      args.x,          args.x_stride,
+      activations,     !mma_gate_up && shape.down_format == shape.gate_up_format ? shape.hidden : 0,
+      args.weights,    handoff_words,
+      handoff_scales};
   cudaError_t status;
   if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
@@ -837,9 +980,12 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, const Laun
                                activations,
                                shape.inner,
                                args.out,
-                               args.out_stride};
+                               args.out_stride,
+                               handoff_words,
+                               handoff_scales};
   if (mma_down) {
-    const size_t shared = mma_staged_bytes(args.top_k * (shape.inner / 32));
+    const int64_t chunks = args.top_k * down_chunks_per_row;
+    const size_t shared = mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1);  // x_scales
     const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(
@@ -883,6 +1029,7 @@ MoeWorkspaceLayout moe_workspace_layout(const MoeShape& shape, int tokens, int t
   const int pairs = tokens * top_k;
   MoeWorkspaceLayout layout;  // fp32 activations; by expert also fp32 per-pair expert outputs
   layout.activations = 0;
+  layout.handoff_scales = align16(sizeof(uint16_t) * pairs * shape.inner);
   layout.expert_outputs = align16(sizeof(float) * pairs * shape.inner);
   layout.bytes =
       layout.expert_outputs +
@@ -901,7 +1048,8 @@ cudaError_t launch_moe(const MoeRunArgs& args, const Launch& launch) {
                                    launch);
   }
   if (args.path != MoePath::kGrouped) {
-    return launch_decode(args, reinterpret_cast<float*>(workspace + layout.activations), launch);
+    return launch_decode(args, reinterpret_cast<float*>(workspace + layout.activations),
+                         reinterpret_cast<float*>(workspace + layout.handoff_scales), launch);
   }
   return launch_grouped(args, layout, launch);
 }

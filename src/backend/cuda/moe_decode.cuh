@@ -161,8 +161,8 @@ __device__ __forceinline__ void e4m3_scale_pairs(uint32_t bits, __half2 (&pairs)
 
 // acc += the products of one round: chunk `rows[0]` of A row g and `rows[1]` of row g + 8 (their
 // scale bits alongside) against the staged activation chunk: its 4-word piece i at
-// `even_pieces` + 4i (i even) or `odd_pieces` + 4i (i odd), the pieces of a swizzled layout
-// (moe_by_expert.cu) or both the chunk's 16 words.
+// `even_pieces` + 4i (i even) or `odd_pieces` + 4i (i odd), the pieces of moe_by_expert.cu's
+// swizzled layout.
 __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
                                           const uint32_t (&scale_bits)[2],
                                           const uint32_t* even_pieces, const uint32_t* odd_pieces) {
@@ -185,12 +185,6 @@ __device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2
       mma_f16(acc, a[0][s], a[1][s], a[0][s + 1], a[1][s + 1], b[s], b[s + 1]);
     }
   }
-}
-
-// mma_round against a chunk stored in order (16 words at `staged`).
-__device__ __forceinline__ void mma_round(float (&acc)[4], const uint4 (&rows)[2],
-                                          const uint32_t (&scale_bits)[2], const uint32_t* staged) {
-  mma_round(acc, rows, scale_bits, staged, staged);
 }
 
 // The exponent p that brings `largest` (the largest staged magnitude) just below 2^15. Zero, inf

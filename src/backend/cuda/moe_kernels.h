@@ -144,9 +144,15 @@ struct MoeRunArgs {
 
 // Where launch_moe keeps its intermediates inside the caller's workspace (byte offsets):
 // activations [pairs, inner] (fp32 on the decode paths, bf16 on the grouped one), expert outputs
-// [pairs, hidden] f32 (grouped and by expert) and, grouped only, the expert grouping.
+// [pairs, hidden] f32 (grouped and by expert) and, grouped only, the expert grouping. On
+// kDecodeTensorCores with NVFP4 gate/up and down the activations region holds moe.cu's
+// ActivationHandoff instead: fp16 pairs in mma order at `activations` (16 words per 32-element
+// chunk: word 16c + 4i + j = elements 8i + j, 8i + j + 4 of chunk c), each 16-element block
+// times its pick's routing weight, its down matrix's NVFP4 global scale and 2^q, and at
+// `handoff_scales` the blocks' 2^-q (float, 2 per chunk).
 struct MoeWorkspaceLayout {
   size_t activations = 0;
+  size_t handoff_scales = 0;
   size_t expert_outputs = 0;
   size_t plan = 0;
   size_t bytes = 0;
