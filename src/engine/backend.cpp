@@ -85,6 +85,17 @@ void Backend::add_rms_norm_ple(Rows acc, Rows x, const float* weight, const quan
   add_rms_norm(acc, projected, projected_weight, scalar, next_weight, next, norm);
 }
 
+void Backend::add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight,
+                                      const quant::QMatrix& gate, Rows multiplier, Rows gated,
+                                      const quant::QMatrix& projection, Rows projected,
+                                      const float* projected_weight, float scalar,
+                                      const float* next_weight, Rows next, const NormParams& norm,
+                                      const quant::QMatrix& matmul_weights, Rows matmul_out) {
+  add_rms_norm_ple(acc, x, weight, gate, multiplier, gated, projection, projected, projected_weight,
+                   scalar, next_weight, next, norm);
+  matmul(matmul_weights, next, matmul_out);
+}
+
 void Backend::matmul_route_experts(const quant::QMatrix& router_proj, Rows x, Rows logits,
                                    const RouterParams& router, int32_t* expert_ids,
                                    float* weights) {

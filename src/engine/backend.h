@@ -382,6 +382,15 @@ class Backend {
                                 Rows multiplier, Rows gated, const quant::QMatrix& projection,
                                 Rows projected, const float* projected_weight, float scalar,
                                 const float* next_weight, Rows next, const NormParams& norm);
+  // add_rms_norm_ple, then matmul(matmul_weights, next, matmul_out): the next layer's first
+  // matmul, which reads the step's next (a device backend may run both in one launch). Default:
+  // the two calls.
+  virtual void add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight,
+                                       const quant::QMatrix& gate, Rows multiplier, Rows gated,
+                                       const quant::QMatrix& projection, Rows projected,
+                                       const float* projected_weight, float scalar,
+                                       const float* next_weight, Rows next, const NormParams& norm,
+                                       const quant::QMatrix& matmul_weights, Rows matmul_out);
 
   // Whether this backend wants row-interleaved gate/up matrices (see matmul_gelu_pairs):
   // ResidentWeights builds them (instead of separate gate_proj/up_proj copies) only then.

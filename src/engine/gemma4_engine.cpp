@@ -125,6 +125,16 @@ struct Gemma4Engine::Impl {
   // step_sampled's checks of its inputs (open, distinct sequences; ids in the vocabulary; room
   // in the context).
   Status check_inputs(std::span<const StepInput> inputs) const;
+  // The first matmul of layer l's attention block (of the input norm, `normed`): the stacked
+  // q/k/v projection, else q's; its output rows for n rows.
+  struct FirstMatmul {
+    const quant::QMatrix* weights = nullptr;
+    Rows out;
+  };
+  FirstMatmul first_attention_matmul(int l, int64_t n) const;
+  // Whether the previous layer's residual step ran this layer's first matmul too
+  // (add_rms_norm_ple_matmul); attention_block clears it.
+  bool first_matmul_done = false;
   void attention_block(int l, std::span<const Segment> segments, int64_t n, int64_t position_bound,
                        Rows hidden);
   void feed_forward_block(int l, int64_t n, Rows hidden);
@@ -148,6 +158,16 @@ void Gemma4Engine::Impl::per_layer_inputs(int64_t n, Rows h0) {
   backend->scale(context, nullptr, 1.0f / std::sqrt(2.0f));
 }
 
+Gemma4Engine::Impl::FirstMatmul Gemma4Engine::Impl::first_attention_matmul(int l, int64_t n) const {
+  const LayerGeometry& g = config.layers[l];
+  const ResidentLayer& lw = weights.layers[l];
+  if (model::present(lw.qkv)) {
+    return {&lw.qkv,
+            Rows::dense(qkv.floats(), n, g.q_width() + 2 * g.kv_width()).columns(0, lw.qkv.rows)};
+  }
+  return {&lw.q_proj, Rows::dense(qkv.floats(), n, g.q_width())};
+}
+
 void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segments, int64_t n,
                                          int64_t position_bound, Rows hidden) {
   const LayerGeometry& g = config.layers[l];
@@ -158,16 +178,17 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
 
   // q, k, v: column views of one [n, q + k + v] matrix when the projections are stacked (one
   // matmul), else three dense matrices. A KV-shared layer has no k/v of its own.
+  const FirstMatmul first = first_attention_matmul(l, n);
+  if (!first_matmul_done) backend->matmul(*first.weights, a, first.out);
+  first_matmul_done = false;
   Rows queries, keys, values;
   if (model::present(lw.qkv)) {
     const Rows stacked = Rows::dense(qkv.floats(), n, q_width + 2 * kv_width);
-    backend->matmul(lw.qkv, a, stacked.columns(0, lw.qkv.rows));
     queries = stacked.columns(0, q_width);
     keys = stacked.columns(q_width, kv_width);
     values = stacked.columns(q_width + kv_width, kv_width);
   } else {
-    queries = Rows::dense(qkv.floats(), n, q_width);
-    backend->matmul(lw.q_proj, a, queries);
+    queries = first.out;
     if (g.owns_kv()) {
       keys = Rows::dense(qkv.floats() + max_rows() * config.max_q_width(), n, kv_width);
       values = Rows::dense(keys.data + max_rows() * config.max_kv_width(), n, kv_width);
@@ -295,10 +316,21 @@ void Gemma4Engine::Impl::feed_forward_block(int l, int64_t n, Rows hidden) {
   // arch spec 2.4 step 7: gelu(h · Wgateᵀ) ⊙ ple[l], projected back, normed, added.
   const Rows layer_ple = rows(ple, n, int64_t{config.num_layers} * config.ple_dim)
                              .columns(int64_t{l} * config.ple_dim, config.ple_dim);
-  backend->add_rms_norm_ple(hidden, dense_out, lw.post_feedforward_layernorm,
-                            lw.per_layer_input_gate, layer_ple, rows(ple_gate, n, config.ple_dim),
-                            lw.per_layer_projection, rows(proj, n, H), lw.post_per_layer_input_norm,
-                            lw.layer_scalar, next_norm, next, norm_params);
+  // The next layer's first matmul reads next: the backend may run it in the same launch.
+  if (last) {
+    backend->add_rms_norm_ple(
+        hidden, dense_out, lw.post_feedforward_layernorm, lw.per_layer_input_gate, layer_ple,
+        rows(ple_gate, n, config.ple_dim), lw.per_layer_projection, rows(proj, n, H),
+        lw.post_per_layer_input_norm, lw.layer_scalar, next_norm, next, norm_params);
+    return;
+  }
+  const FirstMatmul following = first_attention_matmul(l + 1, n);
+  backend->add_rms_norm_ple_matmul(hidden, dense_out, lw.post_feedforward_layernorm,
+                                   lw.per_layer_input_gate, layer_ple,
+                                   rows(ple_gate, n, config.ple_dim), lw.per_layer_projection,
+                                   rows(proj, n, H), lw.post_per_layer_input_norm, lw.layer_scalar,
+                                   next_norm, next, norm_params, *following.weights, following.out);
+  first_matmul_done = true;
 }
 
 void Gemma4Engine::Impl::trace_routing(int l, int64_t n) {
@@ -322,6 +354,7 @@ void Gemma4Engine::Impl::forward(std::span<const Segment> segments, int64_t n,
   backend->embed(w.embed_tokens, token_ids.ints(),
                  std::sqrt(static_cast<float>(config.hidden_size)), hidden);
   if (config.ple_dim > 0) per_layer_inputs(n, hidden);
+  first_matmul_done = false;  // a failed pass may have left it set
   // Every later layer's input norm is fused into the end of the layer before it.
   norm(hidden, w.layers.front().input_layernorm, rows(normed, n, config.hidden_size));
   for (int l = 0; l < config.num_layers; ++l) {

@@ -227,8 +227,11 @@ void expect_within(const std::vector<float>& got, const std::vector<double>& exp
 // bounds stay those of one stage. One row outside kF32 mode fuses: E2B's widths (hidden 1536) in
 // one launch (ple_step.h) instead of four kernels, others in three (the residual step folded
 // into the gate GEMV). ple_step is also called directly in each of its cluster sizes.
-void check_ple_step(ActivationMode mode, int64_t hidden) {
-  SCOPED_TRACE("hidden " + std::to_string(hidden));
+// With matmul_rows > 0, add_rms_norm_ple_matmul instead (where there is a next): the step, then a
+// w4g32 [matmul_rows, hidden] matmul of next, checked against the reference of the device next;
+// one row in kBF16 mode at E2B's widths in one launch (ple_step_matmul, also called directly).
+void check_ple_step(ActivationMode mode, int64_t hidden, int64_t matmul_rows = 0) {
+  SCOPED_TRACE("hidden " + std::to_string(hidden) + ", matmul rows " + std::to_string(matmul_rows));
   auto gpu = testing::make_gpu_in_mode(mode);
   ASSERT_TRUE(gpu);
   const int64_t ple = 256, layers = 3;
@@ -243,6 +246,9 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
   const std::vector<float> next_weight_values = random_floats(hidden, -1.0f, 1.5f, 324);
   const DeviceArray<float> weight(weight_values), projected_weight(projected_weight_values),
       next_weight(next_weight_values);
+  const testing::HostMatrix matmul_host = testing::random_matrix(
+      quant::WeightFormat::kW4G32, std::max<int64_t>(matmul_rows, 1), hidden, 325);
+  const testing::DeviceMatrix matmul(matmul_host);
   const engine::NormParams norm = {0.0f, 1e-6f};
   uint32_t seed = 330;
   for (const int64_t n : {1, 3}) {
@@ -253,12 +259,14 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
       const auto ple_values = random_floats(n * layers * ple, -2.0f, 2.0f, seed++);
       const std::vector<float> zeros(n * hidden, 0.0f);
       struct Run {
-        std::vector<float> acc, next, gated, projected;
+        std::vector<float> acc, next, gated, projected, matmul_out;
         int64_t kernels;
       };
+      const bool with_matmul = matmul_rows > 0 && with_next;
       auto run_on = [&](bool fused) {
         BackendRows acc(*gpu, n, hidden), x(*gpu, n, hidden), all_ple(*gpu, n, layers * ple);
         BackendRows gated(*gpu, n, ple), projected(*gpu, n, hidden), next(*gpu, n, hidden);
+        BackendRows matmul_out(*gpu, n, std::max<int64_t>(matmul_rows, 1));
         acc.set(*gpu, acc_values);
         x.set(*gpu, x_values);
         all_ple.set(*gpu, ple_values);
@@ -268,7 +276,20 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
         const engine::Rows multiplier = all_ple.rows.columns(ple, ple);  // layer 1's inputs
         const engine::Rows next_rows = with_next ? next.rows : engine::Rows{};
         const int64_t before = *gpu->kernels_launched();
-        if (fused) {
+        if (with_matmul) {
+          matmul_out.set(*gpu, std::vector<float>(n * matmul_rows, 0.0f));
+          if (fused) {
+            gpu->add_rms_norm_ple_matmul(acc.rows, x.rows, weight.get(), gate.view, multiplier,
+                                         gated.rows, projection.view, projected.rows,
+                                         projected_weight.get(), scalar, next_weight.get(),
+                                         next.rows, norm, matmul.view, matmul_out.rows);
+          } else {
+            gpu->engine::Backend::add_rms_norm_ple_matmul(
+                acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows, projection.view,
+                projected.rows, projected_weight.get(), scalar, next_weight.get(), next.rows, norm,
+                matmul.view, matmul_out.rows);
+          }
+        } else if (fused) {
           gpu->add_rms_norm_ple(acc.rows, x.rows, weight.get(), gate.view, multiplier, gated.rows,
                                 projection.view, projected.rows, projected_weight.get(), scalar,
                                 next_weight.get(), next_rows, norm);
@@ -281,7 +302,12 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
           EXPECT_NE(gpu->live_companions(next.rows), nullptr) << "the next GEMV's input";
         }
         const int64_t kernels = *gpu->kernels_launched() - before;
-        return Run{acc.get(*gpu), next.get(*gpu), gated.get(*gpu), projected.get(*gpu), kernels};
+        return Run{acc.get(*gpu),
+                   next.get(*gpu),
+                   gated.get(*gpu),
+                   projected.get(*gpu),
+                   with_matmul ? matmul_out.get(*gpu) : std::vector<float>{},
+                   kernels};
       };
       // What the PLE gate reads: one row in q8 mode fuses (the GEMV stages bf16 itself); the
       // default order's gate reads the q8 companion add_rms_norm wrote. The projection reads the
@@ -348,6 +374,24 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
             next_bound[r * hidden + j] = kNormSlack * std::fabs(next_normed[j]) + 1e-30;
           }
         }
+        if (with_matmul) {
+          // The matmul of the device next: what it reads of it as the projection reads gated
+          // (the q8 mode's one-row GEMV the q8 companion the step wrote).
+          const GemvReads matmul_reads =
+              mode == ActivationMode::kQ8 && n == 1 ? GemvReads::kQ8 : projection_reads;
+          std::vector<double> matmul_y(n * matmul_rows), matmul_bound(n * matmul_rows);
+          for (int64_t r = 0; r < n; ++r) {
+            const std::vector<double> device_next(run.next.begin() + r * hidden,
+                                                  run.next.begin() + (r + 1) * hidden);
+            const GemvReference y = gemv_reference(
+                matmul_host,
+                gemv_operand(device_next, std::vector<double>(hidden, 0.0), matmul_reads),
+                tensor_cores);
+            std::copy(y.y.begin(), y.y.end(), matmul_y.begin() + r * matmul_rows);
+            std::copy(y.bound.begin(), y.bound.end(), matmul_bound.begin() + r * matmul_rows);
+          }
+          expect_within(run.matmul_out, matmul_y, matmul_bound, "matmul");
+        }
         expect_within(run.gated, gated, gated_bound, "gated");
         expect_within(run.projected, projected, projected_bound, "projected");
         expect_within(run.acc, acc, acc_bound, "acc");
@@ -382,17 +426,44 @@ void check_ple_step(ActivationMode mode, int64_t hidden) {
                                   projected.get(),
                                   with_next ? one_row(next.get()) : RowsView{},
                                   spec};
-        EXPECT_EQ(ple_step(args, Launch{}, cluster_blocks), cudaSuccess);
+        if (!with_matmul) {
+          EXPECT_EQ(ple_step(args, Launch{}, cluster_blocks), cudaSuccess);
+          EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+          return Run{acc.download(),
+                     with_next ? next.download() : zeros,
+                     gated.download(),
+                     projected.download(),
+                     {},
+                     1};
+        }
+        // ple_step_matmul on its own counter, which it leaves at zero.
+        const DeviceArray<float> matmul_out(matmul_rows);
+        const DeviceArray<unsigned> acc_readers(std::vector<unsigned>{0u});
+        EXPECT_EQ(ple_step_matmul(args, {view_of(matmul.view), matmul_out.get(), acc_readers.get()},
+                                  Launch{}),
+                  cudaSuccess);
         EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-        return Run{acc.download(), with_next ? next.download() : zeros, gated.download(),
-                   projected.download(), 1};
+        EXPECT_EQ(acc_readers.download(), std::vector<unsigned>{0u});
+        return Run{acc.download(),       next.download(),       gated.download(),
+                   projected.download(), matmul_out.download(), 1};
       };
       const Run unfused = run_on(false), fused = run_on(true);
       ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
-      check(unfused, false);
+      // With the matmul both run CudaBackend::add_rms_norm_ple's step (the default calls it).
+      check(unfused, with_matmul);
       check(fused, true);
       const bool fuses = mode != ActivationMode::kF32 && n == 1;
-      if (fuses && hidden == 1536) {
+      if (with_matmul) {
+        // One launch for the step and the matmul: kBF16 mode (the matmul's bf16 operand) at
+        // E2B's widths; else the step as add_rms_norm_ple runs it, then the matmul.
+        if (mode == ActivationMode::kBF16 && n == 1 && hidden == 1536) {
+          EXPECT_EQ(fused.kernels, 1);
+          EXPECT_EQ(unfused.kernels, 2);
+          check(run_ple_step(8), true);
+        } else {
+          EXPECT_EQ(fused.kernels, unfused.kernels);
+        }
+      } else if (fuses && hidden == 1536) {
         EXPECT_EQ(fused.kernels, 1);
         for (const int cluster_blocks : {8, 16}) check(run_ple_step(cluster_blocks), true);
       } else {
@@ -407,6 +478,14 @@ class PleStepInMode : public ::testing::TestWithParam<ActivationMode> {};
 TEST_P(PleStepInMode, MatchesTheReferenceWithFewerKernels) {
   check_ple_step(GetParam(), 1536);
   check_ple_step(GetParam(), 2048);
+}
+
+// The next layer's first matmul in the same launch: E2B's q (2048 rows: 8 clusters) and q+k+v
+// (2560: 10 clusters), the full layers' q and q+k+v (4096, 5120: two passes), a matmul that
+// leaves blocks without rows (200); at another width the two calls.
+TEST_P(PleStepInMode, RunsTheNextMatmulInTheSameLaunch) {
+  for (const int64_t rows : {2048, 2560, 4096, 5120, 200}) check_ple_step(GetParam(), 1536, rows);
+  check_ple_step(GetParam(), 2048, 2560);
 }
 
 INSTANTIATE_TEST_SUITE_P(Modes, PleStepInMode,

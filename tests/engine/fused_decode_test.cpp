@@ -35,7 +35,8 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
   int64_t top_level_ops = 0;
   int64_t primitive_ops = 0;
   int64_t gelu_pairs_calls = 0;
-  int64_t embed_calls = 0;  // one per forward pass (two with per-layer embeddings)
+  int64_t embed_calls = 0;       // one per forward pass (two with per-layer embeddings)
+  int64_t ple_matmul_calls = 0;  // add_rms_norm_ple_matmul: a layer's end with the next one's QKV
 
   const char* name() const override { return "cpu-fusing"; }
   bool reads_host_memory() const override { return !fuse_; }
@@ -128,6 +129,17 @@ class FusingCountingBackend final : public testing::CpuForwardingBackend {
     Op op(*this, Op::kFused);
     Backend::matmul_gelu_mul(w, x, multiplier, y);
   }
+  void add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight, const QMatrix& gate,
+                               Rows multiplier, Rows gated, const QMatrix& projection,
+                               Rows projected, const float* projected_weight, float scalar,
+                               const float* next_weight, Rows next, const NormParams& norm,
+                               const QMatrix& matmul_weights, Rows matmul_out) override {
+    Op op(*this, Op::kFused);
+    ++ple_matmul_calls;
+    Backend::add_rms_norm_ple_matmul(acc, x, weight, gate, multiplier, gated, projection, projected,
+                                     projected_weight, scalar, next_weight, next, norm,
+                                     matmul_weights, matmul_out);
+  }
   void matmul_gelu_pairs(const QMatrix& w, Rows x, Rows y) override {
     Op op(*this);
     ++gelu_pairs_calls;
@@ -211,7 +223,7 @@ TEST_P(FusedDecode, FusedPathGivesThePlainCpuLogitsBitForBit) {
 
 TEST_P(FusedDecode, OperationsPerDecodeStep) {
   const model::ModelConfig& config = tiny_model(GetParam()).config;
-  std::map<bool, int64_t> top_level, primitives;
+  std::map<bool, int64_t> top_level, primitives, ple_matmuls;
   for (bool fuse : {false, true}) {
     auto backend = std::make_unique<FusingCountingBackend>(fuse);
     FusingCountingBackend& counter = *backend;
@@ -221,13 +233,18 @@ TEST_P(FusedDecode, OperationsPerDecodeStep) {
     const auto prompt = prompt_ids(6, 4);
     const StepInput prefill{s, prompt};
     ASSERT_TRUE(engine->step({&prefill, 1}, logits).ok());
-    counter.top_level_ops = counter.primitive_ops = 0;
+    counter.top_level_ops = counter.primitive_ops = counter.ple_matmul_calls = 0;
     const int32_t next = 1234;
     const StepInput decode{s, std::span(&next, 1)};
     ASSERT_TRUE(engine->step({&decode, 1}, logits).ok());
     top_level[fuse] = counter.top_level_ops;
     primitives[fuse] = counter.primitive_ops;
+    ple_matmuls[fuse] = counter.ple_matmul_calls;
   }
+  // With per-layer inputs every layer but the last ends with the next one's first matmul.
+  const int64_t ple_ends = config.ple_dim > 0 ? config.num_layers - 1 : 0;
+  EXPECT_EQ(ple_matmuls[false], ple_ends);
+  EXPECT_EQ(ple_matmuls[true], ple_ends);
   // The primitives the fused path runs on the CPU are the unfused ones, less the matmuls that
   // stacking saves: k (and v) with q, and gate + up + gelu_tanh_mul as one matmul_gelu_pairs.
   int64_t saved = 0;

@@ -140,6 +140,13 @@ CudaBackend::CudaBackend(int device, bool pdl) : device_(device), pdl_(pdl) {
       check(cudaMemsetAsync(attention_merge_counters_, 0, bytes, stream_),
             "attention merge counters");
   }
+  if (status_.ok()) {
+    check(cudaMalloc(&ple_step_acc_readers_, sizeof(unsigned)), "ple_step counter");
+    if (status_.ok()) {
+      check(cudaMemsetAsync(ple_step_acc_readers_, 0, sizeof(unsigned), stream_),
+            "ple_step counter");
+    }
+  }
   active_stream_ = stream_;
 }
 
@@ -152,6 +159,7 @@ CudaBackend::~CudaBackend() {
     cudaFree(s->data);
   }
   cudaFree(attention_merge_counters_);
+  cudaFree(ple_step_acc_readers_);
   for (auto& [data, storage] : companion_storage_) {
     cudaFree(storage.bf16.data);
     cudaFree(storage.q8.data);
@@ -898,6 +906,41 @@ void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
                                  launch()),
            "add_rms_norm_ple (norms)");
   residual_step_wrote(acc, next, spec);
+}
+
+void CudaBackend::add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight,
+                                          const quant::QMatrix& gate, Rows multiplier, Rows gated,
+                                          const quant::QMatrix& projection, Rows projected,
+                                          const float* projected_weight, float scalar,
+                                          const float* next_weight, Rows next,
+                                          const engine::NormParams& norm,
+                                          const quant::QMatrix& matmul_weights, Rows matmul_out) {
+  const ReportingWrites reporting(*this);
+  // kBF16 mode: the matmul would read next's bf16 companion, whose values the launch multiplies.
+  if (MatrixView gate_view, projection_view, matmul_view;
+      activation_mode_ == ActivationMode::kBF16 && acc.count == 1 && next.data != nullptr &&
+      matmul_out.count == 1 && matmul_out.width == matmul_weights.rows &&
+      matmul_weights.format == quant::WeightFormat::kW4G32 && matrix_view(gate, gate_view) &&
+      matrix_view(projection, projection_view) && matrix_view(matmul_weights, matmul_view)) {
+    const AddNormSpec spec =
+        residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm);
+    const PleStepArgs step = {view(acc),       view(x),    weight,          gate_view,
+                              multiplier.data, gated.data, projection_view, projected.data,
+                              view(next),      spec};
+    const cudaError_t status =
+        ple_step_matmul(step, {matmul_view, matmul_out.data, ple_step_acc_readers_}, launch());
+    if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the two calls below
+      launched(status, "add_rms_norm_ple_matmul (ple_step_matmul)");
+      wrote(gated);
+      wrote(projected);
+      residual_step_wrote(acc, next, spec);
+      wrote(matmul_out);
+      return;
+    }
+  }
+  add_rms_norm_ple(acc, x, weight, gate, multiplier, gated, projection, projected, projected_weight,
+                   scalar, next_weight, next, norm);
+  matmul(matmul_weights, next, matmul_out);
 }
 
 void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,

@@ -197,6 +197,15 @@ class CudaBackend final : public engine::Backend {
                         const quant::QMatrix& projection, engine::Rows projected,
                         const float* projected_weight, float scalar, const float* next_weight,
                         engine::Rows next, const engine::NormParams& norm) override;
+  // One decode row in kBF16 mode at E2B's widths, with a w4g32 matmul of at most ple_step.h's
+  // rows: the step and the matmul in one launch (ple_step_matmul), one kernel fewer.
+  void add_rms_norm_ple_matmul(engine::Rows acc, engine::Rows x, const float* weight,
+                               const quant::QMatrix& gate, engine::Rows multiplier,
+                               engine::Rows gated, const quant::QMatrix& projection,
+                               engine::Rows projected, const float* projected_weight, float scalar,
+                               const float* next_weight, engine::Rows next,
+                               const engine::NormParams& norm, const quant::QMatrix& matmul_weights,
+                               engine::Rows matmul_out) override;
   bool fuses_gate_up() const override { return true; }
   void matmul_gelu_pairs(const quant::QMatrix& w, engine::Rows x, engine::Rows y) override;
 
@@ -321,6 +330,7 @@ class CudaBackend final : public engine::Backend {
   // Decode attention's split-merge counters (AttentionWorkspace::merge_counters): zeroed once,
   // left at zero by every launch.
   int* attention_merge_counters_ = nullptr;
+  unsigned* ple_step_acc_readers_ = nullptr;  // ple_step_matmul's counter (zero between launches)
   Scratch staged_kv_;         // prepare_and_attend_pieces: a pass's K/V and positions, staged
   Scratch expert_workspace_;  // run_experts (moe_workspace_bytes)
   Scratch pair_products_;     // matmul_gelu_pairs off the fused GEMV: the gate/up products

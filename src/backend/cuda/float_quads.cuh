@@ -81,6 +81,22 @@ __device__ __forceinline__ float warp_sum(float value) {
   return value;
 }
 
+// The block's total of one value per thread (kWarps warps), in every thread: the warps' totals
+// added in warp order. Several warps sum across them in warp_sums[0, kWarps) (shared memory): the
+// caller separates a previous total's readers from these writes (a barrier).
+template <int kWarps>
+__device__ __forceinline__ float block_total(float value, float* warp_sums) {
+  float total = warp_sum(value);
+  if constexpr (kWarps > 1) {
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = total;
+    __syncthreads();
+    total = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
+  }
+  return total;
+}
+
 __host__ __device__ inline bool aligned_16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }

@@ -9,6 +9,7 @@
 #include <cstdint>
 
 #include "backend/cuda/device_math.cuh"
+#include "backend/cuda/float_quads.cuh"
 #include "backend/cuda/gemv_kernels.h"
 
 namespace gemma4::cuda::gemv_detail {
@@ -24,29 +25,6 @@ __device__ __forceinline__ void prefetch_residual_norm_weight(const GemvResidual
   for (int64_t j = 32 * int64_t{threadIdx.x}; j < cols; j += 32 * int64_t{blockDim.x}) {
     prefetch_l1(n.weight + j);  // one 128-byte line per thread and step
   }
-}
-
-__device__ __forceinline__ float warp_total(float value) {
-#pragma unroll
-  for (int offset = 16; offset > 0; offset /= 2)
-    value += __shfl_xor_sync(0xFFFFFFFFu, value, offset);
-  return value;
-}
-
-// The block's total of one value per thread (kWarps warps), in every thread. Several warps sum
-// across them in warp_sums[0, kWarps) (shared memory): the caller separates a previous total's
-// readers from these writes (a barrier).
-template <int kWarps>
-__device__ __forceinline__ float block_total(float value, float* warp_sums) {
-  float total = warp_total(value);
-  if constexpr (kWarps > 1) {
-    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x / 32] = total;
-    __syncthreads();
-    total = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kWarps; ++w) total += warp_sums[w];
-  }
-  return total;
 }
 
 // Elements 8·piece .. 8·piece + 7 of a 16-byte aligned fp32 row that nothing writes while the

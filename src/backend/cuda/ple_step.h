@@ -30,6 +30,14 @@ struct PleStepArgs {
   AddNormSpec spec;          // weight: the projection's norm; next_weight, scalar, companions
 };
 
+// The GEMV that follows the step in ple_step_matmul: y = bf16(next) · weightsᵀ, the next layer's
+// first matmul (its q, or stacked q/k/v, projection).
+struct PleStepMatmul {
+  MatrixView weights;     // w4g32, [rows, hidden]
+  float* y;               // rows values
+  unsigned* acc_readers;  // device counter, zero between launches (the kernel leaves it zero)
+};
+
 // The cluster sizes compiled: 8 blocks of 16 warps (portable) or 16 of 8 (non-portable: half the
 // per-block work and registers). On the H200 (session 7) 16 blocks won in kernel_bench's chains
 // (4.2 against 4.7-5.2 µs a step) but lost in `gemma4 bench` E2B b1 (554 against 575 tok/s), so
@@ -42,5 +50,19 @@ constexpr int kPleStepDefaultClusterBlocks = 8;
 // bytes), companions that do not fit, another cluster size.
 cudaError_t ple_step(const PleStepArgs& args, const Launch& launch,
                      int cluster_blocks = kPleStepDefaultClusterBlocks);
+
+// ple_step, then the GEMV `matmul` from next, in one launch: every one of several 8-block
+// clusters runs the step (each needs next whole, which it shares through distributed shared
+// memory: one more exchange), cluster 0 alone stores the step's outputs, and each block
+// multiplies its 32 or 64 rows of the GEMV (a half warp a row, its weights loaded before the PDL
+// wait). One kernel boundary less on the decode chain: the GEMV's own launch, its wait and its
+// read of next. Cluster 0 stores the new acc once every other cluster's blocks have read the old
+// one (a device counter: all clusters must fit on the GPU at once, checked at the first launch).
+// Rows at most 2 · 256 · kMaxPleMatmulClusters (E2B: q 2048 / 4096, q+k+v 2560 / 5120).
+// cudaErrorInvalidValue, with nothing enqueued, for what ple_step refuses, no next, a matrix
+// other than w4g32 [rows, hidden] within that bound, or more clusters than fit.
+constexpr int kMaxPleMatmulClusters = 10;
+cudaError_t ple_step_matmul(const PleStepArgs& args, const PleStepMatmul& matmul,
+                            const Launch& launch);
 
 }  // namespace gemma4::cuda
