@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <cstdlib>
 
 #include "backend/cuda/attention_kv.cuh"
 #include "backend/cuda/backend_kernels.h"
@@ -267,10 +266,7 @@ cudaError_t map_rows(RowMap map, const RowsView& acc, const RowsView& x, const f
   const auto whole_float4s = [](const float* p, int64_t stride) {
     return (reinterpret_cast<uintptr_t>(p) & 15) == 0 && stride % 4 == 0;
   };
-  // TEMPORARY (session 10 MID engine A/B, removed after it): GEMMA4_SCALAR_ROW_MAPS=1 keeps one
-  // float a thread, as before.
-  static const bool kScalarOnly = std::getenv("GEMMA4_SCALAR_ROW_MAPS") != nullptr;
-  const bool vector = !kScalarOnly && acc.width % 4 == 0 && whole_float4s(acc.data, acc.stride) &&
+  const bool vector = acc.width % 4 == 0 && whole_float4s(acc.data, acc.stride) &&
                       (!reads_x || whole_float4s(x.data, x.stride)) &&
                       (column_scale == nullptr || whole_float4s(column_scale, 0));
   switch (map) {
