@@ -27,9 +27,10 @@ struct Case {
   KvType type;
 };
 
-// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches),
-// AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
-enum class Kernel { kDefault, kCudaCores, kThreadCopies };
+// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches,
+// up to kMaxClusterMergedSplits splits merged in clusters), AttentionQuery::cuda_core_kernel,
+// AttentionQuery::thread_copies, or AttentionQuery::merge_without_clusters.
+enum class Kernel { kDefault, kCudaCores, kThreadCopies, kGlobalMerge };
 
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
 // key is invisible as any empty slot.
@@ -40,6 +41,7 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
                (kernel == Kernel::kCudaCores      ? " cuda cores"
                 : kernel == Kernel::kThreadCopies ? " thread copies"
+                : kernel == Kernel::kGlobalMerge  ? " global merge"
                                                   : "") +
                (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
@@ -107,6 +109,7 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = kernel == Kernel::kCudaCores;
   query.thread_copies = kernel == Kernel::kThreadCopies;
+  query.merge_without_clusters = kernel == Kernel::kGlobalMerge;
   const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
                                         counter_count};
   CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
@@ -190,6 +193,7 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
     if (c.type != KvType::kF32) {
       run_case(c, Kernel::kCudaCores);
       run_case(c, Kernel::kThreadCopies);
+      run_case(c, Kernel::kGlobalMerge);
     }
   }
 }
@@ -217,6 +221,7 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
         if (type != KvType::kF32) {
           run_case(c, Kernel::kCudaCores);
           run_case(c, Kernel::kThreadCopies);
+          run_case(c, Kernel::kGlobalMerge);
         }
       }
     }
@@ -232,7 +237,8 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies}) {
+    for (const Kernel kernel :
+         {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies, Kernel::kGlobalMerge}) {
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -262,6 +268,7 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
         run_case(c, Kernel::kDefault, true);
         run_case(c, Kernel::kCudaCores, true);
         run_case(c, Kernel::kThreadCopies, true);
+        run_case(c, Kernel::kGlobalMerge, true);
       }
     }
   }
@@ -282,6 +289,7 @@ TEST(DecodeAttention, ManySequencesMergeSeveralHeadsPerPart) {
     for (const Case& c : cases) {
       run_case(c);
       run_case(c, Kernel::kThreadCopies);
+      run_case(c, Kernel::kGlobalMerge);
     }
   }
 }
@@ -302,6 +310,7 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   kv.kv_heads = 1;
   kv.head_dim = 256;
   AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
+  query.merge_without_clusters = true;
   EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, without_counters), 2);
@@ -325,6 +334,33 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   query.cuda_core_kernel = false;
   query.batch = 9;  // more (sequence, q head) pairs than counters
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
+}
+
+// Which launches merge their splits in clusters (one launch, whatever the workspace): the
+// tensor-core kernel's launches of 2 to kMaxClusterMergedSplits splits; not one split (nothing to
+// merge), more splits, the CUDA-core kernel, nor AttentionQuery::merge_without_clusters.
+TEST(DecodeAttention, SplitMergeInClustersUpToTheirSize) {
+  const AttentionWorkspace without_counters = {nullptr, 264};
+  KvCacheView kv;
+  kv.type = KvType::kBF16;
+  kv.kv_heads = 8;
+  kv.head_dim = 256;
+  AttentionQuery query = {nullptr, 0, 16, nullptr, 1};
+  EXPECT_EQ(decode_attention_launches(query, kv, 1, without_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, 2, without_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, kMaxClusterMergedSplits, without_counters), 1);
+  EXPECT_EQ(decode_attention_launches(query, kv, kMaxClusterMergedSplits + 1, without_counters), 2);
+  query.merge_without_clusters = true;
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
+  query.merge_without_clusters = false;
+  query.cuda_core_kernel = true;
+  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
+  query.cuda_core_kernel = false;
+  kv.type = KvType::kFP8;
+  kv.kv_heads = 1;
+  kv.head_dim = 512;
+  query.q_heads = 8;
+  EXPECT_EQ(decode_attention_launches(query, kv, 9, without_counters), 1);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

@@ -62,7 +62,11 @@ int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads)
   if (window > 0) slots = std::min<int64_t>(slots, window);
   // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
   // batch takes fewer splits each and the partials stay small.
-  const int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
+  int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
+  // A sliding window's few keys take at most one cluster's splits, which merge through distributed
+  // shared memory (kMaxClusterMergedSplits): a few more tiles per block cost less than a merge
+  // kernel in the chain (26B's 1,024-key window: 16 splits of 64 keys, not 32 of 32).
+  if (window > 0) budget = std::min<int64_t>(budget, kMaxClusterMergedSplits);
   return static_cast<int>(
       std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
