@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <tuple>
 
@@ -63,10 +64,13 @@ int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads)
   // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
   // batch takes fewer splits each and the partials stay small.
   int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
-  // A sliding window's few keys take at most one cluster's splits, which merge through distributed
-  // shared memory (kMaxClusterMergedSplits): a few more tiles per block cost less than a merge
-  // kernel in the chain (26B's 1,024-key window: 16 splits of 64 keys, not 32 of 32).
-  if (window > 0) budget = std::min<int64_t>(budget, kMaxClusterMergedSplits);
+  // TEMPORARY (session 10 A/B, removed before the final commit): GEMMA4_TMP_WINDOW_SPLITS caps a
+  // sliding window's splits (16: one cluster's, kMaxClusterMergedSplits).
+  static const int64_t window_cap = [] {
+    const char* text = std::getenv("GEMMA4_TMP_WINDOW_SPLITS");
+    return text != nullptr ? std::atoll(text) : int64_t{0};
+  }();
+  if (window > 0 && window_cap > 0) budget = std::min<int64_t>(budget, window_cap);
   return static_cast<int>(
       std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
