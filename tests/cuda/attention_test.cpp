@@ -28,9 +28,10 @@ struct Case {
 };
 
 // The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches,
-// up to kMaxClusterMergedSplits splits merged in clusters), AttentionQuery::cuda_core_kernel,
-// AttentionQuery::thread_copies, or AttentionQuery::merge_without_clusters.
-enum class Kernel { kDefault, kCudaCores, kThreadCopies, kGlobalMerge };
+// two tile groups for bf16 rows of 256, up to kMaxClusterMergedSplits splits merged in clusters),
+// AttentionQuery::cuda_core_kernel, AttentionQuery::thread_copies,
+// AttentionQuery::merge_without_clusters, or AttentionQuery::single_tile_group.
+enum class Kernel { kDefault, kCudaCores, kThreadCopies, kGlobalMerge, kSingleTileGroup };
 
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
 // key is invisible as any empty slot.
@@ -39,10 +40,11 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
-               (kernel == Kernel::kCudaCores      ? " cuda cores"
-                : kernel == Kernel::kThreadCopies ? " thread copies"
-                : kernel == Kernel::kGlobalMerge  ? " global merge"
-                                                  : "") +
+               (kernel == Kernel::kCudaCores         ? " cuda cores"
+                : kernel == Kernel::kThreadCopies    ? " thread copies"
+                : kernel == Kernel::kGlobalMerge     ? " global merge"
+                : kernel == Kernel::kSingleTileGroup ? " single tile group"
+                                                     : "") +
                (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
@@ -110,6 +112,7 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   query.cuda_core_kernel = kernel == Kernel::kCudaCores;
   query.thread_copies = kernel == Kernel::kThreadCopies;
   query.merge_without_clusters = kernel == Kernel::kGlobalMerge;
+  query.single_tile_group = kernel == Kernel::kSingleTileGroup;
   const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
                                         counter_count};
   CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
@@ -194,6 +197,7 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
       run_case(c, Kernel::kCudaCores);
       run_case(c, Kernel::kThreadCopies);
       run_case(c, Kernel::kGlobalMerge);
+      run_case(c, Kernel::kSingleTileGroup);
     }
   }
 }
@@ -222,6 +226,7 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
           run_case(c, Kernel::kCudaCores);
           run_case(c, Kernel::kThreadCopies);
           run_case(c, Kernel::kGlobalMerge);
+          run_case(c, Kernel::kSingleTileGroup);
         }
       }
     }
@@ -237,8 +242,8 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const Kernel kernel :
-         {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies, Kernel::kGlobalMerge}) {
+    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies,
+                                Kernel::kGlobalMerge, Kernel::kSingleTileGroup}) {
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -269,6 +274,7 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
         run_case(c, Kernel::kCudaCores, true);
         run_case(c, Kernel::kThreadCopies, true);
         run_case(c, Kernel::kGlobalMerge, true);
+        run_case(c, Kernel::kSingleTileGroup, true);
       }
     }
   }
@@ -290,6 +296,7 @@ TEST(DecodeAttention, ManySequencesMergeSeveralHeadsPerPart) {
       run_case(c);
       run_case(c, Kernel::kThreadCopies);
       run_case(c, Kernel::kGlobalMerge);
+      run_case(c, Kernel::kSingleTileGroup);
     }
   }
 }

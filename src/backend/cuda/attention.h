@@ -109,6 +109,10 @@ struct AttentionQuery {
   // kernel) even where a cluster could (decode_attention_launches): benchmarks and tests compare
   // the two.
   bool merge_without_clusters = false;
+  // The tensor-core kernel's 8 warps compute one 16-key tile at a time even where two groups of 4
+  // warps could compute two (bf16 caches of head dim 256, bulk copies): benchmarks and tests
+  // compare the two.
+  bool single_tile_group = false;
 };
 constexpr int kMaxPreparedGroupFloats = 4096;
 
