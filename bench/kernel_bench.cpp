@@ -561,11 +561,10 @@ std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* 
 // The decode attention kernels measured: a cache type, and for bf16 the tensor-core kernel or
 // the CUDA-core one (AttentionQuery::cuda_core_kernel), the tensor-core one also with its tiles
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
-// split-merge counters and clusters (the merge kernel merges every split count), or with the fused
-// prologue the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the
-// new K/V stored), or merging through global memory where a cluster could
-// (AttentionQuery::merge_without_clusters), or one tile at a time where two tile groups could
-// take two (AttentionQuery::single_tile_group).
+// split-merge counters (the merge kernel merges every split count), or with the fused prologue
+// the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the new K/V
+// stored), or one tile at a time where two tile groups could take two
+// (AttentionQuery::single_tile_group).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
@@ -573,7 +572,6 @@ struct AttentionVariant {
   bool thread_copies = false;
   bool merge_kernel = false;
   bool prepare = false;
-  bool global_merge = false;
   bool single_tile_group = false;
 };
 
@@ -641,7 +639,6 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
   query.thread_copies = variant.thread_copies;
-  query.merge_without_clusters = variant.global_merge || variant.merge_kernel;
   query.single_tile_group = variant.single_tile_group;
   // The prologue's raw k and v rows, norm scales and RoPE frequencies (Gemma's 1/10000^(2i/d)).
   float *new_kv = nullptr, *norms = nullptr;
@@ -1068,9 +1065,7 @@ int main(int argc, char** argv) {
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-mk", false, true},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep", false, false, true},
-      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep-gm", false, false, true, true},
-      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep-1g", false, false, true, false,
-       true},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep-1g", false, false, true, true},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},

@@ -28,10 +28,9 @@ struct Case {
 };
 
 // The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches,
-// two tile groups for bf16 rows of 256, up to kMaxClusterMergedSplits splits merged in clusters),
-// AttentionQuery::cuda_core_kernel, AttentionQuery::thread_copies,
-// AttentionQuery::merge_without_clusters, or AttentionQuery::single_tile_group.
-enum class Kernel { kDefault, kCudaCores, kThreadCopies, kGlobalMerge, kSingleTileGroup };
+// two tile groups for bf16 rows of 256), AttentionQuery::cuda_core_kernel,
+// AttentionQuery::thread_copies, or AttentionQuery::single_tile_group.
+enum class Kernel { kDefault, kCudaCores, kThreadCopies, kSingleTileGroup };
 
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
 // key is invisible as any empty slot.
@@ -42,7 +41,6 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
                (kernel == Kernel::kCudaCores         ? " cuda cores"
                 : kernel == Kernel::kThreadCopies    ? " thread copies"
-                : kernel == Kernel::kGlobalMerge     ? " global merge"
                 : kernel == Kernel::kSingleTileGroup ? " single tile group"
                                                      : "") +
                (own_slot_unwritten ? " own slot unwritten" : ""));
@@ -111,7 +109,6 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = kernel == Kernel::kCudaCores;
   query.thread_copies = kernel == Kernel::kThreadCopies;
-  query.merge_without_clusters = kernel == Kernel::kGlobalMerge;
   query.single_tile_group = kernel == Kernel::kSingleTileGroup;
   const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
                                         counter_count};
@@ -196,7 +193,6 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
     if (c.type != KvType::kF32) {
       run_case(c, Kernel::kCudaCores);
       run_case(c, Kernel::kThreadCopies);
-      run_case(c, Kernel::kGlobalMerge);
       run_case(c, Kernel::kSingleTileGroup);
     }
   }
@@ -225,7 +221,6 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
         if (type != KvType::kF32) {
           run_case(c, Kernel::kCudaCores);
           run_case(c, Kernel::kThreadCopies);
-          run_case(c, Kernel::kGlobalMerge);
           run_case(c, Kernel::kSingleTileGroup);
         }
       }
@@ -242,8 +237,8 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies,
-                                Kernel::kGlobalMerge, Kernel::kSingleTileGroup}) {
+    for (const Kernel kernel :
+         {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies, Kernel::kSingleTileGroup}) {
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -273,7 +268,6 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
         run_case(c, Kernel::kDefault, true);
         run_case(c, Kernel::kCudaCores, true);
         run_case(c, Kernel::kThreadCopies, true);
-        run_case(c, Kernel::kGlobalMerge, true);
         run_case(c, Kernel::kSingleTileGroup, true);
       }
     }
@@ -295,7 +289,6 @@ TEST(DecodeAttention, ManySequencesMergeSeveralHeadsPerPart) {
     for (const Case& c : cases) {
       run_case(c);
       run_case(c, Kernel::kThreadCopies);
-      run_case(c, Kernel::kGlobalMerge);
       run_case(c, Kernel::kSingleTileGroup);
     }
   }
@@ -317,7 +310,6 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   kv.kv_heads = 1;
   kv.head_dim = 256;
   AttentionQuery query = {nullptr, 0, 8, nullptr, 1};
-  query.merge_without_clusters = true;
   EXPECT_EQ(decode_attention_launches(query, kv, 1, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, with_counters), 1);
   EXPECT_EQ(decode_attention_launches(query, kv, 4, without_counters), 2);
@@ -341,33 +333,6 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   query.cuda_core_kernel = false;
   query.batch = 9;  // more (sequence, q head) pairs than counters
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
-}
-
-// Which launches merge their splits in clusters (one launch, whatever the workspace): the
-// tensor-core kernel's launches of 2 to kMaxClusterMergedSplits splits; not one split (nothing to
-// merge), more splits, the CUDA-core kernel, nor AttentionQuery::merge_without_clusters.
-TEST(DecodeAttention, SplitMergeInClustersUpToTheirSize) {
-  const AttentionWorkspace without_counters = {nullptr, 264};
-  KvCacheView kv;
-  kv.type = KvType::kBF16;
-  kv.kv_heads = 8;
-  kv.head_dim = 256;
-  AttentionQuery query = {nullptr, 0, 16, nullptr, 1};
-  EXPECT_EQ(decode_attention_launches(query, kv, 1, without_counters), 1);
-  EXPECT_EQ(decode_attention_launches(query, kv, 2, without_counters), 1);
-  EXPECT_EQ(decode_attention_launches(query, kv, kMaxClusterMergedSplits, without_counters), 1);
-  EXPECT_EQ(decode_attention_launches(query, kv, kMaxClusterMergedSplits + 1, without_counters), 2);
-  query.merge_without_clusters = true;
-  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
-  query.merge_without_clusters = false;
-  query.cuda_core_kernel = true;
-  EXPECT_EQ(decode_attention_launches(query, kv, 16, without_counters), 2);
-  query.cuda_core_kernel = false;
-  kv.type = KvType::kFP8;
-  kv.kv_heads = 1;
-  kv.head_dim = 512;
-  query.q_heads = 8;
-  EXPECT_EQ(decode_attention_launches(query, kv, 9, without_counters), 1);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

@@ -24,13 +24,9 @@
 // K/V in shared memory (the part-0 one also stores it), while its first tiles are in flight.
 // Whichever kernel writes an output row (the attention kernel for one split, else the merge) also
 // writes its bf16 / kQ8 companions for o_proj's GEMV.
-#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <tuple>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
@@ -39,7 +35,6 @@
 #include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/mma.cuh"
-#include "backend/cuda/occupancy.cuh"
 #include "backend/cuda/q8.cuh"
 
 namespace gemma4::cuda {
@@ -79,9 +74,6 @@ struct AttentionArgs {
   // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
   // head merges its splits (merge_in_last_block) instead of the merge kernel.
   int* merge_counters;
-  // > 0 (tensor-core kernel): the launch runs in clusters of this many blocks along x, one per
-  // split, and a cluster merges its splits through distributed shared memory (merge_in_cluster).
-  int cluster_splits;
 };
 
 // The keys a query at `query_position` scans, n = P + 1 capped by the slots and the window: the
@@ -202,49 +194,34 @@ struct Tiling {
 // own SM rather than all of them one after another through one block.
 // Block x serves split x / parts, part x % parts. A shallow cache with a block for each head
 // (the common case at batch 1) needs no division: they lie on the chain before the PDL wait.
-// In clusters of `cluster` blocks (AttentionArgs::cluster_splits) a cache using more than one
-// split gives each part a cluster: block x serves split x % cluster, part x / cluster, and the
-// cluster's blocks past the splits in use take no keys but join its merge's barriers.
 struct BlockWork {
   int splits, parts, heads_per_part;
-  int cluster;  // 0: no cluster merge
 
   __device__ __forceinline__ int split_of(int block) const {
-    if (cluster > 0) return block % cluster;
     return splits == 1 ? 0 : block / parts;
   }
   __device__ __forceinline__ int part_of(int block) const {
-    if (cluster > 0) return block / cluster;
     return splits == 1 ? block : block % parts;
   }
 };
 
-__host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group,
-                                                         int cluster = 0) {
-  if (cluster > 0 && splits > 1) {
-    const int parts = max(1, blocks / cluster);
-    const int heads_per_part = (group + parts - 1) / parts;
-    return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part, cluster};
-  }
+__host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks, int group) {
   const int fitting = splits == 1 ? blocks : blocks / splits;
-  if (fitting >= group) return {splits, group, 1, 0};
+  if (fitting >= group) return {splits, group, 1};
   const int parts = fitting < 1 ? 1 : fitting;
   const int heads_per_part = (group + parts - 1) / parts;
-  return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part, 0};
+  return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
 }
 
 // What block (x, kv head, sequence) of a launch does: its sequence's query row and position, the
 // keys the query scans, and the block's (key split, q-head part) of them (block_work). A block
-// the depth leaves without keys (`works` false) exits; the merge skips it, except that a block of
-// a merging cluster (`joins_cluster`) waits for its merge first.
+// the depth leaves without keys (`works` false) exits; the merge skips it.
 struct BlockRange {
   const SequenceKv* sequence;
   int64_t row;
   int32_t query_position;
   ScannedKeys scan;
   bool works;
-  bool merges_in_cluster;  // the splits (more than one) merge in the block's cluster
-  bool joins_cluster;      // a block without keys in such a cluster
   int split, part;
   int first_head, heads;  // the part's q heads of the group
   int64_t begin, end;     // the split's keys
@@ -256,17 +233,10 @@ __device__ __forceinline__ BlockRange block_range(const AttentionArgs& a) {
   r.row = r.sequence->first_row;
   r.query_position = a.positions[r.row];
   r.scan = scanned_keys(r.sequence->slots, r.query_position, a.window, a.splits);
-  const BlockWork work = block_work(r.scan.splits, gridDim.x, a.group, a.cluster_splits);
+  const BlockWork work = block_work(r.scan.splits, gridDim.x, a.group);
+  r.works = static_cast<int>(blockIdx.x) < work.splits * work.parts;
   r.split = work.split_of(blockIdx.x);
   r.part = work.part_of(blockIdx.x);
-  r.merges_in_cluster = work.cluster > 0;
-  if (r.merges_in_cluster) {
-    r.works = r.split < work.splits && r.part < work.parts;
-    r.joins_cluster = r.split >= work.splits && r.part < work.parts;
-  } else {
-    r.works = static_cast<int>(blockIdx.x) < work.splits * work.parts;
-    r.joins_cluster = false;
-  }
   r.first_head = r.part * work.heads_per_part;
   r.heads = min(work.heads_per_part, a.group - r.first_head);
   r.begin = r.scan.split_begin(r.split);
@@ -905,63 +875,6 @@ __device__ __forceinline__ void arrive_after_copies(uint64_t* barrier) {
                : "memory");
 }
 
-// A barrier of every thread of the block's cluster; the shared memory writes before it are
-// visible to the whole cluster after it.
-__device__ __forceinline__ void cluster_barrier() {
-  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
-}
-
-// The split merge of a cluster (AttentionArgs::cluster_splits), in place of partial records: block
-// s of the cluster holds split s's unnormalised outputs of its part's q heads in `staged` (the
-// tensor-core epilogue's [warp][head][warp dims] layout) and their (max, sum) in `stats`; after a
-// cluster barrier, warp w of block r combines the 32-dim chunks r + C · w, r + C · (w + 8), ...
-// of the part's heads · HD outputs (C = the cluster's blocks) from the `splits` blocks holding
-// keys, reading their shared memory (one round trip: every split's value and statistics loaded
-// at once), and writes them with their companions. A second barrier keeps every block's shared
-// memory alive until the cluster has read it. Against the records in global memory, their
-// release-acquire count and the last block's reads of them (merge_in_last_block), or a merge
-// kernel in the chain, this is two barriers and one round trip between SMs.
-template <int HD>
-__device__ __forceinline__ void merge_in_cluster(const AttentionArgs& a, int64_t row,
-                                                 int first_q_head, int heads, int splits,
-                                                 const float* staged, const float2* stats, int warp,
-                                                 int lane) {
-  namespace cg = cooperative_groups;
-  constexpr int kWarpDims = HD / kWarps;
-  constexpr int kChunksPerHead = HD / 32;
-  const cg::cluster_group cluster = cg::this_cluster();
-  const int blocks = a.cluster_splits;
-  const int rank = static_cast<int>(cluster.block_rank());
-  cluster_barrier();
-  for (int chunk = rank + blocks * warp; chunk < heads * kChunksPerHead;
-       chunk += blocks * kWarps) {  // warp-uniform
-    const int h = chunk / kChunksPerHead;
-    const int d = chunk % kChunksPerHead * 32 + lane;
-    const int offset = d / kWarpDims * (kMmaMaxGroup * kWarpDims) + h * kWarpDims + d % kWarpDims;
-    const float2 stat =
-        lane < splits ? *cluster.map_shared_rank(stats + h, lane) : make_float2(-INFINITY, 0.0f);
-    float value[kMaxClusterMergedSplits];
-#pragma unroll
-    for (int s = 0; s < kMaxClusterMergedSplits; ++s) {
-      value[s] = s < splits ? cluster.map_shared_rank(staged, s)[offset] : 0.0f;
-    }
-    const float head_max = chunk_reduce<32>(stat.x, [](float x, float y) { return fmaxf(x, y); });
-    const float weight =
-        head_max == -INFINITY || stat.x == -INFINITY ? 0.0f : expf(stat.x - head_max);
-    const float total = chunk_reduce<32>(weight * stat.y, [](float x, float y) { return x + y; });
-    float sum = 0.0f;
-#pragma unroll
-    for (int s = 0; s < kMaxClusterMergedSplits; ++s) {
-      sum = fmaf(__shfl_sync(0xFFFFFFFFu, weight, s), value[s], sum);
-    }
-    const float result[1] = {total > 0.0f ? sum / total : 0.0f};
-    const int64_t column = static_cast<int64_t>(first_q_head + h) * HD + d;
-    a.out[row * a.out_stride + column] = result[0];
-    store_companions<1>(a.out_companions, row, column, result);
-  }
-  cluster_barrier();
-}
-
 template <int HD, typename KvT, bool kPrepare, bool kBulk, int kGroups>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
   using T = MmaTiling<HD, KvT, kBulk, kGroups>;
@@ -984,8 +897,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // cache, which wrote them in this step).
   __shared__ __align__(16) KvT new_kv[2][HD];
   __shared__ int32_t own_position;
-  // merge_in_cluster: each q head's (max, sum) of the block's keys, read by the cluster.
-  __shared__ float2 cluster_stats[kMmaMaxGroup];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
@@ -1007,14 +918,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   __syncwarp();
   const int kv = blockIdx.y;
   const BlockRange range = block_range(a);
-  if (!range.works) {
-    // A cluster's blocks past the splits in use: its merge's two barriers (merge_in_cluster).
-    if (range.joins_cluster) {
-      cluster_barrier();
-      cluster_barrier();
-    }
-    return;
-  }
+  if (!range.works) return;
   const SequenceKv& sequence = *range.sequence;
   const int64_t row = range.row;
   const int32_t query_position = range.query_position;
@@ -1451,16 +1355,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     __syncthreads();
     staged = merged + warp * kMmaMaxGroup * T::kOutputWarpDims;
   }
-  if (range.merges_in_cluster) {
-    if (threadIdx.x == 0) {
-#pragma unroll
-      for (int h = 0; h < kMmaMaxGroup; ++h)
-        cluster_stats[h] = make_float2(head_max[h], head_sum[h]);
-    }
-    merge_in_cluster<HD>(a, row, kv * a.group + first_head, heads, splits, merged, cluster_stats,
-                         warp, lane);
-    return;
-  }
 #pragma unroll
   for (int h = 0; h < kMmaMaxGroup; ++h) {
     if (h >= heads) break;  // warp-uniform
@@ -1493,19 +1387,16 @@ struct MergeArgs {
 };
 
 constexpr int kMergeWarps = 8;
-// The loads a merge lane keeps in flight: kDimsPerLane dims of 48 / kDimsPerLane splits. 48 takes
-// a deep E2B full layer's 264 splits (33 per warp, one dim per lane) in one batch.
-constexpr int kMergeLoadsInFlight = 48;
+// The loads a merge lane keeps in flight: kDimsPerLane dims of 16 / kDimsPerLane splits.
+constexpr int kMergeLoadsInFlight = 16;
 
 // Block (head, sequence, slice of block_dims dims) of 8 warps, over the splits the attention
 // kernel used (none when it used one: it then wrote the output itself). The splits' weights
-// exp(max_s − max) go to shared memory once; warp w accumulates the splits w, w + 8, ...
+// exp(max_s − max) go to shared memory once; warp w then accumulates the splits w, w + 8, ...
 // (kMergeLoadsInFlight / kDimsPerLane at a time) for the slice's dims (lane l owns dims l + 32i,
-// kDimsPerLane = block_dims / 32 of them), and the 8 partial vectors are summed in shared memory.
-// The first batch of values is loaded before the splits' maxima and sums, so that its L2 round
-// trip overlaps theirs: the merge of up to 8 · kMergeLoadsInFlight / kDimsPerLane splits waits on
-// one round trip, not one for the records and one per batch. Slicing the dims gives a single deep
-// sequence enough blocks to read its partials at the L2's pace.
+// kDimsPerLane = block_dims / 32 of them), and the 8 partial
+// vectors are summed in shared memory. Slicing the dims gives a single deep sequence enough
+// blocks to read its partials at the L2's pace rather than one round trip after another.
 template <int kDimsPerLane>
 __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArgs a) {
   pdl_trigger_dependents();
@@ -1527,29 +1418,10 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
       a.partials + (static_cast<int64_t>(blockIdx.y) * a.q_heads + head) * a.splits * record;
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  constexpr int kUnroll = kMergeLoadsInFlight / kDimsPerLane;
-  const int first_dim = blockIdx.z * a.block_dims;
-  // Warp w's values of splits first, first + 8, ... (kUnroll of them; 0 past the splits).
-  float values[kUnroll][kDimsPerLane];
-  auto load_values = [&](int first) {
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      const int s = first + u * kMergeWarps;
-      const float* split_values = base + s * record + 2 + first_dim;
-#pragma unroll
-      for (int i = 0; i < kDimsPerLane; ++i) {
-        values[u][i] = s < splits ? split_values[lane + 32 * i] : 0.0f;
-      }
-    }
-  };
-  load_values(warp);
 
-  // Two maxima a thread per round trip (a deep E2B full layer's 264 splits in one).
   float local_max = -INFINITY;
-  for (int s = threadIdx.x; s < splits; s += 2 * blockDim.x) {
-    const int next = s + blockDim.x;
-    local_max =
-        fmaxf(local_max, fmaxf(base[s * record], next < splits ? base[next * record] : -INFINITY));
+  for (int s = threadIdx.x; s < splits; s += blockDim.x) {
+    local_max = fmaxf(local_max, base[s * record]);
   }
 #pragma unroll
   for (int offset = 16; offset > 0; offset /= 2) {
@@ -1577,9 +1449,20 @@ __global__ void __launch_bounds__(kMergeWarps * 32) merge_splits_kernel(MergeArg
   float total = 0.0f;
   for (int w = 0; w < kMergeWarps; ++w) total += scratch[w];
 
+  constexpr int kUnroll = kMergeLoadsInFlight / kDimsPerLane;
+  const int first_dim = blockIdx.z * a.block_dims;
   float acc[kDimsPerLane] = {};
   for (int first = warp; first < splits; first += kMergeWarps * kUnroll) {
-    if (first != warp) load_values(first);
+    float values[kUnroll][kDimsPerLane];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      const int s = first + u * kMergeWarps;
+      const float* split_values = base + s * record + 2 + first_dim;
+#pragma unroll
+      for (int i = 0; i < kDimsPerLane; ++i) {
+        values[u][i] = s < splits ? split_values[lane + 32 * i] : 0.0f;
+      }
+    }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
       const int s = first + u * kMergeWarps;
@@ -1726,69 +1609,6 @@ bool merges_in_kernel(bool mma, const AttentionWorkspace& workspace, int splits,
              kMaxMergedInKernelBytes;
 }
 
-// The configuration of a launch of `kernel` in clusters of `cluster` blocks along x, with PDL
-// where `launch` asks for it (launch.cuh's LaunchAttributes take clusters along y). `attributes`
-// must outlive the configuration.
-cudaLaunchConfig_t cluster_launch_config(dim3 grid, int cluster, size_t shared_bytes,
-                                         const Launch& launch,
-                                         cudaLaunchAttribute (&attributes)[2]) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = shared_bytes;
-  config.stream = launch.stream;
-  attributes[0].id = cudaLaunchAttributeClusterDimension;
-  attributes[0].val.clusterDim.x = static_cast<unsigned>(cluster);
-  attributes[0].val.clusterDim.y = 1;
-  attributes[0].val.clusterDim.z = 1;
-  attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attributes[1].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attributes;
-  config.numAttrs = launch.pdl ? 2 : 1;
-  return config;
-}
-
-// Whether the GPU runs the tensor-core kernel `mma` in clusters of `splits` blocks (sizes above 8
-// are not portable: the kernel opts in here). Asked once per (kernel, cluster size, device).
-bool runs_in_clusters(const MmaKernel& mma, int splits) {
-  struct Key {
-    AttentionKernel kernel;
-    int splits;
-    int device;
-    bool operator<(const Key& o) const {
-      return std::tie(kernel, splits, device) < std::tie(o.kernel, o.splits, o.device);
-    }
-  };
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  const Key key = {mma.kernel, splits, device};
-  static std::mutex mutex;
-  static std::map<Key, bool> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  if (const auto found = known.find(key); found != known.end()) return found->second;
-  bool runs = cudaFuncSetAttribute(mma.kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   mma.shared_bytes) == cudaSuccess &&
-              (splits <= 8 ||
-               cudaFuncSetAttribute(mma.kernel, cudaFuncAttributeNonPortableClusterSizeAllowed,
-                                    1) == cudaSuccess);
-  if (runs) {
-    cudaLaunchAttribute attributes[2] = {};
-    const cudaLaunchConfig_t config = cluster_launch_config(
-        dim3(static_cast<unsigned>(splits)), splits, mma.shared_bytes, Launch{}, attributes);
-    runs = occupancy_clusters(mma.kernel, config, splits, device) > 0;
-  }
-  cudaGetLastError();  // a refusal is the answer, not an error left for the caller
-  known.emplace(key, runs);
-  return runs;
-}
-
-// Whether the tensor-core kernel `mma` (none: the CUDA-core one) merges `splits` in clusters of a
-// block per split (decode_attention_launches).
-bool merges_in_clusters(const MmaKernel& mma, const AttentionQuery& query, int splits) {
-  return mma.kernel != nullptr && !query.merge_without_clusters && splits > 1 &&
-         splits <= kMaxClusterMergedSplits && runs_in_clusters(mma, splits);
-}
-
 }  // namespace
 
 int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
@@ -1799,7 +1619,6 @@ int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv
   const MmaKernel mma = query.cuda_core_kernel ? MmaKernel{}
                                                : select_mma_kernel(kv.type, kv.head_dim, group,
                                                                    query.prepare != nullptr, query);
-  if (merges_in_clusters(mma, query, splits)) return 1;
   const int batch = kv.sequences != nullptr ? kv.sequences->count : query.batch;
   return merges_in_kernel(mma.kernel != nullptr, workspace, splits, batch, kv.kv_heads, group,
                           kv.head_dim)
@@ -1872,40 +1691,23 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                                                : select_mma_kernel(kv.type, kv.head_dim, group,
                                                                    prepare != nullptr, query);
   const AttentionKernel mma_kernel = mma.kernel;
-  int blocks = blocks_per_kv_head(splits, group, kv.kv_heads, batch);
-  // In clusters: a whole cluster (a block per split) for each q-head part.
-  const bool merged_in_clusters = merges_in_clusters(mma, query, splits);
-  if (merged_in_clusters) {
-    blocks = blocks / splits * splits;
-    args.cluster_splits = splits;
-  }
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(kv.kv_heads),
-                  static_cast<unsigned>(batch));
+  const dim3 grid(static_cast<unsigned>(blocks_per_kv_head(splits, group, kv.kv_heads, batch)),
+                  static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));
   size_t shared_bytes = kPipelineBytes;
   if (mma_kernel != nullptr) {
     kernel = mma_kernel;
     shared_bytes = mma.shared_bytes;
   }
-  const bool merged_in_kernel =
-      !merged_in_clusters && merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
-                                              kv.kv_heads, group, kv.head_dim);
+  const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
+                                                 kv.kv_heads, group, kv.head_dim);
   if (merged_in_kernel) args.merge_counters = workspace.merge_counters;
   // Above 48 KB of shared memory a kernel must opt in (a function attribute, not a stream
   // operation: allowed while a graph is captured).
   cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, shared_bytes);
   if (status != cudaSuccess) return status;
-  if (merged_in_clusters) {
-    cudaLaunchAttribute attributes[2] = {};
-    const cudaLaunchConfig_t config =
-        cluster_launch_config(grid, splits, shared_bytes, launch, attributes);
-    status = cudaLaunchKernelEx(&config, kernel, args);
-  } else {
-    status = launch_kernel(kernel, grid, dim3(kThreads), shared_bytes, launch, args);
-  }
-  if (status != cudaSuccess || splits == 1 || merged_in_kernel || merged_in_clusters) {
-    return status;
-  }
+  status = launch_kernel(kernel, grid, dim3(kThreads), shared_bytes, launch, args);
+  if (status != cudaSuccess || splits == 1 || merged_in_kernel) return status;
   // Dim slices (a power of two, at most one per 32 dims) so that the merge fills about the
   // blocks the GPU runs at once.
   int slices = 1;

@@ -105,10 +105,6 @@ struct AttentionQuery {
   // The tensor-core kernel loads its K/V tiles by every thread's 16-byte cp.async pieces instead
   // of one bulk copy per row: benchmarks and tests compare the two.
   bool thread_copies = false;
-  // The tensor-core kernel merges its splits through global memory (its last block or the merge
-  // kernel) even where a cluster could (decode_attention_launches): benchmarks and tests compare
-  // the two.
-  bool merge_without_clusters = false;
   // The tensor-core kernel's 8 warps compute one 16-key tile at a time even where two groups of 4
   // warps could compute two (bf16 caches of head dim 256, bulk copies): benchmarks and tests
   // compare the two.
@@ -141,20 +137,16 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
                              const ActivationCompanions& out_companions = {});
 
 // The kernels decode_attention launches for these arguments: 1, or 2 when the splits need the merge
-// kernel. The tensor-core kernel merges up to kMaxClusterMergedSplits splits in clusters of a
-// block per split, through distributed shared memory (no partial records: the blocks of a cluster
-// read each other's outputs), where the GPU runs such clusters. Otherwise it merges them itself
-// when `workspace` has merge counters for every (sequence, q head) and the partials to merge are
-// few (at most kMaxMergedInKernelSplits splits, kMaxMergedInKernelBytes of records per q-head part
-// of a kv head at the deepest cache): the last of a part's split blocks to finish combines them,
-// and the merge kernel's place in the chain of dependent kernels is saved (also at shallow depths,
-// where a graph recorded for a deep cache would replay a merge kernel with nothing to merge). That
-// one block reads all of its part's records, so the bound is low: measured on the H200
-// (kernel_bench, sliding windows full, s8 early batch, one part per kv head), 26B's sliding layer
-// (32 splits x 2 heads x 256: 66 KB) took 10.5 us merged in the kernel vs 9.1 with the merge
-// kernel, E2B's (16 x 8 x 256: 132 KB) 11.1 vs 6.8. E2B's sliding layer now has a part per q head
-// (16 x 1 x 256: 16.5 KB).
-constexpr int kMaxClusterMergedSplits = 16;
+// kernel. The tensor-core kernel merges the splits itself when `workspace` has merge counters for
+// every (sequence, q head) and the partials to merge are few (at most kMaxMergedInKernelSplits
+// splits, kMaxMergedInKernelBytes of records per q-head part of a kv head at the deepest cache):
+// the last of a part's split blocks to finish combines them, and the merge kernel's place in the
+// chain of dependent kernels is saved (also at shallow depths, where a graph recorded for a deep
+// cache would replay a merge kernel with nothing to merge). That one block reads all of its part's
+// records, so the bound is low: measured on the H200 (kernel_bench, sliding windows full, s8 early
+// batch, one part per kv head), 26B's sliding layer (32 splits x 2 heads x 256: 66 KB) took 10.5
+// us merged in the kernel vs 9.1 with the merge kernel, E2B's (16 x 8 x 256: 132 KB) 11.1 vs 6.8.
+// E2B's sliding layer now has a part per q head (16 x 1 x 256: 16.5 KB).
 constexpr int kMaxMergedInKernelSplits = 64;
 constexpr int64_t kMaxMergedInKernelBytes = 40 << 10;
 int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,

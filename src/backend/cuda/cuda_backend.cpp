@@ -4,7 +4,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <numeric>
 #include <tuple>
 
@@ -63,14 +62,7 @@ int attention_splits(int64_t slots, int window, int64_t sequences, int kv_heads)
   if (window > 0) slots = std::min<int64_t>(slots, window);
   // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
   // batch takes fewer splits each and the partials stay small.
-  int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
-  // TEMPORARY (session 10 A/B, removed before the final commit): GEMMA4_TMP_WINDOW_SPLITS caps a
-  // sliding window's splits (16: one cluster's, kMaxClusterMergedSplits).
-  static const int64_t window_cap = [] {
-    const char* text = std::getenv("GEMMA4_TMP_WINDOW_SPLITS");
-    return text != nullptr ? std::atoll(text) : int64_t{0};
-  }();
-  if (window > 0 && window_cap > 0) budget = std::min<int64_t>(budget, window_cap);
+  const int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
   return static_cast<int>(
       std::clamp<int64_t>((slots + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
