@@ -563,8 +563,7 @@ std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* 
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
 // split-merge counters (the merge kernel merges every split count), or with the fused prologue
 // the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the new K/V
-// stored), or one tile at a time where two tile groups could take two
-// (AttentionQuery::single_tile_group).
+// stored).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
@@ -572,7 +571,6 @@ struct AttentionVariant {
   bool thread_copies = false;
   bool merge_kernel = false;
   bool prepare = false;
-  bool single_tile_group = false;
 };
 
 // Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
@@ -639,7 +637,6 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
   gemma4::cuda::AttentionQuery query = {q, int64_t(q_heads) * head_dim, q_heads, position, 1};
   query.cuda_core_kernel = variant.cuda_core_kernel;
   query.thread_copies = variant.thread_copies;
-  query.single_tile_group = variant.single_tile_group;
   // The prologue's raw k and v rows, norm scales and RoPE frequencies (Gemma's 1/10000^(2i/d)).
   float *new_kv = nullptr, *norms = nullptr;
   gemma4::cuda::DecodePrepare prepare;
@@ -1065,7 +1062,6 @@ int main(int argc, char** argv) {
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-mk", false, true},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep", false, false, true},
-      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep-1g", false, false, true, true},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},

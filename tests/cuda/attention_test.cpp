@@ -27,10 +27,9 @@ struct Case {
   KvType type;
 };
 
-// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches,
-// two tile groups for bf16 rows of 256), AttentionQuery::cuda_core_kernel,
-// AttentionQuery::thread_copies, or AttentionQuery::single_tile_group.
-enum class Kernel { kDefault, kCudaCores, kThreadCopies, kSingleTileGroup };
+// The kernel a case runs on: the default (tensor cores and bulk copies for bf16 and e4m3 caches),
+// AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
+enum class Kernel { kDefault, kCudaCores, kThreadCopies };
 
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
 // key is invisible as any empty slot.
@@ -39,10 +38,9 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
   SCOPED_TRACE(std::string(c.name) + type_name + " splits=" + std::to_string(c.splits) +
-               (kernel == Kernel::kCudaCores         ? " cuda cores"
-                : kernel == Kernel::kThreadCopies    ? " thread copies"
-                : kernel == Kernel::kSingleTileGroup ? " single tile group"
-                                                     : "") +
+               (kernel == Kernel::kCudaCores      ? " cuda cores"
+                : kernel == Kernel::kThreadCopies ? " thread copies"
+                                                  : "") +
                (own_slot_unwritten ? " own slot unwritten" : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
@@ -109,7 +107,6 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = kernel == Kernel::kCudaCores;
   query.thread_copies = kernel == Kernel::kThreadCopies;
-  query.single_tile_group = kernel == Kernel::kSingleTileGroup;
   const AttentionWorkspace workspace = {partials.get(), c.splits, merge_counters.get(),
                                         counter_count};
   CUDA_ASSERT_OK(decode_attention(query, kv, c.window, 1.0f, out.get(), c.q_heads * hd, workspace,
@@ -193,7 +190,6 @@ TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
     if (c.type != KvType::kF32) {
       run_case(c, Kernel::kCudaCores);
       run_case(c, Kernel::kThreadCopies);
-      run_case(c, Kernel::kSingleTileGroup);
     }
   }
 }
@@ -221,7 +217,6 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
         if (type != KvType::kF32) {
           run_case(c, Kernel::kCudaCores);
           run_case(c, Kernel::kThreadCopies);
-          run_case(c, Kernel::kSingleTileGroup);
         }
       }
     }
@@ -237,8 +232,7 @@ TEST(DecodeAttention, ShallowAndDeepSequencesInOneLaunch) {
 TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   const std::vector<int32_t> eight_rows = {0, 699, 1024, 4999, 1, 33, 2047, 4500};
   for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const Kernel kernel :
-         {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies, Kernel::kSingleTileGroup}) {
+    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores, Kernel::kThreadCopies}) {
       const Case cases[] = {
           {"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, 264, type},
           {"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type},
@@ -268,7 +262,6 @@ TEST(DecodeAttention, UnwrittenOwnSlotIsInvisible) {
         run_case(c, Kernel::kDefault, true);
         run_case(c, Kernel::kCudaCores, true);
         run_case(c, Kernel::kThreadCopies, true);
-        run_case(c, Kernel::kSingleTileGroup, true);
       }
     }
   }
@@ -289,7 +282,6 @@ TEST(DecodeAttention, ManySequencesMergeSeveralHeadsPerPart) {
     for (const Case& c : cases) {
       run_case(c);
       run_case(c, Kernel::kThreadCopies);
-      run_case(c, Kernel::kSingleTileGroup);
     }
   }
 }

@@ -622,12 +622,7 @@ constexpr size_t kBulkPipelineBytes = 100 << 10;
 
 // kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
 // 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
-// kGroups (2: bulk-copied bf16 rows only): the block's warps form kGroups groups, group g
-// computing tiles g, g + kGroups, ... with its own online softmax, merged at the end. A tile's
-// chain (its mbarrier, the score exchange's barrier, the softmax) costs about as much whatever the
-// head dims per warp: measured ~0.7 µs per 16 keys of 256 dims on 8 warps (kernel_bench, one split
-// at depth 64 vs 8), so a sliding window's split of 2-4 tiles is that chain 2-4 times over.
-template <int HD, typename KvT, bool kBulk, int kGroups = 1>
+template <int HD, typename KvT, bool kBulk>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
@@ -645,29 +640,20 @@ struct MmaTiling {
       2 * kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);  // K rows, then V rows
   static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
   static constexpr size_t kBudgetBytes = kBulk ? kBulkPipelineBytes : kPipelineBytes;
-  // A group's tiles use every kGroups-th stage, its own.
-  static constexpr int kStages =
-      static_cast<int>((kBudgetBytes - kWidenedBytes) / kStageBytes) / kGroups * kGroups;
+  static constexpr int kStages = static_cast<int>((kBudgetBytes - kWidenedBytes) / kStageBytes);
   // The dynamic shared memory a block uses.
   static constexpr size_t kSharedBytes = size_t{kStages} * kStageBytes + kWidenedBytes;
   static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
-  static constexpr int kGroupWarps = kWarps / kGroups;
-  static constexpr int kWarpDims = HD / kGroupWarps;  // the dims a warp owns in its group
-  static constexpr int kSteps = kWarpDims / 16;       // k16 steps of q·kᵀ = m16 tiles of p·v
+  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
+  static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
   static constexpr int kWarpRowChunks = kWarpDims * kElementBytes / kChunkBytes;  // as cached
-  // The epilogue's outputs: warp w's are dims [w, w + 1) · kOutputWarpDims of every head.
-  static constexpr int kOutputWarpDims = HD / kWarps;
-  static_assert(kGroups == 1 || (kGroups == 2 && kBulk && !kWidens));
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
   // The prepared q heads (fp32) fit the stage the prologue writes them to.
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
-  // One group: the epilogue's staged outputs fit what of stage 0 is dead once every warp has
-  // passed the last tile's score barrier: its K rows, or all of it where the rows read later are
-  // widened copies. Groups: after a block barrier, each group's outputs and their merge.
-  static_assert(kGroups == 1
-                    ? sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
-                          (kWidens ? kStageBytes : kStageBytes / 2)
-                    : sizeof(float) * kMmaMaxGroup * (kGroups + 1) * HD <= kStages * kStageBytes);
+  // The epilogue's staged outputs fit what of stage 0 is dead once every warp has passed the last
+  // tile's score barrier: its K rows, or all of it where the rows read later are widened copies.
+  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
+                (kWidens ? kStageBytes : kStageBytes / 2));
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -856,40 +842,16 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
 }
 
-// An mbarrier expecting `count` arrivals a phase (cp_async.cuh's init_barrier: one).
-__device__ __forceinline__ void init_arrivals(uint64_t* barrier, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(count)
-               : "memory");
-}
-
-// One arrival on `barrier` (releasing this thread's earlier writes to its waiters).
-__device__ __forceinline__ void arrive(uint64_t* barrier) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(shared_address(barrier))
-               : "memory");
-}
-
-// One arrival on `barrier` once this thread's cp.async copies issued so far have landed (they
-// are then visible to its waiters).
-__device__ __forceinline__ void arrive_after_copies(uint64_t* barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(shared_address(barrier))
-               : "memory");
-}
-
-template <int HD, typename KvT, bool kPrepare, bool kBulk, int kGroups>
+template <int HD, typename KvT, bool kPrepare, bool kBulk>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD, KvT, kBulk, kGroups>;
+  using T = MmaTiling<HD, KvT, kBulk>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
-  constexpr int kGroupWarps = T::kGroupWarps;
   pdl_trigger_dependents();
   extern __shared__ __align__(16) unsigned char pipeline[];
   __shared__ int32_t tile_positions[kStages][kMmaTileKeys];
-  // kBulk: a stage's rows and slot positions have landed (phase parity (tile / kStages) & 1 for
-  // its tile): the announcement of the rows' bytes and one arrival per slot position.
+  // kBulk: a stage's rows have landed (phase parity (tile / kStages) & 1 for its tile).
   __shared__ uint64_t stage_landed[kBulk ? kStages : 1];
-  // kGroups > 1: each group's (max, sum) of every q head, then its weight in their merge, and
-  // (row kGroups) the merged (max, sum).
-  __shared__ float2 group_stats[kGroups + 1][kMmaMaxGroup];
   // Each warp's partial Sᵀ fragment of a tile, double-buffered by tile parity.
   __shared__ float4 partial_scores[2][kWarps][32];
   // The query position's K/V rows (key scanned − 1) and the position its slot holds: made by the
@@ -901,8 +863,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;  // fragment row
   const int t = lane & 3;   // fragment column pair
-  const int group = warp / kGroupWarps;
-  const int group_warp = warp % kGroupWarps;
   const DecodePrepare& prepare = a.prepare;
 
   // Before the PDL wait, everything that does not depend on the predecessors: the loads of the
@@ -944,61 +904,46 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // not read (position −1; the own key's is own_position). Thread x copies chunk
   // x % kRowChunks of the K and the V row of keys x / kRowChunks, + kKeysPerPass, ...: one slot
   // computed per pair of copies.
-  // kBulk: one bulk copy per K or V row instead, issued by the `issuer_warps` warps starting at
-  // `issuer` 0 (the block's, or a group's: the group that consumed the stage refills it), each
-  // warp's lanes l < its rows copying row w · rows + l of the tile's K rows, then V rows; issuer 0
-  // announces the tile's bytes on the stage's barrier and issuers 0-15 copy the slot positions,
-  // each arriving there once its copy has landed (or at once with −1), so that waiting for the
-  // stage's phase makes rows and positions visible to every warp without a block barrier. A bulk
-  // copy takes uniform operands, so a warp issues its lanes' copies one after another (~30 cycles
-  // each): all 32 rows from one warp held the whole block ~1 µs per tile. A copy may land before
-  // the announcement (the barrier's tx-count goes below zero), but the phase completes only after
-  // it.
+  // kBulk: one bulk copy per K or V row instead, kBulkRowsPerWarp rows from each warp (lane l <
+  // kBulkRowsPerWarp of warp w copies row w · kBulkRowsPerWarp + l of the tile's K rows, then V
+  // rows), thread 0 announcing the tile's bytes on the stage's barrier. A bulk copy takes uniform
+  // operands, so a warp issues its lanes' copies one after another (~30 cycles each): all 32 rows
+  // from one warp held the whole block ~1 µs per tile. A copy may land before the announcement
+  // (the barrier's tx-count goes below zero), but the phase completes only after it, its one
+  // arrival.
   constexpr int kKeysPerPass = kThreads / T::kRowChunks;
   static_assert(kThreads % T::kRowChunks == 0 && kMmaTileKeys % kKeysPerPass == 0);
+  constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
+  static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
-  auto load_tile = [&](int tile, int issuer, int issuer_warps) {
-    if (tile >= tiles) {
-      if constexpr (!kBulk) commit_copies();
-      return;
-    }
-    const int stage = tile % kStages;
-    unsigned char* base = pipeline + stage * T::kStageBytes;
-    const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
-    if constexpr (kBulk) {
-      const int rows = static_cast<int>(
-          min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-      if (issuer == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
-      const int rows_per_warp = 2 * kMmaTileKeys / issuer_warps;
-      const int issuer_lane = issuer & 31;
-      const int row = (issuer >> 5) * rows_per_warp + issuer_lane;
-      const int key = row % kMmaTileKeys;
-      const bool is_value = row >= kMmaTileKeys;
-      if (issuer_lane < rows_per_warp && key < rows) {
-        copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
-                  (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
-                  T::kRowBytes, &stage_landed[stage]);
-      }
-      if (issuer < kMmaTileKeys) {
-        const int64_t j = first_key + issuer;
-        if (j < loaded_end) {
-          copy_async4(&tile_positions[stage][issuer], sequence.slot_positions + scan.slot_of(j));
-          arrive_after_copies(&stage_landed[stage]);
-        } else {
-          tile_positions[stage][issuer] = -1;
-          arrive(&stage_landed[stage]);
+  auto load_tile = [&](int tile) {
+    if (tile < tiles) {
+      const int stage = tile % kStages;
+      unsigned char* base = pipeline + stage * T::kStageBytes;
+      const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
+      if constexpr (kBulk) {
+        const int rows = static_cast<int>(
+            min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
+        if (threadIdx.x == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+        const int row = warp * kBulkRowsPerWarp + lane;
+        const int key = row % kMmaTileKeys;
+        const bool is_value = row >= kMmaTileKeys;
+        if (lane < kBulkRowsPerWarp && key < rows) {
+          copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+                    (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
+                    T::kRowBytes, &stage_landed[stage]);
         }
-      }
-    } else {
+      } else {
 #pragma unroll
-      for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
-        const int64_t j = first_key + key;
-        if (j < loaded_end) {
-          const int64_t element =
-              scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
-          const int offset = T::stage_offset(key, copy_chunk);
-          copy_async16(base + offset, keys + element);
-          copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+        for (int key = threadIdx.x / T::kRowChunks; key < kMmaTileKeys; key += kKeysPerPass) {
+          const int64_t j = first_key + key;
+          if (j < loaded_end) {
+            const int64_t element =
+                scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
+            const int offset = T::stage_offset(key, copy_chunk);
+            copy_async16(base + offset, keys + element);
+            copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+          }
         }
       }
       if (threadIdx.x < kMmaTileKeys) {
@@ -1010,19 +955,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           tile_positions[stage][threadIdx.x] = -1;
         }
       }
-      commit_copies();
     }
+    commit_copies();
   };
   if constexpr (kBulk) {
     if (threadIdx.x == 0) {
-      for (int stage = 0; stage < kStages; ++stage) {
-        init_arrivals(&stage_landed[stage], 1 + kMmaTileKeys);
-      }
+      for (int stage = 0; stage < kStages; ++stage) init_barrier(&stage_landed[stage]);
       fence_barrier_init();
     }
     __syncthreads();
   }
-  for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile, threadIdx.x, kWarps);
+  for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
   pdl_wait_for_predecessors();
 
   // The own key from the cache: loaded now, stored to shared memory after the prologue (its
@@ -1059,7 +1002,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
   // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
-  const int first_dim = group_warp * T::kWarpDims;
+  const int first_dim = warp * T::kWarpDims;
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
     const bool used = g < heads;
@@ -1088,33 +1031,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const int key_row = (lane & 7) + (matrix & 1) * 8, key_chunk = matrix >> 1;
   const int value_row = (lane & 7) + (matrix >> 1) * 8, value_chunk = matrix & 1;
 
-  // kBulk: a block barrier (the own key and position reach every warp; the loop has none at its
-  // top), then the last stage (the prologue's q until every warp has read its fragments; its
-  // writes come before the bulk copies: proxy fence). Then a group refills the stage of its
-  // previous tile with the tile kStages on after its score barrier, which every warp of the group
-  // passes only after that tile's p·v: one barrier a tile.
-  if constexpr (kBulk) {
-    if (kStages - 1 < tiles) fence_proxy_async();
-    __syncthreads();
-    load_tile(kStages - 1, threadIdx.x, kWarps);
-  }
-  // The group's barrier: the block's for one group, else a named barrier of its warps.
-  auto group_barrier = [&] {
-    if constexpr (kGroups == 1) {
-      __syncthreads();
-    } else {
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + group), "r"(kGroupWarps * 32) : "memory");
-    }
-  };
-  for (int tile = group; tile < tiles; tile += kGroups) {
+  // kBulk: whether this thread wrote to the stage loaded next (the prologue's q, then a tile's
+  // own key or zeroed rows): those writes must come before that stage's bulk copies, if any (a
+  // block of few tiles loads none after its first ones: no proxy fence on its short chain).
+  [[maybe_unused]] bool wrote_stage = true;
+  for (int tile = 0; tile < tiles; ++tile) {
     const int stage = tile % kStages;
+    wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
     if constexpr (kBulk) {
       wait_barrier(&stage_landed[stage], static_cast<uint32_t>(tile / kStages) & 1);
-    } else {
-      wait_copies<kStages - 2>();  // this thread's copies of `tile` have landed
-      __syncthreads();             // everyone's have, and the stage loaded next is free again
-      load_tile(tile + kStages - 1, threadIdx.x, kWarps);
+      if (wrote_stage && tile + kStages - 1 < tiles) fence_proxy_async();
     }
+    __syncthreads();  // everyone's have, and the stage loaded next is free again
+    load_tile(tile + kStages - 1);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
     unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
     // The own key, when this tile holds it (its index in the tile, else −1).
@@ -1141,6 +1070,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
             reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
       }
     }
+    wrote_stage = own_key >= 0 || visible != 0xFFFFu;
     if (visible != 0xFFFFu) {
       for (int c = lane; c < kMmaTileKeys * T::kWarpRowChunks; c += 32) {
         const int key = c / T::kWarpRowChunks;
@@ -1150,11 +1080,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
               make_uint4(0, 0, 0, 0);
         }
       }
-    }
-    // kBulk: those writes come before the stage's next bulk copies, if any (a block of few tiles
-    // loads none after its first ones: no proxy fence on its short chain).
-    if constexpr (kBulk) {
-      if ((own_key >= 0 || visible != 0xFFFFu) && tile + kStages < tiles) fence_proxy_async();
     }
     __syncwarp();
     unsigned char* tile_keys = stage_keys;
@@ -1200,24 +1125,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
-    // Double-buffered by the group's tile parity: a warp writes a buffer again only after the
-    // next barrier, which its group's warps pass after reading it.
-    const int parity = tile / kGroups & 1;
+    const int parity = tile & 1;
     partial_scores[parity][warp][lane] =
         make_float4(partial[0][0] + partial[1][0], partial[0][1] + partial[1][1],
                     partial[0][2] + partial[1][2], partial[0][3] + partial[1][3]);
-    group_barrier();
-    if constexpr (kBulk) {
-      // The group's previous stage is free: every warp of the group is past its p·v.
-      if (tile >= kGroups) {
-        load_tile(tile - kGroups + kStages, threadIdx.x - group * kGroupWarps * 32, kGroupWarps);
-      }
-    }
+    __syncthreads();
     // score[0], [1]: key g of heads 2t, 2t + 1; [2], [3]: key g + 8. Summed in one order by every
-    // warp of the group, so all of them see the same bits.
+    // warp, so all warps see the same bits.
     float score[4] = {};
 #pragma unroll
-    for (int w = group * kGroupWarps; w < (group + 1) * kGroupWarps; ++w) {
+    for (int w = 0; w < kWarps; ++w) {
       const float4 s = partial_scores[parity][w][lane];
       score[0] += s.x;
       score[1] += s.y;
@@ -1268,14 +1185,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       mma_bf16(acc[i], v_a, p_b0_lo, p_b1_lo);
     }
   }
-  // Only empty copy groups remain. One group: the outputs are staged below at the start of stage 0
-  // without a block barrier first: every warp has read the last tile's K rows (and widened its
-  // raw rows) before that tile's score barrier, and the V rows a slower warp may still read lie
-  // past them (MmaTiling's static_assert). Groups: after one, every tile is done.
+  // Only empty copy groups remain. The outputs are staged below at the start of stage 0 without a
+  // block barrier first: every warp has read the last tile's K rows (and widened its raw rows)
+  // before that tile's score barrier, and the V rows a slower warp may still read lie past them
+  // (MmaTiling's static_assert).
   wait_copies<0>();
-  if constexpr (kGroups > 1) {
-    __syncthreads();
-  }
 
   // The sums of heads 2t, 2t + 1 over the 8 lanes of column t.
 #pragma unroll
@@ -1285,10 +1199,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       running_sum[c] += __shfl_xor_sync(0xFFFFFFFFu, running_sum[c], offset);
     }
   }
-  // The warp's outputs through shared memory ([warp][head][own dim]), to be written 32
-  // consecutive dims of one head per warp-wide step (the kQ8 companion's chunk).
-  float* const outputs = reinterpret_cast<float*>(pipeline);
-  float* staged = outputs + warp * kMmaMaxGroup * T::kWarpDims;
+  // The warp's outputs through shared memory ([head][own dim]), to be written 32 consecutive dims
+  // of one head per warp-wide step (the kQ8 companion's chunk).
+  float* staged = reinterpret_cast<float*>(pipeline) + warp * kMmaMaxGroup * T::kWarpDims;
 #pragma unroll
   for (int i = 0; i < kSteps; ++i) {
 #pragma unroll
@@ -1305,64 +1218,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     head_sum[h] = __shfl_sync(0xFFFFFFFFu, running_sum[h & 1], h >> 1);
   }
   __syncwarp();
-  // Groups: their outputs merged as the splits' are (weights exp(max_g − max)) into the one-group
-  // layout, warp w's output dims [w, w + 1) · kOutputWarpDims after the groups' outputs.
-  float* merged = outputs;
-  if constexpr (kGroups > 1) {
-    if (group_warp == 0 && lane == 0) {
-#pragma unroll
-      for (int h = 0; h < kMmaMaxGroup; ++h) {
-        group_stats[group][h] = make_float2(head_max[h], head_sum[h]);
-      }
-    }
-    __syncthreads();
-    if (threadIdx.x < kMmaMaxGroup) {  // head threadIdx.x: each group's weight, then (max, sum)
-      const int h = threadIdx.x;
-      float most = -INFINITY;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) most = fmaxf(most, group_stats[k][h].x);
-      float total = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        const float2 stats = group_stats[k][h];
-        const float weight = stats.x == -INFINITY ? 0.0f : expf(stats.x - most);
-        total = fmaf(weight, stats.y, total);
-        group_stats[k][h].x = weight;
-      }
-      group_stats[kGroups][h] = make_float2(most, total);
-    }
-    __syncthreads();
-    merged = outputs + kGroups * kMmaMaxGroup * HD;
-    for (int idx = threadIdx.x; idx < kMmaMaxGroup * HD; idx += kThreads) {
-      const int h = idx / HD, d = idx % HD;
-      float value = 0.0f;
-#pragma unroll
-      for (int k = 0; k < kGroups; ++k) {
-        value =
-            fmaf(group_stats[k][h].x,
-                 outputs[((k * kGroupWarps + d / T::kWarpDims) * kMmaMaxGroup + h) * T::kWarpDims +
-                         d % T::kWarpDims],
-                 value);
-      }
-      merged[(d / T::kOutputWarpDims * kMmaMaxGroup + h) * T::kOutputWarpDims +
-             d % T::kOutputWarpDims] = value;
-    }
-#pragma unroll
-    for (int h = 0; h < kMmaMaxGroup; ++h) {
-      head_max[h] = group_stats[kGroups][h].x;
-      head_sum[h] = group_stats[kGroups][h].y;
-    }
-    __syncthreads();
-    staged = merged + warp * kMmaMaxGroup * T::kOutputWarpDims;
-  }
 #pragma unroll
   for (int h = 0; h < kMmaMaxGroup; ++h) {
     if (h >= heads) break;  // warp-uniform
     const int head = kv * a.group + first_head + h;
 #pragma unroll
-    for (int part = 0; part < T::kOutputWarpDims / 32; ++part) {
-      const int d = warp * T::kOutputWarpDims + 32 * part + lane;
-      const float value = staged[h * T::kOutputWarpDims + 32 * part + lane];
+    for (int part = 0; part < T::kWarpDims / 32; ++part) {
+      const int d = first_dim + 32 * part + lane;
+      const float value = staged[h * T::kWarpDims + 32 * part + lane];
       write_head_output<HD>(a, row, head, d, splits, split, value, head_max[h], head_sum[h]);
     }
   }
@@ -1501,46 +1364,36 @@ struct MmaKernel {
   size_t shared_bytes = 0;
 };
 
-template <int HD, typename KvT, bool kBulk, int kGroups = 1>
+template <int HD, typename KvT, bool kBulk>
 MmaKernel mma_kernel_for(bool prepare) {
-  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk, kGroups>
-                  : decode_attention_mma_kernel<HD, KvT, false, kBulk, kGroups>,
-          MmaTiling<HD, KvT, kBulk, kGroups>::kSharedBytes};
+  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk>
+                  : decode_attention_mma_kernel<HD, KvT, false, kBulk>,
+          MmaTiling<HD, KvT, kBulk>::kSharedBytes};
 }
 
-// Two tile groups (MmaTiling) for bulk-copied bf16 rows of 256 unless `single_tile_group`.
 template <typename KvT, bool kBulk>
-MmaKernel select_mma_kernel(int head_dim, bool prepare, bool single_tile_group) {
-  if (head_dim == 256) {
-    if constexpr (kBulk && std::is_same_v<KvT, __nv_bfloat16>) {
-      if (!single_tile_group) return mma_kernel_for<256, KvT, kBulk, 2>(prepare);
-    }
-    return mma_kernel_for<256, KvT, kBulk>(prepare);
-  }
+MmaKernel select_mma_kernel(int head_dim, bool prepare) {
+  if (head_dim == 256) return mma_kernel_for<256, KvT, kBulk>(prepare);
   if (head_dim == 512) return mma_kernel_for<512, KvT, kBulk>(prepare);
   return {};
 }
 
 template <typename KvT>
-MmaKernel select_mma_kernel(int head_dim, bool prepare, bool thread_copies,
-                            bool single_tile_group) {
-  return thread_copies ? select_mma_kernel<KvT, false>(head_dim, prepare, single_tile_group)
-                       : select_mma_kernel<KvT, true>(head_dim, prepare, single_tile_group);
+MmaKernel select_mma_kernel(int head_dim, bool prepare, bool thread_copies) {
+  return thread_copies ? select_mma_kernel<KvT, false>(head_dim, prepare)
+                       : select_mma_kernel<KvT, true>(head_dim, prepare);
 }
 
 // The tensor-core kernel where it applies: bf16 or e4m3 caches, at most kMmaMaxGroup q heads per
-// kv head; rows by bulk copies unless AttentionQuery::thread_copies, in tile groups unless
-// AttentionQuery::single_tile_group.
+// kv head; rows by bulk copies unless `thread_copies` (AttentionQuery::thread_copies).
 MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
-                            const AttentionQuery& query) {
+                            bool thread_copies) {
   if (group > kMmaMaxGroup) return {};
   if (type == KvType::kBF16) {
-    return select_mma_kernel<__nv_bfloat16>(head_dim, prepare, query.thread_copies,
-                                            query.single_tile_group);
+    return select_mma_kernel<__nv_bfloat16>(head_dim, prepare, thread_copies);
   }
   if (type == KvType::kFP8) {
-    return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare, query.thread_copies,
-                                            query.single_tile_group);
+    return select_mma_kernel<__nv_fp8_e4m3>(head_dim, prepare, thread_copies);
   }
   return {};
 }
@@ -1616,14 +1469,12 @@ int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv
   if (splits <= 1) return 1;
   if (kv.kv_heads < 1) return 2;
   const int group = query.q_heads / kv.kv_heads;
-  const MmaKernel mma = query.cuda_core_kernel ? MmaKernel{}
-                                               : select_mma_kernel(kv.type, kv.head_dim, group,
-                                                                   query.prepare != nullptr, query);
+  const bool mma =
+      !query.cuda_core_kernel &&
+      select_mma_kernel(kv.type, kv.head_dim, group, query.prepare != nullptr, query.thread_copies)
+              .kernel != nullptr;
   const int batch = kv.sequences != nullptr ? kv.sequences->count : query.batch;
-  return merges_in_kernel(mma.kernel != nullptr, workspace, splits, batch, kv.kv_heads, group,
-                          kv.head_dim)
-             ? 1
-             : 2;
+  return merges_in_kernel(mma, workspace, splits, batch, kv.kv_heads, group, kv.head_dim) ? 1 : 2;
 }
 
 cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv, int window,
@@ -1687,9 +1538,10 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   args.out_companions = out_companions;
   args.partials = workspace.partials;
   if (prepare != nullptr) args.prepare = *prepare;
-  const MmaKernel mma = query.cuda_core_kernel ? MmaKernel{}
-                                               : select_mma_kernel(kv.type, kv.head_dim, group,
-                                                                   prepare != nullptr, query);
+  const MmaKernel mma =
+      query.cuda_core_kernel
+          ? MmaKernel{}
+          : select_mma_kernel(kv.type, kv.head_dim, group, prepare != nullptr, query.thread_copies);
   const AttentionKernel mma_kernel = mma.kernel;
   const dim3 grid(static_cast<unsigned>(blocks_per_kv_head(splits, group, kv.kv_heads, batch)),
                   static_cast<unsigned>(kv.kv_heads), static_cast<unsigned>(batch));

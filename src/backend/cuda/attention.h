@@ -105,10 +105,6 @@ struct AttentionQuery {
   // The tensor-core kernel loads its K/V tiles by every thread's 16-byte cp.async pieces instead
   // of one bulk copy per row: benchmarks and tests compare the two.
   bool thread_copies = false;
-  // The tensor-core kernel's 8 warps compute one 16-key tile at a time even where two groups of 4
-  // warps could compute two (bf16 caches of head dim 256, bulk copies): benchmarks and tests
-  // compare the two.
-  bool single_tile_group = false;
 };
 constexpr int kMaxPreparedGroupFloats = 4096;
 
