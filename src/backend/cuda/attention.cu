@@ -209,37 +209,6 @@ __host__ __device__ __forceinline__ BlockWork block_work(int splits, int blocks,
   return {splits, (group + heads_per_part - 1) / heads_per_part, heads_per_part};
 }
 
-// What block (x, kv head, sequence) of a launch does: its sequence's query row and position, the
-// keys the query scans, and the block's (key split, q-head part) of them (block_work). A block
-// the depth leaves without keys (`works` false) exits; the merge skips it.
-struct BlockRange {
-  const SequenceKv* sequence;
-  int64_t row;
-  int32_t query_position;
-  ScannedKeys scan;
-  bool works;
-  int split, part;
-  int first_head, heads;  // the part's q heads of the group
-  int64_t begin, end;     // the split's keys
-};
-
-__device__ __forceinline__ BlockRange block_range(const AttentionArgs& a) {
-  BlockRange r;
-  r.sequence = &a.sequences.entries[blockIdx.z];
-  r.row = r.sequence->first_row;
-  r.query_position = a.positions[r.row];
-  r.scan = scanned_keys(r.sequence->slots, r.query_position, a.window, a.splits);
-  const BlockWork work = block_work(r.scan.splits, gridDim.x, a.group);
-  r.works = static_cast<int>(blockIdx.x) < work.splits * work.parts;
-  r.split = work.split_of(blockIdx.x);
-  r.part = work.part_of(blockIdx.x);
-  r.first_head = r.part * work.heads_per_part;
-  r.heads = min(work.heads_per_part, a.group - r.first_head);
-  r.begin = r.scan.split_begin(r.split);
-  r.end = r.scan.split_end(r.split);
-  return r;
-}
-
 // The fused prologue (AttentionQuery::prepare): warps kKeyWarp and kValueWarp make the new K and
 // V, every warp q heads.
 constexpr int kKeyWarp = kWarps - 1, kValueWarp = kWarps - 2;
@@ -364,17 +333,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
   pdl_wait_for_predecessors();
 
   const int kv = blockIdx.y;
-  const BlockRange range = block_range(a);
-  if (!range.works) return;
-  const SequenceKv& sequence = *range.sequence;
-  const int64_t row = range.row;
-  const int32_t query_position = range.query_position;
-  const ScannedKeys& scan = range.scan;
+  const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
+  const int64_t row = sequence.first_row;
+  const int32_t query_position = a.positions[row];
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
   const int64_t scanned = scan.count;
-  const int splits = scan.splits;
-  const int split = range.split, part = range.part;
-  const int first_head = range.first_head, heads = range.heads;
-  const int64_t begin = range.begin, end = range.end;
+  const BlockWork work = block_work(scan.splits, gridDim.x, a.group);
+  if (static_cast<int>(blockIdx.x) >= work.splits * work.parts) return;  // the merge skips it
+  const int split = work.split_of(blockIdx.x);
+  const int part = work.part_of(blockIdx.x);
+  const int first_head = part * work.heads_per_part;  // of the group
+  const int heads = min(work.heads_per_part, a.group - first_head);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The query position's K/V (key scanned − 1, the split's last) is made by the fused prologue:
   // every block of its split takes it from shared memory, never from the cache, which the part-0
   // block writes meanwhile. The tiles stop before it.
@@ -577,7 +548,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_kernel(Attention
     const int head = kv * a.group + first_head + g;
     // A query whose keys all fell in one split (a shallow cache) is final here: the merge
     // kernel leaves it alone.
-    write_head_output<HD>(a, row, head, d, splits, split, value, block_max, sum);
+    write_head_output<HD>(a, row, head, d, work.splits, split, value, block_max, sum);
   }
 }
 
@@ -873,17 +844,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
   __syncwarp();
   const int kv = blockIdx.y;
-  const BlockRange range = block_range(a);
-  if (!range.works) return;
-  const SequenceKv& sequence = *range.sequence;
-  const int64_t row = range.row;
-  const int32_t query_position = range.query_position;
-  const ScannedKeys& scan = range.scan;
+  const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
+  const int64_t row = sequence.first_row;
+  const int32_t query_position = a.positions[row];
+  const ScannedKeys scan = scanned_keys(sequence.slots, query_position, a.window, a.splits);
   const int64_t scanned = scan.count;
   const int splits = scan.splits;
-  const int split = range.split, part = range.part;
-  const int first_head = range.first_head, heads = range.heads;
-  const int64_t begin = range.begin, end = range.end;
+  const BlockWork work = block_work(splits, gridDim.x, a.group);
+  if (static_cast<int>(blockIdx.x) >= splits * work.parts) return;  // the merge skips it
+  const int split = work.split_of(blockIdx.x);
+  const int part = work.part_of(blockIdx.x);
+  const int first_head = part * work.heads_per_part;  // of the group
+  const int heads = min(work.heads_per_part, a.group - first_head);
+  const int64_t begin = scan.split_begin(split);
+  const int64_t end = scan.split_end(split);
   // The split holding the query's own key never copies it into the tiles: the block puts it
   // into its tile's rows from new_kv (never reading it from the cache while the prologue writes
   // it there, nor before the wait).
