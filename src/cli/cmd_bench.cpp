@@ -30,6 +30,7 @@
 #include "cli/build_info.h"
 #include "cli/command.h"
 #include "cli/cupti_timeline.h"
+#include "cli/engine_flags.h"
 #include "cli/gpu_info.h"
 #include "cli/model_loader.h"
 
@@ -46,17 +47,9 @@ constexpr const char* kChainedSampling =
 
 struct BenchArgs {
   std::string model;
-  std::string device = "auto";
-  bool no_graphs = false;
-  bool no_pdl = false;
+  EngineFlags engine;
   bool no_chain = false;
   bool step_times = false;
-  bool fp32 = false;
-  std::string kv_cache;
-  std::string activations;
-  std::string lm_head;
-  std::string gpu_memory;
-  int threads = 0;
   std::vector<int64_t> depths = {0, 4096, 32768, 131072};
   std::vector<int64_t> prefill = {512, 4096, 32768};
   std::vector<int> batches = {1, 8, 32, 64};
@@ -511,8 +504,8 @@ Status Bench::write_report() const {
               backend_description_.c_str(), format.c_str(), gpu.c_str(), commit.c_str(),
               static_cast<long long>(context_));
   std::printf("cuda graphs: %s   pdl: %s   activations: %s   kv cache: %s\n",
-              args_.no_graphs ? "off" : "on", args_.no_pdl ? "off" : "on", activations_.c_str(),
-              engine::kv_type_name(memory_plan_.options.kv_type));
+              args_.engine.no_graphs ? "off" : "on", args_.engine.no_pdl ? "off" : "on",
+              activations_.c_str(), engine::kv_type_name(memory_plan_.options.kv_type));
   std::printf("sampling: %s\n", sampling());
   std::printf("weights read per decode step: %.3f GB (%.0f GB/s reference bandwidth)\n",
               bytes_per_token / 1e9, args_.bandwidth_gbs);
@@ -567,8 +560,8 @@ Status Bench::write_report() const {
   json["commit"] = commit;
   json["engine"] = backend_description_;
   json["context"] = context_;
-  json["graphs"] = !args_.no_graphs;
-  json["pdl"] = !args_.no_pdl;
+  json["graphs"] = !args_.engine.no_graphs;
+  json["pdl"] = !args_.engine.no_pdl;
   json["activations"] = activations_;
   json["lm_head"] = lm_head_description();
   json["kv_cache"] = engine::kv_type_name(memory_plan_.options.kv_type);
@@ -652,15 +645,7 @@ Status bench(BenchArgs args) {
     if (tokens < 1) return make_error(ErrorCode::kInvalidArgument, "--prefill must be >= 1");
   for (int batch : args.batches)
     if (batch < 1) return make_error(ErrorCode::kInvalidArgument, "--batches must be >= 1");
-  EngineLoadOptions load;
-  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
-  load.engine.record_decode = !args.no_graphs;
-  load.pdl = !args.no_pdl;
-  load.kv_cache = args.kv_cache;
-  GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
-  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
-  load.threads = args.threads;
-  GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
+  GEMMA4_ASSIGN_OR_RETURN(EngineLoadOptions load, engine_load_options(args.engine));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   GEMMA4_ASSIGN_OR_RETURN(auto model, open_model(path));
   // Started before the engine captures its graphs (CuptiTimeline::start).
@@ -683,9 +668,7 @@ void register_bench(CLI::App& app, int& exit_code) {
   auto* cmd = app.add_subcommand("bench", "Decode, prefill and batched throughput of a model");
   cmd->add_option("-m,--model", args->model, "checkpoint directory, .gguf file or HF repo id")
       ->required();
-  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
-  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
-  cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
+  add_engine_flags(*cmd, args->engine);
   cmd->add_flag("--no-chain", args->no_chain,
                 "decode one step_sampled call per token, the host feeding back a token of its own "
                 "(the serving loop's path) instead of Engine::decode_greedy's chained steps, whose "
@@ -695,12 +678,6 @@ void register_bench(CLI::App& app, int& exit_code) {
                 "CUDA: time the timed decode steps with device events and print, per step, how "
                 "long the device sat idle before the step's graph (host work between steps), the "
                 "graph and what runs after it");
-  cmd->add_flag("--fp32", args->fp32, kFp32Help);
-  cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
-  cmd->add_option("--activations", args->activations, kActivationsHelp);
-  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
-  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
-  cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--depths", args->depths,
                   "batch-1 decode depths, reached by prefill (clipped to the context)")
       ->delimiter(',')

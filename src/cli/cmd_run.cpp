@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "cli/command.h"
+#include "cli/engine_flags.h"
 #include "cli/model_loader.h"
 #include "cli/run_prompt.h"
 #include "runtime/sampler.h"
@@ -110,15 +111,7 @@ struct RunArgs {
   std::string prompt_ids;
   int max_tokens = 16;
   bool ignore_eos = false;
-  std::string device = "auto";
-  bool no_graphs = false;
-  bool no_pdl = false;
-  bool fp32 = false;
-  std::string kv_cache;
-  std::string activations;
-  std::string lm_head;
-  std::string gpu_memory;
-  int threads = 0;
+  EngineFlags engine;
   int prompt_chunk = 0;
   std::string dump_logits;
   std::string router_trace;
@@ -175,15 +168,7 @@ Status run(const RunArgs& args) {
   if (args.max_tokens < 0) return make_error(ErrorCode::kInvalidArgument, "-n must be >= 0");
   if (args.prompt_chunk < 0)
     return make_error(ErrorCode::kInvalidArgument, "--prompt-chunk must be >= 0");
-  EngineLoadOptions load;
-  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
-  load.engine.record_decode = !args.no_graphs;
-  load.pdl = !args.no_pdl;
-  load.kv_cache = args.kv_cache;
-  GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
-  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
-  load.threads = args.threads;
-  GEMMA4_ASSIGN_OR_RETURN(load.gpu_memory, parse_gpu_memory(args.gpu_memory));
+  GEMMA4_ASSIGN_OR_RETURN(EngineLoadOptions load, engine_load_options(args.engine));
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
   // The model is opened first so that a text prompt's stop ids include its eos ids; the engine
   // is sized for the prompt afterwards.
@@ -213,7 +198,7 @@ Status run(const RunArgs& args) {
   if (engine.max_context() < load.engine.max_context && load.gpu_memory > 0)
     return make_error(ErrorCode::kResourceExhausted,
                       "--gpu-memory {}: the prompt and -n need {} tokens of context, {} fit",
-                      args.gpu_memory, load.engine.max_context, engine.max_context());
+                      args.engine.gpu_memory, load.engine.max_context, engine.max_context());
   std::optional<NpyRowWriter> dump;
   if (!args.dump_logits.empty()) {
     GEMMA4_ASSIGN_OR_RETURN(
@@ -277,14 +262,7 @@ void register_run(CLI::App& app, int& exit_code) {
   cmd->add_option("-m,--model", args->model,
                   "checkpoint directory, .gguf file or HF repo id (default: $GEMMA4_MODEL, else "
                   "the demo model of scripts/setup)");
-  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
-  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
-  cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
-  cmd->add_flag("--fp32", args->fp32, kFp32Help);
-  cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
-  cmd->add_option("--activations", args->activations, kActivationsHelp);
-  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
-  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
+  add_engine_flags(*cmd, args->engine);
   cmd->add_option("-p,--prompt", args->text.prompt,
                   "text prompt: one user message, rendered with the checkpoint's chat template");
   cmd->add_option("--messages", args->text.messages_file,
@@ -296,7 +274,6 @@ void register_run(CLI::App& app, int& exit_code) {
   cmd->add_option("--prompt-ids", args->prompt_ids, "prompt token ids, comma-separated");
   cmd->add_option("-n,--max-tokens", args->max_tokens, "tokens to generate");
   cmd->add_flag("--ignore-eos", args->ignore_eos, "keep generating after an end-of-sequence token");
-  cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
   cmd->add_option("--prompt-chunk", args->prompt_chunk,
                   "prefill the prompt N tokens per step (0 = all at once; 1 = logits at every "
                   "position with --dump-logits)");

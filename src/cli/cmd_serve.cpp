@@ -10,6 +10,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/command.h"
+#include "cli/engine_flags.h"
 #include "cli/model_loader.h"
 #include "io/hf_hub.h"
 #include "runtime/scripted_engine.h"
@@ -28,16 +29,8 @@ struct ServeArgs {
   int max_queue = 64;
   std::string api_key;
   std::string alias;
-  std::string gpu_memory;
-  int64_t gpu_memory_bytes = 0;  // --gpu-memory parsed by check_args (0 = none)
-  std::string device = "auto";
-  bool no_graphs = false;
-  bool no_pdl = false;
-  bool fp32 = false;
-  std::string kv_cache;
-  std::string activations;
-  std::string lm_head;
-  int threads = 0;
+  EngineFlags engine;
+  EngineLoadOptions load;  // the engine flags, parsed by check_args
   int timeout_s = 600;
   size_t max_body_mib = 16;
   std::string scripted_engine;  // test-only: replay scripted replies instead of a model
@@ -97,15 +90,7 @@ Expected<std::shared_ptr<server::ServingModel>> load_scripted(const ServeArgs& a
 
 Expected<std::shared_ptr<server::ServingModel>> load_checkpoint(const ServeArgs& args) {
   GEMMA4_ASSIGN_OR_RETURN(auto path, resolve_model(args.model));
-  EngineLoadOptions load;
-  GEMMA4_ASSIGN_OR_RETURN(load.device, parse_device(args.device));
-  load.engine.record_decode = !args.no_graphs;
-  load.pdl = !args.no_pdl;
-  load.kv_cache = args.kv_cache;
-  GEMMA4_ASSIGN_OR_RETURN(load.activations, resolve_activations(args.activations, args.fp32));
-  GEMMA4_ASSIGN_OR_RETURN(load.engine.lm_head, parse_lm_head(args.lm_head));
-  load.threads = args.threads;
-  load.gpu_memory = args.gpu_memory_bytes;
+  EngineLoadOptions load = args.load;
   load.engine.max_sequences = args.parallel + runtime::SchedulerOptions{}.prefix_cache_entries;
   load.engine.max_context = args.ctx_size;
   GEMMA4_ASSIGN_OR_RETURN(auto tokenizer, load_tokenizer(path));
@@ -139,8 +124,7 @@ Status check_args(ServeArgs& args) {
     return make_error(ErrorCode::kInvalidArgument, "-c/--ctx-size must be >= 16");
   if (args.max_queue < 0)
     return make_error(ErrorCode::kInvalidArgument, "--max-queue must be >= 0");
-  if (auto device = parse_device(args.device); !device.ok()) return device.error();
-  GEMMA4_ASSIGN_OR_RETURN(args.gpu_memory_bytes, parse_gpu_memory(args.gpu_memory));
+  GEMMA4_ASSIGN_OR_RETURN(args.load, engine_load_options(args.engine));
   return Status::ok_status();
 }
 
@@ -213,15 +197,7 @@ void register_serve(CLI::App& app, int& exit_code) {
       ->capture_default_str();
   cmd->add_option("--api-key", args->api_key, "require 'Authorization: Bearer KEY'");
   cmd->add_option("--alias", args->alias, "model name shown to clients");
-  cmd->add_option("--gpu-memory", args->gpu_memory, kGpuMemoryHelp);
-  cmd->add_option("--device", args->device, kDeviceHelp)->capture_default_str();
-  cmd->add_flag("--no-graphs", args->no_graphs, kNoGraphsHelp);
-  cmd->add_flag("--no-pdl", args->no_pdl, kNoPdlHelp);
-  cmd->add_flag("--fp32", args->fp32, kFp32Help);
-  cmd->add_option("--kv-cache", args->kv_cache, kKvCacheHelp);
-  cmd->add_option("--activations", args->activations, kActivationsHelp);
-  cmd->add_option("--lm-head", args->lm_head, kLmHeadHelp);
-  cmd->add_option("--threads", args->threads, "CPU threads (0 = all)");
+  add_engine_flags(*cmd, args->engine);
   cmd->add_option("--timeout", args->timeout_s, "seconds a request may run (0 = no limit)")
       ->capture_default_str();
   cmd->add_option("--max-body-mib", args->max_body_mib, "largest request body in MiB")

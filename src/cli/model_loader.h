@@ -24,49 +24,9 @@ enum class Device { kAuto, kCpu, kCuda };
 
 Expected<Device> parse_device(std::string_view name);
 
-// Help text for --device, the same in every subcommand.
-inline constexpr const char* kDeviceHelp =
-    "auto (CUDA when built with it and a GPU is present, else CPU), cpu or cuda";
-
-// Help text for --no-graphs (EngineOptions::record_decode off), the same in every subcommand.
-inline constexpr const char* kNoGraphsHelp =
-    "launch decode steps kernel by kernel instead of replaying recorded CUDA graphs";
-
-// Help text for --no-pdl (EngineLoadOptions::pdl off), the same in every subcommand.
-inline constexpr const char* kNoPdlHelp =
-    "launch CUDA kernels without programmatic dependent launch (for A/B measurements)";
-
-// Help text for --fp32 (= --activations f32), the same in every subcommand.
-inline constexpr const char* kFp32Help =
-    "CUDA: exact fp32 activations everywhere (no bf16 tensor-core prefill or bf16 GEMV inputs): "
-    "slower, for comparisons against a float32 reference (= --activations f32)";
-
-// Help text for --activations (EngineLoadOptions::activations), the same in every subcommand.
-inline constexpr const char* kActivationsHelp =
-    "CUDA: what decode matmuls read: f32 (exact, = --fp32), bf16 (activations rounded to bf16, "
-    "fp32 sums) or q8 (int8 per 32 values with dp4a for w4g32 weights, bf16 for other formats); "
-    "default: the engine's";
-
 // --activations NAME (empty: not given) and --fp32 as one EngineLoadOptions::activations value;
 // an error for an unknown name or for --fp32 with another mode.
 Expected<std::string> resolve_activations(std::string_view name, bool fp32);
-
-// Help text for --gpu-memory, the same in every subcommand.
-inline constexpr const char* kGpuMemoryHelp =
-    "GPU memory budget, e.g. 3732MiB or 24GiB: fewer sequences, then a shorter context, if the "
-    "requested ones do not fit (CUDA engine only)";
-
-// Help text for --kv-cache (EngineLoadOptions::kv_cache), the same in every subcommand.
-inline constexpr const char* kKvCacheHelp =
-    "KV cache element type: f32, bf16 or fp8 (e4m3); default bf16 on CUDA (f32 with --fp32), f32 "
-    "on the CPU (which keeps nothing else)";
-
-// Help text for --lm-head (EngineOptions::lm_head), the same in every subcommand.
-inline constexpr const char* kLmHeadHelp =
-    "how the logits matrix is held: exact (default: the checkpoint's) or q8 (a bf16/f32 one, like "
-    "the tied embedding of NVFP4 checkpoints, quantized at load to int8 per 32 values with fp16 "
-    "scales: about half the bytes a decode step reads of it, logits off by ~0.01 on average, "
-    "~0.1 at most; embedding lookups stay exact)";
 
 // --lm-head NAME (empty: exact) as an EngineOptions::lm_head value; an error for an unknown name.
 Expected<engine::LmHeadFormat> parse_lm_head(std::string_view name);
@@ -76,12 +36,12 @@ struct EngineLoadOptions {
   Device device = Device::kAuto;
   int threads = 0;  // CPU backend threads (0 = all)
   bool pdl = true;  // CUDA: programmatic dependent launch between kernels
-  // CUDA: "f32", "bf16" or "q8" (kActivationsHelp); empty: the engine's default.
+  // CUDA: "f32", "bf16" or "q8" (--activations); empty: the engine's default.
   std::string activations;
   // --gpu-memory in bytes (0 = no budget): on a device, engine.max_sequences / max_context are
   // lowered to fit it (engine/memory_plan.h).
   int64_t gpu_memory = 0;
-  // --kv-cache: f32, bf16 or fp8; empty picks the device's default (kKvCacheHelp). Overrides
+  // --kv-cache: f32, bf16 or fp8; empty picks the device's default (--kv-cache). Overrides
   // engine.kv_type.
   std::string kv_cache;
   engine::EngineOptions engine;
