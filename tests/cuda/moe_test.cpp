@@ -23,6 +23,7 @@
 
 #include "backend/cpu/cpu_backend.h"
 #include "backend/cuda/cuda_backend.h"
+#include "backend/cuda/gemv.h"
 #include "core/numeric.h"
 #include "cuda_test_util.h"
 #include "packed_matrix.h"
@@ -887,6 +888,105 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
       CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
       CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
       EXPECT_EQ(ids.download(), plain_ids) << "step " << step;
+      const std::vector<float> replayed = out.download();
+      EXPECT_EQ(std::memcmp(replayed.data(), plain.data(), plain.size() * sizeof(float)), 0)
+          << "step " << step;
+    }
+    CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
+    CUDA_ASSERT_OK(cudaGraphDestroy(graph));
+  }
+  CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+}
+
+// The decode gate/up kernel on tensor cores stages x before its PDL wait: safe only while every
+// launch between x's producer and it lets its dependents start after its own wait (the routers
+// do). x is made by a kernel launched just before the router (as add_rms_norm_moe in the
+// engine), in a PDL graph, and poisoned before every replay: a gate/up block that staged x early
+// would read NaN or the previous replay's x. The producer is a long GEMV (K = 32768: ~60 µs,
+// its blocks trigger their dependents at their start), so that such a block would start well
+// before x is written (with a one-row rms_norm as the producer, routers triggering at their start
+// went unnoticed). Real 26B-A4B shapes, the fused router (one token) and route_experts (4).
+TEST(MoeExperts, GateUpStagesXMadeBeforeTheRouter) {
+  const ExpertSet set = make_experts(kNvfp4Multiplier, kExperts, kHidden, kInner, 1200);
+  MoeExpertTable table;
+  CUDA_ASSERT_OK(MoeExpertTable::create(set.device_views, table));
+  std::vector<uint16_t> router_bits(static_cast<size_t>(kExperts) * kHidden);
+  const auto router_values = testing::random_floats(router_bits.size(), -0.05f, 0.05f, 1201);
+  std::transform(router_values.begin(), router_values.end(), router_bits.begin(), float_to_bf16);
+  DeviceArray<uint16_t> router_weights(router_bits);
+  quant::QMatrix router;
+  router.format = WeightFormat::kBF16;
+  router.rows = kExperts;
+  router.cols = kHidden;
+  router.data = router_weights.get();
+  // The producer's weights: one bf16 value (0x3C3C, ~0.0115) throughout.
+  constexpr int64_t kProducerK = 32768;
+  DeviceArray<uint16_t> producer_weights(static_cast<size_t>(kHidden) * kProducerK);
+  CUDA_ASSERT_OK(cudaMemset(producer_weights.get(), 0x3C, kHidden * kProducerK * 2));
+  quant::QMatrix producer;
+  producer.format = WeightFormat::kBF16;
+  producer.rows = kHidden;
+  producer.cols = kProducerK;
+  producer.data = producer_weights.get();
+  cudaStream_t stream;
+  CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (int tokens : {1, 4}) {
+    SCOPED_TRACE("tokens=" + std::to_string(tokens));
+    DeviceArray<float> source(tokens * kProducerK), x(tokens * kHidden);
+    DeviceArray<float> logits(tokens * kExperts);
+    DeviceArray<float> scale(testing::random_floats(kExperts, 0.5f, 1.5f, 1202));
+    DeviceArray<int32_t> ids(tokens * kTopK);
+    DeviceArray<float> weights(tokens * kTopK);
+    DeviceArray<float> out(tokens * kHidden);
+    DeviceArray<uint8_t> workspace(moe_workspace_bytes(table, tokens, kTopK));
+    auto enqueue = [&](bool pdl) {
+      const Launch launch = {stream, pdl};
+      GemvInput in;
+      in.data = source.get();
+      in.rows = tokens;
+      in.stride = kProducerK;
+      GemvOutput made;
+      made.data = x.get();
+      made.stride = kHidden;
+      cudaError_t status = gemv(producer, in, made, launch);
+      if (status != cudaSuccess) return status;
+      status = tokens == 1 ? route_token(router, x.get(), true, kTopK, scale.get(), logits.get(),
+                                         ids.get(), weights.get(), launch)
+                           : route_experts(logits.get(), kExperts, tokens, kExperts, kTopK,
+                                           scale.get(), ids.get(), weights.get(), launch);
+      if (status != cudaSuccess) return status;
+      return run_experts(table, x.get(), kHidden, tokens, kTopK, ids.get(), weights.get(),
+                         out.get(), kHidden, workspace.get(), launch);
+    };
+    auto set_inputs = [&](uint32_t seed) {
+      const auto host_source = testing::random_floats(tokens * kProducerK, -2.0f, 2.0f, seed);
+      const auto host_logits = testing::random_floats(tokens * kExperts, -4.0f, 4.0f, seed + 1);
+      const cudaError_t status = cudaMemcpy(source.get(), host_source.data(),
+                                            host_source.size() * sizeof(float), cudaMemcpyDefault);
+      if (status != cudaSuccess) return status;
+      return cudaMemcpy(logits.get(), host_logits.data(), host_logits.size() * sizeof(float),
+                        cudaMemcpyDefault);
+    };
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
+    const cudaError_t captured = enqueue(true);
+    CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
+    CUDA_ASSERT_OK(captured);
+    CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+    for (uint32_t step = 0; step < 8; ++step) {
+      CUDA_ASSERT_OK(set_inputs(1210 + 2 * step));
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      CUDA_ASSERT_OK(enqueue(false));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+      const std::vector<float> plain = out.download();
+      // The routers of tokens > 1 read the logits set above; the fused one remakes them.
+      if (tokens == 1) logits.poison();
+      x.poison();
+      out.poison();
+      CUDA_ASSERT_OK(cudaDeviceSynchronize());
+      CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
       const std::vector<float> replayed = out.download();
       EXPECT_EQ(std::memcmp(replayed.data(), plain.data(), plain.size() * sizeof(float)), 0)
           << "step " << step;

@@ -290,7 +290,13 @@ std::unique_ptr<engine::RecordedWork> CudaBackend::record(const std::function<vo
   cudaGraph_t graph = nullptr;
   check(cudaStreamEndCapture(stream_, &graph), "end graph capture");
   cudaGraphExec_t exec = nullptr;
-  if (status_.ok()) check(cudaGraphInstantiate(&exec, graph, 0), "graph instantiation");
+  // The captured kernels keep their streams' priorities (concurrently(): the MoE chain above the
+  // dense branch beside it); without this flag a replay runs every node at the priority of the
+  // stream it is launched into.
+  if (status_.ok()) {
+    check(cudaGraphInstantiate(&exec, graph, cudaGraphInstantiateFlagUseNodePriority),
+          "graph instantiation");
+  }
   if (graph != nullptr) cudaGraphDestroy(graph);
   if (!status_.ok()) {
     if (exec != nullptr) cudaGraphExecDestroy(exec);

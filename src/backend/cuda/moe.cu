@@ -34,6 +34,7 @@
 #include <cmath>
 #include <type_traits>
 
+#include "backend/cuda/cp_async.cuh"
 #include "backend/cuda/device_math.cuh"
 #include "backend/cuda/launch.cuh"
 #include "backend/cuda/moe_decode.cuh"
@@ -125,9 +126,12 @@ __device__ void route_token(const float* logits, int num_experts, int top_k,
   }
 }
 
+// Wait first, trigger after (both routers): the experts' gate/up kernel, launched next, stages x
+// before its own wait, which is safe only because its grid starts after the routers' wait, i.e.
+// after x's producer (launched before the router) completed.
 __global__ void __launch_bounds__(kRouterWarps * 32) router_kernel(RouterArgs a) {
-  pdl_trigger_dependents();
   pdl_wait_for_predecessors();
+  pdl_trigger_dependents();
   const int token = blockIdx.x * kRouterWarps + static_cast<int>(threadIdx.x >> 5);
   if (token >= a.tokens) return;
   const int64_t pick = static_cast<int64_t>(token) * a.top_k;
@@ -189,7 +193,6 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
   namespace cg = cooperative_groups;
   __shared__ float cluster_logits[kMaxRouterExperts];
   extern __shared__ float4 staged_x[];  // hidden / 4 pieces
-  pdl_trigger_dependents();
   const cg::cluster_group cluster = cg::this_cluster();
   // Every block of the cluster must have started before another writes its shared memory: the
   // arrival now, the wait only before those writes.
@@ -218,6 +221,7 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
     // The weights are constant: their first loads go out before the wait for x.
     if (!waited) {
       pdl_wait_for_predecessors();
+      pdl_trigger_dependents();  // after the wait: see router_kernel
       waited = true;
       stage_router_x(a, static_cast<int>(chunks), staged_x);
       __syncthreads();
@@ -235,7 +239,10 @@ __global__ void __cluster_dims__(kRouterClusterBlocks, 1, 1)
   float row_logits[kRouterRowsPerWarp];
 #pragma unroll
   for (int i = 0; i < kRouterRowsPerWarp; ++i) row_logits[i] = butterfly_sum<32>(acc[i]);
-  if (!waited) pdl_wait_for_predecessors();
+  if (!waited) {
+    pdl_wait_for_predecessors();
+    pdl_trigger_dependents();
+  }
   cluster.barrier_wait();
   float* logits_of_block0 = cluster.map_shared_rank(cluster_logits, 0);
 #pragma unroll
@@ -288,8 +295,8 @@ struct DecodeGateUpArgs {
   // while the w4g32 CUDA-core kernels gained (29.5 -> 23.6-25.1 µs: their down blocks do not fit
   // beside gate/up's, so without it down's weights came from DRAM after gate/up).
   int64_t down_rows_to_prefetch;
-  // The activations for decode_down_mma_kernel (both projections on tensor cores), else nullptr:
-  // see ActivationHandoff.
+  // The activations for the tensor-core down kernels (both projections on tensor cores), else
+  // nullptr: see ActivationHandoff.
   const float* routing_weights;  // [pairs]
   uint32_t* handoff_words;
   float* handoff_scales;
@@ -387,7 +394,7 @@ struct DecodeDownArgs {
   int64_t inner;
   float* out;
   int64_t out_stride;
-  // The gate/up mma kernel's fp16 activations (ActivationHandoff), else nullptr.
+  // The tensor-core gate/up kernels' fp16 activations (ActivationHandoff), else nullptr.
   const uint32_t* handoff_words;
   const float* handoff_scales;
 };
@@ -520,8 +527,11 @@ constexpr int kMmaGateUpBlockWarps = kMmaGateUpWarps * kMmaGateUpTiles;
 // Down blocks of 4 warps (11 rounds each at 26B-A4B shapes), not 8: blocks of 128 threads fit
 // beside the gate/up blocks, so more of them start and load their weights under PDL early
 // (moe_bench NVFP4 decode-tc PDL µs per layer, 8 / 12 / 4 warps: T=1 18.88 / 18.72 / 18.82, T=8
-// 85.11 / 84.55 / 82.36, session 10).
+// 85.11 / 84.55 / 82.36, session 10). The bulk-copy down kernel's 8 warps measured +0.4 % at
+// depth 0 and equal at 32K (26B b1, session 11): 4 for both.
 constexpr int kMmaDownWarps = 4;
+// Bulk-copy down blocks an SM: their ~63 KB of shared memory.
+constexpr int kBulkDownBlocksPerSm = 3;
 // Rounds whose loads a lane has in flight, refilled by halves (mma_tile): gate/up T=1 18.88 ->
 // 18.86, T=8 85.11 -> 83.45 µs against refilling all 6 after the pass (session 10).
 constexpr int kMmaRoundsInFlight = 6;
@@ -532,7 +542,7 @@ static_assert(kMmaGateUpTiles * kMmaGateUpRows == 16);
 
 // The staged activations: kStagedWordsPerChunk words per chunk, then one chunk of zeros (B for
 // the columns a lane does not feed and for chunks past the row).
-size_t mma_staged_bytes(int64_t chunks) {
+__host__ __device__ constexpr size_t mma_staged_bytes(int64_t chunks) {
   return sizeof(uint32_t) * static_cast<size_t>(chunks + 1) * kStagedWordsPerChunk;
 }
 
@@ -712,10 +722,10 @@ __device__ __forceinline__ void mma_tile(float (&sums)[2], const uint4 (&weights
 
 // One gate/up block's 16 activations (rows `row`, one per thread of lanes 0-15: one block of a
 // chunk) into the handoff.
+// factor: the pick's routing weight times its down matrix's global scale.
 __device__ __forceinline__ void hand_off_activations(const DecodeGateUpArgs& a, int pair,
-                                                     int expert, int64_t row, float value) {
-  value *=
-      apply_global_scale<PackedFormat::kNVFP4>(a.experts[expert].down, a.routing_weights[pair]);
+                                                     float factor, int64_t row, float value) {
+  value *= factor;
   float largest = fabsf(value);
 #pragma unroll
   for (int offset = 8; offset > 0; offset /= 2) {
@@ -730,61 +740,16 @@ __device__ __forceinline__ void hand_off_activations(const DecodeGateUpArgs& a, 
   if (e % 16 == 0) a.handoff_scales[2 * chunk + e / 16] = ldexpf(1.0f, -q);
 }
 
-// Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
-// activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
-// (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
-// 4 blocks per SM: at most 128 registers (no spills; the block-column rounds took 164 unbounded).
-__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 4)
-    decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
-  constexpr int R = kMmaRoundsInFlight;
-  __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
-  __shared__ float scratch[kMmaGateUpBlockWarps];
-  extern __shared__ uint4 staged_x_words[];
-  uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
-  // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
-  // output before its own wait).
-  pdl_wait_for_predecessors();
-  pdl_trigger_dependents();
-  const int pair = blockIdx.x;
-  const int expert = a.expert_ids[pair];
-  if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
-  const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
+// The end of a gate/up block (both tensor-core gate/up kernels): the lanes' sums (gate row g, up
+// row g of the warp's tile) over the tile's warps, gelu_tanh(gate) · up of the block's 16 rows
+// handed off (handoff_factor: hand_off_activations') or stored.
+__device__ __forceinline__ void finish_gate_up_block(
+    const DecodeGateUpArgs& a, int pair, const MoeMatrix (&mats)[2], const float (&sums)[2], int p,
+    float handoff_factor, float (&partial)[kMmaGateUpBlockWarps][kMmaGateUpRows][2]) {
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
   const int t = lane & 3;
   const int warp = threadIdx.x >> 5;
-  const int64_t tile = static_cast<int64_t>(blockIdx.y) * kMmaGateUpTiles + warp / kMmaGateUpWarps;
-  const int64_t row = tile * kMmaGateUpRows + g;
-  const bool row_live = row < a.inner;
-  const int chunks = static_cast<int>(a.chunks_per_row);
-  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps, warp % kMmaGateUpWarps);
-
-  uint4 weights[R][2];
-  uint32_t scale_bits[R][2];
-  auto load_rounds = [&](int first, int slot, int count) {
-#pragma unroll
-    for (int i = 0; i < R; ++i) {
-      if (i < slot || i >= slot + count) continue;
-      const int round = first + i - slot;
-      const int chunk = 4 * round + t;
-      const bool live = round < rounds.end && chunk < chunks && row_live;
-#pragma unroll
-      for (int mat = 0; mat < 2; ++mat) {
-        weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
-                                                 row * a.chunks_per_row + chunk)
-                               : make_uint4(0, 0, 0, 0);
-        scale_bits[i][mat] =
-            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
-      }
-    }
-  };
-  load_rounds(rounds.begin, 0, R);
-  int p = 0;
-  stage_mma_activations(a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride, chunks, staged_x,
-                        scratch, p);
-  __syncthreads();
-  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
-  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
   const float gate_sum = quad_sum(sums[0]);
   const float up_sum = quad_sum(sums[1]);
   if (t == 0) {
@@ -809,11 +774,191 @@ __global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 4)
     up = apply_global_scale<PackedFormat::kNVFP4>(mats[1], up * back);
     const float value = gelu_tanh(gate) * up;
     if (a.handoff_words != nullptr) {  // inner is a whole number of chunks: every row is live
-      hand_off_activations(a, pair, expert, out_row, value);
+      hand_off_activations(a, pair, handoff_factor, out_row, value);
     } else if (out_row < a.inner) {
       a.activations[static_cast<int64_t>(pair) * a.inner + out_row] = value;
     }
   }
+}
+
+// Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
+// activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
+// (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps.
+// 4 blocks per SM: at most 128 registers (no spills; the block-column rounds took 164 unbounded).
+__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 4)
+    decode_gate_up_mma_kernel(DecodeGateUpArgs a) {
+  constexpr int R = kMmaRoundsInFlight;
+  __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
+  __shared__ float scratch[kMmaGateUpBlockWarps];
+  extern __shared__ uint4 staged_x_words[];
+  uint32_t* staged_x = reinterpret_cast<uint32_t*>(staged_x_words);
+  const int pair = blockIdx.x;
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const float* x = a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride;
+  // x was made before the router (moe.h's run_experts): staged before the wait, off the critical
+  // path (router_kernel says why that is safe).
+  int p = 0;
+  stage_mma_activations(x, chunks, staged_x, scratch, p);
+  __syncthreads();
+  // As decode_gate_up_kernel: wait first, trigger after (decode_down_mma_kernel reads the router's
+  // output before its own wait).
+  pdl_wait_for_predecessors();
+  pdl_trigger_dependents();
+  const int expert = a.expert_ids[pair];
+  if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
+  const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int warp = threadIdx.x >> 5;
+  const int64_t tile = static_cast<int64_t>(blockIdx.y) * kMmaGateUpTiles + warp / kMmaGateUpWarps;
+  const int64_t row = tile * kMmaGateUpRows + g;
+  const bool row_live = row < a.inner;
+  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps, warp % kMmaGateUpWarps);
+
+  uint4 weights[R][2];
+  uint32_t scale_bits[R][2];
+  auto load_rounds = [&](int first, int slot, int count) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if (i < slot || i >= slot + count) continue;
+      const int round = first + i - slot;
+      const int chunk = 4 * round + t;
+      const bool live = round < rounds.end && chunk < chunks && row_live;
+#pragma unroll
+      for (int mat = 0; mat < 2; ++mat) {
+        weights[i][mat] = live ? load_weights_nc(static_cast<const uint4*>(mats[mat].weights) +
+                                                 row * a.chunks_per_row + chunk)
+                               : make_uint4(0, 0, 0, 0);
+        scale_bits[i][mat] =
+            live ? load_scale_bits<PackedFormat::kNVFP4>(mats[mat], row, chunk) : 0u;
+      }
+    }
+  };
+  load_rounds(rounds.begin, 0, R);
+  float sums[2] = {0.0f, 0.0f};  // gate row g, up row g: this lane's chunks
+  mma_tile<false>(sums, weights, scale_bits, load_rounds, rounds, staged_x, chunks);
+  const float handoff_factor = a.handoff_words != nullptr
+                                   ? apply_global_scale<PackedFormat::kNVFP4>(
+                                         a.experts[expert].down, a.routing_weights[pair])
+                                   : 0.0f;
+  finish_gate_up_block(a, pair, mats, sums, p, handoff_factor, partial);
+}
+
+// Grid (pairs, ⌈inner / (8 · kMmaGateUpTiles)⌉): tile i of block (p, y) computes
+// activations[p][8j .. 8j + 7], j = kMmaGateUpTiles · y + i, from gate rows (A rows g) and up rows
+// (A rows g + 8), its warps splitting K; a fixed-order sum over the tile's warps. The block's 32
+// weight rows (16 gate, 16 up) and their scales come to shared memory by bulk copies, all in
+// flight as soon as the expert is known: one DRAM round trip, where loads into registers (6 rounds
+// in flight, at 128 registers) took two or three (26B b1, with the bulk down kernel: 470.3 ->
+// 494.4 tok/s at depth 0, 398.3 -> 412.0 at 32K, session 11; moe_bench alone, without the dense
+// branch beside it, does not show it: T=1 18.48 -> 18.99 µs). For inner a multiple of 16 and
+// chunks_per_row of 8 (launch_decode checks). Rows at bulk_row_pitch bytes: 16 words past a
+// multiple of 32 banks, so the two rows g, g + 1 of a quarter warp's LDS.128 take different banks.
+constexpr int kBulkRows = kMmaGateUpTiles * kMmaGateUpRows;  // per matrix
+__host__ __device__ constexpr int64_t bulk_row_pitch(int64_t chunks) {
+  return (16 * chunks + 127) / 128 * 128 + 64;
+}
+size_t bulk_gate_up_shared_bytes(int64_t chunks) {
+  return mma_staged_bytes(chunks) +
+         static_cast<size_t>(2 * kBulkRows) * (bulk_row_pitch(chunks) + 2 * chunks);
+}
+
+__global__ void __launch_bounds__(kMmaGateUpBlockWarps * 32, 3)
+    decode_gate_up_bulk_kernel(DecodeGateUpArgs a) {
+  __shared__ float partial[kMmaGateUpBlockWarps][kMmaGateUpRows][2];
+  __shared__ float scratch[kMmaGateUpBlockWarps];
+  __shared__ uint64_t barrier;
+  extern __shared__ uint4 shared_words[];
+  const int pair = blockIdx.x;
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  const int64_t pitch = bulk_row_pitch(chunks);
+  uint32_t* staged_x = reinterpret_cast<uint32_t*>(shared_words);
+  uint8_t* rows_smem = reinterpret_cast<uint8_t*>(shared_words) + mma_staged_bytes(chunks);
+  uint16_t* scales_smem = reinterpret_cast<uint16_t*>(rows_smem + 2 * kBulkRows * pitch);
+  const float* x = a.x + static_cast<int64_t>(pair / a.top_k) * a.x_stride;
+  if (threadIdx.x == 0) {
+    init_barrier(&barrier);
+    fence_barrier_init();
+  }
+  int p = 0;
+  // x was made before the router (moe.h's run_experts): staged before the wait, off the critical
+  // path (router_kernel says why that is safe).
+  stage_mma_activations(x, chunks, staged_x, scratch, p);
+  __syncthreads();
+  pdl_wait_for_predecessors();
+  pdl_trigger_dependents();
+  const int expert = a.expert_ids[pair];
+  if (expert < 0 || expert >= a.num_experts) return;  // the whole block: skipped downstream
+  const MoeMatrix mats[2] = {a.experts[expert].gate, a.experts[expert].up};
+  const int64_t first_row = static_cast<int64_t>(blockIdx.y) * kBulkRows;
+  const uint32_t row_bytes = 16u * static_cast<uint32_t>(chunks);
+  const uint32_t scale_row_bytes = 2u * static_cast<uint32_t>(chunks);
+  // Scales by bulk copies when both matrices' lie 16-byte aligned, else loaded by the threads.
+  const bool bulk_scales =
+      ((reinterpret_cast<uintptr_t>(mats[0].scales) | reinterpret_cast<uintptr_t>(mats[1].scales)) &
+       15) == 0;
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    // Lane i: row i % 16 of matrix i / 16.
+    if (lane == 0) {
+      arrive_expect_bytes(&barrier,
+                          2 * kBulkRows * (row_bytes + (bulk_scales ? scale_row_bytes : 0u)));
+    }
+    __syncwarp();
+    // Selected, not indexed: an indexed mats[] would live in local memory.
+    const bool gate = lane < kBulkRows;
+    const auto* weights = static_cast<const uint8_t*>(gate ? mats[0].weights : mats[1].weights);
+    const auto* scales = static_cast<const uint8_t*>(gate ? mats[0].scales : mats[1].scales);
+    const int64_t row = first_row + lane % kBulkRows;
+    copy_bulk(rows_smem + lane * pitch, weights + row * static_cast<int64_t>(row_bytes), row_bytes,
+              &barrier);
+    if (bulk_scales) {
+      copy_bulk(scales_smem + lane * chunks, scales + row * static_cast<int64_t>(scale_row_bytes),
+                scale_row_bytes, &barrier);
+    }
+  }
+  if (!bulk_scales) {
+    for (int i = threadIdx.x; i < 2 * kBulkRows * chunks; i += blockDim.x) {
+      const int r = i / chunks;
+      const auto* scales =
+          static_cast<const uint16_t*>(r < kBulkRows ? mats[0].scales : mats[1].scales);
+      scales_smem[i] = __ldg(scales + (first_row + r % kBulkRows) * chunks + i % chunks);
+    }
+  }
+  float handoff_factor = 0.0f;
+  if (a.handoff_words != nullptr) {
+    handoff_factor =
+        apply_global_scale<PackedFormat::kNVFP4>(a.experts[expert].down, a.routing_weights[pair]);
+  }
+  wait_barrier(&barrier, 0);
+  __syncthreads();
+
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const int warp = threadIdx.x >> 5;
+  const int local_row = (warp / kMmaGateUpWarps) * kMmaGateUpRows + g;
+  const RoundRange rounds = warp_rounds(chunks, kMmaGateUpWarps, warp % kMmaGateUpWarps);
+  const uint8_t* gate_row = rows_smem + local_row * pitch;
+  const uint8_t* up_row = rows_smem + (kBulkRows + local_row) * pitch;
+  const uint16_t* gate_scales = scales_smem + local_row * chunks;
+  const uint16_t* up_scales = scales_smem + (kBulkRows + local_row) * chunks;
+  const uint32_t* zeros = staged_x + kStagedWordsPerChunk * chunks;
+  float sums[2] = {0.0f, 0.0f};
+#pragma unroll 2
+  for (int round = rounds.begin; round < rounds.end; ++round) {
+    const int chunk = 4 * round + t;
+    const bool live = chunk < chunks;
+    const uint4 rows[2] = {
+        live ? *reinterpret_cast<const uint4*>(gate_row + 16 * chunk) : make_uint4(0, 0, 0, 0),
+        live ? *reinterpret_cast<const uint4*>(up_row + 16 * chunk) : make_uint4(0, 0, 0, 0)};
+    const uint32_t scale_bits[2] = {live ? uint32_t{gate_scales[chunk]} : 0u,
+                                    live ? uint32_t{up_scales[chunk]} : 0u};
+    const uint32_t* mine = live ? staged_x + kStagedWordsPerChunk * chunk : zeros;
+    const uint32_t* const x_blocks[2] = {g == 2 * t ? mine : zeros, g == 2 * t + 1 ? mine : zeros};
+    mma_round_block_columns<false>(sums, rows, scale_bits, x_blocks, float2{});
+  }
+  finish_gate_up_block(a, pair, mats, sums, p, handoff_factor, partial);
 }
 
 // The token's handoff (ActivationHandoff: `chunks` chunks) into the staged words and x_scales, by
@@ -839,6 +984,31 @@ __device__ __forceinline__ void copy_handoff(const DecodeDownArgs& a, int token,
   if (threadIdx.x < kStagedWordsPerChunk) staged[kStagedWordsPerChunk * chunks + threadIdx.x] = 0;
   if (threadIdx.x == 0) x_scales[chunks] = make_float2(0.0f, 0.0f);
   wait_copies<0>();
+}
+
+// The end of a down block (both tensor-core down kernels): the lanes' sums (rows g, g + 8) over the
+// block's warps, in fixed order, to out.
+__device__ __forceinline__ void finish_down_block(const DecodeDownArgs& a, int token,
+                                                  const float (&sums)[2],
+                                                  float (&partial)[kMmaDownWarps][kMmaDownRows]) {
+  const int lane = threadIdx.x & 31;
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const float row_sum = quad_sum(sums[0]);
+  const float row8_sum = quad_sum(sums[1]);
+  const int warp = threadIdx.x >> 5;
+  if (t == 0) {
+    partial[warp][g] = row_sum;
+    partial[warp][g + 8] = row8_sum;
+  }
+  __syncthreads();
+  if (threadIdx.x < kMmaDownRows) {
+    const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
+    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift);
+  }
 }
 
 // Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
@@ -896,21 +1066,110 @@ __global__ void __launch_bounds__(kMmaDownWarps * 32, 4) decode_down_mma_kernel(
   __syncthreads();
   float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
   mma_tile<true>(sums, weights, scale_bits, load_rounds, rounds, staged, chunks, x_scales);
-  const float row_sum = quad_sum(sums[0]);
-  const float row8_sum = quad_sum(sums[1]);
-  const int warp = threadIdx.x >> 5;
-  if (t == 0) {
-    partial[warp][g] = row_sum;
-    partial[warp][g + 8] = row8_sum;
+  finish_down_block(a, token, sums, partial);
+}
+
+// Grid (tokens, ⌈hidden / 16⌉): block (t, y) computes out[t][16y .. 16y + 15], A rows g and g + 8
+// of the picks' down matrices over K = the concatenation of the token's top_k activation rows
+// (ActivationHandoff: each times its pick's routing weight and NVFP4 global scale); its warps
+// split K. The block's 16 rows of each pick's down matrix are contiguous: one bulk copy per pick
+// (and one for its scales) into shared memory, all issued before the PDL wait (they depend on the
+// router only), the rounds then reading shared memory. For hidden a multiple of 16.
+__host__ __device__ constexpr size_t bulk_down_x_bytes(int64_t chunks) {
+  return (mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1) + 15) / 16 * 16;
+}
+size_t bulk_down_shared_bytes(int64_t chunks) {
+  return bulk_down_x_bytes(chunks) + static_cast<size_t>(kMmaDownRows) * chunks * (16 + 2);
+}
+
+__global__ void __launch_bounds__(kMmaDownWarps * 32, kBulkDownBlocksPerSm)
+    decode_down_bulk_kernel(DecodeDownArgs a) {
+  __shared__ MoeMatrix downs[kMaxTopK];
+  __shared__ float pick_weights[kMaxTopK];
+  __shared__ float partial[kMmaDownWarps][kMmaDownRows];
+  __shared__ uint64_t barrier;
+  extern __shared__ uint4 shared_words[];
+  pdl_trigger_dependents();
+  const int token = blockIdx.x;
+  const int per_pick = static_cast<int>(a.chunks_per_row);
+  const int chunks = a.top_k * per_pick;
+  uint32_t* staged = reinterpret_cast<uint32_t*>(shared_words);
+  float2* x_scales = reinterpret_cast<float2*>(staged + kStagedWordsPerChunk * (chunks + 1));
+  uint8_t* rows_smem = reinterpret_cast<uint8_t*>(shared_words) + bulk_down_x_bytes(chunks);
+  uint16_t* scales_smem = reinterpret_cast<uint16_t*>(rows_smem + kMmaDownRows * 16 * chunks);
+  load_picks<PackedFormat::kNVFP4>(a, token, downs, pick_weights);  // before the wait
+  if (threadIdx.x == 0) {
+    init_barrier(&barrier);
+    fence_barrier_init();
   }
   __syncthreads();
-  if (threadIdx.x < kMmaDownRows) {
-    const int64_t row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows + threadIdx.x;
-    float sum = 0.0f;
-#pragma unroll
-    for (int w = 0; w < kMmaDownWarps; ++w) sum += partial[w][threadIdx.x];
-    if (row < a.hidden) a.out[token * a.out_stride + row] = sum * ldexpf(1.0f, kBlockColumnShift);
+  const int64_t first_row = static_cast<int64_t>(blockIdx.y) * kMmaDownRows;
+  const uint32_t pick_bytes = kMmaDownRows * 16u * static_cast<uint32_t>(per_pick);
+  const uint32_t pick_scale_bytes = kMmaDownRows * 2u * static_cast<uint32_t>(per_pick);
+  const int lane = threadIdx.x & 31;
+  if (threadIdx.x < 32) {
+    // Lane k: pick k's rows (weights, and its scales where they lie 16-byte aligned).
+    const bool valid = lane < a.top_k && downs[lane].weights != nullptr;
+    const bool bulk_scales = valid && (reinterpret_cast<uintptr_t>(downs[lane].scales) & 15) == 0;
+    const uint32_t bytes = valid ? pick_bytes + (bulk_scales ? pick_scale_bytes : 0u) : 0u;
+    const uint32_t total = __reduce_add_sync(0xFFFFFFFFu, bytes);
+    if (lane == 0) arrive_expect_bytes(&barrier, total);
+    __syncwarp();
+    if (valid) {
+      copy_bulk(rows_smem + lane * pick_bytes,
+                static_cast<const uint8_t*>(downs[lane].weights) +
+                    first_row * 16 * static_cast<int64_t>(per_pick),
+                pick_bytes, &barrier);
+    }
+    if (bulk_scales) {
+      copy_bulk(scales_smem + lane * kMmaDownRows * per_pick,
+                static_cast<const uint8_t*>(downs[lane].scales) +
+                    first_row * 2 * static_cast<int64_t>(per_pick),
+                pick_scale_bytes, &barrier);
+    }
   }
+  // Scales the copies do not bring: loaded (misaligned), or zeros (invalid picks: their zero
+  // activations must not meet NaN scale bits).
+  for (int i = threadIdx.x; i < kMmaDownRows * chunks; i += blockDim.x) {
+    const int pick = i / (kMmaDownRows * per_pick);
+    const MoeMatrix& m = downs[pick];
+    if (m.weights == nullptr) {
+      scales_smem[i] = 0;
+    } else if ((reinterpret_cast<uintptr_t>(m.scales) & 15) != 0) {
+      const int in_pick = i - pick * kMmaDownRows * per_pick;
+      scales_smem[i] =
+          __ldg(static_cast<const uint16_t*>(m.scales) + first_row * per_pick + in_pick);
+    }
+  }
+  pdl_wait_for_predecessors();
+  copy_handoff(a, token, chunks, downs, staged, x_scales);
+  wait_barrier(&barrier, 0);
+  __syncthreads();
+
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  const RoundRange rounds = warp_rounds(chunks, kMmaDownWarps, static_cast<int>(threadIdx.x >> 5));
+  const uint32_t* zeros = staged + kStagedWordsPerChunk * chunks;
+  float sums[2] = {0.0f, 0.0f};  // rows g, g + 8: this lane's chunks
+#pragma unroll 2
+  for (int round = rounds.begin; round < rounds.end; ++round) {
+    const int chunk = 4 * round + t;
+    const bool in_k = chunk < chunks;
+    const int pick = in_k ? a.pick_divisor.divide(chunk) : 0;
+    const int in_row = chunk - pick * per_pick;
+    // Row g of pick `pick` in shared memory: [pick][row][chunk].
+    const int row_g = (pick * kMmaDownRows + g) * per_pick + in_row;
+    const int row_g8 = row_g + 8 * per_pick;
+    const uint4* words = reinterpret_cast<const uint4*>(rows_smem);
+    const uint4 rows[2] = {in_k ? words[row_g] : make_uint4(0, 0, 0, 0),
+                           in_k ? words[row_g8] : make_uint4(0, 0, 0, 0)};
+    const uint32_t scale_bits[2] = {in_k ? uint32_t{scales_smem[row_g]} : 0u,
+                                    in_k ? uint32_t{scales_smem[row_g8]} : 0u};
+    const uint32_t* mine = in_k ? staged + kStagedWordsPerChunk * chunk : zeros;
+    const uint32_t* const x_blocks[2] = {g == 2 * t ? mine : zeros, g == 2 * t + 1 ? mine : zeros};
+    mma_round_block_columns<true>(sums, rows, scale_bits, x_blocks, x_scales[min(chunk, chunks)]);
+  }
+  finish_down_block(a, token, sums, partial);
 }
 
 int64_t chunk_elements(PackedFormat format) {
@@ -921,10 +1180,17 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
                           const Launch& launch) {
   const MoeShape& shape = args.shape;
   // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones;
-  // down on them only after the mma gate/up kernel (it takes the ActivationHandoff).
+  // down on them only after the mma gate/up kernel (it takes the ActivationHandoff). One token
+  // takes the bulk-copy kernels where the shape suits them (whole 16-row blocks, gate/up rows of a
+  // multiple of 8 chunks: 26B-A4B's); more take the register-loading ones (26B, 8 streams: 1,637.1
+  // tok/s, 1,423.0 on the bulk kernels, session 11: their blocks wait for all of their copies, and
+  // 3, not 4, fit an SM).
   const bool mma_gate_up =
       args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
   const bool mma_down = mma_gate_up && shape.down_format == PackedFormat::kNVFP4;
+  const bool bulk_gate_up = mma_gate_up && args.tokens == 1 && shape.inner % kBulkRows == 0 &&
+                            (shape.hidden / 32) % 8 == 0;
+  const bool bulk_down = mma_down && args.tokens == 1 && shape.hidden % kMmaDownRows == 0;
   // MoePrecision::kExactF32's path multiplies w4g32 weights by the fp32 activations exactly
   // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
   const bool centered_nibbles = args.path == MoePath::kDecode;
@@ -940,7 +1206,15 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
       args.weights,    handoff_words,
       handoff_scales};
   cudaError_t status;
-  if (mma_gate_up) {
+  if (bulk_gate_up) {
+    const size_t shared = bulk_gate_up_shared_bytes(shape.hidden / 32);
+    status = allow_shared_bytes(decode_gate_up_bulk_kernel, shared);
+    if (status == cudaSuccess) {
+      status = launch_kernel(decode_gate_up_bulk_kernel,
+                             dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kBulkRows)),
+                             dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
+    }
+  } else if (mma_gate_up) {
     const size_t shared = mma_staged_bytes(shape.hidden / 32);
     status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
     if (status == cudaSuccess) {
@@ -983,6 +1257,16 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
                                args.out_stride,
                                handoff_words,
                                handoff_scales};
+  if (bulk_down) {
+    const int64_t chunks = args.top_k * down_chunks_per_row;
+    const size_t shared = bulk_down_shared_bytes(chunks);
+    const cudaError_t allowed = allow_shared_bytes(decode_down_bulk_kernel, shared);
+    if (allowed != cudaSuccess) return allowed;
+    return launch_kernel(
+        decode_down_bulk_kernel,
+        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
+        dim3(kMmaDownWarps * 32), shared, launch, down);
+  }
   if (mma_down) {
     const int64_t chunks = args.top_k * down_chunks_per_row;
     const size_t shared = mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1);  // x_scales

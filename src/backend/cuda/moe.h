@@ -88,6 +88,10 @@ size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,
 // aligned (x_stride a multiple of 4); an expert id outside the table contributes nothing. Every
 // out row is written; out must not overlap x. cudaErrorInvalidValue for bad arguments. `precision`
 // picks each pass's path (moe_path_for); size the workspace for the same precision.
+// With PDL, x must be complete by the time the launch just before run_experts' passes its wait:
+// the decode gate/up kernel stages x before its own wait. route_token and route_experts, launched
+// just before, ensure it for an x made before them (they trigger their dependents only after
+// their wait).
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,
                         int top_k, const int32_t* expert_ids, const float* weights, float* out,
                         int64_t out_stride, void* workspace, const Launch& launch,
