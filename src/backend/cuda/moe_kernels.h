@@ -105,26 +105,25 @@ enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 // finer grid wins (few pairs share an expert anyway).
 inline constexpr int kMoeByExpertMinTokens = 9;
 
-constexpr MoePath moe_path_for(int tokens,
-                               MoePrecision precision = MoePrecision::kBf16TensorCores) {
-  if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
-  if (tokens >= kMoeGroupedMinTokens) return MoePath::kGrouped;
-  return tokens >= kMoeByExpertMinTokens ? MoePath::kDecodeByExpert : MoePath::kDecodeTensorCores;
-}
-
 // Whether kDecodeByExpert runs these experts: its kernels are NVFP4 tensor-core ones.
 constexpr bool moe_by_expert_formats(const MoeShape& shape) {
   return shape.gate_up_format == PackedFormat::kNVFP4 && shape.down_format == PackedFormat::kNVFP4;
 }
 
-// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: moe_path_for's,
-// with other formats than NVFP4 on kDecodeTensorCores' per-pair kernels instead of
-// kDecodeByExpert (their fp32 GEMVs are bound by arithmetic, not by reading the weights).
-constexpr MoePath moe_path_for(const MoeShape& shape, int tokens, MoePrecision precision) {
-  const MoePath path = moe_path_for(tokens, precision);
-  return path == MoePath::kDecodeByExpert && !moe_by_expert_formats(shape)
-             ? MoePath::kDecodeTensorCores
-             : path;
+// Tokens from which run_experts takes the grouped path for experts of `shape`: NVFP4 experts
+// stay on kDecodeByExpert longer (it reads each picked expert once, as the grouped path does).
+// Session 11 A/B (moe.cpp): 128 for NVFP4, GEMMA4_S11_BYEXP=0 main's kMoeGroupedMinTokens.
+int moe_grouped_min_tokens(const MoeShape& shape);
+
+// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: other formats
+// than NVFP4 take kDecodeTensorCores' per-pair kernels instead of kDecodeByExpert (their fp32
+// GEMVs are bound by arithmetic, not by reading the weights).
+inline MoePath moe_path_for(const MoeShape& shape, int tokens, MoePrecision precision) {
+  if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
+  if (tokens >= moe_grouped_min_tokens(shape)) return MoePath::kGrouped;
+  return tokens >= kMoeByExpertMinTokens && moe_by_expert_formats(shape)
+             ? MoePath::kDecodeByExpert
+             : MoePath::kDecodeTensorCores;
 }
 
 struct MoeRunArgs {
