@@ -183,11 +183,12 @@ constexpr int kMmaWarps = 8;
 // gives gate/up 4 blocks an SM (32 warps, 64 registers, 2 rounds in flight) and down 3 (24 warps,
 // 80 registers, 3 rounds), both staging with 1 cached piece (the cached pieces made gate/up spill
 // 120 bytes at 80 registers); variant 2 keeps gate/up at 3 blocks without the spills and gives down
-// 3 blocks with 4 rounds.
+// 3 blocks with 4 rounds; variant 3 is variant 2's gate/up on half-K units (kKSplit), main's down.
 template <bool kGateUp, int V>
 constexpr int kMmaBlocksPerSm = V == 0   ? (kGateUp ? 3 : 2)
                                 : V == 1 ? (kGateUp ? 4 : 3)
-                                         : 3;
+                                : V == 2 ? 3
+                                         : (kGateUp ? 3 : 2);
 // Rounds (4 chunks of the two A rows) a lane loads ahead; gate/up's registers go to more warps.
 // Beyond them nothing is asked of L2 ahead: each load's 256-byte hint brings its row's next rounds.
 // Asking L2 for each unit whole as a block started it (96-180 KB, sessions 6-9) made DRAM read
@@ -198,7 +199,8 @@ constexpr int kMmaBlocksPerSm = V == 0   ? (kGateUp ? 3 : 2)
 template <bool kGateUp, int V>
 constexpr int kMmaRoundsInFlight = V == 0   ? (kGateUp ? 3 : 6)
                                    : V == 1 ? (kGateUp ? 2 : 3)
-                                            : (kGateUp ? 3 : 4);
+                                   : V == 2 ? (kGateUp ? 3 : 4)
+                                            : (kGateUp ? 3 : 6);
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
@@ -208,8 +210,15 @@ constexpr int kMmaTileRows = kGateUp ? 8 : 16;
 // hidden 2816: 180 KB of weights), down 2 (256 hidden rows, K = inner 704: 90 KB).
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
-template <bool kGateUp>
-constexpr int kMmaBlockRows = kMmaWarps<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+// Parts of K a unit's rows are split into, each on its own warps, the partial sums added in shared
+// memory in a fixed order. Variant 3: gate/up units of 32 inner rows, 4 warps on each half of K:
+// twice the units (T=32: ~2,460 on 396 blocks, at most 7 a block for 6.2 on average, where 1,232
+// left a tail of 44 blocks with a 4th unit for 3.1 on average).
+template <bool kGateUp, int V>
+constexpr int kKSplit = V == 3 && kGateUp ? 2 : 1;
+template <bool kGateUp, int V>
+constexpr int kMmaBlockRows =
+    kMmaWarps<kGateUp> / kKSplit<kGateUp, V>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 // Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
 __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
@@ -252,7 +261,7 @@ struct ColumnStaging {
 // 5.8 columns of inner 704 over 256 (the first rounds of the weights are live meanwhile; down
 // spilled 64 bytes with 4).
 template <bool kGateUp, int V>
-constexpr int kCachedPieces = V == 0 ? (kGateUp ? 4 : 2) : 1;
+constexpr int kCachedPieces = V == 0 || (V == 3 && !kGateUp) ? (kGateUp ? 4 : 2) : 1;
 
 // Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
 // of the column's largest |value · factor|, as stage_mma_activations does for one), and their zero
@@ -389,7 +398,12 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight<kGateUp, V>;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp, V>;
+  constexpr int kSplit = kKSplit<kGateUp, V>;
+  constexpr int kRowWarps = kMmaWarps<kGateUp> / kSplit;
+  // Part 1's sums of a unit (kSplit 2), two units' worth: a unit's writes wait for the reads of
+  // the unit before the previous one, past the previous unit's barrier.
+  __shared__ float partials[kSplit > 1 ? 2 * kRowWarps * 32 * 4 : 1];
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
@@ -417,21 +431,26 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
   };
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  const int row_warp = kSplit > 1 ? (threadIdx.x >> 5) % kRowWarps : threadIdx.x >> 5;
+  const int part = kSplit > 1 ? (threadIdx.x >> 5) / kRowWarps : 0;
   const int g = lane >> 2;
   const int t = lane & 3;
   // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
   // or two down rows.
   auto a_row = [&](const Work& w, int row_tile, int h) {
     return w.block_row +
-           static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) * kMmaTileRows<kGateUp> + g +
+           static_cast<int64_t>(row_tile * kRowWarps + row_warp) * kMmaTileRows<kGateUp> + g +
            (kGateUp ? 0 : 8 * h);
   };
   auto matrix = [&](int expert, int h) -> const MoeMatrix& {
     const MoeExpert& e = a.experts[expert];
     return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
   };
+  // This warp's rounds [begin, end): its part of K.
   const int rounds = (chunks + 3) / 4;
+  const int part_rounds = (rounds + kSplit - 1) / kSplit;
+  const int begin = kSplit > 1 ? min(part * part_rounds, rounds) : 0;
+  const int end = kSplit > 1 ? min(begin + part_rounds, rounds) : rounds;
 
   // Chunk t of each A row of the row tile being loaded, and its scales (load_scale_bits' layout:
   // one 16-bit pair per chunk); round r is 4r chunks on, an immediate offset within a pass. A row
@@ -465,8 +484,11 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // session 6).
   load_tile(work, 0);
 #pragma unroll
-  for (int i = 0; i < R; ++i) load_round(i, i);
+  for (int i = 0; i < R; ++i) {
+    if (kSplit == 1 || begin + i < end) load_round(i, begin + i);
+  }
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
+  int parity = 0;          // of the units done (kSplit 2: which half of partials)
   int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
@@ -499,28 +521,44 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       // the top of each pass instead leaves the pass's first products a full memory latency
       // behind. In a tile's last pass every slot takes round i of the next row tile: this work's
       // next one, else the next work's first.
-      for (int first = 0; first < rounds; first += R) {
-        const bool last_pass = first + R >= rounds;
+      for (int first = begin; first < end; first += R) {
+        const bool last_pass = first + R >= end;
         const bool next_row_tile = last_pass && row_tile + 1 < kTiles;
         const bool next_work = last_pass && !next_row_tile && has_next;
         if (next_row_tile) load_tile(work, row_tile + 1);
         if (next_work) load_tile(next, 0);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-          if (first + i < rounds) {  // warp-uniform
+          if (first + i < end) {  // warp-uniform
             const int round_words = 4 * kStagedWordsPerChunk * (first + i);
             mma_round(acc[i % 2], weights[i], scale_bits[i], even_pieces + round_words,
                       odd_pieces + round_words);
           }
           if (!last_pass) {
-            if (first + R + i < rounds) load_round(i, first + R + i);
-          } else if (next_row_tile || next_work) {
-            load_round(i, i);
+            if (first + R + i < end) load_round(i, first + R + i);
+          } else if ((next_row_tile || next_work) && (kSplit == 1 || begin + i < end)) {
+            load_round(i, begin + i);
           }
         }
       }
       // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
       // (acc[.][2], acc[.][3]).
+      float sums[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) sums[q] = acc[0][q] + acc[1][q];
+      if constexpr (kSplit > 1) {
+        float* partial = partials + ((parity * kRowWarps + row_warp) * 32 + lane) * 4;
+        if (part == 1)
+          *reinterpret_cast<float4*>(partial) = make_float4(sums[0], sums[1], sums[2], sums[3]);
+        __syncthreads();
+        parity ^= 1;
+        if (part == 1) continue;
+        const float4 other = *reinterpret_cast<const float4*>(partial);
+        sums[0] += other.x;
+        sums[1] += other.y;
+        sums[2] += other.z;
+        sums[3] += other.w;
+      }
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -529,16 +567,16 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const int64_t p = tile.pairs[c];
         const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
         if constexpr (kGateUp) {
-          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
-              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
-          const float up = apply_global_scale<PackedFormat::kNVFP4>(
-              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
+          const float gate =
+              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 0), sums[j] * back);
+          const float up =
+              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 1), sums[2 + j] * back);
           if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (rows[h] < a.rows) {
-              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
+              a.out[p * a.out_stride + rows[h]] = sums[2 * h + j] * back;
             }
           }
         }
@@ -639,7 +677,7 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
   }
   constexpr int kThreads = kMmaWarps<kGateUp> * 32;
   const int64_t most_units =
-      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
+      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp, V>);
   const int resident = resident_blocks(kernel, kThreads, shared);
   const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
   return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared, launch,
@@ -654,12 +692,13 @@ cudaError_t launch_projections(const ByExpertArgs& gate_up, const ByExpertArgs& 
   return launch_projection<false, V>(down, slots, launch);
 }
 
-// GEMMA4_S11_BYEXP: 0 main's tuning, 2 variant 2, else variant 1 (read once).
+// GEMMA4_S11_BYEXP: 0 main's tuning, 2 or 3 those variants, else variant 1 (read once).
 int by_expert_variant() {
   static const int variant = [] {
     const char* env = std::getenv("GEMMA4_S11_BYEXP");
     if (env && std::strcmp(env, "0") == 0) return 0;
     if (env && std::strcmp(env, "2") == 0) return 2;
+    if (env && std::strcmp(env, "3") == 0) return 3;
     return 1;
   }();
   return variant;
@@ -682,6 +721,7 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   const int variant = by_expert_variant();
   const cudaError_t status = variant == 0   ? launch_projections<0>(gate_up, down, slots, launch)
                              : variant == 2 ? launch_projections<2>(gate_up, down, slots, launch)
+                             : variant == 3 ? launch_projections<3>(gate_up, down, slots, launch)
                                             : launch_projections<1>(gate_up, down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
