@@ -198,7 +198,7 @@ cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x
 int moe_grouped_min_tokens(const MoeShape& shape) {
   static const int nvfp4_min_tokens = [] {
     const char* env = std::getenv("GEMMA4_S11_BYEXP");
-    return env && std::strcmp(env, "0") == 0 ? kMoeGroupedMinTokens : 128;
+    return env && std::strcmp(env, "0") == 0 ? kMoeGroupedMinTokens : 112;
   }();
   return moe_by_expert_formats(shape) ? nvfp4_min_tokens : kMoeGroupedMinTokens;
 }

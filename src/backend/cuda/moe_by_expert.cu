@@ -178,17 +178,8 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 // 16 warps at 128 registers and 6 rounds in flight 116.5 / 220.5), down 16 at 128.
 template <bool kGateUp>
 constexpr int kMmaWarps = 8;
-//
-// Session 11 A/B (GEMMA4_S11_BYEXP, by_expert_variant): variant 0 is the tuning above; variant 1
-// gives gate/up 4 blocks an SM (32 warps, 64 registers, 2 rounds in flight) and down 3 (24 warps,
-// 80 registers, 3 rounds), both staging with 1 cached piece (the cached pieces made gate/up spill
-// 120 bytes at 80 registers); variant 2 keeps gate/up at 3 blocks without the spills and gives down
-// 3 blocks with 4 rounds; variant 3 is variant 2's gate/up on half-K units (kKSplit), main's down.
-template <bool kGateUp, int V>
-constexpr int kMmaBlocksPerSm = V == 0   ? (kGateUp ? 3 : 2)
-                                : V == 1 ? (kGateUp ? 4 : 3)
-                                : V == 2 ? 3
-                                         : (kGateUp ? 3 : 2);
+template <bool kGateUp>
+constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
 // Rounds (4 chunks of the two A rows) a lane loads ahead; gate/up's registers go to more warps.
 // Beyond them nothing is asked of L2 ahead: each load's 256-byte hint brings its row's next rounds.
 // Asking L2 for each unit whole as a block started it (96-180 KB, sessions 6-9) made DRAM read
@@ -196,11 +187,8 @@ constexpr int kMmaBlocksPerSm = V == 0   ? (kGateUp ? 3 : 2)
 // (moe_bench H200 PDL µs per layer, T=8 / 16 / 24 / 32 / 40: 107.4 / 141.4 / 186.9 / 211.5 / 230.3
 // with it, 97.6 / 128.6 / 165.5 / 189.7 / 205.5 without; each row's 256 bytes 8 rounds ahead
 // instead: 226.2 at T=32).
-template <bool kGateUp, int V>
-constexpr int kMmaRoundsInFlight = V == 0   ? (kGateUp ? 3 : 6)
-                                   : V == 1 ? (kGateUp ? 2 : 3)
-                                   : V == 2 ? (kGateUp ? 3 : 4)
-                                            : (kGateUp ? 3 : 6);
+template <bool kGateUp>
+constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
@@ -211,14 +199,12 @@ constexpr int kMmaTileRows = kGateUp ? 8 : 16;
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
 // Parts of K a unit's rows are split into, each on its own warps, the partial sums added in shared
-// memory in a fixed order. Variant 3: gate/up units of 32 inner rows, 4 warps on each half of K:
-// twice the units (T=32: ~2,460 on 396 blocks, at most 7 a block for 6.2 on average, where 1,232
-// left a tail of 44 blocks with a 4th unit for 3.1 on average).
-template <bool kGateUp, int V>
-constexpr int kKSplit = V == 3 && kGateUp ? 2 : 1;
-template <bool kGateUp, int V>
+// memory in a fixed order. Session 11 A/B (GEMMA4_S11_BYEXP=3): gate/up units of 32 inner rows,
+// 4 warps on each half of K: twice the units (T=32: ~2,460 on 396 blocks, at most 7 a block for
+// 6.2 on average, where 1,232 left a tail of 44 blocks with a 4th unit for 3.1 on average).
+template <bool kGateUp, int kSplit>
 constexpr int kMmaBlockRows =
-    kMmaWarps<kGateUp> / kKSplit<kGateUp, V>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+    kMmaWarps<kGateUp> / kSplit* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 // Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
 __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
@@ -260,14 +246,14 @@ struct ColumnStaging {
 // again): gate/up 4 per thread cover 2.9 columns of hidden 2816 over 256 threads, down 2 cover
 // 5.8 columns of inner 704 over 256 (the first rounds of the weights are live meanwhile; down
 // spilled 64 bytes with 4).
-template <bool kGateUp, int V>
-constexpr int kCachedPieces = V == 0 || (V == 3 && !kGateUp) ? (kGateUp ? 4 : 2) : 1;
+template <bool kGateUp>
+constexpr int kCachedPieces = kGateUp ? 4 : 2;
 
 // Stages the tile's columns as fp16 pairs in mma order, each under its own 2^p (staging_exponent
 // of the column's largest |value · factor|, as stage_mma_activations does for one), and their zero
 // chunks up to a whole round. The whole block works on all columns at once: the loads of a column
 // go out together, not one warp's row at a time.
-template <bool kGateUp, int V>
+template <bool kGateUp>
 __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, const ExpertTile& tile,
                                int chunks, uint32_t* staged, ColumnStaging& columns) {
   const int count = tile.count;
@@ -303,18 +289,18 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
     // drop NaN in fmaxf alike): the float order is the bits' order.
     atomicMax(&columns.largest[c], __float_as_uint(fmaxf(largest_of(lo, f), largest_of(hi, f))));
   };
-  float4 cached[kCachedPieces<kGateUp, V>][2];
+  float4 cached[kCachedPieces<kGateUp>][2];
 #pragma unroll
-  for (int j = 0; j < kCachedPieces<kGateUp, V>; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) load_piece(piece, cached[j][0], cached[j][1]);
   }
 #pragma unroll
-  for (int j = 0; j < kCachedPieces<kGateUp, V>; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) note_largest(piece / column_pieces, cached[j][0], cached[j][1]);
   }
-  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp, V> * blockDim.x);
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp> * blockDim.x);
        piece < pieces; piece += blockDim.x) {
     float4 lo, hi;
     note_largest(load_piece(piece, lo, hi), lo, hi);
@@ -343,11 +329,11 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
         make_uint4(pair(lo.x, hi.x), pair(lo.y, hi.y), pair(lo.z, hi.z), pair(lo.w, hi.w));
   };
 #pragma unroll
-  for (int j = 0; j < kCachedPieces<kGateUp, V>; ++j) {
+  for (int j = 0; j < kCachedPieces<kGateUp>; ++j) {
     const int piece = static_cast<int>(threadIdx.x + j * blockDim.x);
     if (piece < pieces) store_piece(piece, cached[j][0], cached[j][1]);
   }
-  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp, V> * blockDim.x);
+  for (int piece = static_cast<int>(threadIdx.x + kCachedPieces<kGateUp> * blockDim.x);
        piece < pieces; piece += blockDim.x) {
     float4 lo, hi;
     load_piece(piece, lo, hi);
@@ -393,17 +379,16 @@ struct Work {
 // weights come from L2.
 // Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
 // (every warp's first tile, then its second).
-template <bool kGateUp, int V>
-__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp, V>)
+template <bool kGateUp, int kSplit>
+__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
-  constexpr int R = kMmaRoundsInFlight<kGateUp, V>;
+  constexpr int R = kMmaRoundsInFlight<kGateUp>;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kMmaBlockRows<kGateUp, V>;
-  constexpr int kSplit = kKSplit<kGateUp, V>;
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp, kSplit>;
   constexpr int kRowWarps = kMmaWarps<kGateUp> / kSplit;
   // Part 1's sums of a unit (kSplit 2), two units' worth: a unit's writes wait for the reads of
   // the unit before the previous one, past the previous unit's barrier.
-  __shared__ float partials[kSplit > 1 ? 2 * kRowWarps * 32 * 4 : 1];
+  __shared__ float4 partials[kSplit > 1 ? 2 * kRowWarps * 32 : 1];
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
@@ -494,7 +479,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   for (;;) {
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
       collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
-      stage_mma_tile<kGateUp, V>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
+      stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
       __syncthreads();
       staged_expert = work.expert;
       staged_pair_tile = work.pair_tile;
@@ -547,13 +532,12 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 #pragma unroll
       for (int q = 0; q < 4; ++q) sums[q] = acc[0][q] + acc[1][q];
       if constexpr (kSplit > 1) {
-        float* partial = partials + ((parity * kRowWarps + row_warp) * 32 + lane) * 4;
-        if (part == 1)
-          *reinterpret_cast<float4*>(partial) = make_float4(sums[0], sums[1], sums[2], sums[3]);
+        float4& partial = partials[(parity * kRowWarps + row_warp) * 32 + lane];
+        if (part == 1) partial = make_float4(sums[0], sums[1], sums[2], sums[3]);
         __syncthreads();
         parity ^= 1;
         if (part == 1) continue;
-        const float4 other = *reinterpret_cast<const float4*>(partial);
+        const float4 other = partial;
         sums[0] += other.x;
         sums[1] += other.y;
         sums[2] += other.z;
@@ -660,48 +644,31 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
 // once, or as units of work could be present (slots x row blocks) when fewer.
-template <bool kGateUp, int V>
+template <bool kGateUp, int kSplit>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
   const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const auto kernel = by_expert_mma_kernel<kGateUp, V>;
+  const auto kernel = by_expert_mma_kernel<kGateUp, kSplit>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
       allow_shared_bytes(kernel, shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
-  if constexpr (V != 0) {
-    // 4 gate/up blocks an SM need 4 x 49 KB of shared memory (T >= 9: 8 staged columns).
-    const cudaError_t carveout = cudaFuncSetAttribute(
-        kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
-    if (carveout != cudaSuccess) return carveout;
-  }
   constexpr int kThreads = kMmaWarps<kGateUp> * 32;
   const int64_t most_units =
-      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp, V>);
+      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp, kSplit>);
   const int resident = resident_blocks(kernel, kThreads, shared);
   const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
   return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared, launch,
                        args);
 }
 
-template <int V>
-cudaError_t launch_projections(const ByExpertArgs& gate_up, const ByExpertArgs& down, int slots,
-                               const Launch& launch) {
-  const cudaError_t status = launch_projection<true, V>(gate_up, slots, launch);
-  if (status != cudaSuccess) return status;
-  return launch_projection<false, V>(down, slots, launch);
-}
-
-// GEMMA4_S11_BYEXP: 0 main's tuning, 2 or 3 those variants, else variant 1 (read once).
-int by_expert_variant() {
-  static const int variant = [] {
+// GEMMA4_S11_BYEXP=3: gate/up on half-K units (kMmaBlockRows); otherwise main's units.
+bool by_expert_split_k() {
+  static const bool split = [] {
     const char* env = std::getenv("GEMMA4_S11_BYEXP");
-    if (env && std::strcmp(env, "0") == 0) return 0;
-    if (env && std::strcmp(env, "2") == 0) return 2;
-    if (env && std::strcmp(env, "3") == 0) return 3;
-    return 1;
+    return env && std::strcmp(env, "3") == 0;
   }();
-  return variant;
+  return split;
 }
 
 }  // namespace
@@ -718,11 +685,10 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  const int variant = by_expert_variant();
-  const cudaError_t status = variant == 0   ? launch_projections<0>(gate_up, down, slots, launch)
-                             : variant == 2 ? launch_projections<2>(gate_up, down, slots, launch)
-                             : variant == 3 ? launch_projections<3>(gate_up, down, slots, launch)
-                                            : launch_projections<1>(gate_up, down, slots, launch);
+  cudaError_t status = by_expert_split_k() ? launch_projection<true, 2>(gate_up, slots, launch)
+                                           : launch_projection<true, 1>(gate_up, slots, launch);
+  if (status != cudaSuccess) return status;
+  status = launch_projection<false, 1>(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,

@@ -112,7 +112,7 @@ constexpr bool moe_by_expert_formats(const MoeShape& shape) {
 
 // Tokens from which run_experts takes the grouped path for experts of `shape`: NVFP4 experts
 // stay on kDecodeByExpert longer (it reads each picked expert once, as the grouped path does).
-// Session 11 A/B (moe.cpp): 128 for NVFP4, GEMMA4_S11_BYEXP=0 main's kMoeGroupedMinTokens.
+// Session 11 A/B (moe.cpp): 112 for NVFP4, GEMMA4_S11_BYEXP=0 main's kMoeGroupedMinTokens.
 int moe_grouped_min_tokens(const MoeShape& shape);
 
 // The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: other formats
