@@ -6,7 +6,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -193,14 +192,6 @@ cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x
                                 expert_ids,
                                 weights};
   return launch_fused_router(args, launch);
-}
-
-int moe_grouped_min_tokens(const MoeShape& shape) {
-  static const int nvfp4_min_tokens = [] {
-    const char* env = std::getenv("GEMMA4_S11_BYEXP");
-    return env && std::strcmp(env, "0") == 0 ? kMoeGroupedMinTokens : 112;
-  }();
-  return moe_by_expert_formats(shape) ? nvfp4_min_tokens : kMoeGroupedMinTokens;
 }
 
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,

@@ -1,5 +1,5 @@
 // MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the tensor-core decode path's per-pair
-// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeGroupedMinTokens − 1) of NVFP4
+// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeByExpertGroupedMinTokens − 1) of NVFP4
 // experts, with each selected expert's weights read ONCE for every pair that picked it. The
 // per-pair kernels (moe.cu) launch a block set per (token, expert) pair, so at 32 tokens a layer
 // reads its ~111 distinct experts 256 times; here the units of work are (picked expert, row
@@ -29,8 +29,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <tuple>
@@ -198,13 +196,8 @@ constexpr int kMmaTileRows = kGateUp ? 8 : 16;
 // hidden 2816: 180 KB of weights), down 2 (256 hidden rows, K = inner 704: 90 KB).
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
-// Parts of K a unit's rows are split into, each on its own warps, the partial sums added in shared
-// memory in a fixed order. Session 11 A/B (GEMMA4_S11_BYEXP=3): gate/up units of 32 inner rows,
-// 4 warps on each half of K: twice the units (T=32: ~2,460 on 396 blocks, at most 7 a block for
-// 6.2 on average, where 1,232 left a tail of 44 blocks with a 4th unit for 3.1 on average).
-template <bool kGateUp, int kSplit>
-constexpr int kMmaBlockRows =
-    kMmaWarps<kGateUp> / kSplit* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+template <bool kGateUp>
+constexpr int kMmaBlockRows = kMmaWarps<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 // Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
 __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
@@ -379,16 +372,12 @@ struct Work {
 // weights come from L2.
 // Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
 // (every warp's first tile, then its second).
-template <bool kGateUp, int kSplit>
+template <bool kGateUp>
 __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
     by_expert_mma_kernel(ByExpertArgs a) {
   constexpr int R = kMmaRoundsInFlight<kGateUp>;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kMmaBlockRows<kGateUp, kSplit>;
-  constexpr int kRowWarps = kMmaWarps<kGateUp> / kSplit;
-  // Part 1's sums of a unit (kSplit 2), two units' worth: a unit's writes wait for the reads of
-  // the unit before the previous one, past the previous unit's barrier.
-  __shared__ float4 partials[kSplit > 1 ? 2 * kRowWarps * 32 : 1];
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 staged_words[];
@@ -416,26 +405,21 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
   };
   const int lane = threadIdx.x & 31;
-  const int row_warp = kSplit > 1 ? (threadIdx.x >> 5) % kRowWarps : threadIdx.x >> 5;
-  const int part = kSplit > 1 ? (threadIdx.x >> 5) / kRowWarps : 0;
+  const int warp = threadIdx.x >> 5;
   const int g = lane >> 2;
   const int t = lane & 3;
   // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
   // or two down rows.
   auto a_row = [&](const Work& w, int row_tile, int h) {
     return w.block_row +
-           static_cast<int64_t>(row_tile * kRowWarps + row_warp) * kMmaTileRows<kGateUp> + g +
+           static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) * kMmaTileRows<kGateUp> + g +
            (kGateUp ? 0 : 8 * h);
   };
   auto matrix = [&](int expert, int h) -> const MoeMatrix& {
     const MoeExpert& e = a.experts[expert];
     return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
   };
-  // This warp's rounds [begin, end): its part of K.
   const int rounds = (chunks + 3) / 4;
-  const int part_rounds = (rounds + kSplit - 1) / kSplit;
-  const int begin = kSplit > 1 ? min(part * part_rounds, rounds) : 0;
-  const int end = kSplit > 1 ? min(begin + part_rounds, rounds) : rounds;
 
   // Chunk t of each A row of the row tile being loaded, and its scales (load_scale_bits' layout:
   // one 16-bit pair per chunk); round r is 4r chunks on, an immediate offset within a pass. A row
@@ -469,11 +453,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   // session 6).
   load_tile(work, 0);
 #pragma unroll
-  for (int i = 0; i < R; ++i) {
-    if (kSplit == 1 || begin + i < end) load_round(i, begin + i);
-  }
+  for (int i = 0; i < R; ++i) load_round(i, i);
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  int parity = 0;          // of the units done (kSplit 2: which half of partials)
   int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
@@ -506,43 +487,28 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
       // the top of each pass instead leaves the pass's first products a full memory latency
       // behind. In a tile's last pass every slot takes round i of the next row tile: this work's
       // next one, else the next work's first.
-      for (int first = begin; first < end; first += R) {
-        const bool last_pass = first + R >= end;
+      for (int first = 0; first < rounds; first += R) {
+        const bool last_pass = first + R >= rounds;
         const bool next_row_tile = last_pass && row_tile + 1 < kTiles;
         const bool next_work = last_pass && !next_row_tile && has_next;
         if (next_row_tile) load_tile(work, row_tile + 1);
         if (next_work) load_tile(next, 0);
 #pragma unroll
         for (int i = 0; i < R; ++i) {
-          if (first + i < end) {  // warp-uniform
+          if (first + i < rounds) {  // warp-uniform
             const int round_words = 4 * kStagedWordsPerChunk * (first + i);
             mma_round(acc[i % 2], weights[i], scale_bits[i], even_pieces + round_words,
                       odd_pieces + round_words);
           }
           if (!last_pass) {
-            if (first + R + i < end) load_round(i, first + R + i);
-          } else if ((next_row_tile || next_work) && (kSplit == 1 || begin + i < end)) {
-            load_round(i, begin + i);
+            if (first + R + i < rounds) load_round(i, first + R + i);
+          } else if (next_row_tile || next_work) {
+            load_round(i, i);
           }
         }
       }
       // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
       // (acc[.][2], acc[.][3]).
-      float sums[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) sums[q] = acc[0][q] + acc[1][q];
-      if constexpr (kSplit > 1) {
-        float4& partial = partials[(parity * kRowWarps + row_warp) * 32 + lane];
-        if (part == 1) partial = make_float4(sums[0], sums[1], sums[2], sums[3]);
-        __syncthreads();
-        parity ^= 1;
-        if (part == 1) continue;
-        const float4 other = partial;
-        sums[0] += other.x;
-        sums[1] += other.y;
-        sums[2] += other.z;
-        sums[3] += other.w;
-      }
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -551,16 +517,16 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
         const int64_t p = tile.pairs[c];
         const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
         if constexpr (kGateUp) {
-          const float gate =
-              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 0), sums[j] * back);
-          const float up =
-              apply_global_scale<PackedFormat::kNVFP4>(matrix(work.expert, 1), sums[2 + j] * back);
+          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
+          const float up = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
           if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
         } else {
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
             if (rows[h] < a.rows) {
-              a.out[p * a.out_stride + rows[h]] = sums[2 * h + j] * back;
+              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
             }
           }
         }
@@ -644,10 +610,10 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
 // once, or as units of work could be present (slots x row blocks) when fewer.
-template <bool kGateUp, int kSplit>
+template <bool kGateUp>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
   const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const auto kernel = by_expert_mma_kernel<kGateUp, kSplit>;
+  const auto kernel = by_expert_mma_kernel<kGateUp>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
@@ -655,20 +621,11 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
   if (allowed != cudaSuccess) return allowed;
   constexpr int kThreads = kMmaWarps<kGateUp> * 32;
   const int64_t most_units =
-      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp, kSplit>);
+      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
   const int resident = resident_blocks(kernel, kThreads, shared);
   const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
   return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared, launch,
                        args);
-}
-
-// GEMMA4_S11_BYEXP=3: gate/up on half-K units (kMmaBlockRows); otherwise main's units.
-bool by_expert_split_k() {
-  static const bool split = [] {
-    const char* env = std::getenv("GEMMA4_S11_BYEXP");
-    return env && std::strcmp(env, "3") == 0;
-  }();
-  return split;
 }
 
 }  // namespace
@@ -682,13 +639,12 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                                 pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
                                 args.x,       args.x_stride,     activations,     shape.inner};
+  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
+  if (status != cudaSuccess) return status;
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  cudaError_t status = by_expert_split_k() ? launch_projection<true, 2>(gate_up, slots, launch)
-                                           : launch_projection<true, 1>(gate_up, slots, launch);
-  if (status != cudaSuccess) return status;
-  status = launch_projection<false, 1>(down, slots, launch);
+  status = launch_projection<false>(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,
