@@ -3,9 +3,9 @@
 // streams, prefill chunks), NVFP4 and w4g32, on each MoE path that may serve that batch
 // (decode below 512 tokens — per pair, NVFP4 also on tensor cores, "decode-tc", the default for
 // one token; per expert, "by-expert", NVFP4's default from kMoeByExpertMinTokens to
-// kMoeGroupedMinTokens —, grouped from 8: run_experts switches at kMoeGroupedMinTokens, and
-// these lines show where the crossovers really are), chained over distinct expert tables (so the
-// selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
+// kMoeByExpertGroupedMinTokens —, grouped from 8: run_experts switches at moe_grouped_min_tokens,
+// and these lines show where the crossovers really are), chained over distinct expert tables (so
+// the selected experts come from DRAM, as successive layers' do), captured in a CUDA graph and
 // replayed, plain launches and PDL. Reports µs per layer, tokens/s of the experts alone and the
 // GB/s of expert bytes the layer reads (each distinct selected expert once). At one token also
 // the fused decode router (route_token: bf16 router GEMV + routing, distinct weights per layer)

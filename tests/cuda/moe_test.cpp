@@ -2,7 +2,7 @@
 // backend is checked against) on host copies of the same weights: fresh random inputs, real
 // 26B-A4B shapes (hidden 2816, moe_intermediate 704, 128 experts, top-8) and tiny ones, every
 // expert weight format, router ties, every path (decode per pair for one token, per expert below
-// kMoeGroupedMinTokens tokens, grouped tensor-core tiles from there on; decode at every count
+// moe_grouped_min_tokens tokens, grouped tensor-core tiles from there on; decode at every count
 // under MoePrecision::kExactF32).
 // Also CudaBackend::add_rms_norm_moe and add_rms_norm_branch against the CPU backend's default
 // compositions.
@@ -442,14 +442,15 @@ TEST(MoeExperts, EitherPathAtAnyBatch) {
 }
 
 // The decode path by expert (run_experts' default for NVFP4 experts from kMoeByExpertMinTokens
-// to kMoeGroupedMinTokens - 1 tokens; forced below that) at real shapes: random routings (most
-// experts with no pair, a few with two or three), experts that every token picks (tiles of more
-// than 8 pairs: 32 and 39 pairs are 4 and 5 tiles).
+// to moe_grouped_min_tokens - 1 tokens; forced below that) at real shapes: random routings (most
+// experts with no pair, a few with two or three; at kMoeByExpertGroupedMinTokens - 1 tokens ~6,
+// some experts two tiles of pairs), experts that every token picks (tiles of more than 8 pairs: 32
+// and 39 pairs are 4 and 5 tiles).
 TEST(MoeExperts, ByExpertRealShapes) {
   CpuBackend cpu(0);
   uint32_t seed = 1200;
   const ExpertSet set = make_experts(kNvfp4Divisor, kExperts, kHidden, kInner, seed++);
-  for (int tokens : {2, 5, 32, kMoeGroupedMinTokens - 1}) {
+  for (int tokens : {2, 5, 32, 39, kMoeByExpertGroupedMinTokens - 1}) {
     const RunOptions by_expert = {.path = MoePath::kDecodeByExpert};
     check_run(cpu, set, tokens, kTopK, seed++, by_expert);
     check_run(cpu, set, tokens, kTopK, seed++,
@@ -1003,12 +1004,14 @@ TEST(MoeExperts, KernelCount) {
   EXPECT_EQ(run_experts_kernel_count(nvfp4, 1), 2);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeByExpertMinTokens - 1), 2);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeByExpertMinTokens), 3);
-  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens - 1), 3);
+  const int grouped = moe_grouped_min_tokens(nvfp4);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, grouped - 1), 3);
   EXPECT_EQ(run_experts_kernel_count(w4g32, kMoeGroupedMinTokens - 1), 2);
-  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens), 4);
+  EXPECT_EQ(run_experts_kernel_count(w4g32, kMoeGroupedMinTokens), 4);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, grouped), 4);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass), 4);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass + 1), 6);
-  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass + kMoeGroupedMinTokens), 8);
+  EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeTokensPerPass + grouped), 8);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, 2 * kMoeTokensPerPass + 5), 10);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, 2 * kMoeTokensPerPass + kMoeByExpertMinTokens), 11);
   EXPECT_EQ(run_experts_kernel_count(nvfp4, kMoeGroupedMinTokens, MoePrecision::kExactF32), 2);

@@ -196,11 +196,16 @@ cudaError_t route_token(const QMatrix& router_proj, const float* x, bool round_x
 
 size_t moe_workspace_bytes(const MoeExpertTable& table, int tokens, int top_k,
                            MoePrecision precision) {
-  // A pass of fewer tokens (the last) needs less, whichever path it takes.
+  // A pass of fewer tokens (the last) needs less on the same path; a last pass below the grouped
+  // threshold takes the decode paths, whose largest pass is the one just below it.
+  const MoeShape& shape = table.shape();
   const int pass = std::min(tokens, kMoeTokensPerPass);
-  return moe_workspace_layout(table.shape(), pass, top_k,
-                              moe_path_for(table.shape(), pass, precision))
-      .bytes;
+  const size_t bytes =
+      moe_workspace_layout(shape, pass, top_k, moe_path_for(shape, pass, precision)).bytes;
+  const int below_grouped = std::min(pass, moe_grouped_min_tokens(shape) - 1);
+  return std::max(bytes, moe_workspace_layout(shape, below_grouped, top_k,
+                                              moe_path_for(shape, below_grouped, precision))
+                             .bytes);
 }
 
 cudaError_t run_experts(const MoeExpertTable& table, const float* x, int64_t x_stride, int tokens,

@@ -3,7 +3,7 @@
 //   route_experts: per token softmax over the router logits (fp32), top_k (ties: lower expert id
 //     first), renormalised, times per_expert_scale; ids and weights stay in device memory.
 //   run_experts: out[t] = Σ_k w[t][k] · down_e(gelu_tanh(gate_e x[t]) ⊙ up_e x[t]) for the
-//     routed experts only, for any number of tokens. Below kMoeGroupedMinTokens tokens (decode,
+//     routed experts only, for any number of tokens. Below moe_grouped_min_tokens tokens (decode,
 //     small batches) every (token, expert) pair runs as a GEMV (NVFP4 products on fp16 tensor
 //     cores, other formats in fp32), NVFP4 from kMoeByExpertMinTokens with one block set per
 //     selected expert reading its weights once for all its pairs; from there on (prefill) the pairs

@@ -1,5 +1,5 @@
 // MoePath::kDecodeByExpert (moe.h, moe_kernels.h): the tensor-core decode path's per-pair
-// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeGroupedMinTokens − 1) of NVFP4
+// arithmetic for a few tokens (kMoeByExpertMinTokens .. kMoeByExpertGroupedMinTokens − 1) of NVFP4
 // experts, with each selected expert's weights read ONCE for every pair that picked it. The
 // per-pair kernels (moe.cu) launch a block set per (token, expert) pair, so at 32 tokens a layer
 // reads its ~111 distinct experts 256 times; here the units of work are (picked expert, row

@@ -1,4 +1,4 @@
-// Grouped path of the MoE kernels (launch_moe for passes of kMoeGroupedMinTokens tokens or more:
+// Grouped path of the MoE kernels (launch_moe for passes of moe_grouped_min_tokens tokens or more:
 // prefill), four launches for T tokens with top_k experts each (pairs p = t · top_k + k):
 //   1. plan_kernel: block 0 sorts the pairs by expert on the device (a stable counting sort:
 //      ascending expert id = "slots", each slot's pairs in ascending order) and lists the (slot,

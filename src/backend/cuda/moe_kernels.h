@@ -86,14 +86,15 @@ enum class MoePath : uint8_t {
   kGrouped,  // pairs grouped by expert, tensor-core tiles with bf16 inputs: four kernels
 };
 
-// Tokens from which run_experts takes the grouped path: below, the decode paths read each expert
-// once per token that picked it (L2 absorbs the repeats). moe_bench on the H200 (26B-A4B NVFP4,
+// Tokens from which run_experts takes the grouped path for experts other than NVFP4 (NVFP4:
+// kMoeByExpertGroupedMinTokens): below, the decode paths read each expert once per token that
+// picked it (L2 absorbs the repeats). moe_bench on the H200 (26B-A4B NVFP4,
 // µs per layer, decode on tensor cores / grouped): T=8 113 / 246, T=32 415 / 447, T=128
 // 1,610 / 530: ~12.5 µs per token against a near-flat ~450-530, crossing near 36 tokens.
 inline constexpr int kMoeGroupedMinTokens = 40;
 
 // What run_experts may trade for speed: kBf16TensorCores lets small batches take
-// kDecodeTensorCores and passes of kMoeGroupedMinTokens tokens or more the grouped path (bf16
+// kDecodeTensorCores and passes of moe_grouped_min_tokens tokens or more the grouped path (bf16
 // products); kExactF32 keeps every product in fp32 (kDecode at any token count, as the backend's
 // --fp32 mode needs), at the cost of reading each expert once per pair that picked it.
 enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
@@ -105,26 +106,32 @@ enum class MoePrecision : uint8_t { kBf16TensorCores, kExactF32 };
 // finer grid wins (few pairs share an expert anyway).
 inline constexpr int kMoeByExpertMinTokens = 9;
 
-constexpr MoePath moe_path_for(int tokens,
-                               MoePrecision precision = MoePrecision::kBf16TensorCores) {
-  if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
-  if (tokens >= kMoeGroupedMinTokens) return MoePath::kGrouped;
-  return tokens >= kMoeByExpertMinTokens ? MoePath::kDecodeByExpert : MoePath::kDecodeTensorCores;
-}
-
 // Whether kDecodeByExpert runs these experts: its kernels are NVFP4 tensor-core ones.
 constexpr bool moe_by_expert_formats(const MoeShape& shape) {
   return shape.gate_up_format == PackedFormat::kNVFP4 && shape.down_format == PackedFormat::kNVFP4;
 }
 
-// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: moe_path_for's,
-// with other formats than NVFP4 on kDecodeTensorCores' per-pair kernels instead of
-// kDecodeByExpert (their fp32 GEMVs are bound by arithmetic, not by reading the weights).
+// Tokens from which run_experts takes the grouped path for NVFP4 experts: kDecodeByExpert reads
+// each picked expert once, as the grouped path does, and stays ahead much longer than the
+// per-pair kernels. moe_bench on the H200 (26B-A4B NVFP4, PDL µs per layer, session 11, by expert /
+// grouped): T=64 244.1 / 295.4, T=96 294.1 / 299.6, T=112 327.5 / ~300, T=128 365.7 / 301.4:
+// crossing near 99 tokens (engine, 26B 64 streams: 4,979 -> 5,040 tok/s against grouped from 40).
+inline constexpr int kMoeByExpertGroupedMinTokens = 100;
+
+// Tokens from which run_experts takes the grouped path for experts of `shape`.
+constexpr int moe_grouped_min_tokens(const MoeShape& shape) {
+  return moe_by_expert_formats(shape) ? kMoeByExpertGroupedMinTokens : kMoeGroupedMinTokens;
+}
+
+// The path run_experts takes for a pass of `tokens` tokens over experts of `shape`: other formats
+// than NVFP4 take kDecodeTensorCores' per-pair kernels instead of kDecodeByExpert (their fp32
+// GEMVs are bound by arithmetic, not by reading the weights).
 constexpr MoePath moe_path_for(const MoeShape& shape, int tokens, MoePrecision precision) {
-  const MoePath path = moe_path_for(tokens, precision);
-  return path == MoePath::kDecodeByExpert && !moe_by_expert_formats(shape)
-             ? MoePath::kDecodeTensorCores
-             : path;
+  if (precision == MoePrecision::kExactF32) return MoePath::kDecode;
+  if (tokens >= moe_grouped_min_tokens(shape)) return MoePath::kGrouped;
+  return tokens >= kMoeByExpertMinTokens && moe_by_expert_formats(shape)
+             ? MoePath::kDecodeByExpert
+             : MoePath::kDecodeTensorCores;
 }
 
 struct MoeRunArgs {
