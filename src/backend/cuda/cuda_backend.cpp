@@ -4,7 +4,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
+#include <string_view>
 #include <tuple>
 
 #include "backend/cuda/attention.h"
@@ -325,7 +327,14 @@ std::optional<engine::ReplayTimes> CudaBackend::replay_times() const {
 
 void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
                                const std::function<void()>& second) {
-  if (!status_.ok() || tensor_core_rows(rows) || active_stream_ != stream_) {
+  // TEMPORARY (the engine A/B of session 11's EARLY call): GEMMA4_S11_DENSE32=0 keeps batched
+  // decode passes in order, as before.
+  static const bool serial_batched = [] {
+    const char* text = std::getenv("GEMMA4_S11_DENSE32");
+    return text != nullptr && std::string_view(text) == "0";
+  }();
+  const int64_t most_rows = serial_batched ? kTensorCoreMaxGemvRows : kMaxGemvRows;
+  if (!status_.ok() || (tensor_core_rows(rows) && rows > most_rows) || active_stream_ != stream_) {
     Backend::concurrently(rows, first, second);
     return;
   }
@@ -349,6 +358,15 @@ void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
   check(cudaStreamWaitEvent(stream_, join_event_, 0), "concurrently (join)");
   // Each branch's bookkeeping missed the other's writes.
   live_companions_.clear();
+}
+
+void CudaBackend::join_side_branch() {
+  if (active_stream_ != side_stream_) return;
+  // The second branch is wholly enqueued on the main stream by now (concurrently() runs it
+  // first), so what follows there sees both branches' work.
+  check(cudaEventRecord(join_event_, side_stream_), "concurrently (early join)");
+  check(cudaStreamWaitEvent(stream_, join_event_, 0), "concurrently (early join)");
+  active_stream_ = stream_;
 }
 
 // The synchronisation keeps work enqueued before the range out of it (and work enqueued inside
@@ -618,6 +636,7 @@ void CudaBackend::matmul_gelu_pairs(const quant::QMatrix& w, Rows x, Rows y) {
     tensor_core_matmul(weights, view(x), view(y), /*gelu_pairs=*/true);
     return;
   }
+  join_side_branch();  // pair_products_ is shared with the main stream's work
   auto* products = static_cast<float*>(
       scratch(pair_products_, sizeof(float) * static_cast<size_t>(x.count * w.rows)));
   if (products == nullptr) return;
