@@ -263,8 +263,32 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
   // lane's group past the block's range (the last quad of a range not of whole quads) is zeros:
   // zero codes, zero scale, against zero staged activations.
   constexpr int kQuadStride = kQuadGroups * WK;  // groups from one quad of the warp to the next
+  // Shared weights (a.shared_weights_offset != 0, one row tile per block): this warp's codes
+  // [quad][round row][lane], 16 bytes each, then its scale slots in the same order, 4 bytes each
+  // (2-byte scales: an even lane's slot holds its group's and the next lane's, copied together).
+  extern __shared__ uint4 shared_words[];
+  const bool shared_weights = a.shared_weights_offset != 0;
+  const int warp_slots =
+      static_cast<int>(mma_gemv_warp_quads(groups_per_split, WK)) * kRoundRows * 32;
+  char* const shared_weight_base = reinterpret_cast<char*>(shared_words) + a.shared_weights_offset;
+  uint4* const shared_codes =
+      reinterpret_cast<uint4*>(shared_weight_base) + (threadIdx.x >> 5) * warp_slots;
+  uint32_t* const shared_scales =
+      reinterpret_cast<uint32_t*>(shared_weight_base + int64_t{16} * (kThreads / 32) * warp_slots) +
+      (threadIdx.x >> 5) * warp_slots;
   auto load_quad = [&](int slot) {
     if (load_tile >= block_tiles || load_j0 + slot >= warp_quads) return;
+    if (shared_weights) {
+#pragma unroll
+      for (int r = 0; r < kRoundRows; ++r) {
+        const int first = ((load_j0 + slot) * kRoundRows + r) * 32;
+        packed[slot][r] = shared_codes[first + lane];
+        scale_bits[slot][r] =
+            scale_bytes == 4 ? shared_scales[first + lane]
+                             : (shared_scales[first + (lane & ~1)] >> (16 * (lane & 1))) & 0xFFFFu;
+      }
+      return;
+    }
     const bool in_range = kQuadGroups * (k_warp + WK * (load_j0 + slot)) + t < group_count;
 #pragma unroll
     for (int r = 0; r < kRoundRows; ++r) {
@@ -295,18 +319,51 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     }
     begin_load_round();
   };
-  // Weights never depend on the previous kernel: their loads go out before the wait.
-  begin_load_round();
+  // Every quad of the warp's one tile into shared memory, in rounds (begin_load_round's rows):
+  // all of the block's weight bytes in flight at once, while it waits for its predecessor and
+  // stages its activations. Groups past the block's range are zeros.
+  auto copy_weights = [&] {
+    for (load_j0 = 0; load_j0 < warp_quads; load_j0 += kPrefetchQuads) {
+      begin_load_round();
 #pragma unroll
-  for (int s = 0; s < kPrefetchQuads; ++s) load_quad(s);
-  next_load_round();
+      for (int s = 0; s < kPrefetchQuads; ++s) {
+        const int j = load_j0 + s;
+        if (j < warp_quads) {
+          const bool in_range = kQuadGroups * (k_warp + WK * j) + t < group_count;
+#pragma unroll
+          for (int r = 0; r < kRoundRows; ++r) {
+            const int slot = (j * kRoundRows + r) * 32 + lane;
+            copy_async16_or_zeros(shared_codes + slot, words_of(r) + 16 * kQuadStride * s,
+                                  in_range);
+            if (scale_bytes == 4 || (lane & 1) == 0) {
+              copy_async4_or_zeros(shared_scales + slot,
+                                   scales_of(r) + scale_bytes * kQuadStride * s, in_range);
+            }
+          }
+        }
+      }
+    }
+    commit_copies();
+    load_j0 = 0;
+  };
+  // Weights never depend on the previous kernel: their loads go out before the wait.
+  auto first_loads = [&] {
+    begin_load_round();
+#pragma unroll
+    for (int s = 0; s < kPrefetchQuads; ++s) load_quad(s);
+    next_load_round();
+  };
+  if (shared_weights) {
+    copy_weights();
+  } else {
+    first_loads();
+  }
   pdl_wait_for_predecessors();
 
   // The block's K range of every activation row (rows m >= m_count and groups past the range as
   // zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 · quad + t
   // of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n tile
   // and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
-  extern __shared__ uint4 shared_words[];
   constexpr int kWordRowWords = 4 * kPaddedRows;  // one j of one quad, every row and t
   const int staged_words = kWordRowWords * kQuadGroups * quad_count;
   // Eight words in flight per thread: the staging is a few L2 round trips, not one per word.
@@ -320,7 +377,9 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
             ? staged_word<XT>(a, m_begin + m, 32 * (group_begin + group) + 8 * (word_row % 4))
             : make_uint4(0, 0, 0, 0);
   }
+  if (shared_weights) wait_copies<0>();
   __syncthreads();
+  if (shared_weights) first_loads();
   if (a.trigger == MmaGemvTrigger::kAfterStaging) pdl_trigger_dependents();
 
   constexpr int64_t kStride = mma_gemv_partial_stride(kRowsPerBlock);
