@@ -113,6 +113,14 @@ __device__ __forceinline__ __nv_bfloat162 e4m3_bf16_pair(uint32_t bits) {
   return __float2bfloat162_rn(__low2float(e4m3_pair(bits)) * 0x1p119f);
 }
 
+// 4 bytes from global to shared memory (cp.async, both addresses 4-byte aligned), or 4 zero bytes
+// (nothing read) where !valid.
+__device__ __forceinline__ void copy_async4_or_zeros(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
 // Start of kQ8 activation row m (gemv_kernels.h).
 __device__ __forceinline__ const uint8_t* q8_row(const MmaGemvArgs& a, int m) {
   return static_cast<const uint8_t*>(a.x) + m * (a.x_stride + a.x_stride / 4);
