@@ -284,17 +284,6 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
       (threadIdx.x >> 5) * warp_slots;
   auto load_quad = [&](int slot) {
     if (load_tile >= block_tiles || load_j0 + slot >= warp_quads) return;
-    if (shared_weights) {
-#pragma unroll
-      for (int r = 0; r < kRoundRows; ++r) {
-        const int first = ((load_j0 + slot) * kRoundRows + r) * 32;
-        packed[slot][r] = shared_codes[first + lane];
-        scale_bits[slot][r] =
-            scale_bytes == 4 ? shared_scales[first + lane]
-                             : (shared_scales[first + (lane & ~1)] >> (16 * (lane & 1))) & 0xFFFFu;
-      }
-      return;
-    }
     const bool in_range = kQuadGroups * (k_warp + WK * (load_j0 + slot)) + t < group_count;
 #pragma unroll
     for (int r = 0; r < kRoundRows; ++r) {
@@ -348,9 +337,41 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
           }
         }
       }
+      commit_copies();  // one group a round: the products of a round wait for its group only
     }
-    commit_copies();
     load_j0 = 0;
+  };
+  const int copy_rounds = (warp_quads + kPrefetchQuads - 1) / kPrefetchQuads;
+  // Quad j of the warp from shared memory once its round's copies have landed (the lanes' own
+  // copies, and for 2-byte scales the even lanes': a warp barrier after the wait). Past 4 rounds
+  // ahead the wait asks for at most 4 pending: sooner than needed, never later.
+  auto read_shared_quad = [&](int j, uint4(&words)[kRoundRows], uint32_t(&bits)[kRoundRows]) {
+    switch (copy_rounds - 1 - j / kPrefetchQuads) {
+      case 0:
+        wait_copies<0>();
+        break;
+      case 1:
+        wait_copies<1>();
+        break;
+      case 2:
+        wait_copies<2>();
+        break;
+      case 3:
+        wait_copies<3>();
+        break;
+      default:
+        wait_copies<4>();
+        break;
+    }
+    __syncwarp();
+#pragma unroll
+    for (int r = 0; r < kRoundRows; ++r) {
+      const int first = (j * kRoundRows + r) * 32;
+      words[r] = shared_codes[first + lane];
+      bits[r] = scale_bytes == 4
+                    ? shared_scales[first + lane]
+                    : (shared_scales[first + (lane & ~1)] >> (16 * (lane & 1))) & 0xFFFFu;
+    }
   };
   // Weights never depend on the previous kernel: their loads go out before the wait.
   auto first_loads = [&] {
@@ -383,9 +404,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
             ? staged_word<XT>(a, m_begin + m, 32 * (group_begin + group) + 8 * (word_row % 4))
             : make_uint4(0, 0, 0, 0);
   }
-  if (shared_weights) wait_copies<0>();
   __syncthreads();
-  if (shared_weights) first_loads();
   if (a.trigger == MmaGemvTrigger::kAfterStaging) pdl_trigger_dependents();
 
   constexpr int64_t kStride = mma_gemv_partial_stride(kRowsPerBlock);
@@ -418,16 +437,21 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
         // The slot's words and scales, freed for the next round's loads at once (issued also
         // past the warp's quads: the next tile's first ones).
         const bool active = j0 + s < warp_quads;
-        uint4 words[2 * kTilesPerWarp];
-        uint32_t bits[2 * kTilesPerWarp];
+        uint4 words[kRoundRows];
+        uint32_t bits[kRoundRows];
+        if (shared_weights) {
+          if (!active) continue;
+          read_shared_quad(j0 + s, words, bits);
+        } else {
 #pragma unroll
-        for (int r = 0; r < kRoundRows; ++r) {
-          words[r] = packed[s][r];
-          bits[r] = scale_bits[s][r];
+          for (int r = 0; r < kRoundRows; ++r) {
+            words[r] = packed[s][r];
+            bits[r] = scale_bits[s][r];
+          }
+          load_quad(s);
+          if (!active) continue;
         }
-        load_quad(s);
-        if (!active) continue;
-          // Word j of the lane's group: elements 8j .. 8j + 7, two mma steps (module comment).
+        // Word j of the lane's group: elements 8j .. 8j + 7, two mma steps (module comment).
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
@@ -468,7 +492,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
           }
         }
       }
-      next_load_round();
+      if (!shared_weights) next_load_round();
     }
     if (a.trigger == MmaGemvTrigger::kAfterProducts && tile == block_tiles - 1) {
       pdl_trigger_dependents();
