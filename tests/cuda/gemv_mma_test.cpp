@@ -316,45 +316,6 @@ TEST(GemvMma, Nvfp4BothConventions) {
   }
 }
 
-// Blocks of one row tile that copy all their weights and scales to shared memory up front (where
-// they fit beside the activations in one wave: the 26B-A4B dense shapes at 9-32 rows), over K
-// ranges that end inside a quad of groups (66 groups a row: zero-filled copies) and at every
-// split count, against the same tilings of looping blocks (weights loaded into registers).
-TEST(GemvMma, WeightsCopiedUpFront) {
-  uint32_t seed = 1000;
-  for (const int64_t cols : {int64_t{2112}, int64_t{2816}}) {
-    const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 2816, cols, seed++);
-    const DeviceMatrix device(host);
-    for (const MmaGemvWarpLayout& layout : kMmaGemvWarpLayouts) {
-      for (int splits = 1; splits <= kMmaGemvMaxSplits; ++splits) {
-        for (int row_blocks : {0, 3}) {
-          Case c;
-          c.m = splits % 2 == 0 ? 32 : 9;
-          c.x_type = ActType::kBF16;
-          c.tiling = mma_gemv_tiling(layout, splits, row_blocks);
-          c.seed = seed++;
-          if (mma_gemv_shared_bytes(c.tiling, c.m, cols / 32) <= kMmaGemvMaxSharedBytes) {
-            check(host, device, c);
-          }
-        }
-      }
-    }
-  }
-  // w4g32 scales of 4 bytes (copied a lane each) and of 2 (in pairs of groups; an odd group count
-  // loads them into registers).
-  for (ScaleType type : {ScaleType::kF32, ScaleType::kBF16}) {
-    for (const int64_t cols : {int64_t{1536}, int64_t{1568}}) {
-      const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1024, cols, seed++, type);
-      const DeviceMatrix device(host);
-      Case c;
-      c.m = 16;
-      c.tiling = {4, 3, 2};
-      c.seed = seed++;
-      check(host, device, c);
-    }
-  }
-}
-
 // Every e4m3 block scale but NaN, one per row so that each row's sum is checked at its own
 // magnitude: the kernel forms e2m1 · scale in bf16 from a subnormal e2m1 placement and the
 // scale · 2^119 (gemv_mma_kernel.cuh's scaled_e2m1_pairs), exact from the subnormal scales up to

@@ -4,9 +4,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <numeric>
-#include <string_view>
 #include <tuple>
 
 #include "backend/cuda/attention.h"
@@ -327,15 +325,8 @@ std::optional<engine::ReplayTimes> CudaBackend::replay_times() const {
 
 void CudaBackend::concurrently(int64_t rows, const std::function<void()>& first,
                                const std::function<void()>& second) {
-  // TEMPORARY (the engine A/B of session 11's EARLY call): GEMMA4_S11_DENSE32=0 or =weights
-  // keeps batched decode passes in order, as before.
-  static const bool serial_batched = [] {
-    const char* text = std::getenv("GEMMA4_S11_DENSE32");
-    return text != nullptr &&
-           (std::string_view(text) == "0" || std::string_view(text) == "weights");
-  }();
-  const int64_t most_rows = serial_batched ? kTensorCoreMaxGemvRows : kMaxGemvRows;
-  if (!status_.ok() || (tensor_core_rows(rows) && rows > most_rows) || active_stream_ != stream_) {
+  if (!status_.ok() || (tensor_core_rows(rows) && rows > kMaxGemvRows) ||
+      active_stream_ != stream_) {
     Backend::concurrently(rows, first, second);
     return;
   }

@@ -3,9 +3,6 @@
 #include "backend/cuda/gemv_mma.h"
 
 #include <algorithm>
-#include <cstdio>
-#include <cstdlib>
-#include <vector>
 
 namespace gemma4::cuda {
 namespace {
@@ -148,40 +145,6 @@ MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType
   // that fit at once) take ceil(tiles / clusters) tiles each and stage once, where their two
   // partial-sum buffers fit. A split more only for a clearly shorter path: each adds partial sums
   // to the cluster's reduction.
-  // TEMPORARY (session 11's MID engine A/B): GEMMA4_S11_DENSE32_TILINGS lists tilings ahead of
-  // kMeasuredTilings, as "ROWSxCOLS@MIN-MAX=ID,..." with kernel_bench's tiling ids.
-  static const std::vector<MeasuredTiling> listed = [] {
-    std::vector<MeasuredTiling> tilings;
-    const char* text = std::getenv("GEMMA4_S11_DENSE32_TILINGS");
-    while (text != nullptr && *text != '\0') {
-      long long rows = 0, cols = 0, id = 0;
-      int min_m = 0, max_m = 0, used = 0;
-      if (std::sscanf(text, "%lldx%lld@%d-%d=%lld%n", &rows, &cols, &min_m, &max_m, &id, &used) !=
-          5) {
-        break;
-      }
-      MmaGemvTiling t = {};
-      t.activation_blocks = static_cast<int>(id / 10000000) + 1;
-      t.sm_exclusive = id / 1000000 % 10 != 0;
-      t.trigger = static_cast<MmaGemvTrigger>(id / 100000 % 10);
-      t.tiles_per_warp = id / 10000 % 10 != 0 ? 1 : 2;
-      t.row_blocks = id / 1000 % 10 != 0 ? kMmaGemvResidentRowBlocks : 0;
-      t.k_warps = static_cast<int>(id / 100 % 10);
-      t.warps = static_cast<int>(id / 10 % 10) * 32 / (16 * t.tiles_per_warp);
-      t.splits = static_cast<int>(id % 10);
-      tilings.push_back({rows, cols, min_m, max_m, t});
-      text += used;
-      if (*text == ',') ++text;
-    }
-    return tilings;
-  }();
-  for (const MeasuredTiling& measured : listed) {
-    if (measured.rows == rows && measured.cols == cols && m >= measured.min_m &&
-        m <= measured.max_m && mma_gemv_warp_layout(measured.tiling) >= 0 &&
-        mma_gemv_shared_bytes(measured.tiling, m, cols / 32) <= kMmaGemvMaxSharedBytes) {
-      return measured.tiling;
-    }
-  }
   for (const MeasuredTiling& measured : kMeasuredTilings) {
     if (measured.rows == rows && measured.cols == cols && m >= measured.min_m &&
         m <= measured.max_m &&

@@ -4,10 +4,8 @@
 #include "backend/cuda/occupancy.cuh"
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
-#include <string_view>
 #include <tuple>
 
 namespace gemma4::cuda {
@@ -48,17 +46,6 @@ int resident_clusters(MmaKernel kernel, const cudaLaunchConfig_t& config, int sp
   const int clusters = occupancy_clusters(kernel, config, splits, device);
   known.emplace(key, clusters);
   return clusters;
-}
-
-// TEMPORARY (the engine A/B of session 11's EARLY call): GEMMA4_S11_DENSE32=0 or =branches keeps
-// every block loading its weights into registers as it goes.
-bool shared_weights_allowed() {
-  static const bool allowed = [] {
-    const char* text = std::getenv("GEMMA4_S11_DENSE32");
-    return text == nullptr ||
-           (std::string_view(text) != "0" && std::string_view(text) != "branches");
-  }();
-  return allowed;
 }
 
 }  // namespace
@@ -131,31 +118,6 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
                         static_cast<unsigned>(activation_blocks));
   config.dynamicSmemBytes = static_cast<size_t>(mma_gemv_shared_bytes(
       args.partial_offset != 0 ? looping_tiling : one_tile_tiling, args.m, args.groups));
-  // Blocks of one row tile copy all their weights to shared memory at the start where they fit
-  // beside the activations and the grid still runs in one wave of clusters: every weight byte in
-  // flight at once (registers hold a few quads a warp: 32 KB an SM at 16 warps), overlapping the
-  // wait for the predecessor and the staging. 2-byte scales are copied in pairs of groups (4-byte
-  // copies): an even number of groups a row.
-  args.shared_weights_offset = 0;
-  const int64_t scale_bytes =
-      format == PackedFormat::kNVFP4 || args.scale_type != kScaleF32 ? 2 : 4;
-  const int64_t weights_offset = (static_cast<int64_t>(config.dynamicSmemBytes) + 15) / 16 * 16;
-  const int64_t with_weights =
-      weights_offset + mma_gemv_shared_weight_bytes(tiling, groups_per_split);
-  if (shared_weights_allowed() && args.partial_offset == 0 &&
-      (scale_bytes == 4 ||
-       (args.groups % 2 == 0 && (reinterpret_cast<uintptr_t>(args.scales) & 3) == 0)) &&
-      with_weights <= kMmaGemvMaxSharedBytes) {
-    cudaLaunchConfig_t query = config;
-    query.stream = nullptr;
-    query.gridDim = dim3(1, static_cast<unsigned>(tiling.splits));
-    query.dynamicSmemBytes = static_cast<size_t>(with_weights);
-    attributes.apply_cluster(query);
-    if (row_blocks * activation_blocks <= resident_clusters(kernel, query, tiling.splits)) {
-      args.shared_weights_offset = weights_offset;
-      config.dynamicSmemBytes = static_cast<size_t>(with_weights);
-    }
-  }
   return cudaLaunchKernelEx(&config, kernel, args);
 }
 

@@ -111,14 +111,6 @@ __device__ __forceinline__ __nv_bfloat162 e4m3_bf16_pair(uint32_t bits) {
   return __float2bfloat162_rn(__low2float(e4m3_pair(bits)) * 0x1p119f);
 }
 
-// 4 bytes from global to shared memory (cp.async, both addresses 4-byte aligned), or 4 zero bytes
-// (nothing read) where !valid.
-__device__ __forceinline__ void copy_async4_or_zeros(void* shared, const void* global, bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared)),
-               "l"(global), "r"(valid ? 4 : 0)
-               : "memory");
-}
-
 // Start of kQ8 activation row m (gemv_kernels.h).
 __device__ __forceinline__ const uint8_t* q8_row(const MmaGemvArgs& a, int m) {
   return static_cast<const uint8_t*>(a.x) + m * (a.x_stride + a.x_stride / 4);
@@ -269,19 +261,6 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
   // lane's group past the block's range (the last quad of a range not of whole quads) is zeros:
   // zero codes, zero scale, against zero staged activations.
   constexpr int kQuadStride = kQuadGroups * WK;  // groups from one quad of the warp to the next
-  // Shared weights (a.shared_weights_offset != 0, one row tile per block): this warp's codes
-  // [quad][round row][lane], 16 bytes each, then its scale slots in the same order, 4 bytes each
-  // (2-byte scales: an even lane's slot holds its group's and the next lane's, copied together).
-  extern __shared__ uint4 shared_words[];
-  const bool shared_weights = a.shared_weights_offset != 0;
-  const int warp_slots =
-      static_cast<int>(mma_gemv_warp_quads(groups_per_split, WK)) * kRoundRows * 32;
-  char* const shared_weight_base = reinterpret_cast<char*>(shared_words) + a.shared_weights_offset;
-  uint4* const shared_codes =
-      reinterpret_cast<uint4*>(shared_weight_base) + (threadIdx.x >> 5) * warp_slots;
-  uint32_t* const shared_scales =
-      reinterpret_cast<uint32_t*>(shared_weight_base + int64_t{16} * (kThreads / 32) * warp_slots) +
-      (threadIdx.x >> 5) * warp_slots;
   auto load_quad = [&](int slot) {
     if (load_tile >= block_tiles || load_j0 + slot >= warp_quads) return;
     const bool in_range = kQuadGroups * (k_warp + WK * (load_j0 + slot)) + t < group_count;
@@ -314,83 +293,18 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
     }
     begin_load_round();
   };
-  // Every quad of the warp's one tile into shared memory, in rounds (begin_load_round's rows):
-  // all of the block's weight bytes in flight at once, while it waits for its predecessor and
-  // stages its activations. Groups past the block's range are zeros.
-  auto copy_weights = [&] {
-    for (load_j0 = 0; load_j0 < warp_quads; load_j0 += kPrefetchQuads) {
-      begin_load_round();
-#pragma unroll
-      for (int s = 0; s < kPrefetchQuads; ++s) {
-        const int j = load_j0 + s;
-        if (j < warp_quads) {
-          const bool in_range = kQuadGroups * (k_warp + WK * j) + t < group_count;
-#pragma unroll
-          for (int r = 0; r < kRoundRows; ++r) {
-            const int slot = (j * kRoundRows + r) * 32 + lane;
-            copy_async16_or_zeros(shared_codes + slot, words_of(r) + 16 * kQuadStride * s,
-                                  in_range);
-            if (scale_bytes == 4 || (lane & 1) == 0) {
-              copy_async4_or_zeros(shared_scales + slot,
-                                   scales_of(r) + scale_bytes * kQuadStride * s, in_range);
-            }
-          }
-        }
-      }
-      commit_copies();  // one group a round: the products of a round wait for its group only
-    }
-    load_j0 = 0;
-  };
-  const int copy_rounds = (warp_quads + kPrefetchQuads - 1) / kPrefetchQuads;
-  // Quad j of the warp from shared memory once its round's copies have landed (the lanes' own
-  // copies, and for 2-byte scales the even lanes': a warp barrier after the wait). Past 4 rounds
-  // ahead the wait asks for at most 4 pending: sooner than needed, never later.
-  auto read_shared_quad = [&](int j, uint4(&words)[kRoundRows], uint32_t(&bits)[kRoundRows]) {
-    switch (copy_rounds - 1 - j / kPrefetchQuads) {
-      case 0:
-        wait_copies<0>();
-        break;
-      case 1:
-        wait_copies<1>();
-        break;
-      case 2:
-        wait_copies<2>();
-        break;
-      case 3:
-        wait_copies<3>();
-        break;
-      default:
-        wait_copies<4>();
-        break;
-    }
-    __syncwarp();
-#pragma unroll
-    for (int r = 0; r < kRoundRows; ++r) {
-      const int first = (j * kRoundRows + r) * 32;
-      words[r] = shared_codes[first + lane];
-      bits[r] = scale_bytes == 4
-                    ? shared_scales[first + lane]
-                    : (shared_scales[first + (lane & ~1)] >> (16 * (lane & 1))) & 0xFFFFu;
-    }
-  };
   // Weights never depend on the previous kernel: their loads go out before the wait.
-  auto first_loads = [&] {
-    begin_load_round();
+  begin_load_round();
 #pragma unroll
-    for (int s = 0; s < kPrefetchQuads; ++s) load_quad(s);
-    next_load_round();
-  };
-  if (shared_weights) {
-    copy_weights();
-  } else {
-    first_loads();
-  }
+  for (int s = 0; s < kPrefetchQuads; ++s) load_quad(s);
+  next_load_round();
   pdl_wait_for_predecessors();
 
   // The block's K range of every activation row (rows m >= m_count and groups past the range as
   // zeros), in fragment order: word (quad, j, m, t) = elements 8j .. 8j + 7 of group 4 · quad + t
   // of row m at 4 · (kPaddedRows · (4 · quad + j) + m) + t, so that a warp's load of one n tile
   // and word is 512 consecutive bytes (no bank conflicts) at a constant offset per n tile.
+  extern __shared__ uint4 shared_words[];
   constexpr int kWordRowWords = 4 * kPaddedRows;  // one j of one quad, every row and t
   const int staged_words = kWordRowWords * kQuadGroups * quad_count;
   // Eight words in flight per thread: the staging is a few L2 round trips, not one per word.
@@ -437,21 +351,16 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
         // The slot's words and scales, freed for the next round's loads at once (issued also
         // past the warp's quads: the next tile's first ones).
         const bool active = j0 + s < warp_quads;
-        uint4 words[kRoundRows];
-        uint32_t bits[kRoundRows];
-        if (shared_weights) {
-          if (!active) continue;
-          read_shared_quad(j0 + s, words, bits);
-        } else {
+        uint4 words[2 * kTilesPerWarp];
+        uint32_t bits[2 * kTilesPerWarp];
 #pragma unroll
-          for (int r = 0; r < kRoundRows; ++r) {
-            words[r] = packed[s][r];
-            bits[r] = scale_bits[s][r];
-          }
-          load_quad(s);
-          if (!active) continue;
+        for (int r = 0; r < kRoundRows; ++r) {
+          words[r] = packed[s][r];
+          bits[r] = scale_bits[s][r];
         }
-        // Word j of the lane's group: elements 8j .. 8j + 7, two mma steps (module comment).
+        load_quad(s);
+        if (!active) continue;
+          // Word j of the lane's group: elements 8j .. 8j + 7, two mma steps (module comment).
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           uint32_t fragments[kTilesPerWarp][2][4];  // [tile][step][register]
@@ -492,7 +401,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
           }
         }
       }
-      if (!shared_weights) next_load_round();
+      next_load_round();
     }
     if (a.trigger == MmaGemvTrigger::kAfterProducts && tile == block_tiles - 1) {
       pdl_trigger_dependents();

@@ -195,27 +195,7 @@ struct MmaGemvArgs {
   // of two partial-sum buffers past them (blocks loop over the row tiles, gridDim.x of them).
   int64_t partial_offset;
   MmaGemvTrigger trigger;  // the tiling's
-  // 0: each warp loads its weights into registers a few quads ahead of its products; else (one
-  // row tile per block) the byte offset past the staged activations and partial sums where every
-  // warp copies all its weights and scales at the start (mma_gemv_shared_weight_bytes).
-  int64_t shared_weights_offset;
 };
-
-// Quads of 4 groups (the kernel's unit along K) each warp of a block multiplies at most: its k
-// warp's share of the block's K range.
-constexpr int64_t mma_gemv_warp_quads(int64_t groups_per_split, int k_warps) {
-  return (groups_per_split / 4 + k_warps - 1) / k_warps;
-}
-
-// Bytes of a block's weights copied to shared memory (MmaGemvArgs::shared_weights_offset): per
-// warp, quad, weight row of a lane (2 per 16-row tile) and lane, 16 bytes of codes and a 4-byte
-// slot of scales.
-constexpr int64_t mma_gemv_shared_weight_bytes(const MmaGemvTiling& tiling,
-                                               int64_t groups_per_split) {
-  return int64_t{tiling.warps} * tiling.k_warps *
-         mma_gemv_warp_quads(groups_per_split, tiling.k_warps) * 2 * tiling.tiles_per_warp * 32 *
-         (16 + 4);
-}
 
 // Enqueues the kernel; arguments already validated (rows, groups > 0, m in 1..64, x type kF32,
 // kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes) but for
