@@ -151,11 +151,13 @@ TEST(Concurrently, BranchesMatchTheCpuOrderEagerAndRecorded) {
   }
 }
 
-// Batched decode rows (tensor-core GEMVs, bf16 products): both branches at once, and a first
-// branch that leaves its stream half-way for cuBLAS.
+// Batched decode rows (tensor-core GEMVs, bf16 products): in order at 32 rows, both branches at
+// once at 48 and 64, and a first branch that leaves its stream half-way for cuBLAS.
 TEST(Concurrently, BatchedRowsMatchTheCpuOrder) {
-  for (const WeightFormat first : {WeightFormat::kNVFP4, WeightFormat::kBF16}) {
-    check_branches({ActivationMode::kBF16, 32, first, 2e-2});
+  for (const int64_t rows : {int64_t{32}, int64_t{48}, int64_t{64}}) {
+    for (const WeightFormat first : {WeightFormat::kNVFP4, WeightFormat::kBF16}) {
+      check_branches({ActivationMode::kBF16, rows, first, 2e-2});
+    }
   }
 }
 

@@ -92,14 +92,14 @@ class CudaBackend final : public engine::Backend {
   bool can_record() const override { return true; }
   std::unique_ptr<engine::RecordedWork> record(const std::function<void()>& enqueue) override;
   void replay(engine::RecordedWork& work) override;
-  // A decode pass (up to kMaxGemvRows rows: one token, or a batched decode step): `second` on the
-  // main stream (the higher priority, enqueued first: the MoE layer's router and experts, the
+  // A decode pass (up to 16 rows, or a batched decode step of 33 to kMaxGemvRows rows): `second` on
+  // the main stream (the higher priority, enqueued first: the MoE layer's router and experts, the
   // longer branch), `first` on a second stream forked from the main stream's work so far, then the
   // main stream waits for the second stream (an event pair; inside record() the graph gets both
   // branches). An operation of `first` that needs cuBLAS or the shared prefill scratch (a matrix
   // no GEMV takes at these rows) moves the rest of `first` behind `second` on the main stream
-  // (join_side_branch). Prefill passes on tensor cores (more rows) and nested calls: the default
-  // order.
+  // (join_side_branch). Batched decode steps of 17-32 rows, prefill passes on tensor cores (more
+  // rows) and nested calls: the default order.
   void concurrently(int64_t rows, const std::function<void()>& first,
                     const std::function<void()>& second) override;
 
