@@ -980,13 +980,13 @@ int main(int argc, char** argv) {
     results.push_back(bench_gemv_mma(WeightFormat::kW4G32, 262144, 1536, m, ActType::kBF16,
                                      dense[6].label, stream, !quick));
   }
-  // 26B-A4B NVFP4 dense layers at 8 and 32 streams (bf16 rows, as the engine passes them):
+  // 26B-A4B NVFP4 dense layers at 8, 16 and 32 streams (bf16 rows, as the engine passes them):
   // tensor cores beside the CUDA-core tilings.
   const Shape nvfp4_dense[] = {{8192, 2816, "26b qkv 8192x2816"},
                                {4224, 2816, "26b gate+up 4224x2816"},
                                {2816, 2112, "26b down 2816x2112"},
                                {2816, 4096, "26b o_proj 2816x4096"}};
-  for (int m : {8, 32}) {
+  for (int m : {8, 16, 32}) {
     for (const Shape& s : nvfp4_dense) {
       results.push_back(bench_gemv_mma(WeightFormat::kNVFP4, s.rows, s.cols, m, ActType::kBF16,
                                        s.label, stream, !quick));

@@ -92,11 +92,14 @@ class CudaBackend final : public engine::Backend {
   bool can_record() const override { return true; }
   std::unique_ptr<engine::RecordedWork> record(const std::function<void()>& enqueue) override;
   void replay(engine::RecordedWork& work) override;
-  // A decode pass (rows that take no tensor-core path): `second` on the main stream (the higher
-  // priority, enqueued first: the MoE layer's router and experts, the longer branch), `first` on
-  // a second stream forked from the main stream's work so far, then the main stream waits for
-  // the second stream (an event pair; inside record() the graph gets both branches). Prefill
-  // passes (cuBLAS runs on the main stream only) and nested calls: the default order.
+  // A decode pass (up to 16 rows, or a batched decode step of 33 to kMaxGemvRows rows): `second` on
+  // the main stream (the higher priority, enqueued first: the MoE layer's router and experts, the
+  // longer branch), `first` on a second stream forked from the main stream's work so far, then the
+  // main stream waits for the second stream (an event pair; inside record() the graph gets both
+  // branches). An operation of `first` that needs cuBLAS or the shared prefill scratch (a matrix
+  // no GEMV takes at these rows) moves the rest of `first` behind `second` on the main stream
+  // (join_side_branch). Batched decode steps of 17-32 rows, prefill passes on tensor cores (more
+  // rows) and nested calls: the default order.
   void concurrently(int64_t rows, const std::function<void()>& first,
                     const std::function<void()>& second) override;
 
@@ -267,6 +270,9 @@ class CudaBackend final : public engine::Backend {
   // tensor_core_matmul_accepts takes them. With gelu_pairs, y[t][i] = gelu_tanh(p[t][2i]) ·
   // p[t][2i + 1] of those products p instead (W.rows / 2 columns, gemv.h kGeluPairs), applied
   // to each weight tile's products while they are still in L2.
+  // Inside concurrently()'s first branch: the branch's work so far joined into the main stream,
+  // the rest of it enqueued there (after the second branch). Elsewhere nothing.
+  void join_side_branch();
   void tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y,
                           bool gelu_pairs = false);
   // y = epilogue(x · Wᵀ) through the packed GEMV, 64 rows per launch (out: row 0's output).

@@ -22,11 +22,9 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
-#include <array>
-#include <utility>
-
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_mma_kernels.h"
+#include "backend/cuda/kernel_table.cuh"
 #include "backend/cuda/mma.cuh"
 
 namespace gemma4::cuda::gemv_mma_detail {
@@ -509,12 +507,15 @@ using MmaKernel = void (*)(MmaGemvArgs);
 inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
 inline constexpr int kNumKernels = 4 * kNumMmaGemvWarpLayouts;
 
-template <PackedFormat F, ActType XT, size_t... I>
-constexpr std::array<MmaKernel, kNumKernels> kernel_table(std::index_sequence<I...>) {
-  return {gemv_mma_kernel<F, XT, kNTileOptions[I / kNumMmaGemvWarpLayouts],
-                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].warps,
-                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].k_warps,
-                          kMmaGemvWarpLayouts[I % kNumMmaGemvWarpLayouts].tiles_per_warp>...};
+// The kernels of format F for XT by index (cuda::kernel_table; select_mma_kernel's order).
+template <PackedFormat F, ActType XT>
+constexpr auto mma_kernels() {
+  return kernel_table<kNumKernels>([](auto index) -> MmaKernel {
+    constexpr int i = decltype(index)::value;
+    constexpr MmaGemvWarpLayout layout = kMmaGemvWarpLayouts[i % kNumMmaGemvWarpLayouts];
+    return gemv_mma_kernel<F, XT, kNTileOptions[i / kNumMmaGemvWarpLayouts], layout.warps,
+                           layout.k_warps, layout.tiles_per_warp>;
+  });
 }
 
 // The kernel of format F for x_type and index = kNumMmaGemvWarpLayouts · (index of the n tiles
@@ -525,16 +526,13 @@ template <PackedFormat F>
 MmaKernel select_mma_kernel(ActType x_type, int index) {
   if (x_type == ActType::kQ8) {
     if constexpr (F == PackedFormat::kW4G32) {
-      static constexpr auto kQ8 =
-          kernel_table<F, ActType::kQ8>(std::make_index_sequence<kNumKernels>());
+      static constexpr auto kQ8 = mma_kernels<F, ActType::kQ8>();
       return kQ8[index];
     }
     return nullptr;
   }
-  static constexpr auto kBF16 =
-      kernel_table<F, ActType::kBF16>(std::make_index_sequence<kNumKernels>());
-  static constexpr auto kF32 =
-      kernel_table<F, ActType::kF32>(std::make_index_sequence<kNumKernels>());
+  static constexpr auto kBF16 = mma_kernels<F, ActType::kBF16>();
+  static constexpr auto kF32 = mma_kernels<F, ActType::kF32>();
   return x_type == ActType::kBF16 ? kBF16[index] : kF32[index];
 }
 

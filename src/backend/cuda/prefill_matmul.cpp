@@ -83,6 +83,7 @@ bool CudaBackend::tensor_core_rows(int64_t rows) const {
 
 void CudaBackend::tensor_core_matmul(const MatrixView& w, const RowsView& x, const RowsView& y,
                                      bool gelu_pairs) {
+  join_side_branch();  // cuBLAS and the scratch below serve the main stream
   if (cublas_ == nullptr) {
     launch();  // the device current
     auto created = CublasContext::create(stream_);
