@@ -846,6 +846,31 @@ void CudaBackend::residual_step_wrote(Rows acc, Rows next, const AddNormSpec& sp
   if (next.data != nullptr) produced(next, spec.next_companions);
 }
 
+PleStepArgs CudaBackend::ple_step_args(Rows acc, Rows x, const float* weight,
+                                       const MatrixView& gate, Rows multiplier, Rows gated,
+                                       const MatrixView& projection, Rows projected,
+                                       const float* projected_weight, float scalar,
+                                       const float* next_weight, Rows next,
+                                       const engine::NormParams& norm) {
+  return {.acc = view(acc),
+          .x = view(x),
+          .step_weight = weight,
+          .gate = gate,
+          .multiplier = multiplier.data,
+          .gated = gated.data,
+          .projection = projection,
+          .projected = projected.data,
+          .next = view(next),
+          .spec = residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm)};
+}
+
+void CudaBackend::ple_step_wrote(Rows acc, Rows gated, Rows projected, Rows next,
+                                 const AddNormSpec& spec) {
+  wrote(gated);
+  wrote(projected);
+  residual_step_wrote(acc, next, spec);
+}
+
 void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scalar,
                                const float* next_weight, Rows next,
                                const engine::NormParams& norm) {
@@ -859,8 +884,8 @@ void CudaBackend::add_rms_norm(Rows acc, Rows x, const float* weight, float scal
 // One decode row outside kF32 mode: at E2B's widths ple_step does all of it in one launch. Else
 // the PLE gate GEMV stages acc + norm(x) itself (GemvResidualNorm) and the closing
 // add_rms_norm_deferred performs that step before its own, so the step's stand-alone kernel goes.
-// Batched rows keep the default order: their gate runs on tensor cores (gemv_mma.h), which stage no
-// residual step. Anything the fused GEMV does not take: the default order too.
+// Batched rows keep the default order: their gate runs on tensor cores (gemv_mma.h), which stage
+// no residual step. Anything the fused GEMV does not take: the default order too.
 void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
                                    const quant::QMatrix& gate, Rows multiplier, Rows gated,
                                    const quant::QMatrix& projection, Rows projected,
@@ -881,17 +906,13 @@ void CudaBackend::add_rms_norm_ple(Rows acc, Rows x, const float* weight,
   // E2B's widths: the whole step in one cluster launch (ple_step.h).
   if (MatrixView gate_view, projection_view;
       matrix_view(gate, gate_view) && matrix_view(projection, projection_view)) {
-    const AddNormSpec spec =
-        residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm);
-    const PleStepArgs step = {view(acc),       view(x),    weight,          gate_view,
-                              multiplier.data, gated.data, projection_view, projected.data,
-                              view(next),      spec};
+    const PleStepArgs step =
+        ple_step_args(acc, x, weight, gate_view, multiplier, gated, projection_view, projected,
+                      projected_weight, scalar, next_weight, next, norm);
     const cudaError_t status = ple_step(step, launch());
     if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the three kernels below
       launched(status, "add_rms_norm_ple (ple_step)");
-      wrote(gated);
-      wrote(projected);
-      residual_step_wrote(acc, next, spec);
+      ple_step_wrote(acc, gated, projected, next, step.spec);
       return;
     }
   }
@@ -930,18 +951,14 @@ void CudaBackend::add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight,
       matmul_out.count == 1 && matmul_out.width == matmul_weights.rows &&
       matmul_weights.format == quant::WeightFormat::kW4G32 && matrix_view(gate, gate_view) &&
       matrix_view(projection, projection_view) && matrix_view(matmul_weights, matmul_view)) {
-    const AddNormSpec spec =
-        residual_step_spec(acc, projected_weight, scalar, next_weight, next, norm);
-    const PleStepArgs step = {view(acc),       view(x),    weight,          gate_view,
-                              multiplier.data, gated.data, projection_view, projected.data,
-                              view(next),      spec};
+    const PleStepArgs step =
+        ple_step_args(acc, x, weight, gate_view, multiplier, gated, projection_view, projected,
+                      projected_weight, scalar, next_weight, next, norm);
     const cudaError_t status =
         ple_step_matmul(step, {matmul_view, matmul_out.data, ple_step_acc_readers_}, launch());
     if (status != cudaErrorInvalidValue) {  // else nothing enqueued: the two calls below
       launched(status, "add_rms_norm_ple_matmul (ple_step_matmul)");
-      wrote(gated);
-      wrote(projected);
-      residual_step_wrote(acc, next, spec);
+      ple_step_wrote(acc, gated, projected, next, step.spec);
       wrote(matmul_out);
       return;
     }
@@ -954,8 +971,8 @@ void CudaBackend::add_rms_norm_ple_matmul(Rows acc, Rows x, const float* weight,
 void CudaBackend::add_rms_norm_branch(Rows acc, Rows branch, Rows x, const float* branch_weight,
                                       const float* weight, float scalar, const float* next_weight,
                                       Rows next, const engine::NormParams& norm) {
-  // Reports its writes as add_rms_norm does: the next layer's first GEMV then reads the companions
-  // of `next` this kernel writes instead of converting it with one more kernel.
+  // Reports its writes as add_rms_norm does: the next layer's first GEMV then reads the
+  // companions of `next` this kernel writes instead of converting it with one more kernel.
   const ReportingWrites reporting(*this);
   if (acc.count == 0) return;
   const AddNormSpec spec = residual_step_spec(acc, weight, scalar, next_weight, next, norm);

@@ -43,6 +43,7 @@
 #include "backend/cuda/elementwise.h"
 #include "backend/cuda/gemv_kernels.h"
 #include "backend/cuda/launch.h"
+#include "backend/cuda/ple_step.h"
 #include "backend/cuda/sample_logits.h"
 #include "core/status.h"
 #include "engine/backend.h"
@@ -285,6 +286,15 @@ class CudaBackend final : public engine::Backend {
                                  const float* next_weight, engine::Rows next,
                                  const engine::NormParams& norm);
   void residual_step_wrote(engine::Rows acc, engine::Rows next, const AddNormSpec& spec);
+  // ple_step's parameters (add_rms_norm_ple's, with the gate and projection as views) and the
+  // bookkeeping of what it wrote: shared by ple_step and ple_step_matmul.
+  PleStepArgs ple_step_args(engine::Rows acc, engine::Rows x, const float* weight,
+                            const MatrixView& gate, engine::Rows multiplier, engine::Rows gated,
+                            const MatrixView& projection, engine::Rows projected,
+                            const float* projected_weight, float scalar, const float* next_weight,
+                            engine::Rows next, const engine::NormParams& norm);
+  void ple_step_wrote(engine::Rows acc, engine::Rows gated, engine::Rows projected,
+                      engine::Rows next, const AddNormSpec& spec);
   // Held by the operations that report every row they write (wrote / produced): launch() outside
   // them drops every live companion, since other work (a graph replay, an operation that does not
   // report its writes) may have written any rows.
