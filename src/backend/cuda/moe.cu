@@ -1182,15 +1182,21 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
   // kDecodeTensorCores: NVFP4 projections on the mma kernels, any other on the CUDA-core ones;
   // down on them only after the mma gate/up kernel (it takes the ActivationHandoff). One token
   // takes the bulk-copy kernels where the shape suits them (whole 16-row blocks, gate/up rows of a
-  // multiple of 8 chunks: 26B-A4B's); more take the register-loading ones (26B, 8 streams: 1,637.1
-  // tok/s, 1,423.0 on the bulk kernels, session 11: their blocks wait for all of their copies, and
-  // 3, not 4, fit an SM).
+  // multiple of 8 chunks, the rows fitting in shared memory: 26B-A4B's); more take the
+  // register-loading ones (26B, 8 streams: 1,637.1 tok/s, 1,423.0 on the bulk kernels, session 11:
+  // their blocks wait for all of their copies, and 3, not 4, fit an SM).
   const bool mma_gate_up =
       args.path == MoePath::kDecodeTensorCores && shape.gate_up_format == PackedFormat::kNVFP4;
   const bool mma_down = mma_gate_up && shape.down_format == PackedFormat::kNVFP4;
-  const bool bulk_gate_up = mma_gate_up && args.tokens == 1 && shape.inner % kBulkRows == 0 &&
-                            (shape.hidden / 32) % 8 == 0;
-  const bool bulk_down = mma_down && args.tokens == 1 && shape.hidden % kMmaDownRows == 0;
+  const bool bulk_gate_up =
+      mma_gate_up && args.tokens == 1 && shape.inner % kBulkRows == 0 &&
+      (shape.hidden / 32) % 8 == 0 &&
+      shared_bytes_fit(decode_gate_up_bulk_kernel, bulk_gate_up_shared_bytes(shape.hidden / 32));
+  const bool bulk_down =
+      mma_down && args.tokens == 1 && shape.hidden % kMmaDownRows == 0 &&
+      shared_bytes_fit(
+          decode_down_bulk_kernel,
+          bulk_down_shared_bytes(args.top_k * (shape.inner / chunk_elements(shape.down_format))));
   // MoePrecision::kExactF32's path multiplies w4g32 weights by the fp32 activations exactly
   // (NibbleDot::kCentered); the per-pair kernels of kDecodeTensorCores keep the biased products.
   const bool centered_nibbles = args.path == MoePath::kDecode;

@@ -223,4 +223,22 @@ inline cudaError_t allow_shared_bytes(Kernel kernel, size_t bytes) {
                               static_cast<int>(bytes));
 }
 
+// Whether `kernel` can take `bytes` of dynamic shared memory beside its static shared memory on
+// the current device. The bulk-copy decode kernels keep a block's whole weight rows there, which
+// wide shapes exceed (hidden 13312: 236 KiB of gate/up rows); those take the register-loading
+// kernels instead.
+template <typename Kernel>
+inline bool shared_bytes_fit(Kernel kernel, size_t bytes) {
+  int device = 0;
+  int optin = 0;
+  cudaFuncAttributes attributes{};
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess ||
+      cudaFuncGetAttributes(&attributes, kernel) != cudaSuccess) {
+    return false;
+  }
+  return attributes.sharedSizeBytes + bytes <= static_cast<size_t>(optin);
+}
+
 }  // namespace gemma4::cuda
