@@ -26,6 +26,36 @@ namespace gemma4::cuda::testing {
     ASSERT_EQ(status_, cudaSuccess) << #expr << ": " << cudaGetErrorString(status_); \
   } while (0)
 
+// A CUDA graph of what `enqueue(true)` (its launches with programmatic dependent launch) records
+// on `stream`, instantiated; destroyed with this object. status(): the first error of the
+// capture, of enqueue's own launches or of the instantiation.
+class RecordedGraph {
+ public:
+  template <typename Enqueue>
+  RecordedGraph(cudaStream_t stream, Enqueue&& enqueue) {
+    error_ = cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal);
+    if (error_ != cudaSuccess) return;
+    const cudaError_t enqueued = enqueue(true);
+    error_ = cudaStreamEndCapture(stream, &graph_);
+    if (error_ == cudaSuccess) error_ = enqueued;
+    if (error_ == cudaSuccess) error_ = cudaGraphInstantiate(&exec_, graph_, 0);
+  }
+  RecordedGraph(const RecordedGraph&) = delete;
+  RecordedGraph& operator=(const RecordedGraph&) = delete;
+  ~RecordedGraph() {
+    if (exec_) cudaGraphExecDestroy(exec_);
+    if (graph_) cudaGraphDestroy(graph_);
+  }
+
+  cudaError_t status() const { return error_; }
+  cudaError_t launch(cudaStream_t stream) const { return cudaGraphLaunch(exec_, stream); }
+
+ private:
+  cudaGraph_t graph_ = nullptr;
+  cudaGraphExec_t exec_ = nullptr;
+  cudaError_t error_ = cudaSuccess;
+};
+
 // Device memory holding a copy of a host vector (or `count` poisoned elements).
 template <typename T>
 class DeviceArray {

@@ -405,21 +405,15 @@ void expect_pdl_chain_matches_plain(const MmaGemvTiling& tiling) {
   CUDA_ASSERT_OK(enqueue(false));
   CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
   const std::vector<float> plain = second.download();
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  CUDA_ASSERT_OK(enqueue(true));
-  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::RecordedGraph graph(stream, enqueue);
+  CUDA_ASSERT_OK(graph.status());
   for (int replay = 0; replay < 3; ++replay) {
     first.poison();
     second.poison();
-    CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+    CUDA_ASSERT_OK(graph.launch(stream));
     CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
     EXPECT_EQ(second.download(), plain) << "replay " << replay;
   }
-  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
-  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
@@ -495,22 +489,16 @@ TEST(GemvMma, ResidentBlocksFirstLaunchedInACapture) {
     return gemv_mma(device.view, {x.get(), ActType::kF32, m, 1536, true}, {y.get(), 40000},
                     {stream, pdl}, tiling);
   };
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  CUDA_ASSERT_OK(enqueue(true));
-  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::RecordedGraph graph(stream, enqueue);
+  CUDA_ASSERT_OK(graph.status());
   y.poison();
-  CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+  CUDA_ASSERT_OK(graph.launch(stream));
   CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
   const std::vector<float> replayed = y.download();
   y.poison();
   CUDA_ASSERT_OK(enqueue(false));
   CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
   EXPECT_EQ(y.download(), replayed);
-  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
-  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
   Case c;  // and the values
   c.m = m;

@@ -76,12 +76,8 @@ TEST(Graph, PdlChainMatchesPlainLaunches) {
     return s;
   };
 
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-  CUDA_ASSERT_OK(enqueue(true));
-  CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
-  CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+  const testing::RecordedGraph graph(stream, enqueue);
+  CUDA_ASSERT_OK(graph.status());
   for (int32_t pos : {10, 40, 63}) {
     CUDA_ASSERT_OK(cudaMemcpy(position.get(), &pos, 4, cudaMemcpyHostToDevice));
     out.poison();
@@ -90,7 +86,7 @@ TEST(Graph, PdlChainMatchesPlainLaunches) {
     const auto plain = out.download();
     for (int replay = 0; replay < 2; ++replay) {
       out.poison();
-      CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+      CUDA_ASSERT_OK(graph.launch(stream));
       CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
       const auto replayed = out.download();
       ASSERT_EQ(replayed.size(), plain.size());
@@ -100,8 +96,6 @@ TEST(Graph, PdlChainMatchesPlainLaunches) {
       }
     }
   }
-  CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
-  CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 

@@ -868,13 +868,8 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
                         cudaMemcpyHostToDevice);
     };
 
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const cudaError_t captured = enqueue(true);
-    CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_ASSERT_OK(captured);
-    CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const testing::RecordedGraph graph(stream, enqueue);
+    CUDA_ASSERT_OK(graph.status());
     for (uint32_t step = 0; step < 3; ++step) {
       // Copies and memsets run on the legacy stream, which `stream` does not wait for.
       CUDA_ASSERT_OK(set_logits(1100 + step));
@@ -886,15 +881,13 @@ TEST(MoeExperts, GraphWithPdlMatchesPlainLaunches) {
       out.poison();
       ids.poison();
       CUDA_ASSERT_OK(cudaDeviceSynchronize());
-      CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+      CUDA_ASSERT_OK(graph.launch(stream));
       CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
       EXPECT_EQ(ids.download(), plain_ids) << "step " << step;
       const std::vector<float> replayed = out.download();
       EXPECT_EQ(std::memcmp(replayed.data(), plain.data(), plain.size() * sizeof(float)), 0)
           << "step " << step;
     }
-    CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
-    CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   }
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
@@ -968,13 +961,8 @@ TEST(MoeExperts, GateUpStagesXMadeBeforeTheRouter) {
       return cudaMemcpy(logits.get(), host_logits.data(), host_logits.size() * sizeof(float),
                         cudaMemcpyDefault);
     };
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CUDA_ASSERT_OK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal));
-    const cudaError_t captured = enqueue(true);
-    CUDA_ASSERT_OK(cudaStreamEndCapture(stream, &graph));
-    CUDA_ASSERT_OK(captured);
-    CUDA_ASSERT_OK(cudaGraphInstantiate(&exec, graph, 0));
+    const testing::RecordedGraph graph(stream, enqueue);
+    CUDA_ASSERT_OK(graph.status());
     for (uint32_t step = 0; step < 8; ++step) {
       CUDA_ASSERT_OK(set_inputs(1210 + 2 * step));
       CUDA_ASSERT_OK(cudaDeviceSynchronize());
@@ -986,14 +974,12 @@ TEST(MoeExperts, GateUpStagesXMadeBeforeTheRouter) {
       x.poison();
       out.poison();
       CUDA_ASSERT_OK(cudaDeviceSynchronize());
-      CUDA_ASSERT_OK(cudaGraphLaunch(exec, stream));
+      CUDA_ASSERT_OK(graph.launch(stream));
       CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
       const std::vector<float> replayed = out.download();
       EXPECT_EQ(std::memcmp(replayed.data(), plain.data(), plain.size() * sizeof(float)), 0)
           << "step " << step;
     }
-    CUDA_ASSERT_OK(cudaGraphExecDestroy(exec));
-    CUDA_ASSERT_OK(cudaGraphDestroy(graph));
   }
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
