@@ -1212,22 +1212,16 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
       args.weights,    handoff_words,
       handoff_scales};
   cudaError_t status;
-  if (bulk_gate_up) {
-    const size_t shared = bulk_gate_up_shared_bytes(shape.hidden / 32);
-    status = allow_shared_bytes(decode_gate_up_bulk_kernel, shared);
+  if (mma_gate_up) {
+    // The bulk and register-loading kernels share the grid: blocks of kBulkRows rows a matrix.
+    const auto kernel = bulk_gate_up ? decode_gate_up_bulk_kernel : decode_gate_up_mma_kernel;
+    const size_t shared = bulk_gate_up ? bulk_gate_up_shared_bytes(shape.hidden / 32)
+                                       : mma_staged_bytes(shape.hidden / 32);
+    status = allow_shared_bytes(kernel, shared);
     if (status == cudaSuccess) {
-      status = launch_kernel(decode_gate_up_bulk_kernel,
-                             dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kBulkRows)),
-                             dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
-    }
-  } else if (mma_gate_up) {
-    const size_t shared = mma_staged_bytes(shape.hidden / 32);
-    status = allow_shared_bytes(decode_gate_up_mma_kernel, shared);
-    if (status == cudaSuccess) {
-      status = launch_kernel(
-          decode_gate_up_mma_kernel,
-          dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kMmaGateUpTiles * kMmaGateUpRows)),
-          dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
+      status =
+          launch_kernel(kernel, dim3(static_cast<unsigned>(pairs), blocks(shape.inner, kBulkRows)),
+                        dim3(kMmaGateUpBlockWarps * 32), shared, launch, gate_up);
     }
   } else {
     const dim3 grid(static_cast<unsigned>(pairs), blocks(shape.inner, kDecodeRowsPerBlock));
@@ -1263,24 +1257,16 @@ cudaError_t launch_decode(const MoeRunArgs& args, float* activations, float* han
                                args.out_stride,
                                handoff_words,
                                handoff_scales};
-  if (bulk_down) {
-    const int64_t chunks = args.top_k * down_chunks_per_row;
-    const size_t shared = bulk_down_shared_bytes(chunks);
-    const cudaError_t allowed = allow_shared_bytes(decode_down_bulk_kernel, shared);
-    if (allowed != cudaSuccess) return allowed;
-    return launch_kernel(
-        decode_down_bulk_kernel,
-        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
-        dim3(kMmaDownWarps * 32), shared, launch, down);
-  }
   if (mma_down) {
     const int64_t chunks = args.top_k * down_chunks_per_row;
-    const size_t shared = mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1);  // x_scales
-    const cudaError_t allowed = allow_shared_bytes(decode_down_mma_kernel, shared);
+    const auto kernel = bulk_down ? decode_down_bulk_kernel : decode_down_mma_kernel;
+    const size_t shared =
+        bulk_down ? bulk_down_shared_bytes(chunks)
+                  : mma_staged_bytes(chunks) + sizeof(float2) * (chunks + 1);  // x_scales
+    const cudaError_t allowed = allow_shared_bytes(kernel, shared);
     if (allowed != cudaSuccess) return allowed;
     return launch_kernel(
-        decode_down_mma_kernel,
-        dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
+        kernel, dim3(static_cast<unsigned>(args.tokens), blocks(shape.hidden, kMmaDownRows)),
         dim3(kMmaDownWarps * 32), shared, launch, down);
   }
   const dim3 down_grid(static_cast<unsigned>(args.tokens),
