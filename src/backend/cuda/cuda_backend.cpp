@@ -82,21 +82,6 @@ int attention_splits(int64_t keys, int window, int64_t sequences, int kv_heads) 
   return static_cast<int>(std::clamp<int64_t>((keys + min_keys - 1) / min_keys, 1, budget));
 }
 
-// Session-12 sweep (temporary, GEMMA4_S12_SPLITS_FIT=1): a sliding layer's splits halved where
-// that lets the tensor-core kernel merge them itself (decode_attention_launches), saving the merge
-// kernel's place in the chain for twice the keys a split.
-int fitted_splits(int splits, int window, const AttentionQuery& query, const KvCacheView& kv,
-                  AttentionWorkspace workspace) {
-  static const bool fit = s12_splits_knob("GEMMA4_S12_SPLITS_FIT", 0, 0, 1) != 0;
-  if (!fit || window <= 0 || splits < 2 ||
-      decode_attention_launches(query, kv, splits, workspace) == 1) {
-    return splits;
-  }
-  const int halved = (splits + 1) / 2;
-  workspace.max_splits = halved;
-  return decode_attention_launches(query, kv, halved, workspace) == 1 ? halved : splits;
-}
-
 RowsView view(const Rows& r) {
   return {r.data, r.count, r.width, r.stride};
 }
@@ -778,11 +763,7 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
   // other shapes before enqueuing anything; those, and prefill chunks, take the generic kernel.
   if (q.count == 1 && aligned16(q.data) && kv.head_dim > 0 && q.width % kv.head_dim == 0) {
     const int q_heads = static_cast<int>(q.width / kv.head_dim);
-    const AttentionQuery query = {q.data, q.stride, q_heads, positions, 1};
-    const KvCacheView cache = cache_view(kv);
-    const int splits =
-        fitted_splits(attention_splits(kv.slots, window, 1, kv.kv_heads), window, query, cache,
-                      {nullptr, 0, attention_merge_counters_, kAttentionMergeCounters});
+    const int splits = attention_splits(kv.slots, window, 1, kv.kv_heads);
     float* partials = nullptr;
     if (splits > 1) {
       partials = static_cast<float*>(
@@ -790,6 +771,8 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
                   sizeof(float) * attention_partials_floats(1, q_heads, kv.head_dim, splits)));
       if (partials == nullptr) return;
     }
+    const AttentionQuery query = {q.data, q.stride, q_heads, positions, 1};
+    const KvCacheView cache = cache_view(kv);
     const AttentionWorkspace workspace = {partials, splits, attention_merge_counters_,
                                           kAttentionMergeCounters};
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
@@ -1256,20 +1239,17 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     cache.sequences = &table;
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
-    const int chunk_splits =
-        fitted_splits(splits, window, query, cache,
-                      {partials, splits, attention_merge_counters_, kAttentionMergeCounters});
-    const AttentionWorkspace workspace = {partials, chunk_splits, attention_merge_counters_,
+    const AttentionWorkspace workspace = {partials, splits, attention_merge_counters_,
                                           kAttentionMergeCounters};
     const cudaError_t status = decode_attention(query, cache, window, scale, out.data, out.stride,
-                                                workspace, chunk_splits, launch(), companions);
+                                                workspace, splits, launch(), companions);
     if (status == cudaErrorInvalidValue) {
       // A shape the decode kernel does not take (checked before anything is enqueued).
       otherwise(first);
       return;
     }
     launched(status, "decode attention",
-             decode_attention_launches(query, cache, chunk_splits, workspace));
+             decode_attention_launches(query, cache, splits, workspace));
   }
   produced(out, companions);
 }
