@@ -246,27 +246,6 @@ TEST(DecodeAttention, DeepContextsOnEveryKernel) {
   }
 }
 
-// Fewer, larger splits than the engine's one per 32 keys, at full depth: sliding rings in splits of
-// 64, 128 and 256 keys (E2B: 8, 4, 2 splits of one q head a block, merged in the kernel; 26B: 16
-// splits in 2 parts of one head, merged in the kernel, 8 and 4 in parts of one head) and a full
-// 33000-position cache in 132 and 198 splits (2 parts of 4 heads; one part of 8 with blocks to
-// spare), on both kernels.
-TEST(DecodeAttention, FewerLargerSplitsAtDepth) {
-  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    for (const Kernel kernel : {Kernel::kDefault, Kernel::kCudaCores}) {
-      for (const int splits : {8, 4, 2}) {
-        run_case({"e2b-sliding-ring", 8, 1, 256, 512, 512, {32999}, splits, type}, kernel);
-      }
-      for (const int splits : {16, 8, 4}) {
-        run_case({"26b-sliding-ring", 16, 8, 256, 1024, 1024, {32999}, splits, type}, kernel);
-      }
-      for (const int splits : {132, 198}) {
-        run_case({"e2b-full-33000", 8, 1, 512, 33000, 0, {32999}, splits, type}, kernel);
-      }
-    }
-  }
-}
-
 // The tensor-core kernel reads the query's own slot (K, V and position) apart from the other
 // keys, after the PDL wait (attention.cu): an unwritten own slot must stay invisible there too,
 // at depths whose own key falls in the first tile, a later one, or a split of its own.
@@ -333,8 +312,6 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   query.q_heads = 16;
   kv.kv_heads = 8;
   EXPECT_EQ(decode_attention_launches(query, kv, 32, with_counters), 2);
-  // 26B's sliding layer in 16 splits of 64 keys: 2 parts of one head (16.5 KB).
-  EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);
   query.q_heads = 32;
   kv.kv_heads = 16;
   EXPECT_EQ(decode_attention_launches(query, kv, 16, with_counters), 1);

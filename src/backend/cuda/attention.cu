@@ -27,8 +27,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
@@ -1415,12 +1413,9 @@ bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
 // one per (split, q head) of the group (block_work gives the blocks a shallow cache leaves idle q
 // heads, and a deep one's split blocks fewer heads each).
 int blocks_per_kv_head(int splits, int group, int kv_heads, int batch) {
-  // Session-12 sweep (temporary): the blocks a launch's q-head parts may fill.
-  static const int64_t spread_blocks = s12_splits_knob(
-      "GEMMA4_S12_SPLITS_SPREAD_BLOCKS", kDecodeAttentionBlocks, 1, kDecodeAttentionBlocks);
   return static_cast<int>(std::max<int64_t>(
-      splits,
-      std::min<int64_t>(int64_t{splits} * group, spread_blocks / (int64_t{kv_heads} * batch))));
+      splits, std::min<int64_t>(int64_t{splits} * group,
+                                kDecodeAttentionBlocks / (int64_t{kv_heads} * batch))));
 }
 
 // Whether the tensor-core kernel (`mma`) merges `splits` itself (decode_attention_launches): the
@@ -1428,25 +1423,16 @@ int blocks_per_kv_head(int splits, int group, int kv_heads, int batch) {
 // used, the fewest parts).
 bool merges_in_kernel(bool mma, const AttentionWorkspace& workspace, int splits, int batch,
                       int kv_heads, int group, int head_dim) {
-  static const int64_t max_merged_bytes = s12_splits_knob(
-      "GEMMA4_S12_SPLITS_INKERNEL_BYTES", kMaxMergedInKernelBytes, 0, int64_t{1} << 30);
   const int heads_per_part =
       block_work(splits, blocks_per_kv_head(splits, group, kv_heads, batch), group).heads_per_part;
   return mma && splits > 1 && splits <= kMaxMergedInKernelSplits &&
          workspace.merge_counters != nullptr &&
          int64_t{batch} * kv_heads * group <= workspace.merge_counter_count &&
          int64_t{splits} * heads_per_part * (head_dim + 2) * int64_t{sizeof(float)} <=
-             max_merged_bytes;
+             kMaxMergedInKernelBytes;
 }
 
 }  // namespace
-
-int64_t s12_splits_knob(const char* name, int64_t main_value, int64_t lo, int64_t hi) {
-  const char* off = std::getenv("GEMMA4_S12_SPLITS");
-  const char* value = std::getenv(name);
-  if ((off != nullptr && std::strcmp(off, "0") == 0) || value == nullptr) return main_value;
-  return std::clamp<int64_t>(std::atoll(value), lo, hi);
-}
 
 int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv, int splits,
                               const AttentionWorkspace& workspace) {

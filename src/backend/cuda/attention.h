@@ -158,8 +158,4 @@ int decode_attention_launches(const AttentionQuery& query, const KvCacheView& kv
 // 132): callers size their splits to it and the kernel fills it with q heads at shallow depths.
 constexpr int64_t kDecodeAttentionBlocks = 2 * 132;
 
-// Session-12 sweep (temporary): the integer in environment variable `name`, clamped to [lo, hi];
-// `main_value` where it is unset or GEMMA4_S12_SPLITS=0.
-int64_t s12_splits_knob(const char* name, int64_t main_value, int64_t lo, int64_t hi);
-
 }  // namespace gemma4::cuda

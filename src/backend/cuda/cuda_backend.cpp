@@ -67,19 +67,11 @@ int attention_splits(int64_t keys, int window, int64_t sequences, int kv_heads) 
   // decode_attention scans at most `window` keys of a sliding ring.
   if (window > 0) keys = std::min<int64_t>(keys, window);
   if (keys <= kOneSplitKeys) return 1;
-  // Session-12 sweep (temporary): keys a sliding split takes at least, and the blocks a full
-  // layer's splits fill (GEMMA4_S12_SPLITS_SLIDING_KEYS, _FULL_BLOCKS; unset or
-  // GEMMA4_S12_SPLITS=0: main's kMinKeysPerSplit and kDecodeAttentionBlocks).
-  static const int64_t sliding_keys =
-      s12_splits_knob("GEMMA4_S12_SPLITS_SLIDING_KEYS", kMinKeysPerSplit, kMinKeysPerSplit, 1024);
-  static const int64_t full_blocks = s12_splits_knob(
-      "GEMMA4_S12_SPLITS_FULL_BLOCKS", kDecodeAttentionBlocks, 1, kDecodeAttentionBlocks);
-  const int64_t min_keys = window > 0 ? sliding_keys : kMinKeysPerSplit;
   // A launch's (sequence, kv head, split) blocks stop at one wave (kDecodeAttentionBlocks), so a
   // batch takes fewer splits each and the partials stay small.
-  const int64_t budget = std::max<int64_t>(
-      1, (window > 0 ? kDecodeAttentionBlocks : full_blocks) / (sequences * kv_heads));
-  return static_cast<int>(std::clamp<int64_t>((keys + min_keys - 1) / min_keys, 1, budget));
+  const int64_t budget = std::max<int64_t>(1, kDecodeAttentionBlocks / (sequences * kv_heads));
+  return static_cast<int>(
+      std::clamp<int64_t>((keys + kMinKeysPerSplit - 1) / kMinKeysPerSplit, 1, budget));
 }
 
 RowsView view(const Rows& r) {
