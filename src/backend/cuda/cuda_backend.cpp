@@ -63,6 +63,13 @@ constexpr int kAttentionMergeCounters = kMaxBatchedSequences * 64;
 // and every replay of its recording stay shallower: SequenceRows::position_bound), each of at
 // least kMinKeysPerSplit keys (the kernel leaves the splits a shallower query does not need after
 // reading its position); one for what the kernel takes in one split, so that no merge runs.
+// Fewer, larger splits lose in the engine although they cut the split merge's work (H200, b1 at
+// depth 32K, session 12): 26B's sliding layers in 64-key splits (16 per kv head, merged inside
+// the attention kernel instead of by the merge kernel) 398.2 -> 385.5 tok/s, the same with one
+// block of both q heads per split 388.7, its 32-key splits merged inside the kernel (66 KB of
+// records a block) 394.0; E2B's sliding layers in 64-key splits 669.6 -> 657.0, its full layers
+// in 198 splits instead of 264 667.4. A block's extra tiles (and an in-kernel merge's extra
+// records) cost more on the dependent chain than the merge work they save.
 int attention_splits(int64_t keys, int window, int64_t sequences, int kv_heads) {
   // decode_attention scans at most `window` keys of a sliding ring.
   if (window > 0) keys = std::min<int64_t>(keys, window);
