@@ -3,6 +3,8 @@
 #include "backend/cuda/gemv_mma.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 
 namespace gemma4::cuda {
 namespace {
@@ -128,6 +130,38 @@ bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   return mma_gemv_shared_bytes(most_split, x.rows, groups) <= kMmaGemvMaxSharedBytes;
 }
 
+// Session 12 A/B switch: GEMMA4_S12_DENSEM=0 keeps the register kernel where the streamed one
+// would be chosen.
+bool streamed_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("GEMMA4_S12_DENSEM");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  return enabled;
+}
+
+// Whether the streamed kernel can multiply these operands at `tiling` (gemv_mma_kernels.h).
+bool streamed_operands_ok(const quant::QMatrix& w, const GemvInput& x,
+                          const MmaGemvTiling& tiling) {
+  // Block scales copied 4 bytes (two groups) at a time.
+  return w.format == quant::WeightFormat::kNVFP4 && x.type == ActType::kBF16 &&
+         (reinterpret_cast<uintptr_t>(w.scales) & 3) == 0 && (w.cols / 32) % 2 == 0 &&
+         mma_gemv_block_m(tiling, x.rows) <= 32 && tiling.k_warps == 1 && tiling.row_blocks == 0 &&
+         mma_gemv_streamed_shared_bytes(tiling, x.rows) <= kMmaGemvMaxSharedBytes;
+}
+
+// The streamed kernel's tiling: 128-row blocks of 8 one-tile warps, K split so that the grid is
+// about two blocks an SM (what their shared memory allows), a split at least one quad of groups.
+MmaGemvTiling default_streamed_tiling(int64_t rows, int64_t cols) {
+  const int64_t row_tiles = (rows + 127) / 128;
+  const int64_t by_grid = std::max<int64_t>(1, (2 * kSms + row_tiles / 2) / row_tiles);
+  const int64_t by_quads = std::max<int64_t>(1, cols / 128);
+  MmaGemvTiling tiling = {
+      8, static_cast<int>(std::min({by_grid, by_quads, int64_t{kMmaGemvMaxSplits}})), 1, 0, 1};
+  tiling.streamed = true;
+  return tiling;
+}
+
 }  // namespace
 
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
@@ -205,14 +239,22 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
       (y.companions.q8 == nullptr || y.epilogue == GemvEpilogue::kGeluPairs);
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
-  if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
-  if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
-      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
-      tiling.activation_blocks < 1 || tiling.activation_blocks > kMmaGemvMaxRows / 8 ||
-      mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
-      w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
-    return cudaErrorInvalidValue;
+  if (tiling.warps == 0) {
+    const MmaGemvTiling streamed = default_streamed_tiling(w.rows, w.cols);
+    tiling = streamed_enabled() && x.rows > 1 && streamed_operands_ok(w, x, streamed)
+                 ? streamed
+                 : default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   }
+  // The kernel indexes (row, group) in 32 bits.
+  const bool tiling_ok =
+      tiling.splits >= 1 && tiling.splits <= kMmaGemvMaxSplits && tiling.splits <= groups &&
+      tiling.activation_blocks >= 1 && tiling.activation_blocks <= kMmaGemvMaxRows / 8 &&
+      w.rows * groups <= 0x7FFFFFFF &&
+      (tiling.streamed
+           ? streamed_operands_ok(w, x, tiling)
+           : mma_gemv_warp_layout(tiling) >= 0 && tiling.row_blocks >= kMmaGemvResidentRowBlocks &&
+                 mma_gemv_shared_bytes(tiling, x.rows, groups) <= kMmaGemvMaxSharedBytes);
+  if (!tiling_ok) return cudaErrorInvalidValue;
 
   MmaGemvArgs args = {};
   args.weights = w.data;
@@ -233,6 +275,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   args.multiplier_stride = y.multiplier_stride;
   const PackedFormat format =
       w.format == quant::WeightFormat::kNVFP4 ? PackedFormat::kNVFP4 : PackedFormat::kW4G32;
+  if (tiling.streamed) return launch_gemv_mma_streamed(args, tiling, launch);
   return launch_gemv_mma(format, args, x.type, tiling, launch);
 }
 
