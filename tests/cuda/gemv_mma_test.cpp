@@ -496,6 +496,48 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   expect_pdl_chain_matches_plain({0, 0});
 }
 
+// The streamed kernel in a PDL chain: the second NVFP4 GEMV reads the bf16 companion the first
+// writes (copied after its wait, the weights before it), plain and replayed in a graph with PDL,
+// same bits; at 8 and 32 rows, at gemv()'s choice (the streamed kernel unless GEMMA4_S12_DENSEM=0).
+TEST(GemvMma, StreamedPdlChainMatchesPlainLaunch) {
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 2560, 1536, 35);
+  const DeviceMatrix device(host);
+  for (const int m : {8, 32}) {
+    SCOPED_TRACE("M=" + std::to_string(m));
+    const std::vector<float> values = testing::random_floats(m * 1536, -1.0f, 1.0f, 36);
+    std::vector<uint16_t> bits(values.size());
+    std::transform(values.begin(), values.end(), bits.begin(), float_to_bf16);
+    DeviceArray<uint16_t> x(bits), first_bf16(m * 2560);
+    DeviceArray<float> first(m * 2560), second(m * 2560);
+    cudaStream_t stream;
+    CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto enqueue = [&](bool pdl) {
+      const Launch launch = {stream, pdl};
+      GemvOutput to_first = {first.get(), 2560};
+      to_first.companions = {first_bf16.get(), nullptr, 2560};
+      const cudaError_t status =
+          gemv(device.view, {x.get(), ActType::kBF16, m, 1536}, to_first, launch);
+      if (status != cudaSuccess) return status;
+      return gemv(device.view, {first_bf16.get(), ActType::kBF16, m, 2560}, {second.get(), 2560},
+                  launch);
+    };
+    CUDA_ASSERT_OK(enqueue(false));
+    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> plain = second.download();
+    const testing::RecordedGraph graph(stream, enqueue);
+    CUDA_ASSERT_OK(graph.status());
+    for (int replay = 0; replay < 3; ++replay) {
+      first.poison();
+      first_bf16.poison();
+      second.poison();
+      CUDA_ASSERT_OK(graph.launch(stream));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(second.download(), plain) << "replay " << replay;
+    }
+    CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+  }
+}
+
 // Blocks along the activation rows (activation_blocks; the last block's rows partial where they
 // do not divide), of one row tile each and looping over the tiles (2 blocks for 5 tiles, and the
 // resident clusters shared by the activation blocks): every activation type and epilogue reads

@@ -24,11 +24,13 @@ constexpr int stage_bytes(int rows, int padded_rows) {
   return kQuadGroups * (16 * rows + 2 * rows + 64 * padded_rows);
 }
 
+// Registers: one-tile warps at 128 (16 warps an SM: two blocks of 8, one of 16), two-tile warps
+// at up to 255 (8 warps an SM: the shared memory of two 128-row or one 256-row block).
 // NT n tiles of 8 activation rows; WR warps of TW 16-row tiles each (16 · TW · WR weight rows per
 // block); gridDim.y blocks along K form one cluster, gridDim.x the row tiles, gridDim.z the
 // blocks along the activation rows.
 template <int NT, int WR, int TW>
-__global__ void __launch_bounds__(WR * 32, (WR * 32 >= 512 ? 1 : 512 / (WR * 32)))
+__global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
     gemv_mma_streamed_kernel(MmaGemvArgs a) {
   if (a.trigger == MmaGemvTrigger::kAtStart) pdl_trigger_dependents();
   constexpr int kRows = 16 * TW * WR;
@@ -61,43 +63,74 @@ __global__ void __launch_bounds__(WR * 32, (WR * 32 >= 512 ? 1 : 512 / (WR * 32)
   const auto* const weights = static_cast<const uint8_t*>(a.weights);
   const auto* const scales = static_cast<const uint8_t*>(a.scales);
   const auto* const x = static_cast<const __nv_bfloat16*>(a.x);
-  // Rows past the matrix and groups past the block's range are zeros (products never stored,
-  // or zero times zero).
+  // Each thread's copies: the same chunks of every stage, their sources one quad (64 bytes of a
+  // weight row, 8 of its scales, 128 activations) further per stage. Rows past the matrix, rows
+  // past the block's activation rows and groups past the block's range are zeros (products never
+  // stored, or zero times zero).
+  const int group_count = static_cast<int>(group_end - group_begin);
+  constexpr int kWeightCopies = kWeightChunks / kThreads;
+  constexpr int kScaleCopies = kScaleChunks / kThreads;
+  constexpr int kActivationCopies = (kActivationChunks + kThreads - 1) / kThreads;
+  const uint8_t* weight_sources[kWeightCopies];
+  bool weight_rows_in[kWeightCopies];
+#pragma unroll
+  for (int i = 0; i < kWeightCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int64_t row = block_row + c / kQuadGroups;
+    weight_rows_in[i] = row < a.rows;
+    weight_sources[i] = weights + 16 * (row * a.groups + group_begin + c % kQuadGroups);
+  }
+  const uint8_t* scale_sources[kScaleCopies];
+  bool scale_rows_in[kScaleCopies];
+#pragma unroll
+  for (int i = 0; i < kScaleCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int64_t row = block_row + c / 2;
+    scale_rows_in[i] = row < a.rows;
+    scale_sources[i] = scales + 2 * (row * a.groups + group_begin + 2 * (c % 2));
+  }
+  // Consecutive threads read consecutive 16 bytes of a row: c = (m · 4 + t) · 4 + j.
+  const __nv_bfloat16* activation_sources[kActivationCopies];
+  bool activation_rows_in[kActivationCopies];
+#pragma unroll
+  for (int i = 0; i < kActivationCopies; ++i) {
+    const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+    const int m = c / 16;
+    activation_rows_in[i] = c < kActivationChunks && m < m_count;
+    activation_sources[i] =
+        x + (m_begin + m) * a.x_stride + 32 * (group_begin + (c / 4) % kQuadGroups) + 8 * (c % 4);
+  }
   auto copy_weights = [&](int quad) {
     if (quad >= quad_count) return;
     uint8_t* stage = stage_base(quad);
-    const int64_t group0 = group_begin + kQuadGroups * quad;
 #pragma unroll
-    for (int c = threadIdx.x; c < kWeightChunks; c += kThreads) {
-      const int64_t row = block_row + c / kQuadGroups;
-      const int64_t group = group0 + c % kQuadGroups;
-      const bool valid = row < a.rows && group < group_end;
-      copy_async16_or_zeros(stage + 16 * c,
-                            valid ? weights + 16 * (row * a.groups + group) : weights, valid);
+    for (int i = 0; i < kWeightCopies; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      const bool valid = weight_rows_in[i] && kQuadGroups * quad + c % kQuadGroups < group_count;
+      copy_async16_or_zeros(stage + 16 * c, valid ? weight_sources[i] + 64 * quad : weights, valid);
     }
 #pragma unroll
-    for (int c = threadIdx.x; c < kScaleChunks; c += kThreads) {
-      const int64_t row = block_row + c / 2;
-      const int64_t group = group0 + 2 * (c % 2);  // even: the pair lies in the range or past it
-      const bool valid = row < a.rows && group < group_end;
+    for (int i = 0; i < kScaleCopies; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      // The pair's first group even: the pair lies in the range or past it.
+      const bool valid = scale_rows_in[i] && kQuadGroups * quad + 2 * (c % 2) < group_count;
       copy_async4_or_zeros(stage + kScaleOffset + 4 * c,
-                           valid ? scales + 2 * (row * a.groups + group) : scales, valid);
+                           valid ? scale_sources[i] + 8 * quad : scales, valid);
     }
   };
   auto copy_activations = [&](int quad) {
     if (quad >= quad_count) return;
     uint8_t* stage = stage_base(quad) + kActivationOffset;
-    const int64_t group0 = group_begin + kQuadGroups * quad;
-    // Consecutive threads read consecutive 16 bytes of a row: c = (m · 4 + t) · 4 + j.
 #pragma unroll
-    for (int c = threadIdx.x; c < kActivationChunks; c += kThreads) {
+    for (int i = 0; i < kActivationCopies; ++i) {
+      const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+      if (c >= kActivationChunks) break;
       const int j = c % 4;
       const int t_of = (c / 4) % kQuadGroups;
       const int m = c / 16;
-      const int64_t group = group0 + t_of;
-      const bool valid = m < m_count && group < group_end;
+      const bool valid = activation_rows_in[i] && kQuadGroups * quad + t_of < group_count;
       copy_async16_or_zeros(stage + 16 * ((j * kPaddedRows + m) * 4 + t_of),
-                            valid ? x + (m_begin + m) * a.x_stride + 32 * group + 8 * j : x, valid);
+                            valid ? activation_sources[i] + 128 * quad : x, valid);
     }
   };
 
