@@ -75,6 +75,9 @@ struct MmaGemvTiling {
   // The streamed kernel (gemv_mma_streamed.cu: NVFP4 weights, bf16 activations, up to 32 rows a
   // block): a layout of kMmaGemvStreamedLayouts, one k warp, row_blocks 0.
   bool streamed = false;
+  // Streamed: each activation chunk put in the pairs order once by the thread that copied it,
+  // not by every warp that reads it.
+  bool permute_on_copy = false;
 };
 
 // Weight rows of one row tile of the tiling.

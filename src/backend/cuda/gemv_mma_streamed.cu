@@ -18,6 +18,13 @@ namespace {
 // blocks an SM).
 constexpr int kStages = 6;
 
+// Eight bf16 activations as the pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7) (staged_word's
+// order).
+__device__ __forceinline__ uint4 pairs_order(uint4 v) {
+  return make_uint4(__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
+                    __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632));
+}
+
 // Bytes of one stage: weights (16 a row and group), e4m3 block-scale pairs (2 a row and group),
 // the activations in fragment order (64 a padded row and group).
 constexpr int stage_bytes(int rows, int padded_rows) {
@@ -29,7 +36,9 @@ constexpr int stage_bytes(int rows, int padded_rows) {
 // NT n tiles of 8 activation rows; WR warps of TW 16-row tiles each (16 · TW · WR weight rows per
 // block); gridDim.y blocks along K form one cluster, gridDim.x the row tiles, gridDim.z the
 // blocks along the activation rows.
-template <int NT, int WR, int TW>
+// PC: the thread that copied an activation chunk puts it in the pairs order (staged_word's) once
+// it has landed, rather than every warp that reads it.
+template <int NT, int WR, int TW, bool PC>
 __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
     gemv_mma_streamed_kernel(MmaGemvArgs a) {
   if (a.trigger == MmaGemvTrigger::kAtStart) pdl_trigger_dependents();
@@ -153,6 +162,17 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
   float acc[TW][NT][4] = {};
   for (int quad = 0; quad < quad_count; ++quad) {
     wait_copies<kStages - 2>();
+    if constexpr (PC) {
+      // This thread's chunks of the stage (its own copies, visible to it after the wait).
+      auto* own = reinterpret_cast<uint4*>(stage_base(quad) + kActivationOffset);
+#pragma unroll
+      for (int i = 0; i < kActivationCopies; ++i) {
+        const int c = static_cast<int>(threadIdx.x) + i * kThreads;
+        if (c >= kActivationChunks) break;
+        uint4& chunk = own[(c % 4 * kPaddedRows + c / 16) * 4 + (c / 4) % kQuadGroups];
+        chunk = pairs_order(chunk);
+      }
+    }
     __syncthreads();  // stage `quad` visible; every warp done with the one refilled below
     copy_weights(quad + kStages - 1);
     copy_activations(quad + kStages - 1);
@@ -196,8 +216,8 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
         // Elements 8j .. 8j + 7 of group t of activation row 8 · nt + g, as the pairs (v0, v4),
         // (v1, v5), (v2, v6), (v3, v7) (staged_word's order).
         const uint4 v = stage_activations[4 * kPaddedRows * j + 32 * nt + lane];
-        const uint32_t b[4] = {__byte_perm(v.x, v.z, 0x5410), __byte_perm(v.x, v.z, 0x7632),
-                               __byte_perm(v.y, v.w, 0x5410), __byte_perm(v.y, v.w, 0x7632)};
+        const uint4 pairs = PC ? v : pairs_order(v);
+        const uint32_t b[4] = {pairs.x, pairs.y, pairs.z, pairs.w};
 #pragma unroll
         for (int w = 0; w < TW; ++w) {
           mma_bf16(acc[w][nt], fragments[w][0], b[0], b[1]);
@@ -240,11 +260,13 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
 
 // The kernels by n tiles (1, 2, 4) and layout (kMmaGemvStreamedLayouts' order).
 constexpr int kStreamedNTiles[] = {1, 2, 4};
-constexpr auto kStreamedKernels = kernel_table<3 * kNumMmaGemvStreamedLayouts>([](auto index) {
-  constexpr int i = decltype(index)::value;
+constexpr int kNumStreamedKernels = 3 * kNumMmaGemvStreamedLayouts;
+constexpr auto kStreamedKernels = kernel_table<2 * kNumStreamedKernels>([](auto index) {
+  constexpr int i = decltype(index)::value % kNumStreamedKernels;
   constexpr MmaGemvWarpLayout layout = kMmaGemvStreamedLayouts[i % kNumMmaGemvStreamedLayouts];
   return &gemv_mma_streamed_kernel<kStreamedNTiles[i / kNumMmaGemvStreamedLayouts], layout.warps,
-                                   layout.tiles_per_warp>;
+                                   layout.tiles_per_warp,
+                                   (decltype(index)::value >= kNumStreamedKernels)>;
 });
 
 }  // namespace
@@ -273,8 +295,9 @@ cudaError_t launch_gemv_mma_streamed(const MmaGemvArgs& given, const MmaGemvTili
     }
   }
   if (n_tiles < 0 || layout < 0 || tiling.row_blocks != 0) return cudaErrorInvalidValue;
-  const auto kernel =
-      gemv_mma_detail::kStreamedKernels[kNumMmaGemvStreamedLayouts * n_tiles + layout];
+  const auto kernel = gemv_mma_detail::kStreamedKernels
+      [(tiling.permute_on_copy ? gemv_mma_detail::kNumStreamedKernels : 0) +
+       kNumMmaGemvStreamedLayouts * n_tiles + layout];
   const int64_t shared = mma_gemv_streamed_shared_bytes(tiling, args.m);
   const cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
