@@ -182,13 +182,16 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
     const auto* stage_activations = reinterpret_cast<const uint4*>(stage + kActivationOffset);
     const auto* stage_scales = reinterpret_cast<const uint16_t*>(stage + kScaleOffset);
     uint4 words[2 * TW];
-    uint32_t bits[2 * TW];
+    // The e4m3 scales of each row's two 16-element blocks (words 0, 1 and 2, 3), converted once.
+    __nv_bfloat162 block_scales[2 * TW][2];
 #pragma unroll
     for (int r = 0; r < 2 * TW; ++r) {
       // Tile r / 2, rows g + 8 · (r % 2): lane (g, t) at row · 4 + t.
       const int index = 4 * (16 * (TW * warp + r / 2) + 8 * (r % 2)) + lane;
       words[r] = stage_words[index];
-      bits[r] = stage_scales[index];
+      const uint32_t bits = stage_scales[index];
+      block_scales[r][0] = e4m3_bf16_pair(bits);
+      block_scales[r][1] = e4m3_bf16_pair(bits >> 8);
     }
 #pragma unroll
     for (int j = 0; j < 4; ++j) {
@@ -201,7 +204,7 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
           const uint4& word4 = words[2 * w + h];
           const uint32_t word = j == 0 ? word4.x : j == 1 ? word4.y : j == 2 ? word4.z : word4.w;
           // Words 0, 1 are the group's first 16-element block, 2, 3 its second.
-          scaled_e2m1_pairs(word, e4m3_bf16_pair(bits[2 * w + h] >> (j / 2 * 8)), rows[h]);
+          scaled_e2m1_pairs(word, block_scales[2 * w + h][j / 2], rows[h]);
         }
 #pragma unroll
         for (int step = 0; step < 2; ++step) {
