@@ -343,7 +343,7 @@ TEST(GemvMma, Nvfp4EveryScale) {
 }
 
 // The streamed kernel (MmaGemvTiling::streamed: NVFP4, bf16 activations): every layout at 1, 3
-// and 8 splits, activations put in order by the warps or on copy, every row count 1..32 and 33..64
+// and 8 splits, every row count 1..32 and 33..64
 // in two activation blocks, every epilogue, on a matrix of partial row tiles (300 rows) and a K
 // range not of whole quads per split (22 groups); then the 26B-A4B dense shapes through gemv()
 // at 2..32 rows; and its determinism.
@@ -360,7 +360,6 @@ TEST(GemvMma, StreamedEveryRowCount) {
         c.epilogue = static_cast<GemvEpilogue>(m % 3);
         c.tiling = mma_gemv_tiling(layout, splits);
         c.tiling.streamed = true;
-        c.tiling.permute_on_copy = m % 4 < 2;
         c.tiling.activation_blocks = m > 32 ? 2 : 1;
         c.tiling.trigger = m % 2 ? MmaGemvTrigger::kAtStart : MmaGemvTrigger::kAfterProducts;
         c.seed = seed++;

@@ -3,8 +3,6 @@
 #include "backend/cuda/gemv_mma.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 namespace gemma4::cuda {
 namespace {
@@ -128,16 +126,6 @@ bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   const MmaGemvTiling most_split = {
       4, static_cast<int>(std::min<int64_t>(kMmaGemvMaxSplits, groups)), 2};
   return mma_gemv_shared_bytes(most_split, x.rows, groups) <= kMmaGemvMaxSharedBytes;
-}
-
-// Session 12 A/B switch: GEMMA4_S12_DENSEM=0 keeps the register kernel where the streamed one
-// would be chosen.
-bool streamed_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("GEMMA4_S12_DENSEM");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
-  return enabled;
 }
 
 // Whether the streamed kernel can multiply these operands at `tiling` (gemv_mma_kernels.h).
@@ -266,7 +254,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   const int64_t groups = w.cols / 32;
   if (tiling.warps == 0) {
     const MmaGemvTiling streamed = default_streamed_tiling(w.rows, w.cols, x.rows);
-    tiling = streamed_enabled() && streamed.warps != 0 && streamed_operands_ok(w, x, streamed)
+    tiling = streamed.warps != 0 && streamed_operands_ok(w, x, streamed)
                  ? streamed
                  : default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   }

@@ -503,9 +503,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
       }
     }
 
-    // Every block of the cluster sums the K splits for its share of the outputs, in (rank, k
-    // warp) order (the same sums every run), and stores them through the epilogue: one thread
-    // per row pair, so the pairs epilogue sees both rows.
+    // Every rank's partial sums written, then added for this block's share of the outputs.
     if (splits > 1) {
       cluster.sync();
     } else {

@@ -75,9 +75,6 @@ struct MmaGemvTiling {
   // The streamed kernel (gemv_mma_streamed.cu: NVFP4 weights, bf16 activations, up to 32 rows a
   // block): a layout of kMmaGemvStreamedLayouts, one k warp, row_blocks 0.
   bool streamed = false;
-  // Streamed: each activation chunk put in the pairs order once by the thread that copied it,
-  // not by every warp that reads it.
-  bool permute_on_copy = false;
 };
 
 // Weight rows of one row tile of the tiling.
@@ -105,10 +102,9 @@ inline constexpr MmaGemvWarpLayout kMmaGemvWarpLayouts[] = {{4, 1},    {8, 1},  
 inline constexpr int kNumMmaGemvWarpLayouts = 6;
 
 // The streamed kernel's layouts: 128-row blocks of 8 one-tile or 4 two-tile warps, 256-row
-// blocks of 16 one-tile or 8 two-tile warps.
-inline constexpr MmaGemvWarpLayout kMmaGemvStreamedLayouts[] = {
-    {8, 1, 1}, {4, 1, 2}, {16, 1, 1}, {8, 1, 2}};
-inline constexpr int kNumMmaGemvStreamedLayouts = 4;
+// blocks of 8 two-tile warps (16 one-tile warps: never the fastest in session 12's sweep).
+inline constexpr MmaGemvWarpLayout kMmaGemvStreamedLayouts[] = {{8, 1, 1}, {4, 1, 2}, {8, 1, 2}};
+inline constexpr int kNumMmaGemvStreamedLayouts = 3;
 
 // The index of the tiling's layout in kMmaGemvWarpLayouts, -1 if none.
 constexpr int mma_gemv_warp_layout(const MmaGemvTiling& tiling) {

@@ -7,6 +7,11 @@
 // activations (at 32 rows as many bytes as its weights, from L2) before its first product, then
 // keeps 2-4 quads of weights a warp in flight; at the 26B-A4B shapes at 32 rows it reached
 // 0.5-0.9 TB/s (kernel_bench, H200: qkv 8192x2816 14.6 µs, gate+up 12.9, down 9.0, o_proj 10.7).
+// Measured (session 12, H200): faster at the shapes and row counts gemv_mma.cpp's
+// kStreamedTilings lists (gate+up 10.5, down 8.1, o_proj 9.9 µs at 32 rows), slower at the 26B
+// QKV at 17-32 rows (17.7 µs at best) and equal at 2-8; the 26B at 32 streams 3,183.5 -> 3,249.9
+// tok/s (+2.1 %), 8 streams and one row unchanged. Activations put in the pairs order once by the
+// copying thread instead of by every reading warp (fewer PRMT): slower (gate+up 11.0 µs).
 #include "backend/cuda/gemv_mma_kernel.cuh"
 #include "backend/cuda/launch.cuh"
 
@@ -14,8 +19,8 @@ namespace gemma4::cuda {
 namespace gemv_mma_detail {
 namespace {
 
-// Stages of the ring: 5 in flight (at 128 weight rows and 32 activation rows 85 KB a block, two
-// blocks an SM).
+// Stages of the ring: 5 in flight (at 32 activation rows 85 KB a 128-row block, two blocks an
+// SM; 130 KB a 256-row one).
 constexpr int kStages = 6;
 
 // Eight bf16 activations as the pairs (v0, v4), (v1, v5), (v2, v6), (v3, v7) (staged_word's
@@ -31,14 +36,12 @@ constexpr int stage_bytes(int rows, int padded_rows) {
   return kQuadGroups * (16 * rows + 2 * rows + 64 * padded_rows);
 }
 
-// Registers: one-tile warps at 128 (16 warps an SM: two blocks of 8, one of 16), two-tile warps
-// at up to 255 (8 warps an SM: the shared memory of two 128-row or one 256-row block).
 // NT n tiles of 8 activation rows; WR warps of TW 16-row tiles each (16 · TW · WR weight rows per
 // block); gridDim.y blocks along K form one cluster, gridDim.x the row tiles, gridDim.z the
-// blocks along the activation rows.
-// PC: the thread that copied an activation chunk puts it in the pairs order (staged_word's) once
-// it has landed, rather than every warp that reads it.
-template <int NT, int WR, int TW, bool PC>
+// blocks along the activation rows. Registers: one-tile warps at 128 (two blocks of 8 an SM),
+// two-tile warps at up to 255 (8 warps an SM: the shared memory of two 128-row blocks or one
+// 256-row block).
+template <int NT, int WR, int TW>
 __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
     gemv_mma_streamed_kernel(MmaGemvArgs a) {
   if (a.trigger == MmaGemvTrigger::kAtStart) pdl_trigger_dependents();
@@ -162,17 +165,6 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
   float acc[TW][NT][4] = {};
   for (int quad = 0; quad < quad_count; ++quad) {
     wait_copies<kStages - 2>();
-    if constexpr (PC) {
-      // This thread's chunks of the stage (its own copies, visible to it after the wait).
-      auto* own = reinterpret_cast<uint4*>(stage_base(quad) + kActivationOffset);
-#pragma unroll
-      for (int i = 0; i < kActivationCopies; ++i) {
-        const int c = static_cast<int>(threadIdx.x) + i * kThreads;
-        if (c >= kActivationChunks) break;
-        uint4& chunk = own[(c % 4 * kPaddedRows + c / 16) * 4 + (c / 4) % kQuadGroups];
-        chunk = pairs_order(chunk);
-      }
-    }
     __syncthreads();  // stage `quad` visible; every warp done with the one refilled below
     copy_weights(quad + kStages - 1);
     copy_activations(quad + kStages - 1);
@@ -219,7 +211,7 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
         // Elements 8j .. 8j + 7 of group t of activation row 8 · nt + g, as the pairs (v0, v4),
         // (v1, v5), (v2, v6), (v3, v7) (staged_word's order).
         const uint4 v = stage_activations[4 * kPaddedRows * j + 32 * nt + lane];
-        const uint4 pairs = PC ? v : pairs_order(v);
+        const uint4 pairs = pairs_order(v);
         const uint32_t b[4] = {pairs.x, pairs.y, pairs.z, pairs.w};
 #pragma unroll
         for (int w = 0; w < TW; ++w) {
@@ -263,13 +255,11 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
 
 // The kernels by n tiles (1, 2, 4) and layout (kMmaGemvStreamedLayouts' order).
 constexpr int kStreamedNTiles[] = {1, 2, 4};
-constexpr int kNumStreamedKernels = 3 * kNumMmaGemvStreamedLayouts;
-constexpr auto kStreamedKernels = kernel_table<2 * kNumStreamedKernels>([](auto index) {
-  constexpr int i = decltype(index)::value % kNumStreamedKernels;
+constexpr auto kStreamedKernels = kernel_table<3 * kNumMmaGemvStreamedLayouts>([](auto index) {
+  constexpr int i = decltype(index)::value;
   constexpr MmaGemvWarpLayout layout = kMmaGemvStreamedLayouts[i % kNumMmaGemvStreamedLayouts];
   return &gemv_mma_streamed_kernel<kStreamedNTiles[i / kNumMmaGemvStreamedLayouts], layout.warps,
-                                   layout.tiles_per_warp,
-                                   (decltype(index)::value >= kNumStreamedKernels)>;
+                                   layout.tiles_per_warp>;
 });
 
 }  // namespace
@@ -298,9 +288,8 @@ cudaError_t launch_gemv_mma_streamed(const MmaGemvArgs& given, const MmaGemvTili
     }
   }
   if (n_tiles < 0 || layout < 0 || tiling.row_blocks != 0) return cudaErrorInvalidValue;
-  const auto kernel = gemv_mma_detail::kStreamedKernels
-      [(tiling.permute_on_copy ? gemv_mma_detail::kNumStreamedKernels : 0) +
-       kNumMmaGemvStreamedLayouts * n_tiles + layout];
+  const auto kernel =
+      gemv_mma_detail::kStreamedKernels[kNumMmaGemvStreamedLayouts * n_tiles + layout];
   const int64_t shared = mma_gemv_streamed_shared_bytes(tiling, args.m);
   const cudaError_t status =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
