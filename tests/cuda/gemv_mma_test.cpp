@@ -499,27 +499,29 @@ TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
 
 // The streamed kernel in a PDL chain: the second NVFP4 GEMV reads the bf16 companion the first
 // writes (copied after its wait, the weights before it), plain and replayed in a graph with PDL,
-// same bits; at 8 and 32 rows, at gemv()'s choice (the streamed kernel unless GEMMA4_S12_DENSEM=0).
+// same bits; the 26B down shape at 8 and 32 rows through gemv(), which takes the streamed kernel
+// there (gemv_mma.cpp's kStreamedTilings).
 TEST(GemvMma, StreamedPdlChainMatchesPlainLaunch) {
-  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 2560, 1536, 35);
+  constexpr int64_t kRows = 2816, kCols = 2112;
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, kRows, kCols, 35);
   const DeviceMatrix device(host);
   for (const int m : {8, 32}) {
     SCOPED_TRACE("M=" + std::to_string(m));
-    const std::vector<float> values = testing::random_floats(m * 1536, -1.0f, 1.0f, 36);
+    const std::vector<float> values = testing::random_floats(m * kCols, -1.0f, 1.0f, 36);
     std::vector<uint16_t> bits(values.size());
     std::transform(values.begin(), values.end(), bits.begin(), float_to_bf16);
-    DeviceArray<uint16_t> x(bits), first_bf16(m * 2560);
-    DeviceArray<float> first(m * 2560), second(m * 2560);
+    DeviceArray<uint16_t> x(bits), first_bf16(m * kRows);
+    DeviceArray<float> first(m * kRows), second(m * kRows);
     cudaStream_t stream;
     CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
     auto enqueue = [&](bool pdl) {
       const Launch launch = {stream, pdl};
-      GemvOutput to_first = {first.get(), 2560};
-      to_first.companions = {first_bf16.get(), nullptr, 2560};
+      GemvOutput to_first = {first.get(), kRows};
+      to_first.companions = {first_bf16.get(), nullptr, kRows};
       const cudaError_t status =
-          gemv(device.view, {x.get(), ActType::kBF16, m, 1536}, to_first, launch);
+          gemv(device.view, {x.get(), ActType::kBF16, m, kCols}, to_first, launch);
       if (status != cudaSuccess) return status;
-      return gemv(device.view, {first_bf16.get(), ActType::kBF16, m, 2560}, {second.get(), 2560},
+      return gemv(device.view, {first_bf16.get(), ActType::kBF16, m, kRows}, {second.get(), kRows},
                   launch);
     };
     CUDA_ASSERT_OK(enqueue(false));
