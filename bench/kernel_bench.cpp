@@ -301,9 +301,10 @@ Result bench_gemv(const Format& format, int64_t rows, int64_t cols, int m, ActTy
 // activation type). The tiling column reads looping·1000 + k_warps·100 + (row tile / 32)·10 +
 // splits, plus 10000 for warps of one 16-row tile (twice the warps of the two-tile layout of the
 // same row tile), plus 100000 · trigger (1 after the staging, 2 after the products), 1000000 for
-// sm_exclusive and 10000000 · (activation_blocks - 1) (listed only: 1, 2, 4 or 8). The GELU
-// epilogues write the bf16 companion too, as the engine's gate+up and PLE gate do (the next
-// GEMV's input).
+// sm_exclusive and 10000000 · (activation_blocks - 1) (listed only: 1, 2, 4 or 8); 100000000 for
+// the streamed kernel (gemv_mma_streamed.cu: NVFP4 with bf16 rows up to 32, every layout and
+// split). The GELU epilogues write the bf16 companion too, as the engine's gate+up and PLE gate
+// do (the next GEMV's input).
 Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, ActType x_type,
                       const char* label, cudaStream_t stream, bool sweep,
                       GemvEpilogue epilogue = GemvEpilogue::kNone) {
@@ -341,9 +342,9 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
   const gemma4::cuda::MmaGemvTiling chosen =
       gemma4::cuda::default_mma_gemv_tiling(rows, cols, m, x_type);
   const auto tiling_id = [](const gemma4::cuda::MmaGemvTiling& t) {
-    return 10000000 * (t.activation_blocks - 1) + (t.sm_exclusive ? 1000000 : 0) +
-           100000 * static_cast<int>(t.trigger) + (t.tiles_per_warp == 1 ? 10000 : 0) +
-           (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
+    return (t.streamed ? 100000000 : 0) + 10000000 * (t.activation_blocks - 1) +
+           (t.sm_exclusive ? 1000000 : 0) + 100000 * static_cast<int>(t.trigger) +
+           (t.tiles_per_warp == 1 ? 10000 : 0) + (t.row_blocks != 0 ? 1000 : 0) + 100 * t.k_warps +
            10 * (gemma4::cuda::mma_gemv_tile_rows(t) / 32) + t.splits;
   };
   r.default_tiling = tiling_id(chosen);
@@ -369,6 +370,24 @@ Result bench_gemv_mma(WeightFormat format, int64_t rows, int64_t cols, int m, Ac
                   gemma4::cuda::kMmaGemvMaxSharedBytes) {
             measured.push_back(tiling);
           }
+        }
+      }
+    }
+  }
+  // The streamed kernel (NVFP4, bf16 activations, up to 32 rows): every layout and split.
+  if (format == WeightFormat::kNVFP4 && x_type == ActType::kBF16 && m <= 32 &&
+      (cols / 32) % 2 == 0) {
+    for (const gemma4::cuda::MmaGemvWarpLayout& layout : gemma4::cuda::kMmaGemvStreamedLayouts) {
+      for (int splits = 1; splits <= gemma4::cuda::kMmaGemvMaxSplits; ++splits) {
+        gemma4::cuda::MmaGemvTiling tiling = gemma4::cuda::mma_gemv_tiling(layout, splits);
+        tiling.streamed = true;
+        const int id = tiling_id(tiling);
+        const bool swept = listed ? std::find(g_mma_tilings.begin(), g_mma_tilings.end(), id) !=
+                                        g_mma_tilings.end()
+                                  : sweep;
+        if (swept && gemma4::cuda::mma_gemv_streamed_shared_bytes(tiling, m) <=
+                         gemma4::cuda::kMmaGemvMaxSharedBytes) {
+          measured.push_back(tiling);
         }
       }
     }

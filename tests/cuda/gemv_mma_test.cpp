@@ -342,6 +342,82 @@ TEST(GemvMma, Nvfp4EveryScale) {
   }
 }
 
+// The streamed kernel (MmaGemvTiling::streamed: NVFP4, bf16 activations): every layout at 1, 3
+// and 8 splits, every row count 1..32 and 33..64
+// in two activation blocks, every epilogue, on a matrix of partial row tiles (300 rows) and a K
+// range not of whole quads per split (22 groups); then the 26B-A4B dense shapes through gemv()
+// at 2..32 rows; and its determinism.
+TEST(GemvMma, StreamedEveryRowCount) {
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, 300, 704, 31);
+  const DeviceMatrix device(host);
+  uint32_t seed = 1300;
+  for (const MmaGemvWarpLayout& layout : kMmaGemvStreamedLayouts) {
+    for (int splits : {1, 3, 8}) {
+      for (int m = 1; m <= 64; m += (m < 32 ? 1 : 11)) {
+        Case c;
+        c.m = m;
+        c.x_type = ActType::kBF16;
+        c.epilogue = static_cast<GemvEpilogue>(m % 3);
+        c.tiling = mma_gemv_tiling(layout, splits);
+        c.tiling.streamed = true;
+        c.tiling.activation_blocks = m > 32 ? 2 : 1;
+        c.tiling.trigger = m % 2 ? MmaGemvTrigger::kAtStart : MmaGemvTrigger::kAfterProducts;
+        c.seed = seed++;
+        check(host, device, c);
+      }
+    }
+  }
+  const int64_t shapes[][2] = {{8192, 2816}, {4224, 2816}, {2816, 2112}, {2816, 4096}};
+  for (const auto& shape : shapes) {
+    const HostMatrix real = random_matrix(WeightFormat::kNVFP4, shape[0], shape[1], seed++);
+    const DeviceMatrix real_device(real);
+    for (int m : {2, 9, 17, 32}) {
+      Case c;
+      c.m = m;
+      c.x_type = ActType::kBF16;
+      c.epilogue = shape[0] == 4224 ? GemvEpilogue::kGeluPairs : GemvEpilogue::kNone;
+      c.seed = seed++;
+      check(real, real_device, c);
+    }
+  }
+  Case c;
+  c.m = 32;
+  c.x_type = ActType::kBF16;
+  c.tiling = {8, 8, 1, 0, 1};
+  c.tiling.streamed = true;
+  const std::vector<float> first = check(host, device, c);
+  EXPECT_EQ(check(host, device, c), first);
+}
+
+// What the streamed kernel refuses: w4g32 weights, fp32 activations, an odd group count (its
+// block scales are copied two groups at a time), more than 32 rows a block, two k warps.
+TEST(GemvMma, StreamedRefusesWhatItDoesNotTake) {
+  DeviceArray<uint16_t> x(std::vector<uint16_t>(80 * 96, 0));
+  DeviceArray<float> y(80 * 300);
+  const GemvOutput output = {y.get(), 300};
+  MmaGemvTiling tiling = {8, 2, 1, 0, 1};
+  tiling.streamed = true;
+  const HostMatrix nvfp4 = random_matrix(WeightFormat::kNVFP4, 300, 96, 32);
+  const DeviceMatrix nvfp4_device(nvfp4);  // 3 groups
+  EXPECT_EQ(gemv_mma(nvfp4_device.view, {x.get(), ActType::kBF16, 8, 96}, output, Launch{}, tiling),
+            cudaErrorInvalidValue);
+  const HostMatrix even = random_matrix(WeightFormat::kNVFP4, 300, 64, 33);
+  const DeviceMatrix even_device(even);
+  auto run = [&](const quant::QMatrix& w, ActType type, int m, const MmaGemvTiling& t) {
+    return gemv_mma(w, {x.get(), type, m, 96, type == ActType::kF32}, output, Launch{}, t);
+  };
+  EXPECT_EQ(run(even_device.view, ActType::kBF16, 8, tiling), cudaSuccess);
+  EXPECT_EQ(run(even_device.view, ActType::kF32, 8, tiling), cudaErrorInvalidValue);
+  EXPECT_EQ(run(even_device.view, ActType::kBF16, 33, tiling), cudaErrorInvalidValue);
+  MmaGemvTiling two_k_warps = tiling;
+  two_k_warps.k_warps = 2;
+  EXPECT_EQ(run(even_device.view, ActType::kBF16, 8, two_k_warps), cudaErrorInvalidValue);
+  const HostMatrix w4g32 = random_matrix(WeightFormat::kW4G32, 300, 64, 34);
+  const DeviceMatrix w4g32_device(w4g32);
+  EXPECT_EQ(run(w4g32_device.view, ActType::kBF16, 8, tiling), cudaErrorInvalidValue);
+  EXPECT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+}
+
 // The cluster adds its partial sums in a fixed order: two runs give the same bits.
 TEST(GemvMma, Deterministic) {
   const HostMatrix host = random_matrix(WeightFormat::kW4G32, 1536, 6144, 13);
@@ -419,6 +495,50 @@ void expect_pdl_chain_matches_plain(const MmaGemvTiling& tiling) {
 
 TEST(GemvMma, GraphReplayWithPdlMatchesPlainLaunch) {
   expect_pdl_chain_matches_plain({0, 0});
+}
+
+// The streamed kernel in a PDL chain: the second NVFP4 GEMV reads the bf16 companion the first
+// writes (copied after its wait, the weights before it), plain and replayed in a graph with PDL,
+// same bits; the 26B down shape at 8 and 32 rows through gemv(), which takes the streamed kernel
+// there (gemv_mma.cpp's kStreamedTilings).
+TEST(GemvMma, StreamedPdlChainMatchesPlainLaunch) {
+  constexpr int64_t kRows = 2816, kCols = 2112;
+  const HostMatrix host = random_matrix(WeightFormat::kNVFP4, kRows, kCols, 35);
+  const DeviceMatrix device(host);
+  for (const int m : {8, 32}) {
+    SCOPED_TRACE("M=" + std::to_string(m));
+    const std::vector<float> values = testing::random_floats(m * kCols, -1.0f, 1.0f, 36);
+    std::vector<uint16_t> bits(values.size());
+    std::transform(values.begin(), values.end(), bits.begin(), float_to_bf16);
+    DeviceArray<uint16_t> x(bits), first_bf16(m * kRows);
+    DeviceArray<float> first(m * kRows), second(m * kRows);
+    cudaStream_t stream;
+    CUDA_ASSERT_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    auto enqueue = [&](bool pdl) {
+      const Launch launch = {stream, pdl};
+      GemvOutput to_first = {first.get(), kRows};
+      to_first.companions = {first_bf16.get(), nullptr, kRows};
+      const cudaError_t status =
+          gemv(device.view, {x.get(), ActType::kBF16, m, kCols}, to_first, launch);
+      if (status != cudaSuccess) return status;
+      return gemv(device.view, {first_bf16.get(), ActType::kBF16, m, kRows}, {second.get(), kRows},
+                  launch);
+    };
+    CUDA_ASSERT_OK(enqueue(false));
+    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+    const std::vector<float> plain = second.download();
+    const testing::RecordedGraph graph(stream, enqueue);
+    CUDA_ASSERT_OK(graph.status());
+    for (int replay = 0; replay < 3; ++replay) {
+      first.poison();
+      first_bf16.poison();
+      second.poison();
+      CUDA_ASSERT_OK(graph.launch(stream));
+      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+      EXPECT_EQ(second.download(), plain) << "replay " << replay;
+    }
+    CUDA_ASSERT_OK(cudaStreamDestroy(stream));
+  }
 }
 
 // Blocks along the activation rows (activation_blocks; the last block's rows partial where they

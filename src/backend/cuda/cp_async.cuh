@@ -49,6 +49,13 @@ __device__ __forceinline__ void copy_async4(void* shared, const void* global) {
                : "memory");
 }
 
+// copy_async4, or 4 zero bytes (nothing read) where !valid.
+__device__ __forceinline__ void copy_async4_or_zeros(void* shared, const void* global, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared_address(shared)),
+               "l"(global), "r"(valid ? 4 : 0)
+               : "memory");
+}
+
 // Closes the group of the copies issued since the last commit (an empty group is fine).
 __device__ __forceinline__ void commit_copies() {
   asm volatile("cp.async.commit_group;\n" ::: "memory");

@@ -128,6 +128,53 @@ bool mma_operands_ok(const quant::QMatrix& w, const GemvInput& x) {
   return mma_gemv_shared_bytes(most_split, x.rows, groups) <= kMmaGemvMaxSharedBytes;
 }
 
+// Whether the streamed kernel can multiply these operands at `tiling` (gemv_mma_kernels.h).
+bool streamed_operands_ok(const quant::QMatrix& w, const GemvInput& x,
+                          const MmaGemvTiling& tiling) {
+  // Block scales copied 4 bytes (two groups) at a time.
+  return w.format == quant::WeightFormat::kNVFP4 && x.type == ActType::kBF16 &&
+         (reinterpret_cast<uintptr_t>(w.scales) & 3) == 0 && (w.cols / 32) % 2 == 0 &&
+         mma_gemv_block_m(tiling, x.rows) <= 32 && tiling.k_warps == 1 && tiling.row_blocks == 0 &&
+         mma_gemv_streamed_shared_bytes(tiling, x.rows) <= kMmaGemvMaxSharedBytes;
+}
+
+// The streamed kernel where kernel_bench measured it faster than the register kernel's default
+// (H200, PDL µs, session 12, bf16 rows; elsewhere, the 26B QKV at 17-32 and 2-8 rows and gate+up
+// at 2-8 included, it was slower or equal). 17-32 rows, 256-row blocks of 8 two-tile warps:
+// gate+up 12.86 -> 10.51, down 9.01 -> 8.08, o_proj 10.72 -> 9.91; 9-16 rows, 256-row blocks for
+// QKV (15.86 -> 13.05), 128-row blocks of 4 two-tile warps for gate+up (8.69 -> 7.96), down
+// (7.58 -> 6.08) and o_proj (8.74 -> 7.34); 2-8 rows, 128-row blocks of 8 one-tile warps for down
+// (6.32 -> 5.28) and o_proj (7.29 -> 6.48).
+struct StreamedTiling {
+  int64_t rows, cols;
+  int min_m, max_m;
+  MmaGemvWarpLayout layout;
+  int splits;
+};
+constexpr MmaGemvWarpLayout kStreamed256 = {8, 1, 2};
+constexpr MmaGemvWarpLayout kStreamed128TwoTile = {4, 1, 2};
+constexpr MmaGemvWarpLayout kStreamed128OneTile = {8, 1, 1};
+constexpr StreamedTiling kStreamedTilings[] = {
+    {4224, 2816, 17, 32, kStreamed256, 6},       {2816, 2112, 17, 32, kStreamed256, 6},
+    {2816, 4096, 17, 32, kStreamed256, 8},       {8192, 2816, 9, 16, kStreamed256, 3},
+    {4224, 2816, 9, 16, kStreamed128TwoTile, 6}, {2816, 2112, 9, 16, kStreamed128TwoTile, 8},
+    {2816, 4096, 9, 16, kStreamed128TwoTile, 8}, {2816, 2112, 2, 8, kStreamed128OneTile, 6},
+    {2816, 4096, 2, 8, kStreamed128OneTile, 8},
+};
+
+// The streamed tiling measured for this shape and row count; warps 0 where there is none.
+MmaGemvTiling default_streamed_tiling(int64_t rows, int64_t cols, int m) {
+  for (const StreamedTiling& measured : kStreamedTilings) {
+    if (measured.rows == rows && measured.cols == cols && m >= measured.min_m &&
+        m <= measured.max_m) {
+      MmaGemvTiling tiling = mma_gemv_tiling(measured.layout, measured.splits);
+      tiling.streamed = true;
+      return tiling;
+    }
+  }
+  return {0, 0};
+}
+
 }  // namespace
 
 bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x) {
@@ -205,14 +252,22 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
       (y.companions.q8 == nullptr || y.epilogue == GemvEpilogue::kGeluPairs);
   if (!operands_ok) return cudaErrorInvalidValue;
   const int64_t groups = w.cols / 32;
-  if (tiling.warps == 0) tiling = default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
-  if (mma_gemv_warp_layout(tiling) < 0 || tiling.splits < 1 || tiling.splits > kMmaGemvMaxSplits ||
-      tiling.splits > groups || tiling.row_blocks < kMmaGemvResidentRowBlocks ||
-      tiling.activation_blocks < 1 || tiling.activation_blocks > kMmaGemvMaxRows / 8 ||
-      mma_gemv_shared_bytes(tiling, x.rows, groups) > kMmaGemvMaxSharedBytes ||
-      w.rows * groups > 0x7FFFFFFF) {  // the kernel indexes (row, group) in 32 bits
-    return cudaErrorInvalidValue;
+  if (tiling.warps == 0) {
+    const MmaGemvTiling streamed = default_streamed_tiling(w.rows, w.cols, x.rows);
+    tiling = streamed.warps != 0 && streamed_operands_ok(w, x, streamed)
+                 ? streamed
+                 : default_mma_gemv_tiling(w.rows, w.cols, x.rows, x.type);
   }
+  // The kernel indexes (row, group) in 32 bits.
+  const bool tiling_ok =
+      tiling.splits >= 1 && tiling.splits <= kMmaGemvMaxSplits && tiling.splits <= groups &&
+      tiling.activation_blocks >= 1 && tiling.activation_blocks <= kMmaGemvMaxRows / 8 &&
+      w.rows * groups <= 0x7FFFFFFF &&
+      (tiling.streamed
+           ? streamed_operands_ok(w, x, tiling)
+           : mma_gemv_warp_layout(tiling) >= 0 && tiling.row_blocks >= kMmaGemvResidentRowBlocks &&
+                 mma_gemv_shared_bytes(tiling, x.rows, groups) <= kMmaGemvMaxSharedBytes);
+  if (!tiling_ok) return cudaErrorInvalidValue;
 
   MmaGemvArgs args = {};
   args.weights = w.data;
@@ -233,6 +288,7 @@ cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutp
   args.multiplier_stride = y.multiplier_stride;
   const PackedFormat format =
       w.format == quant::WeightFormat::kNVFP4 ? PackedFormat::kNVFP4 : PackedFormat::kW4G32;
+  if (tiling.streamed) return launch_gemv_mma_streamed(args, tiling, launch);
   return launch_gemv_mma(format, args, x.type, tiling, launch);
 }
 

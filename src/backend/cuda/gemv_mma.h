@@ -20,14 +20,16 @@ bool gemv_mma_takes(const quant::QMatrix& w, const GemvInput& x);
 // The tiling used when none is given, from the weight shape and the row count.
 MmaGemvTiling default_mma_gemv_tiling(int64_t rows, int64_t cols, int m, ActType x_type);
 
-// Enqueues y = epilogue(W x) on tensor cores with `tiling` (warps 0: the default). The operands
-// follow gemv()'s contract (gemv.h), companions included (kQ8 ones with kGeluPairs, from any
-// tiling: a block's outputs are whole chunks). Returns cudaErrorInvalidValue, before enqueuing
-// anything, for operands gemv_mma_takes refuses (but one row), a shape or pointer gemv() would
-// refuse, or a tiling outside the kernel's options (a layout of kMmaGemvWarpLayouts,
-// splits 1..kMmaGemvMaxSplits and at most K / 32, row_blocks >= kMmaGemvResidentRowBlocks,
-// activation_blocks 1..8,
-// shared memory within kMmaGemvMaxSharedBytes); else the launch status.
+// Enqueues y = epilogue(W x) on tensor cores with `tiling` (warps 0: the default, the streamed
+// kernel at the NVFP4 shapes and row counts it was measured faster at, else
+// default_mma_gemv_tiling's). The operands follow gemv()'s contract (gemv.h), companions included
+// (kQ8 ones with kGeluPairs, from any tiling: a block's outputs are whole chunks). Returns
+// cudaErrorInvalidValue, before enqueuing anything, for operands gemv_mma_takes refuses (but one
+// row), a shape or pointer gemv() would refuse, or a tiling outside the kernel's options (a layout
+// of kMmaGemvWarpLayouts, splits 1..kMmaGemvMaxSplits and at most K / 32, row_blocks >=
+// kMmaGemvResidentRowBlocks, activation_blocks 1..8, shared memory within
+// kMmaGemvMaxSharedBytes; streamed: MmaGemvTiling::streamed's conditions, even K / 32, 4-byte
+// aligned NVFP4 scales); else the launch status.
 cudaError_t gemv_mma(const quant::QMatrix& w, const GemvInput& x, const GemvOutput& y,
                      const Launch& launch, MmaGemvTiling tiling = {0, 0});
 

@@ -146,6 +146,82 @@ __device__ __forceinline__ uint4 staged_word(const MmaGemvArgs& a, int m, int64_
   }
 }
 
+// Every block of the cluster sums the K splits of the row tile at block_row for its share of the
+// outputs, in (rank, k warp) order (the same sums every run), and stores them through the
+// epilogue: one thread per row pair, so the pairs epilogue sees both rows. partial: the block's
+// sums [k warp][activation row][tile row] (mma_gemv_partial_stride), every rank's written and
+// visible (after a cluster barrier).
+template <int WK, int kThreads, int kRowsPerBlock, int kPaddedRows>
+__device__ __forceinline__ void store_cluster_sums(const MmaGemvArgs& a, cg::cluster_group& cluster,
+                                                   float* partial, int m_begin, int m_count,
+                                                   int64_t block_row) {
+  constexpr int64_t kStride = mma_gemv_partial_stride(kRowsPerBlock);
+  constexpr int64_t kSlice = kPaddedRows * kStride;
+  const int splits = static_cast<int>(gridDim.y);
+  const int split = static_cast<int>(blockIdx.y);
+  const int lane = threadIdx.x & 31;
+  constexpr int kPairs = kRowsPerBlock / 2;
+  const int pair_count = m_count * kPairs;
+  const int pair_step = splits * kThreads;
+  // Pair i's partial sums of every rank and k warp (zeros past the ranks or the pairs).
+  // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
+  auto load_parts = [&](int i, float2(&parts)[kMmaGemvMaxSplits][WK]) {
+    const int m = i / kPairs;
+    const int row = 2 * (i % kPairs);
+#pragma unroll
+    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+      const bool loaded = rank < splits && i < pair_count;
+      const float* source = loaded && splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
+#pragma unroll
+      for (int k = 0; k < WK; ++k) {
+        parts[rank][k] =
+            loaded ? *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row)
+                   : make_float2(0.0f, 0.0f);
+      }
+    }
+  };
+  float2 parts[kMmaGemvMaxSplits][WK];
+  const int first_pair = split * kThreads + static_cast<int>(threadIdx.x);
+  load_parts(first_pair, parts);
+  for (int i = first_pair; i < pair_count; i += pair_step) {
+    // The next pair's loads go out before this pair's sums and stores, so that their round
+    // trip to the cluster's shared memory overlaps this pair's epilogue.
+    float2 next_parts[kMmaGemvMaxSplits][WK];
+    load_parts(i + pair_step, next_parts);
+    const int m = i / kPairs;
+    const int row = 2 * (i % kPairs);
+    float sums[2] = {0.0f, 0.0f};
+#pragma unroll
+    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+      if (rank < splits) {
+#pragma unroll
+        for (int k = 0; k < WK; ++k) {
+          sums[0] += parts[rank][k].x;
+          sums[1] += parts[rank][k].y;
+        }
+      }
+    }
+    // y and its bf16 companion
+    gemv_detail::store_rows<2>(a, m_begin + m, block_row + row, sums);
+    if (a.y_companions.q8 != nullptr) {
+      // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are
+      // whole chunks of 32, so the lanes of a warp hold one chunk (lane l its element l):
+      // quantized together, or skipped together past the matrix.
+      const int64_t output = (block_row + row) / 2;
+      if (output - lane < a.rows / 2) {
+        const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
+        store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m_begin + m), a.y_companions.stride,
+                          output / 32);
+      }
+    }
+#pragma unroll
+    for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
+#pragma unroll
+      for (int k = 0; k < WK; ++k) parts[rank][k] = next_parts[rank][k];
+    }
+  }
+}
+
 // F: kW4G32 or kNVFP4 weights; NT n tiles of 8 activation rows; WR · WK warps: WR along the rows
 // (16 · TW · WR weight rows per row tile, TW 16-row tiles per warp), WK along the block's K range
 // (every WK-th quad of groups); gridDim.y blocks along K form one cluster; a block multiplies the
@@ -427,76 +503,14 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
       }
     }
 
-    // Every block of the cluster sums the K splits for its share of the outputs, in (rank, k
-    // warp) order (the same sums every run), and stores them through the epilogue: one thread
-    // per row pair, so the pairs epilogue sees both rows.
+    // Every rank's partial sums written, then added for this block's share of the outputs.
     if (splits > 1) {
       cluster.sync();
     } else {
       __syncthreads();
     }
-    const int64_t block_row = tile_row(tile);
-    constexpr int kPairs = kRowsPerBlock / 2;
-    const int pair_count = m_count * kPairs;
-    const int pair_step = splits * kThreads;
-    // Pair i's partial sums of every rank and k warp (zeros past the ranks or the pairs).
-    // Unrolled over the largest cluster, so that the loads of every rank are in flight at once.
-    auto load_parts = [&](int i, float2(&parts)[kMmaGemvMaxSplits][WK]) {
-      const int m = i / kPairs;
-      const int row = 2 * (i % kPairs);
-#pragma unroll
-      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-        const bool loaded = rank < splits && i < pair_count;
-        const float* source =
-            loaded && splits > 1 ? cluster.map_shared_rank(partial, rank) : partial;
-#pragma unroll
-        for (int k = 0; k < WK; ++k) {
-          parts[rank][k] =
-              loaded ? *reinterpret_cast<const float2*>(source + k * kSlice + m * kStride + row)
-                     : make_float2(0.0f, 0.0f);
-        }
-      }
-    };
-    float2 parts[kMmaGemvMaxSplits][WK];
-    const int first_pair = split * kThreads + static_cast<int>(threadIdx.x);
-    load_parts(first_pair, parts);
-    for (int i = first_pair; i < pair_count; i += pair_step) {
-      // The next pair's loads go out before this pair's sums and stores, so that their round
-      // trip to the cluster's shared memory overlaps this pair's epilogue.
-      float2 next_parts[kMmaGemvMaxSplits][WK];
-      load_parts(i + pair_step, next_parts);
-      const int m = i / kPairs;
-      const int row = 2 * (i % kPairs);
-      float sums[2] = {0.0f, 0.0f};
-#pragma unroll
-      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-        if (rank < splits) {
-#pragma unroll
-          for (int k = 0; k < WK; ++k) {
-            sums[0] += parts[rank][k].x;
-            sums[1] += parts[rank][k].y;
-          }
-        }
-      }
-      // y and its bf16 companion
-      gemv_detail::store_rows<2>(a, m_begin + m, block_row + row, sums);
-      if (a.y_companions.q8 != nullptr) {
-        // kGeluPairs: consecutive threads store consecutive outputs and a block's outputs are
-        // whole chunks of 32, so the lanes of a warp hold one chunk (lane l its element l):
-        // quantized together, or skipped together past the matrix.
-        const int64_t output = (block_row + row) / 2;
-        if (output - lane < a.rows / 2) {
-          const float value[1] = {gemv_detail::gelu_pair(sums[0], sums[1])};
-          store_chunk_q8<1>(value, lane, q8_row(a.y_companions, m_begin + m), a.y_companions.stride,
-                            output / 32);
-        }
-      }
-#pragma unroll
-      for (int rank = 0; rank < kMmaGemvMaxSplits; ++rank) {
-#pragma unroll
-        for (int k = 0; k < WK; ++k) parts[rank][k] = next_parts[rank][k];
-      }
-    }
+    store_cluster_sums<WK, kThreads, kRowsPerBlock, kPaddedRows>(a, cluster, partial, m_begin,
+                                                                 m_count, tile_row(tile));
   }
   // No block may leave while another still reads its shared memory.
   if (splits > 1) cluster.sync();

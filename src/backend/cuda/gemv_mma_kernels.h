@@ -72,6 +72,9 @@ struct MmaGemvTiling {
   // accumulators, staging and K-split reduction of 32 rows (the weights read twice, the second
   // time mostly from L2).
   int activation_blocks = 1;
+  // The streamed kernel (gemv_mma_streamed.cu: NVFP4 weights, bf16 activations, up to 32 rows a
+  // block): a layout of kMmaGemvStreamedLayouts, one k warp, row_blocks 0.
+  bool streamed = false;
 };
 
 // Weight rows of one row tile of the tiling.
@@ -97,6 +100,11 @@ struct MmaGemvWarpLayout {
 inline constexpr MmaGemvWarpLayout kMmaGemvWarpLayouts[] = {{4, 1},    {8, 1},     {4, 2},
                                                             {8, 1, 1}, {16, 1, 1}, {8, 2, 1}};
 inline constexpr int kNumMmaGemvWarpLayouts = 6;
+
+// The streamed kernel's layouts: 128-row blocks of 8 one-tile or 4 two-tile warps, 256-row
+// blocks of 8 two-tile warps (16 one-tile warps: never the fastest in session 12's sweep).
+inline constexpr MmaGemvWarpLayout kMmaGemvStreamedLayouts[] = {{8, 1, 1}, {4, 1, 2}, {8, 1, 2}};
+inline constexpr int kNumMmaGemvStreamedLayouts = 3;
 
 // The index of the tiling's layout in kMmaGemvWarpLayouts, -1 if none.
 constexpr int mma_gemv_warp_layout(const MmaGemvTiling& tiling) {
@@ -196,6 +204,15 @@ struct MmaGemvArgs {
   int64_t partial_offset;
   MmaGemvTrigger trigger;  // the tiling's
 };
+
+// Dynamic shared memory of the streamed kernel for `m` activation rows: its ring of stages.
+int64_t mma_gemv_streamed_shared_bytes(const MmaGemvTiling& tiling, int m);
+
+// Enqueues the streamed kernel (NVFP4, bf16 activations; arguments validated as for
+// launch_gemv_mma, groups even, at most 32 activation rows a block). Returns
+// cudaErrorInvalidValue for a tiling outside its layouts.
+cudaError_t launch_gemv_mma_streamed(const MmaGemvArgs& args, const MmaGemvTiling& tiling,
+                                     const Launch& launch);
 
 // Enqueues the kernel; arguments already validated (rows, groups > 0, m in 1..64, x type kF32,
 // kBF16 or kQ8, tiling within bounds, shared memory within kMmaGemvMaxSharedBytes) but for
