@@ -27,6 +27,8 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
@@ -74,6 +76,9 @@ struct AttentionArgs {
   // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
   // head merges its splits (merge_in_last_block) instead of the merge kernel.
   int* merge_counters;
+  // k_norm set (tensor-core kernel, checked by decode_attention): K's rotated dims only are read,
+  // V scaled by the key scales in the others' stead (attention.h).
+  KeysFromValues keys_from_values;
 };
 
 // The keys a query at `query_position` scans, n = P + 1 capped by the slots and the window: the
@@ -842,6 +847,27 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // the position's load (SASS).
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
+  // A k_eq_v cache (AttentionArgs::keys_from_values): the warps whose dims lie outside K's rotated
+  // ones take their scores from the V rows, q scaled by the key scales of its dims (those of
+  // q_b0 and q_b1 below; a weight, loaded before the PDL wait).
+  const int first_dim = warp * T::kWarpDims;
+  const KeysFromValues& keys_from_values = a.keys_from_values;
+  const bool reads_keys =
+      keys_from_values.k_norm == nullptr || first_dim % (HD / 2) < keys_from_values.rotated_pairs;
+  float2 key_scale[kSteps][2];
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      key_scale[step][half] = make_float2(1.0f, 1.0f);
+      if (!reads_keys) {
+        const float2 w = *reinterpret_cast<const float2*>(keys_from_values.k_norm + first_dim +
+                                                          16 * step + 2 * t + 8 * half);
+        key_scale[step][half] =
+            make_float2(keys_from_values.weight_offset + w.x, keys_from_values.weight_offset + w.y);
+      }
+    }
+  }
   __syncwarp();
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
@@ -886,6 +912,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
   static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
+  // A k_eq_v cache's K rows: the 16-byte chunks of the rotated dims [0, rotated_pairs) and
+  // [HD / 2, HD / 2 + rotated_pairs), `rotated_chunks` of each, copied by the threads (one each for
+  // a bf16 tile of 512 dims) while the bulk copies take the V rows.
+  const bool loads_rotated_keys = keys_from_values.k_norm != nullptr;
+  const int rotated_chunks = keys_from_values.rotated_pairs * T::kElementBytes / kChunkBytes;
   auto load_tile = [&](int tile) {
     if (tile < tiles) {
       const int stage = tile % kStages;
@@ -894,11 +925,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       if constexpr (kBulk) {
         const int rows = static_cast<int>(
             min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-        if (threadIdx.x == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+        if (threadIdx.x == 0) {
+          arrive_expect_bytes(&stage_landed[stage],
+                              (loads_rotated_keys ? 1 : 2) * rows * T::kRowBytes);
+        }
         const int row = warp * kBulkRowsPerWarp + lane;
         const int key = row % kMmaTileKeys;
         const bool is_value = row >= kMmaTileKeys;
-        if (lane < kBulkRowsPerWarp && key < rows) {
+        if (lane < kBulkRowsPerWarp && key < rows && (is_value || !loads_rotated_keys)) {
           copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
                     (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
                     T::kRowBytes, &stage_landed[stage]);
@@ -911,8 +945,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
             const int64_t element =
                 scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
             const int offset = T::stage_offset(key, copy_chunk);
-            copy_async16(base + offset, keys + element);
+            if (!loads_rotated_keys) copy_async16(base + offset, keys + element);
             copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+          }
+        }
+      }
+      if (loads_rotated_keys) {
+        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * rotated_chunks; c += kThreads) {
+          const int key = c / (2 * rotated_chunks);
+          const int piece = c % (2 * rotated_chunks);
+          const int chunk =
+              piece < rotated_chunks ? piece : T::kRowChunks / 2 + piece - rotated_chunks;
+          const int64_t j = first_key + key;
+          if (j < loaded_end) {
+            copy_async16(
+                base + T::stage_offset(key, chunk),
+                keys + scan.slot_of(j) * row_stride + chunk * (kChunkBytes / T::kElementBytes));
           }
         }
       }
@@ -972,7 +1020,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
   // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
-  const int first_dim = warp * T::kWarpDims;
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
     const bool used = g < heads;
@@ -984,8 +1031,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       const int d = first_dim + 16 * step + 2 * t;
       const float2 b0 = used ? *reinterpret_cast<const float2*>(q_head + d) : make_float2(0, 0);
       const float2 b1 = used ? *reinterpret_cast<const float2*>(q_head + d + 8) : make_float2(0, 0);
-      q_b0[step] = split_pair(b0.x * a.scale, b0.y * a.scale);
-      q_b1[step] = split_pair(b1.x * a.scale, b1.y * a.scale);
+      q_b0[step] =
+          split_pair(b0.x * a.scale * key_scale[step][0].x, b0.y * a.scale * key_scale[step][0].y);
+      q_b1[step] =
+          split_pair(b1.x * a.scale * key_scale[step][1].x, b1.y * a.scale * key_scale[step][1].y);
     }
   }
 
@@ -1055,10 +1104,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     unsigned char* tile_keys = stage_keys;
     unsigned char* tile_values = stage_values;
     if constexpr (T::kWidens) {
-      // The warp's dims of every K and V row widened into the bf16 tile (16 e4m3 = 2 chunks).
+      // The warp's dims of every K (unless V stands in for it) and V row widened into the bf16
+      // tile (16 e4m3 = 2 chunks).
       tile_keys = pipeline + kStages * T::kStageBytes;
       tile_values = tile_keys + kMmaTileKeys * HD * 2;
-      for (int c = lane; c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+      for (int c = lane + (reads_keys ? 0 : kMmaTileKeys * T::kWarpRowChunks);
+           c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
         const int is_value = c / (kMmaTileKeys * T::kWarpRowChunks);
         const int key = c / T::kWarpRowChunks % kMmaTileKeys;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
@@ -1085,13 +1136,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
 
     // Sᵀ over the warp's dims (the hi and lo products in separate accumulators: two short
-    // dependency chains), then summed over the warps.
+    // dependency chains), then summed over the warps. From the V rows where they stand in for K
+    // (q scaled by the key scales).
+    const unsigned char* score_rows = reads_keys ? tile_keys : tile_values;
     float partial[2][4] = {};
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
       uint32_t k_a[4];
       load_matrices<false>(
-          k_a, tile_keys + T::offset(key_row, first_dim * 2 / kChunkBytes + 2 * step + key_chunk));
+          k_a, score_rows + T::offset(key_row, first_dim * 2 / kChunkBytes + 2 * step + key_chunk));
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
@@ -1384,6 +1437,20 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// Whether the tensor-core kernel reads only K's rotated dims of a k_eq_v cache (attention.h):
+// the rotated dims are whole warps' (HD / kWarps each), the key scales load as float pairs.
+// Session 12 A/B: GEMMA4_S12_KEQV=0 reads K whole.
+bool reads_rotated_keys_only(const KeysFromValues& keys_from_values, int head_dim) {
+  static const bool enabled = [] {
+    const char* value = std::getenv("GEMMA4_S12_KEQV");
+    return value == nullptr || std::strcmp(value, "0") != 0;
+  }();
+  const int pairs = keys_from_values.rotated_pairs;
+  return enabled && keys_from_values.k_norm != nullptr &&
+         (reinterpret_cast<uintptr_t>(keys_from_values.k_norm) & 7) == 0 && pairs > 0 &&
+         pairs < head_dim / 2 && pairs % (head_dim / kWarps) == 0;
+}
+
 // The uniform KvCacheView as a table: sequence b's arrays at b · sequence_stride, its query row b.
 bool uniform_table(const KvCacheView& kv, int batch, SequenceKvTable& table) {
   if (batch > kMaxBatchedSequences || kv.keys == nullptr || kv.values == nullptr ||
@@ -1519,6 +1586,9 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (mma_kernel != nullptr) {
     kernel = mma_kernel;
     shared_bytes = mma.shared_bytes;
+    if (reads_rotated_keys_only(kv.keys_from_values, kv.head_dim)) {
+      args.keys_from_values = kv.keys_from_values;
+    }
   }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
                                                  kv.kv_heads, group, kv.head_dim);

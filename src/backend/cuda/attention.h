@@ -37,6 +37,19 @@ struct SequenceKvTable {
   int count = 0;
 };
 
+// A k_eq_v layer's cache (engine::KvView::k_eq_v): K and V were made from one raw row, V its
+// weightless RMSNorm, K its RMSNorm with k_norm's weight, rotated in the RoPE pairs (i, i +
+// head_dim / 2), i < rotated_pairs only. K's other dims are (weight_offset + k_norm) ⊙ V up to the
+// cache's rounding, so the tensor-core kernel reads K's rotated dims only and takes V scaled in
+// their stead: at head_dim 512 with 64 pairs (26B, 31B), 1,280 instead of 2,048 bytes a key of a
+// bf16 cache. Where the pairs are not a multiple of the head dims a warp owns (head_dim / 8), and
+// on the CUDA-core kernel, K is read whole.
+struct KeysFromValues {
+  const float* k_norm = nullptr;  // [head_dim], 8-byte aligned; null: K is read whole
+  float weight_offset = 0.0f;
+  int rotated_pairs = 0;
+};
+
 // A layer's KV cache for `batch` sequences (engine::KvView layout): per sequence `slots` entries of
 // [kv_heads, head_dim] for K and for V, and the absolute position each slot holds (-1 = empty).
 // Either uniform (batch <= kMaxBatchedSequences): sequence b's arrays start at keys/values + b ·
@@ -54,6 +67,7 @@ struct KvCacheView {
   int head_dim = 0;
   int64_t sequence_stride = 0;
   const SequenceKvTable* sequences = nullptr;
+  KeysFromValues keys_from_values;
 };
 
 // Device scratch for the split partials (needed when splits > 1): at least
