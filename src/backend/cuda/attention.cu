@@ -594,7 +594,12 @@ constexpr size_t kBulkPipelineBytes = 100 << 10;
 
 // kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
 // 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
-template <int HD, typename KvT, bool kBulk>
+// kCompactKeys (bf16 k_eq_v caches whose rotated dims are two warps' own, AttentionArgs::
+// keys_from_values): a tile's K rows hold only those dims, [0, kWarpDims) then [HD / 2, HD / 2 +
+// kWarpDims), so that a stage holds no room for dims never copied and the pipeline is deeper (4
+// stages of 21 KB at 512 dims instead of 3 of 33 KB): about as many bytes in flight as a cache
+// read whole.
+template <int HD, typename KvT, bool kBulk, bool kCompactKeys = false>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
@@ -608,15 +613,20 @@ struct MmaTiling {
   // are written by the threads, swizzled.
   static constexpr bool kPadded = kBulk && !kWidens;
   static constexpr int kTileRowBytes = HD * 2 + (kPadded ? kChunkBytes : 0);
+  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
+  static_assert(!kCompactKeys || !kWidens);
+  static constexpr int kKeyDims = kCompactKeys ? 2 * kWarpDims : HD;  // of a tile's K row
+  static constexpr int kTileKeyRowBytes = kKeyDims * 2 + (kPadded ? kChunkBytes : 0);
+  // A stage: K rows, then (from kKeyTileBytes) V rows.
+  static constexpr int kKeyTileBytes = kMmaTileKeys * (kWidens ? kRowBytes : kTileKeyRowBytes);
   static constexpr int kStageBytes =
-      2 * kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);  // K rows, then V rows
+      kKeyTileBytes + kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);
   static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
   static constexpr size_t kBudgetBytes = kBulk ? kBulkPipelineBytes : kPipelineBytes;
   static constexpr int kStages = static_cast<int>((kBudgetBytes - kWidenedBytes) / kStageBytes);
   // The dynamic shared memory a block uses.
   static constexpr size_t kSharedBytes = size_t{kStages} * kStageBytes + kWidenedBytes;
   static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
-  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
   static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
   static constexpr int kWarpRowChunks = kWarpDims * kElementBytes / kChunkBytes;  // as cached
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
@@ -624,8 +634,10 @@ struct MmaTiling {
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
   // The epilogue's staged outputs fit what of stage 0 is dead once every warp has passed the last
   // tile's score barrier: its K rows, or all of it where the rows read later are widened copies.
-  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
-                (kWidens ? kStageBytes : kStageBytes / 2));
+  // Compact K rows are too few: those kernels stage after a block barrier.
+  static constexpr bool kStagesAfterBarrier = sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims >
+                                              (kWidens ? kStageBytes : kKeyTileBytes);
+  static_assert(!kStagesAfterBarrier || kCompactKeys);
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -635,6 +647,18 @@ struct MmaTiling {
   // The same within a stage: the bf16 tile itself, or plain rows to be widened.
   static __device__ __forceinline__ int stage_offset(int key, int chunk) {
     return kWidens ? (key * kRowChunks + chunk) * kChunkBytes : offset(key, chunk);
+  }
+  // offset and stage_offset of K rows (chunk `chunk` of the whole row: a compact row holds the
+  // chunks of the rotated dims only).
+  static __device__ __forceinline__ int key_offset(int key, int chunk) {
+    if constexpr (!kCompactKeys) return offset(key, chunk);
+    constexpr int kWarpChunks = kWarpDims * 2 / kChunkBytes, kKeyRowChunks = 2 * kWarpChunks;
+    const int compact = chunk < kWarpChunks ? chunk : chunk - kTileRowChunks / 2 + kWarpChunks;
+    if constexpr (kPadded) return key * kTileKeyRowBytes + compact * kChunkBytes;
+    return (key * kKeyRowChunks + (compact ^ (key & 7))) * kChunkBytes;
+  }
+  static __device__ __forceinline__ int key_stage_offset(int key, int chunk) {
+    return kWidens ? stage_offset(key, chunk) : key_offset(key, chunk);
   }
 };
 
@@ -814,9 +838,9 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
 }
 
-template <int HD, typename KvT, bool kPrepare, bool kBulk>
+template <int HD, typename KvT, bool kPrepare, bool kBulk, bool kCompactKeys>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD, KvT, kBulk>;
+  using T = MmaTiling<HD, KvT, kBulk, kCompactKeys>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
   pdl_trigger_dependents();
@@ -933,7 +957,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         const int key = row % kMmaTileKeys;
         const bool is_value = row >= kMmaTileKeys;
         if (lane < kBulkRowsPerWarp && key < rows && (is_value || !loads_rotated_keys)) {
-          copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+          copy_bulk(base + (is_value ? T::kKeyTileBytes + T::stage_offset(key, 0)
+                                     : T::key_stage_offset(key, 0)),
                     (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
                     T::kRowBytes, &stage_landed[stage]);
         }
@@ -944,9 +969,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           if (j < loaded_end) {
             const int64_t element =
                 scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
-            const int offset = T::stage_offset(key, copy_chunk);
-            if (!loads_rotated_keys) copy_async16(base + offset, keys + element);
-            copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+            if (!loads_rotated_keys) {
+              copy_async16(base + T::key_stage_offset(key, copy_chunk), keys + element);
+            }
+            copy_async16(base + T::kKeyTileBytes + T::stage_offset(key, copy_chunk),
+                         values + element);
           }
         }
       }
@@ -959,7 +986,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           const int64_t j = first_key + key;
           if (j < loaded_end) {
             copy_async16(
-                base + T::stage_offset(key, chunk),
+                base + T::key_stage_offset(key, chunk),
                 keys + scan.slot_of(j) * row_stride + chunk * (kChunkBytes / T::kElementBytes));
           }
         }
@@ -1064,7 +1091,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     __syncthreads();  // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
-    unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
+    unsigned char* stage_values = stage_keys + T::kKeyTileBytes;
     // The own key, when this tile holds it (its index in the tile, else −1).
     const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
     const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
@@ -1075,17 +1102,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     const uint32_t visible =
         __ballot_sync(0xFFFFFFFFu, visible_position(key_position, query_position, a.window)) &
         0xFFFFu;
-    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv) and the
-    // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
-    // Each warp touches only its own dims, so warp barriers order it.
+    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv; its K only
+    // where the warp reads K) and the invisible keys' V (zeros: their weight is 0, and 0 · NaN of
+    // a stale row would not be). Each warp touches only its own dims, so warp barriers order it.
     const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
     if (own_key >= 0) {
       const int key = own_key;
-      for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
+      for (int c = lane + (reads_keys ? 0 : T::kWarpRowChunks); c < 2 * T::kWarpRowChunks;
+           c += 32) {
         const int is_value = c / T::kWarpRowChunks;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
-        *reinterpret_cast<uint4*>((is_value ? stage_values : stage_keys) +
-                                  T::stage_offset(key, chunk)) =
+        *reinterpret_cast<uint4*>(is_value ? stage_values + T::stage_offset(key, chunk)
+                                           : stage_keys + T::key_stage_offset(key, chunk)) =
             reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
       }
     }
@@ -1138,13 +1166,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     // Sᵀ over the warp's dims (the hi and lo products in separate accumulators: two short
     // dependency chains), then summed over the warps. From the V rows where they stand in for K
     // (q scaled by the key scales).
-    const unsigned char* score_rows = reads_keys ? tile_keys : tile_values;
     float partial[2][4] = {};
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
+      const int chunk = first_dim * 2 / kChunkBytes + 2 * step + key_chunk;
       uint32_t k_a[4];
-      load_matrices<false>(
-          k_a, score_rows + T::offset(key_row, first_dim * 2 / kChunkBytes + 2 * step + key_chunk));
+      load_matrices<false>(k_a, reads_keys ? tile_keys + T::key_offset(key_row, chunk)
+                                           : tile_values + T::offset(key_row, chunk));
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
@@ -1224,6 +1252,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   }
   // The warp's outputs through shared memory ([head][own dim]), to be written 32 consecutive dims
   // of one head per warp-wide step (the kQ8 companion's chunk).
+  if constexpr (T::kStagesAfterBarrier) __syncthreads();
   float* staged = reinterpret_cast<float*>(pipeline) + warp * kMmaMaxGroup * T::kWarpDims;
 #pragma unroll
   for (int i = 0; i < kSteps; ++i) {
@@ -1387,11 +1416,11 @@ struct MmaKernel {
   size_t shared_bytes = 0;
 };
 
-template <int HD, typename KvT, bool kBulk>
+template <int HD, typename KvT, bool kBulk, bool kCompactKeys = false>
 MmaKernel mma_kernel_for(bool prepare) {
-  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk>
-                  : decode_attention_mma_kernel<HD, KvT, false, kBulk>,
-          MmaTiling<HD, KvT, kBulk>::kSharedBytes};
+  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk, kCompactKeys>
+                  : decode_attention_mma_kernel<HD, KvT, false, kBulk, kCompactKeys>,
+          MmaTiling<HD, KvT, kBulk, kCompactKeys>::kSharedBytes};
 }
 
 template <typename KvT, bool kBulk>
@@ -1421,6 +1450,13 @@ MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
   return {};
 }
 
+// The tensor-core kernel on compact K rows (MmaTiling's kCompactKeys): bf16 caches of 512 dims
+// whose rotated dims are two warps' own (decode_attention checks).
+MmaKernel select_compact_keys_mma_kernel(bool prepare, bool thread_copies) {
+  return thread_copies ? mma_kernel_for<512, __nv_bfloat16, false, true>(prepare)
+                       : mma_kernel_for<512, __nv_bfloat16, true, true>(prepare);
+}
+
 constexpr int heads_per_warp(int head_dim) {
   return head_dim == 256 ? 4 : 2;
 }
@@ -1437,16 +1473,23 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
+// Session 12 A/B: GEMMA4_S12_KEQV=0 reads K whole, =1 K's rotated dims into whole-row tiles,
+// else into compact ones where they apply.
+int keqv_variant() {
+  static const int variant = [] {
+    const char* value = std::getenv("GEMMA4_S12_KEQV");
+    if (value != nullptr && std::strcmp(value, "0") == 0) return 0;
+    if (value != nullptr && std::strcmp(value, "1") == 0) return 1;
+    return 2;
+  }();
+  return variant;
+}
+
 // Whether the tensor-core kernel reads only K's rotated dims of a k_eq_v cache (attention.h):
 // the rotated dims are whole warps' (HD / kWarps each), the key scales load as float pairs.
-// Session 12 A/B: GEMMA4_S12_KEQV=0 reads K whole.
 bool reads_rotated_keys_only(const KeysFromValues& keys_from_values, int head_dim) {
-  static const bool enabled = [] {
-    const char* value = std::getenv("GEMMA4_S12_KEQV");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
   const int pairs = keys_from_values.rotated_pairs;
-  return enabled && keys_from_values.k_norm != nullptr &&
+  return keqv_variant() != 0 && keys_from_values.k_norm != nullptr &&
          (reinterpret_cast<uintptr_t>(keys_from_values.k_norm) & 7) == 0 && pairs > 0 &&
          pairs < head_dim / 2 && pairs % (head_dim / kWarps) == 0;
 }
@@ -1588,6 +1631,13 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
     shared_bytes = mma.shared_bytes;
     if (reads_rotated_keys_only(kv.keys_from_values, kv.head_dim)) {
       args.keys_from_values = kv.keys_from_values;
+      if (keqv_variant() == 2 && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
+          kv.keys_from_values.rotated_pairs == kv.head_dim / kWarps) {
+        const MmaKernel compact =
+            select_compact_keys_mma_kernel(prepare != nullptr, query.thread_copies);
+        kernel = compact.kernel;
+        shared_bytes = compact.shared_bytes;
+      }
     }
   }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
