@@ -872,25 +872,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
   // A k_eq_v cache (AttentionArgs::keys_from_values): the warps whose dims lie outside K's rotated
-  // ones take their scores from the V rows, q scaled by the key scales of its dims (those of
-  // q_b0 and q_b1 below; a weight, loaded before the PDL wait).
+  // ones take their scores from the V rows, q scaled by the key scales of its dims. Their k_norm
+  // (a weight) is copied before the PDL wait, each warp its own dims, into `key_scales` past the
+  // pipeline (the launch's extra shared memory), in a copy group of its own: held in registers
+  // through the prologue, the scales made the kernel spill.
   const int first_dim = warp * T::kWarpDims;
   const KeysFromValues& keys_from_values = a.keys_from_values;
+  const bool loads_rotated_keys = keys_from_values.k_norm != nullptr;
   const bool reads_keys =
-      keys_from_values.k_norm == nullptr || first_dim % (HD / 2) < keys_from_values.rotated_pairs;
-  float2 key_scale[kSteps][2];
-#pragma unroll
-  for (int step = 0; step < kSteps; ++step) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      key_scale[step][half] = make_float2(1.0f, 1.0f);
-      if (!reads_keys) {
-        const float2 w = *reinterpret_cast<const float2*>(keys_from_values.k_norm + first_dim +
-                                                          16 * step + 2 * t + 8 * half);
-        key_scale[step][half] =
-            make_float2(keys_from_values.weight_offset + w.x, keys_from_values.weight_offset + w.y);
-      }
+      !loads_rotated_keys || first_dim % (HD / 2) < keys_from_values.rotated_pairs;
+  float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
+  if (loads_rotated_keys) {
+    if (!reads_keys && lane < T::kWarpDims / 4) {
+      copy_async16(key_scales + first_dim + 4 * lane,
+                   keys_from_values.k_norm + first_dim + 4 * lane);
     }
+    commit_copies();
   }
   __syncwarp();
   const int kv = blockIdx.y;
@@ -939,7 +936,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // A k_eq_v cache's K rows: the 16-byte chunks of the rotated dims [0, rotated_pairs) and
   // [HD / 2, HD / 2 + rotated_pairs), `rotated_chunks` of each, copied by the threads (one each for
   // a bf16 tile of 512 dims) while the bulk copies take the V rows.
-  const bool loads_rotated_keys = keys_from_values.k_norm != nullptr;
   const int rotated_chunks = keys_from_values.rotated_pairs * T::kElementBytes / kChunkBytes;
   auto load_tile = [&](int tile) {
     if (tile < tiles) {
@@ -1049,6 +1045,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
+    if (!reads_keys) {
+      wait_copies<kStages - 1>();  // the key scales' group (the tiles' are younger)
+      __syncwarp();
+    }
+    // The key scale of dim d (1 where the warp reads K).
+    auto key_scale = [&](int d) {
+      return reads_keys ? make_float2(1.0f, 1.0f)
+                        : make_float2(keys_from_values.weight_offset + key_scales[d],
+                                      keys_from_values.weight_offset + key_scales[d + 1]);
+    };
     const bool used = g < heads;
     const float* q_head = kPrepare ? prepared_q + g * HD
                                    : a.q + row * a.q_stride +
@@ -1058,10 +1064,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       const int d = first_dim + 16 * step + 2 * t;
       const float2 b0 = used ? *reinterpret_cast<const float2*>(q_head + d) : make_float2(0, 0);
       const float2 b1 = used ? *reinterpret_cast<const float2*>(q_head + d + 8) : make_float2(0, 0);
-      q_b0[step] =
-          split_pair(b0.x * a.scale * key_scale[step][0].x, b0.y * a.scale * key_scale[step][0].y);
-      q_b1[step] =
-          split_pair(b1.x * a.scale * key_scale[step][1].x, b1.y * a.scale * key_scale[step][1].y);
+      const float2 s0 = key_scale(d), s1 = key_scale(d + 8);
+      q_b0[step] = split_pair(b0.x * a.scale * s0.x, b0.y * a.scale * s0.y);
+      q_b1[step] = split_pair(b1.x * a.scale * s1.x, b1.y * a.scale * s1.y);
     }
   }
 
@@ -1486,12 +1491,12 @@ int keqv_variant() {
 }
 
 // Whether the tensor-core kernel reads only K's rotated dims of a k_eq_v cache (attention.h):
-// the rotated dims are whole warps' (HD / kWarps each), the key scales load as float pairs.
+// the rotated dims are whole warps' (HD / kWarps each), the key scales load as 16-byte pieces.
 bool reads_rotated_keys_only(const KeysFromValues& keys_from_values, int head_dim) {
   const int pairs = keys_from_values.rotated_pairs;
   return keqv_variant() != 0 && keys_from_values.k_norm != nullptr &&
-         (reinterpret_cast<uintptr_t>(keys_from_values.k_norm) & 7) == 0 && pairs > 0 &&
-         pairs < head_dim / 2 && pairs % (head_dim / kWarps) == 0;
+         aligned16(keys_from_values.k_norm) && pairs > 0 && pairs < head_dim / 2 &&
+         pairs % (head_dim / kWarps) == 0;
 }
 
 // The uniform KvCacheView as a table: sequence b's arrays at b · sequence_stride, its query row b.
@@ -1631,6 +1636,7 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
     shared_bytes = mma.shared_bytes;
     if (reads_rotated_keys_only(kv.keys_from_values, kv.head_dim)) {
       args.keys_from_values = kv.keys_from_values;
+      const size_t key_scale_bytes = sizeof(float) * static_cast<size_t>(kv.head_dim);
       if (keqv_variant() == 2 && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
           kv.keys_from_values.rotated_pairs == kv.head_dim / kWarps) {
         const MmaKernel compact =
@@ -1638,6 +1644,9 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
         kernel = compact.kernel;
         shared_bytes = compact.shared_bytes;
       }
+      // The key scales past the pipeline (two blocks of 512 dims still fit an SM: 2 x (99,840 +
+      // 2,048 + 10,544 static + 1,024 reserved) bytes <= 228 KB).
+      shared_bytes += key_scale_bytes;
     }
   }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,

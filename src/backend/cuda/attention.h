@@ -45,7 +45,7 @@ struct SequenceKvTable {
 // bf16 cache. Where the pairs are not a multiple of the head dims a warp owns (head_dim / 8), and
 // on the CUDA-core kernel, K is read whole.
 struct KeysFromValues {
-  const float* k_norm = nullptr;  // [head_dim], 8-byte aligned; null: K is read whole
+  const float* k_norm = nullptr;  // [head_dim], 16-byte aligned; null: K is read whole
   float weight_offset = 0.0f;
   int rotated_pairs = 0;
 };
