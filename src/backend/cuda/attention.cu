@@ -882,13 +882,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   const bool reads_keys =
       !loads_rotated_keys || first_dim % (HD / 2) < keys_from_values.rotated_pairs;
   float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
-  if (loads_rotated_keys) {
-    if (!reads_keys && lane < T::kWarpDims / 4) {
-      copy_async16(key_scales + first_dim + 4 * lane,
-                   keys_from_values.k_norm + first_dim + 4 * lane);
-    }
-    commit_copies();
-  }
   __syncwarp();
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
@@ -1005,6 +998,13 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       fence_barrier_init();
     }
     __syncthreads();
+  }
+  if (loads_rotated_keys) {  // (here: the blocks without keys have left without copies in flight)
+    if (!reads_keys && lane < T::kWarpDims / 4) {
+      copy_async16(key_scales + first_dim + 4 * lane,
+                   keys_from_values.k_norm + first_dim + 4 * lane);
+    }
+    commit_copies();
   }
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
   pdl_wait_for_predecessors();
