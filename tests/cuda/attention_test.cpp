@@ -35,8 +35,8 @@ enum class Kernel { kDefault, kCudaCores, kThreadCopies };
 // random raw row x as prepare_attention makes them, V = x · r and K = x · r · s (r = 1 / rms(x),
 // s = weight_offset + k_norm) rotated in its first `rotated_pairs` pairs (i, i + hd / 2) only (by
 // arbitrary angles), both rounded to the cache's type. `rotated_keys_only`: the kernel reads K's
-// rotated dims and s ⊙ V in the others' stead (the tensor-core kernel where the pairs are whole
-// warps' dims), else K whole.
+// rotated dims and s ⊙ V in the others' stead (the tensor-core kernel on bf16 caches of 512 dims
+// with 64 pairs), else K whole.
 struct KEqV {
   int rotated_pairs;
   float weight_offset;
@@ -394,37 +394,33 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
 }
 
 // k_eq_v caches (KvCacheView::keys_from_values) as 26B's full layers (16 q / 2 kv heads of 512,
-// 64 rotated pairs: warps 0 and 4 read K) and 31B's (32 / 4) hold them, deep with the engine's
-// splits and shallow, several sequences in one launch, weight offsets 0 and 1; 64 pairs of a head
-// of 256 (two warps per half read K); and where K is read whole: pairs that are not whole warps'
+// 64 rotated pairs: warps 0 and 4 read K) and 31B's (32 / 4) hold them, bf16: deep with the
+// engine's splits and shallow, several sequences in one launch, weight offsets 0 and 1, bulk and
+// thread copies; and where K is read whole: e4m3, heads of 256, pairs that are not two warps'
 // dims, the CUDA-core kernel.
 TEST(DecodeAttention, KEqVCachesReadTheRotatedKeyDimsOnly) {
-  const std::vector<int32_t> depths = {1999, 0, 40, 1500};
-  for (const KvType type : {KvType::kBF16, KvType::kFP8}) {
-    const KEqV deep = {64, 1.0f, true};
-    run_case({"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, type}, Kernel::kDefault, false,
-             &deep);
-    const Case cases[] = {
-        {"26b-full", 16, 2, 512, 2000, 0, depths, 33, type},
-        {"31b-full", 32, 4, 512, 2000, 0, depths, 16, type},
-        {"26b-full-one-split", 16, 2, 512, 600, 0, {599}, 1, type},
-    };
-    for (const Case& c : cases) {
-      for (const float weight_offset : {0.0f, 1.0f}) {
-        const KEqV k_eq_v = {64, weight_offset, true};
-        run_case(c, Kernel::kDefault, false, &k_eq_v);
-        run_case(c, Kernel::kThreadCopies, false, &k_eq_v);
-      }
-      const KEqV read_whole = {64, 0.0f, false};
-      run_case(c, Kernel::kCudaCores, false, &read_whole);
-    }
-    const KEqV two_warps = {64, 0.0f, true};
-    run_case({"head-256", 8, 1, 256, 2000, 0, depths, 16, type}, Kernel::kDefault, false,
-             &two_warps);
-    const KEqV part_of_a_warp = {48, 0.0f, false};
-    run_case({"26b-full-48-pairs", 16, 2, 512, 2000, 0, depths, 33, type}, Kernel::kDefault, false,
-             &part_of_a_warp);
+  const std::vector<int32_t> depths = {999, 0, 40, 700};
+  const KEqV rotated = {64, 0.0f, true}, rotated_offset = {64, 1.0f, true};
+  run_case({"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, KvType::kBF16}, Kernel::kDefault,
+           false, &rotated_offset);
+  const Case cases[] = {
+      {"26b-full", 16, 2, 512, 1000, 0, depths, 33, KvType::kBF16},
+      {"31b-full", 32, 4, 512, 1000, 0, depths, 16, KvType::kBF16},
+      {"26b-full-one-split", 16, 2, 512, 600, 0, {599}, 1, KvType::kBF16},
+  };
+  for (const Case& c : cases) {
+    run_case(c, Kernel::kDefault, false, &rotated);
+    run_case(c, Kernel::kDefault, false, &rotated_offset);
+    run_case(c, Kernel::kThreadCopies, false, &rotated_offset);
   }
+  const KEqV read_whole = {64, 1.0f, false}, part_of_a_warp = {48, 1.0f, false};
+  run_case(cases[0], Kernel::kCudaCores, false, &read_whole);
+  run_case({"26b-full-fp8", 16, 2, 512, 1000, 0, depths, 33, KvType::kFP8}, Kernel::kDefault, false,
+           &read_whole);
+  run_case({"head-256", 8, 1, 256, 1000, 0, depths, 16, KvType::kBF16}, Kernel::kDefault, false,
+           &read_whole);
+  run_case({"26b-full-48-pairs", 16, 2, 512, 1000, 0, depths, 33, KvType::kBF16}, Kernel::kDefault,
+           false, &part_of_a_warp);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

@@ -594,12 +594,12 @@ constexpr size_t kBulkPipelineBytes = 100 << 10;
 
 // kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
 // 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
-// kCompactKeys (bf16 k_eq_v caches whose rotated dims are two warps' own, AttentionArgs::
-// keys_from_values): a tile's K rows hold only those dims, [0, kWarpDims) then [HD / 2, HD / 2 +
-// kWarpDims), so that a stage holds no room for dims never copied and the pipeline is deeper (4
-// stages of 21 KB at 512 dims instead of 3 of 33 KB): about as many bytes in flight as a cache
-// read whole.
-template <int HD, typename KvT, bool kBulk, bool kCompactKeys = false>
+// kRotatedKeys (bf16 k_eq_v caches whose rotated dims are two warps' own, AttentionArgs::
+// keys_from_values): the kernel reads K's rotated dims only, and a tile's K rows hold only those,
+// [0, kWarpDims) then [HD / 2, HD / 2 + kWarpDims): no room for dims never copied, so the pipeline
+// is deeper (4 stages of 21 KB at 512 dims instead of 3 of 33 KB), about as many bytes in flight
+// as a cache read whole. (Whole-row tiles, 3 stages, gained less in the engine: session 12.)
+template <int HD, typename KvT, bool kBulk, bool kRotatedKeys = false>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
@@ -614,8 +614,8 @@ struct MmaTiling {
   static constexpr bool kPadded = kBulk && !kWidens;
   static constexpr int kTileRowBytes = HD * 2 + (kPadded ? kChunkBytes : 0);
   static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
-  static_assert(!kCompactKeys || !kWidens);
-  static constexpr int kKeyDims = kCompactKeys ? 2 * kWarpDims : HD;  // of a tile's K row
+  static_assert(!kRotatedKeys || !kWidens);
+  static constexpr int kKeyDims = kRotatedKeys ? 2 * kWarpDims : HD;  // of a tile's K row
   static constexpr int kTileKeyRowBytes = kKeyDims * 2 + (kPadded ? kChunkBytes : 0);
   // A stage: K rows, then (from kKeyTileBytes) V rows.
   static constexpr int kKeyTileBytes = kMmaTileKeys * (kWidens ? kRowBytes : kTileKeyRowBytes);
@@ -637,7 +637,7 @@ struct MmaTiling {
   // Compact K rows are too few: those kernels stage after a block barrier.
   static constexpr bool kStagesAfterBarrier = sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims >
                                               (kWidens ? kStageBytes : kKeyTileBytes);
-  static_assert(!kStagesAfterBarrier || kCompactKeys);
+  static_assert(!kStagesAfterBarrier || kRotatedKeys);
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -651,7 +651,7 @@ struct MmaTiling {
   // offset and stage_offset of K rows (chunk `chunk` of the whole row: a compact row holds the
   // chunks of the rotated dims only).
   static __device__ __forceinline__ int key_offset(int key, int chunk) {
-    if constexpr (!kCompactKeys) return offset(key, chunk);
+    if constexpr (!kRotatedKeys) return offset(key, chunk);
     constexpr int kWarpChunks = kWarpDims * 2 / kChunkBytes, kKeyRowChunks = 2 * kWarpChunks;
     const int compact = chunk < kWarpChunks ? chunk : chunk - kTileRowChunks / 2 + kWarpChunks;
     if constexpr (kPadded) return key * kTileKeyRowBytes + compact * kChunkBytes;
@@ -838,9 +838,9 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
 }
 
-template <int HD, typename KvT, bool kPrepare, bool kBulk, bool kCompactKeys>
+template <int HD, typename KvT, bool kPrepare, bool kBulk, bool kRotatedKeys>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD, KvT, kBulk, kCompactKeys>;
+  using T = MmaTiling<HD, KvT, kBulk, kRotatedKeys>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
   pdl_trigger_dependents();
@@ -878,9 +878,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // through the prologue, the scales made the kernel spill.
   const int first_dim = warp * T::kWarpDims;
   const KeysFromValues& keys_from_values = a.keys_from_values;
-  const bool loads_rotated_keys = keys_from_values.k_norm != nullptr;
-  const bool reads_keys =
-      !loads_rotated_keys || first_dim % (HD / 2) < keys_from_values.rotated_pairs;
+  const bool reads_keys = !kRotatedKeys || first_dim % (HD / 2) < T::kWarpDims;
   float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
   __syncwarp();
   const int kv = blockIdx.y;
@@ -926,10 +924,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
   static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
-  // A k_eq_v cache's K rows: the 16-byte chunks of the rotated dims [0, rotated_pairs) and
-  // [HD / 2, HD / 2 + rotated_pairs), `rotated_chunks` of each, copied by the threads (one each for
-  // a bf16 tile of 512 dims) while the bulk copies take the V rows.
-  const int rotated_chunks = keys_from_values.rotated_pairs * T::kElementBytes / kChunkBytes;
+  // kRotatedKeys: the K rows' 16-byte chunks of the rotated dims [0, kWarpDims) and [HD / 2,
+  // HD / 2 + kWarpDims), kWarpRowChunks of each, copied by the threads (one each at 512 dims)
+  // while the bulk copies take the V rows.
+  constexpr int kRotatedChunks = T::kWarpRowChunks;
   auto load_tile = [&](int tile) {
     if (tile < tiles) {
       const int stage = tile % kStages;
@@ -939,13 +937,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         const int rows = static_cast<int>(
             min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
         if (threadIdx.x == 0) {
-          arrive_expect_bytes(&stage_landed[stage],
-                              (loads_rotated_keys ? 1 : 2) * rows * T::kRowBytes);
+          arrive_expect_bytes(&stage_landed[stage], (kRotatedKeys ? 1 : 2) * rows * T::kRowBytes);
         }
         const int row = warp * kBulkRowsPerWarp + lane;
         const int key = row % kMmaTileKeys;
         const bool is_value = row >= kMmaTileKeys;
-        if (lane < kBulkRowsPerWarp && key < rows && (is_value || !loads_rotated_keys)) {
+        if (lane < kBulkRowsPerWarp && key < rows && (is_value || !kRotatedKeys)) {
           copy_bulk(base + (is_value ? T::kKeyTileBytes + T::stage_offset(key, 0)
                                      : T::key_stage_offset(key, 0)),
                     (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
@@ -958,7 +955,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           if (j < loaded_end) {
             const int64_t element =
                 scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
-            if (!loads_rotated_keys) {
+            if constexpr (!kRotatedKeys) {
               copy_async16(base + T::key_stage_offset(key, copy_chunk), keys + element);
             }
             copy_async16(base + T::kKeyTileBytes + T::stage_offset(key, copy_chunk),
@@ -966,12 +963,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           }
         }
       }
-      if (loads_rotated_keys) {
-        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * rotated_chunks; c += kThreads) {
-          const int key = c / (2 * rotated_chunks);
-          const int piece = c % (2 * rotated_chunks);
+      if constexpr (kRotatedKeys) {
+        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * kRotatedChunks; c += kThreads) {
+          const int key = c / (2 * kRotatedChunks);
+          const int piece = c % (2 * kRotatedChunks);
           const int chunk =
-              piece < rotated_chunks ? piece : T::kRowChunks / 2 + piece - rotated_chunks;
+              piece < kRotatedChunks ? piece : T::kRowChunks / 2 + piece - kRotatedChunks;
           const int64_t j = first_key + key;
           if (j < loaded_end) {
             copy_async16(
@@ -999,7 +996,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
     __syncthreads();
   }
-  if (loads_rotated_keys) {  // (here: the blocks without keys have left without copies in flight)
+  if constexpr (kRotatedKeys) {  // (here: the blocks without keys have left, no copies in flight)
     if (!reads_keys && lane < T::kWarpDims / 4) {
       copy_async16(key_scales + first_dim + 4 * lane,
                    keys_from_values.k_norm + first_dim + 4 * lane);
@@ -1045,7 +1042,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
-    if (!reads_keys) {
+    if (kRotatedKeys && !reads_keys) {
       wait_copies<kStages - 1>();  // the key scales' group (the tiles' are younger)
       __syncwarp();
     }
@@ -1137,12 +1134,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     unsigned char* tile_keys = stage_keys;
     unsigned char* tile_values = stage_values;
     if constexpr (T::kWidens) {
-      // The warp's dims of every K (unless V stands in for it) and V row widened into the bf16
-      // tile (16 e4m3 = 2 chunks).
+      // The warp's dims of every K and V row widened into the bf16 tile (16 e4m3 = 2 chunks).
       tile_keys = pipeline + kStages * T::kStageBytes;
       tile_values = tile_keys + kMmaTileKeys * HD * 2;
-      for (int c = lane + (reads_keys ? 0 : kMmaTileKeys * T::kWarpRowChunks);
-           c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
+      for (int c = lane; c < 2 * kMmaTileKeys * T::kWarpRowChunks; c += 32) {
         const int is_value = c / (kMmaTileKeys * T::kWarpRowChunks);
         const int key = c / T::kWarpRowChunks % kMmaTileKeys;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
@@ -1421,11 +1416,11 @@ struct MmaKernel {
   size_t shared_bytes = 0;
 };
 
-template <int HD, typename KvT, bool kBulk, bool kCompactKeys = false>
+template <int HD, typename KvT, bool kBulk, bool kRotatedKeys = false>
 MmaKernel mma_kernel_for(bool prepare) {
-  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk, kCompactKeys>
-                  : decode_attention_mma_kernel<HD, KvT, false, kBulk, kCompactKeys>,
-          MmaTiling<HD, KvT, kBulk, kCompactKeys>::kSharedBytes};
+  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk, kRotatedKeys>
+                  : decode_attention_mma_kernel<HD, KvT, false, kBulk, kRotatedKeys>,
+          MmaTiling<HD, KvT, kBulk, kRotatedKeys>::kSharedBytes};
 }
 
 template <typename KvT, bool kBulk>
@@ -1455,9 +1450,9 @@ MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
   return {};
 }
 
-// The tensor-core kernel on compact K rows (MmaTiling's kCompactKeys): bf16 caches of 512 dims
-// whose rotated dims are two warps' own (decode_attention checks).
-MmaKernel select_compact_keys_mma_kernel(bool prepare, bool thread_copies) {
+// The tensor-core kernel reading K's rotated dims only (MmaTiling's kRotatedKeys): bf16 caches of
+// 512 dims whose rotated dims are two warps' own (reads_rotated_keys_only).
+MmaKernel select_rotated_keys_mma_kernel(bool prepare, bool thread_copies) {
   return thread_copies ? mma_kernel_for<512, __nv_bfloat16, false, true>(prepare)
                        : mma_kernel_for<512, __nv_bfloat16, true, true>(prepare);
 }
@@ -1478,25 +1473,19 @@ bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
 }
 
-// Session 12 A/B: GEMMA4_S12_KEQV=0 reads K whole, =1 K's rotated dims into whole-row tiles,
-// else into compact ones where they apply.
-int keqv_variant() {
-  static const int variant = [] {
+// Whether the tensor-core kernel (`mma`) reads only K's rotated dims of a k_eq_v cache
+// (attention.h): a bf16 cache of 512 dims whose rotated dims are two warps' own (64 pairs: 26B's
+// and 31B's full layers), the key scales loaded as 16-byte pieces. Session 12 A/B:
+// GEMMA4_S12_KEQV=0 reads K whole.
+bool reads_rotated_keys_only(const MmaKernel& mma, const KvCacheView& kv) {
+  static const bool enabled = [] {
     const char* value = std::getenv("GEMMA4_S12_KEQV");
-    if (value != nullptr && std::strcmp(value, "0") == 0) return 0;
-    if (value != nullptr && std::strcmp(value, "1") == 0) return 1;
-    return 2;
+    return value == nullptr || std::strcmp(value, "0") != 0;
   }();
-  return variant;
-}
-
-// Whether the tensor-core kernel reads only K's rotated dims of a k_eq_v cache (attention.h):
-// the rotated dims are whole warps' (HD / kWarps each), the key scales load as 16-byte pieces.
-bool reads_rotated_keys_only(const KeysFromValues& keys_from_values, int head_dim) {
-  const int pairs = keys_from_values.rotated_pairs;
-  return keqv_variant() != 0 && keys_from_values.k_norm != nullptr &&
-         aligned16(keys_from_values.k_norm) && pairs > 0 && pairs < head_dim / 2 &&
-         pairs % (head_dim / kWarps) == 0;
+  const KeysFromValues& keys_from_values = kv.keys_from_values;
+  return enabled && mma.kernel != nullptr && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
+         keys_from_values.k_norm != nullptr && aligned16(keys_from_values.k_norm) &&
+         keys_from_values.rotated_pairs == kv.head_dim / kWarps;
 }
 
 // The uniform KvCacheView as a table: sequence b's arrays at b · sequence_stride, its query row b.
@@ -1634,19 +1623,13 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (mma_kernel != nullptr) {
     kernel = mma_kernel;
     shared_bytes = mma.shared_bytes;
-    if (reads_rotated_keys_only(kv.keys_from_values, kv.head_dim)) {
+    if (reads_rotated_keys_only(mma, kv)) {
       args.keys_from_values = kv.keys_from_values;
-      const size_t key_scale_bytes = sizeof(float) * static_cast<size_t>(kv.head_dim);
-      if (keqv_variant() == 2 && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
-          kv.keys_from_values.rotated_pairs == kv.head_dim / kWarps) {
-        const MmaKernel compact =
-            select_compact_keys_mma_kernel(prepare != nullptr, query.thread_copies);
-        kernel = compact.kernel;
-        shared_bytes = compact.shared_bytes;
-      }
-      // The key scales past the pipeline (two blocks of 512 dims still fit an SM: 2 x (99,840 +
-      // 2,048 + 10,544 static + 1,024 reserved) bytes <= 228 KB).
-      shared_bytes += key_scale_bytes;
+      const MmaKernel rotated =
+          select_rotated_keys_mma_kernel(prepare != nullptr, query.thread_copies);
+      kernel = rotated.kernel;
+      // The key scales past the pipeline.
+      shared_bytes = rotated.shared_bytes + sizeof(float) * static_cast<size_t>(kv.head_dim);
     }
   }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,

@@ -41,9 +41,8 @@ struct SequenceKvTable {
 // weightless RMSNorm, K its RMSNorm with k_norm's weight, rotated in the RoPE pairs (i, i +
 // head_dim / 2), i < rotated_pairs only. K's other dims are (weight_offset + k_norm) ⊙ V up to the
 // cache's rounding, so the tensor-core kernel reads K's rotated dims only and takes V scaled in
-// their stead: at head_dim 512 with 64 pairs (26B, 31B), 1,280 instead of 2,048 bytes a key of a
-// bf16 cache. Where the pairs are not a multiple of the head dims a warp owns (head_dim / 8), and
-// on the CUDA-core kernel, K is read whole.
+// their stead: 1,280 instead of 2,048 bytes a key, for bf16 caches of 512 dims with 64 rotated
+// pairs (26B's and 31B's full layers: the dims of two of its warps). Elsewhere K is read whole.
 struct KeysFromValues {
   const float* k_norm = nullptr;  // [head_dim], 16-byte aligned; null: K is read whole
   float weight_offset = 0.0f;
