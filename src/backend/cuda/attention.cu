@@ -27,8 +27,6 @@
 #include <cuda_bf16.h>
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 #include <type_traits>
 
 #include "backend/cuda/attention.h"
@@ -76,8 +74,8 @@ struct AttentionArgs {
   // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
   // head merges its splits (merge_in_last_block) instead of the merge kernel.
   int* merge_counters;
-  // k_norm set (tensor-core kernel, checked by decode_attention): K's rotated dims only are read,
-  // V scaled by the key scales in the others' stead (attention.h).
+  // The kRotatedKeys tensor-core kernel's (reads_rotated_keys_only): K's rotated dims are read, V
+  // scaled by the key scales in the others' stead (attention.h).
   KeysFromValues keys_from_values;
 };
 
@@ -598,7 +596,7 @@ constexpr size_t kBulkPipelineBytes = 100 << 10;
 // keys_from_values): the kernel reads K's rotated dims only, and a tile's K rows hold only those,
 // [0, kWarpDims) then [HD / 2, HD / 2 + kWarpDims): no room for dims never copied, so the pipeline
 // is deeper (4 stages of 21 KB at 512 dims instead of 3 of 33 KB), about as many bytes in flight
-// as a cache read whole. (Whole-row tiles, 3 stages, gained less in the engine: session 12.)
+// as a cache read whole (the rotated dims into whole-row tiles, 3 stages, were not kept).
 template <int HD, typename KvT, bool kBulk, bool kRotatedKeys = false>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
@@ -1475,15 +1473,10 @@ bool aligned16(const void* p) {
 
 // Whether the tensor-core kernel (`mma`) reads only K's rotated dims of a k_eq_v cache
 // (attention.h): a bf16 cache of 512 dims whose rotated dims are two warps' own (64 pairs: 26B's
-// and 31B's full layers), the key scales loaded as 16-byte pieces. Session 12 A/B:
-// GEMMA4_S12_KEQV=0 reads K whole.
+// and 31B's full layers), the key scales loaded as 16-byte pieces.
 bool reads_rotated_keys_only(const MmaKernel& mma, const KvCacheView& kv) {
-  static const bool enabled = [] {
-    const char* value = std::getenv("GEMMA4_S12_KEQV");
-    return value == nullptr || std::strcmp(value, "0") != 0;
-  }();
   const KeysFromValues& keys_from_values = kv.keys_from_values;
-  return enabled && mma.kernel != nullptr && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
+  return mma.kernel != nullptr && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
          keys_from_values.k_norm != nullptr && aligned16(keys_from_values.k_norm) &&
          keys_from_values.rotated_pairs == kv.head_dim / kWarps;
 }
