@@ -741,12 +741,16 @@ std::vector<float> cache_floats(const std::vector<uint8_t>& bytes, engine::KvTyp
 
 // A k_eq_v layer's decode step (26B's full layer: 16 q / 2 kv heads of 512, proportional RoPE of 64
 // pairs) over caches that prepare_attention filled from raw rows whose V is the raw K, so that the
-// relation KvView::k_eq_v promises holds: prepare_and_attend reads K's rotated dims and V in the
-// others' stead (attention.h: KeysFromValues), the query's own key made in the launch: it matches a
-// double-precision softmax over those keys (the cache it stored, q as prepared) to float32
-// rounding, and the composition that reads K whole (prepare_attention, then attention_rows) to
-// the cache's rounding of K (V stands in for K: one rounding more), whose cache it stores bit for
-// bit. Sequences at depths 0, 40 and 1000 in one launch, weight offsets 0 and 1, bf16 and e4m3.
+// relation KvView::k_eq_v promises holds, against the composition that reads K whole
+// (prepare_attention, then attention_rows), whose cache it stores bit for bit. bf16:
+// prepare_and_attend reads K's rotated dims and V in the others' stead (attention.h:
+// KeysFromValues), the query's own key made in the launch; it matches a double-precision softmax
+// over those keys (the cache it stored, q as prepared) to float32 rounding, and the composition
+// to what the stand-in keys' rounding allows: each of the 384 unrotated products q_d · k_d is off
+// by up to 2^-8 of itself (K's and V's bf16 roundings), ~sqrt(384) · rms(q · k) · 2^-9 · scale in
+// a score, so larger norm scales (offset 1: 1 + w up to 2.5 on both q and k) err more. Measured
+// on the H200: 0.00105 (offset 0, Gemma 4's) and 0.00927 (offset 1) of 1 + |out|. e4m3: K is
+// read whole, as the composition does. Sequences at depths 0, 40 and 1000 in one launch.
 TEST(FusedOps, KEqVPrepareAndAttendReadsTheRotatedKeyDimsOnly) {
   auto gpu = make_gpu();
   ASSERT_TRUE(gpu);
@@ -872,8 +876,8 @@ TEST(FusedOps, KEqVPrepareAndAttendReadsTheRotatedKeyDimsOnly) {
         }
       }
       const std::vector<float> fused = fused_out.gpu_values(), composed = composed_out.gpu_values();
-      testing::expect_close(fused, reference, magnitude, 1e-4, "out (the keys it reads)");
-      // Against the composition reading K whole: what V standing in for K costs.
+      // Against the composition reading K whole: what V standing in for K costs (nothing where K
+      // is read whole).
       double max_delta = 0.0;
       for (size_t i = 0; i < fused.size(); ++i) {
         max_delta = std::max(max_delta, std::fabs(double{fused[i]} - composed[i]) /
@@ -881,8 +885,13 @@ TEST(FusedOps, KEqVPrepareAndAttendReadsTheRotatedKeyDimsOnly) {
       }
       std::printf("[ k_eq_v ] %s: max |fused - composed| / (1 + |composed|) %.3g\n", what.c_str(),
                   max_delta);
-      EXPECT_GT(max_delta, 0.0);  // V stood in for K
-      EXPECT_LT(max_delta, type == engine::KvType::kBF16 ? 5e-2 : 5e-1);
+      if (type == engine::KvType::kBF16) {
+        testing::expect_close(fused, reference, magnitude, 1e-4, "out (the keys it reads)");
+        EXPECT_GT(max_delta, 0.0);  // V stood in for K
+        EXPECT_LT(max_delta, 2e-2);
+      } else {
+        EXPECT_LT(max_delta, kTolerance);
+      }
       // arrays: per sequence fused keys, fused values, composed keys, composed values.
       for (size_t a = 0; a < arrays.size(); a += 4) {
         EXPECT_EQ(arrays[a]->gpu_values(), arrays[a + 2]->gpu_values()) << "keys " << a / 4;

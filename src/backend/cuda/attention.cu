@@ -869,15 +869,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   // the position's load (SASS).
   PrologueConstants<HD> constants;
   if constexpr (kPrepare) constants = load_prologue_constants<HD>(prepare, warp, lane);
-  // A k_eq_v cache (AttentionArgs::keys_from_values): the warps whose dims lie outside K's rotated
-  // ones take their scores from the V rows, q scaled by the key scales of its dims. Their k_norm
-  // (a weight) is copied before the PDL wait, each warp its own dims, into `key_scales` past the
-  // pipeline (the launch's extra shared memory), in a copy group of its own: held in registers
-  // through the prologue, the scales made the kernel spill.
-  const int first_dim = warp * T::kWarpDims;
-  const KeysFromValues& keys_from_values = a.keys_from_values;
-  const bool reads_keys = !kRotatedKeys || first_dim % (HD / 2) < T::kWarpDims;
-  float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
   __syncwarp();
   const int kv = blockIdx.y;
   const SequenceKv& sequence = a.sequences.entries[blockIdx.z];
@@ -923,9 +914,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
   // kRotatedKeys: the K rows' 16-byte chunks of the rotated dims [0, kWarpDims) and [HD / 2,
-  // HD / 2 + kWarpDims), kWarpRowChunks of each, copied by the threads (one each at 512 dims)
-  // while the bulk copies take the V rows.
-  constexpr int kRotatedChunks = T::kWarpRowChunks;
+  // HD / 2 + kWarpDims), `rotated_chunks` (kWarpRowChunks) of each, copied by the threads (one
+  // each at 512 dims) while the bulk copies take the V rows. Counted at run time: with the count a
+  // constant, ptxas kept the copies' addresses across the tile loop and spilled 24 bytes.
+  const int rotated_chunks = a.keys_from_values.rotated_pairs * T::kElementBytes / kChunkBytes;
   auto load_tile = [&](int tile) {
     if (tile < tiles) {
       const int stage = tile % kStages;
@@ -962,11 +954,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
         }
       }
       if constexpr (kRotatedKeys) {
-        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * kRotatedChunks; c += kThreads) {
-          const int key = c / (2 * kRotatedChunks);
-          const int piece = c % (2 * kRotatedChunks);
+        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * rotated_chunks; c += kThreads) {
+          const int key = c / (2 * rotated_chunks);
+          const int piece = c % (2 * rotated_chunks);
           const int chunk =
-              piece < kRotatedChunks ? piece : T::kRowChunks / 2 + piece - kRotatedChunks;
+              piece < rotated_chunks ? piece : T::kRowChunks / 2 + piece - rotated_chunks;
           const int64_t j = first_key + key;
           if (j < loaded_end) {
             copy_async16(
@@ -994,10 +986,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
     __syncthreads();
   }
-  if constexpr (kRotatedKeys) {  // (here: the blocks without keys have left, no copies in flight)
-    if (!reads_keys && lane < T::kWarpDims / 4) {
-      copy_async16(key_scales + first_dim + 4 * lane,
-                   keys_from_values.k_norm + first_dim + 4 * lane);
+  // kRotatedKeys: the warps whose dims lie outside K's rotated ones take their scores from the V
+  // rows, q scaled by the key scales of its dims. Their k_norm (a weight) is copied before the PDL
+  // wait (after the blocks without keys have left: none leaves copies in flight), each warp its own
+  // dims, into `key_scales` past the pipeline (the launch's extra shared memory), in a copy group
+  // of its own: held in registers through the prologue, the scales made the kernel spill.
+  const KeysFromValues& keys_from_values = a.keys_from_values;
+  float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
+  if constexpr (kRotatedKeys) {
+    const int warp_dim = warp * T::kWarpDims;
+    if (warp_dim % (HD / 2) >= T::kWarpDims && lane < T::kWarpDims / 4) {
+      copy_async16(key_scales + warp_dim + 4 * lane, keys_from_values.k_norm + warp_dim + 4 * lane);
     }
     commit_copies();
   }
@@ -1037,7 +1036,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
 
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
-  // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
+  // (b1), scaled, as hi + lo pairs. Heads past the group are zeros. kRotatedKeys: where the warp's
+  // dims are not rotated, V stands in for K and q is scaled by the key scales.
+  const int first_dim = warp * T::kWarpDims;
+  const bool reads_keys = !kRotatedKeys || first_dim % (HD / 2) < T::kWarpDims;
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
     if (kRotatedKeys && !reads_keys) {
