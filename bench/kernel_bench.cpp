@@ -594,7 +594,8 @@ std::vector<Result> bench_add_rms_norm(int64_t width, int64_t cols, const char* 
 // loaded by thread copies instead of bulk copies (AttentionQuery::thread_copies), or without the
 // split-merge counters (the merge kernel merges every split count), or with the fused prologue
 // the engine uses (AttentionQuery::prepare: q, k, v normed and rotated in the launch, the new K/V
-// stored).
+// stored), that also on a k_eq_v cache as 26B's and 31B's full layers hold (proportional RoPE of
+// 64 pairs: K read in its rotated dims only, KvCacheView::keys_from_values).
 struct AttentionVariant {
   gemma4::cuda::KvType type;
   bool cuda_core_kernel;
@@ -602,6 +603,7 @@ struct AttentionVariant {
   bool thread_copies = false;
   bool merge_kernel = false;
   bool prepare = false;
+  bool k_eq_v = false;
 };
 
 // Decode attention over an fp32, bf16 or e4m3 cache at `depth` tokens, for each split count of
@@ -677,8 +679,10 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
     CHECK(cudaMalloc(&norms, size_t(5) * head_dim / 2 * 4));
     fill(new_kv, 2 * row_floats * 4, 4, 0x3C7FFFFF);
     fill(norms, size_t(2) * head_dim * 4, 5, 0x3C7FFFFF);
-    std::vector<float> inv_freq(head_dim / 2);
-    for (int i = 0; i < head_dim / 2; ++i) {
+    constexpr int kKEqVRotatedPairs = 64;
+    const int rotated_pairs = variant.k_eq_v ? kKEqVRotatedPairs : head_dim / 2;
+    std::vector<float> inv_freq(head_dim / 2, 0.0f);
+    for (int i = 0; i < rotated_pairs; ++i) {
       inv_freq[i] = static_cast<float>(std::pow(10000.0, -2.0 * i / head_dim));
     }
     CHECK(cudaMemcpy(norms + 2 * head_dim, inv_freq.data(), inv_freq.size() * 4,
@@ -686,6 +690,7 @@ Result bench_attention(const AttentionVariant& variant, int q_heads, int kv_head
     prepare = {new_kv, 0,     new_kv + row_floats, 0, norms, norms + head_dim, true,
                1.0f,   1e-6f, norms + 2 * head_dim};
     query.prepare = &prepare;
+    if (variant.k_eq_v) kv.keys_from_values = {prepare.k_norm, 1.0f, rotated_pairs};
   }
   r.mbytes = 2.0 * std::min<int64_t>(depth, slots) * kv_heads * head_dim * element_bytes / 1e6;
   r.default_tiling = split_options.front();
@@ -1110,6 +1115,7 @@ int main(int argc, char** argv) {
       {gemma4::cuda::KvType::kBF16, true, "attention/bf16-cc"},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-mk", false, true},
       {gemma4::cuda::KvType::kBF16, false, "attention/bf16-prep", false, false, true},
+      {gemma4::cuda::KvType::kBF16, false, "attention/bf16-keqv", false, false, true, true},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8"},
       {gemma4::cuda::KvType::kFP8, false, "attention/fp8-tc", true},
       {gemma4::cuda::KvType::kFP8, true, "attention/fp8-cc"},

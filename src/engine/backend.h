@@ -116,6 +116,10 @@ struct KvView {
   int kv_heads = 0;
   int head_dim = 0;
   KvType type = KvType::kF32;
+  // A k_eq_v layer's cache with v_norm (arch spec 2.4): K and V made from one raw row (V its
+  // weightless norm, K normed with k_norm and rotated), so K's unrotated dims are k_norm's scales
+  // times V up to the rounding, and a reader may take them from V.
+  bool k_eq_v = false;
 };
 
 // inv_freq[i] of the head_dim / 2 pairs of rope() below, in float32 as transformers computes it

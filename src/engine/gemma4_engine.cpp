@@ -69,9 +69,14 @@ struct Gemma4Engine::Impl {
   KvView kv_view(SequenceId sequence, const LayerGeometry& geometry) const {
     const LayerCache& cache = sequences[sequence].layers[geometry.kv_source_layer];
     const LayerGeometry& source = config.layers[geometry.kv_source_layer];
-    return {cache.keys.data(), cache.values.data(), cache.slot_positions.ints(),
-            cache.slots,       source.num_kv_heads, source.head_dim,
-            options.kv_type};
+    return {cache.keys.data(),
+            cache.values.data(),
+            cache.slot_positions.ints(),
+            cache.slots,
+            source.num_kv_heads,
+            source.head_dim,
+            options.kv_type,
+            source.k_eq_v && config.has_v_norm};
   }
 
   // K/V slots of the layer's cache in every sequence.

@@ -31,9 +31,22 @@ struct Case {
 // AttentionQuery::cuda_core_kernel, or AttentionQuery::thread_copies.
 enum class Kernel { kDefault, kCudaCores, kThreadCopies };
 
+// A k_eq_v cache (KvCacheView::keys_from_values): each slot's K and V of a kv head made from one
+// random raw row x as prepare_attention makes them, V = x · r and K = x · r · s (r = 1 / rms(x),
+// s = weight_offset + k_norm) rotated in its first `rotated_pairs` pairs (i, i + hd / 2) only (by
+// arbitrary angles), both rounded to the cache's type. `rotated_keys_only`: the kernel reads K's
+// rotated dims and s ⊙ V in the others' stead (the tensor-core kernel on bf16 caches of 512 dims
+// with 64 pairs), else K whole.
+struct KEqV {
+  int rotated_pairs;
+  float weight_offset;
+  bool rotated_keys_only;
+};
+
 // own_slot_unwritten: the slot of each query's own position holds -1 (never written), so that
-// key is invisible as any empty slot.
-void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unwritten = false) {
+// key is invisible as any empty slot. k_eq_v: the cache is one (KEqV).
+void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unwritten = false,
+              const KEqV* k_eq_v = nullptr) {
   const char* type_name = c.type == KvType::kBF16  ? " bf16"
                           : c.type == KvType::kFP8 ? " fp8"
                                                    : " f32";
@@ -41,7 +54,8 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
                (kernel == Kernel::kCudaCores      ? " cuda cores"
                 : kernel == Kernel::kThreadCopies ? " thread copies"
                                                   : "") +
-               (own_slot_unwritten ? " own slot unwritten" : ""));
+               (own_slot_unwritten ? " own slot unwritten" : "") +
+               (k_eq_v != nullptr ? " k_eq_v pairs=" + std::to_string(k_eq_v->rotated_pairs) : ""));
   const int batch = static_cast<int>(c.positions.size());
   const int64_t hd = c.head_dim;
   const int64_t kv_width = c.kv_heads * hd;
@@ -50,8 +64,34 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   auto q = testing::random_floats(batch * c.q_heads * hd, -0.15f, 0.15f, 51);
   auto keys = testing::random_floats(batch * per_sequence, -0.15f, 0.15f, 52);
   auto values = testing::random_floats(batch * per_sequence, -1.0f, 1.0f, 53);
+  const auto k_norm = testing::random_floats(hd, -0.5f, 0.5f, 56);
+  std::vector<float> key_scale(hd);
+  if (k_eq_v != nullptr) {
+    // Normed keys are ~1 in size, not 0.15: a smaller q keeps the scores as spread.
+    for (float& x : q) x *= 0.25f;
+    for (int64_t d = 0; d < hd; ++d) key_scale[d] = k_eq_v->weight_offset + k_norm[d];
+    const int64_t half = hd / 2;
+    for (int64_t row = 0; row < batch * c.slots * c.kv_heads; ++row) {
+      float* x = &values[row * hd];
+      float* k = &keys[row * hd];
+      double squares = 0.0;
+      for (int64_t d = 0; d < hd; ++d) squares += double{x[d]} * x[d];
+      const auto r = static_cast<float>(1.0 / std::sqrt(squares / hd + 1e-6));
+      for (int64_t d = 0; d < hd; ++d) {
+        x[d] *= r;
+        k[d] = x[d] * key_scale[d];
+      }
+      for (int64_t i = 0; i < k_eq_v->rotated_pairs; ++i) {
+        const double angle = 0.37 * static_cast<double>(row) + 0.11 * static_cast<double>(i);
+        const double first = k[i], second = k[i + half];
+        k[i] = static_cast<float>(first * std::cos(angle) - second * std::sin(angle));
+        k[i + half] = static_cast<float>(second * std::cos(angle) + first * std::sin(angle));
+      }
+    }
+  }
   // The cache as stored, and the reference below reads the stored values: bf16 rounded from the
-  // floats, e4m3 drawn as codes (keys below 0.25, values below 1: testing::random_e4m3).
+  // floats, e4m3 drawn as codes (keys below 0.25, values below 1: testing::random_e4m3) or, for
+  // a k_eq_v cache, rounded from the floats.
   std::vector<uint16_t> keys_bf16, values_bf16;
   std::vector<uint8_t> keys_fp8, values_fp8;
   if (c.type == KvType::kBF16) {
@@ -66,6 +106,12 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   } else if (c.type == KvType::kFP8) {
     keys_fp8 = testing::random_e4m3(keys.size(), 4, 54);
     values_fp8 = testing::random_e4m3(values.size(), 6, 55);
+    if (k_eq_v != nullptr) {
+      for (size_t i = 0; i < keys.size(); ++i) {
+        keys_fp8[i] = float_to_e4m3(keys[i]);
+        values_fp8[i] = float_to_e4m3(values[i]);
+      }
+    }
     for (size_t i = 0; i < keys.size(); ++i) {
       keys[i] = e4m3_to_float(keys_fp8[i]);
       values[i] = e4m3_to_float(values_fp8[i]);
@@ -83,7 +129,7 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
     if (own_slot_unwritten) slot_positions[b * c.slots + p_query % c.slots] = -1;
   }
 
-  DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd);
+  DeviceArray<float> dq(q), dk(keys), dv(values), out(batch * c.q_heads * hd), dk_norm(k_norm);
   DeviceArray<uint16_t> dk16(keys_bf16), dv16(values_bf16);
   DeviceArray<uint8_t> dk8(keys_fp8), dv8(values_fp8);
   DeviceArray<int32_t> dslots(slot_positions), dpos(c.positions);
@@ -104,6 +150,9 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   kv.kv_heads = c.kv_heads;
   kv.head_dim = c.head_dim;
   kv.sequence_stride = per_sequence;
+  if (k_eq_v != nullptr) {
+    kv.keys_from_values = {dk_norm.get(), k_eq_v->weight_offset, k_eq_v->rotated_pairs};
+  }
   AttentionQuery query = {dq.get(), c.q_heads * hd, c.q_heads, dpos.get(), batch};
   query.cuda_core_kernel = kernel == Kernel::kCudaCores;
   query.thread_copies = kernel == Kernel::kThreadCopies;
@@ -115,39 +164,56 @@ void run_case(const Case& c, Kernel kernel = Kernel::kDefault, bool own_slot_unw
   // Left at zero for the next launch (a replayed graph reuses them).
   EXPECT_EQ(merge_counters.download(), std::vector<int>(counter_count, 0));
 
-  std::vector<double> expected(out.download().size()), magnitude(expected.size(), 1.0);
-  const int group = c.q_heads / c.kv_heads;
-  for (int b = 0; b < batch; ++b) {
-    const int32_t p_query = c.positions[b];
-    for (int h = 0; h < c.q_heads; ++h) {
-      const int g = h / group;
-      std::vector<double> score;
-      std::vector<int64_t> visible;
-      for (int64_t s = 0; s < c.slots; ++s) {
-        const int32_t p = slot_positions[b * c.slots + s];
-        if (p < 0 || p > p_query || (c.window > 0 && p_query - p >= c.window)) continue;
-        double dot = 0.0;
+  // The reference over the stored keys, or with stand_in over the keys the kernel reads: s ⊙ V
+  // outside the rotated dims.
+  auto reference = [&](bool stand_in) {
+    std::vector<double> expected(out.download().size());
+    const int group = c.q_heads / c.kv_heads;
+    const int64_t half = hd / 2;
+    for (int b = 0; b < batch; ++b) {
+      const int32_t p_query = c.positions[b];
+      for (int h = 0; h < c.q_heads; ++h) {
+        const int g = h / group;
+        std::vector<double> score;
+        std::vector<int64_t> visible;
+        for (int64_t s = 0; s < c.slots; ++s) {
+          const int32_t p = slot_positions[b * c.slots + s];
+          if (p < 0 || p > p_query || (c.window > 0 && p_query - p >= c.window)) continue;
+          double dot = 0.0;
+          for (int64_t d = 0; d < hd; ++d) {
+            const int64_t element = b * per_sequence + s * kv_width + g * hd + d;
+            const double key = stand_in && d % half >= k_eq_v->rotated_pairs
+                                   ? double{key_scale[d]} * values[element]
+                                   : keys[element];
+            dot += static_cast<double>(q[(b * c.q_heads + h) * hd + d]) * key;
+          }
+          score.push_back(dot);
+          visible.push_back(s);
+        }
+        double max_score = -INFINITY;
+        for (double s : score) max_score = std::max(max_score, s);
+        double total = 0.0;
+        for (double& s : score) total += (s = std::exp(s - max_score));
         for (int64_t d = 0; d < hd; ++d) {
-          dot += static_cast<double>(q[(b * c.q_heads + h) * hd + d]) *
-                 keys[b * per_sequence + s * kv_width + g * hd + d];
+          double acc = 0.0;
+          for (size_t j = 0; j < visible.size(); ++j) {
+            acc += score[j] * values[b * per_sequence + visible[j] * kv_width + g * hd + d];
+          }
+          expected[(b * c.q_heads + h) * hd + d] = acc / total;
         }
-        score.push_back(dot);
-        visible.push_back(s);
-      }
-      double max_score = -INFINITY;
-      for (double s : score) max_score = std::max(max_score, s);
-      double total = 0.0;
-      for (double& s : score) total += (s = std::exp(s - max_score));
-      for (int64_t d = 0; d < hd; ++d) {
-        double acc = 0.0;
-        for (size_t j = 0; j < visible.size(); ++j) {
-          acc += score[j] * values[b * per_sequence + visible[j] * kv_width + g * hd + d];
-        }
-        expected[(b * c.q_heads + h) * hd + d] = acc / total;
       }
     }
+    return expected;
+  };
+  const std::vector<double> magnitude(out.download().size(), 1.0);
+  const bool stand_in = k_eq_v != nullptr && k_eq_v->rotated_keys_only;
+  testing::expect_close(out.download(), reference(stand_in), magnitude, 2e-5, "attention");
+  // Against the stored keys: within what the cache's rounding of K and V allows (bf16: 2^-9 of
+  // each, e4m3: 2^-4, over ~1.7-sized normed values).
+  if (stand_in) {
+    testing::expect_close(out.download(), reference(false), magnitude,
+                          c.type == KvType::kBF16 ? 1e-2 : 1e-1, "attention (stored keys)");
   }
-  testing::expect_close(out.download(), expected, magnitude, 2e-5, "attention");
 }
 
 TEST(DecodeAttention, GroupsHeadDimsWindowsSplits) {
@@ -325,6 +391,36 @@ TEST(DecodeAttention, SplitMergeInTheKernelWhereTheRecordsAreFew) {
   query.cuda_core_kernel = false;
   query.batch = 9;  // more (sequence, q head) pairs than counters
   EXPECT_EQ(decode_attention_launches(query, kv, 2, with_counters), 2);
+}
+
+// k_eq_v caches (KvCacheView::keys_from_values) as 26B's full layers (16 q / 2 kv heads of 512,
+// 64 rotated pairs: warps 0 and 4 read K) and 31B's (32 / 4) hold them, bf16: deep with the
+// engine's splits and shallow, several sequences in one launch, weight offsets 0 and 1, bulk and
+// thread copies; and where K is read whole: e4m3, heads of 256, pairs that are not two warps'
+// dims, the CUDA-core kernel.
+TEST(DecodeAttention, KEqVCachesReadTheRotatedKeyDimsOnly) {
+  const std::vector<int32_t> depths = {999, 0, 40, 700};
+  const KEqV rotated = {64, 0.0f, true}, rotated_offset = {64, 1.0f, true};
+  run_case({"26b-full-33000", 16, 2, 512, 33000, 0, {32999}, 132, KvType::kBF16}, Kernel::kDefault,
+           false, &rotated_offset);
+  const Case cases[] = {
+      {"26b-full", 16, 2, 512, 1000, 0, depths, 33, KvType::kBF16},
+      {"31b-full", 32, 4, 512, 1000, 0, depths, 16, KvType::kBF16},
+      {"26b-full-one-split", 16, 2, 512, 600, 0, {599}, 1, KvType::kBF16},
+  };
+  for (const Case& c : cases) {
+    run_case(c, Kernel::kDefault, false, &rotated);
+    run_case(c, Kernel::kDefault, false, &rotated_offset);
+    run_case(c, Kernel::kThreadCopies, false, &rotated_offset);
+  }
+  const KEqV read_whole = {64, 1.0f, false}, part_of_a_warp = {48, 1.0f, false};
+  run_case(cases[0], Kernel::kCudaCores, false, &read_whole);
+  run_case({"26b-full-fp8", 16, 2, 512, 1000, 0, depths, 33, KvType::kFP8}, Kernel::kDefault, false,
+           &read_whole);
+  run_case({"head-256", 8, 1, 256, 1000, 0, depths, 16, KvType::kBF16}, Kernel::kDefault, false,
+           &read_whole);
+  run_case({"26b-full-48-pairs", 16, 2, 512, 1000, 0, depths, 33, KvType::kBF16}, Kernel::kDefault,
+           false, &part_of_a_warp);
 }
 
 TEST(DecodeAttention, RejectsUnsupportedHeadDim) {

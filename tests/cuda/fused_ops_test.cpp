@@ -5,13 +5,16 @@
 // q/k/v as column views of one fused QKV buffer, k_eq_v-style V (the raw K projection), more
 // sequences than one launch takes, and a recorded decode step replayed at later positions.
 // Tolerances are float32-level (relative to 1 + |reference|): the kernels reduce in another order
-// than the CPU, nothing is rounded to bf16.
+// than the CPU, nothing is rounded to bf16 (but for a k_eq_v cache's keys read from its values:
+// KEqVPrepareAndAttendReadsTheRotatedKeyDimsOnly).
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <memory>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -714,6 +717,186 @@ TEST(FusedOps, PrepareAndAttendMatchesTheDeviceCompositionForEveryKvType) {
         EXPECT_EQ(arrays[a + 1]->gpu_values(), arrays[a + 3]->gpu_values()) << "values " << a / 4;
         EXPECT_EQ(positions_of_slots[a / 2]->gpu_values(),
                   positions_of_slots[a / 2 + 1]->gpu_values())
+            << "slot positions " << a / 4;
+      }
+    }
+  }
+}
+
+// A cache's elements (bf16 or e4m3 bytes) as floats.
+std::vector<float> cache_floats(const std::vector<uint8_t>& bytes, engine::KvType type) {
+  const auto element_bytes = static_cast<size_t>(engine::kv_element_bytes(type));
+  std::vector<float> values(bytes.size() / element_bytes);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (type == engine::KvType::kFP8) {
+      values[i] = e4m3_to_float(bytes[i]);
+    } else {
+      uint16_t bits;
+      std::memcpy(&bits, &bytes[2 * i], 2);
+      values[i] = bf16_to_float(bits);
+    }
+  }
+  return values;
+}
+
+// A k_eq_v layer's decode step (26B's full layer: 16 q / 2 kv heads of 512, proportional RoPE of 64
+// pairs) over caches that prepare_attention filled from raw rows whose V is the raw K, so that the
+// relation KvView::k_eq_v promises holds, against the composition that reads K whole
+// (prepare_attention, then attention_rows), whose cache it stores bit for bit. bf16:
+// prepare_and_attend reads K's rotated dims and V in the others' stead (attention.h:
+// KeysFromValues), the query's own key made in the launch; it matches a double-precision softmax
+// over those keys (the cache it stored, q as prepared) to float32 rounding, and the composition
+// to what the stand-in keys' rounding allows: each of the 384 unrotated products q_d · k_d is off
+// by up to 2^-8 of itself (K's and V's bf16 roundings), ~sqrt(384) · rms(q · k) · 2^-9 · scale in
+// a score, so larger norm scales (offset 1: 1 + w up to 2.5 on both q and k) err more. Measured
+// on the H200: 0.00105 (offset 0, Gemma 4's) and 0.00927 (offset 1) of 1 + |out|. e4m3: K is
+// read whole, as the composition does. Sequences at depths 0, 40 and 1000 in one launch.
+TEST(FusedOps, KEqVPrepareAndAttendReadsTheRotatedKeyDimsOnly) {
+  auto gpu = make_gpu();
+  ASSERT_TRUE(gpu);
+  const LayerShape shape = {16, 2, 512, {1000000.0, 64, 512}, 1100, 0};
+  const int hd = shape.head_dim;
+  const int64_t q_width = int64_t{shape.q_heads} * hd, kv_width = int64_t{shape.kv_heads} * hd;
+  const int64_t stride = q_width + 2 * kv_width;
+  const std::vector<int32_t> depths = {0, 40, 1000};
+  const auto n = static_cast<int64_t>(depths.size());
+  auto q = [&](float* base, int64_t rows) { return Rows{base, rows, q_width, stride}; };
+  auto k = [&](float* base, int64_t rows) { return Rows{base + q_width, rows, kv_width, stride}; };
+  auto v = [&](float* base, int64_t rows) {
+    return Rows{base + q_width + kv_width, rows, kv_width, stride};
+  };
+  uint32_t seed = 1300;
+  for (const engine::KvType type : {engine::KvType::kBF16, engine::KvType::kFP8}) {
+    for (const float weight_offset : {0.0f, 1.0f}) {
+      const std::string what = std::string(engine::kv_type_name(type)) + " weight offset " +
+                               std::to_string(weight_offset);
+      SCOPED_TRACE(what);
+      const engine::NormParams norm = {weight_offset, 1e-6f};
+      Mirrored<float> q_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+      Mirrored<float> k_norm(*gpu, testing::random_floats(hd, -1.0f, 1.5f, seed++));
+      // Per sequence: the fused path's and the composed path's caches (keys, values, slot
+      // positions), filled alike with positions 0 .. depth - 1 from one history of raw rows.
+      const size_t cache_bytes = static_cast<size_t>(shape.slots * kv_width) *
+                                 static_cast<size_t>(engine::kv_element_bytes(type));
+      std::vector<std::unique_ptr<Mirrored<uint8_t>>> arrays;
+      std::vector<std::unique_ptr<Mirrored<int32_t>>> slot_positions;
+      std::vector<std::unique_ptr<Mirrored<float>>> histories;
+      std::vector<std::unique_ptr<Mirrored<int32_t>>> history_positions;
+      std::vector<SequenceRows> fused_rows, composed_rows;
+      for (int64_t i = 0; i < n; ++i) {
+        const int32_t depth = depths[i];
+        const std::vector<float> history =
+            MirroredQkv::make_values(depth, q_width, kv_width, true, seed++);
+        std::vector<int32_t> positions(depth);
+        for (int32_t p = 0; p < depth; ++p) positions[p] = p;
+        for (std::vector<SequenceRows>* rows : {&fused_rows, &composed_rows}) {
+          arrays.push_back(
+              std::make_unique<Mirrored<uint8_t>>(*gpu, std::vector<uint8_t>(cache_bytes)));
+          arrays.push_back(
+              std::make_unique<Mirrored<uint8_t>>(*gpu, std::vector<uint8_t>(cache_bytes)));
+          slot_positions.push_back(
+              std::make_unique<Mirrored<int32_t>>(*gpu, std::vector<int32_t>(shape.slots, -1)));
+          const KvView kv = {arrays[arrays.size() - 2]->gpu(),
+                             arrays.back()->gpu(),
+                             slot_positions.back()->gpu(),
+                             shape.slots,
+                             shape.kv_heads,
+                             hd,
+                             type,
+                             true};
+          rows->push_back({kv, i, 1});
+          if (depth == 0) continue;
+          histories.push_back(std::make_unique<Mirrored<float>>(*gpu, history));
+          history_positions.push_back(std::make_unique<Mirrored<int32_t>>(*gpu, positions));
+          float* const base = histories.back()->gpu();
+          const SequenceRows into{kv, 0, depth};
+          gpu->prepare_attention(q(base, depth), k(base, depth), v(base, depth), q_norm.gpu(),
+                                 k_norm.gpu(), true, hd, history_positions.back()->gpu(),
+                                 shape.rope, std::span<const SequenceRows>(&into, 1), norm);
+        }
+      }
+      const std::vector<float> inputs =
+          MirroredQkv::make_values(n, q_width, kv_width, true, seed++);
+      Mirrored<float> fused_qkv(*gpu, inputs), composed_qkv(*gpu, inputs);
+      Mirrored<int32_t> positions(*gpu, depths);
+      Mirrored<float> fused_out(*gpu, std::vector<float>(n * q_width, std::nanf("")));
+      Mirrored<float> composed_out(*gpu, std::vector<float>(n * q_width, std::nanf("")));
+      const float scale = 1.0f / 16.0f;
+      gpu->prepare_and_attend(q(fused_qkv.gpu(), n), k(fused_qkv.gpu(), n), v(fused_qkv.gpu(), n),
+                              q_norm.gpu(), k_norm.gpu(), true, hd, positions.gpu(), shape.rope,
+                              fused_rows, norm, shape.window, scale,
+                              Rows::dense(fused_out.gpu(), n, q_width));
+      gpu->prepare_attention(q(composed_qkv.gpu(), n), k(composed_qkv.gpu(), n),
+                             v(composed_qkv.gpu(), n), q_norm.gpu(), k_norm.gpu(), true, hd,
+                             positions.gpu(), shape.rope, composed_rows, norm);
+      gpu->attention_rows(q(composed_qkv.gpu(), n), positions.gpu(), composed_rows, shape.window,
+                          scale, Rows::dense(composed_out.gpu(), n, q_width));
+      ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
+      // The keys the fused path reads, over the stored cache (the same on both paths, checked
+      // below) and q as the composition prepared it: K in the rotated dims, (offset + k_norm) ⊙ V
+      // elsewhere; a double-precision softmax over them.
+      const std::vector<float> prepared = composed_qkv.gpu_values();
+      const std::vector<float>& k_norm_values = k_norm.cpu_values();
+      std::vector<double> reference(static_cast<size_t>(n * q_width)), magnitude(reference.size());
+      const int group = shape.q_heads / shape.kv_heads;
+      for (int64_t i = 0; i < n; ++i) {
+        const std::vector<float> keys = cache_floats(arrays[4 * i]->gpu_values(), type);
+        const std::vector<float> values = cache_floats(arrays[4 * i + 1]->gpu_values(), type);
+        const std::vector<int32_t> held = slot_positions[2 * i]->gpu_values();
+        for (int h = 0; h < shape.q_heads; ++h) {
+          const float* q_head = &prepared[i * stride + int64_t{h} * hd];
+          const int64_t kv_head = (h / group) * int64_t{hd};
+          std::vector<double> scores;
+          std::vector<int64_t> visible;
+          for (int64_t slot = 0; slot < shape.slots; ++slot) {
+            if (held[slot] < 0 || held[slot] > depths[i]) continue;
+            double dot = 0.0;
+            for (int d = 0; d < hd; ++d) {
+              const int64_t e = slot * kv_width + kv_head + d;
+              const double key = d % (hd / 2) < shape.rope.rotated_pairs
+                                     ? double{keys[e]}
+                                     : (double{weight_offset} + k_norm_values[d]) * values[e];
+              dot += double{q_head[d]} * key;
+            }
+            scores.push_back(scale * dot);
+            visible.push_back(slot);
+          }
+          const double top = *std::max_element(scores.begin(), scores.end());
+          double total = 0.0;
+          for (double& x : scores) total += (x = std::exp(x - top));
+          for (int d = 0; d < hd; ++d) {
+            double acc = 0.0;
+            for (size_t j = 0; j < visible.size(); ++j) {
+              acc += scores[j] * values[visible[j] * kv_width + kv_head + d];
+            }
+            const size_t o = static_cast<size_t>(i * q_width + int64_t{h} * hd + d);
+            reference[o] = acc / total;
+            magnitude[o] = 1.0 + std::fabs(reference[o]);
+          }
+        }
+      }
+      const std::vector<float> fused = fused_out.gpu_values(), composed = composed_out.gpu_values();
+      // Against the composition reading K whole: what V standing in for K costs (nothing where K
+      // is read whole).
+      double max_delta = 0.0;
+      for (size_t i = 0; i < fused.size(); ++i) {
+        max_delta = std::max(max_delta, std::fabs(double{fused[i]} - composed[i]) /
+                                            (1.0 + std::fabs(double{composed[i]})));
+      }
+      std::printf("[ k_eq_v ] %s: max |fused - composed| / (1 + |composed|) %.3g\n", what.c_str(),
+                  max_delta);
+      if (type == engine::KvType::kBF16) {
+        testing::expect_close(fused, reference, magnitude, 1e-4, "out (the keys it reads)");
+        EXPECT_GT(max_delta, 0.0);  // V stood in for K
+        EXPECT_LT(max_delta, 2e-2);
+      } else {
+        EXPECT_LT(max_delta, kTolerance);
+      }
+      // arrays: per sequence fused keys, fused values, composed keys, composed values.
+      for (size_t a = 0; a < arrays.size(); a += 4) {
+        EXPECT_EQ(arrays[a]->gpu_values(), arrays[a + 2]->gpu_values()) << "keys " << a / 4;
+        EXPECT_EQ(arrays[a + 1]->gpu_values(), arrays[a + 3]->gpu_values()) << "values " << a / 4;
+        EXPECT_EQ(slot_positions[a / 2]->gpu_values(), slot_positions[a / 2 + 1]->gpu_values())
             << "slot positions " << a / 4;
       }
     }

@@ -74,6 +74,9 @@ struct AttentionArgs {
   // Set (tensor-core kernel): [batch][kv_heads] arrival counters, and the last split block of a kv
   // head merges its splits (merge_in_last_block) instead of the merge kernel.
   int* merge_counters;
+  // The kRotatedKeys tensor-core kernel's (reads_rotated_keys_only): K's rotated dims are read, V
+  // scaled by the key scales in the others' stead (attention.h).
+  KeysFromValues keys_from_values;
 };
 
 // The keys a query at `query_position` scans, n = P + 1 capped by the slots and the window: the
@@ -589,7 +592,12 @@ constexpr size_t kBulkPipelineBytes = 100 << 10;
 
 // kBulk: each K/V row of a tile lands by one bulk copy (copy_bulk) instead of every thread's
 // 16-byte cp.async pieces, so the SM's load path does not cap the bytes in flight.
-template <int HD, typename KvT, bool kBulk>
+// kRotatedKeys (bf16 k_eq_v caches whose rotated dims are two warps' own, AttentionArgs::
+// keys_from_values): the kernel reads K's rotated dims only, and a tile's K rows hold only those,
+// [0, kWarpDims) then [HD / 2, HD / 2 + kWarpDims): no room for dims never copied, so the pipeline
+// is deeper (4 stages of 21 KB at 512 dims instead of 3 of 33 KB), about as many bytes in flight
+// as a cache read whole (the rotated dims into whole-row tiles, 3 stages, were not kept).
+template <int HD, typename KvT, bool kBulk, bool kRotatedKeys = false>
 struct MmaTiling {
   // e4m3 rows are widened to bf16 (exactly) into a separate tile, each warp its own dims; bf16
   // rows are read where they land.
@@ -603,15 +611,20 @@ struct MmaTiling {
   // are written by the threads, swizzled.
   static constexpr bool kPadded = kBulk && !kWidens;
   static constexpr int kTileRowBytes = HD * 2 + (kPadded ? kChunkBytes : 0);
+  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
+  static_assert(!kRotatedKeys || !kWidens);
+  static constexpr int kKeyDims = kRotatedKeys ? 2 * kWarpDims : HD;  // of a tile's K row
+  static constexpr int kTileKeyRowBytes = kKeyDims * 2 + (kPadded ? kChunkBytes : 0);
+  // A stage: K rows, then (from kKeyTileBytes) V rows.
+  static constexpr int kKeyTileBytes = kMmaTileKeys * (kWidens ? kRowBytes : kTileKeyRowBytes);
   static constexpr int kStageBytes =
-      2 * kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);  // K rows, then V rows
+      kKeyTileBytes + kMmaTileKeys * (kWidens ? kRowBytes : kTileRowBytes);
   static constexpr int kWidenedBytes = kWidens ? 2 * kMmaTileKeys * HD * 2 : 0;
   static constexpr size_t kBudgetBytes = kBulk ? kBulkPipelineBytes : kPipelineBytes;
   static constexpr int kStages = static_cast<int>((kBudgetBytes - kWidenedBytes) / kStageBytes);
   // The dynamic shared memory a block uses.
   static constexpr size_t kSharedBytes = size_t{kStages} * kStageBytes + kWidenedBytes;
   static constexpr int kTileChunks = 2 * kMmaTileKeys * kRowChunks;
-  static constexpr int kWarpDims = HD / kWarps;  // the dims a warp owns
   static constexpr int kSteps = kWarpDims / 16;  // k16 steps of q·kᵀ = m16 tiles of p·v
   static constexpr int kWarpRowChunks = kWarpDims * kElementBytes / kChunkBytes;  // as cached
   static_assert(kStages >= 3 && kTileChunks % kThreads == 0 && kWarpDims % 32 == 0);
@@ -619,8 +632,10 @@ struct MmaTiling {
   static_assert(sizeof(float) * kMmaMaxGroup * HD <= kStageBytes);
   // The epilogue's staged outputs fit what of stage 0 is dead once every warp has passed the last
   // tile's score barrier: its K rows, or all of it where the rows read later are widened copies.
-  static_assert(sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims <=
-                (kWidens ? kStageBytes : kStageBytes / 2));
+  // Compact K rows are too few: those kernels stage after a block barrier.
+  static constexpr bool kStagesAfterBarrier = sizeof(float) * kWarps * kMmaMaxGroup * kWarpDims >
+                                              (kWidens ? kStageBytes : kKeyTileBytes);
+  static_assert(!kStagesAfterBarrier || kRotatedKeys);
 
   // Byte offset of 16-byte chunk `chunk` of row `key` within a bf16 tile's K (or V) rows.
   static __device__ __forceinline__ int offset(int key, int chunk) {
@@ -630,6 +645,18 @@ struct MmaTiling {
   // The same within a stage: the bf16 tile itself, or plain rows to be widened.
   static __device__ __forceinline__ int stage_offset(int key, int chunk) {
     return kWidens ? (key * kRowChunks + chunk) * kChunkBytes : offset(key, chunk);
+  }
+  // offset and stage_offset of K rows (chunk `chunk` of the whole row: a compact row holds the
+  // chunks of the rotated dims only).
+  static __device__ __forceinline__ int key_offset(int key, int chunk) {
+    if constexpr (!kRotatedKeys) return offset(key, chunk);
+    constexpr int kWarpChunks = kWarpDims * 2 / kChunkBytes, kKeyRowChunks = 2 * kWarpChunks;
+    const int compact = chunk < kWarpChunks ? chunk : chunk - kTileRowChunks / 2 + kWarpChunks;
+    if constexpr (kPadded) return key * kTileKeyRowBytes + compact * kChunkBytes;
+    return (key * kKeyRowChunks + (compact ^ (key & 7))) * kChunkBytes;
+  }
+  static __device__ __forceinline__ int key_stage_offset(int key, int chunk) {
+    return kWidens ? stage_offset(key, chunk) : key_offset(key, chunk);
   }
 };
 
@@ -809,9 +836,9 @@ __device__ __forceinline__ void merge_in_last_block(const AttentionArgs& a, int6
   }
 }
 
-template <int HD, typename KvT, bool kPrepare, bool kBulk>
+template <int HD, typename KvT, bool kPrepare, bool kBulk, bool kRotatedKeys>
 __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(AttentionArgs a) {
-  using T = MmaTiling<HD, KvT, kBulk>;
+  using T = MmaTiling<HD, KvT, kBulk, kRotatedKeys>;
   constexpr int kStages = T::kStages;
   constexpr int kSteps = T::kSteps;
   pdl_trigger_dependents();
@@ -886,6 +913,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   constexpr int kBulkRowsPerWarp = 2 * kMmaTileKeys / kWarps;
   static_assert(kBulkRowsPerWarp * kWarps == 2 * kMmaTileKeys);
   const int copy_chunk = threadIdx.x % T::kRowChunks;
+  // kRotatedKeys: the K rows' 16-byte chunks of the rotated dims [0, kWarpDims) and [HD / 2,
+  // HD / 2 + kWarpDims), `rotated_chunks` (kWarpRowChunks) of each, copied by the threads (one
+  // each at 512 dims) while the bulk copies take the V rows. Counted at run time: with the count a
+  // constant, ptxas kept the copies' addresses across the tile loop and spilled 24 bytes.
+  const int rotated_chunks = a.keys_from_values.rotated_pairs * T::kElementBytes / kChunkBytes;
   auto load_tile = [&](int tile) {
     if (tile < tiles) {
       const int stage = tile % kStages;
@@ -894,12 +926,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       if constexpr (kBulk) {
         const int rows = static_cast<int>(
             min(static_cast<int64_t>(kMmaTileKeys), max(int64_t{0}, loaded_end - first_key)));
-        if (threadIdx.x == 0) arrive_expect_bytes(&stage_landed[stage], 2 * rows * T::kRowBytes);
+        if (threadIdx.x == 0) {
+          arrive_expect_bytes(&stage_landed[stage], (kRotatedKeys ? 1 : 2) * rows * T::kRowBytes);
+        }
         const int row = warp * kBulkRowsPerWarp + lane;
         const int key = row % kMmaTileKeys;
         const bool is_value = row >= kMmaTileKeys;
-        if (lane < kBulkRowsPerWarp && key < rows) {
-          copy_bulk(base + (is_value ? T::kStageBytes / 2 : 0) + T::stage_offset(key, 0),
+        if (lane < kBulkRowsPerWarp && key < rows && (is_value || !kRotatedKeys)) {
+          copy_bulk(base + (is_value ? T::kKeyTileBytes + T::stage_offset(key, 0)
+                                     : T::key_stage_offset(key, 0)),
                     (is_value ? values : keys) + scan.slot_of(first_key + key) * row_stride,
                     T::kRowBytes, &stage_landed[stage]);
         }
@@ -910,9 +945,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
           if (j < loaded_end) {
             const int64_t element =
                 scan.slot_of(j) * row_stride + copy_chunk * (kChunkBytes / T::kElementBytes);
-            const int offset = T::stage_offset(key, copy_chunk);
-            copy_async16(base + offset, keys + element);
-            copy_async16(base + T::kStageBytes / 2 + offset, values + element);
+            if constexpr (!kRotatedKeys) {
+              copy_async16(base + T::key_stage_offset(key, copy_chunk), keys + element);
+            }
+            copy_async16(base + T::kKeyTileBytes + T::stage_offset(key, copy_chunk),
+                         values + element);
+          }
+        }
+      }
+      if constexpr (kRotatedKeys) {
+        for (int c = threadIdx.x; c < kMmaTileKeys * 2 * rotated_chunks; c += kThreads) {
+          const int key = c / (2 * rotated_chunks);
+          const int piece = c % (2 * rotated_chunks);
+          const int chunk =
+              piece < rotated_chunks ? piece : T::kRowChunks / 2 + piece - rotated_chunks;
+          const int64_t j = first_key + key;
+          if (j < loaded_end) {
+            copy_async16(
+                base + T::key_stage_offset(key, chunk),
+                keys + scan.slot_of(j) * row_stride + chunk * (kChunkBytes / T::kElementBytes));
           }
         }
       }
@@ -934,6 +985,20 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       fence_barrier_init();
     }
     __syncthreads();
+  }
+  // kRotatedKeys: the warps whose dims lie outside K's rotated ones take their scores from the V
+  // rows, q scaled by the key scales of its dims. Their k_norm (a weight) is copied before the PDL
+  // wait (after the blocks without keys have left: none leaves copies in flight), each warp its own
+  // dims, into `key_scales` past the pipeline (the launch's extra shared memory), in a copy group
+  // of its own: held in registers through the prologue, the scales made the kernel spill.
+  const KeysFromValues& keys_from_values = a.keys_from_values;
+  float* const key_scales = reinterpret_cast<float*>(pipeline + T::kSharedBytes);
+  if constexpr (kRotatedKeys) {
+    const int warp_dim = warp * T::kWarpDims;
+    if (warp_dim % (HD / 2) >= T::kWarpDims && lane < T::kWarpDims / 4) {
+      copy_async16(key_scales + warp_dim + 4 * lane, keys_from_values.k_norm + warp_dim + 4 * lane);
+    }
+    commit_copies();
   }
   for (int tile = 0; tile < kStages - 1; ++tile) load_tile(tile);
   pdl_wait_for_predecessors();
@@ -971,10 +1036,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
 
   // Qᵀ as the B operand of Sᵀ = K·Qᵀ over the warp's dims: step s covers dims
   // first_dim + 16s .. + 15; lane (g, t) holds head g's dims 2t, 2t + 1 (b0) and 2t + 8, 2t + 9
-  // (b1), scaled, as hi + lo pairs. Heads past the group are zeros.
+  // (b1), scaled, as hi + lo pairs. Heads past the group are zeros. kRotatedKeys: where the warp's
+  // dims are not rotated, V stands in for K and q is scaled by the key scales.
   const int first_dim = warp * T::kWarpDims;
+  const bool reads_keys = !kRotatedKeys || first_dim % (HD / 2) < T::kWarpDims;
   SplitPair q_b0[kSteps], q_b1[kSteps];
   {
+    if (kRotatedKeys && !reads_keys) {
+      wait_copies<kStages - 1>();  // the key scales' group (the tiles' are younger)
+      __syncwarp();
+    }
+    // The key scale of dim d (1 where the warp reads K).
+    auto key_scale = [&](int d) {
+      return reads_keys ? make_float2(1.0f, 1.0f)
+                        : make_float2(keys_from_values.weight_offset + key_scales[d],
+                                      keys_from_values.weight_offset + key_scales[d + 1]);
+    };
     const bool used = g < heads;
     const float* q_head = kPrepare ? prepared_q + g * HD
                                    : a.q + row * a.q_stride +
@@ -984,8 +1061,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
       const int d = first_dim + 16 * step + 2 * t;
       const float2 b0 = used ? *reinterpret_cast<const float2*>(q_head + d) : make_float2(0, 0);
       const float2 b1 = used ? *reinterpret_cast<const float2*>(q_head + d + 8) : make_float2(0, 0);
-      q_b0[step] = split_pair(b0.x * a.scale, b0.y * a.scale);
-      q_b1[step] = split_pair(b1.x * a.scale, b1.y * a.scale);
+      const float2 s0 = key_scale(d), s1 = key_scale(d + 8);
+      q_b0[step] = split_pair(b0.x * a.scale * s0.x, b0.y * a.scale * s0.y);
+      q_b1[step] = split_pair(b1.x * a.scale * s1.x, b1.y * a.scale * s1.y);
     }
   }
 
@@ -1015,7 +1093,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     __syncthreads();  // everyone's have, and the stage loaded next is free again
     load_tile(tile + kStages - 1);
     unsigned char* stage_keys = pipeline + stage * T::kStageBytes;
-    unsigned char* stage_values = stage_keys + T::kStageBytes / 2;
+    unsigned char* stage_values = stage_keys + T::kKeyTileBytes;
     // The own key, when this tile holds it (its index in the tile, else −1).
     const int64_t first_key = begin + int64_t{tile} * kMmaTileKeys;
     const int own_key = has_own_key && end - 1 < first_key + kMmaTileKeys
@@ -1026,17 +1104,18 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     const uint32_t visible =
         __ballot_sync(0xFFFFFFFFu, visible_position(key_position, query_position, a.window)) &
         0xFFFFu;
-    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv) and the
-    // invisible keys' V (zeros: their weight is 0, and 0 · NaN of a stale row would not be).
-    // Each warp touches only its own dims, so warp barriers order it.
+    // Rows the warp reads but no copy filled this tile: the own key's (from new_kv; its K only
+    // where the warp reads K) and the invisible keys' V (zeros: their weight is 0, and 0 · NaN of
+    // a stale row would not be). Each warp touches only its own dims, so warp barriers order it.
     const int first_chunk = first_dim * T::kElementBytes / kChunkBytes;  // of a cached row
     if (own_key >= 0) {
       const int key = own_key;
-      for (int c = lane; c < 2 * T::kWarpRowChunks; c += 32) {
+      for (int c = lane + (reads_keys ? 0 : T::kWarpRowChunks); c < 2 * T::kWarpRowChunks;
+           c += 32) {
         const int is_value = c / T::kWarpRowChunks;
         const int chunk = first_chunk + c % T::kWarpRowChunks;
-        *reinterpret_cast<uint4*>((is_value ? stage_values : stage_keys) +
-                                  T::stage_offset(key, chunk)) =
+        *reinterpret_cast<uint4*>(is_value ? stage_values + T::stage_offset(key, chunk)
+                                           : stage_keys + T::key_stage_offset(key, chunk)) =
             reinterpret_cast<const uint4*>(new_kv[is_value])[chunk];
       }
     }
@@ -1085,13 +1164,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
     }
 
     // Sᵀ over the warp's dims (the hi and lo products in separate accumulators: two short
-    // dependency chains), then summed over the warps.
+    // dependency chains), then summed over the warps. From the V rows where they stand in for K
+    // (q scaled by the key scales).
     float partial[2][4] = {};
 #pragma unroll
     for (int step = 0; step < kSteps; ++step) {
+      const int chunk = first_dim * 2 / kChunkBytes + 2 * step + key_chunk;
       uint32_t k_a[4];
-      load_matrices<false>(
-          k_a, tile_keys + T::offset(key_row, first_dim * 2 / kChunkBytes + 2 * step + key_chunk));
+      load_matrices<false>(k_a, reads_keys ? tile_keys + T::key_offset(key_row, chunk)
+                                           : tile_values + T::offset(key_row, chunk));
       mma_bf16(partial[0], k_a, q_b0[step].hi, q_b1[step].hi);
       mma_bf16(partial[1], k_a, q_b0[step].lo, q_b1[step].lo);
     }
@@ -1171,6 +1252,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_attention_mma_kernel(Atten
   }
   // The warp's outputs through shared memory ([head][own dim]), to be written 32 consecutive dims
   // of one head per warp-wide step (the kQ8 companion's chunk).
+  if constexpr (T::kStagesAfterBarrier) __syncthreads();
   float* staged = reinterpret_cast<float*>(pipeline) + warp * kMmaMaxGroup * T::kWarpDims;
 #pragma unroll
   for (int i = 0; i < kSteps; ++i) {
@@ -1334,11 +1416,11 @@ struct MmaKernel {
   size_t shared_bytes = 0;
 };
 
-template <int HD, typename KvT, bool kBulk>
+template <int HD, typename KvT, bool kBulk, bool kRotatedKeys = false>
 MmaKernel mma_kernel_for(bool prepare) {
-  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk>
-                  : decode_attention_mma_kernel<HD, KvT, false, kBulk>,
-          MmaTiling<HD, KvT, kBulk>::kSharedBytes};
+  return {prepare ? decode_attention_mma_kernel<HD, KvT, true, kBulk, kRotatedKeys>
+                  : decode_attention_mma_kernel<HD, KvT, false, kBulk, kRotatedKeys>,
+          MmaTiling<HD, KvT, kBulk, kRotatedKeys>::kSharedBytes};
 }
 
 template <typename KvT, bool kBulk>
@@ -1368,6 +1450,13 @@ MmaKernel select_mma_kernel(KvType type, int head_dim, int group, bool prepare,
   return {};
 }
 
+// The tensor-core kernel reading K's rotated dims only (MmaTiling's kRotatedKeys): bf16 caches of
+// 512 dims whose rotated dims are two warps' own (reads_rotated_keys_only).
+MmaKernel select_rotated_keys_mma_kernel(bool prepare, bool thread_copies) {
+  return thread_copies ? mma_kernel_for<512, __nv_bfloat16, false, true>(prepare)
+                       : mma_kernel_for<512, __nv_bfloat16, true, true>(prepare);
+}
+
 constexpr int heads_per_warp(int head_dim) {
   return head_dim == 256 ? 4 : 2;
 }
@@ -1382,6 +1471,16 @@ namespace {
 
 bool aligned16(const void* p) {
   return (reinterpret_cast<uintptr_t>(p) & 15) == 0;
+}
+
+// Whether the tensor-core kernel (`mma`) reads only K's rotated dims of a k_eq_v cache
+// (attention.h): a bf16 cache of 512 dims whose rotated dims are two warps' own (64 pairs: 26B's
+// and 31B's full layers), the key scales loaded as 16-byte pieces.
+bool reads_rotated_keys_only(const MmaKernel& mma, const KvCacheView& kv) {
+  const KeysFromValues& keys_from_values = kv.keys_from_values;
+  return mma.kernel != nullptr && kv.type == KvType::kBF16 && kv.head_dim == 512 &&
+         keys_from_values.k_norm != nullptr && aligned16(keys_from_values.k_norm) &&
+         keys_from_values.rotated_pairs == kv.head_dim / kWarps;
 }
 
 // The uniform KvCacheView as a table: sequence b's arrays at b · sequence_stride, its query row b.
@@ -1519,6 +1618,14 @@ cudaError_t decode_attention(const AttentionQuery& query, const KvCacheView& kv,
   if (mma_kernel != nullptr) {
     kernel = mma_kernel;
     shared_bytes = mma.shared_bytes;
+    if (reads_rotated_keys_only(mma, kv)) {
+      args.keys_from_values = kv.keys_from_values;
+      const MmaKernel rotated =
+          select_rotated_keys_mma_kernel(prepare != nullptr, query.thread_copies);
+      kernel = rotated.kernel;
+      // The key scales past the pipeline.
+      shared_bytes = rotated.shared_bytes + sizeof(float) * static_cast<size_t>(kv.head_dim);
+    }
   }
   const bool merged_in_kernel = merges_in_kernel(mma_kernel != nullptr, workspace, splits, batch,
                                                  kv.kv_heads, group, kv.head_dim);

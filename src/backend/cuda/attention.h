@@ -37,6 +37,18 @@ struct SequenceKvTable {
   int count = 0;
 };
 
+// A k_eq_v layer's cache (engine::KvView::k_eq_v): K and V were made from one raw row, V its
+// weightless RMSNorm, K its RMSNorm with k_norm's weight, rotated in the RoPE pairs (i, i +
+// head_dim / 2), i < rotated_pairs only. K's other dims are (weight_offset + k_norm) ⊙ V up to the
+// cache's rounding, so the tensor-core kernel reads K's rotated dims only and takes V scaled in
+// their stead: 1,280 instead of 2,048 bytes a key, for bf16 caches of 512 dims with 64 rotated
+// pairs (26B's and 31B's full layers: the dims of two of its warps). Elsewhere K is read whole.
+struct KeysFromValues {
+  const float* k_norm = nullptr;  // [head_dim], 16-byte aligned; null: K is read whole
+  float weight_offset = 0.0f;
+  int rotated_pairs = 0;
+};
+
 // A layer's KV cache for `batch` sequences (engine::KvView layout): per sequence `slots` entries of
 // [kv_heads, head_dim] for K and for V, and the absolute position each slot holds (-1 = empty).
 // Either uniform (batch <= kMaxBatchedSequences): sequence b's arrays start at keys/values + b ·
@@ -54,6 +66,7 @@ struct KvCacheView {
   int head_dim = 0;
   int64_t sequence_stride = 0;
   const SequenceKvTable* sequences = nullptr;
+  KeysFromValues keys_from_values;
 };
 
 // Device scratch for the split partials (needed when splits > 1): at least

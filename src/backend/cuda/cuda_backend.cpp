@@ -791,7 +791,8 @@ void CudaBackend::attention(Rows q, const int32_t* positions, const engine::KvVi
     rows.reserve(static_cast<size_t>(q.count));
     for (int64_t r = 0; r < q.count; ++r) rows.push_back({kv, r, 1});
     bool taken = true;
-    decode_rows(q, positions, rows, window, scale, out, nullptr, [&](size_t) { taken = false; });
+    decode_rows(q, positions, rows, window, scale, out, nullptr, {},
+                [&](size_t) { taken = false; });
     if (taken) return;
   }
   launched(cuda::attention_rows(view(q), positions, slots(kv), window, scale, view(out), launch()),
@@ -1067,7 +1068,7 @@ void CudaBackend::prepare_attention(Rows q, Rows k, Rows v, const float* q_norm,
 void CudaBackend::attention_rows(Rows q, const int32_t* positions,
                                  std::span<const engine::SequenceRows> sequences, int window,
                                  float scale, Rows out) {
-  decode_rows(q, positions, sequences, window, scale, out, nullptr, [&](size_t first) {
+  decode_rows(q, positions, sequences, window, scale, out, nullptr, {}, [&](size_t first) {
     Backend::attention_rows(q, positions, sequences.subspan(first), window, scale, out);
   });
 }
@@ -1111,7 +1112,13 @@ void CudaBackend::prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm
   prepare.weight_offset = norm.weight_offset;
   prepare.eps = norm.eps;
   prepare.inv_freq = inv_freq;
-  decode_rows(q, positions, sequences, window, scale, out, &prepare, composed);
+  // A k_eq_v cache whose rows this layer makes (so k_norm is the weight they were made with): the
+  // kernel reads K's rotated dims and V (attention.h: KeysFromValues).
+  KeysFromValues keys_from_values;
+  if (stores_kv && norm_v && !sequences.empty() && sequences[0].kv.k_eq_v) {
+    keys_from_values = {k_norm, norm.weight_offset, rope.rotated_pairs};
+  }
+  decode_rows(q, positions, sequences, window, scale, out, &prepare, keys_from_values, composed);
 }
 
 void CudaBackend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float* q_norm,
@@ -1178,6 +1185,7 @@ void CudaBackend::prepare_and_attend_pieces(Rows q, Rows k, Rows v, const float*
 void CudaBackend::decode_rows(Rows q, const int32_t* positions,
                               std::span<const engine::SequenceRows> sequences, int window,
                               float scale, Rows out, const DecodePrepare* prepare,
+                              const KeysFromValues& keys_from_values,
                               const std::function<void(size_t)>& otherwise) {
   const bool decode =
       !sequences.empty() &&
@@ -1236,6 +1244,7 @@ void CudaBackend::decode_rows(Rows q, const int32_t* positions,
     cache.kv_heads = kv_heads;
     cache.head_dim = head_dim;
     cache.sequences = &table;
+    cache.keys_from_values = keys_from_values;
     AttentionQuery query = {q.data, q.stride, q_heads, positions, table.count};
     query.prepare = prepare;
     const AttentionWorkspace workspace = {partials, splits, attention_merge_counters_,

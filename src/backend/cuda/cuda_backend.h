@@ -259,11 +259,13 @@ class CudaBackend final : public engine::Backend {
   void fail(ErrorCode code, std::string message);
   // A decode batch (every sequence one row, one cache shape and type) through decode_attention,
   // kMaxBatchedSequences sequences per launch (+ the split merge), with `prepare` as
-  // AttentionQuery::prepare. What it does not take goes, from sequence `first` on (nothing
-  // enqueued for those), to otherwise(first).
+  // AttentionQuery::prepare and `keys_from_values` as every cache's KvCacheView::keys_from_values.
+  // What it does not take goes, from sequence `first` on (nothing enqueued for those), to
+  // otherwise(first).
   void decode_rows(engine::Rows q, const int32_t* positions,
                    std::span<const engine::SequenceRows> sequences, int window, float scale,
                    engine::Rows out, const DecodePrepare* prepare,
+                   const KeysFromValues& keys_from_values,
                    const std::function<void(size_t)>& otherwise);
   // Whether a pass of `rows` rows takes the tensor-core paths (prefill_matmul.h).
   bool tensor_core_rows(int64_t rows) const;
