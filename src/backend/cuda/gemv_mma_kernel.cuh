@@ -98,6 +98,20 @@ __device__ __forceinline__ void scaled_e2m1_pairs(uint32_t word, __nv_bfloat162 
   }
 }
 
+// A word's decoded pairs of rows g and g + 8 (rows[h][s]: pair s of row g + 8h) as the A
+// fragments of its two mma steps (m16n8k16 registers: row g, row g + 8 at the step's low k pairs,
+// then both at its high k pairs).
+__device__ __forceinline__ void a_fragments(const uint32_t (&rows)[2][4],
+                                            uint32_t (&fragments)[2][4]) {
+#pragma unroll
+  for (int step = 0; step < 2; ++step) {
+    fragments[step][0] = rows[0][2 * step];
+    fragments[step][1] = rows[1][2 * step];
+    fragments[step][2] = rows[0][2 * step + 1];
+    fragments[step][3] = rows[1][2 * step + 1];
+  }
+}
+
 // An e4m3 scale as an fp16 pair (exact: e4m3 is a subset of fp16).
 __device__ __forceinline__ __half2 e4m3_pair(uint32_t bits) {
   const __half_raw h =
@@ -457,13 +471,7 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
                 centered_scaled_nibble_pairs(word, scale_pair(bits[2 * w + h]), rows[h]);
               }
             }
-#pragma unroll
-            for (int step = 0; step < 2; ++step) {
-              fragments[w][step][0] = rows[0][2 * step];
-              fragments[w][step][1] = rows[1][2 * step];
-              fragments[w][step][2] = rows[0][2 * step + 1];
-              fragments[w][step][3] = rows[1][2 * step + 1];
-            }
+            a_fragments(rows, fragments[w]);
           }
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {

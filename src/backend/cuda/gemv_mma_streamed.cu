@@ -198,13 +198,7 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
           // Words 0, 1 are the group's first 16-element block, 2, 3 its second.
           scaled_e2m1_pairs(word, block_scales[2 * w + h][j / 2], rows[h]);
         }
-#pragma unroll
-        for (int step = 0; step < 2; ++step) {
-          fragments[w][step][0] = rows[0][2 * step];
-          fragments[w][step][1] = rows[1][2 * step];
-          fragments[w][step][2] = rows[0][2 * step + 1];
-          fragments[w][step][3] = rows[1][2 * step + 1];
-        }
+        a_fragments(rows, fragments[w]);
       }
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
