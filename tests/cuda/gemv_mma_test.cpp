@@ -455,6 +455,25 @@ TEST(GemvMma, DefaultTilingsAreValid) {
   }
 }
 
+// Launches `enqueue` plain, then records it in a CUDA graph with PDL and replays it three times,
+// `poison` overwriting the outputs before each replay: every replay must give the plain launch's
+// bits in `result`.
+template <typename Enqueue, typename Poison>
+void expect_replays_match_plain(cudaStream_t stream, Enqueue& enqueue, Poison poison,
+                                const DeviceArray<float>& result) {
+  CUDA_ASSERT_OK(enqueue(false));
+  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+  const std::vector<float> plain = result.download();
+  const testing::RecordedGraph graph(stream, enqueue);
+  CUDA_ASSERT_OK(graph.status());
+  for (int replay = 0; replay < 3; ++replay) {
+    poison();
+    CUDA_ASSERT_OK(graph.launch(stream));
+    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
+    EXPECT_EQ(result.download(), plain) << "replay " << replay;
+  }
+}
+
 // Two dependent GEMVs (the second reads the first's output: the first 1536 columns of each row),
 // through gemv() and its default choice (tiling.warps 0) or gemv_mma with `tiling`, launched
 // plain, then captured in a CUDA graph with PDL (as the engine's decode graphs launch them: a
@@ -478,18 +497,13 @@ void expect_pdl_chain_matches_plain(const MmaGemvTiling& tiling) {
     if (status != cudaSuccess) return status;
     return multiply(first.get(), 2560, second.get(), launch);
   };
-  CUDA_ASSERT_OK(enqueue(false));
-  CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
-  const std::vector<float> plain = second.download();
-  const testing::RecordedGraph graph(stream, enqueue);
-  CUDA_ASSERT_OK(graph.status());
-  for (int replay = 0; replay < 3; ++replay) {
-    first.poison();
-    second.poison();
-    CUDA_ASSERT_OK(graph.launch(stream));
-    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
-    EXPECT_EQ(second.download(), plain) << "replay " << replay;
-  }
+  expect_replays_match_plain(
+      stream, enqueue,
+      [&] {
+        first.poison();
+        second.poison();
+      },
+      second);
   CUDA_ASSERT_OK(cudaStreamDestroy(stream));
 }
 
@@ -524,19 +538,14 @@ TEST(GemvMma, StreamedPdlChainMatchesPlainLaunch) {
       return gemv(device.view, {first_bf16.get(), ActType::kBF16, m, kRows}, {second.get(), kRows},
                   launch);
     };
-    CUDA_ASSERT_OK(enqueue(false));
-    CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
-    const std::vector<float> plain = second.download();
-    const testing::RecordedGraph graph(stream, enqueue);
-    CUDA_ASSERT_OK(graph.status());
-    for (int replay = 0; replay < 3; ++replay) {
-      first.poison();
-      first_bf16.poison();
-      second.poison();
-      CUDA_ASSERT_OK(graph.launch(stream));
-      CUDA_ASSERT_OK(cudaStreamSynchronize(stream));
-      EXPECT_EQ(second.download(), plain) << "replay " << replay;
-    }
+    expect_replays_match_plain(
+        stream, enqueue,
+        [&] {
+          first.poison();
+          first_bf16.poison();
+          second.poison();
+        },
+        second);
     CUDA_ASSERT_OK(cudaStreamDestroy(stream));
   }
 }
