@@ -29,8 +29,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 
 #include "backend/cuda/device_math.cuh"
@@ -537,6 +539,223 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   }
 }
 
+// ---- NVFP4 on tensor cores, weights through a per-warp ring of cp.async copies ----
+//
+// by_expert_mma_kernel's loads into registers give no real lookahead: ptxas puts every weight
+// load of its loop on one scoreboard, and an mma round's first use waits for that scoreboard
+// whole, so each round waits for the loads issued one round before it (SASS: the rounds' first
+// uses all wait on SB5), whatever kMmaRoundsInFlight is. Here each lane copies its round's chunks
+// and scales into a ring of kRingSlots rounds in shared memory (its own bytes only: no warp or
+// block sync) and waits with cp.async.wait_group, which counts groups: kRingSlots - 1 rounds stay
+// in flight while one is multiplied, across row tiles, units and the staging of a tile's columns.
+
+// Rounds a warp's ring holds, and blocks per SM: 2 blocks of 8 warps, 110 KB of shared memory
+// each at 26B's gate/up shapes (ring 61 KB, staged columns 46 KB), registers free for them.
+constexpr int kRingSlots = 6;
+constexpr int kRingBlocksPerSm = 2;
+
+// One round of a warp: lane l's chunk of its A rows g and g + 8 and the aligned 4 bytes that
+// hold each chunk's 2-byte scale pair (cp.async copies 4, 8 or 16 bytes).
+struct RingRound {
+  uint4 weights[2][32];
+  uint32_t scales[2][32];
+};
+
+size_t ring_shared_bytes(int warps) {
+  return sizeof(RingRound) * static_cast<size_t>(warps * kRingSlots);
+}
+
+// copy_async16_or_zeros with the 256-byte L2 fetch (load_weights_nc_l2_256's reason).
+__device__ __forceinline__ void copy_async16_l2_256_or_zeros(void* shared, const void* global,
+                                                             bool valid) {
+  asm volatile(
+      "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+      "l"(global), "r"(valid ? 16 : 0)
+      : "memory");
+}
+
+// by_expert_mma_kernel's units, staging and products, the weights read through the ring. The
+// copies run kRingSlots - 1 rounds ahead of the products along the block's whole range: (unit,
+// row tile, round) in order, the next unit's first rounds in flight during this one's last.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kRingBlocksPerSm)
+    by_expert_ring_kernel(ByExpertArgs a) {
+  constexpr int S = kRingSlots;
+  constexpr int kWarps = kMmaWarps<kGateUp>;
+  constexpr int kTiles = kMmaRowTiles<kGateUp>;
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
+  __shared__ ExpertTile tile;
+  __shared__ ColumnStaging columns;
+  extern __shared__ uint4 dynamic_words[];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  RingRound* ring = reinterpret_cast<RingRound*>(dynamic_words) + warp * S;
+  uint32_t* staged =
+      reinterpret_cast<uint32_t*>(reinterpret_cast<RingRound*>(dynamic_words) + kWarps * S);
+  const int chunks = static_cast<int>(a.chunks_per_row);
+  uint16_t* pair_experts = reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, a.pairs));
+  if constexpr (kGateUp) {
+    pdl_wait_for_predecessors();
+    pdl_trigger_dependents();
+  } else {
+    pdl_trigger_dependents();
+  }
+  const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
+  const int64_t units = find_units(a, row_blocks, tile, pair_experts);
+  const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
+  const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
+  if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
+  auto unit_work = [&](int unit) {
+    const int expert = unit_expert(tile, unit);
+    const int tiles = pair_tiles(tile.expert_pairs[expert]);
+    const int in_expert = unit - tile.first_unit[expert];
+    return Work{unit, expert, in_expert % tiles,
+                static_cast<int64_t>(in_expert / tiles) * kBlockRows};
+  };
+  const int g = lane >> 2;
+  const int t = lane & 3;
+  auto a_row = [&](const Work& w, int row_tile, int h) {
+    return w.block_row + static_cast<int64_t>(row_tile * kWarps + warp) * kMmaTileRows<kGateUp> +
+           g + (kGateUp ? 0 : 8 * h);
+  };
+  auto matrix = [&](int expert, int h) -> const MoeMatrix& {
+    const MoeExpert& e = a.experts[expert];
+    return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
+  };
+  const int rounds = (chunks + 3) / 4;
+  // Chunk t of A row (h) of the row tile being copied and the byte of its scale pair; a row past
+  // the matrix copies the last one (its outputs are not stored).
+  auto scale_byte = [&](const Work& w, int row_tile, int h) {
+    const int64_t chunk = std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
+    return static_cast<const char*>(matrix(w.expert, h).scales) + 2 * chunk;
+  };
+
+  // The copy cursor: (copy_work, copy_tile, copy_round), the rows' first chunks and scale bytes.
+  Work copy_work = unit_work(first_unit);
+  int copy_tile = 0;
+  int copy_round = 0;
+  bool copies_done = false;
+  const uint4* copy_chunks[2];
+  const char* copy_scales[2];
+  auto aim_copies = [&] {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t chunk =
+          std::min(a_row(copy_work, copy_tile, h), a.rows - 1) * a.chunks_per_row + t;
+      copy_chunks[h] = static_cast<const uint4*>(matrix(copy_work.expert, h).weights) + chunk;
+      copy_scales[h] = scale_byte(copy_work, copy_tile, h);
+    }
+  };
+  // Copies the cursor's round into ring slot `slot` and moves the cursor on; commits a group
+  // either way (empty past the range), so that the group count stays one per round. Lanes past
+  // the row's end get zeros: they multiply zero columns of B, and stale bytes could hold NaN.
+  // The scale pair's aligned 4 bytes start at most 2 bytes before it, in its own 4-byte word
+  // (the pair is 2-byte aligned), never past an allocation's mapped bytes.
+  auto copy_round_to = [&](int slot) {
+    if (!copies_done) {
+      const bool valid = 4 * copy_round + t < chunks;
+      RingRound& r = ring[slot];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        copy_async16_l2_256_or_zeros(&r.weights[h][lane], copy_chunks[h] + 4 * copy_round, valid);
+        const uintptr_t scale = reinterpret_cast<uintptr_t>(copy_scales[h] + 8 * copy_round);
+        copy_async4_or_zeros(&r.scales[h][lane],
+                             reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
+      }
+      if (++copy_round == rounds) {
+        copy_round = 0;
+        if (++copy_tile == kTiles) {
+          copy_tile = 0;
+          if (copy_work.unit + 1 < end_unit) {
+            copy_work = unit_work(copy_work.unit + 1);
+          } else {
+            copies_done = true;
+          }
+        }
+        if (!copies_done) aim_copies();
+      }
+    }
+    commit_copies();
+  };
+  // The weights depend on the routing only: in flight while the first tile is found and staged
+  // (down: before the wait for the activations).
+  aim_copies();
+#pragma unroll
+  for (int i = 0; i < S - 1; ++i) copy_round_to(i);
+  if constexpr (!kGateUp) pdl_wait_for_predecessors();
+  int slot = 0;  // the ring slot of the next round multiplied
+  int staged_expert = -1;
+  int staged_pair_tile = 0;
+  for (int unit = first_unit; unit < end_unit; ++unit) {
+    const Work work = unit_work(unit);
+    if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
+      collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
+      stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
+      __syncthreads();
+      staged_expert = work.expert;
+      staged_pair_tile = work.pair_tile;
+    }
+    const int column_count = tile.count;
+    const uint32_t* column =
+        staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
+    const int swap_words = 4 * ((t >> 1) & 1);
+    const uint32_t* even_pieces = column + swap_words;
+    const uint32_t* odd_pieces = column - swap_words;
+    for (int row_tile = 0; row_tile < kTiles; ++row_tile) {
+      // Where in its aligned 4 bytes each row's scale pair sits (the same for every round).
+      int scale_shift[2];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        scale_shift[h] =
+            8 * static_cast<int>(reinterpret_cast<uintptr_t>(scale_byte(work, row_tile, h)) & 2);
+      }
+      float acc[2][4] = {};
+      // Even and odd rounds accumulate apart (by_expert_mma_kernel's two mma chains), two rounds
+      // an iteration so that the accumulators stay in registers.
+      for (int round = 0; round < rounds; round += 2) {
+#pragma unroll
+        for (int parity = 0; parity < 2; ++parity) {
+          if (round + parity >= rounds) break;  // warp-uniform
+          // The slot multiplied last round takes the round S - 1 on; then this round's group is
+          // complete once at most S - 1 newer ones are in flight.
+          copy_round_to(slot == 0 ? S - 1 : slot - 1);
+          wait_copies<S - 1>();
+          const RingRound& r = ring[slot];
+          const uint4 weights[2] = {r.weights[0][lane], r.weights[1][lane]};
+          const uint32_t scale_bits[2] = {r.scales[0][lane] >> scale_shift[0],
+                                          r.scales[1][lane] >> scale_shift[1]};
+          const int round_words = 4 * kStagedWordsPerChunk * (round + parity);
+          mma_round(acc[parity], weights, scale_bits, even_pieces + round_words,
+                    odd_pieces + round_words);
+          slot = slot == S - 1 ? 0 : slot + 1;
+        }
+      }
+      const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const int c = 2 * t + j;
+        if (c >= column_count) continue;
+        const int64_t p = tile.pairs[c];
+        const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
+        if constexpr (kGateUp) {
+          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
+          const float up = apply_global_scale<PackedFormat::kNVFP4>(
+              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
+          if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
+        } else {
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            if (rows[h] < a.rows) {
+              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // ---- Combine ----
 
 constexpr int kCombineThreads = 256;
@@ -608,18 +827,33 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
   return resident;
 }
 
+// GEMMA4_S13_EXP32=0: by_expert_mma_kernel everywhere (session 13's A/B switch).
+bool ring_kernels_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("GEMMA4_S13_EXP32");
+    return value == nullptr || std::string(value) != "0";
+  }();
+  return enabled;
+}
+
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
-// once, or as units of work could be present (slots x row blocks) when fewer.
+// once, or as units of work could be present (slots x row blocks) when fewer. The ring kernel
+// where its ring fits beside the staged columns, else by_expert_mma_kernel (hidden 13312: 208 KiB
+// of columns).
 template <bool kGateUp>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
-  const size_t shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const auto kernel = by_expert_mma_kernel<kGateUp>;
+  constexpr int kThreads = kMmaWarps<kGateUp> * 32;
+  const size_t tile_shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
+  const size_t ring_shared = ring_shared_bytes(kMmaWarps<kGateUp>) + tile_shared;
+  const bool ring =
+      ring_kernels_enabled() && shared_bytes_fit(by_expert_ring_kernel<kGateUp>, ring_shared);
+  const auto kernel = ring ? by_expert_ring_kernel<kGateUp> : by_expert_mma_kernel<kGateUp>;
+  const size_t shared = ring ? ring_shared : tile_shared;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
       allow_shared_bytes(kernel, shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
-  constexpr int kThreads = kMmaWarps<kGateUp> * 32;
   const int64_t most_units =
       static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
   const int resident = resident_blocks(kernel, kThreads, shared);
