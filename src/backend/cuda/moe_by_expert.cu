@@ -549,10 +549,10 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 // block sync) and waits with cp.async.wait_group, which counts groups: kRingSlots - 1 rounds stay
 // in flight while one is multiplied, across row tiles, units and the staging of a tile's columns.
 
-// Rounds a warp's ring holds, and blocks per SM: 2 blocks of 8 warps, 110 KB of shared memory
-// each at 26B's gate/up shapes (ring 61 KB, staged columns 46 KB), registers free for them.
-constexpr int kRingSlots = 6;
-constexpr int kRingBlocksPerSm = 2;
+// The ring kernels' geometry: warps a block, rounds a warp's ring holds, blocks an SM (shared
+// memory at 26B's gate/up shapes: 1280 bytes a round and warp, staged columns 46 KB a block).
+template <bool kGateUp, int kWarps>
+constexpr int kRingBlockRows = kWarps* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 
 // One round of a warp: lane l's chunk of its A rows g and g + 8 and the aligned 4 bytes that
 // hold each chunk's 2-byte scale pair (cp.async copies 4, 8 or 16 bytes).
@@ -561,35 +561,40 @@ struct RingRound {
   uint32_t scales[2][32];
 };
 
-size_t ring_shared_bytes(int warps) {
-  return sizeof(RingRound) * static_cast<size_t>(warps * kRingSlots);
+size_t ring_shared_bytes(int warps, int slots) {
+  return sizeof(RingRound) * static_cast<size_t>(warps * slots);
 }
 
-// copy_async16_or_zeros with the 256-byte L2 fetch (load_weights_nc_l2_256's reason).
-__device__ __forceinline__ void copy_async16_l2_256_or_zeros(void* shared, const void* global,
+// copy_async16_or_zeros with the 256-byte L2 fetch (load_weights_nc_l2_256's reason), to a
+// shared address.
+__device__ __forceinline__ void copy_async16_l2_256_or_zeros(uint32_t shared, const void* global,
                                                              bool valid) {
-  asm volatile(
-      "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
-      "l"(global), "r"(valid ? 16 : 0)
-      : "memory");
+  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared),
+               "l"(global), "r"(valid ? 16 : 0)
+               : "memory");
+}
+// copy_async4_or_zeros to a shared address.
+__device__ __forceinline__ void copy_async4_or_zeros(uint32_t shared, const void* global,
+                                                     bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared), "l"(global),
+               "r"(valid ? 4 : 0)
+               : "memory");
 }
 
 // by_expert_mma_kernel's units, staging and products, the weights read through the ring. The
 // copies run kRingSlots - 1 rounds ahead of the products along the block's whole range: (unit,
 // row tile, round) in order, the next unit's first rounds in flight during this one's last.
-template <bool kGateUp>
-__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kRingBlocksPerSm)
-    by_expert_ring_kernel(ByExpertArgs a) {
-  constexpr int S = kRingSlots;
-  constexpr int kWarps = kMmaWarps<kGateUp>;
+template <bool kGateUp, int kWarps, int S, int kBlocksPerSm>
+__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kernel(ByExpertArgs a) {
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
+  constexpr int kBlockRows = kRingBlockRows<kGateUp, kWarps>;
+  static_assert(S % 2 == 0 && S >= 4, "slots go two a step, with at least two in flight");
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 dynamic_words[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  RingRound* ring = reinterpret_cast<RingRound*>(dynamic_words) + warp * S;
+  const RingRound* ring = reinterpret_cast<const RingRound*>(dynamic_words) + warp * S;
   uint32_t* staged =
       reinterpret_cast<uint32_t*>(reinterpret_cast<RingRound*>(dynamic_words) + kWarps * S);
   const int chunks = static_cast<int>(a.chunks_per_row);
@@ -623,46 +628,55 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kRingBlocksPerSm)
     return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
   };
   const int rounds = (chunks + 3) / 4;
-  // Chunk t of A row (h) of the row tile being copied and the byte of its scale pair; a row past
-  // the matrix copies the last one (its outputs are not stored).
-  auto scale_byte = [&](const Work& w, int row_tile, int h) {
-    const int64_t chunk = std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
-    return static_cast<const char*>(matrix(w.expert, h).scales) + 2 * chunk;
+  // Rounds go two a step (the products below), an odd count padded by a round of zero weights.
+  const int steps = (rounds + 1) / 2;
+  // Chunk t of A row (h) of a row tile; a row past the matrix reads the last one (its outputs are
+  // not stored). Its scale pair is 2-byte aligned: the aligned 4 bytes that hold it start at most
+  // 2 bytes before it, in the same 4-byte word (never past an allocation's mapped bytes).
+  auto row_chunk = [&](const Work& w, int row_tile, int h) {
+    return std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
+  };
+  auto scale_pair = [&](const Work& w, int row_tile, int h) {
+    return reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(matrix(w.expert, h).scales) +
+                                       row_chunk(w, row_tile, h));
   };
 
-  // The copy cursor: (copy_work, copy_tile, copy_round), the rows' first chunks and scale bytes.
+  // The copy cursor: (copy_work, copy_tile, copy_round), and the next round's chunk and aligned
+  // scale bytes of both rows (a round is 4 chunks, 64 bytes and 8 scale bytes on).
   Work copy_work = unit_work(first_unit);
   int copy_tile = 0;
   int copy_round = 0;
   bool copies_done = false;
   const uint4* copy_chunks[2];
-  const char* copy_scales[2];
+  const uint32_t* copy_scales[2];
   auto aim_copies = [&] {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int64_t chunk =
-          std::min(a_row(copy_work, copy_tile, h), a.rows - 1) * a.chunks_per_row + t;
-      copy_chunks[h] = static_cast<const uint4*>(matrix(copy_work.expert, h).weights) + chunk;
-      copy_scales[h] = scale_byte(copy_work, copy_tile, h);
+      copy_chunks[h] = static_cast<const uint4*>(matrix(copy_work.expert, h).weights) +
+                       row_chunk(copy_work, copy_tile, h);
+      copy_scales[h] =
+          reinterpret_cast<const uint32_t*>(scale_pair(copy_work, copy_tile, h) & ~uintptr_t{3});
     }
   };
+  // This lane's chunks of a round are past the row's end from round `lane_rounds` on: those copy
+  // zeros, which multiply zero columns of B (stale bytes could hold NaN).
+  const int lane_rounds = (chunks - t + 3) / 4;
+  const uint32_t ring_lane = shared_address(ring) + 16 * lane;
   // Copies the cursor's round into ring slot `slot` and moves the cursor on; commits a group
-  // either way (empty past the range), so that the group count stays one per round. Lanes past
-  // the row's end get zeros: they multiply zero columns of B, and stale bytes could hold NaN.
-  // The scale pair's aligned 4 bytes start at most 2 bytes before it, in its own 4-byte word
-  // (the pair is 2-byte aligned), never past an allocation's mapped bytes.
+  // either way (empty past the range), so that the group count stays one per round.
   auto copy_round_to = [&](int slot) {
     if (!copies_done) {
-      const bool valid = 4 * copy_round + t < chunks;
-      RingRound& r = ring[slot];
+      const bool valid = copy_round < lane_rounds;
+      const uint32_t weights = ring_lane + slot * static_cast<int>(sizeof(RingRound));
+      const uint32_t scales = weights - 12 * lane + offsetof(RingRound, scales);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        copy_async16_l2_256_or_zeros(&r.weights[h][lane], copy_chunks[h] + 4 * copy_round, valid);
-        const uintptr_t scale = reinterpret_cast<uintptr_t>(copy_scales[h] + 8 * copy_round);
-        copy_async4_or_zeros(&r.scales[h][lane],
-                             reinterpret_cast<const void*>(scale & ~uintptr_t{3}), valid);
+        copy_async16_l2_256_or_zeros(weights + 512 * h, copy_chunks[h], valid);
+        copy_async4_or_zeros(scales + 128 * h, copy_scales[h], valid);
+        copy_chunks[h] += 4;
+        copy_scales[h] += 2;
       }
-      if (++copy_round == rounds) {
+      if (++copy_round == 2 * steps) {
         copy_round = 0;
         if (++copy_tile == kTiles) {
           copy_tile = 0;
@@ -681,9 +695,9 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kRingBlocksPerSm)
   // (down: before the wait for the activations).
   aim_copies();
 #pragma unroll
-  for (int i = 0; i < S - 1; ++i) copy_round_to(i);
+  for (int i = 0; i < S - 2; ++i) copy_round_to(i);
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  int slot = 0;  // the ring slot of the next round multiplied
+  int slot = 0;  // the ring slot of the next even round multiplied
   int staged_expert = -1;
   int staged_pair_tile = 0;
   for (int unit = first_unit; unit < end_unit; ++unit) {
@@ -706,29 +720,33 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kRingBlocksPerSm)
       int scale_shift[2];
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        scale_shift[h] =
-            8 * static_cast<int>(reinterpret_cast<uintptr_t>(scale_byte(work, row_tile, h)) & 2);
+        scale_shift[h] = 8 * static_cast<int>(scale_pair(work, row_tile, h) & 2);
       }
+      // A step multiplies two rounds, the even one into acc[0] and the odd one into acc[1]: two
+      // independent mma chains in one stretch of code, which ptxas interleaves.
       float acc[2][4] = {};
-      // Even and odd rounds accumulate apart (by_expert_mma_kernel's two mma chains), two rounds
-      // an iteration so that the accumulators stay in registers.
-      for (int round = 0; round < rounds; round += 2) {
+      for (int step = 0; step < steps; ++step) {
+        // The two slots multiplied last step take the next two rounds; then this step's two
+        // groups are complete once at most S - 2 newer ones are in flight.
+        copy_round_to(slot == 0 ? S - 2 : slot - 2);
+        copy_round_to(slot == 0 ? S - 1 : slot - 1);
+        wait_copies<S - 2>();
+        const RingRound& even = ring[slot];
+        const RingRound& odd = ring[slot + 1];
+        const uint4 weights[2][2] = {{even.weights[0][lane], even.weights[1][lane]},
+                                     {odd.weights[0][lane], odd.weights[1][lane]}};
+        const uint32_t scale_bits[2][2] = {
+            {even.scales[0][lane] >> scale_shift[0], even.scales[1][lane] >> scale_shift[1]},
+            {odd.scales[0][lane] >> scale_shift[0], odd.scales[1][lane] >> scale_shift[1]}};
 #pragma unroll
         for (int parity = 0; parity < 2; ++parity) {
-          if (round + parity >= rounds) break;  // warp-uniform
-          // The slot multiplied last round takes the round S - 1 on; then this round's group is
-          // complete once at most S - 1 newer ones are in flight.
-          copy_round_to(slot == 0 ? S - 1 : slot - 1);
-          wait_copies<S - 1>();
-          const RingRound& r = ring[slot];
-          const uint4 weights[2] = {r.weights[0][lane], r.weights[1][lane]};
-          const uint32_t scale_bits[2] = {r.scales[0][lane] >> scale_shift[0],
-                                          r.scales[1][lane] >> scale_shift[1]};
-          const int round_words = 4 * kStagedWordsPerChunk * (round + parity);
-          mma_round(acc[parity], weights, scale_bits, even_pieces + round_words,
+          // The padding round of an odd count multiplies zero weights by the last round's
+          // (finite) activations.
+          const int round_words = 4 * kStagedWordsPerChunk * min(2 * step + parity, rounds - 1);
+          mma_round(acc[parity], weights[parity], scale_bits[parity], even_pieces + round_words,
                     odd_pieces + round_words);
-          slot = slot == S - 1 ? 0 : slot + 1;
         }
+        slot = slot == S - 2 ? 0 : slot + 2;
       }
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
@@ -827,39 +845,68 @@ int resident_blocks(Kernel kernel, int threads, size_t shared) {
   return resident;
 }
 
-// GEMMA4_S13_EXP32=0: by_expert_mma_kernel everywhere (session 13's A/B switch).
-bool ring_kernels_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("GEMMA4_S13_EXP32");
-    return value == nullptr || std::string(value) != "0";
+// GEMMA4_S13_EXP32=0: by_expert_mma_kernel everywhere; =gu: the ring for gate/up only (session
+// 13's A/B switch).
+bool ring_kernels_enabled(bool gate_up) {
+  static const std::string value = [] {
+    const char* v = std::getenv("GEMMA4_S13_EXP32");
+    return std::string(v == nullptr ? "1" : v);
   }();
-  return enabled;
+  return value != "0" && (gate_up || value != "gu");
 }
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
 // once, or as units of work could be present (slots x row blocks) when fewer. The ring kernel
 // where its ring fits beside the staged columns, else by_expert_mma_kernel (hidden 13312: 208 KiB
 // of columns).
-template <bool kGateUp>
+template <bool kGateUp, int kWarps, int kSlots, int kBlocksPerSm>
 cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
-  constexpr int kThreads = kMmaWarps<kGateUp> * 32;
   const size_t tile_shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const size_t ring_shared = ring_shared_bytes(kMmaWarps<kGateUp>) + tile_shared;
+  const size_t ring_shared = ring_shared_bytes(kWarps, kSlots) + tile_shared;
   const bool ring =
-      ring_kernels_enabled() && shared_bytes_fit(by_expert_ring_kernel<kGateUp>, ring_shared);
-  const auto kernel = ring ? by_expert_ring_kernel<kGateUp> : by_expert_mma_kernel<kGateUp>;
+      ring_kernels_enabled(kGateUp) &&
+      shared_bytes_fit(by_expert_ring_kernel<kGateUp, kWarps, kSlots, kBlocksPerSm>, ring_shared);
+  const auto kernel = ring ? by_expert_ring_kernel<kGateUp, kWarps, kSlots, kBlocksPerSm>
+                           : by_expert_mma_kernel<kGateUp>;
   const size_t shared = ring ? ring_shared : tile_shared;
+  const int threads = 32 * (ring ? kWarps : kMmaWarps<kGateUp>);
+  const int block_rows = ring ? kRingBlockRows<kGateUp, kWarps> : kMmaBlockRows<kGateUp>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
   // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
   const cudaError_t allowed =
       allow_shared_bytes(kernel, shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
-  const int64_t most_units =
-      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
-  const int resident = resident_blocks(kernel, kThreads, shared);
+  const int64_t most_units = static_cast<int64_t>(slots) * blocks(args.rows, block_rows);
+  const int resident = resident_blocks(kernel, threads, shared);
   const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
-  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), shared, launch,
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), shared, launch,
                        args);
+}
+
+// Session 13's geometry variants (GEMMA4_S13_EXP32_GU / _DOWN = a letter).
+char ring_variant(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? 'a' : v[0];
+}
+cudaError_t launch_gate_up(const ByExpertArgs& args, int slots, const Launch& launch) {
+  switch (ring_variant("GEMMA4_S13_EXP32_GU")) {
+    case 'b':
+      return launch_projection<true, 11, 4, 2>(args, slots, launch);
+    case 'c':
+      return launch_projection<true, 22, 4, 1>(args, slots, launch);
+    default:
+      return launch_projection<true, 8, 6, 2>(args, slots, launch);
+  }
+}
+cudaError_t launch_down(const ByExpertArgs& args, int slots, const Launch& launch) {
+  switch (ring_variant("GEMMA4_S13_EXP32_DOWN")) {
+    case 'b':
+      return launch_projection<false, 8, 6, 3>(args, slots, launch);
+    case 'c':
+      return launch_projection<false, 8, 4, 3>(args, slots, launch);
+    default:
+      return launch_projection<false, 8, 6, 2>(args, slots, launch);
+  }
 }
 
 }  // namespace
@@ -873,12 +920,12 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                                 pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
                                 args.x,       args.x_stride,     activations,     shape.inner};
-  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
+  cudaError_t status = launch_gate_up(gate_up, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
                              pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
                              activations,  shape.inner,       expert_outputs,  shape.hidden};
-  status = launch_projection<false>(down, slots, launch);
+  status = launch_down(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,
