@@ -554,15 +554,17 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 template <bool kGateUp, int kWarps>
 constexpr int kRingBlockRows = kWarps* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 
-// One round of a warp: lane l's chunk of its A rows g and g + 8 and the aligned 4 bytes that
-// hold each chunk's 2-byte scale pair (cp.async copies 4, 8 or 16 bytes).
-struct RingRound {
-  uint4 weights[2][32];
-  uint32_t scales[2][32];
+// Two rounds of a warp (a step of the products): weights[h][p][l], lane l = (g, t)'s chunk of round
+// p of the step, of its A row g (h = 0) or g + 8 (h = 1); scales[p][h][l], the aligned 4 bytes that
+// hold that chunk's 2-byte scale pair (cp.async copies 4, 8 or 16 bytes).
+struct RingStep {
+  uint4 weights[2][2][32];
+  uint32_t scales[2][2][32];
 };
 
+// Ring bytes of a block: `slots` rounds a warp.
 size_t ring_shared_bytes(int warps, int slots) {
-  return sizeof(RingRound) * static_cast<size_t>(warps * slots);
+  return sizeof(RingStep) * static_cast<size_t>(warps * slots / 2);
 }
 
 // copy_async16_or_zeros with the 256-byte L2 fetch (load_weights_nc_l2_256's reason), to a
@@ -594,9 +596,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   extern __shared__ uint4 dynamic_words[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
-  const RingRound* ring = reinterpret_cast<const RingRound*>(dynamic_words) + warp * S;
+  constexpr int Q = S / 2;  // steps a warp's ring holds
+  const RingStep* ring = reinterpret_cast<const RingStep*>(dynamic_words) + warp * Q;
   uint32_t* staged =
-      reinterpret_cast<uint32_t*>(reinterpret_cast<RingRound*>(dynamic_words) + kWarps * S);
+      reinterpret_cast<uint32_t*>(reinterpret_cast<RingStep*>(dynamic_words) + kWarps * Q);
   const int chunks = static_cast<int>(a.chunks_per_row);
   uint16_t* pair_experts = reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, a.pairs));
   if constexpr (kGateUp) {
@@ -616,7 +619,25 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
     const int in_expert = unit - tile.first_unit[expert];
     return Work{unit, expert, in_expert % tiles,
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
+  };  // The unit after w's (there is one): the same expert's next tile of pairs or row block, else
+  // the next expert with pairs (cheaper than unit_work's search and divisions).
+  auto next_work = [&](Work w) {
+    ++w.unit;
+    if (w.unit < tile.first_unit[w.expert + 1]) {
+      if (++w.pair_tile == pair_tiles(tile.expert_pairs[w.expert])) {
+        w.pair_tile = 0;
+        w.block_row += kBlockRows;
+      }
+    } else {
+      do {
+        ++w.expert;
+      } while (tile.first_unit[w.expert + 1] <= w.unit);
+      w.pair_tile = 0;
+      w.block_row = 0;
+    }
+    return w;
   };
+
   const int g = lane >> 2;
   const int t = lane & 3;
   auto a_row = [&](const Work& w, int row_tile, int h) {
@@ -641,11 +662,11 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
                                        row_chunk(w, row_tile, h));
   };
 
-  // The copy cursor: (copy_work, copy_tile, copy_round), and the next round's chunk and aligned
-  // scale bytes of both rows (a round is 4 chunks, 64 bytes and 8 scale bytes on).
+  // The copy cursor: (copy_work, copy_tile, copy_step), and the next step's chunk and aligned
+  // scale bytes of both rows (a step is 8 chunks, 128 bytes and 16 scale bytes on).
   Work copy_work = unit_work(first_unit);
   int copy_tile = 0;
-  int copy_round = 0;
+  int copy_step = 0;
   bool copies_done = false;
   const uint4* copy_chunks[2];
   const uint32_t* copy_scales[2];
@@ -658,30 +679,38 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
           reinterpret_cast<const uint32_t*>(scale_pair(copy_work, copy_tile, h) & ~uintptr_t{3});
     }
   };
-  // This lane's chunks of a round are past the row's end from round `lane_rounds` on: those copy
-  // zeros, which multiply zero columns of B (stale bytes could hold NaN).
+  // This lane's chunks are past the row's end from round `lane_rounds` on: those copy zeros,
+  // which multiply zero columns of B (stale bytes could hold NaN).
   const int lane_rounds = (chunks - t + 3) / 4;
-  const uint32_t ring_lane = shared_address(ring) + 16 * lane;
-  // Copies the cursor's round into ring slot `slot` and moves the cursor on; commits a group
-  // either way (empty past the range), so that the group count stays one per round.
-  auto copy_round_to = [&](int slot) {
+  const uint32_t copy_weights = shared_address(ring) + 16 * lane;
+  const uint32_t copy_scale_words = shared_address(ring) + offsetof(RingStep, scales) + 4 * lane;
+  // Copies the cursor's step into ring step `slot` and moves the cursor on; commits a group
+  // either way (empty past the range), so that the group count stays one per step.
+  auto copy_step_to = [&](int slot) {
     if (!copies_done) {
-      const bool valid = copy_round < lane_rounds;
-      const uint32_t weights = ring_lane + slot * static_cast<int>(sizeof(RingRound));
-      const uint32_t scales = weights - 12 * lane + offsetof(RingRound, scales);
+      const uint32_t offset = slot * static_cast<int>(sizeof(RingStep));
+#pragma unroll
+      for (int p = 0; p < 2; ++p) {
+        const bool valid = 2 * copy_step + p < lane_rounds;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          copy_async16_l2_256_or_zeros(copy_weights + offset + 1024 * h + 512 * p,
+                                       copy_chunks[h] + 4 * p, valid);
+          copy_async4_or_zeros(copy_scale_words + offset + 256 * p + 128 * h,
+                               copy_scales[h] + 2 * p, valid);
+        }
+      }
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        copy_async16_l2_256_or_zeros(weights + 512 * h, copy_chunks[h], valid);
-        copy_async4_or_zeros(scales + 128 * h, copy_scales[h], valid);
-        copy_chunks[h] += 4;
-        copy_scales[h] += 2;
+        copy_chunks[h] += 8;
+        copy_scales[h] += 4;
       }
-      if (++copy_round == 2 * steps) {
-        copy_round = 0;
+      if (++copy_step == steps) {
+        copy_step = 0;
         if (++copy_tile == kTiles) {
           copy_tile = 0;
           if (copy_work.unit + 1 < end_unit) {
-            copy_work = unit_work(copy_work.unit + 1);
+            copy_work = next_work(copy_work);
           } else {
             copies_done = true;
           }
@@ -695,13 +724,13 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   // (down: before the wait for the activations).
   aim_copies();
 #pragma unroll
-  for (int i = 0; i < S - 2; ++i) copy_round_to(i);
+  for (int i = 0; i < Q - 1; ++i) copy_step_to(i);
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  int slot = 0;  // the ring slot of the next even round multiplied
+  int slot = 0;  // the ring step multiplied next
+  Work work = unit_work(first_unit);
   int staged_expert = -1;
   int staged_pair_tile = 0;
-  for (int unit = first_unit; unit < end_unit; ++unit) {
-    const Work work = unit_work(unit);
+  for (;;) {
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
       collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
       stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
@@ -726,18 +755,16 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
       // independent mma chains in one stretch of code, which ptxas interleaves.
       float acc[2][4] = {};
       for (int step = 0; step < steps; ++step) {
-        // The two slots multiplied last step take the next two rounds; then this step's two
-        // groups are complete once at most S - 2 newer ones are in flight.
-        copy_round_to(slot == 0 ? S - 2 : slot - 2);
-        copy_round_to(slot == 0 ? S - 1 : slot - 1);
-        wait_copies<S - 2>();
-        const RingRound& even = ring[slot];
-        const RingRound& odd = ring[slot + 1];
-        const uint4 weights[2][2] = {{even.weights[0][lane], even.weights[1][lane]},
-                                     {odd.weights[0][lane], odd.weights[1][lane]}};
+        // The ring step multiplied last step takes the next one; then this step's group is
+        // complete once at most Q - 1 newer ones are in flight.
+        copy_step_to(slot == 0 ? Q - 1 : slot - 1);
+        wait_copies<Q - 1>();
+        const RingStep& r = ring[slot];
+        const uint4 weights[2][2] = {{r.weights[0][0][lane], r.weights[1][0][lane]},
+                                     {r.weights[0][1][lane], r.weights[1][1][lane]}};
         const uint32_t scale_bits[2][2] = {
-            {even.scales[0][lane] >> scale_shift[0], even.scales[1][lane] >> scale_shift[1]},
-            {odd.scales[0][lane] >> scale_shift[0], odd.scales[1][lane] >> scale_shift[1]}};
+            {r.scales[0][0][lane] >> scale_shift[0], r.scales[0][1][lane] >> scale_shift[1]},
+            {r.scales[1][0][lane] >> scale_shift[0], r.scales[1][1][lane] >> scale_shift[1]}};
 #pragma unroll
         for (int parity = 0; parity < 2; ++parity) {
           // The padding round of an odd count multiplies zero weights by the last round's
@@ -746,7 +773,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
           mma_round(acc[parity], weights[parity], scale_bits[parity], even_pieces + round_words,
                     odd_pieces + round_words);
         }
-        slot = slot == S - 2 ? 0 : slot + 2;
+        slot = slot == Q - 1 ? 0 : slot + 1;
       }
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
@@ -771,6 +798,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
         }
       }
     }
+    if (work.unit + 1 == end_unit) break;
+    work = next_work(work);
   }
 }
 
