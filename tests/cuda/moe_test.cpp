@@ -412,8 +412,10 @@ TEST(MoeExperts, DecodeStagingBeyond48KiB) {
   uint32_t seed = 620;
   const ExpertSet wide = make_experts(kNvfp4Divisor, 8, 13312, 64, seed++);
   check_run(cpu, wide, 1, 4, seed++);
-  // By expert: 8 staged columns of 13312 fp16 (208 KiB).
+  // By expert: staged columns of 13312 fp16 (26 KiB each), as many as fit beside the weight
+  // ring (6); 7 tokens that pick the same 4 experts make tiles of 6 pairs and of 1.
   check_run(cpu, wide, 2, 4, seed++, {.path = MoePath::kDecodeByExpert});
+  check_run(cpu, wide, 7, 4, seed++, {.same_experts = true, .path = MoePath::kDecodeByExpert});
   check_run(cpu, wide, 1, 4, seed++, {.precision = MoePrecision::kExactF32});
   check_run(cpu, wide, 2, 4, seed++, {.strided = true, .precision = MoePrecision::kExactF32});
   const ExpertSet wide_down = make_experts(kNvfp4Multiplier, 8, 64, 6656, seed++);

@@ -55,6 +55,9 @@ struct ByExpertArgs {
   const float* weights;       // [pairs]: routing weights (down only)
   int pairs;
   int top_k;
+  // Pairs a tile holds: kTilePairs, fewer where the shared memory cannot hold as many staged
+  // columns (launch_projection).
+  int tile_pairs;
   int64_t rows;            // output rows: inner (gate/up) or hidden (down)
   int64_t chunks_per_row;  // 16-byte chunks of one weight row
   // Gate/up: x, row of pair p at source + (p / top_k) · source_stride; down: activations, row p
@@ -76,15 +79,20 @@ struct ExpertTile {
   int pairs[kTilePairs];
 };
 
-__device__ __forceinline__ int pair_tiles(int pairs) {
-  return (pairs + kTilePairs - 1) / kTilePairs;
+__device__ __forceinline__ int pair_tiles(int pairs, int tile_pairs) {
+  return (pairs + tile_pairs - 1) / tile_pairs;
+}
+
+// The staged columns of a tile: at most a.tile_pairs, fewer when there are fewer pairs.
+__host__ __device__ inline int tile_columns(const ByExpertArgs& a) {
+  return a.pairs < a.tile_pairs ? a.pairs : a.tile_pairs;
 }
 
 // Every pair's expert id in `pair_experts` (shared memory, kNoExpert when out of range) for
 // collect_tile, one coalesced read of the ids per block; tile.expert_pairs and tile.first_unit.
 // Returns the number of units (the same in every thread of the block).
-__device__ int find_units(const ByExpertArgs& a, int row_blocks, ExpertTile& tile,
-                          uint16_t* pair_experts) {
+__device__ __forceinline__ int find_units(const ByExpertArgs& a, int tile_pairs, int row_blocks,
+                                          ExpertTile& tile, uint16_t* pair_experts) {
   for (int e = static_cast<int>(threadIdx.x); e < kMaxRouterExperts;
        e += static_cast<int>(blockDim.x)) {
     tile.expert_pairs[e] = 0;
@@ -101,7 +109,7 @@ __device__ int find_units(const ByExpertArgs& a, int row_blocks, ExpertTile& til
     const int lane = static_cast<int>(threadIdx.x);
     int before = 0;
     for (int base = 0; base < kMaxRouterExperts; base += 32) {
-      const int units = row_blocks * pair_tiles(tile.expert_pairs[base + lane]);
+      const int units = row_blocks * pair_tiles(tile.expert_pairs[base + lane], tile_pairs);
       int sum = units;  // inclusive scan within the step
 #pragma unroll
       for (int offset = 1; offset < 32; offset *= 2) {
@@ -132,25 +140,26 @@ __device__ int unit_expert(const ExpertTile& tile, int unit) {
   return low;
 }
 
-// Tile `pair_tile` of `expert`'s pairs (its kTilePairs · pair_tile-th pair on, in ascending pair
+// Tile `pair_tile` of `expert`'s pairs (its a.tile_pairs · pair_tile-th pair on, in ascending pair
 // order) into tile.pairs and their count into tile.count. Every thread of the block calls it; the
 // first __syncthreads lets the previous tile's readers finish.
-__device__ void collect_tile(const ByExpertArgs& a, int expert, int pair_tile,
-                             const uint16_t* pair_experts, ExpertTile& tile) {
+__device__ __forceinline__ void collect_tile(const ByExpertArgs& a, int tile_pairs, int expert,
+                                             int pair_tile, const uint16_t* pair_experts,
+                                             ExpertTile& tile) {
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
-    const int first = kTilePairs * pair_tile;
+    const int first = tile_pairs * pair_tile;
     int seen = 0;  // matches before this step's pairs
-    for (int base = 0; base < a.pairs && seen < first + kTilePairs; base += 32) {  // warp-uniform
+    for (int base = 0; base < a.pairs && seen < first + tile_pairs; base += 32) {  // warp-uniform
       const int p = base + lane;
       const bool match = p < a.pairs && pair_experts[p] == expert;
       const uint32_t matches = __ballot_sync(0xFFFFFFFFu, match);
       const int in_tile = seen + __popc(matches & ((1u << lane) - 1u)) - first;
-      if (match && in_tile >= 0 && in_tile < kTilePairs) tile.pairs[in_tile] = p;
+      if (match && in_tile >= 0 && in_tile < tile_pairs) tile.pairs[in_tile] = p;
       seen += __popc(matches);
     }
-    if (lane == 0) tile.count = min(max(seen - first, 0), kTilePairs);
+    if (lane == 0) tile.count = min(max(seen - first, 0), tile_pairs);
   }
   __syncthreads();
 }
@@ -218,13 +227,13 @@ __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
 __host__ __device__ constexpr int64_t mma_column_words(int64_t chunks) {
   return mma_round_chunks(chunks) * kStagedWordsPerChunk + 8;
 }
-// The staged columns of a tile of min(pairs, kTilePairs) pairs.
-__host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int pairs) {
-  return (pairs < kTilePairs ? pairs : kTilePairs) * mma_column_words(chunks);
+// The staged words of `columns` columns.
+__host__ __device__ constexpr int64_t mma_staged_words(int64_t chunks, int columns) {
+  return columns * mma_column_words(chunks);
 }
 // The staged words, then every pair's expert id (find_units).
-size_t mma_tile_shared_bytes(int64_t chunks, int pairs) {
-  return sizeof(uint32_t) * static_cast<size_t>(mma_staged_words(chunks, pairs)) +
+size_t mma_tile_shared_bytes(int64_t chunks, int columns, int pairs) {
+  return sizeof(uint32_t) * static_cast<size_t>(mma_staged_words(chunks, columns)) +
          sizeof(uint16_t) * static_cast<size_t>(pairs);
 }
 
@@ -385,7 +394,8 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   extern __shared__ uint4 staged_words[];
   uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
   const int chunks = static_cast<int>(a.chunks_per_row);
-  uint16_t* pair_experts = reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, a.pairs));
+  uint16_t* pair_experts =
+      reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, min(a.pairs, kTilePairs)));
   // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
   // router's output (and load its weights) before its own wait.
   if constexpr (kGateUp) {
@@ -395,13 +405,13 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
     pdl_trigger_dependents();
   }
   const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
-  const int64_t units = find_units(a, row_blocks, tile, pair_experts);
+  const int64_t units = find_units(a, kTilePairs, row_blocks, tile, pair_experts);
   const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
   const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
   if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
   auto unit_work = [&](int unit) {
     const int expert = unit_expert(tile, unit);
-    const int tiles = pair_tiles(tile.expert_pairs[expert]);
+    const int tiles = pair_tiles(tile.expert_pairs[expert], kTilePairs);
     const int in_expert = unit - tile.first_unit[expert];
     return Work{unit, expert, in_expert % tiles,
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
@@ -461,7 +471,7 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
   int staged_pair_tile = 0;
   for (;;) {
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
-      collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
+      collect_tile(a, kTilePairs, work.expert, work.pair_tile, pair_experts, tile);
       stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
       __syncthreads();
       staged_expert = work.expert;
@@ -551,6 +561,12 @@ __global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGate
 
 // The ring kernels' geometry: warps a block, rounds a warp's ring holds, blocks an SM (shared
 // memory at 26B's gate/up shapes: 1280 bytes a round and warp, staged columns 46 KB a block).
+// moe_bench by-expert PDL µs T=16 / 32 / 48 (gate/up; down kept at 8, 6, 2): 8 warps, 6 rounds, 2
+// blocks 112.1 / 161.6 / 188.8; 11, 4, 2 (80 registers) 123.5 / 182.1 / 203.0; 22, 4, 1 111.1 /
+// 164.1 / 179.6. Down 8, 4 or 6, 3 (80 registers): within 1 µs.
+constexpr int kRingWarps = 8;
+constexpr int kRingSlots = 6;
+constexpr int kRingBlocksPerSm = 2;
 template <bool kGateUp, int kWarps>
 constexpr int kRingBlockRows = kWarps* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 
@@ -601,7 +617,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   uint32_t* staged =
       reinterpret_cast<uint32_t*>(reinterpret_cast<RingStep*>(dynamic_words) + kWarps * Q);
   const int chunks = static_cast<int>(a.chunks_per_row);
-  uint16_t* pair_experts = reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, a.pairs));
+  uint16_t* pair_experts =
+      reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, tile_columns(a)));
   if constexpr (kGateUp) {
     pdl_wait_for_predecessors();
     pdl_trigger_dependents();
@@ -609,13 +626,13 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
     pdl_trigger_dependents();
   }
   const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
-  const int64_t units = find_units(a, row_blocks, tile, pair_experts);
+  const int64_t units = find_units(a, a.tile_pairs, row_blocks, tile, pair_experts);
   const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
   const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
   if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
   auto unit_work = [&](int unit) {
     const int expert = unit_expert(tile, unit);
-    const int tiles = pair_tiles(tile.expert_pairs[expert]);
+    const int tiles = pair_tiles(tile.expert_pairs[expert], a.tile_pairs);
     const int in_expert = unit - tile.first_unit[expert];
     return Work{unit, expert, in_expert % tiles,
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
@@ -624,7 +641,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   auto next_work = [&](Work w) {
     ++w.unit;
     if (w.unit < tile.first_unit[w.expert + 1]) {
-      if (++w.pair_tile == pair_tiles(tile.expert_pairs[w.expert])) {
+      if (++w.pair_tile == pair_tiles(tile.expert_pairs[w.expert], a.tile_pairs)) {
         w.pair_tile = 0;
         w.block_row += kBlockRows;
       }
@@ -732,7 +749,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   int staged_pair_tile = 0;
   for (;;) {
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
-      collect_tile(a, work.expert, work.pair_tile, pair_experts, tile);
+      collect_tile(a, a.tile_pairs, work.expert, work.pair_tile, pair_experts, tile);
       stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
       __syncthreads();
       staged_expert = work.expert;
@@ -885,19 +902,24 @@ bool ring_kernels_enabled(bool gate_up) {
 }
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
-// once, or as units of work could be present (slots x row blocks) when fewer. The ring kernel
-// where its ring fits beside the staged columns, else by_expert_mma_kernel (hidden 13312: 208 KiB
-// of columns).
-template <bool kGateUp, int kWarps, int kSlots, int kBlocksPerSm>
-cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch& launch) {
-  const size_t tile_shared = mma_tile_shared_bytes(args.chunks_per_row, args.pairs);
-  const size_t ring_shared = ring_shared_bytes(kWarps, kSlots) + tile_shared;
-  const bool ring =
-      ring_kernels_enabled(kGateUp) &&
-      shared_bytes_fit(by_expert_ring_kernel<kGateUp, kWarps, kSlots, kBlocksPerSm>, ring_shared);
+// once, or as units of work could be present (slots x row blocks) when fewer. Tiles hold
+// kTilePairs pairs where their staged columns fit beside the ring, fewer where not (hidden 13312:
+// 6 columns of 26 KB).
+template <bool kGateUp>
+cudaError_t launch_projection(ByExpertArgs args, int slots, const Launch& launch) {
+  constexpr int kWarps = kRingWarps;
+  constexpr int kSlots = kRingSlots;
+  constexpr int kBlocksPerSm = kRingBlocksPerSm;
+  const bool ring = ring_kernels_enabled(kGateUp);
   const auto kernel = ring ? by_expert_ring_kernel<kGateUp, kWarps, kSlots, kBlocksPerSm>
                            : by_expert_mma_kernel<kGateUp>;
-  const size_t shared = ring ? ring_shared : tile_shared;
+  const size_t ring_bytes = ring ? ring_shared_bytes(kWarps, kSlots) : 0;
+  auto shared_bytes = [&] {
+    return ring_bytes + mma_tile_shared_bytes(args.chunks_per_row, tile_columns(args), args.pairs);
+  };
+  args.tile_pairs = kTilePairs;
+  while (args.tile_pairs > 1 && !shared_bytes_fit(kernel, shared_bytes())) --args.tile_pairs;
+  const size_t shared = shared_bytes();
   const int threads = 32 * (ring ? kWarps : kMmaWarps<kGateUp>);
   const int block_rows = ring ? kRingBlockRows<kGateUp, kWarps> : kMmaBlockRows<kGateUp>;
   // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
@@ -912,32 +934,6 @@ cudaError_t launch_projection(const ByExpertArgs& args, int slots, const Launch&
                        args);
 }
 
-// Session 13's geometry variants (GEMMA4_S13_EXP32_GU / _DOWN = a letter).
-char ring_variant(const char* name) {
-  const char* v = std::getenv(name);
-  return v == nullptr ? 'a' : v[0];
-}
-cudaError_t launch_gate_up(const ByExpertArgs& args, int slots, const Launch& launch) {
-  switch (ring_variant("GEMMA4_S13_EXP32_GU")) {
-    case 'b':
-      return launch_projection<true, 11, 4, 2>(args, slots, launch);
-    case 'c':
-      return launch_projection<true, 22, 4, 1>(args, slots, launch);
-    default:
-      return launch_projection<true, 8, 6, 2>(args, slots, launch);
-  }
-}
-cudaError_t launch_down(const ByExpertArgs& args, int slots, const Launch& launch) {
-  switch (ring_variant("GEMMA4_S13_EXP32_DOWN")) {
-    case 'b':
-      return launch_projection<false, 8, 6, 3>(args, slots, launch);
-    case 'c':
-      return launch_projection<false, 8, 4, 3>(args, slots, launch);
-    default:
-      return launch_projection<false, 8, 6, 2>(args, slots, launch);
-  }
-}
-
 }  // namespace
 
 cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
@@ -946,15 +942,17 @@ cudaError_t launch_decode_by_expert(const MoeRunArgs& args, float* activations,
   if (!moe_by_expert_formats(shape)) return cudaErrorInvalidValue;
   const int pairs = args.tokens * args.top_k;
   const int slots = std::min(pairs, shape.num_experts);
-  const ByExpertArgs gate_up = {args.experts, shape.num_experts, args.expert_ids, args.weights,
-                                pairs,        args.top_k,        shape.inner,     shape.hidden / 32,
-                                args.x,       args.x_stride,     activations,     shape.inner};
-  cudaError_t status = launch_gate_up(gate_up, slots, launch);
+  const ByExpertArgs gate_up = {
+      args.experts,  shape.num_experts, args.expert_ids, args.weights,      pairs,
+      args.top_k,    kTilePairs,        shape.inner,     shape.hidden / 32, args.x,
+      args.x_stride, activations,       shape.inner};
+  cudaError_t status = launch_projection<true>(gate_up, slots, launch);
   if (status != cudaSuccess) return status;
-  const ByExpertArgs down = {args.experts, shape.num_experts, args.expert_ids, args.weights,
-                             pairs,        args.top_k,        shape.hidden,    shape.inner / 32,
-                             activations,  shape.inner,       expert_outputs,  shape.hidden};
-  status = launch_down(down, slots, launch);
+  const ByExpertArgs down = {
+      args.experts, shape.num_experts, args.expert_ids, args.weights,     pairs,
+      args.top_k,   kTilePairs,        shape.hidden,    shape.inner / 32, activations,
+      shape.inner,  expert_outputs,    shape.hidden};
+  status = launch_projection<false>(down, slots, launch);
   if (status != cudaSuccess) return status;
   const ByExpertCombineArgs combine = {args.expert_ids, args.top_k,   shape.num_experts,
                                        expert_outputs,  shape.hidden, args.out,
