@@ -35,6 +35,15 @@ __device__ __forceinline__ void copy_async16_l2_256(void* shared, const void* gl
                : "memory");
 }
 
+// copy_async16_l2_256, or 16 zero bytes (nothing read) where !valid.
+__device__ __forceinline__ void copy_async16_l2_256_or_zeros(void* shared, const void* global,
+                                                             bool valid) {
+  asm volatile(
+      "cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared)),
+      "l"(global), "r"(valid ? 16 : 0)
+      : "memory");
+}
+
 // 8 bytes (through L1: cp.async.cg takes 16 only). Both addresses 8-byte aligned.
 __device__ __forceinline__ void copy_async8(void* shared, const void* global) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(shared_address(shared)),

@@ -29,10 +29,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
-#include <string>
 #include <tuple>
 
 #include "backend/cuda/device_math.cuh"
@@ -182,33 +180,29 @@ __device__ __forceinline__ float pair_factor(const ByExpertArgs& a, const MoeMat
 
 // ---- NVFP4 on tensor cores ----
 
-// Warps per block, each with its own rows and all of K, and blocks per SM: gate/up 24 warps an SM
-// at 80 registers a thread (moe_bench, H200, µs per layer at 8 / 32 tokens: 107.8 / 212.0, with
-// 16 warps at 128 registers and 6 rounds in flight 116.5 / 220.5), down 16 at 128.
-template <bool kGateUp>
-constexpr int kMmaWarps = 8;
-template <bool kGateUp>
-constexpr int kMmaBlocksPerSm = kGateUp ? 3 : 2;
-// Rounds (4 chunks of the two A rows) a lane loads ahead; gate/up's registers go to more warps.
-// Beyond them nothing is asked of L2 ahead: each load's 256-byte hint brings its row's next rounds.
+// Warps per block, each with its own rows and all of K, blocks per SM, and rounds (4 chunks of
+// the warp's A rows) a warp's ring of weight copies holds (by_expert_mma_kernel): 2 blocks of 8
+// warps, 110 KB of shared memory each at 26B's gate/up shapes (ring 61 KB, staged columns 46 KB),
+// registers free for them. moe_bench by-expert PDL µs T=16 / 32 / 48, gate/up geometry (down
+// kept): 8 warps, 6 rounds, 2 blocks 112.1 / 161.6 / 188.8; 11, 4, 2 (80 registers) 123.5 / 182.1
+// / 203.0; 22, 4, 1 111.1 / 164.1 / 179.6; down 8, 4, 3 or 8, 6, 3 (80 registers) within 1 µs.
+// Nothing is asked of L2 beyond the ring: each copy's 256-byte hint brings its row's next rounds.
 // Asking L2 for each unit whole as a block started it (96-180 KB, sessions 6-9) made DRAM read
-// 1.5-1.7x the expert bytes (ncu, T=32: gate/up 416 MB, down 188 MB for 250 / 125 MB) and lost
-// (moe_bench H200 PDL µs per layer, T=8 / 16 / 24 / 32 / 40: 107.4 / 141.4 / 186.9 / 211.5 / 230.3
-// with it, 97.6 / 128.6 / 165.5 / 189.7 / 205.5 without; each row's 256 bytes 8 rounds ahead
-// instead: 226.2 at T=32).
-template <bool kGateUp>
-constexpr int kMmaRoundsInFlight = kGateUp ? 3 : 6;
+// 1.5-1.7x the expert bytes and lost (moe_bench T=32 211.5 vs 189.7 µs with register loads).
+constexpr int kMmaWarps = 8;
+constexpr int kMmaBlocksPerSm = 2;
+constexpr int kRingRounds = 6;
 // Rows of one mma row tile: gate/up 8 inner rows of gate (A rows g) and up (A rows g + 8); down
 // 16 rows.
 template <bool kGateUp>
 constexpr int kMmaTileRows = kGateUp ? 8 : 16;
-// Row tiles per warp in a unit of work, one after the other, the loads running on from one tile's
-// last rounds into the next one's first: gate/up 1 (64 inner rows of gate and up a unit, K =
-// hidden 2816: 180 KB of weights), down 2 (256 hidden rows, K = inner 704: 90 KB).
+// Row tiles per warp in a unit of work, one after the other, the copies running on from one
+// tile's last rounds into the next one's first: gate/up 1 (64 inner rows of gate and up a unit, K
+// = hidden 2816: 180 KB of weights), down 2 (256 hidden rows, K = inner 704: 90 KB).
 template <bool kGateUp>
 constexpr int kMmaRowTiles = kGateUp ? 1 : 2;
 template <bool kGateUp>
-constexpr int kMmaBlockRows = kMmaWarps<kGateUp>* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+constexpr int kMmaBlockRows = kMmaWarps* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
 // Chunks of a row rounded up to whole rounds (4 chunks: one per lane of a quad).
 __host__ __device__ constexpr int64_t mma_round_chunks(int64_t chunks) {
   return (chunks + 3) / 4 * 4;
@@ -345,24 +339,6 @@ __device__ void stage_mma_tile(const ByExpertArgs& a, const MoeMatrix& down, con
   }
 }
 
-// load_weights_nc with L2's prefetch-size hint: a miss fetches the aligned 256 bytes around the
-// chunk. A lane's rounds step 64 bytes along its row, and the rows of a warp's load are 1408
-// (gate/up) or 352 (down) bytes apart: without it DRAM serves scattered 64-byte pieces, far below
-// its peak; with it the next rounds of the row come in the same request and hit L2.
-__device__ __forceinline__ uint4 load_weights_nc_l2_256(const uint4* p) {
-  uint4 r;
-  asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];"
-               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
-               : "l"(p));
-  return r;
-}
-// The same for a chunk's scale pair (a row's 176 bytes of scales at gate/up shapes).
-__device__ __forceinline__ uint32_t load_scale_pair_l2_256(const uint16_t* p) {
-  uint16_t r;
-  asm volatile("ld.global.nc.L2::256B.u16 %0, [%1];" : "=h"(r) : "l"(p));
-  return r;
-}
-
 // A unit of work: rows block_row ... + kMmaBlockRows - 1 of `expert` (gate/up: inner rows, gate
 // and up each; down: hidden rows) for tile `pair_tile` of its pairs.
 struct Work {
@@ -372,203 +348,15 @@ struct Work {
   int64_t block_row;
 };
 
-// The grid is sized to the blocks the GPU holds at once (launch_projection), not to the routing:
-// the units of work present, (picked expert, row block, tile of its pairs) in ascending order,
-// are split into gridDim.x contiguous ranges, one per block, of equal size to a unit. A block
-// thus finds the routing once, stages a tile's columns once for all the row blocks of its range
-// that share them (ranges span 1-2 experts at 26B shapes), and keeps its warps' loads running
-// from one unit's last rounds into the next unit's first; no block waits in a tail wave or exits
-// idle after finding no expert, and an expert picked by more than kTilePairs pairs weighs as its
-// tiles of pairs do. An expert's tiles of one row block follow each other: the second one's
-// weights come from L2.
-// Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
-// (every warp's first tile, then its second).
-template <bool kGateUp>
-__global__ void __launch_bounds__(kMmaWarps<kGateUp> * 32, kMmaBlocksPerSm<kGateUp>)
-    by_expert_mma_kernel(ByExpertArgs a) {
-  constexpr int R = kMmaRoundsInFlight<kGateUp>;
-  constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
-  __shared__ ExpertTile tile;
-  __shared__ ColumnStaging columns;
-  extern __shared__ uint4 staged_words[];
-  uint32_t* staged = reinterpret_cast<uint32_t*>(staged_words);
-  const int chunks = static_cast<int>(a.chunks_per_row);
-  uint16_t* pair_experts =
-      reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, min(a.pairs, kTilePairs)));
-  // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
-  // router's output (and load its weights) before its own wait.
-  if constexpr (kGateUp) {
-    pdl_wait_for_predecessors();
-    pdl_trigger_dependents();
-  } else {
-    pdl_trigger_dependents();
-  }
-  const int row_blocks = static_cast<int>((a.rows + kBlockRows - 1) / kBlockRows);
-  const int64_t units = find_units(a, kTilePairs, row_blocks, tile, pair_experts);
-  const int first_unit = static_cast<int>(units * blockIdx.x / gridDim.x);
-  const int end_unit = static_cast<int>(units * (blockIdx.x + 1) / gridDim.x);
-  if (first_unit >= end_unit) return;  // the whole block: fewer units than blocks
-  auto unit_work = [&](int unit) {
-    const int expert = unit_expert(tile, unit);
-    const int tiles = pair_tiles(tile.expert_pairs[expert], kTilePairs);
-    const int in_expert = unit - tile.first_unit[expert];
-    return Work{unit, expert, in_expert % tiles,
-                static_cast<int64_t>(in_expert / tiles) * kBlockRows};
-  };
-  const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
-  const int g = lane >> 2;
-  const int t = lane & 3;
-  // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
-  // or two down rows.
-  auto a_row = [&](const Work& w, int row_tile, int h) {
-    return w.block_row +
-           static_cast<int64_t>(row_tile * kMmaWarps<kGateUp> + warp) * kMmaTileRows<kGateUp> + g +
-           (kGateUp ? 0 : 8 * h);
-  };
-  auto matrix = [&](int expert, int h) -> const MoeMatrix& {
-    const MoeExpert& e = a.experts[expert];
-    return kGateUp ? (h == 0 ? e.gate : e.up) : e.down;
-  };
-  const int rounds = (chunks + 3) / 4;
-
-  // Chunk t of each A row of the row tile being loaded, and its scales (load_scale_bits' layout:
-  // one 16-bit pair per chunk); round r is 4r chunks on, an immediate offset within a pass. A row
-  // past the matrix reads the last one: its products land in A rows whose outputs are not stored.
-  const uint4* row_chunks[2];
-  const uint16_t* row_scales[2];
-  auto load_tile = [&](const Work& w, int row_tile) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const MoeMatrix& m = matrix(w.expert, h);
-      const int64_t chunk = std::min(a_row(w, row_tile, h), a.rows - 1) * a.chunks_per_row + t;
-      row_chunks[h] = static_cast<const uint4*>(m.weights) + chunk;
-      row_scales[h] = static_cast<const uint16_t*>(m.scales) + chunk;
-    }
-  };
-  // Zeros until loaded: slots of rounds past the last keep them, or the last round's lanes past
-  // the row's end keep an earlier round's weights; both multiply zeros in B (stage_mma_tile).
-  uint4 weights[R][2] = {};
-  uint32_t scale_bits[R][2] = {};
-  auto load_round = [&](int slot, int round) {
-    if (4 * round + t >= chunks) return;
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      weights[slot][h] = load_weights_nc_l2_256(row_chunks[h] + 4 * round);
-      scale_bits[slot][h] = load_scale_pair_l2_256(row_scales[h] + 4 * round);
-    }
-  };
-  Work work = unit_work(first_unit);
-  // The weights depend on the routing only: in flight while the first tile is found and staged
-  // (down: written before the wait for the activations; ptxas may sink them below it, SASS of
-  // session 6).
-  load_tile(work, 0);
-#pragma unroll
-  for (int i = 0; i < R; ++i) load_round(i, i);
-  if constexpr (!kGateUp) pdl_wait_for_predecessors();
-  int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
-  int staged_pair_tile = 0;
-  for (;;) {
-    if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
-      collect_tile(a, kTilePairs, work.expert, work.pair_tile, pair_experts, tile);
-      stage_mma_tile<kGateUp>(a, matrix(work.expert, 0), tile, chunks, staged, columns);
-      __syncthreads();
-      staged_expert = work.expert;
-      staged_pair_tile = work.pair_tile;
-    }
-    // The unit whose first rounds this one's last pass loads.
-    const bool has_next = work.unit + 1 < end_unit;
-    const Work next = has_next ? unit_work(work.unit + 1) : work;
-    // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
-    // lanes read its last column: mma output column g depends on B column g alone, and those
-    // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
-    // (mma_column_words): even pieces 4 words on, odd ones 4 words back.
-    const int column_count = tile.count;
-    const uint32_t* column =
-        staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
-    const int swap_words = 4 * ((t >> 1) & 1);
-    const uint32_t* even_pieces = column + swap_words;
-    const uint32_t* odd_pieces = column - swap_words;
-    for (int row_tile = 0; row_tile < kTiles; ++row_tile) {
-      // Even and odd rounds accumulate apart: two independent mma chains, so one round's
-      // products need not wait for the previous round's last mma.
-      float acc[2][4] = {};
-      // Slot i holds round first + i; once its products are in, it takes round first + R + i, so
-      // R rounds stay in flight throughout (gate/up: 22 rounds, 4 passes). Loading all R slots at
-      // the top of each pass instead leaves the pass's first products a full memory latency
-      // behind. In a tile's last pass every slot takes round i of the next row tile: this work's
-      // next one, else the next work's first.
-      for (int first = 0; first < rounds; first += R) {
-        const bool last_pass = first + R >= rounds;
-        const bool next_row_tile = last_pass && row_tile + 1 < kTiles;
-        const bool next_work = last_pass && !next_row_tile && has_next;
-        if (next_row_tile) load_tile(work, row_tile + 1);
-        if (next_work) load_tile(next, 0);
-#pragma unroll
-        for (int i = 0; i < R; ++i) {
-          if (first + i < rounds) {  // warp-uniform
-            const int round_words = 4 * kStagedWordsPerChunk * (first + i);
-            mma_round(acc[i % 2], weights[i], scale_bits[i], even_pieces + round_words,
-                      odd_pieces + round_words);
-          }
-          if (!last_pass) {
-            if (first + R + i < rounds) load_round(i, first + R + i);
-          } else if (next_row_tile || next_work) {
-            load_round(i, i);
-          }
-        }
-      }
-      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
-      // (acc[.][2], acc[.][3]).
-      const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        const int c = 2 * t + j;
-        if (c >= column_count) continue;
-        const int64_t p = tile.pairs[c];
-        const float back = ldexpf(1.0f, kMmaWeightShift - columns.exponent[c]);
-        if constexpr (kGateUp) {
-          const float gate = apply_global_scale<PackedFormat::kNVFP4>(
-              matrix(work.expert, 0), (acc[0][j] + acc[1][j]) * back);
-          const float up = apply_global_scale<PackedFormat::kNVFP4>(
-              matrix(work.expert, 1), (acc[0][2 + j] + acc[1][2 + j]) * back);
-          if (rows[0] < a.rows) a.out[p * a.out_stride + rows[0]] = gelu_tanh(gate) * up;
-        } else {
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            if (rows[h] < a.rows) {
-              a.out[p * a.out_stride + rows[h]] = (acc[0][2 * h + j] + acc[1][2 * h + j]) * back;
-            }
-          }
-        }
-      }
-    }
-    if (!has_next) break;
-    work = next;
-  }
-}
-
-// ---- NVFP4 on tensor cores, weights through a per-warp ring of cp.async copies ----
-//
-// by_expert_mma_kernel's loads into registers give no real lookahead: ptxas puts every weight
-// load of its loop on one scoreboard, and an mma round's first use waits for that scoreboard
-// whole, so each round waits for the loads issued one round before it (SASS: the rounds' first
-// uses all wait on SB5), whatever kMmaRoundsInFlight is. Here each lane copies its round's chunks
-// and scales into a ring of kRingSlots rounds in shared memory (its own bytes only: no warp or
-// block sync) and waits with cp.async.wait_group, which counts groups: kRingSlots - 1 rounds stay
-// in flight while one is multiplied, across row tiles, units and the staging of a tile's columns.
-
-// The ring kernels' geometry: warps a block, rounds a warp's ring holds, blocks an SM (shared
-// memory at 26B's gate/up shapes: 1280 bytes a round and warp, staged columns 46 KB a block).
-// moe_bench by-expert PDL µs T=16 / 32 / 48 (gate/up; down kept at 8, 6, 2): 8 warps, 6 rounds, 2
-// blocks 112.1 / 161.6 / 188.8; 11, 4, 2 (80 registers) 123.5 / 182.1 / 203.0; 22, 4, 1 111.1 /
-// 164.1 / 179.6. Down 8, 4 or 6, 3 (80 registers): within 1 µs.
-constexpr int kRingWarps = 8;
-constexpr int kRingSlots = 6;
-constexpr int kRingBlocksPerSm = 2;
-template <bool kGateUp, int kWarps>
-constexpr int kRingBlockRows = kWarps* kMmaRowTiles<kGateUp>* kMmaTileRows<kGateUp>;
+// Weights reach the tensor cores through a per-warp ring of cp.async copies: each lane copies its
+// rounds' chunks and scales into shared memory (its own bytes only: no warp or block sync) and
+// waits with cp.async.wait_group, which counts groups, so kRingRounds - 2 rounds stay in flight
+// while two are multiplied, across row tiles, units and the staging of a tile's columns. Loads
+// into registers R rounds ahead (sessions 6-12) gave no real lookahead: ptxas put every weight
+// load of the loop on one scoreboard, and a round's first use waited for that scoreboard whole,
+// i.e. for the loads issued one round before (SASS: every round waited on SB5), whatever R was
+// (moe_bench PDL µs T=16 / 32 / 48: 128.9 / 190.1 / 217.7 with them; ncu gate/up T=32 125 -> 110
+// µs, DRAM bytes 334 -> 262 MB, the experts' own).
 
 // Two rounds of a warp (a step of the products): weights[h][p][l], lane l = (g, t)'s chunk of round
 // p of the step, of its A row g (h = 0) or g + 8 (h = 1); scales[p][h][l], the aligned 4 bytes that
@@ -578,47 +366,44 @@ struct RingStep {
   uint32_t scales[2][2][32];
 };
 
-// Ring bytes of a block: `slots` rounds a warp.
-size_t ring_shared_bytes(int warps, int slots) {
-  return sizeof(RingStep) * static_cast<size_t>(warps * slots / 2);
-}
+// Ring bytes of a block.
+constexpr size_t kRingSharedBytes = sizeof(RingStep) * kMmaWarps * (kRingRounds / 2);
 
-// copy_async16_or_zeros with the 256-byte L2 fetch (load_weights_nc_l2_256's reason), to a
-// shared address.
-__device__ __forceinline__ void copy_async16_l2_256_or_zeros(uint32_t shared, const void* global,
-                                                             bool valid) {
-  asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16, %2;\n" ::"r"(shared),
-               "l"(global), "r"(valid ? 16 : 0)
-               : "memory");
-}
-// copy_async4_or_zeros to a shared address.
-__device__ __forceinline__ void copy_async4_or_zeros(uint32_t shared, const void* global,
-                                                     bool valid) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(shared), "l"(global),
-               "r"(valid ? 4 : 0)
-               : "memory");
-}
-
-// by_expert_mma_kernel's units, staging and products, the weights read through the ring. The
-// copies run kRingSlots - 1 rounds ahead of the products along the block's whole range: (unit,
-// row tile, round) in order, the next unit's first rounds in flight during this one's last.
-template <bool kGateUp, int kWarps, int S, int kBlocksPerSm>
-__global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kernel(ByExpertArgs a) {
+// The grid is sized to the blocks the GPU holds at once (launch_projection), not to the routing:
+// the units of work present, (picked expert, row block, tile of its pairs) in ascending order,
+// are split into gridDim.x contiguous ranges, one per block, of equal size to a unit. A block
+// thus finds the routing once, stages a tile's columns once for all the row blocks of its range
+// that share them (ranges span 1-2 experts at 26B shapes), and keeps its warps' copies running
+// from one unit's last rounds into the next unit's first; no block waits in a tail wave or exits
+// idle after finding no expert, and an expert picked by more than kTilePairs pairs weighs as its
+// tiles of pairs do. An expert's tiles of one row block follow each other: the second one's
+// weights come from L2.
+// Row tile i of warp w of a unit covers rows block_row + (i · kMmaWarps + w) · kMmaTileRows on
+// (every warp's first tile, then its second).
+// The copies run kRingRounds - 2 rounds ahead of the products along the block's whole range:
+// (unit, row tile, round) in order, the next unit's first rounds in flight during this one's last.
+template <bool kGateUp>
+__global__ void __launch_bounds__(kMmaWarps * 32, kMmaBlocksPerSm)
+    by_expert_mma_kernel(ByExpertArgs a) {
+  constexpr int S = kRingRounds;
+  constexpr int kWarps = kMmaWarps;
   constexpr int kTiles = kMmaRowTiles<kGateUp>;
-  constexpr int kBlockRows = kRingBlockRows<kGateUp, kWarps>;
-  static_assert(S % 2 == 0 && S >= 4, "slots go two a step, with at least two in flight");
+  constexpr int kBlockRows = kMmaBlockRows<kGateUp>;
+  static_assert(S % 2 == 0 && S >= 4, "rounds go two a step, with at least one step in flight");
   __shared__ ExpertTile tile;
   __shared__ ColumnStaging columns;
   extern __shared__ uint4 dynamic_words[];
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   constexpr int Q = S / 2;  // steps a warp's ring holds
-  const RingStep* ring = reinterpret_cast<const RingStep*>(dynamic_words) + warp * Q;
+  RingStep* ring = reinterpret_cast<RingStep*>(dynamic_words) + warp * Q;
   uint32_t* staged =
       reinterpret_cast<uint32_t*>(reinterpret_cast<RingStep*>(dynamic_words) + kWarps * Q);
   const int chunks = static_cast<int>(a.chunks_per_row);
   uint16_t* pair_experts =
       reinterpret_cast<uint16_t*>(staged + mma_staged_words(chunks, tile_columns(a)));
+  // As the per-pair kernels: gate/up waits first and triggers after, so down may read the
+  // router's output (and copy its weights) before its own wait.
   if constexpr (kGateUp) {
     pdl_wait_for_predecessors();
     pdl_trigger_dependents();
@@ -636,7 +421,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
     const int in_expert = unit - tile.first_unit[expert];
     return Work{unit, expert, in_expert % tiles,
                 static_cast<int64_t>(in_expert / tiles) * kBlockRows};
-  };  // The unit after w's (there is one): the same expert's next tile of pairs or row block, else
+  };
+  // The unit after w's (there is one): the same expert's next tile of pairs or row block, else
   // the next expert with pairs (cheaper than unit_work's search and divisions).
   auto next_work = [&](Work w) {
     ++w.unit;
@@ -654,9 +440,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
     }
     return w;
   };
-
   const int g = lane >> 2;
   const int t = lane & 3;
+  // A row g (h = 0) or g + 8 (h = 1) of row tile `row_tile` of `w`: gate and up of one inner row,
+  // or two down rows.
   auto a_row = [&](const Work& w, int row_tile, int h) {
     return w.block_row + static_cast<int64_t>(row_tile * kWarps + warp) * kMmaTileRows<kGateUp> +
            g + (kGateUp ? 0 : 8 * h);
@@ -668,7 +455,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   const int rounds = (chunks + 3) / 4;
   // Rounds go two a step (the products below), an odd count padded by a round of zero weights.
   const int steps = (rounds + 1) / 2;
-  // Chunk t of A row (h) of a row tile; a row past the matrix reads the last one (its outputs are
+  // Chunk t of A row h of a row tile; a row past the matrix reads the last one (its outputs are
   // not stored). Its scale pair is 2-byte aligned: the aligned 4 bytes that hold it start at most
   // 2 bytes before it, in the same 4-byte word (never past an allocation's mapped bytes).
   auto row_chunk = [&](const Work& w, int row_tile, int h) {
@@ -699,22 +486,18 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   // This lane's chunks are past the row's end from round `lane_rounds` on: those copy zeros,
   // which multiply zero columns of B (stale bytes could hold NaN).
   const int lane_rounds = (chunks - t + 3) / 4;
-  const uint32_t copy_weights = shared_address(ring) + 16 * lane;
-  const uint32_t copy_scale_words = shared_address(ring) + offsetof(RingStep, scales) + 4 * lane;
   // Copies the cursor's step into ring step `slot` and moves the cursor on; commits a group
   // either way (empty past the range), so that the group count stays one per step.
   auto copy_step_to = [&](int slot) {
     if (!copies_done) {
-      const uint32_t offset = slot * static_cast<int>(sizeof(RingStep));
+      RingStep& r = ring[slot];
 #pragma unroll
       for (int p = 0; p < 2; ++p) {
         const bool valid = 2 * copy_step + p < lane_rounds;
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          copy_async16_l2_256_or_zeros(copy_weights + offset + 1024 * h + 512 * p,
-                                       copy_chunks[h] + 4 * p, valid);
-          copy_async4_or_zeros(copy_scale_words + offset + 256 * p + 128 * h,
-                               copy_scales[h] + 2 * p, valid);
+          copy_async16_l2_256_or_zeros(&r.weights[h][p][lane], copy_chunks[h] + 4 * p, valid);
+          copy_async4_or_zeros(&r.scales[p][h][lane], copy_scales[h] + 2 * p, valid);
         }
       }
 #pragma unroll
@@ -745,7 +528,7 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
   if constexpr (!kGateUp) pdl_wait_for_predecessors();
   int slot = 0;  // the ring step multiplied next
   Work work = unit_work(first_unit);
-  int staged_expert = -1;
+  int staged_expert = -1;  // the tile whose columns are staged (block-uniform)
   int staged_pair_tile = 0;
   for (;;) {
     if (work.expert != staged_expert || work.pair_tile != staged_pair_tile) {
@@ -755,6 +538,10 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
       staged_expert = work.expert;
       staged_pair_tile = work.pair_tile;
     }
+    // Column g of B (pair g of the tile), from this lane's chunk t on. Past the tile's pairs the
+    // lanes read its last column: mma output column g depends on B column g alone, and those
+    // outputs are not stored. Lanes t = 2, 3 find their pieces pairwise swapped
+    // (mma_column_words): even pieces 4 words on, odd ones 4 words back.
     const int column_count = tile.count;
     const uint32_t* column =
         staged + min(g, column_count - 1) * mma_column_words(chunks) + t * kStagedWordsPerChunk;
@@ -792,6 +579,8 @@ __global__ void __launch_bounds__(kWarps * 32, kBlocksPerSm) by_expert_ring_kern
         }
         slot = slot == Q - 1 ? 0 : slot + 1;
       }
+      // Lane (g, t) holds columns 2t and 2t + 1 of A rows g (acc[.][0], acc[.][1]) and g + 8
+      // (acc[.][2], acc[.][3]).
       const int64_t rows[2] = {a_row(work, row_tile, 0), a_row(work, row_tile, 1)};
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
@@ -870,68 +659,66 @@ __global__ void __launch_bounds__(kCombineThreads) by_expert_combine_kernel(ByEx
   a.out[token * a.out_stride + j] = sum;
 }
 
-// Blocks of `kernel` (with `shared` dynamic bytes) the current GPU holds at once, 0 where the
-// occupancy calculator refuses; asked once per kernel, size and device (a host query each launch
-// would cost every graph-less decode step ~60 of them).
-template <typename Kernel>
-int resident_blocks(Kernel kernel, int threads, size_t shared) {
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 0;
-  using Key = std::tuple<const void*, size_t, int>;
-  static std::mutex mutex;
-  static std::map<Key, int> known;
-  const std::lock_guard<std::mutex> lock(mutex);
-  const Key key = {reinterpret_cast<const void*>(kernel), shared, device};
-  if (const auto found = known.find(key); found != known.end()) return found->second;
-  cudaLaunchConfig_t config = {};
-  config.blockDim = dim3(static_cast<unsigned>(threads));
-  config.dynamicSmemBytes = shared;
-  const int resident = occupancy_clusters(kernel, config, 1, device);
-  known.emplace(key, resident);
-  return resident;
-}
+// How a projection launches at a shape: pairs a tile holds (kTilePairs, fewer where their staged
+// columns do not fit beside the ring: hidden 13312 takes 6 columns of 26 KB), the dynamic shared
+// bytes, and the blocks the current GPU holds at once (0 where the occupancy calculator refuses).
+// Asked once per kernel, shape and device (host queries each launch would cost every graph-less
+// decode step ~60 of them).
+struct ProjectionGeometry {
+  int tile_pairs;
+  size_t shared;
+  int resident;
+};
 
-// GEMMA4_S13_EXP32=0: by_expert_mma_kernel everywhere; =gu: the ring for gate/up only (session
-// 13's A/B switch).
-bool ring_kernels_enabled(bool gate_up) {
-  static const std::string value = [] {
-    const char* v = std::getenv("GEMMA4_S13_EXP32");
-    return std::string(v == nullptr ? "1" : v);
-  }();
-  return value != "0" && (gate_up || value != "gu");
+template <typename Kernel>
+ProjectionGeometry projection_geometry(Kernel kernel, int threads, int64_t chunks, int pairs) {
+  auto shared_bytes = [&](int tile_pairs) {
+    return kRingSharedBytes + mma_tile_shared_bytes(chunks, std::min(pairs, tile_pairs), pairs);
+  };
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return {kTilePairs, shared_bytes(kTilePairs), 0};
+  using Key = std::tuple<const void*, int64_t, int, int>;
+  static std::mutex mutex;
+  static std::map<Key, ProjectionGeometry> known;
+  const std::lock_guard<std::mutex> lock(mutex);
+  const Key key = {reinterpret_cast<const void*>(kernel), chunks, pairs, device};
+  if (const auto found = known.find(key); found != known.end()) return found->second;
+  ProjectionGeometry geometry = {kTilePairs, 0, 0};
+  while (geometry.tile_pairs > 1 && !shared_bytes_fit(kernel, shared_bytes(geometry.tile_pairs))) {
+    --geometry.tile_pairs;
+  }
+  geometry.shared = shared_bytes(geometry.tile_pairs);
+  // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
+  // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
+  if (allow_shared_bytes(kernel, geometry.shared + sizeof(ExpertTile) + sizeof(ColumnStaging)) ==
+      cudaSuccess) {
+    cudaLaunchConfig_t config = {};
+    config.blockDim = dim3(static_cast<unsigned>(threads));
+    config.dynamicSmemBytes = geometry.shared;
+    geometry.resident = occupancy_clusters(kernel, config, 1, device);
+  }
+  known.emplace(key, geometry);
+  return geometry;
 }
 
 // One projection (gate/up or down) of every picked expert: as many blocks as the GPU holds at
-// once, or as units of work could be present (slots x row blocks) when fewer. Tiles hold
-// kTilePairs pairs where their staged columns fit beside the ring, fewer where not (hidden 13312:
-// 6 columns of 26 KB).
+// once, or as units of work could be present (slots x row blocks) when fewer.
 template <bool kGateUp>
 cudaError_t launch_projection(ByExpertArgs args, int slots, const Launch& launch) {
-  constexpr int kWarps = kRingWarps;
-  constexpr int kSlots = kRingSlots;
-  constexpr int kBlocksPerSm = kRingBlocksPerSm;
-  const bool ring = ring_kernels_enabled(kGateUp);
-  const auto kernel = ring ? by_expert_ring_kernel<kGateUp, kWarps, kSlots, kBlocksPerSm>
-                           : by_expert_mma_kernel<kGateUp>;
-  const size_t ring_bytes = ring ? ring_shared_bytes(kWarps, kSlots) : 0;
-  auto shared_bytes = [&] {
-    return ring_bytes + mma_tile_shared_bytes(args.chunks_per_row, tile_columns(args), args.pairs);
-  };
-  args.tile_pairs = kTilePairs;
-  while (args.tile_pairs > 1 && !shared_bytes_fit(kernel, shared_bytes())) --args.tile_pairs;
-  const size_t shared = shared_bytes();
-  const int threads = 32 * (ring ? kWarps : kMmaWarps<kGateUp>);
-  const int block_rows = ring ? kRingBlockRows<kGateUp, kWarps> : kMmaBlockRows<kGateUp>;
-  // The kernel's static shared memory counts against the same 48 KiB default: allow_shared_bytes
-  // is asked for both (the limit it lifts is then a little above the dynamic bytes, harmlessly).
+  const auto kernel = by_expert_mma_kernel<kGateUp>;
+  constexpr int kThreads = kMmaWarps * 32;
+  const ProjectionGeometry geometry =
+      projection_geometry(kernel, kThreads, args.chunks_per_row, args.pairs);
+  args.tile_pairs = geometry.tile_pairs;
   const cudaError_t allowed =
-      allow_shared_bytes(kernel, shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
+      allow_shared_bytes(kernel, geometry.shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
-  const int64_t most_units = static_cast<int64_t>(slots) * blocks(args.rows, block_rows);
-  const int resident = resident_blocks(kernel, threads, shared);
-  const int64_t grid = resident > 0 ? std::min<int64_t>(resident, most_units) : most_units;
-  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(threads), shared, launch,
-                       args);
+  const int64_t most_units =
+      static_cast<int64_t>(slots) * blocks(args.rows, kMmaBlockRows<kGateUp>);
+  const int64_t grid =
+      geometry.resident > 0 ? std::min<int64_t>(geometry.resident, most_units) : most_units;
+  return launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kThreads), geometry.shared,
+                       launch, args);
 }
 
 }  // namespace
