@@ -11,16 +11,9 @@
 namespace gemma4::cuda {
 namespace {
 
-using gemv_mma_detail::kNTileOptions;
+using gemv_mma_detail::mma_gemv_n_tile_index;
 using gemv_mma_detail::MmaKernel;
 using gemv_mma_detail::select_mma_kernel;
-
-int option_index(const int* options, int count, int value) {
-  for (int i = 0; i < count; ++i) {
-    if (options[i] == value) return i;
-  }
-  return -1;
-}
 
 // Clusters of `config` (its cluster attribute, block and shared memory) the GPU holds at once;
 // 0 where the occupancy calculator refuses. Asked once per (kernel, shape of launch): the answer
@@ -55,7 +48,7 @@ cudaError_t launch_gemv_mma(PackedFormat format, const MmaGemvArgs& given, ActTy
   MmaGemvArgs args = given;
   // A block's activation rows: whole n tiles of its kernel, the last block's possibly partial.
   const int block_n_tiles = mma_gemv_n_tiles(mma_gemv_block_m(tiling, args.m));
-  const int n_tiles = option_index(kNTileOptions, 4, block_n_tiles);
+  const int n_tiles = mma_gemv_n_tile_index(block_n_tiles);
   const int activation_blocks = (args.m + 8 * block_n_tiles - 1) / (8 * block_n_tiles);
   const int layout = mma_gemv_warp_layout(tiling);
   if (n_tiles < 0 || layout < 0 ||

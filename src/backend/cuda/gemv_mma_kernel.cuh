@@ -527,6 +527,15 @@ __global__ void __launch_bounds__(WR* WK * 32, (min_blocks_per_sm<NT, TW, WR * W
 using MmaKernel = void (*)(MmaGemvArgs);
 
 inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
+
+// The index of a block's count of n tiles in kNTileOptions (the kernel tables' major index); -1
+// for a count no kernel is compiled for.
+constexpr int mma_gemv_n_tile_index(int block_n_tiles) {
+  for (int i = 0; i < 4; ++i) {
+    if (kNTileOptions[i] == block_n_tiles) return i;
+  }
+  return -1;
+}
 inline constexpr int kNumKernels = 4 * kNumMmaGemvWarpLayouts;
 
 // The kernels of format F for XT by index (cuda::kernel_table; select_mma_kernel's order).

@@ -247,14 +247,16 @@ __global__ void __launch_bounds__(WR * 32, (TW == 1 ? 16 : 8) / WR)
   if (gridDim.y > 1) cluster.sync();
 }
 
-// The kernels by n tiles (1, 2, 4) and layout (kMmaGemvStreamedLayouts' order).
-constexpr int kStreamedNTiles[] = {1, 2, 4};
-constexpr auto kStreamedKernels = kernel_table<3 * kNumMmaGemvStreamedLayouts>([](auto index) {
-  constexpr int i = decltype(index)::value;
-  constexpr MmaGemvWarpLayout layout = kMmaGemvStreamedLayouts[i % kNumMmaGemvStreamedLayouts];
-  return &gemv_mma_streamed_kernel<kStreamedNTiles[i / kNumMmaGemvStreamedLayouts], layout.warps,
-                                   layout.tiles_per_warp>;
-});
+// The kernels by n tiles (the first kStreamedNTileOptions of kNTileOptions: 1, 2, 4) and layout
+// (kMmaGemvStreamedLayouts' order).
+constexpr int kStreamedNTileOptions = 3;
+constexpr auto kStreamedKernels =
+    kernel_table<kStreamedNTileOptions * kNumMmaGemvStreamedLayouts>([](auto index) {
+      constexpr int i = decltype(index)::value;
+      constexpr MmaGemvWarpLayout layout = kMmaGemvStreamedLayouts[i % kNumMmaGemvStreamedLayouts];
+      return &gemv_mma_streamed_kernel<kNTileOptions[i / kNumMmaGemvStreamedLayouts], layout.warps,
+                                       layout.tiles_per_warp>;
+    });
 
 }  // namespace
 }  // namespace gemv_mma_detail
@@ -273,7 +275,7 @@ cudaError_t launch_gemv_mma_streamed(const MmaGemvArgs& given, const MmaGemvTili
   MmaGemvArgs args = given;
   const int block_m = mma_gemv_block_m(tiling, args.m);
   const int block_n_tiles = mma_gemv_n_tiles(block_m);
-  const int n_tiles = block_n_tiles == 1 ? 0 : block_n_tiles == 2 ? 1 : block_n_tiles == 4 ? 2 : -1;
+  const int n_tiles = gemv_mma_detail::mma_gemv_n_tile_index(block_n_tiles);
   int layout = -1;
   for (int i = 0; i < kNumMmaGemvStreamedLayouts; ++i) {
     if (kMmaGemvStreamedLayouts[i].warps == tiling.warps &&
@@ -281,7 +283,10 @@ cudaError_t launch_gemv_mma_streamed(const MmaGemvArgs& given, const MmaGemvTili
       layout = i;
     }
   }
-  if (n_tiles < 0 || layout < 0 || tiling.row_blocks != 0) return cudaErrorInvalidValue;
+  if (n_tiles < 0 || n_tiles >= gemv_mma_detail::kStreamedNTileOptions || layout < 0 ||
+      tiling.row_blocks != 0) {
+    return cudaErrorInvalidValue;
+  }
   const auto kernel =
       gemv_mma_detail::kStreamedKernels[kNumMmaGemvStreamedLayouts * n_tiles + layout];
   const int64_t shared = mma_gemv_streamed_shared_bytes(tiling, args.m);
