@@ -350,6 +350,12 @@ class Backend {
                               std::span<const SequenceRows> sequences, int window, float scale,
                               Rows out);
 
+  // Whether prepare_attention, prepare_and_attend and prepare_and_attend_pieces may be given v
+  // aliasing k (the same rows): a k_eq_v layer's V is its raw K projection, and a backend that
+  // reads both whole before writing either needs no copy of it. Default false: the default
+  // prepare_attention norms k in place before v.
+  virtual bool values_may_alias_keys() const { return false; }
+
   // prepare_attention(q, k, v, ...), then attention_rows(q, ...) over the same sequences (one
   // launch on CUDA for a decode batch). q, k and v are scratch afterwards. Default: those calls.
   virtual void prepare_and_attend(Rows q, Rows k, Rows v, const float* q_norm, const float* k_norm,

@@ -201,8 +201,15 @@ void Gemma4Engine::Impl::attention_block(int l, std::span<const Segment> segment
       if (!g.k_eq_v) backend->matmul(lw.v_proj, a, values);
     }
   }
-  // V is the raw K projection (before k_norm and RoPE).
-  if (g.owns_kv() && g.k_eq_v) backend->copy(keys, values);
+  // V is the raw K projection (before k_norm and RoPE): the same rows where the backend reads
+  // both before writing either (one launch less a k_eq_v layer), else a copy.
+  if (g.owns_kv() && g.k_eq_v) {
+    if (backend->values_may_alias_keys()) {
+      values = keys;
+    } else {
+      backend->copy(keys, values);
+    }
+  }
 
   std::vector<SequenceRows> sequence_rows;
   sequence_rows.reserve(segments.size());

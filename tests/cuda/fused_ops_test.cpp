@@ -237,6 +237,11 @@ struct MirroredQkv {
   Rows q(float* base) const { return {base, rows, q_width, stride}; }
   Rows k(float* base) const { return {base + q_width, rows, kv_width, stride}; }
   Rows v(float* base) const { return {base + q_width + kv_width, rows, kv_width, stride}; }
+  // v as the engine hands it to `gpu` for a k_eq_v layer: k's own rows where the backend allows
+  // (Backend::values_may_alias_keys), so the comparison with the CPU's copy checks the aliasing.
+  Rows gpu_v(const engine::Backend& gpu, float* base, bool k_eq_v) const {
+    return k_eq_v && gpu.values_may_alias_keys() ? k(base) : v(base);
+  }
 
   int64_t q_width, kv_width, rows, stride;
   Mirrored<float> values;
@@ -288,8 +293,9 @@ TEST(FusedOps, PrepareAttentionMatchesTheComposition) {
                           c.owns_kv ? qkv.v(cpu_base) : Rows{}, q_norm.cpu(), k_norm.cpu(),
                           c.norm_v, hd, positions.cpu(), shape.rope, sequences.cpu_rows, norm);
     gpu->prepare_attention(qkv.q(gpu_base), c.owns_kv ? qkv.k(gpu_base) : Rows{},
-                           c.owns_kv ? qkv.v(gpu_base) : Rows{}, q_norm.gpu(), k_norm.gpu(),
-                           c.norm_v, hd, positions.gpu(), shape.rope, sequences.gpu_rows, norm);
+                           c.owns_kv ? qkv.gpu_v(*gpu, gpu_base, c.k_eq_v) : Rows{}, q_norm.gpu(),
+                           k_norm.gpu(), c.norm_v, hd, positions.gpu(), shape.rope,
+                           sequences.gpu_rows, norm);
     ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
     // q in place; k and v are scratch afterwards (the CPU default normalizes them in place, the
     // kernel only reads them), so only q's columns of the buffer are compared.
@@ -406,9 +412,10 @@ TEST(FusedOps, PrepareAndAttendMatchesTheComposition) {
                            c.norm_v, hd, positions.cpu(), shape.rope, sequences.cpu_rows, norm,
                            shape.window, scale, Rows::dense(out.cpu(), n, qkv.q_width));
     gpu->prepare_and_attend(qkv.q(gpu_base), c.owns_kv ? qkv.k(gpu_base) : Rows{},
-                            c.owns_kv ? qkv.v(gpu_base) : Rows{}, q_norm.gpu(), k_norm.gpu(),
-                            c.norm_v, hd, positions.gpu(), shape.rope, sequences.gpu_rows, norm,
-                            shape.window, scale, Rows::dense(out.gpu(), n, qkv.q_width));
+                            c.owns_kv ? qkv.gpu_v(*gpu, gpu_base, c.k_eq_v) : Rows{}, q_norm.gpu(),
+                            k_norm.gpu(), c.norm_v, hd, positions.gpu(), shape.rope,
+                            sequences.gpu_rows, norm, shape.window, scale,
+                            Rows::dense(out.gpu(), n, qkv.q_width));
     ASSERT_TRUE(gpu->status().ok()) << gpu->status().error().to_string();
     expect_same(out, "out");
     sequences.expect_same(c.name);

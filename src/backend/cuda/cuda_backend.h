@@ -149,6 +149,8 @@ class CudaBackend final : public engine::Backend {
   void add_rms_norm_moe(engine::Rows acc, engine::Rows x, const float* weight, float scalar,
                         const float* next_weight, engine::Rows next, const engine::MoeInputs& moe,
                         const engine::NormParams& norm) override;
+  // Every prepare kernel reads k and v rows and writes only the cache (and q in place).
+  bool values_may_alias_keys() const override { return true; }
   void prepare_attention(engine::Rows q, engine::Rows k, engine::Rows v, const float* q_norm,
                          const float* k_norm, bool norm_v, int head_dim, const int32_t* positions,
                          const model::RopeParams& rope,
