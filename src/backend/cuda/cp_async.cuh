@@ -19,8 +19,6 @@ __device__ __forceinline__ void copy_async16(void* shared, const void* global) {
                : "memory");
 }
 
-// copy_async16 that has L2 fetch the whole aligned 256 bytes around the address from DRAM (a
-// hint: the neighbouring bytes are read soon).
 // copy_async16, or 16 zero bytes (nothing read) where !valid.
 __device__ __forceinline__ void copy_async16_or_zeros(void* shared, const void* global,
                                                       bool valid) {
@@ -29,6 +27,8 @@ __device__ __forceinline__ void copy_async16_or_zeros(void* shared, const void* 
                : "memory");
 }
 
+// copy_async16 that has L2 fetch the whole aligned 256 bytes around the address from DRAM (a
+// hint: the neighbouring bytes are read soon).
 __device__ __forceinline__ void copy_async16_l2_256(void* shared, const void* global) {
   asm volatile("cp.async.cg.shared.global.L2::256B [%0], [%1], 16;\n" ::"r"(shared_address(shared)),
                "l"(global)

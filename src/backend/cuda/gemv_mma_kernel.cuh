@@ -22,6 +22,8 @@
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 
+#include <iterator>
+
 #include "backend/cuda/gemv_kernel.cuh"
 #include "backend/cuda/gemv_mma_kernels.h"
 #include "backend/cuda/kernel_table.cuh"
@@ -531,7 +533,7 @@ inline constexpr int kNTileOptions[] = {1, 2, 4, 8};
 // The index of a block's count of n tiles in kNTileOptions (the kernel tables' major index); -1
 // for a count no kernel is compiled for.
 constexpr int mma_gemv_n_tile_index(int block_n_tiles) {
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < static_cast<int>(std::size(kNTileOptions)); ++i) {
     if (kNTileOptions[i] == block_n_tiles) return i;
   }
   return -1;

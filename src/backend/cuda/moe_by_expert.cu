@@ -710,6 +710,8 @@ cudaError_t launch_projection(ByExpertArgs args, int slots, const Launch& launch
   const ProjectionGeometry geometry =
       projection_geometry(kernel, kThreads, args.chunks_per_row, args.pairs);
   args.tile_pairs = geometry.tile_pairs;
+  // Again at every launch: the limit is one value per kernel, and another shape's launch may
+  // have set it lower since this geometry was found.
   const cudaError_t allowed =
       allow_shared_bytes(kernel, geometry.shared + sizeof(ExpertTile) + sizeof(ColumnStaging));
   if (allowed != cudaSuccess) return allowed;
